@@ -1,0 +1,43 @@
+//! Block backends. A [`BlockDevice`] is shared by every queue that uses it; each
+//! reactor opens its own [`IoChannel`] on it (SPDK's io_channel idea), so the I/O
+//! path needs no locks: a channel belongs to one thread.
+
+mod null;
+mod ram;
+mod request;
+
+pub use null::NullDisk;
+pub use ram::RamDisk;
+pub use request::{BlockInfo, IoOp, IoRequest, IoStatus};
+
+use std::io;
+
+/// A block backend: describes itself and opens per-thread channels.
+pub trait BlockDevice: Send + Sync {
+    /// Short kind and parameters, e.g. `ram:1GiB`.
+    fn describe(&self) -> String;
+    fn info(&self) -> &BlockInfo;
+    /// A channel for the calling thread. Cheap for inline backends.
+    fn channel(&self) -> io::Result<Box<dyn IoChannel>>;
+}
+
+/// Per-thread submission path to a backend.
+pub trait IoChannel: Send {
+    /// Starts `req`. Inline backends finish at once and return `Some(status)`;
+    /// asynchronous ones return `None` and report `tag` from [`IoChannel::poll`] later.
+    /// The request's buffers must stay valid until then.
+    fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus>;
+
+    /// Hands finished asynchronous requests to `done`; returns how many.
+    fn poll(&mut self, _done: &mut dyn FnMut(u64, IoStatus)) -> usize {
+        0
+    }
+
+    /// Pushes queued submissions to the kernel (once per poll iteration).
+    fn flush(&mut self) {}
+}
+
+/// Checks that `[offset, offset+len)` lies inside a device of `size` bytes.
+pub fn in_range(offset: u64, len: u64, size: u64) -> bool {
+    offset.checked_add(len).is_some_and(|end| end <= size)
+}

@@ -1,0 +1,43 @@
+use std::io;
+
+use crate::{in_range, BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
+
+/// Completes every request at once without touching data: measures the software
+/// path. Reads leave the buffers as they were. Volatile by definition.
+pub struct NullDisk {
+    info: BlockInfo,
+}
+
+impl NullDisk {
+    pub fn new(size: u64, block_size: u32) -> io::Result<Self> {
+        let info = crate::ram::sized_info(size, block_size)?;
+        Ok(NullDisk { info })
+    }
+}
+
+impl BlockDevice for NullDisk {
+    fn describe(&self) -> String {
+        format!("null:{}", self.info.size_bytes())
+    }
+    fn info(&self) -> &BlockInfo {
+        &self.info
+    }
+    fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
+        Ok(Box::new(NullChannel {
+            size: self.info.size_bytes(),
+        }))
+    }
+}
+
+struct NullChannel {
+    size: u64,
+}
+
+impl IoChannel for NullChannel {
+    fn submit(&mut self, _tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
+        if req.op != IoOp::Flush && !in_range(req.offset, req.len, self.size) {
+            return Some(IoStatus::OutOfRange);
+        }
+        Some(IoStatus::Ok)
+    }
+}

@@ -1,0 +1,32 @@
+//! Guest memory for udrive: the only crate (with `io_uring` buffers later) that
+//! turns addresses a client hands us into host pointers.
+//!
+//! * [`MappedRegion`] — one fd-backed (or anonymous) mapping, unmapped on drop.
+//! * [`MemoryMap`] — an immutable snapshot of a client's DMA regions. Changes build a
+//!   new snapshot; readers keep using the old one until they drop it, which is what
+//!   makes DMA_UNMAP safe against in-flight I/O (see `docs/decisions/0002-memory-snapshots.md`).
+//! * [`SharedMem`] — a memfd we create and map ourselves (doorbell page, an
+//!   initiator's DMA pool) so another process can map the same pages.
+//! * [`DmaSlice`] — a bounds-checked window into any of those, with copy and atomic
+//!   accessors. Its lifetime ties it to the snapshot or mapping it came from.
+
+mod map;
+mod region;
+mod shared;
+mod slice;
+
+pub use map::{Access, MemError, MemoryMap};
+pub use region::{MappedRegion, Prot};
+pub use shared::SharedMem;
+pub use slice::{DmaSlice, OutOfBounds};
+
+/// The host page size (mmap granularity).
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if v <= 0 {
+        4096
+    } else {
+        v as usize
+    }
+}

@@ -1,0 +1,194 @@
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::ptr::NonNull;
+
+use crate::slice::DmaSlice;
+
+/// Access rights a client granted on a region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prot {
+    pub read: bool,
+    pub write: bool,
+}
+
+impl Prot {
+    pub const RW: Prot = Prot {
+        read: true,
+        write: true,
+    };
+
+    fn to_mmap(self) -> libc::c_int {
+        let mut p = libc::PROT_NONE;
+        if self.read {
+            p |= libc::PROT_READ;
+        }
+        if self.write {
+            p |= libc::PROT_WRITE;
+        }
+        p
+    }
+}
+
+/// One contiguous mapping of client memory at I/O virtual address `iova`.
+/// Unmapped when the last `Arc` to it is dropped.
+#[derive(Debug)]
+pub struct MappedRegion {
+    iova: u64,
+    len: usize,
+    host: NonNull<u8>,
+    prot: Prot,
+}
+
+// SAFETY: the region is a plain memory mapping; the pointer stays valid until drop and
+// all access goes through `DmaSlice`, which copies bytes or uses atomics.
+unsafe impl Send for MappedRegion {}
+// SAFETY: see above; shared references only hand out `DmaSlice`s.
+unsafe impl Sync for MappedRegion {}
+
+impl MappedRegion {
+    /// Maps `len` bytes of `fd` at `fd_offset` (MAP_SHARED) to represent IOVA `iova`.
+    pub fn map_fd(
+        fd: BorrowedFd<'_>,
+        fd_offset: u64,
+        iova: u64,
+        len: u64,
+        prot: Prot,
+    ) -> io::Result<Self> {
+        let len = check_range(iova, len)?;
+        if fd_offset % crate::page_size() as u64 != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("fd offset {fd_offset:#x} is not page aligned"),
+            ));
+        }
+        let off = libc::off_t::try_from(fd_offset)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "fd offset too large"))?;
+        // SAFETY: a fresh mapping chosen by the kernel (addr NULL) aliases no Rust object;
+        // the result is checked before use.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot.to_mmap(),
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                off,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self::from_raw(iova, len, p, prot))
+    }
+
+    /// Anonymous private memory at `iova`: for tests and fake guests.
+    pub fn anonymous(iova: u64, len: u64) -> io::Result<Self> {
+        let len = check_range(iova, len)?;
+        // SAFETY: fresh anonymous mapping, no aliasing; checked before use.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self::from_raw(iova, len, p, Prot::RW))
+    }
+
+    fn from_raw(iova: u64, len: usize, p: *mut libc::c_void, prot: Prot) -> Self {
+        MappedRegion {
+            iova,
+            len,
+            // mmap never returns NULL on success for a NULL hint.
+            host: NonNull::new(p.cast()).unwrap_or(NonNull::dangling()),
+            prot,
+        }
+    }
+
+    pub fn iova(&self) -> u64 {
+        self.iova
+    }
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn prot(&self) -> Prot {
+        self.prot
+    }
+    /// Last IOVA covered (inclusive).
+    pub fn last(&self) -> u64 {
+        self.iova + (self.len as u64 - 1)
+    }
+
+    /// Window at region offset `off` of `len` bytes, or `None` if out of bounds.
+    pub fn slice(&self, off: u64, len: usize) -> Option<DmaSlice<'_>> {
+        let off = usize::try_from(off).ok()?;
+        let end = off.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: off+len is within the mapping, which lives as long as `self`.
+        Some(unsafe { DmaSlice::from_raw(self.host.as_ptr().add(off), len) })
+    }
+}
+
+impl Drop for MappedRegion {
+    fn drop(&mut self) {
+        // SAFETY: host/len describe a mapping we created and nothing borrows it any more
+        // (every DmaSlice borrows `self`).
+        unsafe {
+            libc::munmap(self.host.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+fn check_range(iova: u64, len: u64) -> io::Result<usize> {
+    if len == 0 {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty region"));
+    }
+    if iova.checked_add(len - 1).is_none() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("region {iova:#x}+{len:#x} wraps the address space"),
+        ));
+    }
+    usize::try_from(len)
+        .ok()
+        .filter(|l| *l <= isize::MAX as usize)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "region too large"))
+}
+
+impl MappedRegion {
+    /// Drops the pages of `[off, off+len)` of a private anonymous region so they read
+    /// back as zeroes and stop using memory. Partial pages at the edges are zeroed.
+    pub fn discard(&self, off: u64, len: u64) -> Option<()> {
+        let s = self.slice(off, usize::try_from(len).ok()?)?;
+        let page = crate::page_size() as u64;
+        let start = off.div_ceil(page) * page;
+        let end = (off + len) / page * page;
+        if end > start {
+            s.sub(0, (start - off) as usize)?.fill(0);
+            s.sub((end - off) as usize, (off + len - end) as usize)?.fill(0);
+            // SAFETY: [start,end) lies inside our mapping; MADV_DONTNEED on a private
+            // anonymous mapping only replaces the pages with zero pages.
+            unsafe {
+                libc::madvise(
+                    self.host.as_ptr().add(start as usize).cast(),
+                    (end - start) as usize,
+                    libc::MADV_DONTNEED,
+                );
+            }
+        } else {
+            s.fill(0);
+        }
+        Some(())
+    }
+}

@@ -1,0 +1,81 @@
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use crate::region::{MappedRegion, Prot};
+use crate::slice::DmaSlice;
+
+/// Memory we create as a memfd and map, so that a peer process can map the same pages
+/// from the fd (BAR0's doorbell page; an initiator's DMA pool).
+#[derive(Debug)]
+pub struct SharedMem {
+    fd: OwnedFd,
+    map: MappedRegion,
+}
+
+impl SharedMem {
+    /// A zero-filled memfd of `len` bytes (rounded up to pages), mapped read-write.
+    pub fn new(name: &str, len: u64) -> io::Result<Self> {
+        let page = crate::page_size() as u64;
+        let len = len
+            .checked_add(page - 1)
+            .map(|l| l / page * page)
+            .filter(|l| *l > 0)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "bad shared memory size"))?;
+        let cname = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        // SAFETY: memfd_create with a valid NUL-terminated name; result checked.
+        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: raw is a fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let flen = libc::off_t::try_from(len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))?;
+        // SAFETY: valid fd; plain syscall.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), flen) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let map = MappedRegion::map_fd(fd.as_fd(), 0, 0, len, Prot::RW)?;
+        Ok(SharedMem { fd, map })
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    pub fn len(&self) -> u64 {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Window at byte offset `off`.
+    pub fn slice(&self, off: u64, len: usize) -> Option<DmaSlice<'_>> {
+        self.map.slice(off, len)
+    }
+
+    /// The whole mapping.
+    pub fn all(&self) -> DmaSlice<'_> {
+        // The mapping is never empty (len is rounded up to at least one page).
+        self.map
+            .slice(0, self.map.len() as usize)
+            .expect("whole mapping is in bounds")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_mappings_see_the_same_bytes() {
+        let a = SharedMem::new("t", 100).unwrap();
+        assert_eq!(a.len(), crate::page_size() as u64);
+        let b = MappedRegion::map_fd(a.fd(), 0, 0, a.len(), Prot::RW).unwrap();
+        a.all().store_u32(8, 0xdead_beef).unwrap();
+        assert_eq!(b.slice(8, 4).unwrap().load_u32(0), Some(0xdead_beef));
+    }
+}

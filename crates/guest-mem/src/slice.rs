@@ -1,0 +1,143 @@
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use zerocopy::{FromBytes, Immutable, IntoBytes};
+
+/// A bounds-checked window into mapped memory that another party (a guest, a client
+/// process) may modify concurrently. It never hands out Rust references to the
+/// bytes: data moves by copy, shared words by atomics.
+#[derive(Clone, Copy, Debug)]
+pub struct DmaSlice<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _life: PhantomData<&'a ()>,
+}
+
+// SAFETY: the memory behind a DmaSlice is a shared mapping that is valid for 'a and
+// accessed only through copies and atomics, which are fine from any thread.
+unsafe impl Send for DmaSlice<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for DmaSlice<'_> {}
+
+/// Out-of-bounds access on a [`DmaSlice`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutOfBounds;
+
+impl<'a> DmaSlice<'a> {
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes for `'a`.
+    pub(crate) unsafe fn from_raw(ptr: *mut u8, len: usize) -> Self {
+        DmaSlice {
+            ptr,
+            len,
+            _life: PhantomData,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Raw address, for handing to the kernel (io_uring, readv/writev). The caller keeps
+    /// the owning snapshot alive until the kernel is done.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// The kernel iovec describing this window.
+    pub fn as_iovec(&self) -> libc::iovec {
+        libc::iovec {
+            iov_base: self.ptr.cast(),
+            iov_len: self.len,
+        }
+    }
+
+    pub fn sub(&self, off: usize, len: usize) -> Option<DmaSlice<'a>> {
+        let end = off.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: within our own bounds.
+        Some(unsafe { DmaSlice::from_raw(self.ptr.add(off), len) })
+    }
+
+    fn check(&self, off: usize, len: usize) -> Result<(), OutOfBounds> {
+        match off.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(OutOfBounds),
+        }
+    }
+
+    /// Copies `dst.len()` bytes from offset `off` out of the window.
+    pub fn read_into(&self, off: usize, dst: &mut [u8]) -> Result<(), OutOfBounds> {
+        self.check(off, dst.len())?;
+        // SAFETY: bounds checked; dst is a distinct Rust buffer so no overlap.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into the window at offset `off`.
+    pub fn write_from(&self, off: usize, src: &[u8]) -> Result<(), OutOfBounds> {
+        self.check(off, src.len())?;
+        // SAFETY: bounds checked; src is a distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(off), src.len()) };
+        Ok(())
+    }
+
+    /// Copies this whole window into `dst` (which must have the same length).
+    pub fn copy_to(&self, dst: &DmaSlice<'_>) -> Result<(), OutOfBounds> {
+        if dst.len != self.len {
+            return Err(OutOfBounds);
+        }
+        // SAFETY: both windows are valid for len bytes; `copy` tolerates overlap.
+        unsafe { std::ptr::copy(self.ptr, dst.ptr, self.len) };
+        Ok(())
+    }
+
+    /// Fills the whole window with `byte`.
+    pub fn fill(&self, byte: u8) {
+        // SAFETY: the window is valid for len bytes.
+        unsafe { std::ptr::write_bytes(self.ptr, byte, self.len) };
+    }
+
+    /// Reads a plain-data value at `off`.
+    pub fn read_obj<T: FromBytes + IntoBytes>(&self, off: usize) -> Result<T, OutOfBounds> {
+        let mut v = T::new_zeroed();
+        self.read_into(off, v.as_mut_bytes())?;
+        Ok(v)
+    }
+
+    /// Writes a plain-data value at `off`.
+    pub fn write_obj<T: IntoBytes + Immutable>(&self, off: usize, v: &T) -> Result<(), OutOfBounds> {
+        self.write_from(off, v.as_bytes())
+    }
+
+    fn atomic_u32(&self, off: usize) -> Option<&AtomicU32> {
+        if off % 4 != 0 || self.check(off, 4).is_err() {
+            return None;
+        }
+        // SAFETY: in bounds; `ptr + off` is 4-aligned because mappings are page aligned
+        // and every slice start we hand out for atomics is checked here.
+        let p = unsafe { self.ptr.add(off) };
+        if (p as usize) % 4 != 0 {
+            return None;
+        }
+        // SAFETY: aligned, in bounds, valid for 'a; other parties access it with
+        // word-sized stores (doorbells, queue entries), so an atomic view is sound.
+        Some(unsafe { AtomicU32::from_ptr(p.cast()) })
+    }
+
+    /// Acquire-load of a naturally aligned u32 (doorbells, phase words); `None` if
+    /// misaligned or out of bounds.
+    pub fn load_u32(&self, off: usize) -> Option<u32> {
+        self.atomic_u32(off).map(|a| a.load(Ordering::Acquire))
+    }
+
+    /// Release-store of a naturally aligned u32.
+    pub fn store_u32(&self, off: usize, v: u32) -> Option<()> {
+        self.atomic_u32(off).map(|a| a.store(v, Ordering::Release))
+    }
+}

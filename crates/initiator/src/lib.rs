@@ -1,0 +1,1 @@
+//! initiator (in progress).

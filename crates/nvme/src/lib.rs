@@ -1,0 +1,1 @@
+//! NVMe controller model (in progress).
