@@ -118,24 +118,45 @@ mod tests {
         let s = buf.all();
         s.write_from(0, &[7u8; 8192]).unwrap();
         let iov = [s.sub(0, 4096).unwrap(), s.sub(4096, 4096).unwrap()];
-        let w = IoRequest { op: IoOp::Write, offset: 4096 * 3, len: 8192, iov: &iov, fua: false };
+        let w = IoRequest {
+            op: IoOp::Write,
+            offset: 4096 * 3,
+            len: 8192,
+            iov: &iov,
+            fua: false,
+        };
         assert_eq!(ch.submit(1, &w), Some(IoStatus::Ok));
         s.fill(0);
-        let r = IoRequest { op: IoOp::Read, ..w };
+        let r = IoRequest {
+            op: IoOp::Read,
+            ..w
+        };
         assert_eq!(ch.submit(2, &r), Some(IoStatus::Ok));
         let mut b = vec![0u8; 8192];
         s.read_into(0, &mut b).unwrap();
         assert!(b.iter().all(|x| *x == 7));
-        let z = IoRequest { op: IoOp::Discard, offset: 4096 * 3 + 512, len: 4096, iov: &[], fua: false };
+        let z = IoRequest {
+            op: IoOp::Discard,
+            offset: 4096 * 3 + 512,
+            len: 4096,
+            iov: &[],
+            fua: false,
+        };
         assert_eq!(ch.submit(3, &z), Some(IoStatus::Ok));
         assert_eq!(ch.submit(4, &r), Some(IoStatus::Ok));
         s.read_into(0, &mut b).unwrap();
         assert!(b[..512].iter().all(|x| *x == 7));
         assert!(b[512..4608].iter().all(|x| *x == 0));
         assert!(b[4608..].iter().all(|x| *x == 7));
-        let oob = IoRequest { offset: (1 << 20) - 4096, ..r };
+        let oob = IoRequest {
+            offset: (1 << 20) - 4096,
+            ..r
+        };
         assert_eq!(ch.submit(5, &oob), Some(IoStatus::OutOfRange));
-        let wrap = IoRequest { offset: u64::MAX - 10, ..r };
+        let wrap = IoRequest {
+            offset: u64::MAX - 10,
+            ..r
+        };
         assert_eq!(ch.submit(6, &wrap), Some(IoStatus::OutOfRange));
     }
 

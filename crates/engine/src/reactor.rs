@@ -270,7 +270,11 @@ mod tests {
         assert!(e.remove_poller(id).unwrap().is_some());
         let before = n.load(Ordering::Relaxed);
         assert_eq!(e.run_on(1, |ctx| ctx.index).unwrap(), 1);
-        assert_eq!(n.load(Ordering::Relaxed), before, "no polling after removal");
+        assert_eq!(
+            n.load(Ordering::Relaxed),
+            before,
+            "no polling after removal"
+        );
         assert!(e.remove_poller(id).unwrap().is_none());
         assert!(matches!(
             e.add_poller(5, Box::new(Count(n))),

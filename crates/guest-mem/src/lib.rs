@@ -14,11 +14,13 @@ mod map;
 mod region;
 mod shared;
 mod slice;
+mod space;
 
 pub use map::{Access, MemError, MemoryMap};
 pub use region::{MappedRegion, Prot};
 pub use shared::SharedMem;
 pub use slice::{DmaSlice, OutOfBounds};
+pub use space::{DmaSpace, MemView};
 
 /// The host page size (mmap granularity).
 pub fn page_size() -> usize {

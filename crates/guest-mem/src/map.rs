@@ -85,7 +85,12 @@ impl MemoryMap {
     /// Translates `[addr, addr+len)` for an access in direction `access`. The range must
     /// lie inside one region (client regions are rarely adjacent, and a command that
     /// spans two would be split by the caller at page boundaries anyway).
-    pub fn translate(&self, addr: u64, len: usize, access: Access) -> Result<DmaSlice<'_>, MemError> {
+    pub fn translate(
+        &self,
+        addr: u64,
+        len: usize,
+        access: Access,
+    ) -> Result<DmaSlice<'_>, MemError> {
         let unmapped = MemError::Unmapped {
             addr,
             len: len as u64,
@@ -139,7 +144,10 @@ mod tests {
         let (m2, n) = m.without_range(0x10000, 0x4000);
         assert_eq!(n, 1);
         assert!(m2.translate(0x10000, 1, Access::Read).is_err());
-        assert!(m.translate(0x10000, 1, Access::Read).is_ok(), "old snapshot unchanged");
+        assert!(
+            m.translate(0x10000, 1, Access::Read).is_ok(),
+            "old snapshot unchanged"
+        );
         let (m3, n) = m.without_range(0, u64::MAX);
         assert_eq!(n, 2);
         assert!(m3.regions().is_empty());

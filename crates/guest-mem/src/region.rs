@@ -176,7 +176,8 @@ impl MappedRegion {
         let end = (off + len) / page * page;
         if end > start {
             s.sub(0, (start - off) as usize)?.fill(0);
-            s.sub((end - off) as usize, (off + len - end) as usize)?.fill(0);
+            s.sub((end - off) as usize, (off + len - end) as usize)?
+                .fill(0);
             // SAFETY: [start,end) lies inside our mapping; MADV_DONTNEED on a private
             // anonymous mapping only replaces the pages with zero pages.
             unsafe {

@@ -111,7 +111,11 @@ impl<'a> DmaSlice<'a> {
     }
 
     /// Writes a plain-data value at `off`.
-    pub fn write_obj<T: IntoBytes + Immutable>(&self, off: usize, v: &T) -> Result<(), OutOfBounds> {
+    pub fn write_obj<T: IntoBytes + Immutable>(
+        &self,
+        off: usize,
+        v: &T,
+    ) -> Result<(), OutOfBounds> {
         self.write_from(off, v.as_bytes())
     }
 

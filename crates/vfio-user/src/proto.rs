@@ -64,7 +64,9 @@ pub const FLAG_TYPE_REPLY: u32 = 1;
 pub const FLAG_NO_REPLY: u32 = 1 << 4;
 pub const FLAG_ERROR: u32 = 1 << 5;
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout,
+)]
 #[repr(C)]
 pub struct Header {
     pub msg_id: u16,
@@ -207,7 +209,9 @@ pub struct SparseMmapHeader {
     pub reserved: u32,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout,
+)]
 #[repr(C)]
 pub struct SparseArea {
     pub offset: u64,

@@ -1,0 +1,131 @@
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::map::MemoryMap;
+
+/// A client's current DMA memory map, changed by the control path and read by
+/// reactors without locks: readers keep a [`MemView`] that checks one shared
+/// generation counter per poll and reloads only when it moved.
+///
+/// Removing memory is safe against in-flight I/O: [`DmaSpace::update`] returns the
+/// old snapshot, and [`DmaSpace::wait_released`] waits until every view has moved to
+/// the new one (dropping the last reference unmaps regions that are gone).
+#[derive(Debug, Default)]
+pub struct DmaSpace {
+    generation: AtomicU64,
+    current: Mutex<Arc<MemoryMap>>,
+}
+
+impl DmaSpace {
+    pub fn new() -> Arc<DmaSpace> {
+        Arc::new(DmaSpace::default())
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// The current map and its generation.
+    pub fn snapshot(&self) -> (u64, Arc<MemoryMap>) {
+        let cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        (self.generation.load(Ordering::Acquire), cur.clone())
+    }
+
+    /// Replaces the map with `f(current)`; returns the previous snapshot.
+    pub fn update<E>(
+        &self,
+        f: impl FnOnce(&MemoryMap) -> Result<MemoryMap, E>,
+    ) -> Result<Arc<MemoryMap>, E> {
+        let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        let next = Arc::new(f(&cur)?);
+        let old = std::mem::replace(&mut *cur, next);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(old)
+    }
+
+    /// Waits until `old` is referenced only by the caller, i.e. every view has moved on.
+    /// Returns false on timeout (a stuck reader); memory then stays mapped until it
+    /// lets go, so there is no use-after-unmap either way.
+    pub fn wait_released(old: Arc<MemoryMap>, timeout: Duration) -> bool {
+        let start = Instant::now();
+        while Arc::strong_count(&old) > 1 {
+            if start.elapsed() > timeout {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        true
+    }
+}
+
+/// A reader's cached view of a [`DmaSpace`].
+#[derive(Debug)]
+pub struct MemView {
+    space: Arc<DmaSpace>,
+    generation: u64,
+    map: Arc<MemoryMap>,
+}
+
+impl MemView {
+    pub fn new(space: Arc<DmaSpace>) -> MemView {
+        let (generation, map) = space.snapshot();
+        MemView {
+            space,
+            generation,
+            map,
+        }
+    }
+
+    /// Moves to the newest map if it changed (one atomic load when it did not), and
+    /// returns it.
+    #[inline]
+    pub fn refresh(&mut self) -> &MemoryMap {
+        if self.space.generation() != self.generation {
+            let (generation, map) = self.space.snapshot();
+            self.generation = generation;
+            self.map = map;
+        }
+        &self.map
+    }
+
+    /// The map as of the last refresh.
+    #[inline]
+    pub fn map(&self) -> &MemoryMap {
+        &self.map
+    }
+
+    pub fn space(&self) -> &Arc<DmaSpace> {
+        &self.space
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Access, MappedRegion};
+
+    #[test]
+    fn views_move_on_and_release() {
+        let space = DmaSpace::new();
+        let mut view = MemView::new(space.clone());
+        let r = Arc::new(MappedRegion::anonymous(0x1000, 0x1000).unwrap());
+        let old = space.update(|m| m.with_region(r.clone())).unwrap();
+        assert!(
+            !DmaSpace::wait_released(old, Duration::from_millis(5)),
+            "view still holds it"
+        );
+        assert!(view.refresh().translate(0x1000, 8, Access::Read).is_ok());
+        let old = space
+            .update(|m| Ok::<_, ()>(m.without_range(0, u64::MAX).0))
+            .unwrap();
+        drop(r);
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(10));
+            assert!(view.refresh().translate(0x1000, 8, Access::Read).is_err());
+            view
+        });
+        assert!(DmaSpace::wait_released(old, Duration::from_secs(5)));
+        drop(t.join().unwrap());
+    }
+}
