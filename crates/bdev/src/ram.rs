@@ -19,7 +19,7 @@ pub(crate) fn sized_info(size: u64, block_size: u32) -> io::Result<BlockInfo> {
             format!("block size {block_size} is not 512 or 4096"),
         ));
     }
-    if size == 0 || size % u64::from(block_size) != 0 {
+    if size == 0 || !size.is_multiple_of(u64::from(block_size)) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("size {size} is not a non-zero multiple of the block size {block_size}"),

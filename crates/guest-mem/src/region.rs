@@ -55,7 +55,7 @@ impl MappedRegion {
         prot: Prot,
     ) -> io::Result<Self> {
         let len = check_range(iova, len)?;
-        if fd_offset % crate::page_size() as u64 != 0 {
+        if !fd_offset.is_multiple_of(crate::page_size() as u64) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("fd offset {fd_offset:#x} is not page aligned"),

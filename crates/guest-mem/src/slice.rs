@@ -120,13 +120,13 @@ impl<'a> DmaSlice<'a> {
     }
 
     fn atomic_u32(&self, off: usize) -> Option<&AtomicU32> {
-        if off % 4 != 0 || self.check(off, 4).is_err() {
+        if !off.is_multiple_of(4) || self.check(off, 4).is_err() {
             return None;
         }
         // SAFETY: in bounds; `ptr + off` is 4-aligned because mappings are page aligned
         // and every slice start we hand out for atomics is checked here.
         let p = unsafe { self.ptr.add(off) };
-        if (p as usize) % 4 != 0 {
+        if !(p as usize).is_multiple_of(4) {
             return None;
         }
         // SAFETY: aligned, in bounds, valid for 'a; other parties access it with

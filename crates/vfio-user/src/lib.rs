@@ -1,4 +1,23 @@
-//! vfio-user: the wire format ([`proto`]) and a server that exposes a PCI device
-//! to many clients, one socket per device.
+//! vfio-user: the wire format ([`proto`]) and a server that exposes one emulated PCI
+//! device per socket ([`VfioUserServer`]).
+//!
+//! Server layout: `server` (socket, thread, accept policy) → `conn` (framing checks
+//! and command dispatch, via `msg`/`sock`) → `device` (regions, reset, disconnect)
+//! → `pci` (config space), `irqs` (eventfds, MSI-X table/PBA), `dma` (memory map).
+//! DMA_READ/DMA_WRITE, GET_REGION_IO_FDS, dirty-page tracking and migration are not
+//! implemented; see `docs/decisions/0001-vfio-user-server.md`.
 
+mod conn;
+mod device;
+mod dma;
+mod irqs;
+mod msg;
+pub mod pci;
 pub mod proto;
+mod server;
+mod sock;
+
+pub use device::{BarSpec, MsixSpec, PciBackend, PciDeviceSpec};
+pub use irqs::Irqs;
+pub use pci::PciIds;
+pub use server::{ServerConfig, VfioUserServer};

@@ -1,0 +1,422 @@
+//! One client connection: reads a message, validates it against its declared sizes,
+//! runs it on the device and replies. Errors a message can be answered for get an
+//! error reply and the connection continues; lost framing disconnects.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+use zerocopy::IntoBytes;
+
+use crate::device::Device;
+use crate::irqs::Evt;
+use crate::msg::{self, Msg, ReadError};
+use crate::proto::*;
+
+/// Longest VERSION capabilities string we parse; real clients send ~200 bytes.
+const MAX_CAPS_LEN: usize = 16 * 1024;
+
+pub(crate) enum Flow {
+    Continue,
+    Disconnect,
+}
+
+struct Reply {
+    payload: Vec<u8>,
+    /// Attach BAR0's mmap fd.
+    bar_fd: bool,
+}
+
+impl Reply {
+    fn empty() -> Reply {
+        Reply::data(Vec::new())
+    }
+    fn data(payload: Vec<u8>) -> Reply {
+        Reply {
+            payload,
+            bar_fd: false,
+        }
+    }
+}
+
+type Res = Result<Reply, i32>;
+
+pub(crate) struct Conn {
+    pub stream: UnixStream,
+    negotiated: bool,
+}
+
+impl Conn {
+    pub fn new(stream: UnixStream) -> Conn {
+        Conn {
+            stream,
+            negotiated: false,
+        }
+    }
+
+    pub fn negotiated(&self) -> bool {
+        self.negotiated
+    }
+
+    /// Handles one message (the socket is readable).
+    pub fn handle_next(&mut self, dev: &mut Device) -> Flow {
+        let m = match msg::read_msg(&self.stream) {
+            Ok(m) => m,
+            Err(ReadError::Eof) => return Flow::Disconnect,
+            Err(ReadError::Io(e)) => {
+                tracing::info!("vfio-user: connection error: {e}");
+                return Flow::Disconnect;
+            }
+            Err(ReadError::Framing(hdr, why)) => {
+                tracing::warn!("vfio-user: disconnecting client: {why}");
+                if let Some((h, errno)) = hdr {
+                    let _ = msg::send_error(&self.stream, &h, errno);
+                }
+                return Flow::Disconnect;
+            }
+        };
+        let hdr = m.hdr;
+        let res = self.dispatch(dev, m);
+        if hdr.no_reply() {
+            if let Err(e) = res {
+                tracing::debug!(
+                    "vfio-user: command {} failed (no reply wanted): errno {e}",
+                    hdr.cmd
+                );
+            }
+            return Flow::Continue;
+        }
+        let sent = match res {
+            Ok(r) => {
+                let fd = dev
+                    .spec
+                    .bar0
+                    .mmap_fd
+                    .as_ref()
+                    .filter(|_| r.bar_fd)
+                    .map(|f| f.as_fd());
+                msg::send_reply(&self.stream, &hdr, &[&r.payload], fd.as_slice())
+            }
+            Err(errno) => {
+                tracing::debug!("vfio-user: command {} -> errno {errno}", hdr.cmd);
+                msg::send_error(&self.stream, &hdr, errno)
+            }
+        };
+        match sent {
+            Ok(()) => Flow::Continue,
+            Err(e) => {
+                tracing::info!("vfio-user: reply failed, disconnecting: {e}");
+                Flow::Disconnect
+            }
+        }
+    }
+
+    fn dispatch(&mut self, dev: &mut Device, m: Msg) -> Res {
+        let Msg {
+            hdr,
+            payload,
+            fds,
+            fds_truncated,
+        } = m;
+        // We never send requests (no DMA_READ/WRITE), so a reply is always unexpected.
+        if hdr.flags & FLAG_TYPE_MASK != FLAG_TYPE_COMMAND || fds_truncated {
+            return Err(libc::EINVAL);
+        }
+        let Some(cmd) = Command::from_u16(hdr.cmd) else {
+            return Err(libc::ENOTSUP);
+        };
+        if !self.negotiated && cmd != Command::Version {
+            return Err(libc::EINVAL);
+        }
+        if !fds.is_empty() && !matches!(cmd, Command::DmaMap | Command::DeviceSetIrqs) {
+            return Err(libc::EINVAL); // fds dropped (closed) on return
+        }
+        let p = payload.as_slice();
+        match cmd {
+            Command::Version => self.version(p),
+            Command::DmaMap => dma_map(dev, p, fds),
+            Command::DmaUnmap => dma_unmap(dev, p),
+            Command::DeviceGetInfo => device_info(p),
+            Command::DeviceGetRegionInfo => region_info(dev, p),
+            Command::DeviceGetIrqInfo => irq_info(dev, p),
+            Command::DeviceSetIrqs => set_irqs(dev, p, fds),
+            Command::RegionRead => region_read(dev, p),
+            Command::RegionWrite => region_write(dev, p),
+            Command::DeviceReset if p.is_empty() => {
+                dev.reset();
+                Ok(Reply::empty())
+            }
+            Command::DeviceReset => Err(libc::EINVAL),
+            Command::DeviceGetRegionIoFds
+            | Command::DmaRead
+            | Command::DmaWrite
+            | Command::DirtyPages => Err(libc::ENOTSUP),
+        }
+    }
+
+    fn version(&mut self, p: &[u8]) -> Res {
+        if self.negotiated {
+            return Err(libc::EINVAL);
+        }
+        let v: Version = parse(p).ok_or(libc::EINVAL)?;
+        if v.major != VERSION_MAJOR {
+            return Err(libc::ENOTSUP);
+        }
+        parse_client_caps(&p[std::mem::size_of::<Version>()..])?;
+        let caps = CapabilitiesDoc {
+            capabilities: Capabilities {
+                max_msg_fds: MAX_MSG_FDS,
+                max_data_xfer_size: MAX_DATA_XFER,
+                pgsizes: Some(4096),
+                max_dma_maps: Some(crate::dma::MAX_DMA_MAPS),
+            },
+        };
+        let json = serde_json::to_vec(&caps).map_err(|_| libc::EINVAL)?;
+        let mut out = Version {
+            major: VERSION_MAJOR,
+            minor: VERSION_MINOR,
+        }
+        .as_bytes()
+        .to_vec();
+        out.extend_from_slice(&json);
+        out.push(0);
+        self.negotiated = true;
+        Ok(Reply::data(out))
+    }
+}
+
+/// Checks the client's capabilities: optional, else NUL-terminated UTF-8 JSON whose
+/// `capabilities` member (if any) has the right types. We need none of its values:
+/// we send at most one fd per message and never initiate data transfers.
+fn parse_client_caps(raw: &[u8]) -> Result<(), i32> {
+    if raw.is_empty() {
+        return Ok(());
+    }
+    if raw.len() > MAX_CAPS_LEN {
+        return Err(libc::E2BIG);
+    }
+    let Some((&0, body)) = raw.split_last() else {
+        return Err(libc::EINVAL);
+    };
+    if body.contains(&0) {
+        return Err(libc::EINVAL);
+    }
+    if body.is_empty() {
+        return Ok(()); // just the terminator: no capabilities
+    }
+    let text = std::str::from_utf8(body).map_err(|_| libc::EINVAL)?;
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|_| libc::EINVAL)?;
+    let obj = v.as_object().ok_or(libc::EINVAL)?;
+    if let Some(c) = obj.get("capabilities") {
+        let caps: Capabilities = serde_json::from_value(c.clone()).map_err(|_| libc::EINVAL)?;
+        if caps.max_msg_fds == 0 {
+            return Err(libc::EINVAL);
+        }
+    }
+    Ok(())
+}
+
+/// Parses a struct whose `argsz` (first u32) must be at least its size and no more
+/// than the payload carries.
+fn parse_argsz<T: zerocopy::FromBytes + zerocopy::KnownLayout + zerocopy::Immutable>(
+    p: &[u8],
+) -> Result<(T, u32), i32> {
+    let t: T = parse(p).ok_or(libc::EINVAL)?;
+    let argsz: u32 = parse(p).ok_or(libc::EINVAL)?;
+    if (argsz as usize) < std::mem::size_of::<T>() {
+        return Err(libc::EINVAL);
+    }
+    Ok((t, argsz))
+}
+
+fn dma_map(dev: &Device, p: &[u8], mut fds: Vec<OwnedFd>) -> Res {
+    let (req, argsz) = parse_argsz::<DmaMap>(p)?;
+    if argsz as usize != p.len() || p.len() != std::mem::size_of::<DmaMap>() {
+        return Err(libc::EINVAL);
+    }
+    // Without an fd we would have to serve DMA through DMA_READ/WRITE messages,
+    // which the hot path cannot do.
+    let fd = match fds.len() {
+        0 => return Err(libc::ENOTSUP),
+        1 => fds.remove(0),
+        _ => return Err(libc::EINVAL),
+    };
+    crate::dma::map(&dev.mem, &req, fd)?;
+    Ok(Reply::empty())
+}
+
+fn dma_unmap(dev: &Device, p: &[u8]) -> Res {
+    let (req, _) = parse_argsz::<DmaUnmap>(p)?;
+    if req.flags & UNMAP_GET_DIRTY_BITMAP != 0 {
+        return Err(libc::ENOTSUP);
+    }
+    if req.argsz as usize != p.len() || p.len() != std::mem::size_of::<DmaUnmap>() {
+        return Err(libc::EINVAL);
+    }
+    crate::dma::unmap(&dev.mem, &req)?;
+    Ok(Reply::data(req.as_bytes().to_vec()))
+}
+
+fn device_info(p: &[u8]) -> Res {
+    // Any argsz ≥ 16: rust-vmm's client counts the header in it.
+    parse_argsz::<DeviceInfo>(p)?;
+    let info = DeviceInfo {
+        argsz: std::mem::size_of::<DeviceInfo>() as u32,
+        flags: DEVICE_FLAGS_PCI | DEVICE_FLAGS_RESET,
+        num_regions: PCI_NUM_REGIONS,
+        num_irqs: PCI_NUM_IRQS,
+    };
+    Ok(Reply::data(info.as_bytes().to_vec()))
+}
+
+fn region_info(dev: &Device, p: &[u8]) -> Res {
+    let (req, argsz) = parse_argsz::<RegionInfo>(p)?;
+    let (payload, bar_fd) = dev.region_info(req.index, argsz)?;
+    Ok(Reply { payload, bar_fd })
+}
+
+fn irq_count(dev: &Device, index: u32) -> Option<(u32, u32)> {
+    Some(match index {
+        PCI_INTX_IRQ => (
+            1,
+            IRQ_INFO_EVENTFD | IRQ_INFO_MASKABLE | IRQ_INFO_AUTOMASKED,
+        ),
+        PCI_MSI_IRQ => (0, IRQ_INFO_EVENTFD),
+        PCI_MSIX_IRQ => (
+            u32::from(dev.irqs.msix_vectors()),
+            IRQ_INFO_EVENTFD | IRQ_INFO_NORESIZE,
+        ),
+        PCI_ERR_IRQ | PCI_REQ_IRQ => (0, IRQ_INFO_EVENTFD),
+        _ => return None,
+    })
+}
+
+fn irq_info(dev: &Device, p: &[u8]) -> Res {
+    let (req, _) = parse_argsz::<IrqInfo>(p)?;
+    let (count, flags) = irq_count(dev, req.index).ok_or(libc::EINVAL)?;
+    let info = IrqInfo {
+        argsz: std::mem::size_of::<IrqInfo>() as u32,
+        flags,
+        index: req.index,
+        count,
+    };
+    Ok(Reply::data(info.as_bytes().to_vec()))
+}
+
+fn set_irqs(dev: &Device, p: &[u8], fds: Vec<OwnedFd>) -> Res {
+    let (s, argsz) = parse_argsz::<SetIrqs>(p)?;
+    if argsz as usize != p.len() {
+        return Err(libc::EINVAL);
+    }
+    let data = s.flags & IRQ_SET_DATA_MASK;
+    let action = s.flags & IRQ_SET_ACTION_MASK_ALL;
+    if s.flags & !(IRQ_SET_DATA_MASK | IRQ_SET_ACTION_MASK_ALL) != 0
+        || data.count_ones() != 1
+        || action.count_ones() != 1
+    {
+        return Err(libc::EINVAL);
+    }
+    let (total, _) = irq_count(dev, s.index).ok_or(libc::EINVAL)?;
+    let extra = &p[std::mem::size_of::<SetIrqs>()..];
+    let eventfd = data == IRQ_SET_DATA_EVENTFD;
+    if !eventfd && !fds.is_empty() {
+        return Err(libc::EINVAL);
+    }
+    if s.count == 0 {
+        // Teardown of the whole index (DATA_NONE or DATA_EVENTFD with no fds).
+        if action == IRQ_SET_ACTION_TRIGGER && data != IRQ_SET_DATA_BOOL && fds.is_empty() {
+            match s.index {
+                PCI_MSIX_IRQ => dev.irqs.clear_msix_fds(),
+                PCI_INTX_IRQ => dev.irqs.set_intx_fd(None),
+                _ => {}
+            }
+            return Ok(Reply::empty());
+        }
+        return Err(libc::EINVAL);
+    }
+    let end = s.start.checked_add(s.count).ok_or(libc::EINVAL)?;
+    if end > total {
+        return Err(libc::EINVAL);
+    }
+    let bools: Vec<bool> = match data {
+        IRQ_SET_DATA_BOOL if extra.len() == s.count as usize => {
+            extra.iter().map(|b| *b != 0).collect()
+        }
+        IRQ_SET_DATA_BOOL => return Err(libc::EINVAL),
+        _ if !extra.is_empty() => return Err(libc::EINVAL),
+        _ => vec![true; s.count as usize],
+    };
+    let range = s.start as usize..end as usize;
+    match action {
+        IRQ_SET_ACTION_TRIGGER if eventfd => {
+            // QEMU sends runs of fds, and runs of "-1" as the same message without fds.
+            let evts: Vec<Option<Evt>> = if fds.is_empty() {
+                range.clone().map(|_| None).collect()
+            } else if fds.len() == range.len() {
+                let evts: Vec<Option<Evt>> = fds.into_iter().map(Evt::new).collect();
+                if evts.iter().any(Option::is_none) {
+                    return Err(libc::EINVAL);
+                }
+                evts
+            } else {
+                return Err(libc::EINVAL);
+            };
+            match s.index {
+                PCI_MSIX_IRQ => dev.irqs.set_msix_fds(s.start as usize, evts),
+                _ => dev.irqs.set_intx_fd(evts.into_iter().next().flatten()),
+            }
+        }
+        IRQ_SET_ACTION_TRIGGER => {
+            for (v, on) in range.zip(bools) {
+                match (s.index, on) {
+                    (PCI_MSIX_IRQ, true) => dev.irqs.trigger_msix(v as u16),
+                    (_, true) => dev.irqs.trigger_intx(),
+                    _ => {}
+                }
+            }
+        }
+        // Unmask/resample eventfds (level-triggered INTx via KVM) are not supported;
+        // QEMU falls back to SET_IRQS unmask messages.
+        _ if eventfd => return Err(libc::ENOTSUP),
+        _ => {
+            let mask = action == IRQ_SET_ACTION_MASK;
+            for (v, on) in range.zip(bools) {
+                match (s.index, on) {
+                    (PCI_MSIX_IRQ, true) => dev.irqs.client_mask_msix(v, mask),
+                    (_, true) => dev.irqs.mask_intx(mask),
+                    _ => {}
+                }
+            }
+        }
+    }
+    Ok(Reply::empty())
+}
+
+fn check_access(p: &[u8], write: bool) -> Result<RegionAccess, i32> {
+    let a: RegionAccess = parse(p).ok_or(libc::EINVAL)?;
+    if a.count > MAX_DATA_XFER {
+        return Err(libc::E2BIG);
+    }
+    let data = p.len() - std::mem::size_of::<RegionAccess>();
+    let want = if write { a.count as usize } else { 0 };
+    if data != want {
+        return Err(libc::EINVAL);
+    }
+    Ok(a)
+}
+
+fn region_read(dev: &Device, p: &[u8]) -> Res {
+    let a = check_access(p, false)?;
+    let hdr_len = std::mem::size_of::<RegionAccess>();
+    // count was bounded by MAX_DATA_XFER above.
+    let mut out = vec![0u8; hdr_len + a.count as usize];
+    dev.region_read(a.region, a.offset, &mut out[hdr_len..])?;
+    out[..hdr_len].copy_from_slice(a.as_bytes());
+    Ok(Reply::data(out))
+}
+
+fn region_write(dev: &mut Device, p: &[u8]) -> Res {
+    let a = check_access(p, true)?;
+    let data = &p[std::mem::size_of::<RegionAccess>()..];
+    dev.region_write(a.region, a.offset, data)?;
+    Ok(Reply::data(a.as_bytes().to_vec()))
+}

@@ -1,0 +1,105 @@
+//! DMA_MAP / DMA_UNMAP on the device's [`DmaSpace`]. An unmap returns only after every
+//! reactor has dropped the old snapshot, so no in-flight I/O touches memory the client
+//! is about to reuse.
+
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use guest_mem::{DmaSpace, MappedRegion, MemError, MemoryMap, Prot};
+
+use crate::proto::{DmaMap, DmaUnmap, DMA_READ, DMA_WRITE, UNMAP_ALL, UNMAP_GET_DIRTY_BITMAP};
+
+/// Advertised in VERSION as `max_dma_maps`.
+pub(crate) const MAX_DMA_MAPS: u32 = 65535;
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
+
+pub(crate) fn map(mem: &DmaSpace, req: &DmaMap, fd: OwnedFd) -> Result<(), i32> {
+    if req.flags & !(DMA_READ | DMA_WRITE) != 0 || req.flags == 0 {
+        return Err(libc::EINVAL);
+    }
+    if req.size == 0 || req.addr.checked_add(req.size).is_none() {
+        return Err(libc::EINVAL);
+    }
+    // Mapping past the end of a file maps pages that SIGBUS on access, which would
+    // take down the whole process on the first I/O there.
+    let file = File::from(fd);
+    let meta = file.metadata().map_err(|_| libc::EBADF)?;
+    let end = req.offset.checked_add(req.size).ok_or(libc::EINVAL)?;
+    if meta.file_type().is_file() && end > meta.len() {
+        return Err(libc::EINVAL);
+    }
+    let prot = Prot {
+        read: req.flags & DMA_READ != 0,
+        write: req.flags & DMA_WRITE != 0,
+    };
+    let region = MappedRegion::map_fd(file.as_fd(), req.offset, req.addr, req.size, prot)
+        .map_err(|e| e.raw_os_error().unwrap_or(libc::EINVAL))?;
+    let region = Arc::new(region);
+    let old = mem.update(|m| {
+        if m.regions().len() >= MAX_DMA_MAPS as usize {
+            return Err(libc::ENOSPC);
+        }
+        m.with_region(region).map_err(|e| match e {
+            MemError::Overlap { .. } => libc::EEXIST,
+            _ => libc::EINVAL,
+        })
+    })?;
+    // Nothing was removed, so readers of the old snapshot are harmless.
+    drop(old);
+    Ok(())
+}
+
+pub(crate) fn unmap(mem: &DmaSpace, req: &DmaUnmap) -> Result<(), i32> {
+    if req.flags & UNMAP_GET_DIRTY_BITMAP != 0 {
+        return Err(libc::ENOTSUP);
+    }
+    if req.flags & !UNMAP_ALL != 0 {
+        return Err(libc::EINVAL);
+    }
+    if req.flags & UNMAP_ALL != 0 {
+        if req.addr != 0 || req.size != 0 {
+            return Err(libc::EINVAL);
+        }
+        unmap_all(mem);
+        return Ok(());
+    }
+    if req.size == 0 {
+        return Err(libc::EINVAL);
+    }
+    let end = req.addr.checked_add(req.size).ok_or(libc::EINVAL)?;
+    let old = mem.update(|m| {
+        // A range may cover several whole mappings, but never split one.
+        let partial = m.regions().iter().any(|r| {
+            let overlaps = r.iova() < end && req.addr <= r.last();
+            let inside = r.iova() >= req.addr && r.last() < end;
+            overlaps && !inside
+        });
+        if partial {
+            return Err(libc::EINVAL);
+        }
+        match m.without_range(req.addr, req.size) {
+            (_, 0) => Err(libc::ENOENT),
+            (next, _) => Ok(next),
+        }
+    })?;
+    wait(old);
+    Ok(())
+}
+
+pub(crate) fn unmap_all(mem: &DmaSpace) {
+    if let Ok(old) = mem.update(|_| Ok::<_, ()>(MemoryMap::new())) {
+        wait(old);
+    }
+}
+
+fn wait(old: Arc<MemoryMap>) {
+    if !DmaSpace::wait_released(old, RELEASE_TIMEOUT) {
+        // Memory stays mapped until the stuck reader lets go, so this is a delay, not
+        // a use-after-unmap; but the client may now reuse pages we still write.
+        tracing::warn!(
+            "DMA unmap: a reader still holds the old memory map after {RELEASE_TIMEOUT:?}"
+        );
+    }
+}
