@@ -1,0 +1,358 @@
+//! One job's loop: keep `qd` I/Os in flight, time each, verify if asked.
+
+use std::time::Instant;
+
+use hdrhistogram::Histogram;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::report::{rate, JobReport, LatStats, Report};
+use super::{pattern, IoDone, IoTarget, JobQueue, Op, WorkloadConfig};
+use crate::error::{Error, Result};
+
+/// Generation of a block whose content we do not know (never written, failed write).
+const UNKNOWN: u32 = 0;
+const MAX_LOGGED: u64 = 5;
+const STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+pub(crate) struct JobResult {
+    job: u32,
+    hist: Histogram<u64>,
+    ios: u64,
+    reads: u64,
+    writes: u64,
+    errors: u64,
+    verify_errors: u64,
+    unverified: u64,
+    secs: f64,
+}
+
+#[derive(Clone, Copy)]
+struct Slot {
+    start: Instant,
+    op: Op,
+    block: u64,
+    gen: u32,
+}
+
+struct Job<'a> {
+    q: Box<dyn JobQueue + 'a>,
+    cfg: &'a WorkloadConfig,
+    job: u32,
+    base: u64,
+    nblocks: u64,
+    rng: SmallRng,
+    seq: u64,
+    slots: Vec<Slot>,
+    /// Verify state, per block of this job's region.
+    gens: Vec<u32>,
+    busy: Vec<bool>,
+    scratch: Vec<u8>,
+    r: JobResult,
+}
+
+fn new_hist() -> Histogram<u64> {
+    // 1 ns .. 100 s at 3 significant digits; fixed bounds so merging never resizes.
+    Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("static histogram bounds are valid")
+}
+
+pub(crate) fn run_job(
+    target: &dyn IoTarget,
+    cfg: &WorkloadConfig,
+    job: u32,
+    (base, nblocks): (u64, u64),
+) -> Result<JobResult> {
+    // In verify mode a block is never in flight twice, so more slots than blocks is useless.
+    let qd = if cfg.verify {
+        (cfg.qd as u64).min(nblocks) as u32
+    } else {
+        cfg.qd
+    };
+    let q = target.open_job(job, qd, cfg.bs)?;
+    let now = Instant::now();
+    let mut j = Job {
+        q,
+        cfg,
+        job,
+        base,
+        nblocks,
+        rng: SmallRng::seed_from_u64(cfg.seed.wrapping_add(job as u64)),
+        seq: 0,
+        slots: vec![
+            Slot {
+                start: now,
+                op: Op::Read,
+                block: 0,
+                gen: 0,
+            };
+            qd as usize
+        ],
+        gens: if cfg.verify {
+            vec![UNKNOWN; nblocks as usize]
+        } else {
+            Vec::new()
+        },
+        busy: if cfg.verify {
+            vec![false; nblocks as usize]
+        } else {
+            Vec::new()
+        },
+        scratch: vec![0u8; if cfg.verify { cfg.bs as usize } else { 0 }],
+        r: JobResult {
+            job,
+            hist: new_hist(),
+            ios: 0,
+            reads: 0,
+            writes: 0,
+            errors: 0,
+            verify_errors: 0,
+            unverified: 0,
+            secs: 0.0,
+        },
+    };
+    if cfg.verify && cfg.rw.read_pct() == 100 {
+        j.prefill(qd)?;
+    }
+    j.main_loop(qd)?;
+    Ok(j.r)
+}
+
+impl Job<'_> {
+    fn pick_block(&mut self) -> u64 {
+        let mut b = if self.cfg.rw.random() {
+            self.rng.gen_range(0..self.nblocks)
+        } else {
+            let b = self.seq;
+            self.seq = (self.seq + 1) % self.nblocks;
+            b
+        };
+        if self.cfg.verify {
+            // Free blocks exist: at most qd-1 others are busy and qd <= nblocks.
+            while self.busy[b as usize] {
+                b = (b + 1) % self.nblocks;
+            }
+        }
+        b
+    }
+
+    fn pick_op(&mut self) -> Op {
+        match self.cfg.rw.read_pct() {
+            100 => Op::Read,
+            0 => Op::Write,
+            p => {
+                if self.rng.gen_range(0..100u8) < p {
+                    Op::Read
+                } else {
+                    Op::Write
+                }
+            }
+        }
+    }
+
+    fn offset(&self, block: u64) -> u64 {
+        (self.base + block) * self.cfg.bs as u64
+    }
+
+    fn issue(&mut self, slot: u32, op: Op, block: u64) -> Result<()> {
+        let mut gen = 0;
+        if self.cfg.verify {
+            self.busy[block as usize] = true;
+            if op == Op::Write {
+                // 0 means unknown, so generations skip it when they wrap.
+                gen = self.gens[block as usize].wrapping_add(1).max(1);
+                let off = self.offset(block);
+                pattern::fill(&mut self.scratch, off, gen, self.job);
+                self.q.write_buf(slot, 0, &self.scratch)?;
+            }
+        }
+        self.slots[slot as usize] = Slot {
+            start: Instant::now(),
+            op,
+            block,
+            gen,
+        };
+        self.q.submit(op, self.offset(block), self.cfg.bs, slot)
+    }
+
+    /// Accounts one completion; returns its latency in ns.
+    fn complete(&mut self, d: IoDone) -> Result<u64> {
+        let Some(s) = self.slots.get(d.slot as usize).copied() else {
+            return Err(Error::Invalid(format!(
+                "target completed unknown slot {}",
+                d.slot
+            )));
+        };
+        let lat = s.start.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        if d.status != 0 {
+            self.r.errors += 1;
+            if self.r.errors <= MAX_LOGGED {
+                tracing::warn!(
+                    job = self.job,
+                    block = s.block,
+                    status = d.status,
+                    "I/O error"
+                );
+            }
+        }
+        if self.cfg.verify {
+            let b = s.block as usize;
+            self.busy[b] = false;
+            match s.op {
+                Op::Write => self.gens[b] = if d.status == 0 { s.gen } else { UNKNOWN },
+                Op::Read if d.status == 0 => {
+                    let want = self.gens[b];
+                    if want == UNKNOWN {
+                        self.r.unverified += 1;
+                    } else {
+                        self.q.read_buf(d.slot, 0, &mut self.scratch)?;
+                        let off = self.offset(s.block);
+                        if let Err(m) = pattern::check(&self.scratch, off, want, self.job) {
+                            self.r.verify_errors += 1;
+                            if self.r.verify_errors <= MAX_LOGGED {
+                                tracing::error!(
+                                    job = self.job,
+                                    offset = off + m.at as u64,
+                                    want_gen = want,
+                                    found_lba = m.found_lba,
+                                    found_gen = m.found_gen,
+                                    found_job = m.found_job,
+                                    "verify mismatch"
+                                );
+                            }
+                        }
+                    }
+                }
+                Op::Read => {}
+            }
+        }
+        Ok(lat)
+    }
+
+    /// Writes every block of the region once so reads have something to check.
+    fn prefill(&mut self, qd: u32) -> Result<()> {
+        let mut done = Vec::with_capacity(qd as usize);
+        let mut next = 0u64;
+        let mut inflight = 0u32;
+        let mut free: Vec<u32> = (0..qd).rev().collect();
+        let errors_before = self.r.errors;
+        while next < self.nblocks || inflight > 0 {
+            while next < self.nblocks {
+                let Some(slot) = free.pop() else { break };
+                self.issue(slot, Op::Write, next)?;
+                next += 1;
+                inflight += 1;
+            }
+            self.q.commit()?;
+            done.clear();
+            self.q.poll(&mut done)?;
+            for d in done.iter().copied() {
+                self.complete(d)?;
+                inflight -= 1;
+                free.push(d.slot);
+            }
+        }
+        if self.r.errors > errors_before {
+            tracing::warn!(
+                job = self.job,
+                "prefill had {} errors",
+                self.r.errors - errors_before
+            );
+        }
+        Ok(())
+    }
+
+    fn main_loop(&mut self, qd: u32) -> Result<()> {
+        let mut done: Vec<IoDone> = Vec::with_capacity(qd as usize * 2);
+        let start = Instant::now();
+        let measure_from = start + self.cfg.ramp;
+        let end = measure_from + self.cfg.time;
+        for slot in 0..qd {
+            let op = self.pick_op();
+            let b = self.pick_block();
+            self.issue(slot, op, b)?;
+        }
+        self.q.commit()?;
+        let mut inflight = qd;
+        let mut stopped = false;
+        let mut last_progress = Instant::now();
+        while inflight > 0 {
+            done.clear();
+            self.q.poll(&mut done)?;
+            if done.is_empty() {
+                if last_progress.elapsed() > STALL_TIMEOUT {
+                    return Err(Error::Timeout("no I/O completed for 30 s"));
+                }
+                std::hint::spin_loop();
+                continue;
+            }
+            let now = Instant::now();
+            last_progress = now;
+            stopped |= now >= end;
+            for d in done.iter().copied() {
+                let lat = self.complete(d)?;
+                inflight -= 1;
+                // Count what was issued and finished inside the measured window.
+                let s = self.slots[d.slot as usize];
+                if s.start >= measure_from && now <= end {
+                    self.r.hist.saturating_record(lat.max(1));
+                    self.r.ios += 1;
+                    match s.op {
+                        Op::Read => self.r.reads += 1,
+                        Op::Write => self.r.writes += 1,
+                    }
+                }
+                if !stopped {
+                    let op = self.pick_op();
+                    let b = self.pick_block();
+                    self.issue(d.slot, op, b)?;
+                    inflight += 1;
+                }
+            }
+            if !stopped {
+                self.q.commit()?;
+            }
+        }
+        let measured_end = Instant::now().min(end);
+        self.r.secs = measured_end
+            .saturating_duration_since(measure_from)
+            .as_secs_f64();
+        Ok(())
+    }
+}
+
+pub(crate) fn merge(cfg: &WorkloadConfig, jobs: Vec<JobResult>) -> Report {
+    let mut all = new_hist();
+    let mut rep = Report {
+        rw: cfg.rw.name(),
+        bs: cfg.bs,
+        qd: cfg.qd,
+        jobs_count: cfg.jobs,
+        ..Default::default()
+    };
+    let mut secs: f64 = 0.0;
+    for j in &jobs {
+        // Same bounds everywhere, so adding cannot fail.
+        let _ = all.add(&j.hist);
+        rep.ios += j.ios;
+        rep.reads += j.reads;
+        rep.writes += j.writes;
+        rep.errors += j.errors;
+        rep.verify_errors += j.verify_errors;
+        rep.unverified_reads += j.unverified;
+        secs = secs.max(j.secs);
+        let (iops, bw) = rate(j.ios, cfg.bs, j.secs);
+        rep.jobs.push(JobReport {
+            job: j.job,
+            ios: j.ios,
+            iops,
+            bw_mib_s: bw,
+            errors: j.errors,
+            verify_errors: j.verify_errors,
+            lat_ns: LatStats::from_hist(&j.hist),
+        });
+    }
+    rep.elapsed_s = secs;
+    (rep.iops, rep.bw_mib_s) = rate(rep.ios, cfg.bs, secs);
+    rep.lat_ns = LatStats::from_hist(&all);
+    rep
+}
