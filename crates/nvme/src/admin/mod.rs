@@ -1,0 +1,251 @@
+//! Admin command set, executed on the controller's control thread.
+
+pub(crate) mod features;
+mod queues;
+
+use std::sync::atomic::Ordering;
+
+use guest_mem::{Access, MemoryMap};
+
+use crate::ctrl::{Inner, State};
+use crate::identify;
+use crate::io::{write_event_idx, write_shadow_db, Shadow};
+use crate::iov::{Iov, PAGE};
+use crate::log::smart_page;
+use crate::queue::Sqe;
+use crate::status::Status;
+
+const DELETE_SQ: u8 = 0x00;
+const CREATE_SQ: u8 = 0x01;
+const GET_LOG_PAGE: u8 = 0x02;
+const DELETE_CQ: u8 = 0x04;
+const CREATE_CQ: u8 = 0x05;
+const IDENTIFY: u8 = 0x06;
+const ABORT: u8 = 0x08;
+const SET_FEATURES: u8 = 0x09;
+const GET_FEATURES: u8 = 0x0a;
+const ASYNC_EVENT: u8 = 0x0c;
+const KEEP_ALIVE: u8 = 0x18;
+const DOORBELL_BUFFER_CONFIG: u8 = 0x7c;
+
+const LOG_ERROR: u8 = 0x01;
+const LOG_SMART: u8 = 0x02;
+const LOG_FIRMWARE: u8 = 0x03;
+const LOG_CHANGED_NS: u8 = 0x04;
+
+type Done = Option<(u32, Status)>;
+
+fn ok(dw0: u32) -> Done {
+    Some((dw0, Status::SUCCESS))
+}
+fn err(s: Status) -> Done {
+    Some((0, s))
+}
+
+impl Inner {
+    /// Executes one admin command; `None` means it stays outstanding (AER).
+    pub(crate) fn exec_admin(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
+        if sqe.fuse() != 0 {
+            return err(Status::INVALID_FIELD);
+        }
+        match sqe.opcode() {
+            DELETE_SQ => self.delete_sq(st, sqe),
+            CREATE_SQ => self.create_sq(st, map, sqe),
+            DELETE_CQ => self.delete_cq(st, sqe),
+            CREATE_CQ => self.create_cq(st, map, sqe),
+            IDENTIFY => self.identify(map, sqe),
+            GET_LOG_PAGE => self.get_log_page(st, map, sqe),
+            SET_FEATURES => {
+                let fid = sqe.cdw(10) as u8;
+                let save = sqe.cdw(10) & (1 << 31) != 0;
+                match st.features.set(fid, save, sqe.cdw(11)) {
+                    Ok(dw0) => {
+                        self.shared.wce.store(st.features.wce, Ordering::Relaxed);
+                        ok(dw0)
+                    }
+                    Err(s) => err(s),
+                }
+            }
+            GET_FEATURES => {
+                let sel = (sqe.cdw(10) >> 8) & 7;
+                match st.features.get(sqe.cdw(10) as u8, sel, sqe.cdw(11)) {
+                    Ok(v) => ok(v),
+                    Err(s) => err(s),
+                }
+            }
+            ASYNC_EVENT => {
+                if st.aer.len() > usize::from(identify::AERL) {
+                    return err(Status::AER_LIMIT_EXCEEDED);
+                }
+                st.aer.push(sqe.cid());
+                None
+            }
+            // Commands complete almost at once; "not aborted" (dw0 bit 0) is legal.
+            ABORT => ok(1),
+            KEEP_ALIVE => ok(0),
+            DOORBELL_BUFFER_CONFIG => self.doorbell_buffer_config(st, map, sqe),
+            _ => err(Status::INVALID_OPCODE),
+        }
+    }
+
+    /// Copies `data` to the host buffer of an admin command (PRPs only).
+    fn data_out(&self, map: &MemoryMap, sqe: &Sqe, data: &[u8]) -> Status {
+        if sqe.psdt() != 0 {
+            return Status::INVALID_FIELD;
+        }
+        let page = self.shared.doorbells.all();
+        let Some(empty) = page.sub(0, 0) else {
+            return Status::INTERNAL_ERROR;
+        };
+        let mut iov = Iov::new(empty);
+        let r = crate::prp::walk(
+            map,
+            sqe.prp1(),
+            sqe.prp2(),
+            data.len() as u64,
+            Access::Write,
+            &mut iov,
+        );
+        match r {
+            Ok(()) => {
+                iov.copy_out(data);
+                Status::SUCCESS
+            }
+            Err(s) => s,
+        }
+    }
+
+    fn ns_index(&self, nsid: u32) -> Option<usize> {
+        let i = (nsid as usize).checked_sub(1)?;
+        (i < self.shared.ns.len()).then_some(i)
+    }
+
+    fn identify(&self, map: &MemoryMap, sqe: &Sqe) -> Done {
+        let cns = sqe.cdw(10) as u8;
+        let nsid = sqe.nsid();
+        let data = match cns {
+            0x00 => {
+                let Some(i) = self.ns_index(nsid) else {
+                    return err(Status::INVALID_NAMESPACE);
+                };
+                let Some(dev) = self.shared.ns.get(i) else {
+                    return err(Status::INVALID_NAMESPACE);
+                };
+                identify::namespace(&self.cfg, nsid, dev.as_ref())
+            }
+            0x01 => identify::controller(&self.cfg, self.mdts(), &self.shared.ns),
+            0x02 => {
+                if nsid >= 0xffff_fffe {
+                    return err(Status::INVALID_NAMESPACE);
+                }
+                identify::ns_list(nsid, self.shared.ns.len())
+            }
+            0x03 => {
+                if self.ns_index(nsid).is_none() {
+                    return err(Status::INVALID_NAMESPACE);
+                }
+                identify::ns_descriptors(&self.cfg, nsid)
+            }
+            _ => return err(Status::INVALID_FIELD),
+        };
+        err(self.data_out(map, sqe, &data))
+    }
+
+    pub(crate) fn mdts(&self) -> u8 {
+        crate::iov::effective_mdts(self.cfg.mdts)
+    }
+
+    fn get_log_page(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
+        let lid = sqe.cdw(10) as u8;
+        let numd = (sqe.cdw(10) >> 16) | ((sqe.cdw(11) & 0xffff) << 16);
+        let len = (u64::from(numd) + 1) * 4;
+        let offset = u64::from(sqe.cdw(12)) | (u64::from(sqe.cdw(13)) << 32);
+        if offset % 4 != 0 {
+            return err(Status::INVALID_FIELD);
+        }
+        // The host buffer may not exceed what a command may transfer.
+        if len > (PAGE << self.mdts()) {
+            return err(Status::INVALID_FIELD);
+        }
+        let page = match lid {
+            LOG_ERROR => {
+                let log = self.shared.errors.lock().unwrap_or_else(|e| e.into_inner());
+                let mut b = Vec::with_capacity(64 * log.ring.len());
+                for e in log.ring.iter().rev() {
+                    b.extend_from_slice(&e.to_bytes());
+                }
+                b
+            }
+            LOG_SMART => {
+                let t = self.totals(st);
+                let errors = self
+                    .shared
+                    .errors
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .count;
+                smart_page(&t, errors, st.features.temperature())
+            }
+            LOG_FIRMWARE => {
+                let mut b = vec![0u8; 512];
+                b[0] = 1; // active slot 1
+                let mut fr = self.cfg.firmware.as_bytes().to_vec();
+                fr.resize(8, b' ');
+                b[8..16].copy_from_slice(&fr[..8]);
+                b
+            }
+            // Namespaces never change yet: an empty list.
+            LOG_CHANGED_NS => vec![0u8; 4096],
+            _ => return err(Status::INVALID_LOG_PAGE),
+        };
+        let mut out = vec![0u8; len as usize];
+        if let Some(src) = usize::try_from(offset).ok().and_then(|o| page.get(o..)) {
+            let n = src.len().min(out.len());
+            out[..n].copy_from_slice(&src[..n]);
+        } else {
+            return err(Status::INVALID_FIELD);
+        }
+        err(self.data_out(map, sqe, &out))
+    }
+
+    pub(crate) fn totals(&self, st: &State) -> crate::log::Totals {
+        let mut t = st.retired;
+        for g in st.groups.values() {
+            t.add(&g.counters);
+        }
+        t
+    }
+
+    fn doorbell_buffer_config(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
+        let (db, ei) = (sqe.prp1(), sqe.prp2());
+        let usable = |a: u64| {
+            a != 0
+                && a.is_multiple_of(PAGE)
+                && map.translate(a, PAGE as usize, Access::Write).is_ok()
+        };
+        if sqe.psdt() != 0 || !usable(db) || !usable(ei) {
+            return err(Status::INVALID_FIELD);
+        }
+        let shadow = Shadow { db, ei };
+        st.shadow = Some(shadow);
+        // Existing queues switch over: seed the shadow with the values we already
+        // hold so the switch does not look like a doorbell jump.
+        let ids: Vec<u16> = st.groups.keys().copied().collect();
+        for cqid in ids {
+            let Some(mut g) = self.take_group(st, cqid) else {
+                continue;
+            };
+            g.shadow = Some(shadow);
+            write_shadow_db(map, shadow, g.cq.qid, true, g.cq.head);
+            write_event_idx(map, shadow, g.cq.qid, true, g.cq.head);
+            for sq in &g.sqs {
+                write_shadow_db(map, shadow, sq.ring.qid, false, sq.ring.head);
+                write_event_idx(map, shadow, sq.ring.qid, false, sq.ring.head);
+            }
+            if let Err(s) = self.place_group(st, g) {
+                return err(s);
+            }
+        }
+        ok(0)
+    }
+}

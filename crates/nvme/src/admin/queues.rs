@@ -1,0 +1,142 @@
+//! Create/Delete I/O Submission and Completion Queue.
+
+use guest_mem::{Access, MemoryMap};
+
+use crate::ctrl::{Inner, State};
+use crate::io::{write_event_idx, write_shadow_db, QueueGroup};
+use crate::queue::{CqRing, SqRing, Sqe, CQE_SIZE, SQE_SIZE};
+use crate::regs;
+use crate::status::Status;
+
+use super::{err, ok, Done};
+
+impl Inner {
+    fn queue_id(&self, sqe: &Sqe) -> Option<u16> {
+        let qid = sqe.cdw(10) as u16;
+        (qid != 0 && qid <= self.cfg.max_io_queues).then_some(qid)
+    }
+
+    /// Entries requested, checked against MQES.
+    fn queue_size(&self, sqe: &Sqe) -> Result<u16, Status> {
+        let n = (sqe.cdw(10) >> 16) + 1;
+        if n < 2 || n > u32::from(self.cfg.max_queue_entries) {
+            return Err(Status::INVALID_QUEUE_SIZE);
+        }
+        Ok(n as u16)
+    }
+
+    pub(super) fn create_cq(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
+        let Some(qid) = self.queue_id(sqe).filter(|q| !st.groups.contains_key(q)) else {
+            return err(Status::INVALID_QUEUE_ID);
+        };
+        let size = match self.queue_size(sqe) {
+            Ok(s) => s,
+            Err(s) => return err(s),
+        };
+        let cdw11 = sqe.cdw(11);
+        let ien = cdw11 & 2 != 0;
+        let vector = (cdw11 >> 16) as u16;
+        if cdw11 & 1 == 0 || regs::cc_iocqes(st.regs.cc) != 4 {
+            return err(Status::INVALID_FIELD);
+        }
+        if vector >= self.cfg.msix_vectors {
+            return err(Status::INVALID_VECTOR);
+        }
+        let base = sqe.prp1();
+        let bytes = usize::from(size) * CQE_SIZE;
+        if !base.is_multiple_of(4096) || map.translate(base, bytes, Access::Write).is_err() {
+            return err(Status::INVALID_FIELD);
+        }
+        let cq = CqRing::new(qid, base, size, ien, vector);
+        let g = match QueueGroup::new(self.shared.clone(), self.mem.clone(), cq, st.shadow) {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::error!("nvme: cannot open backend channels: {e}");
+                return err(Status::INTERNAL_ERROR);
+            }
+        };
+        if let Some(s) = st.shadow {
+            write_shadow_db(map, s, qid, true, 0);
+            write_event_idx(map, s, qid, true, 0);
+        }
+        match self.place_group(st, g) {
+            Ok(()) => ok(0),
+            Err(s) => err(s),
+        }
+    }
+
+    pub(super) fn create_sq(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
+        let Some(qid) = self.queue_id(sqe).filter(|q| !st.sq_owner.contains_key(q)) else {
+            return err(Status::INVALID_QUEUE_ID);
+        };
+        let size = match self.queue_size(sqe) {
+            Ok(s) => s,
+            Err(s) => return err(s),
+        };
+        let cdw11 = sqe.cdw(11);
+        let cqid = (cdw11 >> 16) as u16;
+        if cqid == 0 || !st.groups.contains_key(&cqid) {
+            return err(Status::CQ_INVALID);
+        }
+        if cdw11 & 1 == 0 || regs::cc_iosqes(st.regs.cc) != 6 {
+            return err(Status::INVALID_FIELD);
+        }
+        let base = sqe.prp1();
+        let bytes = usize::from(size) * SQE_SIZE;
+        if !base.is_multiple_of(4096) || map.translate(base, bytes, Access::Read).is_err() {
+            return err(Status::INVALID_FIELD);
+        }
+        let Some(mut g) = self.take_group(st, cqid) else {
+            st.groups.remove(&cqid);
+            return err(Status::INTERNAL_ERROR);
+        };
+        if let Some(s) = st.shadow {
+            write_shadow_db(map, s, qid, false, 0);
+            write_event_idx(map, s, qid, false, 0);
+        }
+        g.add_sq(SqRing {
+            qid,
+            base,
+            size,
+            head: 0,
+        });
+        st.sq_owner.insert(qid, cqid);
+        match self.place_group(st, g) {
+            Ok(()) => ok(0),
+            Err(s) => err(s),
+        }
+    }
+
+    pub(super) fn delete_sq(&self, st: &mut State, sqe: &Sqe) -> Done {
+        let qid = sqe.cdw(10) as u16;
+        let Some(cqid) = st.sq_owner.get(&qid).copied().filter(|_| qid != 0) else {
+            return err(Status::INVALID_QUEUE_ID);
+        };
+        st.sq_owner.remove(&qid);
+        let Some(mut g) = self.take_group(st, cqid) else {
+            st.groups.remove(&cqid);
+            return err(Status::INTERNAL_ERROR);
+        };
+        g.remove_sq(qid);
+        match self.place_group(st, g) {
+            Ok(()) => ok(0),
+            Err(s) => err(s),
+        }
+    }
+
+    pub(super) fn delete_cq(&self, st: &mut State, sqe: &Sqe) -> Done {
+        let qid = sqe.cdw(10) as u16;
+        if qid == 0 || !st.groups.contains_key(&qid) {
+            return err(Status::INVALID_QUEUE_ID);
+        }
+        if st.sq_owner.values().any(|c| *c == qid) {
+            return err(Status::INVALID_QUEUE_DELETION);
+        }
+        if let Some(mut g) = self.take_group(st, qid) {
+            g.drain();
+            st.retired.add(&g.counters);
+        }
+        st.groups.remove(&qid);
+        ok(0)
+    }
+}

@@ -1,0 +1,426 @@
+//! Controller state shared by the control path (registers, admin queue, queue
+//! registry) and the pieces reactors read (doorbell page, fatal flag, error log).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bdev::BlockDevice;
+use crossbeam_channel::Receiver;
+use engine::{Engine, Placer, PollerId};
+use guest_mem::{Access, DmaSpace, SharedMem};
+
+use crate::admin::features::Features;
+use crate::io::{GroupPoller, QueueGroup, Shadow};
+use crate::log::{Counters, ErrorEntry, ErrorLog, Totals};
+use crate::queue::{db_index, CqRing, SqRing, Sqe};
+use crate::regs::{self, Regs};
+use crate::status::Status;
+use crate::{ControllerConfig, InterruptSink, DOORBELL_OFFSET};
+
+/// What reactors share with the control path; read-mostly.
+pub(crate) struct Shared {
+    pub doorbells: SharedMem,
+    /// Set by a queue that saw a hostile doorbell or lost its ring: CSTS.CFS.
+    pub fatal: AtomicBool,
+    pub irqs: Arc<dyn InterruptSink>,
+    pub errors: Mutex<ErrorLog>,
+    /// Volatile Write Cache enable (Set Features 06h).
+    pub wce: AtomicBool,
+    pub ns: Vec<Arc<dyn BlockDevice>>,
+    pub mdts_bytes: u64,
+}
+
+impl Shared {
+    pub fn set_fatal(&self, why: &str) {
+        if !self.fatal.swap(true, Ordering::AcqRel) {
+            tracing::warn!("nvme: controller fatal status: {why}");
+        }
+    }
+
+    pub fn record_error(&self, e: ErrorEntry) {
+        self.errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(e);
+    }
+
+    fn clear_doorbells(&self) {
+        if let Some(s) = self.doorbells.slice(DOORBELL_OFFSET, 0x1000) {
+            s.fill(0);
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdminQueues {
+    pub sq: SqRing,
+    pub cq: CqRing,
+}
+
+pub(crate) enum Place {
+    Parked(Box<QueueGroup>),
+    Running {
+        id: PollerId,
+        back: Receiver<Box<QueueGroup>>,
+    },
+    /// Taken by the control path (or lost with a stopped reactor).
+    Out,
+}
+
+pub(crate) struct GroupEntry {
+    pub counters: Arc<Counters>,
+    pub place: Place,
+}
+
+pub(crate) struct State {
+    pub regs: Regs,
+    pub admin: Option<AdminQueues>,
+    /// Queue groups by CQ id.
+    pub groups: BTreeMap<u16, GroupEntry>,
+    /// SQ id -> CQ id.
+    pub sq_owner: BTreeMap<u16, u16>,
+    pub features: Features,
+    pub aer: Vec<u16>,
+    pub events: VecDeque<u32>,
+    pub shadow: Option<Shadow>,
+    pub retired: Totals,
+    pub admin_commands: u64,
+}
+
+pub(crate) struct Inner {
+    pub cfg: ControllerConfig,
+    pub shared: Arc<Shared>,
+    pub engine: Arc<Engine>,
+    pub placer: Placer,
+    pub mem: Arc<DmaSpace>,
+    pub state: Mutex<State>,
+    pub stop: AtomicBool,
+    pub thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Inner {
+    pub fn new(
+        cfg: ControllerConfig,
+        shared: Arc<Shared>,
+        engine: Arc<Engine>,
+        placer: Placer,
+        mem: Arc<DmaSpace>,
+    ) -> Inner {
+        let cap = regs::capabilities(cfg.max_queue_entries.saturating_sub(1));
+        let features = Features::new(&cfg, shared.wce.load(Ordering::Relaxed));
+        Inner {
+            cfg,
+            shared,
+            engine,
+            placer,
+            mem,
+            state: Mutex::new(State {
+                regs: Regs::new(cap),
+                admin: None,
+                groups: BTreeMap::new(),
+                sq_owner: BTreeMap::new(),
+                features,
+                aer: Vec::new(),
+                events: VecDeque::new(),
+                shadow: None,
+                retired: Totals::default(),
+                admin_commands: 0,
+            }),
+            stop: AtomicBool::new(false),
+            thread: Mutex::new(None),
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn read32(&self, off: u64) -> u32 {
+        if (DOORBELL_OFFSET..DOORBELL_OFFSET + 0x1000).contains(&off) {
+            return self
+                .shared
+                .doorbells
+                .all()
+                .load_u32(off as usize)
+                .map(u32::from_le)
+                .unwrap_or(0);
+        }
+        let fatal = self.shared.fatal.load(Ordering::Acquire);
+        self.lock().regs.read32(off, fatal)
+    }
+
+    pub fn write32(&self, off: u64, v: u32) {
+        if (DOORBELL_OFFSET..DOORBELL_OFFSET + 0x1000).contains(&off) {
+            // Same page the client may map: a doorbell by message lands where the
+            // pollers look.
+            self.shared
+                .doorbells
+                .all()
+                .store_u32(off as usize, v.to_le());
+            return;
+        }
+        let mut st = self.lock();
+        if off == regs::CC {
+            self.write_cc(&mut st, v);
+        } else {
+            st.regs.write_plain(off, v);
+        }
+    }
+
+    fn write_cc(&self, st: &mut State, v: u32) {
+        let old = st.regs.cc;
+        st.regs.cc = v;
+        let was = old & regs::CC_EN != 0;
+        let now = v & regs::CC_EN != 0;
+        if was && !now {
+            self.disable(st);
+            st.regs.cc = v;
+        } else if !was && now {
+            self.enable(st);
+        }
+        if regs::cc_shn(v) != 0 && regs::cc_shn(old) == 0 {
+            // Nothing is buffered in the controller: backends own durability, and the
+            // host flushes volatile caches before shutting down.
+            st.regs.shst = regs::SHST_COMPLETE;
+        }
+    }
+
+    fn enable(&self, st: &mut State) {
+        let r = &st.regs;
+        let asqs = (r.aqa & 0xfff) + 1;
+        let acqs = ((r.aqa >> 16) & 0xfff) + 1;
+        let bad = regs::cc_css(r.cc) != 0
+            || regs::cc_mps(r.cc) != 0
+            || regs::cc_ams(r.cc) != 0
+            || asqs < 2
+            || acqs < 2
+            || !r.asq.is_multiple_of(4096)
+            || !r.acq.is_multiple_of(4096)
+            || r.asq == 0
+            || r.acq == 0;
+        if bad {
+            tracing::warn!(cc = r.cc, aqa = r.aqa, "nvme: invalid controller enable");
+            st.regs.cfs = true;
+            return;
+        }
+        st.admin = Some(AdminQueues {
+            sq: SqRing {
+                qid: 0,
+                base: r.asq,
+                size: asqs as u16,
+                head: 0,
+            },
+            cq: CqRing::new(0, r.acq, acqs as u16, true, 0),
+        });
+        st.regs.shst = 0;
+        st.regs.rdy = true;
+    }
+
+    /// CC.EN 1->0: every queue goes, state back to power-on except registers the
+    /// host programs before enabling again.
+    pub fn disable(&self, st: &mut State) {
+        self.teardown_queues(st);
+        st.admin = None;
+        st.aer.clear();
+        st.events.clear();
+        st.shadow = None;
+        st.features = Features::new(&self.cfg, self.features_default_wce());
+        self.shared.wce.store(st.features.wce, Ordering::Relaxed);
+        st.regs.rdy = false;
+        st.regs.cfs = false;
+        st.regs.shst = 0;
+        self.shared.clear_doorbells();
+        self.shared.fatal.store(false, Ordering::Release);
+    }
+
+    fn features_default_wce(&self) -> bool {
+        self.shared.ns.iter().any(|d| d.info().write_cache)
+    }
+
+    /// Full reset: like CC.EN 1->0 plus every register back to its reset value.
+    pub fn reset(&self) {
+        let mut st = self.lock();
+        self.disable(&mut st);
+        st.regs.reset();
+    }
+
+    pub fn teardown_queues(&self, st: &mut State) {
+        let ids: Vec<u16> = st.groups.keys().copied().collect();
+        for cqid in ids {
+            if let Some(mut g) = self.take_group(st, cqid) {
+                g.drain();
+                st.retired.add(&g.counters);
+            }
+            st.groups.remove(&cqid);
+        }
+        st.sq_owner.clear();
+    }
+
+    /// Gets a group's state back from wherever it is (parked or on a reactor).
+    /// The registry entry stays; the caller puts the group back with `place_group`.
+    pub fn take_group(&self, st: &mut State, cqid: u16) -> Option<Box<QueueGroup>> {
+        let entry = st.groups.get_mut(&cqid)?;
+        match std::mem::replace(&mut entry.place, Place::Out) {
+            Place::Out => None,
+            Place::Parked(g) => Some(g),
+            Place::Running { id, back } => {
+                let p = self.engine.remove_poller(id).ok().flatten();
+                drop(p);
+                back.try_recv().ok()
+            }
+        }
+    }
+
+    /// Parks a group without SQs (nothing to poll) or hands it to its reactor.
+    pub fn place_group(&self, st: &mut State, g: Box<QueueGroup>) -> Result<(), Status> {
+        let cqid = g.cq.qid;
+        let counters = g.counters.clone();
+        let place = if g.sqs.is_empty() {
+            Place::Parked(g)
+        } else {
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let poller = GroupPoller {
+                group: Some(g),
+                back: tx,
+            };
+            let reactor = self.placer.reactor_for(usize::from(cqid));
+            match self.engine.add_poller(reactor, Box::new(poller)) {
+                Ok(id) => Place::Running { id, back: rx },
+                Err(e) => {
+                    tracing::error!("nvme: cannot start queue group {cqid}: {e}");
+                    // The poller was dropped and sent the group back.
+                    if let Ok(mut g) = rx.try_recv() {
+                        g.drain();
+                        st.retired.add(&g.counters);
+                    }
+                    st.groups.remove(&cqid);
+                    st.sq_owner.retain(|_, c| *c != cqid);
+                    return Err(Status::INTERNAL_ERROR);
+                }
+            }
+        };
+        st.groups.insert(cqid, GroupEntry { counters, place });
+        Ok(())
+    }
+
+    /// One pass over the admin queue. Returns the number of commands handled.
+    pub fn admin_poll(&self, st: &mut State) -> usize {
+        let Some(mut q) = st.admin else { return 0 };
+        if self.shared.fatal.load(Ordering::Acquire) {
+            return 0;
+        }
+        let page = self.shared.doorbells.all();
+        let db = |qid, cq| {
+            page.load_u32(DOORBELL_OFFSET as usize + db_index(qid, cq))
+                .map(u32::from_le)
+                .unwrap_or(0)
+        };
+        let tail = db(0, false);
+        let head = db(0, true);
+        if tail >= u32::from(q.sq.size) || head >= u32::from(q.cq.size) {
+            self.shared.set_fatal("admin doorbell beyond queue size");
+            return 0;
+        }
+        q.cq.head = head as u16;
+        let pending_aer = !st.events.is_empty() && !st.aer.is_empty();
+        if tail as u16 == q.sq.head && !pending_aer {
+            return 0;
+        }
+        let (_, map) = self.mem.snapshot();
+        let (Ok(sq_ring), Ok(cq_ring)) = (
+            map.translate(q.sq.base, q.sq.ring_bytes(), Access::Read),
+            map.translate(q.cq.base, q.cq.ring_bytes(), Access::Write),
+        ) else {
+            self.shared.set_fatal("admin queue memory unmapped");
+            return 0;
+        };
+        let mut posted = 0usize;
+        while q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
+            let (Some(ev), cid) = (st.events.pop_front(), st.aer.remove(0)) else {
+                break;
+            };
+            if !q.cq.post(&cq_ring, ev, q.sq.head, 0, cid, Status::SUCCESS) {
+                break;
+            }
+            posted += 1;
+        }
+        while q.sq.head != tail as u16 && q.cq.free() > 0 {
+            let Some(sqe) = Sqe::fetch(&sq_ring, q.sq.head) else {
+                self.shared.set_fatal("cannot read admin SQ entry");
+                return posted;
+            };
+            q.sq.advance();
+            st.admin_commands = st.admin_commands.wrapping_add(1);
+            if let Some((dw0, status)) = self.exec_admin(st, &map, &sqe) {
+                if !status.is_ok() {
+                    self.shared.record_error(ErrorEntry {
+                        count: 0,
+                        sqid: 0,
+                        cid: sqe.cid(),
+                        status,
+                        lba: 0,
+                        nsid: sqe.nsid(),
+                    });
+                }
+                if !q.cq.post(&cq_ring, dw0, q.sq.head, 0, sqe.cid(), status) {
+                    self.shared.set_fatal("cannot write admin CQ entry");
+                    return posted;
+                }
+                posted += 1;
+            }
+        }
+        if st.admin.is_some() {
+            st.admin = Some(q);
+        }
+        if posted > 0 {
+            self.shared.irqs.signal(0);
+        }
+        posted.max(1)
+    }
+
+    pub fn stop_admin_thread(&self) {
+        self.stop.store(true, Ordering::Release);
+        let t = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = t {
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        self.teardown_queues(&mut st);
+    }
+}
+
+pub(crate) fn admin_thread(weak: Weak<Inner>) {
+    let mut last_work = Instant::now();
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let n = {
+            let mut st = inner.lock();
+            inner.admin_poll(&mut st)
+        };
+        drop(inner);
+        if n > 0 {
+            last_work = Instant::now();
+        }
+        // Spin briefly after activity (a driver's init issues commands back to back),
+        // then sleep so an idle controller costs nothing.
+        if last_work.elapsed() < Duration::from_millis(2) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(150));
+        }
+    }
+}

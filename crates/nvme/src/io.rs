@@ -1,0 +1,595 @@
+//! I/O queue groups: one completion queue plus the submission queues that post to
+//! it, polled as one [`engine::Poller`] on one reactor. No locks, no allocation per
+//! command: slots are preallocated per SQ and iovecs live on the stack.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bdev::{IoChannel, IoOp, IoRequest, IoStatus};
+use crossbeam_channel::Sender;
+use guest_mem::{Access, DmaSlice, DmaSpace, MemView, MemoryMap};
+
+use crate::ctrl::Shared;
+use crate::iov::Iov;
+use crate::log::{bump, Counters, ErrorEntry};
+use crate::queue::{db_index, CqRing, SqRing, Sqe};
+use crate::status::Status;
+use crate::DOORBELL_OFFSET;
+
+pub(crate) const OP_FLUSH: u8 = 0x00;
+pub(crate) const OP_WRITE: u8 = 0x01;
+pub(crate) const OP_READ: u8 = 0x02;
+pub(crate) const OP_WRITE_ZEROES: u8 = 0x08;
+pub(crate) const OP_DSM: u8 = 0x09;
+
+/// Commands taken from one SQ per poll, so one busy queue cannot starve the others.
+const BUDGET: u32 = 128;
+const MAX_DSM_RANGES: usize = 256;
+
+/// Shadow doorbell buffer and EventIdx buffer (Doorbell Buffer Config).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Shadow {
+    pub db: u64,
+    pub ei: u64,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Slot {
+    cid: u16,
+    opcode: u8,
+    /// Backend requests still outstanding (DSM may issue several).
+    pending: u16,
+    status: Status,
+    nsid: u32,
+    slba: u64,
+    bytes: u64,
+}
+
+pub(crate) struct IoSq {
+    pub ring: SqRing,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+}
+
+pub(crate) struct QueueGroup {
+    shared: Arc<Shared>,
+    view: MemView,
+    pub cq: CqRing,
+    pub sqs: Vec<IoSq>,
+    chans: Vec<Box<dyn IoChannel>>,
+    pub shadow: Option<Shadow>,
+    pub counters: Arc<Counters>,
+    inflight: u32,
+}
+
+enum Exec {
+    Done(Status),
+    Pending(u16),
+}
+
+/// Current doorbell value: from the shadow buffer when configured (falling back to
+/// the doorbell page if the host unmapped it), else from the doorbell page.
+fn read_db(
+    map: &MemoryMap,
+    page: &DmaSlice<'_>,
+    shadow: Option<Shadow>,
+    qid: u16,
+    cq: bool,
+) -> u32 {
+    let idx = db_index(qid, cq);
+    if let Some(s) = shadow {
+        let v =
+            s.db.checked_add(idx as u64)
+                .and_then(|a| map.translate(a, 4, Access::Read).ok())
+                .and_then(|w| w.load_u32(0));
+        if let Some(v) = v {
+            return u32::from_le(v);
+        }
+    }
+    page.load_u32(DOORBELL_OFFSET as usize + idx)
+        .map(u32::from_le)
+        .unwrap_or(0)
+}
+
+pub(crate) fn write_event_idx(map: &MemoryMap, shadow: Shadow, qid: u16, cq: bool, v: u16) {
+    if let Some(w) = shadow
+        .ei
+        .checked_add(db_index(qid, cq) as u64)
+        .and_then(|a| map.translate(a, 4, Access::Write).ok())
+    {
+        w.store_u32(0, u32::from(v).to_le());
+    }
+}
+
+pub(crate) fn write_shadow_db(map: &MemoryMap, shadow: Shadow, qid: u16, cq: bool, v: u16) {
+    if let Some(w) = shadow
+        .db
+        .checked_add(db_index(qid, cq) as u64)
+        .and_then(|a| map.translate(a, 4, Access::Write).ok())
+    {
+        w.store_u32(0, u32::from(v).to_le());
+    }
+}
+
+/// Resolves a command's data pointer (PRP or SGL per PSDT) into `iov`.
+pub(crate) fn data_ptr<'a>(
+    map: &'a MemoryMap,
+    sqe: &Sqe,
+    len: u64,
+    access: Access,
+    iov: &mut Iov<'a>,
+) -> Result<(), Status> {
+    match sqe.psdt() {
+        0 => crate::prp::walk(map, sqe.prp1(), sqe.prp2(), len, access, iov),
+        1 | 2 => crate::sgl::walk(map, sqe.sgl1(), len, access, iov),
+        _ => Err(Status::INVALID_FIELD),
+    }
+}
+
+fn is_write(op: u8) -> bool {
+    matches!(op, OP_WRITE | OP_WRITE_ZEROES | OP_DSM)
+}
+
+impl QueueGroup {
+    pub fn new(
+        shared: Arc<Shared>,
+        mem: Arc<DmaSpace>,
+        cq: CqRing,
+        shadow: Option<Shadow>,
+    ) -> std::io::Result<Box<QueueGroup>> {
+        let chans = shared
+            .ns
+            .iter()
+            .map(|d| d.channel())
+            .collect::<std::io::Result<Vec<_>>>()?;
+        Ok(Box::new(QueueGroup {
+            shared,
+            view: MemView::new(mem),
+            cq,
+            sqs: Vec::new(),
+            chans,
+            shadow,
+            counters: Arc::new(Counters::default()),
+            inflight: 0,
+        }))
+    }
+
+    pub fn add_sq(&mut self, ring: SqRing) {
+        let n = u32::from(ring.size);
+        self.sqs.push(IoSq {
+            ring,
+            slots: vec![Slot::default(); n as usize],
+            free: (0..n).rev().collect(),
+        });
+    }
+
+    /// Detaches SQ `qid` after letting its in-flight commands finish.
+    pub fn remove_sq(&mut self, qid: u16) {
+        self.drain();
+        self.sqs.retain(|s| s.ring.qid != qid);
+    }
+
+    /// Waits (bounded) for asynchronous backend requests; their completions are
+    /// dropped because the queue is going away.
+    pub fn drain(&mut self) {
+        let start = Instant::now();
+        while self.inflight > 0 && start.elapsed() < Duration::from_secs(5) {
+            let mut n = 0u32;
+            for ch in self.chans.iter_mut() {
+                ch.flush();
+                ch.poll(&mut |_, _| n += 1);
+            }
+            self.inflight = self.inflight.saturating_sub(n);
+            if n == 0 {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        self.inflight = 0;
+        for sq in self.sqs.iter_mut() {
+            let n = sq.slots.len() as u32;
+            sq.free.clear();
+            sq.free.extend((0..n).rev());
+        }
+    }
+
+    pub fn poll(&mut self) -> usize {
+        let QueueGroup {
+            shared,
+            view,
+            cq,
+            sqs,
+            chans,
+            shadow,
+            counters,
+            inflight,
+        } = self;
+        let shared: &Shared = shared;
+        if shared.fatal.load(Ordering::Relaxed) {
+            return 0;
+        }
+        // Keep the old snapshot while backends may still write into it.
+        let map = if *inflight == 0 {
+            view.refresh()
+        } else {
+            view.map()
+        };
+        let page = shared.doorbells.all();
+        let shadow = *shadow;
+        let head = read_db(map, &page, shadow, cq.qid, true);
+        if head >= u32::from(cq.size) {
+            shared.set_fatal("CQ head doorbell beyond queue size");
+            return 0;
+        }
+        cq.head = head as u16;
+        let Ok(cq_ring) = map.translate(cq.base, cq.ring_bytes(), Access::Write) else {
+            shared.set_fatal("I/O CQ memory unmapped");
+            return 0;
+        };
+        let mut posted = 0usize;
+        let mut work = 0usize;
+        if *inflight > 0 {
+            for ch in chans.iter_mut() {
+                ch.poll(&mut |tag, st| {
+                    if complete(sqs, cq, &cq_ring, counters, shared, inflight, tag, st) {
+                        posted += 1;
+                    }
+                });
+            }
+        }
+        let empty = page.sub(0, 0).unwrap_or(page);
+        let mut submitted = false;
+        for sq in sqs.iter_mut() {
+            let tail = read_db(map, &page, shadow, sq.ring.qid, false);
+            if tail >= u32::from(sq.ring.size) {
+                shared.set_fatal("SQ tail doorbell beyond queue size");
+                return work + posted;
+            }
+            let tail = tail as u16;
+            if tail == sq.ring.head {
+                continue;
+            }
+            if shadow.is_some() {
+                bump(&counters.shadow_reads, 1);
+            }
+            let Ok(sq_ring) = map.translate(sq.ring.base, sq.ring.ring_bytes(), Access::Read)
+            else {
+                shared.set_fatal("I/O SQ memory unmapped");
+                return work + posted;
+            };
+            let mut budget = BUDGET;
+            while sq.ring.head != tail && budget > 0 && cq.free() > *inflight {
+                let Some(idx) = sq.free.pop() else { break };
+                let Some(sqe) = Sqe::fetch(&sq_ring, sq.ring.head) else {
+                    shared.set_fatal("cannot read SQ entry");
+                    return work + posted;
+                };
+                sq.ring.advance();
+                budget -= 1;
+                work += 1;
+                let tag = (u64::from(sq.ring.qid) << 32) | u64::from(idx);
+                let Some(slot) = sq.slots.get_mut(idx as usize) else {
+                    continue;
+                };
+                match exec(map, empty, shared, chans, &sqe, tag, slot) {
+                    Exec::Done(st) => {
+                        submitted = true;
+                        account(counters, shared, sq.ring.qid, slot, st);
+                        if !cq.post(&cq_ring, 0, sq.ring.head, sq.ring.qid, slot.cid, st) {
+                            shared.set_fatal("cannot write CQ entry");
+                            return work + posted;
+                        }
+                        sq.free.push(idx);
+                        posted += 1;
+                    }
+                    Exec::Pending(n) => {
+                        submitted = true;
+                        slot.pending = n;
+                        *inflight += 1;
+                    }
+                }
+            }
+            if let Some(s) = shadow {
+                write_event_idx(map, s, sq.ring.qid, false, sq.ring.head);
+            }
+        }
+        if submitted {
+            for ch in chans.iter_mut() {
+                ch.flush();
+            }
+        }
+        if let Some(s) = shadow {
+            write_event_idx(map, s, cq.qid, true, cq.head);
+        }
+        if posted > 0 && cq.ien {
+            shared.irqs.signal(cq.vector);
+        }
+        work + posted
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn complete(
+    sqs: &mut [IoSq],
+    cq: &mut CqRing,
+    ring: &DmaSlice<'_>,
+    counters: &Counters,
+    shared: &Shared,
+    inflight: &mut u32,
+    tag: u64,
+    st: IoStatus,
+) -> bool {
+    let qid = (tag >> 32) as u16;
+    let idx = tag as u32;
+    let Some(sq) = sqs.iter_mut().find(|s| s.ring.qid == qid) else {
+        return false;
+    };
+    let Some(slot) = sq.slots.get_mut(idx as usize) else {
+        return false;
+    };
+    if slot.pending == 0 {
+        return false;
+    }
+    slot.pending -= 1;
+    if slot.status.is_ok() {
+        slot.status = Status::from_io(st, is_write(slot.opcode));
+    }
+    if slot.pending > 0 {
+        return false;
+    }
+    *inflight = inflight.saturating_sub(1);
+    sq.free.push(idx);
+    let status = slot.status;
+    account(counters, shared, qid, slot, status);
+    if !cq.post(ring, 0, sq.ring.head, qid, slot.cid, status) {
+        shared.set_fatal("cannot write CQ entry");
+        return false;
+    }
+    true
+}
+
+fn account(counters: &Counters, shared: &Shared, sqid: u16, slot: &Slot, st: Status) {
+    let ok = st.is_ok();
+    match slot.opcode {
+        OP_READ => {
+            bump(&counters.reads, 1);
+            if ok {
+                bump(&counters.bytes_read, slot.bytes);
+            }
+        }
+        OP_WRITE => {
+            bump(&counters.writes, 1);
+            if ok {
+                bump(&counters.bytes_written, slot.bytes);
+            }
+        }
+        OP_FLUSH => bump(&counters.flushes, 1),
+        _ => bump(&counters.other, 1),
+    }
+    if !ok {
+        bump(&counters.errors, 1);
+        shared.record_error(ErrorEntry {
+            count: 0,
+            sqid,
+            cid: slot.cid,
+            status: st,
+            lba: slot.slba,
+            nsid: slot.nsid,
+        });
+    }
+}
+
+fn submit(chan: &mut dyn IoChannel, tag: u64, req: &IoRequest<'_>, write: bool) -> Exec {
+    match chan.submit(tag, req) {
+        Some(st) => Exec::Done(Status::from_io(st, write)),
+        None => Exec::Pending(1),
+    }
+}
+
+/// First LBA and block count of a Read/Write/Write Zeroes command, range-checked.
+fn lba_range(sqe: &Sqe, num_blocks: u64) -> Result<(u64, u64), Status> {
+    let slba = u64::from(sqe.cdw(10)) | (u64::from(sqe.cdw(11)) << 32);
+    let nlb = u64::from(sqe.cdw(12) & 0xffff) + 1;
+    match slba.checked_add(nlb) {
+        Some(end) if end <= num_blocks => Ok((slba, nlb)),
+        _ => Err(Status::LBA_OUT_OF_RANGE),
+    }
+}
+
+fn exec<'a>(
+    map: &'a MemoryMap,
+    empty: DmaSlice<'a>,
+    shared: &Shared,
+    chans: &mut [Box<dyn IoChannel>],
+    sqe: &Sqe,
+    tag: u64,
+    slot: &mut Slot,
+) -> Exec {
+    let op = sqe.opcode();
+    *slot = Slot {
+        cid: sqe.cid(),
+        opcode: op,
+        nsid: sqe.nsid(),
+        ..Slot::default()
+    };
+    if !matches!(op, OP_FLUSH | OP_WRITE | OP_READ | OP_WRITE_ZEROES | OP_DSM) {
+        return Exec::Done(Status::INVALID_OPCODE);
+    }
+    if sqe.fuse() != 0 {
+        return Exec::Done(Status::INVALID_FIELD);
+    }
+    let idx = (sqe.nsid() as usize).wrapping_sub(1);
+    let (Some(dev), Some(chan)) = (shared.ns.get(idx), chans.get_mut(idx)) else {
+        return Exec::Done(Status::INVALID_NAMESPACE);
+    };
+    let chan: &mut dyn IoChannel = chan.as_mut();
+    let info = dev.info();
+    let bs = u64::from(info.block_size);
+    let write = is_write(op);
+    match op {
+        OP_FLUSH => {
+            let req = IoRequest {
+                op: IoOp::Flush,
+                offset: 0,
+                len: 0,
+                iov: &[],
+                fua: false,
+            };
+            submit(chan, tag, &req, true)
+        }
+        OP_READ | OP_WRITE => {
+            let (slba, nlb) = match lba_range(sqe, info.num_blocks) {
+                Ok(r) => r,
+                Err(s) => return Exec::Done(s),
+            };
+            slot.slba = slba;
+            let (Some(bytes), Some(offset)) = (nlb.checked_mul(bs), slba.checked_mul(bs)) else {
+                return Exec::Done(Status::LBA_OUT_OF_RANGE);
+            };
+            if bytes > shared.mdts_bytes {
+                return Exec::Done(Status::INVALID_FIELD);
+            }
+            slot.bytes = bytes;
+            let access = if op == OP_READ {
+                Access::Write
+            } else {
+                Access::Read
+            };
+            let mut iov = Iov::new(empty);
+            if let Err(s) = data_ptr(map, sqe, bytes, access, &mut iov) {
+                return Exec::Done(s);
+            }
+            // With the write cache turned off by the host, every write is made durable.
+            let fua = sqe.cdw(12) & (1 << 30) != 0
+                || (op == OP_WRITE && info.write_cache && !shared.wce.load(Ordering::Relaxed));
+            let io_op = if op == OP_READ {
+                IoOp::Read
+            } else {
+                IoOp::Write
+            };
+            let req = IoRequest {
+                op: io_op,
+                offset,
+                len: bytes,
+                iov: iov.slices(),
+                fua,
+            };
+            submit(chan, tag, &req, write)
+        }
+        OP_WRITE_ZEROES => {
+            if !info.write_zeroes {
+                return Exec::Done(Status::INVALID_OPCODE);
+            }
+            let (slba, nlb) = match lba_range(sqe, info.num_blocks) {
+                Ok(r) => r,
+                Err(s) => return Exec::Done(s),
+            };
+            slot.slba = slba;
+            let (Some(len), Some(offset)) = (nlb.checked_mul(bs), slba.checked_mul(bs)) else {
+                return Exec::Done(Status::LBA_OUT_OF_RANGE);
+            };
+            let fua = sqe.cdw(12) & (1 << 30) != 0;
+            let req = IoRequest {
+                op: IoOp::WriteZeroes,
+                offset,
+                len,
+                iov: &[],
+                fua,
+            };
+            submit(chan, tag, &req, true)
+        }
+        _ => dsm(map, empty, info, chan, sqe, tag, slot),
+    }
+}
+
+fn dsm<'a>(
+    map: &'a MemoryMap,
+    empty: DmaSlice<'a>,
+    info: &bdev::BlockInfo,
+    chan: &mut dyn IoChannel,
+    sqe: &Sqe,
+    tag: u64,
+    slot: &mut Slot,
+) -> Exec {
+    let nr = (sqe.cdw(10) & 0xff) as usize + 1;
+    let deallocate = sqe.cdw(11) & (1 << 2) != 0;
+    let mut buf = [0u8; MAX_DSM_RANGES * 16];
+    let Some(ranges) = buf.get_mut(..nr * 16) else {
+        return Exec::Done(Status::INVALID_FIELD);
+    };
+    let mut iov = Iov::new(empty);
+    if let Err(s) = data_ptr(map, sqe, (nr * 16) as u64, Access::Read, &mut iov) {
+        return Exec::Done(s);
+    }
+    iov.copy_in(ranges);
+    let bs = u64::from(info.block_size);
+    let parse = |r: &[u8]| {
+        let mut len = [0u8; 4];
+        let mut lba = [0u8; 8];
+        len.copy_from_slice(r.get(4..8).unwrap_or(&[0; 4]));
+        lba.copy_from_slice(r.get(8..16).unwrap_or(&[0; 8]));
+        (u64::from_le_bytes(lba), u64::from(u32::from_le_bytes(len)))
+    };
+    for r in ranges.chunks_exact(16) {
+        let (slba, nlb) = parse(r);
+        if slba.checked_add(nlb).is_none_or(|e| e > info.num_blocks) {
+            slot.slba = slba;
+            return Exec::Done(Status::LBA_OUT_OF_RANGE);
+        }
+    }
+    // Deallocation is advisory: without backend support it is a successful no-op.
+    if !deallocate || !info.discard {
+        return Exec::Done(Status::SUCCESS);
+    }
+    let mut pending = 0u16;
+    let mut status = Status::SUCCESS;
+    for r in ranges.chunks_exact(16) {
+        let (slba, nlb) = parse(r);
+        let (Some(offset), Some(len)) = (slba.checked_mul(bs), nlb.checked_mul(bs)) else {
+            continue;
+        };
+        if len == 0 {
+            continue;
+        }
+        let req = IoRequest {
+            op: IoOp::Discard,
+            offset,
+            len,
+            iov: &[],
+            fua: false,
+        };
+        match chan.submit(tag, &req) {
+            Some(st) if status.is_ok() => status = Status::from_io(st, true),
+            Some(_) => {}
+            None => pending += 1,
+        }
+    }
+    if pending > 0 {
+        slot.status = status;
+        Exec::Pending(pending)
+    } else {
+        Exec::Done(status)
+    }
+}
+
+/// What the engine polls. When the reactor drops it (after `remove_poller`), the
+/// group is sent back to the control path, which gets its concrete state back
+/// without any lock on the hot path.
+pub(crate) struct GroupPoller {
+    pub group: Option<Box<QueueGroup>>,
+    pub back: Sender<Box<QueueGroup>>,
+}
+
+impl engine::Poller for GroupPoller {
+    fn poll(&mut self) -> usize {
+        self.group.as_mut().map_or(0, |g| g.poll())
+    }
+}
+
+impl Drop for GroupPoller {
+    fn drop(&mut self) {
+        if let Some(g) = self.group.take() {
+            let _ = self.back.try_send(g);
+        }
+    }
+}

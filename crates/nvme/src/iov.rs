@@ -1,0 +1,136 @@
+//! A fixed-capacity iovec of guest memory slices built without heap allocation.
+
+use guest_mem::{Access, DmaSlice, MemoryMap};
+
+use crate::status::Status;
+
+pub(crate) const PAGE: u64 = 4096;
+/// Enough for the largest MDTS we accept (2^7 pages) plus an unaligned first page.
+pub(crate) const MAX_IOV: usize = 130;
+pub(crate) const MAX_MDTS: u8 = 7;
+
+/// MDTS we advertise and enforce: the configured value capped by the iovec size
+/// (0, "unlimited" in the spec, becomes the cap too).
+pub(crate) fn effective_mdts(cfg: u8) -> u8 {
+    if cfg == 0 {
+        MAX_MDTS
+    } else {
+        cfg.min(MAX_MDTS)
+    }
+}
+
+pub(crate) struct Iov<'a> {
+    segs: [DmaSlice<'a>; MAX_IOV],
+    n: usize,
+    total: u64,
+    run_start: u64,
+    run_len: u64,
+    /// Status reported when the array overflows (SGL: too many descriptors).
+    overflow: Status,
+}
+
+impl<'a> Iov<'a> {
+    /// `empty` fills unused entries; any zero-length slice does.
+    pub fn new(empty: DmaSlice<'a>) -> Iov<'a> {
+        Iov {
+            segs: [empty; MAX_IOV],
+            n: 0,
+            total: 0,
+            run_start: 0,
+            run_len: 0,
+            overflow: Status::INVALID_SGL_COUNT,
+        }
+    }
+
+    /// Appends guest range `[addr, addr+len)`, merging it with the previous range when
+    /// it continues it (PRP pages of one physically contiguous buffer).
+    pub fn add(
+        &mut self,
+        map: &'a MemoryMap,
+        addr: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<(), Status> {
+        if len == 0 {
+            return Ok(());
+        }
+        addr.checked_add(len).ok_or(Status::DATA_TRANSFER_ERROR)?;
+        if self.run_len > 0 && self.run_start.checked_add(self.run_len) == Some(addr) {
+            self.run_len = self
+                .run_len
+                .checked_add(len)
+                .ok_or(Status::DATA_TRANSFER_ERROR)?;
+            return Ok(());
+        }
+        self.flush(map, access)?;
+        self.run_start = addr;
+        self.run_len = len;
+        Ok(())
+    }
+
+    /// Closes the pending range; call once after the last `add`.
+    pub fn finish(&mut self, map: &'a MemoryMap, access: Access) -> Result<(), Status> {
+        self.flush(map, access)
+    }
+
+    fn flush(&mut self, map: &'a MemoryMap, access: Access) -> Result<(), Status> {
+        if self.run_len == 0 {
+            return Ok(());
+        }
+        let (start, len) = (self.run_start, self.run_len);
+        self.run_len = 0;
+        let ulen = usize::try_from(len).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
+        if let Ok(s) = map.translate(start, ulen, access) {
+            return self.push(s, len);
+        }
+        // A merged run may straddle two adjacent regions: retry page by page.
+        let end = start.checked_add(len).ok_or(Status::DATA_TRANSFER_ERROR)?;
+        let mut a = start;
+        while a < end {
+            let chunk = (end - a).min(PAGE - (a % PAGE));
+            let s = map
+                .translate(a, chunk as usize, access)
+                .map_err(|_| Status::DATA_TRANSFER_ERROR)?;
+            self.push(s, chunk)?;
+            a += chunk;
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, s: DmaSlice<'a>, len: u64) -> Result<(), Status> {
+        let slot = self.segs.get_mut(self.n).ok_or(self.overflow)?;
+        *slot = s;
+        self.n += 1;
+        self.total = self.total.saturating_add(len);
+        Ok(())
+    }
+
+    pub fn slices(&self) -> &[DmaSlice<'a>] {
+        self.segs.get(..self.n).unwrap_or(&[])
+    }
+
+    /// Copies `data` into the buffers in order (short buffers truncate).
+    pub fn copy_out(&self, data: &[u8]) {
+        let mut off = 0usize;
+        for s in self.slices() {
+            let Some(chunk) = data.get(off..off.saturating_add(s.len()).min(data.len())) else {
+                return;
+            };
+            let _ = s.write_from(0, chunk);
+            off += chunk.len();
+        }
+    }
+
+    /// Fills `buf` from the buffers in order.
+    pub fn copy_in(&self, buf: &mut [u8]) {
+        let mut off = 0usize;
+        for s in self.slices() {
+            let end = off.saturating_add(s.len()).min(buf.len());
+            let Some(chunk) = buf.get_mut(off..end) else {
+                return;
+            };
+            let _ = s.read_into(0, chunk);
+            off = end;
+        }
+    }
+}

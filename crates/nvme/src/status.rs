@@ -1,0 +1,75 @@
+//! NVMe completion status values (SCT/SC) and the mapping from backend results.
+
+use bdev::IoStatus;
+
+/// A completion status: bits 7:0 SC, 10:8 SCT, 14 DNR (the CQE status field without
+/// the phase bit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Status(pub u16);
+
+const DNR: u16 = 1 << 14;
+
+const fn generic(sc: u16) -> Status {
+    Status(DNR | sc)
+}
+const fn specific(sc: u16) -> Status {
+    Status(DNR | (1 << 8) | sc)
+}
+const fn media(sc: u16) -> Status {
+    Status(DNR | (2 << 8) | sc)
+}
+
+impl Status {
+    pub const SUCCESS: Status = Status(0);
+    pub const INVALID_OPCODE: Status = generic(0x01);
+    pub const INVALID_FIELD: Status = generic(0x02);
+    pub const DATA_TRANSFER_ERROR: Status = generic(0x04);
+    // Internal errors may be transient, so the host may retry (no DNR).
+    pub const INTERNAL_ERROR: Status = Status(0x06);
+    pub const INVALID_NAMESPACE: Status = generic(0x0b);
+    pub const INVALID_SGL_SEGMENT: Status = generic(0x0d);
+    pub const INVALID_SGL_COUNT: Status = generic(0x0e);
+    pub const DATA_SGL_LENGTH_INVALID: Status = generic(0x0f);
+    pub const SGL_TYPE_INVALID: Status = generic(0x11);
+    pub const PRP_OFFSET_INVALID: Status = generic(0x13);
+    pub const LBA_OUT_OF_RANGE: Status = generic(0x80);
+    pub const CAPACITY_EXCEEDED: Status = generic(0x81);
+
+    pub const CQ_INVALID: Status = specific(0x00);
+    pub const INVALID_QUEUE_ID: Status = specific(0x01);
+    pub const INVALID_QUEUE_SIZE: Status = specific(0x02);
+    pub const AER_LIMIT_EXCEEDED: Status = specific(0x05);
+    pub const INVALID_VECTOR: Status = specific(0x08);
+    pub const INVALID_LOG_PAGE: Status = specific(0x09);
+    pub const INVALID_QUEUE_DELETION: Status = specific(0x0c);
+    pub const FEATURE_NOT_SAVEABLE: Status = specific(0x0d);
+    pub const WRITE_TO_READ_ONLY: Status = specific(0x82);
+
+    pub const WRITE_FAULT: Status = media(0x80);
+    pub const UNRECOVERED_READ: Status = media(0x81);
+
+    pub fn is_ok(self) -> bool {
+        self.0 & 0x7ff == 0
+    }
+    pub fn sc(self) -> u8 {
+        (self.0 & 0xff) as u8
+    }
+    pub fn sct(self) -> u8 {
+        ((self.0 >> 8) & 7) as u8
+    }
+
+    /// Maps a backend result; `write` selects Write Fault for media errors on writes.
+    pub fn from_io(st: IoStatus, write: bool) -> Status {
+        match st {
+            IoStatus::Ok => Status::SUCCESS,
+            IoStatus::IoError if write => Status::WRITE_FAULT,
+            IoStatus::IoError => Status::INTERNAL_ERROR,
+            IoStatus::ReadError => Status::UNRECOVERED_READ,
+            IoStatus::OutOfRange => Status::LBA_OUT_OF_RANGE,
+            IoStatus::ReadOnly => Status::WRITE_TO_READ_ONLY,
+            IoStatus::Unsupported => Status::INVALID_OPCODE,
+            IoStatus::Invalid => Status::INTERNAL_ERROR,
+            IoStatus::NoSpace => Status::CAPACITY_EXCEEDED,
+        }
+    }
+}

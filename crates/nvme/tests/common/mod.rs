@@ -1,0 +1,400 @@
+//! A fake host: guest memory, register accesses, admin and I/O queues.
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bdev::{BlockDevice, RamDisk};
+use engine::{Engine, Placement, Placer};
+use guest_mem::{DmaSpace, MappedRegion};
+use nvme::{Controller, ControllerConfig, InterruptSink};
+
+pub const BASE: u64 = 0x10_0000;
+pub const MEM_SIZE: u64 = 32 << 20;
+pub const PAGE: u64 = 4096;
+
+pub struct Irqs(pub Vec<AtomicU64>);
+impl InterruptSink for Irqs {
+    fn signal(&self, vector: u16) {
+        if let Some(c) = self.0.get(usize::from(vector)) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cqe {
+    pub dw0: u32,
+    pub sq_head: u16,
+    pub sqid: u16,
+    pub cid: u16,
+    /// Status field without phase: SC bits 7:0, SCT 10:8, DNR 14.
+    pub status: u16,
+}
+impl Cqe {
+    pub fn sc(&self) -> u8 {
+        self.status as u8
+    }
+    pub fn sct(&self) -> u8 {
+        ((self.status >> 8) & 7) as u8
+    }
+    pub fn ok(&self) -> bool {
+        self.status & 0x7ff == 0
+    }
+    /// (sct, sc)
+    pub fn code(&self) -> (u8, u8) {
+        (self.sct(), self.sc())
+    }
+}
+
+#[derive(Default, Clone, Copy)]
+pub struct Q {
+    pub sq: u64,
+    pub cq: u64,
+    pub size: u16,
+    pub cq_size: u16,
+    /// CQ this SQ posts to.
+    pub cqid: u16,
+    pub tail: u16,
+    pub head: u16,
+    pub phase: bool,
+}
+
+pub struct Host {
+    pub ctrl: Controller,
+    pub mem: Arc<DmaSpace>,
+    pub region: Arc<MappedRegion>,
+    pub irqs: Arc<Irqs>,
+    pub engine: Arc<Engine>,
+    next: u64,
+    pub admin: Q,
+    pub io: Vec<Q>,
+    cid: u16,
+    /// Shadow doorbell buffer (when configured): doorbells go there only.
+    pub shadow: Option<u64>,
+}
+
+pub fn sqe(opcode: u8, nsid: u32) -> [u32; 16] {
+    let mut s = [0u32; 16];
+    s[0] = u32::from(opcode);
+    s[1] = nsid;
+    s
+}
+
+pub fn set_prp(s: &mut [u32; 16], prp1: u64, prp2: u64) {
+    s[6] = prp1 as u32;
+    s[7] = (prp1 >> 32) as u32;
+    s[8] = prp2 as u32;
+    s[9] = (prp2 >> 32) as u32;
+}
+
+pub fn sgl_desc(addr: u64, len: u32, kind: u8) -> [u8; 16] {
+    let mut d = [0u8; 16];
+    d[..8].copy_from_slice(&addr.to_le_bytes());
+    d[8..12].copy_from_slice(&len.to_le_bytes());
+    d[15] = kind << 4;
+    d
+}
+
+pub fn set_sgl(s: &mut [u32; 16], d: [u8; 16]) {
+    s[0] |= 1 << 14;
+    for i in 0..4 {
+        s[6 + i] = u32::from_le_bytes([d[i * 4], d[i * 4 + 1], d[i * 4 + 2], d[i * 4 + 3]]);
+    }
+}
+
+/// Read/Write command (op 1 = write, 2 = read).
+pub fn rw(op: u8, nsid: u32, slba: u64, nlb: u16, prp1: u64, prp2: u64) -> [u32; 16] {
+    let mut s = sqe(op, nsid);
+    set_prp(&mut s, prp1, prp2);
+    s[10] = slba as u32;
+    s[11] = (slba >> 32) as u32;
+    s[12] = u32::from(nlb.wrapping_sub(1));
+    s
+}
+
+impl Host {
+    pub fn new() -> Host {
+        let disk: Arc<dyn BlockDevice> = Arc::new(RamDisk::new(64 << 20, 512).unwrap());
+        Host::with(ControllerConfig::default(), vec![disk])
+    }
+
+    pub fn with(cfg: ControllerConfig, disks: Vec<Arc<dyn BlockDevice>>) -> Host {
+        let engine = Engine::start(&[None]).unwrap();
+        let placer = Placer::new(Placement::RoundRobin, 0, 1);
+        let mem = DmaSpace::new();
+        let region = Arc::new(MappedRegion::anonymous(BASE, MEM_SIZE).unwrap());
+        mem.update(|m| m.with_region(region.clone())).unwrap();
+        let irqs = Arc::new(Irqs(
+            (0..usize::from(cfg.msix_vectors))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+        ));
+        let ctrl = Controller::new(
+            cfg,
+            disks,
+            engine.clone(),
+            placer,
+            mem.clone(),
+            irqs.clone(),
+        )
+        .unwrap();
+        Host {
+            ctrl,
+            mem,
+            region,
+            irqs,
+            engine,
+            next: BASE,
+            admin: Q::default(),
+            io: vec![Q::default(); 64],
+            cid: 0,
+            shadow: None,
+        }
+    }
+
+    /// Page-aligned guest memory, zeroed.
+    pub fn alloc(&mut self, pages: u64) -> u64 {
+        let a = self.next;
+        self.next += pages * PAGE;
+        assert!(self.next <= BASE + MEM_SIZE, "fake guest out of memory");
+        self.region
+            .slice(a - BASE, (pages * PAGE) as usize)
+            .unwrap()
+            .fill(0);
+        a
+    }
+
+    pub fn write_mem(&self, addr: u64, data: &[u8]) {
+        self.region
+            .slice(addr - BASE, data.len())
+            .unwrap()
+            .write_from(0, data)
+            .unwrap();
+    }
+    pub fn read_mem(&self, addr: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        self.region
+            .slice(addr - BASE, len)
+            .unwrap()
+            .read_into(0, &mut v)
+            .unwrap();
+        v
+    }
+    pub fn w32(&self, off: u64, v: u32) {
+        self.ctrl.bar0_write(off, &v.to_le_bytes());
+    }
+    pub fn r32(&self, off: u64) -> u32 {
+        let mut b = [0u8; 4];
+        self.ctrl.bar0_read(off, &mut b);
+        u32::from_le_bytes(b)
+    }
+    pub fn w64(&self, off: u64, v: u64) {
+        self.ctrl.bar0_write(off, &v.to_le_bytes());
+    }
+    pub fn r64(&self, off: u64) -> u64 {
+        let mut b = [0u8; 8];
+        self.ctrl.bar0_read(off, &mut b);
+        u64::from_le_bytes(b)
+    }
+    pub fn csts(&self) -> u32 {
+        self.r32(0x1c)
+    }
+
+    pub fn wait_csts(&self, mask: u32, want: u32) {
+        let t = Instant::now();
+        while self.csts() & mask != want {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "CSTS {:#x}",
+                self.csts()
+            );
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    /// Programs the admin queue (32 entries) and enables the controller.
+    pub fn enable(&mut self) {
+        let asq = self.alloc(1);
+        let acq = self.alloc(1);
+        self.admin = Q {
+            sq: asq,
+            cq: acq,
+            size: 32,
+            cq_size: 32,
+            cqid: 0,
+            tail: 0,
+            head: 0,
+            phase: true,
+        };
+        self.w32(0x24, (31 << 16) | 31);
+        self.w64(0x28, asq);
+        self.w64(0x30, acq);
+        self.w32(0x14, 1 | (6 << 16) | (4 << 20));
+        self.wait_csts(1, 1);
+    }
+
+    pub fn disable(&mut self) {
+        self.w32(0x14, 0);
+        self.wait_csts(1, 0);
+        self.shadow = None;
+    }
+
+    fn ring(&self, qid: u16, cq: bool, v: u16) {
+        let idx = (u64::from(qid) * 2 + u64::from(cq)) * 4;
+        match self.shadow {
+            Some(db) if qid != 0 => self.write_mem(db + idx, &u32::from(v).to_le_bytes()),
+            _ => {
+                let page = self.ctrl.doorbells().all();
+                page.store_u32((0x1000 + idx) as usize, u32::from(v))
+                    .unwrap();
+            }
+        }
+    }
+
+    /// Rings a raw SQ tail value (for hostile tests).
+    pub fn ring_sq_raw(&self, qid: u16, v: u16) {
+        self.ring(qid, false, v);
+    }
+
+    fn q(&mut self, qid: u16) -> &mut Q {
+        if qid == 0 {
+            &mut self.admin
+        } else {
+            &mut self.io[usize::from(qid)]
+        }
+    }
+
+    /// Places a command in queue `qid` and rings the doorbell; returns its CID.
+    pub fn submit(&mut self, qid: u16, mut s: [u32; 16]) -> u16 {
+        self.cid = self.cid.wrapping_add(1);
+        let cid = self.cid;
+        s[0] = (s[0] & 0xffff) | (u32::from(cid) << 16);
+        let q = *self.q(qid);
+        let bytes: Vec<u8> = s.iter().flat_map(|d| d.to_le_bytes()).collect();
+        self.write_mem(q.sq + u64::from(q.tail) * 64, &bytes);
+        let tail = (q.tail + 1) % q.size;
+        self.q(qid).tail = tail;
+        self.ring(qid, false, tail);
+        cid
+    }
+
+    /// Next CQE of queue `qid`, if posted.
+    pub fn try_reap(&mut self, qid: u16) -> Option<Cqe> {
+        let q = *self.q(qid);
+        let off = q.cq + u64::from(q.head) * 16;
+        let dw3 = self
+            .region
+            .slice(off - BASE, 16)
+            .unwrap()
+            .load_u32(12)
+            .unwrap();
+        if ((dw3 >> 16) & 1 == 1) != q.phase {
+            return None;
+        }
+        let b = self.read_mem(off, 16);
+        let d = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let cqe = Cqe {
+            dw0: d(0),
+            sq_head: d(8) as u16,
+            sqid: (d(8) >> 16) as u16,
+            cid: dw3 as u16,
+            status: ((dw3 >> 17) & 0x7fff) as u16,
+        };
+        let mut head = q.head + 1;
+        let mut phase = q.phase;
+        if head == q.cq_size {
+            head = 0;
+            phase = !phase;
+        }
+        let qq = self.q(qid);
+        qq.head = head;
+        qq.phase = phase;
+        self.ring(qid, true, head);
+        Some(cqe)
+    }
+
+    pub fn reap(&mut self, qid: u16) -> Cqe {
+        let t = Instant::now();
+        loop {
+            if let Some(c) = self.try_reap(qid) {
+                return c;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "no completion on queue {qid}"
+            );
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+
+    /// Submit and wait for the completion.
+    pub fn cmd(&mut self, qid: u16, s: [u32; 16]) -> Cqe {
+        let cid = self.submit(qid, s);
+        let cq = self.q(qid).cqid;
+        let c = self.reap(cq);
+        assert_eq!(c.cid, cid);
+        c
+    }
+
+    pub fn admin(&mut self, s: [u32; 16]) -> Cqe {
+        self.cmd(0, s)
+    }
+
+    pub fn create_cq(&mut self, qid: u16, size: u16, ien: bool, vector: u16) -> Cqe {
+        let cq = self.alloc((u64::from(size) * 16).div_ceil(PAGE));
+        let mut s = sqe(0x05, 0);
+        set_prp(&mut s, cq, 0);
+        s[10] = u32::from(qid) | (u32::from(size.wrapping_sub(1)) << 16);
+        s[11] = 1 | (u32::from(ien) << 1) | (u32::from(vector) << 16);
+        let c = self.admin(s);
+        if c.ok() {
+            let q = &mut self.io[usize::from(qid)];
+            q.cq = cq;
+            q.cq_size = size;
+            q.head = 0;
+            q.phase = true;
+        }
+        c
+    }
+
+    pub fn create_sq(&mut self, qid: u16, size: u16, cqid: u16) -> Cqe {
+        let sq = self.alloc((u64::from(size) * 64).div_ceil(PAGE));
+        let mut s = sqe(0x01, 0);
+        set_prp(&mut s, sq, 0);
+        s[10] = u32::from(qid) | (u32::from(size.wrapping_sub(1)) << 16);
+        s[11] = 1 | (u32::from(cqid) << 16);
+        let c = self.admin(s);
+        if c.ok() {
+            let q = &mut self.io[usize::from(qid)];
+            q.sq = sq;
+            q.size = size;
+            q.cqid = cqid;
+            q.tail = 0;
+        }
+        c
+    }
+
+    /// Enable + one I/O queue pair (qid 1, 64 entries, vector 1).
+    pub fn ready(&mut self, ien: bool) {
+        self.enable();
+        assert!(self.create_cq(1, 64, ien, 1).ok());
+        assert!(self.create_sq(1, 64, 1).ok());
+    }
+
+    pub fn io(&mut self, s: [u32; 16]) -> Cqe {
+        self.cmd(1, s)
+    }
+
+    pub fn irq_count(&self, v: usize) -> u64 {
+        self.irqs.0[v].load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        self.ctrl.shutdown();
+        self.engine.shutdown();
+    }
+}

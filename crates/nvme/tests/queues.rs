@@ -1,0 +1,190 @@
+mod common;
+use common::*;
+
+fn create_cq_raw(h: &mut Host, qid: u16, qsize0: u16, cdw11: u32) -> Cqe {
+    let cq = h.alloc(16);
+    let mut s = sqe(0x05, 0);
+    set_prp(&mut s, cq, 0);
+    s[10] = u32::from(qid) | (u32::from(qsize0) << 16);
+    s[11] = cdw11;
+    h.admin(s)
+}
+
+#[test]
+fn queue_create_delete_errors() {
+    let mut h = Host::new();
+    h.enable();
+    assert_eq!(create_cq_raw(&mut h, 0, 15, 3).code(), (1, 0x01), "qid 0");
+    assert_eq!(
+        create_cq_raw(&mut h, 33, 15, 3).code(),
+        (1, 0x01),
+        "qid > max"
+    );
+    assert_eq!(create_cq_raw(&mut h, 1, 0, 3).code(), (1, 0x02), "size 1");
+    assert_eq!(
+        create_cq_raw(&mut h, 1, 1024, 3).code(),
+        (1, 0x02),
+        "size > MQES+1"
+    );
+    assert_eq!(create_cq_raw(&mut h, 1, 15, 2).code(), (0, 0x02), "PC=0");
+    assert_eq!(
+        create_cq_raw(&mut h, 1, 15, 3 | (33 << 16)).code(),
+        (1, 0x08),
+        "vector"
+    );
+    let mut s = sqe(0x05, 0);
+    set_prp(&mut s, 0x1000, 0);
+    s[10] = 1 | (15 << 16);
+    s[11] = 1;
+    assert_eq!(h.admin(s).code(), (0, 0x02), "CQ memory unmapped");
+    assert_eq!(h.create_sq(1, 16, 1).code(), (1, 0x00), "missing CQ");
+    assert!(h.create_cq(1, 16, true, 1).ok());
+    assert_eq!(
+        h.create_cq(1, 16, true, 1).code(),
+        (1, 0x01),
+        "duplicate CQ"
+    );
+    assert_eq!(h.create_sq(0, 16, 1).code(), (1, 0x01), "SQ id 0");
+    assert_eq!(h.create_sq(1, 16, 0).code(), (1, 0x00), "SQ on admin CQ");
+    assert!(h.create_sq(1, 16, 1).ok());
+    assert!(h.create_sq(2, 16, 1).ok(), "second SQ on the same CQ");
+    assert_eq!(h.create_sq(2, 16, 1).code(), (1, 0x01), "duplicate SQ");
+    assert_eq!(h.ctrl.stats().io_queues, 2);
+    // Both SQs work.
+    let a = h.alloc(1);
+    assert!(h.cmd(2, rw(2, 1, 0, 1, a, 0)).ok());
+    let cid = h.submit(1, rw(2, 1, 0, 1, a, 0));
+    assert_eq!(h.reap(1).cid, cid);
+    let mut del = sqe(0x04, 0);
+    del[10] = 1;
+    assert_eq!(h.admin(del).code(), (1, 0x0c), "CQ with SQs");
+    let mut dsq = sqe(0x00, 0);
+    dsq[10] = 1;
+    assert!(h.admin(dsq).ok());
+    assert_eq!(h.admin(dsq).code(), (1, 0x01), "SQ already gone");
+    assert_eq!(h.admin(del).code(), (1, 0x0c), "SQ 2 still attached");
+    dsq[10] = 2;
+    assert!(h.admin(dsq).ok());
+    assert!(h.admin(del).ok());
+    assert_eq!(h.admin(del).code(), (1, 0x01), "CQ already gone");
+    let st = h.ctrl.stats();
+    assert_eq!((st.io_queues, st.io_completion_queues), (0, 0));
+    assert_eq!(st.reads, 2, "counters survive deletion");
+}
+
+#[test]
+fn doorbell_beyond_size_is_fatal_and_recoverable() {
+    let mut h = Host::new();
+    h.ready(true);
+    h.ring_sq_raw(1, 64);
+    h.wait_csts(2, 2);
+    assert!(h.ctrl.stats().fatal);
+    h.disable();
+    assert_eq!(h.csts() & 3, 0, "CFS cleared by reset");
+    h.ready(true);
+    let a = h.alloc(1);
+    assert!(h.io(rw(2, 1, 0, 1, a, 0)).ok());
+    // Admin doorbell too.
+    h.ring_sq_raw(0, 1000);
+    h.wait_csts(2, 2);
+    h.disable();
+    h.enable();
+    assert!(h.admin(sqe(0x18, 0)).ok());
+}
+
+#[test]
+fn bad_enable_sets_cfs() {
+    let h = Host::new();
+    h.w32(0x24, 0); // admin queues of size 1
+    h.w64(0x28, BASE);
+    h.w64(0x30, BASE + 4096);
+    h.w32(0x14, 1 | (6 << 16) | (4 << 20));
+    h.wait_csts(3, 2);
+    h.w32(0x14, 0);
+    h.wait_csts(3, 0);
+}
+
+#[test]
+fn shadow_doorbells() {
+    let mut h = Host::new();
+    h.enable();
+    let db = h.alloc(1);
+    let ei = h.alloc(1);
+    let mut s = sqe(0x7c, 0);
+    set_prp(&mut s, db, ei);
+    assert!(h.admin(s).ok());
+    let mut bad = sqe(0x7c, 0);
+    set_prp(&mut bad, db + 8, ei);
+    assert_eq!(h.admin(bad).code(), (0, 0x02));
+    h.shadow = Some(db);
+    assert!(h.create_cq(1, 64, true, 1).ok());
+    assert!(h.create_sq(1, 64, 1).ok());
+    let a = h.alloc(1);
+    for i in 0..5 {
+        assert!(h.io(rw(1, 1, i, 1, a, 0)).ok());
+    }
+    let st = h.ctrl.stats();
+    assert!(st.doorbell_buffer_configured);
+    assert!(st.shadow_doorbell_reads >= 5, "{st:?}");
+    // The MMIO doorbell page was never written for queue 1.
+    assert_eq!(h.ctrl.doorbells().all().load_u32(0x1008), Some(0));
+    // EventIdx = last SQ tail processed.
+    let e = h.read_mem(ei + 8, 4);
+    assert_eq!(u32::from_le_bytes(e.try_into().unwrap()), 5);
+    h.disable();
+    assert!(
+        !h.ctrl.stats().doorbell_buffer_configured,
+        "reset clears it"
+    );
+}
+
+#[test]
+fn interrupts_only_with_ien() {
+    let mut h = Host::new();
+    h.enable();
+    assert!(h.create_cq(1, 16, false, 1).ok());
+    assert!(h.create_sq(1, 16, 1).ok());
+    assert!(h.create_cq(2, 16, true, 2).ok());
+    assert!(h.create_sq(2, 16, 2).ok());
+    let a = h.alloc(1);
+    for _ in 0..20 {
+        assert!(h.cmd(1, rw(2, 1, 0, 1, a, 0)).ok(), "wraps the 16-entry CQ");
+    }
+    assert_eq!(h.irq_count(1), 0, "polled queue never signals");
+    assert!(h.cmd(2, rw(2, 1, 0, 1, a, 0)).ok());
+    assert!(h.irq_count(2) >= 1);
+}
+
+#[test]
+fn cq_full_is_respected() {
+    let mut h = Host::new();
+    h.enable();
+    assert!(h.create_cq(1, 4, true, 1).ok());
+    assert!(h.create_sq(1, 16, 1).ok());
+    let a = h.alloc(1);
+    let cids: Vec<u16> = (0..6).map(|_| h.submit(1, rw(2, 1, 0, 1, a, 0))).collect();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    // Only 3 fit (size - 1); reaping frees room for the rest.
+    let mut got = Vec::new();
+    while got.len() < 6 {
+        got.push(h.reap(1).cid);
+    }
+    assert_eq!(got, cids);
+}
+
+#[test]
+fn reset_and_client_gone() {
+    let mut h = Host::new();
+    h.ready(true);
+    h.ctrl.reset();
+    let st = h.ctrl.stats();
+    assert!(!st.ready);
+    assert_eq!(st.io_queues, 0);
+    assert_eq!(h.r64(0x28), 0, "registers reset");
+    h.ready(true);
+    h.ctrl.client_gone();
+    assert_eq!(h.csts() & 1, 0);
+    h.ready(true);
+    let a = h.alloc(1);
+    assert!(h.io(rw(2, 1, 0, 1, a, 0)).ok());
+}

@@ -1,0 +1,179 @@
+//! Wiring one NVMe controller model to one vfio-user socket.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use guest_mem::DmaSpace;
+use vfio_user::proto::SparseArea;
+use vfio_user::{BarSpec, Irqs, MsixSpec, PciBackend, PciDeviceSpec, PciIds, VfioUserServer};
+
+use crate::config::ControllerConfig;
+
+/// PCI identity of udrive's NVMe function. 0x1d1d is not assigned to us; it is a
+/// placeholder until the project registers IDs (see docs/decisions).
+pub const PCI_VENDOR: u16 = 0x1d1d;
+pub const PCI_DEVICE_NVME: u16 = 0x0dd1;
+const NVME_CLASS: u32 = 0x01_08_02;
+
+/// The NVMe model as seen by the vfio-user transport.
+struct NvmeFunction {
+    ctrl: nvme::Controller,
+}
+
+impl PciBackend for NvmeFunction {
+    fn bar_read(&self, bar: u32, offset: u64, data: &mut [u8]) {
+        if bar == 0 {
+            self.ctrl.bar0_read(offset, data);
+        } else {
+            data.fill(0);
+        }
+    }
+    fn bar_write(&self, bar: u32, offset: u64, data: &[u8]) {
+        if bar == 0 {
+            self.ctrl.bar0_write(offset, data);
+        }
+    }
+    fn reset(&self) {
+        self.ctrl.reset();
+    }
+    fn client_gone(&self) {
+        self.ctrl.client_gone();
+    }
+}
+
+/// The transport's interrupt table as the NVMe model's interrupt sink.
+struct IrqSink(Arc<Irqs>);
+
+impl nvme::InterruptSink for IrqSink {
+    fn signal(&self, vector: u16) {
+        self.0.signal(vector);
+    }
+}
+
+/// A running NVMe controller behind a vfio-user socket.
+pub struct NvmeDevice {
+    pub socket: std::path::PathBuf,
+    pub ctrl: nvme::Controller,
+    server: Option<VfioUserServer>,
+    pub namespaces: Vec<String>,
+}
+
+impl NvmeDevice {
+    /// Opens the namespaces' backends; done for every controller before any socket
+    /// exists, so a bad backend fails start-up cleanly.
+    pub fn open_backends(cfg: &ControllerConfig) -> Result<Vec<Arc<dyn bdev::BlockDevice>>> {
+        let what = format!("controller {}", cfg.socket.display());
+        cfg.namespaces
+            .iter()
+            .map(|ns| ns.open().with_context(|| what.clone()))
+            .collect()
+    }
+
+    pub fn start(
+        cfg: &ControllerConfig,
+        devs: Vec<Arc<dyn bdev::BlockDevice>>,
+        cntlid: u16,
+        engine: &Arc<engine::Engine>,
+    ) -> Result<NvmeDevice> {
+        let what = format!("controller {}", cfg.socket.display());
+        let policy: engine::Placement = cfg.placement.parse().map_err(anyhow::Error::msg)?;
+        let placer = engine::Placer::new(policy, usize::from(cntlid), engine.num_reactors());
+        let mem = DmaSpace::new();
+        let nvme_cfg = nvme::ControllerConfig {
+            serial: cfg.serial(),
+            model: "udrive NVMe".into(),
+            firmware: env!("CARGO_PKG_VERSION").into(),
+            max_io_queues: cfg.io_queues,
+            msix_vectors: cfg.io_queues + 1,
+            cntlid,
+            ..Default::default()
+        };
+        let msix = MsixSpec {
+            vectors: nvme_cfg.msix_vectors,
+            table_bar: 0,
+            table_offset: nvme::MSIX_TABLE_OFFSET as u32,
+            pba_bar: 0,
+            pba_offset: nvme::MSIX_PBA_OFFSET as u32,
+        };
+        let irqs = Irqs::new(msix.vectors);
+        let ctrl = nvme::Controller::new(
+            nvme_cfg,
+            devs,
+            engine.clone(),
+            placer,
+            mem.clone(),
+            Arc::new(IrqSink(irqs.clone())),
+        )
+        .with_context(|| format!("{what}: cannot create the NVMe controller"))?;
+        let doorbell_fd = ctrl
+            .doorbells()
+            .fd()
+            .try_clone_to_owned()
+            .context("cannot duplicate the doorbell memfd")?;
+        let spec = PciDeviceSpec {
+            ids: PciIds {
+                vendor: PCI_VENDOR,
+                device: PCI_DEVICE_NVME,
+                subsystem_vendor: PCI_VENDOR,
+                subsystem: PCI_DEVICE_NVME,
+                class_code: NVME_CLASS,
+                revision: 1,
+            },
+            bar0: BarSpec {
+                size: nvme::BAR0_SIZE,
+                mmap_fd: Some(doorbell_fd),
+                fd_offset: 0,
+                sparse: vec![SparseArea {
+                    offset: nvme::DOORBELL_OFFSET,
+                    size: 0x1000,
+                }],
+            },
+            msix,
+        };
+        let backend = Arc::new(NvmeFunction { ctrl: ctrl.clone() });
+        let server = VfioUserServer::start(
+            vfio_user::ServerConfig {
+                socket: cfg.socket.clone(),
+                name: cfg.serial(),
+            },
+            spec,
+            backend,
+            mem,
+            irqs,
+        )
+        .with_context(|| format!("{what}: cannot listen on {}", cfg.socket.display()));
+        let server = match server {
+            Ok(s) => s,
+            Err(e) => {
+                ctrl.shutdown();
+                return Err(e);
+            }
+        };
+        Ok(NvmeDevice {
+            socket: cfg.socket.clone(),
+            ctrl,
+            server: Some(server),
+            namespaces: cfg.namespaces.iter().map(|n| n.to_string()).collect(),
+        })
+    }
+
+    pub fn stop(mut self) {
+        if let Some(s) = self.server.take() {
+            s.stop();
+        }
+        self.ctrl.shutdown();
+    }
+}
+
+/// The QEMU command line that attaches `socket` (QEMU 10.1+ has `vfio-user-pci`).
+pub fn qemu_command(socket: &Path) -> String {
+    let abs = std::fs::canonicalize(socket).unwrap_or_else(|_| socket.to_path_buf());
+    format!(
+        "qemu-system-x86_64 -machine q35,accel=kvm -cpu host -smp 2 -m 2G \\\n  \
+         -object memory-backend-memfd,id=mem0,size=2G,share=on -numa node,memdev=mem0 \\\n  \
+         -device '{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"path\":\"{}\",\"type\":\"unix\"}}}}' \\\n  \
+         ...your kernel/disk options...",
+        abs.display()
+    )
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what building udrive needs on Debian 12 (idempotent, quiet when done).
+set -euo pipefail
+
+need_apt=()
+command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
+command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH="$HOME/.cargo/bin:$PATH"
+fi
+command -v cargo >/dev/null 2>&1 || need_apt+=(cargo rustc)
+
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "udrive: missing ${need_apt[*]}; run as root or install them" >&2
+    exit 1
+  fi
+  echo "udrive: installing ${need_apt[*]} with apt-get ..." >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+# The workspace needs Rust >= 1.87; Debian 12's own rustc is 1.63.
+ver=$(rustc --version | awk '{print $2}')
+if [ "$(printf '%s\n1.87.0\n' "$ver" | sort -V | head -n1)" != "1.87.0" ]; then
+  echo "udrive: rustc $ver is too old; install Rust >= 1.87 with rustup (https://rustup.rs) and retry" >&2
+  exit 1
+fi
