@@ -217,11 +217,20 @@ impl Inner {
         });
         st.regs.shst = 0;
         st.regs.rdy = true;
+        tracing::info!(
+            cntlid = self.cfg.cntlid,
+            admin_sq = asqs,
+            admin_cq = acqs,
+            "nvme: controller enabled"
+        );
     }
 
     /// CC.EN 1->0: every queue goes, state back to power-on except registers the
     /// host programs before enabling again.
     pub fn disable(&self, st: &mut State) {
+        if st.regs.rdy {
+            tracing::info!(cntlid = self.cfg.cntlid, "nvme: controller disabled");
+        }
         self.teardown_queues(st);
         st.admin = None;
         st.aer.clear();

@@ -52,7 +52,7 @@ pub struct PerfArgs {
 }
 
 fn seconds(what: &str, s: f64) -> Result<Duration> {
-    if !s.is_finite() || s < 0.0 || s > 86_400.0 {
+    if !s.is_finite() || !(0.0..=86_400.0).contains(&s) {
         bail!("--{what} must be between 0 and 86400 seconds");
     }
     Ok(Duration::from_secs_f64(s))

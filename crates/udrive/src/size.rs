@@ -26,7 +26,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 /// Formats bytes with the largest binary unit that divides them.
 pub fn format_size(b: u64) -> String {
     for (shift, unit) in [(40, "T"), (30, "G"), (20, "M"), (10, "K")] {
-        if b >= 1 << shift && b % (1 << shift) == 0 {
+        if b >= 1 << shift && b.is_multiple_of(1 << shift) {
             return format!("{}{unit}", b >> shift);
         }
     }

@@ -228,6 +228,11 @@ impl Inner {
         }
         let shadow = Shadow { db, ei };
         st.shadow = Some(shadow);
+        tracing::info!(
+            shadow = format_args!("{db:#x}"),
+            event_idx = format_args!("{ei:#x}"),
+            "doorbell buffer configured"
+        );
         // Existing queues switch over: seed the shadow with the values we already
         // hold so the switch does not look like a doorbell jump.
         let ids: Vec<u16> = st.groups.keys().copied().collect();
