@@ -1,9 +1,10 @@
 //! Builds data pointers (PRP entries/lists, SGLs) into preallocated list memory.
 //!
 //! Memory page size is fixed at 4 KiB (CC.MPS = 0). To exercise PRP list chaining
-//! with small transfers, a list may hold fewer than 512 entries: the controller reads
-//! a list until the end of the memory page its pointer lands in, so we place each
-//! list `entries * 8` bytes before a page end. That is still a valid PRP list.
+//! with small transfers, the first list may hold fewer than 512 entries: the
+//! controller reads a list until the end of the memory page PRP2 lands in, so we
+//! place it `entries * 8` bytes before a page end. Only PRP2 may carry an offset; the
+//! lists it chains to are page aligned and full size, as the spec requires.
 
 use guest_mem::DmaSlice;
 
@@ -30,15 +31,29 @@ pub enum BuildError {
     BadKnob,
 }
 
+/// Entries list `k` can hold (the last one may be a chain pointer).
+fn list_capacity(k: u64, per_list: u32) -> u64 {
+    if k == 0 {
+        per_list as u64
+    } else {
+        MAX_PRP_PER_PAGE as u64
+    }
+}
+
 /// PRP list pages needed for a buffer at `iova` of `len` bytes.
 pub fn prp_list_pages(iova: u64, len: u64, per_list: u32) -> u64 {
-    let n = prp_tail_entries(iova, len);
-    if n <= 1 {
-        0
-    } else if n <= per_list as u64 {
-        1
-    } else {
-        (n - 1).div_ceil(per_list as u64 - 1)
+    let mut left = prp_tail_entries(iova, len);
+    if left <= 1 {
+        return 0;
+    }
+    let mut pages = 0;
+    loop {
+        let cap = list_capacity(pages, per_list);
+        pages += 1;
+        if left <= cap {
+            return pages;
+        }
+        left -= cap - 1;
     }
 }
 
@@ -77,16 +92,14 @@ pub fn build_prp(
         return Err(BuildError::ListTooSmall);
     }
     let skip = PAGE - per_list as u64 * 8;
-    let list_iova = |k: u64| area.iova + k * PAGE + skip;
+    let list_off = |k: u64| if k == 0 { skip } else { k * PAGE };
+    let list_iova = |k: u64| area.iova + list_off(k);
     let mut written = 0u64;
     for k in 0..pages {
-        let mut off = (k * PAGE + skip) as usize;
+        let mut off = list_off(k) as usize;
         let left = n - written;
-        let here = if left <= per_list as u64 {
-            left
-        } else {
-            per_list as u64 - 1
-        };
+        let cap = list_capacity(k, per_list);
+        let here = if left <= cap { left } else { cap - 1 };
         for i in 0..here {
             let e = base + (written + i) * PAGE;
             area.slice
@@ -247,22 +260,26 @@ mod tests {
             slice: m.all(),
             iova: AREA_IOVA,
         };
-        // 1 + 9 pages, 4 entries per list: lists hold 3+chain, 3+chain, 3.
+        // 1 + 9 pages, first list 4 entries: it holds 3 + chain, the page-aligned
+        // second list the other 6.
         let len = 10 * PAGE;
-        assert_eq!(prp_list_pages(0x20000, len, 4), 3);
+        assert_eq!(prp_list_pages(0x20000, len, 4), 2);
         let p = build_prp(0x20000, len, 4, &a).unwrap();
         let skip = PAGE - 32;
         assert_eq!(p, [0x20000, AREA_IOVA + skip]);
         let mut expect = 0x21000;
-        for k in 0..3u64 {
-            let base = k * PAGE + skip;
-            for i in 0..3 {
-                assert_eq!(entry(&m, base + i * 8), expect, "list {k} entry {i}");
-                expect += PAGE;
-            }
-            if k < 2 {
-                assert_eq!(entry(&m, base + 24), AREA_IOVA + (k + 1) * PAGE + skip);
-            }
+        for i in 0..3 {
+            assert_eq!(entry(&m, skip + i * 8), expect, "first list entry {i}");
+            expect += PAGE;
+        }
+        assert_eq!(
+            entry(&m, skip + 24),
+            AREA_IOVA + PAGE,
+            "chain is page aligned"
+        );
+        for i in 0..6 {
+            assert_eq!(entry(&m, PAGE + i * 8), expect, "second list entry {i}");
+            expect += PAGE;
         }
         assert_eq!(expect, 0x20000 + len);
         // Exactly filling the last list needs no extra chain.
