@@ -4,13 +4,20 @@ use guest_mem::{Access, MemoryMap};
 
 use crate::ctrl::{Inner, State};
 use crate::io::{write_event_idx, write_shadow_db, QueueGroup};
-use crate::queue::{CqRing, SqRing, Sqe, CQE_SIZE, SQE_SIZE};
+use crate::queue::{db_index, CqRing, SqRing, Sqe, CQE_SIZE, SQE_SIZE};
 use crate::regs;
 use crate::status::Status;
 
 use super::{err, ok, Done};
 
 impl Inner {
+    /// A new queue starts at head = tail = 0: clear what an earlier queue with this id
+    /// left in the shared doorbell page, or the poller would run stale entries.
+    fn reset_doorbell(&self, qid: u16, cq: bool) {
+        let off = crate::DOORBELL_OFFSET as usize + db_index(qid, cq);
+        self.shared.doorbells.all().store_u32(off, 0);
+    }
+
     fn queue_id(&self, sqe: &Sqe) -> Option<u16> {
         let qid = sqe.cdw(10) as u16;
         (qid != 0 && qid <= self.cfg.max_io_queues).then_some(qid)
@@ -47,6 +54,7 @@ impl Inner {
         if !base.is_multiple_of(4096) || map.translate(base, bytes, Access::Write).is_err() {
             return err(Status::INVALID_FIELD);
         }
+        self.reset_doorbell(qid, true);
         let cq = CqRing::new(qid, base, size, ien, vector);
         let g = match QueueGroup::new(self.shared.clone(), self.mem.clone(), cq, st.shadow) {
             Ok(g) => g,
@@ -90,6 +98,7 @@ impl Inner {
             st.groups.remove(&cqid);
             return err(Status::INTERNAL_ERROR);
         };
+        self.reset_doorbell(qid, false);
         if let Some(s) = st.shadow {
             write_shadow_db(map, s, qid, false, 0);
             write_event_idx(map, s, qid, false, 0);
