@@ -167,12 +167,13 @@ impl Device {
         }
         let needed = (base + caps.len()) as u32;
         info.argsz = needed;
+        if !caps.is_empty() {
+            // QEMU's client refuses CAPS with cap_offset 0, even in the short reply.
+            info.cap_offset = base as u32;
+        }
         if argsz < needed {
             // Like the kernel: report the size needed, no capability data, no fd.
             return Ok((info.as_bytes().to_vec(), false));
-        }
-        if !caps.is_empty() {
-            info.cap_offset = base as u32;
         }
         let mut out = info.as_bytes().to_vec();
         out.extend_from_slice(&caps);
