@@ -89,6 +89,12 @@ impl MemView {
         &self.map
     }
 
+    /// Whether the map is still the newest (one atomic load).
+    #[inline]
+    pub fn is_current(&self) -> bool {
+        self.space.generation() == self.generation
+    }
+
     /// The map as of the last refresh.
     #[inline]
     pub fn map(&self) -> &MemoryMap {

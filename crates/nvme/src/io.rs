@@ -209,11 +209,11 @@ impl QueueGroup {
             return 0;
         }
         // Keep the old snapshot while backends may still write into it.
-        let map = if *inflight == 0 {
-            view.refresh()
-        } else {
-            view.map()
-        };
+        if *inflight == 0 {
+            view.refresh();
+        }
+        let view: &MemView = view;
+        let map = view.map();
         let page = shared.doorbells.all();
         let shadow = *shadow;
         let head = read_db(map, &page, shadow, cq.qid, true);
@@ -248,6 +248,11 @@ impl QueueGroup {
             let tail = tail as u16;
             if tail == sq.ring.head {
                 continue;
+            }
+            // The map may have changed after the refresh above but before the host
+            // rang (e.g. DMA_MAP, then a command using it): take the new one first.
+            if *inflight == 0 && !view.is_current() {
+                return work + posted;
             }
             if shadow.is_some() {
                 bump(&counters.shadow_reads, 1);
