@@ -162,6 +162,19 @@ impl NvmeDevice {
         if let Some(s) = self.server.take() {
             s.stop();
         }
+        let st = self.ctrl.stats();
+        tracing::info!(
+            socket = %self.socket.display(),
+            reads = st.reads,
+            writes = st.writes,
+            flushes = st.flushes,
+            other_io = st.other_io,
+            io_errors = st.io_errors,
+            admin_commands = st.admin_commands,
+            doorbell_buffer_configured = st.doorbell_buffer_configured,
+            shadow_doorbell_reads = st.shadow_doorbell_reads,
+            "controller statistics"
+        );
         self.ctrl.shutdown();
     }
 }
