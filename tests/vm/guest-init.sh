@@ -1,0 +1,300 @@
+#!/bin/sh
+# /init of the udrive VM test guest (busybox initramfs, see tests/vm/README.md).
+#
+# Boots twice without QEMU exiting:
+#   phase 1: checks the NVMe controller (identify, logs, queues, interrupts,
+#            fio with verify, flush, discard), leaves data and a marker block on
+#            the disk, then `reboot -f` (a warm reboot: the controller is reset).
+#   phase 2: finds the marker, checks the controller came back and the data is
+#            intact, then `poweroff -f` (QEMU exits).
+# Each check prints one line on the serial console, parsed by tests/vm/run.sh:
+#   UDRIVE-RESULT name=NAME status=PASS|FAIL detail=TEXT
+# Other markers: UDRIVE-BOOT phase=N, UDRIVE-DONE phase=N.
+
+export PATH=/bin:/sbin:/usr/bin:/usr/sbin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev 2>/dev/null
+mkdir -p /tmp /dev/shm && mount -t tmpfs tmpfs /tmp
+# Keep kernel messages off the console so result lines stay whole; dmesg is
+# checked explicitly instead.
+echo 1 >/proc/sys/kernel/printk
+
+CTRL=/dev/nvme0
+DEV=/dev/nvme0n1
+NCPU=$(nproc)
+MIB=1048576
+# Disk layout (byte offsets; the namespace must be >= 256 MiB):
+FIO_OFF=0                    # fio jobs: 2 x 16 MiB (4k), 2 x 32 MiB (mixed) after it
+DISCARD_OFF=$((160 * MIB))   # discard test: 4 MiB
+PERSIST_OFF=$((192 * MIB))   # data kept across the reboot: 8 MiB
+MAGIC_OFF=$((255 * MIB))     # one 4 KiB marker block
+PERSIST_MIB=8
+
+log() { echo "udrive-guest: $*"; }
+# result NAME PASS|FAIL DETAIL...  (detail is one line, no newlines)
+result() {
+    n=$1 s=$2
+    shift 2
+    echo "UDRIVE-RESULT name=$n status=$s detail=$(echo "$*" | tr '\n' ' ' | cut -c1-300)"
+}
+# run NAME FUNC: FUNC sets $DETAIL and returns 0 for PASS; its output is
+# shown (indented) only on failure.
+run() {
+    name=$1
+    DETAIL=
+    if "$2" >/tmp/out 2>&1; then
+        result "$name" PASS "$DETAIL"
+    else
+        sed 's/^/    | /' /tmp/out | tail -n 40
+        result "$name" FAIL "$DETAIL"
+    fi
+}
+short() { echo "$1" | cut -c1-12; }
+field() { sed -n "s/^$1[[:space:]]*:[[:space:]]*//p" | head -n1 | sed 's/[[:space:]]*$//'; }
+irqs() { # total interrupts of the vector named $1 over all CPUs
+    awk -v q="$1" -v n="$NCPU" '$NF == q { s = 0; for (i = 2; i <= n + 1; i++) s += $i; print s; f = 1 }
+        END { if (!f) print -1 }' /proc/interrupts
+}
+fail_on_dmesg() {
+    dmesg | grep -iE 'nvme.*(timeout|abort|reset|fail|error)|I/O error|Buffer I/O|blk_update_request|critical' && return 1
+    return 0
+}
+finish() { # finish PHASE reboot|poweroff
+    sync
+    echo "UDRIVE-DONE phase=$1"
+    sleep 0.5
+    "$2" -f
+    sleep 30
+}
+
+wait_for_disk() {
+    i=0
+    while [ ! -b $DEV ]; do
+        i=$((i + 1))
+        [ $i -gt 300 ] && { DETAIL="no $DEV after 30 s; dmesg: $(dmesg | grep -i nvme | tail -n 3)"; return 1; }
+        sleep 0.1
+    done
+    DETAIL="$DEV after $((i / 10)).$((i % 10)) s, $(sed 's/ *$//' /sys/class/nvme/nvme0/model)"
+}
+
+# ---------------------------------------------------------------- checks
+t_id_ctrl() {
+    nvme id-ctrl $CTRL >/tmp/idctrl || return 1
+    mn=$(field mn </tmp/idctrl) sn=$(field sn </tmp/idctrl) fr=$(field fr </tmp/idctrl)
+    mdts=$(field mdts </tmp/idctrl) oacs=$(field oacs </tmp/idctrl) oncs=$(field oncs </tmp/idctrl)
+    nn=$(field nn </tmp/idctrl) vwc=$(field vwc </tmp/idctrl)
+    DETAIL="mn='$mn' sn='$sn' fr='$fr' mdts=$mdts oacs=$oacs oncs=$oncs nn=$nn vwc=$vwc"
+    cat /tmp/idctrl
+    case "$mn" in *udrive*) ;; *) return 1 ;; esac
+    [ -n "$sn" ] && [ -n "$fr" ] && [ "${mdts:-0}" -gt 0 ] && [ "${nn:-0}" -ge 1 ]
+}
+t_id_ns() {
+    nvme id-ns $DEV >/tmp/idns || return 1
+    cat /tmp/idns
+    nsze=$(field nsze </tmp/idns) flbas=$(field flbas </tmp/idns) dlfeat=$(field dlfeat </tmp/idns)
+    lbaf=$(grep 'in use' /tmp/idns | head -n1)
+    lbads=$(echo "$lbaf" | sed -n 's/.*lbads:\([0-9]*\).*/\1/p')
+    bytes=$((nsze * (1 << ${lbads:-0})))
+    sys=$(($(cat /sys/block/nvme0n1/size) * 512))
+    DETAIL="nsze=$nsze ($((bytes / MIB)) MiB) flbas=$flbas lba=$((1 << ${lbads:-0}))B dlfeat=$dlfeat"
+    [ "$nsze" != "" ] && [ $((nsze)) -gt 0 ] && [ "$bytes" = "$sys" ] && [ -n "$lbads" ] &&
+        [ $bytes -ge $((256 * MIB)) ] || { DETAIL="$DETAIL (sysfs says $sys bytes; need >= 256 MiB)"; return 1; }
+}
+t_smart_log() {
+    nvme smart-log $CTRL >/tmp/smart || return 1
+    cat /tmp/smart
+    cw=$(field critical_warning </tmp/smart) temp=$(field temperature </tmp/smart)
+    spare=$(field available_spare </tmp/smart)
+    DETAIL="critical_warning=$cw temperature='$temp' available_spare=$spare"
+    [ "$((cw))" = 0 ]
+}
+t_error_log() {
+    nvme error-log $CTRL -e 4 >/tmp/errlog || return 1
+    cat /tmp/errlog
+    DETAIL="$(grep -c 'Entry' /tmp/errlog) entries; newest: error_count=$(field error_count </tmp/errlog)"
+    DETAIL="$DETAIL sqid=$(field sqid </tmp/errlog) cmdid=$(field cmdid </tmp/errlog) status=$(field status_field </tmp/errlog)"
+}
+t_list() {
+    nvme list >/tmp/list || return 1
+    cat /tmp/list
+    line=$(grep nvme0n1 /tmp/list | tr -s ' ')
+    DETAIL="$line"
+    echo "$line" | grep -q udrive
+}
+t_dbbuf_advertised() {
+    oacs=$(field oacs </tmp/idctrl)
+    DETAIL="oacs=$oacs (bit 8 = Doorbell Buffer Config)"
+    [ $((oacs & 0x100)) -ne 0 ]
+}
+t_io_queues() {
+    nq=$(ls /sys/block/nvme0n1/mq | wc -l)
+    DETAIL="$nq blk-mq hw queues for $NCPU vCPUs;"
+    i=1
+    while [ $i -le "$NCPU" ]; do
+        c=$(irqs nvme0q$i)
+        DETAIL="$DETAIL nvme0q$i: cpus $(cat /sys/block/nvme0n1/mq/$((i - 1))/cpu_list 2>/dev/null) irqs=$c;"
+        [ "$c" -ge 0 ] || return 1
+        i=$((i + 1))
+    done
+    grep nvme /proc/interrupts
+    [ "$nq" = "$NCPU" ]
+}
+
+# fio NAME ARGS...: one job per vCPU (pinned), direct I/O, exit code + summary.
+FIO_COMMON="--filename=$DEV --direct=1 --ioengine=libaio --thread --group_reporting
+    --numjobs=$NCPU --cpus_allowed=0-$((NCPU - 1)) --cpus_allowed_policy=split"
+fio_run() {
+    n=$1
+    shift
+    # shellcheck disable=SC2086
+    fio --name="$n" $FIO_COMMON "$@" >/tmp/fio.out 2>&1
+    rc=$?
+    cat /tmp/fio.out
+    bw=$(grep -E '^ *(READ|WRITE):' /tmp/fio.out | sed 's/^ *\([A-Z]*\): bw=\([^ ]*\).*/\1 \2/' | tr '\n' ' ')
+    errs=$(grep -oE 'err= *[0-9]+' /tmp/fio.out | tr -d ' ' | sort -u | tr '\n' ' ')
+    DETAIL="rc=$rc $bw$errs"
+    [ $rc = 0 ] && ! grep -qiE 'verify: bad|crc32c: verify failed|bad magic' /tmp/fio.out
+}
+t_fio_4k() {
+    fio_run rand4k --rw=randwrite --bs=4k --iodepth=16 --size=16M --offset=$FIO_OFF \
+        --offset_increment=16M --verify=crc32c --verify_fatal=1 --do_verify=1
+}
+t_fio_mixed() {
+    fio_run mixed --rw=randwrite --bssplit=4k/25:16k/15:64k/20:256k/20:1m/20 \
+        --blockalign=4k --iodepth=8 --size=32M --offset=$((FIO_OFF + 32 * MIB)) \
+        --offset_increment=32M --verify=crc32c --verify_fatal=1 --do_verify=1
+}
+t_fio_seqread() {
+    fio_run seqread --rw=read --bs=128k --iodepth=8 --size=48M --offset=0 --offset_increment=48M
+}
+t_fio_verify_again() { # re-verifies the 4k job's data (after the reboot)
+    fio_run rand4k --rw=randwrite --bs=4k --iodepth=16 --size=16M --offset=$FIO_OFF \
+        --offset_increment=16M --verify=crc32c --verify_fatal=1 --verify_only=1
+}
+t_irqs_grew() {
+    DETAIL=
+    ok=0
+    i=1
+    while [ $i -le "$NCPU" ]; do
+        eval "before=\$IRQ_BEFORE_$i"
+        now=$(irqs nvme0q$i)
+        DETAIL="$DETAIL nvme0q$i: $before -> $now;"
+        [ "$now" -gt "$before" ] || ok=1
+        i=$((i + 1))
+    done
+    grep nvme /proc/interrupts
+    return $ok
+}
+snapshot_irqs() {
+    i=1
+    while [ $i -le "$NCPU" ]; do
+        eval "IRQ_BEFORE_$i=$(irqs nvme0q$i)"
+        i=$((i + 1))
+    done
+}
+t_flush() {
+    nvme flush $CTRL -n 1 || return 1
+    dd if=/dev/urandom of=$DEV bs=4k count=1 seek=$((DISCARD_OFF / 4096 - 1)) conv=fsync 2>&1 || return 1
+    DETAIL="nvme flush ok, fsync ok; write_cache=$(cat /sys/block/nvme0n1/queue/write_cache)"
+}
+t_discard() {
+    max=$(cat /sys/block/nvme0n1/queue/discard_max_bytes)
+    DETAIL="discard_max_bytes=$max"
+    [ "$max" -gt 0 ] || return 1
+    dd if=/dev/urandom of=/tmp/pattern bs=1M count=4 2>/dev/null
+    dd if=/tmp/pattern of=$DEV bs=1M seek=$((DISCARD_OFF / MIB)) oflag=direct 2>&1 || return 1
+    dd if=$DEV of=/tmp/back bs=1M skip=$((DISCARD_OFF / MIB)) count=4 iflag=direct 2>&1 || return 1
+    cmp /tmp/pattern /tmp/back || { DETAIL="$DETAIL; written data did not read back"; return 1; }
+    # Discard the middle 2 MiB; the first and last MiB must survive.
+    blkdiscard -o $((DISCARD_OFF + MIB)) -l $((2 * MIB)) $DEV || return 1
+    dd if=$DEV of=/tmp/back bs=1M skip=$((DISCARD_OFF / MIB)) count=4 iflag=direct 2>&1 || return 1
+    dd if=/dev/zero of=/tmp/zero bs=1M count=2 2>/dev/null
+    dd if=/tmp/back bs=1M skip=1 count=2 2>/dev/null | cmp - /tmp/zero ||
+        { DETAIL="$DETAIL; discarded range does not read as zeroes"; return 1; }
+    for m in 0 3; do
+        dd if=/tmp/pattern bs=1M skip=$m count=1 2>/dev/null >/tmp/a
+        dd if=/tmp/back bs=1M skip=$m count=1 2>/dev/null | cmp - /tmp/a ||
+            { DETAIL="$DETAIL; data next to the discarded range changed"; return 1; }
+    done
+    DETAIL="$DETAIL; 2 MiB discarded, reads back zeroes, neighbours intact"
+}
+t_dmesg_clean() {
+    DETAIL="$(dmesg | grep -c nvme) nvme lines in dmesg, none with errors/timeouts/resets"
+    fail_on_dmesg
+}
+t_write_persist() {
+    dd if=/dev/urandom of=/tmp/persist bs=1M count=$PERSIST_MIB 2>/dev/null
+    sum=$(sha256sum </tmp/persist | cut -d' ' -f1)
+    dd if=/tmp/persist of=$DEV bs=1M seek=$((PERSIST_OFF / MIB)) oflag=direct 2>&1 || return 1
+    { echo "UDRIVE-VM-MAGIC phase=1 sha256=$sum"; dd if=/dev/zero bs=4k count=1 2>/dev/null; } |
+        dd of=$DEV bs=4k count=1 iflag=fullblock seek=$((MAGIC_OFF / 4096)) oflag=direct 2>&1 || return 1
+    DETAIL="$PERSIST_MIB MiB at $((PERSIST_OFF / MIB)) MiB, sha256 $(short "$sum")..."
+}
+read_magic() {
+    dd if=$DEV bs=4k count=1 skip=$((MAGIC_OFF / 4096)) iflag=direct 2>/dev/null | head -n1 | tr -d '\0'
+}
+t_reinit() {
+    nvme id-ctrl $CTRL >/tmp/idctrl || return 1
+    DETAIL="controller back after warm reboot: $(field mn </tmp/idctrl), $(ls /sys/block/nvme0n1/mq | wc -l) I/O queues;"
+    DETAIL="$DETAIL state=$(cat /sys/class/nvme/nvme0/state)"
+    [ "$(cat /sys/class/nvme/nvme0/state)" = live ]
+}
+t_data_persisted() {
+    want=$(echo "$MAGIC" | sed -n 's/.*sha256=\([0-9a-f]*\).*/\1/p')
+    got=$(dd if=$DEV bs=1M skip=$((PERSIST_OFF / MIB)) count=$PERSIST_MIB iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)
+    DETAIL="sha256 before reboot $(short "$want")..., after $(short "$got")..."
+    [ -n "$want" ] && [ "$want" = "$got" ]
+}
+
+# ---------------------------------------------------------------- main
+wait_for_disk >/tmp/out 2>&1
+if [ ! -b $DEV ]; then
+    result enumerate FAIL "$DETAIL"
+    dmesg | tail -n 40
+    finish 0 poweroff
+fi
+MAGIC=$(read_magic)
+case "$MAGIC" in
+UDRIVE-VM-MAGIC\ phase=1*) PHASE=2 ;;
+UDRIVE-VM-MAGIC*) PHASE=3 ;;
+*) PHASE=1 ;;
+esac
+echo "UDRIVE-BOOT phase=$PHASE cpus=$NCPU kernel=$(uname -r) uptime=$(cut -d' ' -f1 /proc/uptime)s"
+[ $PHASE = 1 ] && result enumerate PASS "$DETAIL"
+
+if [ $PHASE = 1 ]; then
+    run id-ctrl t_id_ctrl
+    run id-ns t_id_ns
+    run smart-log t_smart_log
+    run error-log t_error_log
+    run list t_list
+    run dbbuf-advertised t_dbbuf_advertised
+    run io-queues t_io_queues
+    snapshot_irqs
+    run fio-randwrite-4k-verify t_fio_4k
+    run fio-mixed-1m-verify t_fio_mixed
+    run fio-seqread t_fio_seqread
+    run queue-irqs-grew t_irqs_grew
+    run flush t_flush
+    run discard-zeroes t_discard
+    run write-before-reboot t_write_persist
+    run dmesg-clean t_dmesg_clean
+    finish 1 reboot
+elif [ $PHASE = 2 ]; then
+    # Mark phase 2 as started, so a third boot knows something went wrong.
+    { echo "UDRIVE-VM-MAGIC phase=2"; dd if=/dev/zero bs=4k count=1 2>/dev/null; } >/tmp/magic2
+    result enumerate-after-reboot PASS "$DETAIL"
+    run reinit t_reinit
+    run data-survived-reboot t_data_persisted
+    run fio-verify-after-reboot t_fio_verify_again
+    dd if=/tmp/magic2 of=$DEV bs=4k count=1 seek=$((MAGIC_OFF / 4096)) oflag=direct 2>/dev/null
+    snapshot_irqs
+    run fio-randwrite-after-reboot t_fio_4k
+    run queue-irqs-after-reboot t_irqs_grew
+    run dmesg-clean-after-reboot t_dmesg_clean
+    finish 2 poweroff
+else
+    result boot-count FAIL "booted a third time (marker: $MAGIC)"
+    finish 3 poweroff
+fi
