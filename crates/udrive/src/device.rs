@@ -10,9 +10,9 @@ use vfio_user::{BarSpec, Irqs, MsixSpec, PciBackend, PciDeviceSpec, PciIds, Vfio
 
 use crate::config::ControllerConfig;
 
-/// PCI identity of udrive's NVMe function. 0x1d1d is not assigned to us; it is a
-/// placeholder until the project registers IDs (see docs/decisions).
-pub const PCI_VENDOR: u16 = 0x1d1d;
+/// PCI identity of udrive's NVMe function; the vendor ID is the one Identify
+/// Controller reports (a placeholder until the project registers IDs).
+pub const PCI_VENDOR: u16 = nvme::VENDOR_ID;
 pub const PCI_DEVICE_NVME: u16 = 0x0dd1;
 const NVME_CLASS: u32 = 0x01_08_02;
 
