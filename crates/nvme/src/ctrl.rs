@@ -365,6 +365,12 @@ impl Inner {
             st.admin_commands = st.admin_commands.wrapping_add(1);
             if let Some((dw0, status)) = self.exec_admin(st, &map, &sqe) {
                 if !status.is_ok() {
+                    tracing::debug!(
+                        opcode = sqe.opcode(),
+                        cdw10 = format_args!("{:#x}", sqe.cdw(10)),
+                        status = format_args!("{:#x}", status.0),
+                        "nvme: admin command failed"
+                    );
                     self.shared.record_error(ErrorEntry {
                         count: 0,
                         sqid: 0,
