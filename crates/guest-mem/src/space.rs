@@ -89,6 +89,13 @@ impl MemView {
         &self.map
     }
 
+    /// Lets go of the snapshot while the reader is not polled (an unmap must not
+    /// wait for it); the next [`MemView::refresh`] loads the current map.
+    pub fn park(&mut self) {
+        self.map = Arc::new(MemoryMap::new());
+        self.generation = u64::MAX;
+    }
+
     /// Whether the map is still the newest (one atomic load).
     #[inline]
     pub fn is_current(&self) -> bool {
@@ -133,5 +140,18 @@ mod tests {
         });
         assert!(DmaSpace::wait_released(old, Duration::from_secs(5)));
         drop(t.join().unwrap());
+    }
+
+    #[test]
+    fn parked_view_releases_and_reloads() {
+        let space = DmaSpace::new();
+        let r = Arc::new(MappedRegion::anonymous(0x1000, 0x1000).unwrap());
+        space.update(|m| m.with_region(r.clone())).unwrap();
+        let mut view = MemView::new(space.clone());
+        let old = space.update(|m| Ok::<_, ()>(m.clone())).unwrap();
+        view.park();
+        assert!(DmaSpace::wait_released(old, Duration::from_millis(100)));
+        assert!(!view.is_current());
+        assert!(view.refresh().translate(0x1000, 8, Access::Read).is_ok());
     }
 }

@@ -288,6 +288,8 @@ impl Inner {
         let cqid = g.cq.qid;
         let counters = g.counters.clone();
         let place = if g.sqs.is_empty() {
+            let mut g = g;
+            g.park();
             Place::Parked(g)
         } else {
             let (tx, rx) = crossbeam_channel::bounded(1);

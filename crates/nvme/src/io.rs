@@ -193,6 +193,11 @@ impl QueueGroup {
         }
     }
 
+    /// Off the reactors: hold no memory snapshot, so unmaps need not wait for us.
+    pub fn park(&mut self) {
+        self.view.park();
+    }
+
     pub fn poll(&mut self) -> usize {
         let QueueGroup {
             shared,
