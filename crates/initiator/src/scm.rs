@@ -1,10 +1,9 @@
-//! The one place that receives file descriptors from the socket.
+//! Receiving file descriptors (through the vfio-user crate's `sock`), and lending an
+//! eventfd's descriptor for sending.
 
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-
-use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 /// Receives up to `buf.len()` bytes plus any fds attached to them; fds are
 /// appended to `fds` as owned handles so they are closed if the caller drops them.
@@ -13,22 +12,7 @@ pub(crate) fn recv_with_fds(
     buf: &mut [u8],
     fds: &mut Vec<OwnedFd>,
 ) -> io::Result<usize> {
-    let mut raw: [RawFd; vfio_user::proto::MAX_MSG_FDS as usize] =
-        [-1; vfio_user::proto::MAX_MSG_FDS as usize];
-    let mut iov = [libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    }];
-    // SAFETY: the iovec describes `buf`, which we borrow mutably for the call, so the
-    // kernel may write arbitrary bytes into it.
-    let (n, nfds) = unsafe { sock.recv_with_fds(&mut iov, &mut raw) }.map_err(io::Error::from)?;
-    for &fd in raw.iter().take(nfds.min(raw.len())) {
-        if fd >= 0 {
-            // SAFETY: recvmsg installed these fds for us and nobody else owns them.
-            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
-        }
-    }
-    Ok(n)
+    vfio_user::sock::recv(sock.as_fd(), buf, fds).map(|(n, _truncated)| n)
 }
 
 /// vmm-sys-util's EventFd predates `AsFd`; borrow its fd for sending.

@@ -15,7 +15,7 @@ mod msg;
 pub mod pci;
 pub mod proto;
 mod server;
-mod sock;
+pub mod sock;
 
 pub use device::{BarSpec, MsixSpec, PciBackend, PciDeviceSpec};
 pub use irqs::Irqs;

@@ -1,4 +1,5 @@
 //! The only `unsafe` of this crate: `recvmsg`/`sendmsg` with SCM_RIGHTS and `poll`.
+//! `recv`/`send` are public so the initiator shares them instead of its own copy.
 //! Everything above works on byte slices and `OwnedFd`s.
 
 use std::io;
@@ -17,7 +18,7 @@ fn cmsg_space(nfds: usize) -> usize {
 
 /// One `recvmsg` into `buf`. Received descriptors are appended to `fds` (close-on-exec);
 /// returns bytes read (0 = EOF) and whether control data was truncated.
-pub(crate) fn recv(
+pub fn recv(
     sock: BorrowedFd<'_>,
     buf: &mut [u8],
     fds: &mut Vec<OwnedFd>,
@@ -64,11 +65,7 @@ pub(crate) fn recv(
 
 /// One `sendmsg` of `parts` (fds attached to the first byte). Returns bytes sent.
 /// MSG_NOSIGNAL: a vanished client must not kill the process with SIGPIPE.
-pub(crate) fn send(
-    sock: BorrowedFd<'_>,
-    parts: &[&[u8]],
-    fds: &[BorrowedFd<'_>],
-) -> io::Result<usize> {
+pub fn send(sock: BorrowedFd<'_>, parts: &[&[u8]], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
     let mut iov: Vec<libc::iovec> = parts
         .iter()
         .filter(|p| !p.is_empty())
