@@ -2,13 +2,21 @@
 //! reactor opens its own [`IoChannel`] on it (SPDK's io_channel idea), so the I/O
 //! path needs no locks: a channel belongs to one thread.
 
+mod fault;
 mod null;
+mod qos;
 mod ram;
 mod request;
+mod slice;
+mod uring;
 
+pub use fault::{FaultConfig, FaultDisk, FaultOps};
 pub use null::NullDisk;
+pub use qos::{QosClock, QosDisk, QosLimits, BURST, QOS_QUEUE_DEPTH};
 pub use ram::RamDisk;
 pub use request::{BlockInfo, IoOp, IoRequest, IoStatus};
+pub use slice::{overlaps, SliceDisk};
+pub use uring::{FileDisk, FileOptions};
 
 use std::io;
 

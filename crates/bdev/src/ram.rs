@@ -65,8 +65,12 @@ struct RamChannel {
 
 impl RamChannel {
     fn transfer(&self, req: &IoRequest<'_>) -> IoStatus {
+        // Checked before copying: buffers longer than `len` must not reach past the range.
+        let total: u64 = req.iov.iter().map(|b| b.len() as u64).sum();
+        if total != req.len {
+            return IoStatus::Invalid;
+        }
         let mut off = req.offset;
-        let mut total = 0u64;
         for buf in req.iov {
             let Some(disk) = self.mem.slice(off, buf.len()) else {
                 return IoStatus::OutOfRange;
@@ -79,13 +83,8 @@ impl RamChannel {
                 return IoStatus::Invalid;
             }
             off += buf.len() as u64;
-            total += buf.len() as u64;
         }
-        if total == req.len {
-            IoStatus::Ok
-        } else {
-            IoStatus::Invalid
-        }
+        IoStatus::Ok
     }
 }
 

@@ -34,6 +34,20 @@ impl<'a> DmaSlice<'a> {
         }
     }
 
+    /// Rebuilds a window from the raw parts of an existing one ([`DmaSlice::as_ptr`],
+    /// [`DmaSlice::len`]), e.g. for a backend wrapper that must keep a request's
+    /// buffers beyond the caller's stack frame (the iovec array is borrowed only for
+    /// `submit`, the memory it points to stays valid until completion).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes (by copy) for all of `'a`:
+    /// in practice it must come from a `DmaSlice` whose mapping or snapshot is kept
+    /// alive until the rebuilt slice is no longer used.
+    pub unsafe fn from_raw_parts(ptr: *mut u8, len: usize) -> Self {
+        // SAFETY: forwarded to the caller.
+        unsafe { DmaSlice::from_raw(ptr, len) }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

@@ -1,0 +1,431 @@
+//! The per-thread io_uring channel.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use io_uring::{opcode, squeue, types, IoUring};
+
+use super::sys::{self, AlignedBuf, Iovecs};
+use crate::{in_range, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
+
+/// Ring entries per channel (SQ; the CQ has twice as many).
+const ENTRIES: u32 = 256;
+/// Guest buffers whose base or length is not a multiple of this are bounced
+/// under O_DIRECT.
+const MEM_ALIGN: usize = 512;
+/// Bounce buffers up to this size stay with their slot for reuse.
+pub(super) const KEEP_BOUNCE: usize = 1 << 20;
+/// Size of the zero buffer used by the synchronous write-zeroes fallback.
+const ZERO_CHUNK: usize = 256 << 10;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Read,
+    Write,
+    Fsync,
+    ZeroRange,
+    Punch,
+}
+
+struct Slot {
+    tag: u64,
+    kind: Kind,
+    /// Current file offset and bytes still to transfer (advance on short I/O).
+    offset: u64,
+    remaining: u64,
+    fua: bool,
+    /// What the kernel reads/writes now: guest iovecs, or the bounce buffer.
+    iov: Iovecs,
+    /// Bounced read: where the data goes when it completes.
+    guest: Iovecs,
+    bounce: Option<AlignedBuf>,
+    bounced: bool,
+    /// Original length (bounce copy-out).
+    len: u64,
+}
+
+impl Slot {
+    fn new() -> Slot {
+        Slot {
+            tag: 0,
+            kind: Kind::Read,
+            offset: 0,
+            remaining: 0,
+            fua: false,
+            iov: Iovecs(Vec::with_capacity(8)),
+            guest: Iovecs(Vec::new()),
+            bounce: None,
+            bounced: false,
+            len: 0,
+        }
+    }
+}
+
+pub(super) struct UringChannel {
+    ring: IoUring,
+    file: Arc<File>,
+    size: u64,
+    block_size: u64,
+    read_only: bool,
+    direct: bool,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    /// Slots whose SQE did not fit in the SQ (or would overflow the CQ).
+    backlog: VecDeque<u32>,
+    /// SQEs pushed since the last `ring.submit()`.
+    queued: bool,
+    /// SQEs pushed whose CQE has not been reaped.
+    inflight: usize,
+    cqes: Vec<(u64, i32)>,
+    zeroes: Option<AlignedBuf>,
+}
+
+impl UringChannel {
+    pub(super) fn new(file: Arc<File>, info: &BlockInfo, direct: bool) -> io::Result<Self> {
+        let ring = IoUring::new(ENTRIES)?;
+        ring.submitter().register_files(&[file.as_raw_fd()])?;
+        let n = ENTRIES as usize;
+        Ok(UringChannel {
+            ring,
+            file,
+            size: info.size_bytes(),
+            block_size: u64::from(info.block_size),
+            read_only: info.read_only,
+            direct,
+            slots: (0..n).map(|_| Slot::new()).collect(),
+            free: (0..n as u32).rev().collect(),
+            backlog: VecDeque::with_capacity(n),
+            queued: false,
+            inflight: 0,
+            cqes: Vec::with_capacity(2 * n),
+            zeroes: None,
+        })
+    }
+
+    fn sqe(&self, idx: u32) -> squeue::Entry {
+        let s = &self.slots[idx as usize];
+        let fd = types::Fixed(0);
+        let flags = if s.fua { libc::RWF_DSYNC } else { 0 };
+        let one = s.iov.0.len() == 1;
+        let v = &s.iov.0;
+        let e = match s.kind {
+            Kind::Read if one => opcode::Read::new(fd, v[0].iov_base.cast(), clamp(v[0].iov_len))
+                .offset(s.offset)
+                .build(),
+            Kind::Read => opcode::Readv::new(fd, v.as_ptr(), v.len() as u32)
+                .offset(s.offset)
+                .build(),
+            Kind::Write if one => {
+                opcode::Write::new(fd, v[0].iov_base.cast_const().cast(), clamp(v[0].iov_len))
+                    .offset(s.offset)
+                    .rw_flags(flags)
+                    .build()
+            }
+            Kind::Write => opcode::Writev::new(fd, v.as_ptr(), v.len() as u32)
+                .offset(s.offset)
+                .rw_flags(flags)
+                .build(),
+            Kind::Fsync => opcode::Fsync::new(fd)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build(),
+            Kind::ZeroRange => opcode::Fallocate::new(fd, s.remaining)
+                .offset(s.offset)
+                .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+                .build(),
+            Kind::Punch => opcode::Fallocate::new(fd, s.remaining)
+                .offset(s.offset)
+                .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
+                .build(),
+        };
+        e.user_data(u64::from(idx))
+    }
+
+    /// Puts slot `idx` on the SQ, or on the backlog if the SQ (or CQ budget) is full.
+    fn enqueue(&mut self, idx: u32) {
+        if !self.backlog.is_empty() || !self.try_push(idx) {
+            self.backlog.push_back(idx);
+        }
+    }
+
+    fn try_push(&mut self, idx: u32) -> bool {
+        if self.inflight >= 2 * ENTRIES as usize {
+            return false;
+        }
+        let e = self.sqe(idx);
+        if !sys::push(&mut self.ring, &e) {
+            return false;
+        }
+        self.inflight += 1;
+        self.queued = true;
+        true
+    }
+
+    fn drain_backlog(&mut self) {
+        while let Some(&idx) = self.backlog.front() {
+            if !self.try_push(idx) {
+                break;
+            }
+            self.backlog.pop_front();
+        }
+    }
+
+    fn alloc(&mut self) -> u32 {
+        match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push(Slot::new());
+                (self.slots.len() - 1) as u32
+            }
+        }
+    }
+
+    fn release(&mut self, idx: u32) {
+        let s = &mut self.slots[idx as usize];
+        s.iov.0.clear();
+        s.guest.0.clear();
+        if s.bounce.as_ref().is_some_and(|b| b.len() > KEEP_BOUNCE) {
+            s.bounce = None;
+        }
+        self.free.push(idx);
+    }
+
+    fn start_rw(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
+        let total: u64 = req.iov.iter().map(|b| b.len() as u64).sum();
+        if total != req.len {
+            return Some(IoStatus::Invalid);
+        }
+        if !req.offset.is_multiple_of(self.block_size) || !req.len.is_multiple_of(self.block_size) {
+            return Some(IoStatus::Invalid);
+        }
+        if req.len == 0 {
+            return Some(IoStatus::Ok);
+        }
+        let bounce = self.direct
+            && req.iov.iter().any(|b| {
+                !(b.as_ptr() as usize).is_multiple_of(MEM_ALIGN)
+                    || !b.len().is_multiple_of(MEM_ALIGN)
+            });
+        let write = req.op == IoOp::Write;
+        let idx = self.alloc();
+        let s = &mut self.slots[idx as usize];
+        s.tag = tag;
+        s.kind = if write { Kind::Write } else { Kind::Read };
+        s.offset = req.offset;
+        s.remaining = req.len;
+        s.len = req.len;
+        s.fua = write && req.fua;
+        s.bounced = bounce;
+        s.iov.0.clear();
+        s.guest.0.clear();
+        if bounce {
+            let len = req.len as usize;
+            if s.bounce.as_ref().is_none_or(|b| b.len() < len) {
+                s.bounce = Some(AlignedBuf::new(len));
+            }
+            let b = s.bounce.as_mut().expect("bounce");
+            if write {
+                let dst = b.as_mut_slice();
+                let mut pos = 0;
+                for seg in req.iov {
+                    // Cannot fail: the segment is read whole into a slice of its length.
+                    let _ = seg.read_into(0, &mut dst[pos..pos + seg.len()]);
+                    pos += seg.len();
+                }
+            } else {
+                s.guest.0.extend(req.iov.iter().map(|b| b.as_iovec()));
+            }
+            s.iov.0.push(libc::iovec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: len,
+            });
+        } else {
+            s.iov.0.extend(req.iov.iter().map(|b| b.as_iovec()));
+        }
+        self.enqueue(idx);
+        None
+    }
+
+    fn start_simple(&mut self, tag: u64, kind: Kind, req: &IoRequest<'_>) -> Option<IoStatus> {
+        if kind != Kind::Fsync && req.len == 0 {
+            return Some(IoStatus::Ok);
+        }
+        let idx = self.alloc();
+        let s = &mut self.slots[idx as usize];
+        s.tag = tag;
+        s.kind = kind;
+        s.offset = req.offset;
+        s.remaining = req.len;
+        s.len = req.len;
+        s.fua = false;
+        s.bounced = false;
+        self.enqueue(idx);
+        None
+    }
+
+    /// Synchronous fallback when FALLOC_FL_ZERO_RANGE is not supported.
+    fn write_zeroes_sync(&mut self, mut off: u64, mut len: u64) -> IoStatus {
+        let z = self
+            .zeroes
+            .get_or_insert_with(|| AlignedBuf::new(ZERO_CHUNK));
+        let zs = z.as_mut_slice();
+        while len > 0 {
+            let n = len.min(zs.len() as u64) as usize;
+            match self.file.write_at(&zs[..n], off) {
+                Ok(0) => return IoStatus::IoError,
+                Ok(w) => {
+                    off += w as u64;
+                    len -= w as u64;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return map_errno(e.raw_os_error().unwrap_or(libc::EIO), false),
+            }
+        }
+        IoStatus::Ok
+    }
+
+    /// Handles one CQE; returns the final status, or None if the slot was resubmitted.
+    fn complete(&mut self, idx: u32, res: i32) -> Option<IoStatus> {
+        let s = &mut self.slots[idx as usize];
+        let read = s.kind == Kind::Read;
+        if res < 0 {
+            let errno = -res;
+            return match (s.kind, errno) {
+                (_, libc::EINTR | libc::EAGAIN) => {
+                    self.enqueue(idx);
+                    None
+                }
+                (Kind::ZeroRange, libc::EOPNOTSUPP | libc::EINVAL) => {
+                    let (off, len) = (s.offset, s.remaining);
+                    Some(self.write_zeroes_sync(off, len))
+                }
+                (Kind::Punch, libc::EOPNOTSUPP) => Some(IoStatus::Ok),
+                _ => Some(map_errno(errno, read)),
+            };
+        }
+        if !matches!(s.kind, Kind::Read | Kind::Write) {
+            return Some(IoStatus::Ok);
+        }
+        let n = res as u64;
+        if n >= s.remaining {
+            if read && s.bounced {
+                if let Some(b) = &s.bounce {
+                    sys::copy_to_iovecs(b, &s.guest.0);
+                }
+            }
+            return Some(IoStatus::Ok);
+        }
+        if n == 0 {
+            // EOF inside the device: the backing file shrank under us.
+            return Some(if read {
+                IoStatus::ReadError
+            } else {
+                IoStatus::IoError
+            });
+        }
+        s.offset += n;
+        s.remaining -= n;
+        advance(&mut s.iov.0, n as usize);
+        self.enqueue(idx);
+        None
+    }
+}
+
+fn clamp(len: usize) -> u32 {
+    len.min(i32::MAX as usize & !4095) as u32
+}
+
+/// Drops the first `n` bytes from an iovec list.
+fn advance(iov: &mut Vec<libc::iovec>, mut n: usize) {
+    let mut skip = 0;
+    for v in iov.iter_mut() {
+        if n >= v.iov_len {
+            n -= v.iov_len;
+            skip += 1;
+        } else {
+            v.iov_base = v.iov_base.cast::<u8>().wrapping_add(n).cast();
+            v.iov_len -= n;
+            break;
+        }
+    }
+    iov.drain(..skip);
+}
+
+fn map_errno(errno: i32, read: bool) -> IoStatus {
+    match errno {
+        libc::EIO if read => IoStatus::ReadError,
+        libc::ENOSPC | libc::EDQUOT => IoStatus::NoSpace,
+        libc::EROFS => IoStatus::ReadOnly,
+        _ => IoStatus::IoError,
+    }
+}
+
+impl IoChannel for UringChannel {
+    fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
+        if req.op != IoOp::Flush && !in_range(req.offset, req.len, self.size) {
+            return Some(IoStatus::OutOfRange);
+        }
+        if self.read_only && !matches!(req.op, IoOp::Read | IoOp::Flush) {
+            return Some(IoStatus::ReadOnly);
+        }
+        match req.op {
+            IoOp::Read | IoOp::Write => self.start_rw(tag, req),
+            IoOp::Flush => self.start_simple(tag, Kind::Fsync, req),
+            IoOp::WriteZeroes => self.start_simple(tag, Kind::ZeroRange, req),
+            IoOp::Discard => self.start_simple(tag, Kind::Punch, req),
+        }
+    }
+
+    fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
+        let mut cqes = std::mem::take(&mut self.cqes);
+        cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+        self.inflight -= cqes.len();
+        let mut n = 0;
+        for &(ud, res) in &cqes {
+            let idx = ud as u32;
+            if let Some(st) = self.complete(idx, res) {
+                let tag = self.slots[idx as usize].tag;
+                self.release(idx);
+                done(tag, st);
+                n += 1;
+            }
+        }
+        cqes.clear();
+        self.cqes = cqes;
+        self.drain_backlog();
+        n
+    }
+
+    fn flush(&mut self) {
+        self.drain_backlog();
+        if self.queued {
+            match self.ring.submit() {
+                Ok(_) => self.queued = false,
+                Err(e) => tracing::debug!("io_uring submit: {e}"),
+            }
+        }
+    }
+}
+
+impl Drop for UringChannel {
+    fn drop(&mut self) {
+        // The kernel may still write into slot buffers: wait for every pushed SQE.
+        while self.inflight > 0 {
+            if self.ring.submit_and_wait(1).is_err() {
+                // EINTR and the like: try again; anything else would spin, so stop
+                // after reaping what is there (buffers then leak rather than dangle).
+                let n = self.ring.completion().count();
+                if n == 0 {
+                    std::mem::forget(std::mem::take(&mut self.slots));
+                    return;
+                }
+                self.inflight -= n;
+                continue;
+            }
+            self.inflight -= self.ring.completion().count();
+        }
+    }
+}
