@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 
-use crate::nsspec::{check_nonempty, NsSpec};
+use crate::nsspec::NsSpec;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -97,7 +97,9 @@ impl Config {
         let mut sockets = HashSet::new();
         for c in &self.controllers {
             let what = format!("controller {}", c.socket.display());
-            check_nonempty(&c.namespaces, &what)?;
+            if c.namespaces.is_empty() {
+                bail!("{what} has no namespace: add one, e.g. ram:1G");
+            }
             if !sockets.insert(c.socket.clone()) {
                 bail!("socket {} is used by two controllers", c.socket.display());
             }

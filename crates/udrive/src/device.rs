@@ -60,16 +60,6 @@ pub struct NvmeDevice {
 }
 
 impl NvmeDevice {
-    /// Opens the namespaces' backends; done for every controller before any socket
-    /// exists, so a bad backend fails start-up cleanly.
-    pub fn open_backends(cfg: &ControllerConfig) -> Result<Vec<Arc<dyn bdev::BlockDevice>>> {
-        let what = format!("controller {}", cfg.socket.display());
-        cfg.namespaces
-            .iter()
-            .map(|ns| ns.open().with_context(|| what.clone()))
-            .collect()
-    }
-
     pub fn start(
         cfg: &ControllerConfig,
         devs: Vec<Arc<dyn bdev::BlockDevice>>,

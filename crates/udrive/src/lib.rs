@@ -2,6 +2,7 @@
 //! binary (`main.rs`) is a thin CLI over this library so integration tests can start
 //! devices in-process.
 
+pub mod backends;
 pub mod config;
 pub mod device;
 pub mod nsspec;

@@ -73,17 +73,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
             online - 1
         );
     }
+    let backends = crate::backends::open_all(&cfg.controllers)?;
     // Signals are routed into the iterator before any thread starts.
     let mut signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
     let engine = engine::Engine::start(&cpus.iter().map(|c| Some(*c)).collect::<Vec<_>>())
         .context("cannot start reactors")?;
     tracing::info!(reactors = engine.num_reactors(), cpus = %cfg.cpus, "reactors started");
 
-    let backends = cfg
-        .controllers
-        .iter()
-        .map(NvmeDevice::open_backends)
-        .collect::<Result<Vec<_>>>()?;
     let mut devices = Vec::new();
     for (i, (c, devs)) in cfg.controllers.iter().zip(backends).enumerate() {
         match NvmeDevice::start(c, devs, (i + 1) as u16, &engine) {

@@ -44,7 +44,9 @@ impl TestDev {
         let sock = dir.path().join(format!("{name}.sock"));
         let specs: Vec<NsSpec> = ns.iter().map(|s| s.parse().expect("ns spec")).collect();
         let cfg = ControllerConfig::new(sock.clone(), specs);
-        let devs = NvmeDevice::open_backends(&cfg).expect("open backends");
+        let devs = udrive::backends::open_all(std::slice::from_ref(&cfg))
+            .expect("open backends")
+            .remove(0);
         let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
         let dev = NvmeDevice::start(&cfg, devs, cntlid, &engine()).expect("start device");
         TestDev {
