@@ -15,16 +15,17 @@ fn serve(args: &[&str]) -> (bool, String) {
     )
 }
 
+fn sized_file(dir: &std::path::Path, name: &str, len: u64) -> std::path::PathBuf {
+    let p = dir.join(name);
+    std::fs::File::create(&p).unwrap().set_len(len).unwrap();
+    p
+}
+
 #[test]
 fn bad_namespaces_fail_before_any_socket() {
     let dir = tempfile::tempdir().unwrap();
-    let img = dir.path().join("disk.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
-    let odd = dir.path().join("odd.img");
-    std::fs::File::create(&odd).unwrap().set_len(1000).unwrap();
+    let img = sized_file(dir.path(), "disk.img", 64 << 20);
+    let odd = sized_file(dir.path(), "odd.img", 1000);
     let sock = dir.path().join("s.sock");
     let sock = sock.to_str().unwrap();
     let img = img.to_str().unwrap();
@@ -51,11 +52,7 @@ fn bad_namespaces_fail_before_any_socket() {
 #[test]
 fn overlapping_writable_slices_are_refused_unless_shared() {
     let dir = tempfile::tempdir().unwrap();
-    let img = dir.path().join("disk.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
+    let img = sized_file(dir.path(), "disk.img", 64 << 20);
     let cfg = |a: &str, b: &str| {
         let p = dir.path().join("u.toml");
         std::fs::write(
