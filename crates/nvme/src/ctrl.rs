@@ -29,7 +29,6 @@ pub(crate) struct Shared {
     pub errors: Mutex<ErrorLog>,
     /// Volatile Write Cache enable (Set Features 06h).
     pub wce: AtomicBool,
-    pub ns: Vec<Arc<dyn BlockDevice>>,
     pub mdts_bytes: u64,
 }
 
@@ -88,13 +87,20 @@ pub(crate) struct State {
     pub shadow: Option<Shadow>,
     pub retired: Totals,
     pub admin_commands: u64,
+    /// Active namespaces by `nsid - 1` (the reactors hold their own copy per group).
+    pub ns: Vec<Option<Arc<dyn BlockDevice>>>,
+    /// Changed Namespace List (log page 04h) since the host last read it.
+    pub changed_ns: std::collections::BTreeSet<u32>,
+    /// A Namespace Attribute Changed event was queued and the host has not read the
+    /// log yet: further changes only extend the list (the event type is masked).
+    pub ns_event_masked: bool,
+    pub placer: Placer,
 }
 
 pub(crate) struct Inner {
     pub cfg: ControllerConfig,
     pub shared: Arc<Shared>,
     pub engine: Arc<Engine>,
-    pub placer: Placer,
     pub mem: Arc<DmaSpace>,
     pub state: Mutex<State>,
     pub stop: AtomicBool,
@@ -108,6 +114,7 @@ impl Inner {
         engine: Arc<Engine>,
         placer: Placer,
         mem: Arc<DmaSpace>,
+        ns: Vec<Option<Arc<dyn BlockDevice>>>,
     ) -> Inner {
         let cap = regs::capabilities(cfg.max_queue_entries.saturating_sub(1));
         let features = Features::new(&cfg, shared.wce.load(Ordering::Relaxed));
@@ -115,7 +122,6 @@ impl Inner {
             cfg,
             shared,
             engine,
-            placer,
             mem,
             state: Mutex::new(State {
                 regs: Regs::new(cap),
@@ -128,6 +134,10 @@ impl Inner {
                 shadow: None,
                 retired: Totals::default(),
                 admin_commands: 0,
+                ns,
+                changed_ns: Default::default(),
+                ns_event_masked: false,
+                placer,
             }),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
@@ -235,8 +245,10 @@ impl Inner {
         st.admin = None;
         st.aer.clear();
         st.events.clear();
+        st.changed_ns.clear();
+        st.ns_event_masked = false;
         st.shadow = None;
-        st.features = Features::new(&self.cfg, self.features_default_wce());
+        st.features = Features::new(&self.cfg, Self::any_write_cache(&st.ns));
         self.shared.wce.store(st.features.wce, Ordering::Relaxed);
         st.regs.rdy = false;
         st.regs.cfs = false;
@@ -245,8 +257,8 @@ impl Inner {
         self.shared.fatal.store(false, Ordering::Release);
     }
 
-    fn features_default_wce(&self) -> bool {
-        self.shared.ns.iter().any(|d| d.info().write_cache)
+    pub fn any_write_cache(ns: &[Option<Arc<dyn BlockDevice>>]) -> bool {
+        ns.iter().flatten().any(|d| d.info().write_cache)
     }
 
     /// Full reset: like CC.EN 1->0 plus every register back to its reset value.
@@ -297,7 +309,7 @@ impl Inner {
                 group: Some(g),
                 back: tx,
             };
-            let reactor = self.placer.reactor_for(usize::from(cqid));
+            let reactor = st.placer.reactor_for(usize::from(cqid));
             match self.engine.add_poller(reactor, Box::new(poller)) {
                 Ok(id) => Place::Running { id, back: rx },
                 Err(e) => {

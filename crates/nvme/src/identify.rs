@@ -72,9 +72,13 @@ pub(crate) fn uuid(serial: &str, nsid: u32) -> [u8; 16] {
     u
 }
 
-pub(crate) fn controller(cfg: &ControllerConfig, mdts: u8, ns: &[Arc<dyn BlockDevice>]) -> Vec<u8> {
+pub(crate) fn controller(
+    cfg: &ControllerConfig,
+    mdts: u8,
+    ns: &[Option<Arc<dyn BlockDevice>>],
+) -> Vec<u8> {
     let mut b = vec![0u8; 4096];
-    let any = |f: fn(&bdev::BlockInfo) -> bool| ns.iter().any(|d| f(d.info()));
+    let any = |f: fn(&bdev::BlockInfo) -> bool| ns.iter().flatten().any(|d| f(d.info()));
     put(&mut b, 0, &VENDOR_ID.to_le_bytes());
     put(&mut b, 2, &VENDOR_ID.to_le_bytes());
     put(&mut b, 4, &padded(&cfg.serial, 20));
@@ -84,6 +88,8 @@ pub(crate) fn controller(cfg: &ControllerConfig, mdts: u8, ns: &[Arc<dyn BlockDe
     b[77] = mdts;
     put(&mut b, 78, &cfg.cntlid.to_le_bytes());
     put(&mut b, 80, &crate::regs::VERSION.to_le_bytes());
+    // OAES: Namespace Attribute Notices.
+    put(&mut b, 92, &crate::namespaces::AEC_NS_ATTR.to_le_bytes());
     b[111] = 1; // CNTRLTYPE: I/O controller
     put(&mut b, 256, &(1u16 << 8).to_le_bytes()); // OACS: Doorbell Buffer Config
     b[258] = 3; // ACL
@@ -97,7 +103,8 @@ pub(crate) fn controller(cfg: &ControllerConfig, mdts: u8, ns: &[Arc<dyn BlockDe
     put(&mut b, 320, &1u16.to_le_bytes()); // KAS: 100 ms granularity
     b[512] = 0x66; // SQES
     b[513] = 0x44; // CQES
-    put(&mut b, 516, &(ns.len() as u32).to_le_bytes()); // NN
+                   // NN: the highest NSID there can be, so namespaces can come and go.
+    put(&mut b, 516, &cfg.max_namespaces.to_le_bytes());
     let mut oncs = 0u16;
     if any(|i| i.discard) {
         oncs |= 1 << 2;
@@ -136,9 +143,15 @@ pub(crate) fn namespace(cfg: &ControllerConfig, nsid: u32, dev: &dyn BlockDevice
 }
 
 /// Active namespace ids greater than `after`.
-pub(crate) fn ns_list(after: u32, count: usize) -> Vec<u8> {
+pub(crate) fn ns_list(after: u32, ns: &[Option<Arc<dyn BlockDevice>>]) -> Vec<u8> {
     let mut b = vec![0u8; 4096];
-    let ids = (1..=count as u32).filter(|n| *n > after).take(1024);
+    let ids = ns
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.is_some())
+        .map(|(i, _)| i as u32 + 1)
+        .filter(|n| *n > after)
+        .take(1024);
     for (k, id) in ids.enumerate() {
         put(&mut b, k * 4, &id.to_le_bytes());
     }

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bdev::{IoChannel, IoOp, IoRequest, IoStatus};
+use bdev::{BlockDevice, IoChannel, IoOp, IoRequest, IoStatus};
 use crossbeam_channel::Sender;
 use guest_mem::{Access, DmaSlice, DmaSpace, MemView, MemoryMap};
 
@@ -52,12 +52,41 @@ pub(crate) struct IoSq {
     free: Vec<u32>,
 }
 
+/// One namespace as a queue group sees it: its backend and this group's channel.
+/// `inflight` counts backend requests this channel still owes a completion.
+pub(crate) struct NsChan {
+    dev: Arc<dyn BlockDevice>,
+    chan: Box<dyn IoChannel>,
+    inflight: u32,
+}
+
+impl NsChan {
+    pub fn open(dev: &Arc<dyn BlockDevice>) -> std::io::Result<NsChan> {
+        Ok(NsChan {
+            dev: dev.clone(),
+            chan: dev.channel()?,
+            inflight: 0,
+        })
+    }
+}
+
+/// A change of the namespace table, applied to each group while it is off its
+/// reactor (see `Inner::change_namespaces`).
+pub(crate) enum NsChange {
+    Add(u32, NsChan),
+    Remove(u32),
+}
+
 pub(crate) struct QueueGroup {
     shared: Arc<Shared>,
     view: MemView,
     pub cq: CqRing,
     pub sqs: Vec<IoSq>,
-    chans: Vec<Box<dyn IoChannel>>,
+    /// Active namespaces by `nsid - 1`.
+    ns: Vec<Option<NsChan>>,
+    /// Removed namespaces whose channels still have requests in flight: polled until
+    /// those complete, then dropped. New commands never reach them.
+    retiring: Vec<NsChan>,
     pub shadow: Option<Shadow>,
     pub counters: Arc<Counters>,
     inflight: u32,
@@ -137,18 +166,19 @@ impl QueueGroup {
         mem: Arc<DmaSpace>,
         cq: CqRing,
         shadow: Option<Shadow>,
+        namespaces: &[Option<Arc<dyn BlockDevice>>],
     ) -> std::io::Result<Box<QueueGroup>> {
-        let chans = shared
-            .ns
+        let ns = namespaces
             .iter()
-            .map(|d| d.channel())
+            .map(|d| d.as_ref().map(NsChan::open).transpose())
             .collect::<std::io::Result<Vec<_>>>()?;
         Ok(Box::new(QueueGroup {
             shared,
             view: MemView::new(mem),
             cq,
             sqs: Vec::new(),
-            chans,
+            ns,
+            retiring: Vec::new(),
             shadow,
             counters: Arc::new(Counters::default()),
             inflight: 0,
@@ -164,6 +194,38 @@ impl QueueGroup {
         });
     }
 
+    /// Applies a namespace change. Called on the control path while the group is off
+    /// its reactor; a removed namespace's channel keeps being polled until the
+    /// requests it holds complete.
+    pub fn apply(&mut self, change: NsChange) {
+        match change {
+            NsChange::Add(nsid, chan) => {
+                let i = (nsid as usize).saturating_sub(1);
+                if self.ns.len() <= i {
+                    self.ns.resize_with(i + 1, || None);
+                }
+                if let Some(old) = self.ns[i].replace(chan) {
+                    self.retire(old);
+                }
+            }
+            NsChange::Remove(nsid) => {
+                let i = (nsid as usize).wrapping_sub(1);
+                if let Some(old) = self.ns.get_mut(i).and_then(Option::take) {
+                    self.retire(old);
+                }
+                while self.ns.last().is_some_and(Option::is_none) {
+                    self.ns.pop();
+                }
+            }
+        }
+    }
+
+    fn retire(&mut self, c: NsChan) {
+        if c.inflight > 0 {
+            self.retiring.push(c);
+        }
+    }
+
     /// Detaches SQ `qid` after letting its in-flight commands finish.
     pub fn remove_sq(&mut self, qid: u16) {
         self.drain();
@@ -176,9 +238,12 @@ impl QueueGroup {
         let start = Instant::now();
         while self.inflight > 0 && start.elapsed() < Duration::from_secs(5) {
             let mut n = 0u32;
-            for ch in self.chans.iter_mut() {
-                ch.flush();
-                ch.poll(&mut |_, _| n += 1);
+            for c in self.ns.iter_mut().flatten().chain(self.retiring.iter_mut()) {
+                c.chan.flush();
+                let mut k = 0u32;
+                c.chan.poll(&mut |_, _| k += 1);
+                c.inflight = c.inflight.saturating_sub(k);
+                n += k;
             }
             self.inflight = self.inflight.saturating_sub(n);
             if n == 0 {
@@ -186,6 +251,10 @@ impl QueueGroup {
             }
         }
         self.inflight = 0;
+        self.retiring.clear();
+        for c in self.ns.iter_mut().flatten() {
+            c.inflight = 0;
+        }
         for sq in self.sqs.iter_mut() {
             let n = sq.slots.len() as u32;
             sq.free.clear();
@@ -204,7 +273,8 @@ impl QueueGroup {
             view,
             cq,
             sqs,
-            chans,
+            ns,
+            retiring,
             shadow,
             counters,
             inflight,
@@ -234,12 +304,21 @@ impl QueueGroup {
         let mut posted = 0usize;
         let mut work = 0usize;
         if *inflight > 0 {
-            for ch in chans.iter_mut() {
-                ch.poll(&mut |tag, st| {
+            for c in ns.iter_mut().flatten().chain(retiring.iter_mut()) {
+                if c.inflight == 0 {
+                    continue;
+                }
+                let mut k = 0u32;
+                c.chan.poll(&mut |tag, st| {
+                    k += 1;
                     if complete(sqs, cq, &cq_ring, counters, shared, inflight, tag, st) {
                         posted += 1;
                     }
                 });
+                c.inflight = c.inflight.saturating_sub(k);
+            }
+            if !retiring.is_empty() {
+                retiring.retain(|c| c.inflight > 0);
             }
         }
         let empty = page.sub(0, 0).unwrap_or(page);
@@ -281,7 +360,7 @@ impl QueueGroup {
                 let Some(slot) = sq.slots.get_mut(idx as usize) else {
                     continue;
                 };
-                match exec(map, empty, shared, chans, &sqe, tag, slot) {
+                match exec(map, empty, shared, ns, &sqe, tag, slot) {
                     Exec::Done(st) => {
                         submitted = true;
                         account(counters, shared, sq.ring.qid, slot, st);
@@ -304,8 +383,8 @@ impl QueueGroup {
             }
         }
         if submitted {
-            for ch in chans.iter_mut() {
-                ch.flush();
+            for c in ns.iter_mut().flatten() {
+                c.chan.flush();
             }
         }
         if let Some(s) = shadow {
@@ -410,7 +489,25 @@ fn exec<'a>(
     map: &'a MemoryMap,
     empty: DmaSlice<'a>,
     shared: &Shared,
-    chans: &mut [Box<dyn IoChannel>],
+    ns: &mut [Option<NsChan>],
+    sqe: &Sqe,
+    tag: u64,
+    slot: &mut Slot,
+) -> Exec {
+    let idx = (sqe.nsid() as usize).wrapping_sub(1);
+    let nc = ns.get_mut(idx).and_then(Option::as_mut);
+    let r = exec_on(map, empty, shared, nc, sqe, tag, slot);
+    if let (Exec::Pending(n), Some(Some(c))) = (&r, ns.get_mut(idx)) {
+        c.inflight += u32::from(*n);
+    }
+    r
+}
+
+fn exec_on<'a>(
+    map: &'a MemoryMap,
+    empty: DmaSlice<'a>,
+    shared: &Shared,
+    nc: Option<&mut NsChan>,
     sqe: &Sqe,
     tag: u64,
     slot: &mut Slot,
@@ -428,8 +525,7 @@ fn exec<'a>(
     if sqe.fuse() != 0 {
         return Exec::Done(Status::INVALID_FIELD);
     }
-    let idx = (sqe.nsid() as usize).wrapping_sub(1);
-    let (Some(dev), Some(chan)) = (shared.ns.get(idx), chans.get_mut(idx)) else {
+    let Some(NsChan { dev, chan, .. }) = nc else {
         return Exec::Done(Status::INVALID_NAMESPACE);
     };
     let chan: &mut dyn IoChannel = chan.as_mut();

@@ -19,6 +19,7 @@ mod identify;
 mod io;
 mod iov;
 mod log;
+mod namespaces;
 mod prp;
 mod queue;
 mod regs;
@@ -33,6 +34,7 @@ use engine::{Engine, Placer};
 use guest_mem::{DmaSpace, SharedMem};
 
 pub use identify::VENDOR_ID;
+pub use namespaces::NsError;
 pub use status::Status;
 
 /// Size of BAR0: registers, doorbells, MSI-X table, MSI-X PBA.
@@ -60,6 +62,9 @@ pub struct ControllerConfig {
     pub mdts: u8,
     pub msix_vectors: u16,
     pub cntlid: u16,
+    /// Highest namespace ID (Identify NN): namespaces added at run time get IDs up
+    /// to this.
+    pub max_namespaces: u32,
 }
 
 impl Default for ControllerConfig {
@@ -73,6 +78,7 @@ impl Default for ControllerConfig {
             mdts: 5,
             msix_vectors: 33,
             cntlid: 1,
+            max_namespaces: 32,
         }
     }
 }
@@ -109,11 +115,11 @@ pub struct Controller {
 }
 
 impl Controller {
-    /// Creates the controller with namespaces `nsid = index + 1` and starts its admin
-    /// thread.
+    /// Creates the controller with namespaces `nsid = index + 1` (`None`: that NSID
+    /// is inactive) and starts its admin thread.
     pub fn new(
         cfg: ControllerConfig,
-        namespaces: Vec<Arc<dyn BlockDevice>>,
+        namespaces: Vec<Option<Arc<dyn BlockDevice>>>,
         engine: Arc<Engine>,
         placer: Placer,
         mem: Arc<DmaSpace>,
@@ -130,16 +136,14 @@ impl Controller {
         if cfg.msix_vectors == 0 {
             return Err(invalid("at least one MSI-X vector is needed"));
         }
-        for d in &namespaces {
-            let bs = d.info().block_size;
-            if !bs.is_power_of_two() || !(512..=65536).contains(&bs) {
-                return Err(invalid(
-                    "namespace block size must be a power of two >= 512",
-                ));
-            }
+        if namespaces.len() > cfg.max_namespaces as usize {
+            return Err(invalid("more namespaces than max_namespaces"));
+        }
+        for d in namespaces.iter().flatten() {
+            namespaces::check_block_size(d.as_ref()).map_err(|e| invalid(&e.to_string()))?;
         }
         let doorbells = SharedMem::new("nvme-doorbells", 0x2000)?;
-        let vwc = namespaces.iter().any(|d| d.info().write_cache);
+        let vwc = ctrl::Inner::any_write_cache(&namespaces);
         let mdts = iov::effective_mdts(cfg.mdts);
         let shared = Arc::new(ctrl::Shared {
             doorbells,
@@ -147,10 +151,11 @@ impl Controller {
             irqs,
             errors: Mutex::new(log::ErrorLog::default()),
             wce: AtomicBool::new(vwc),
-            ns: namespaces,
             mdts_bytes: iov::PAGE << mdts,
         });
-        let inner = Arc::new(ctrl::Inner::new(cfg, shared, engine, placer, mem));
+        let inner = Arc::new(ctrl::Inner::new(
+            cfg, shared, engine, placer, mem, namespaces,
+        ));
         let weak = Arc::downgrade(&inner);
         let t = std::thread::Builder::new()
             .name("nvme-admin".into())
@@ -220,6 +225,52 @@ impl Controller {
         self.inner.stop_admin_thread();
         let mut st = self.inner.lock();
         self.inner.disable(&mut st);
+    }
+
+    /// Activates namespace `nsid` at run time. Queue groups get a channel on their
+    /// reactor's next iteration; the host gets a Namespace Attribute Changed event.
+    pub fn add_namespace(&self, nsid: u32, dev: Arc<dyn BlockDevice>) -> Result<(), NsError> {
+        self.inner.add_namespace(nsid, dev)
+    }
+
+    /// Deactivates namespace `nsid`: commands in flight finish, new ones get Invalid
+    /// Namespace. Returns its backend.
+    pub fn remove_namespace(&self, nsid: u32) -> Result<Arc<dyn BlockDevice>, NsError> {
+        self.inner.remove_namespace(nsid)
+    }
+
+    /// Active namespaces as (nsid, backend).
+    pub fn namespaces(&self) -> Vec<(u32, Arc<dyn BlockDevice>)> {
+        let st = self.inner.lock();
+        st.ns
+            .iter()
+            .enumerate()
+            .filter_map(|(i, d)| d.clone().map(|d| (i as u32 + 1, d)))
+            .collect()
+    }
+
+    pub fn max_namespaces(&self) -> u32 {
+        self.inner.cfg.max_namespaces
+    }
+
+    /// Placement for queue groups created (or re-placed) from now on.
+    pub fn set_placer(&self, placer: Placer) {
+        self.inner.lock().placer = placer;
+    }
+
+    /// Reactor of each running queue group, by CQ id.
+    pub fn queue_reactors(&self) -> Vec<(u16, Option<usize>)> {
+        let st = self.inner.lock();
+        st.groups
+            .iter()
+            .map(|(cqid, g)| {
+                let r = match &g.place {
+                    ctrl::Place::Running { id, .. } => Some(id.reactor),
+                    _ => None,
+                };
+                (*cqid, r)
+            })
+            .collect()
     }
 
     pub fn stats(&self) -> ControllerStats {

@@ -35,8 +35,8 @@ fn enable_identify_and_io_roundtrip() {
     assert_eq!(id[513], 0x44);
     assert_eq!(
         u32::from_le_bytes([id[516], id[517], id[518], id[519]]),
-        1,
-        "NN"
+        32,
+        "NN: max_namespaces"
     );
     assert_eq!(
         u16::from_le_bytes([id[256], id[257]]) & 0x100,

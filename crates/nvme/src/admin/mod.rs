@@ -53,7 +53,7 @@ impl Inner {
             CREATE_SQ => self.create_sq(st, map, sqe),
             DELETE_CQ => self.delete_cq(st, sqe),
             CREATE_CQ => self.create_cq(st, map, sqe),
-            IDENTIFY => self.identify(map, sqe),
+            IDENTIFY => self.identify(st, map, sqe),
             GET_LOG_PAGE => self.get_log_page(st, map, sqe),
             SET_FEATURES => {
                 let fid = sqe.cdw(10) as u8;
@@ -115,33 +115,35 @@ impl Inner {
         }
     }
 
-    fn ns_index(&self, nsid: u32) -> Option<usize> {
+    /// The backend of active namespace `nsid`.
+    fn active_ns<'s>(
+        st: &'s State,
+        nsid: u32,
+    ) -> Option<&'s std::sync::Arc<dyn bdev::BlockDevice>> {
         let i = (nsid as usize).checked_sub(1)?;
-        (i < self.shared.ns.len()).then_some(i)
+        st.ns.get(i)?.as_ref()
     }
 
-    fn identify(&self, map: &MemoryMap, sqe: &Sqe) -> Done {
+    fn identify(&self, st: &State, map: &MemoryMap, sqe: &Sqe) -> Done {
         let cns = sqe.cdw(10) as u8;
         let nsid = sqe.nsid();
+        let in_range = nsid != 0 && nsid <= self.cfg.max_namespaces;
         let data = match cns {
-            0x00 => {
-                let Some(i) = self.ns_index(nsid) else {
-                    return err(Status::INVALID_NAMESPACE);
-                };
-                let Some(dev) = self.shared.ns.get(i) else {
-                    return err(Status::INVALID_NAMESPACE);
-                };
-                identify::namespace(&self.cfg, nsid, dev.as_ref())
-            }
-            0x01 => identify::controller(&self.cfg, self.mdts(), &self.shared.ns),
+            0x00 => match Self::active_ns(st, nsid) {
+                Some(dev) => identify::namespace(&self.cfg, nsid, dev.as_ref()),
+                // A valid but inactive NSID (e.g. just removed) reads as zeroes.
+                None if in_range => vec![0u8; 4096],
+                None => return err(Status::INVALID_NAMESPACE),
+            },
+            0x01 => identify::controller(&self.cfg, self.mdts(), &st.ns),
             0x02 => {
                 if nsid >= 0xffff_fffe {
                     return err(Status::INVALID_NAMESPACE);
                 }
-                identify::ns_list(nsid, self.shared.ns.len())
+                identify::ns_list(nsid, &st.ns)
             }
             0x03 => {
-                if self.ns_index(nsid).is_none() {
+                if Self::active_ns(st, nsid).is_none() {
                     return err(Status::INVALID_NAMESPACE);
                 }
                 identify::ns_descriptors(&self.cfg, nsid)
@@ -194,8 +196,7 @@ impl Inner {
                 b[8..16].copy_from_slice(&fr[..8]);
                 b
             }
-            // Namespaces never change yet: an empty list.
-            LOG_CHANGED_NS => vec![0u8; 4096],
+            LOG_CHANGED_NS => self.changed_ns_log(st, sqe.cdw(10) & (1 << 15) != 0),
             _ => return err(Status::INVALID_LOG_PAGE),
         };
         let mut out = vec![0u8; len as usize];

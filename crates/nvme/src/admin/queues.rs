@@ -56,7 +56,8 @@ impl Inner {
         }
         self.reset_doorbell(qid, true);
         let cq = CqRing::new(qid, base, size, ien, vector);
-        let g = match QueueGroup::new(self.shared.clone(), self.mem.clone(), cq, st.shadow) {
+        let g = match QueueGroup::new(self.shared.clone(), self.mem.clone(), cq, st.shadow, &st.ns)
+        {
             Ok(g) => g,
             Err(e) => {
                 tracing::error!("nvme: cannot open backend channels: {e}");

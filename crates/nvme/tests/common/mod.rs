@@ -133,7 +133,7 @@ impl Host {
         ));
         let ctrl = Controller::new(
             cfg,
-            disks,
+            disks.into_iter().map(Some).collect(),
             engine.clone(),
             placer,
             mem.clone(),

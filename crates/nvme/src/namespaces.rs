@@ -1,0 +1,158 @@
+//! Namespaces added and removed at run time.
+//!
+//! The control path owns the table in `State::ns`; every queue group holds its own
+//! copy (with its I/O channels), so the I/O path looks namespaces up without a lock.
+//! A change goes to the groups as a message: each group is taken off its reactor
+//! (`Engine::remove_poller` returns once the reactor let go of it between two poll
+//! iterations), the change is applied, and the group goes back. Commands in flight
+//! keep their channel: a removed namespace's channel moves to the group's retiring
+//! list and is polled until its requests complete; new commands for that NSID get
+//! Invalid Namespace. Then the host is told with a Namespace Attribute Changed event
+//! and the Changed Namespace List log page.
+
+use std::sync::Arc;
+
+use bdev::BlockDevice;
+
+use crate::ctrl::{Inner, State};
+use crate::io::{NsChan, NsChange};
+
+/// Async event: type Notice (2), info Namespace Attribute Changed (0), log page 04h.
+pub(crate) const EVENT_NS_CHANGED: u32 = 0x02 | (0x04 << 16);
+/// Asynchronous Event Configuration bit that enables namespace attribute notices.
+pub(crate) const AEC_NS_ATTR: u32 = 1 << 8;
+/// Entries the Changed Namespace List holds before it reports "more than 1024".
+const CHANGED_LIST_MAX: usize = 1024;
+
+/// Why a namespace change was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum NsError {
+    #[error("namespace ID {0} is out of range (1..={1})")]
+    OutOfRange(u32, u32),
+    #[error("namespace {0} already exists")]
+    Exists(u32),
+    #[error("namespace {0} does not exist")]
+    NotFound(u32),
+    #[error("namespace block size {0} is not a power of two in 512..=65536")]
+    BlockSize(u32),
+    #[error("cannot open an I/O channel on the backend: {0}")]
+    Channel(std::io::Error),
+}
+
+pub(crate) fn check_block_size(dev: &dyn BlockDevice) -> Result<(), NsError> {
+    let bs = dev.info().block_size;
+    if !bs.is_power_of_two() || !(512..=65536).contains(&bs) {
+        return Err(NsError::BlockSize(bs));
+    }
+    Ok(())
+}
+
+impl Inner {
+    fn ns_range(&self, nsid: u32) -> Result<usize, NsError> {
+        if nsid == 0 || nsid > self.cfg.max_namespaces {
+            return Err(NsError::OutOfRange(nsid, self.cfg.max_namespaces));
+        }
+        Ok(nsid as usize - 1)
+    }
+
+    pub(crate) fn add_namespace(
+        &self,
+        nsid: u32,
+        dev: Arc<dyn BlockDevice>,
+    ) -> Result<(), NsError> {
+        let i = self.ns_range(nsid)?;
+        check_block_size(dev.as_ref())?;
+        let mut st = self.lock();
+        if st.ns.get(i).is_some_and(Option::is_some) {
+            return Err(NsError::Exists(nsid));
+        }
+        // Channels are opened first so a failure changes nothing.
+        let mut chans = Vec::new();
+        for _ in 0..st.groups.len() {
+            chans.push(NsChan::open(&dev).map_err(NsError::Channel)?);
+        }
+        if st.ns.len() <= i {
+            st.ns.resize_with(i + 1, || None);
+        }
+        st.ns[i] = Some(dev);
+        self.change_groups(&mut st, || chans.pop().map(|c| NsChange::Add(nsid, c)));
+        self.namespace_changed(&mut st, nsid);
+        Ok(())
+    }
+
+    pub(crate) fn remove_namespace(&self, nsid: u32) -> Result<Arc<dyn BlockDevice>, NsError> {
+        let i = self.ns_range(nsid)?;
+        let mut st = self.lock();
+        let dev = st
+            .ns
+            .get_mut(i)
+            .and_then(Option::take)
+            .ok_or(NsError::NotFound(nsid))?;
+        while st.ns.last().is_some_and(Option::is_none) {
+            st.ns.pop();
+        }
+        self.change_groups(&mut st, || Some(NsChange::Remove(nsid)));
+        self.namespace_changed(&mut st, nsid);
+        Ok(dev)
+    }
+
+    /// Takes every queue group off its reactor, applies the change, puts it back.
+    fn change_groups(&self, st: &mut State, mut change: impl FnMut() -> Option<NsChange>) {
+        let ids: Vec<u16> = st.groups.keys().copied().collect();
+        for cqid in ids {
+            let Some(mut g) = self.take_group(st, cqid) else {
+                continue;
+            };
+            if let Some(c) = change() {
+                g.apply(c);
+            }
+            if let Err(s) = self.place_group(st, g) {
+                tracing::error!(cqid, status = ?s, "nvme: queue group lost during a namespace change");
+            }
+        }
+    }
+
+    /// Records `nsid` in the Changed Namespace List and queues the event unless one
+    /// is already waiting for the host to read the log (or the host disabled it).
+    fn namespace_changed(&self, st: &mut State, nsid: u32) {
+        if !st.regs.rdy {
+            return;
+        }
+        st.changed_ns.insert(nsid);
+        if st.features.async_events & AEC_NS_ATTR != 0 && !st.ns_event_masked {
+            st.ns_event_masked = true;
+            st.events.push_back(EVENT_NS_CHANGED);
+        }
+    }
+
+    /// Log page 04h; reading it without Retain Asynchronous Event clears the list
+    /// and unmasks the event.
+    pub(crate) fn changed_ns_log(&self, st: &mut State, retain: bool) -> Vec<u8> {
+        let mut b = vec![0u8; 4096];
+        if st.changed_ns.len() > CHANGED_LIST_MAX {
+            b[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        } else {
+            for (k, id) in st.changed_ns.iter().enumerate() {
+                b[k * 4..k * 4 + 4].copy_from_slice(&id.to_le_bytes());
+            }
+        }
+        if !retain {
+            st.changed_ns.clear();
+            st.ns_event_masked = false;
+        }
+        b
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_encoding() {
+        // Type 2 (notice), info 0 (namespace attribute changed), log page 4.
+        assert_eq!(EVENT_NS_CHANGED & 7, 2);
+        assert_eq!((EVENT_NS_CHANGED >> 8) & 0xff, 0);
+        assert_eq!((EVENT_NS_CHANGED >> 16) & 0xff, 4);
+    }
+}
