@@ -9,6 +9,11 @@
 //! charging are two steps, so channels racing on the same instant can overshoot by
 //! at most one request each; the long-run rate is exact.
 //!
+//! Limits can change at run time ([`QosDisk::set_limits`]): each rate is an atomic
+//! (0 = unlimited) read per request, and an `active` flag lets a disk without any
+//! limit pass requests straight through (one relaxed load, no clock read), so every
+//! namespace can be wrapped at open and limited later.
+//!
 //! Burst: [`BURST`] (100 ms) worth of the rate, and always at least one request (an
 //! idle bucket admits any single request, however large). Credit beyond the burst is
 //! not banked: a namespace idle for a minute still gets only 100 ms worth at once.
@@ -31,7 +36,7 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -58,26 +63,32 @@ pub struct QosLimits {
     pub write_bw: Option<u64>,
 }
 
+/// One limit. `rate` 0 means unlimited; it can change at any time (set_limits).
 struct Bucket {
-    rate: u64,
+    rate: AtomicU64,
     tat: AtomicU64,
 }
 
 impl Bucket {
-    fn new(rate: Option<u64>) -> Option<Bucket> {
-        rate.map(|rate| Bucket {
-            rate,
+    fn new(rate: Option<u64>) -> Bucket {
+        Bucket {
+            rate: AtomicU64::new(rate.unwrap_or(0)),
             tat: AtomicU64::new(0),
-        })
+        }
+    }
+    fn rate(&self) -> Option<u64> {
+        Some(self.rate.load(Ordering::Relaxed)).filter(|r| *r > 0)
     }
     fn ready(&self, now: u64) -> bool {
-        self.tat.load(Ordering::Acquire) <= now.saturating_add(BURST.as_nanos() as u64)
+        self.rate.load(Ordering::Relaxed) == 0
+            || self.tat.load(Ordering::Acquire) <= now.saturating_add(BURST.as_nanos() as u64)
     }
     fn charge(&self, now: u64, units: u64) {
-        if units == 0 {
+        let rate = self.rate.load(Ordering::Relaxed);
+        if units == 0 || rate == 0 {
             return;
         }
-        let cost = (u128::from(units) * 1_000_000_000).div_ceil(u128::from(self.rate));
+        let cost = (u128::from(units) * 1_000_000_000).div_ceil(u128::from(rate));
         let cost = u64::try_from(cost).unwrap_or(u64::MAX);
         let _ = self
             .tat
@@ -88,15 +99,49 @@ impl Bucket {
 }
 
 struct Buckets {
-    iops: Option<Bucket>,
-    read_iops: Option<Bucket>,
-    write_iops: Option<Bucket>,
-    bw: Option<Bucket>,
-    read_bw: Option<Bucket>,
-    write_bw: Option<Bucket>,
+    /// Some limit is set; when clear, requests pass straight through (no clock read).
+    active: AtomicBool,
+    iops: Bucket,
+    read_iops: Bucket,
+    write_iops: Bucket,
+    bw: Bucket,
+    read_bw: Bucket,
+    write_bw: Bucket,
 }
 
 impl Buckets {
+    fn set(&self, l: QosLimits) {
+        self.iops.rate.store(l.iops.unwrap_or(0), Ordering::Relaxed);
+        self.read_iops
+            .rate
+            .store(l.read_iops.unwrap_or(0), Ordering::Relaxed);
+        self.write_iops
+            .rate
+            .store(l.write_iops.unwrap_or(0), Ordering::Relaxed);
+        self.bw
+            .rate
+            .store(l.bw_bytes.unwrap_or(0), Ordering::Relaxed);
+        self.read_bw
+            .rate
+            .store(l.read_bw.unwrap_or(0), Ordering::Relaxed);
+        self.write_bw
+            .rate
+            .store(l.write_bw.unwrap_or(0), Ordering::Relaxed);
+        self.active
+            .store(l != QosLimits::default(), Ordering::Release);
+    }
+
+    fn limits(&self) -> QosLimits {
+        QosLimits {
+            iops: self.iops.rate(),
+            read_iops: self.read_iops.rate(),
+            write_iops: self.write_iops.rate(),
+            bw_bytes: self.bw.rate(),
+            read_bw: self.read_bw.rate(),
+            write_bw: self.write_bw.rate(),
+        }
+    }
+
     /// The buckets `op` is subject to, as (bucket, units) pairs.
     fn for_op(&self, op: IoOp, len: u64) -> [(Option<&Bucket>, u64); 4] {
         let bytes = if matches!(op, IoOp::Read | IoOp::Write) {
@@ -105,16 +150,16 @@ impl Buckets {
             0
         };
         let (cls_iops, cls_bw) = match op {
-            IoOp::Read => (self.read_iops.as_ref(), self.read_bw.as_ref()),
+            IoOp::Read => (Some(&self.read_iops), Some(&self.read_bw)),
             IoOp::Write | IoOp::WriteZeroes | IoOp::Discard => {
-                (self.write_iops.as_ref(), self.write_bw.as_ref())
+                (Some(&self.write_iops), Some(&self.write_bw))
             }
             IoOp::Flush => (None, None),
         };
         [
-            (self.iops.as_ref(), 1),
+            (Some(&self.iops), 1),
             (cls_iops, 1),
-            (self.bw.as_ref(), bytes),
+            (Some(&self.bw), bytes),
             (cls_bw, bytes),
         ]
     }
@@ -137,7 +182,6 @@ impl Buckets {
 
 pub struct QosDisk {
     inner: Arc<dyn BlockDevice>,
-    limits: QosLimits,
     buckets: Arc<Buckets>,
     clock: QosClock,
 }
@@ -158,39 +202,54 @@ impl QosDisk {
         limits: QosLimits,
         clock: QosClock,
     ) -> io::Result<QosDisk> {
-        let all = [
-            limits.iops,
-            limits.read_iops,
-            limits.write_iops,
-            limits.bw_bytes,
-            limits.read_bw,
-            limits.write_bw,
-        ];
-        if all.contains(&Some(0)) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("QoS limits must be positive (or unset): {limits:?}"),
-            ));
-        }
+        check_limits(&limits)?;
         let buckets = Arc::new(Buckets {
-            iops: Bucket::new(limits.iops),
-            read_iops: Bucket::new(limits.read_iops),
-            write_iops: Bucket::new(limits.write_iops),
-            bw: Bucket::new(limits.bw_bytes),
-            read_bw: Bucket::new(limits.read_bw),
-            write_bw: Bucket::new(limits.write_bw),
+            active: AtomicBool::new(false),
+            iops: Bucket::new(None),
+            read_iops: Bucket::new(None),
+            write_iops: Bucket::new(None),
+            bw: Bucket::new(None),
+            read_bw: Bucket::new(None),
+            write_bw: Bucket::new(None),
         });
+        buckets.set(limits);
         Ok(QosDisk {
             inner,
-            limits,
             buckets,
             clock,
         })
     }
 
     pub fn limits(&self) -> QosLimits {
-        self.limits
+        self.buckets.limits()
     }
+
+    /// Changes the limits at run time; every channel sees them at its next request.
+    /// `QosLimits::default()` removes all limits. Requests already held back are
+    /// admitted under the new limits.
+    pub fn set_limits(&self, limits: QosLimits) -> io::Result<()> {
+        check_limits(&limits)?;
+        self.buckets.set(limits);
+        Ok(())
+    }
+}
+
+fn check_limits(limits: &QosLimits) -> io::Result<()> {
+    let all = [
+        limits.iops,
+        limits.read_iops,
+        limits.write_iops,
+        limits.bw_bytes,
+        limits.read_bw,
+        limits.write_bw,
+    ];
+    if all.contains(&Some(0)) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("QoS limits must be positive (or unset): {limits:?}"),
+        ));
+    }
+    Ok(())
 }
 
 impl BlockDevice for QosDisk {
@@ -272,7 +331,10 @@ impl QosChannel {
 
 impl IoChannel for QosChannel {
     fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
-        if self.queue.is_empty() && self.buckets.try_admit(req.op, req.len, (self.clock)()) {
+        if self.queue.is_empty()
+            && (!self.buckets.active.load(Ordering::Relaxed)
+                || self.buckets.try_admit(req.op, req.len, (self.clock)()))
+        {
             return self.inner.submit(tag, req);
         }
         if self.hold(tag, req) {

@@ -337,6 +337,41 @@ fn qos_iops_per_interval() {
 }
 
 #[test]
+fn qos_limits_change_at_run_time() {
+    let (clock, f) = FakeClock::new();
+    let d = QosDisk::with_clock(null(), QosLimits::default(), f).unwrap();
+    let mut ch = d.channel().unwrap();
+    let flush = req(IoOp::Flush, 0, 0, &[]);
+    assert_eq!(submit_n(&mut *ch, 0, 5000, &flush), 5000, "no limits");
+    let limits = QosLimits {
+        iops: Some(100),
+        ..QosLimits::default()
+    };
+    d.set_limits(limits).unwrap();
+    assert_eq!(d.limits(), limits);
+    // The channel opened before the change is limited now: burst 10 + 1.
+    assert_eq!(submit_n(&mut *ch, 0, 100, &flush), 11);
+    let mut done = 0;
+    for _ in 0..100 {
+        clock.advance(Duration::from_millis(10));
+        done += ch.poll(&mut |_, _| {});
+    }
+    assert_eq!(done, 89, "the rest at 100/s");
+    assert_eq!(submit_n(&mut *ch, 0, 20, &flush), 11, "burst");
+    // Clearing releases what is held back at the next poll and stops limiting.
+    d.set_limits(QosLimits::default()).unwrap();
+    assert_eq!(d.limits(), QosLimits::default());
+    assert_eq!(ch.poll(&mut |_, _| {}), 9);
+    assert_eq!(submit_n(&mut *ch, 0, 1000, &flush), 1000);
+    assert!(d
+        .set_limits(QosLimits {
+            bw_bytes: Some(0),
+            ..QosLimits::default()
+        })
+        .is_err());
+}
+
+#[test]
 fn qos_bandwidth_and_classes() {
     let (clock, f) = FakeClock::new();
     let limits = QosLimits {
