@@ -13,6 +13,7 @@ pub mod opc {
     pub const IDENTIFY: u8 = 0x06;
     pub const SET_FEATURES: u8 = 0x09;
     pub const GET_FEATURES: u8 = 0x0a;
+    pub const ASYNC_EVENT: u8 = 0x0c;
 
     pub const FLUSH: u8 = 0x00;
     pub const WRITE: u8 = 0x01;
@@ -22,6 +23,9 @@ pub mod opc {
 }
 
 pub const FEAT_NUM_QUEUES: u32 = 0x07;
+pub const FEAT_ASYNC_EVENT_CONFIG: u32 = 0x0b;
+/// Log page: Changed Namespace List.
+pub const LOG_CHANGED_NS: u8 = 0x04;
 /// CDW0 bits 15:14 = 01: data pointer is an SGL.
 pub const PSDT_SGL: u8 = 0x40;
 

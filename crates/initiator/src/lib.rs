@@ -23,7 +23,7 @@ pub use client::{RegionInfo, Reply, VfioUserClient};
 pub use cmd::{Completion, Cqe, Sqe, Status};
 pub use error::{Error, Result};
 pub use identify::{ControllerInfo, Namespace};
-pub use nvme::{DriverOpts, NvmeDriver};
+pub use nvme::{AsyncEvent, DriverOpts, NvmeDriver};
 pub use pool::DmaBuf;
 pub use qpair::{DataMode, IoOp, QpairOpts, QueuePair};
 pub use workload::{run, IoTarget, JobQueue, Report, Rw, WorkloadConfig};

@@ -11,7 +11,7 @@ use vfio_user::proto::{self, PCI_BAR0_REGION};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::client::VfioUserClient;
-use crate::cmd::{Completion, Sqe, FEAT_NUM_QUEUES};
+use crate::cmd::{opc, Completion, Sqe, FEAT_ASYNC_EVENT_CONFIG, FEAT_NUM_QUEUES, LOG_CHANGED_NS};
 use crate::doorbell::Doorbells;
 use crate::error::{Error, Result};
 use crate::identify::{parse_ns_list, ControllerInfo, Namespace};
@@ -58,6 +58,32 @@ pub(crate) struct Shared {
     scratch: DmaBuf,
     qids: Mutex<Vec<bool>>,
     opts: DriverOpts,
+    /// CID of the outstanding Asynchronous Event Request, if one is posted.
+    aer: Mutex<Option<u16>>,
+}
+
+/// An asynchronous event the controller reported (AER completion dword 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AsyncEvent {
+    /// 0 error, 1 SMART/health, 2 notice, 6 vendor specific.
+    pub kind: u8,
+    /// For notices: 0 = Namespace Attribute Changed.
+    pub info: u8,
+    /// The log page to read to clear the event.
+    pub log_page: u8,
+}
+
+impl AsyncEvent {
+    pub fn from_dw0(dw0: u32) -> AsyncEvent {
+        AsyncEvent {
+            kind: (dw0 & 7) as u8,
+            info: (dw0 >> 8) as u8,
+            log_page: (dw0 >> 16) as u8,
+        }
+    }
+    pub fn is_namespace_change(&self) -> bool {
+        self.kind == 2 && self.info == 0
+    }
 }
 
 pub struct NvmeDriver {
@@ -161,6 +187,7 @@ impl Shared {
         }
         self.wait_ready(false)?;
         self.ctx.gen.fetch_add(1, Ordering::AcqRel);
+        *lock(&self.aer) = None;
         let mut a = lock(&self.admin);
         a.reset_state();
         let d = a.depth() as u32 - 1;
@@ -238,6 +265,7 @@ impl NvmeDriver {
             scratch,
             qids: Mutex::new(Vec::new()),
             opts: opts.clone(),
+            aer: Mutex::new(None),
         });
         shared.enable()?;
 
@@ -414,6 +442,94 @@ impl NvmeDriver {
         }
         qp.deleted = true;
         self.shared.delete_queues(qp.qid())
+    }
+
+    /// Turns on Namespace Attribute Notices (Set Features 0Bh) and posts an
+    /// Asynchronous Event Request; the controller completes it when namespaces
+    /// change ([`NvmeDriver::poll_event`]).
+    pub fn enable_ns_events(&self) -> Result<()> {
+        self.shared
+            .admin_ok(Sqe::set_features(FEAT_ASYNC_EVENT_CONFIG, 1 << 8))?;
+        self.post_aer()
+    }
+
+    fn post_aer(&self) -> Result<()> {
+        let mut aer = lock(&self.shared.aer);
+        if aer.is_some() {
+            return Ok(());
+        }
+        let mut a = lock(&self.shared.admin);
+        let cid = a.submit(Sqe::new(opc::ASYNC_EVENT))?;
+        a.ring()?;
+        *aer = Some(cid);
+        Ok(())
+    }
+
+    /// The event the outstanding AER reported, if it completed (no waiting). The
+    /// AER is not re-posted until [`NvmeDriver::rescan_namespaces`] (or
+    /// `enable_ns_events`), as the controller masks the event until its log is read.
+    pub fn poll_event(&self) -> Result<Option<AsyncEvent>> {
+        let mut aer = lock(&self.shared.aer);
+        let Some(cid) = *aer else { return Ok(None) };
+        let c = lock(&self.shared.admin).try_take(cid)?;
+        let Some(c) = c else { return Ok(None) };
+        *aer = None;
+        if !c.status.is_ok() {
+            return Err(Error::Nvme(c.status));
+        }
+        Ok(Some(AsyncEvent::from_dw0(c.dw0)))
+    }
+
+    /// Waits up to `timeout` for an event.
+    pub fn wait_event(&self, timeout: Duration) -> Result<AsyncEvent> {
+        let start = Instant::now();
+        loop {
+            if let Some(e) = self.poll_event()? {
+                return Ok(e);
+            }
+            if start.elapsed() > timeout {
+                return Err(Error::Timeout("waiting for an asynchronous event"));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// After a Namespace Attribute Changed event: reads (and so clears) the Changed
+    /// Namespace List, identifies each listed namespace again, updates
+    /// [`NvmeDriver::namespaces`] (added, resized, gone), and re-posts the AER.
+    /// Returns the changed NSIDs.
+    pub fn rescan_namespaces(&mut self) -> Result<Vec<u32>> {
+        let page = self
+            .shared
+            .admin_page(Sqe::get_log_page(LOG_CHANGED_NS, 0, 1024))?;
+        let mut changed = parse_ns_list(&page);
+        if changed.first() == Some(&u32::MAX) {
+            // More than 1024 changed: scan everything.
+            let now = identify_namespaces(&self.shared, self.ctrl.nn)?;
+            changed = self
+                .namespaces
+                .iter()
+                .chain(now.iter())
+                .map(|n| n.nsid)
+                .collect();
+            changed.sort_unstable();
+            changed.dedup();
+            self.namespaces = now;
+        } else {
+            for &id in &changed {
+                let ns = match self.shared.admin_page(Sqe::identify(0, id)) {
+                    Ok(p) => Namespace::parse(id, &p),
+                    // An NSID the controller no longer knows is gone.
+                    Err(Error::Nvme(_)) => None,
+                    Err(e) => return Err(e),
+                };
+                self.namespaces.retain(|n| n.nsid != id);
+                self.namespaces.extend(ns);
+            }
+            self.namespaces.sort_by_key(|n| n.nsid);
+        }
+        self.post_aer()?;
+        Ok(changed)
     }
 
     /// Disables and re-enables the controller. All existing queue pairs become stale.

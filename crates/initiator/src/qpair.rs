@@ -454,6 +454,28 @@ impl QueuePair {
         }
     }
 
+    /// The completion of `cid` if it has arrived (without waiting); completions of
+    /// other commands seen meanwhile are kept for the next `poll`.
+    pub fn try_take(&mut self, cid: u16) -> Result<Option<Completion>> {
+        if let Some(i) = self.stash.iter().position(|c| c.cid == cid) {
+            return Ok(Some(self.stash.swap_remove(i)));
+        }
+        self.check_gen()?;
+        loop {
+            let ring = self.cq_mem.slice();
+            let Some(cqe) = self.cq.pop(&ring) else {
+                return Ok(None);
+            };
+            let c = Completion::from(cqe);
+            self.reap(c);
+            self.ctx.db.write(self.db_cq, self.cq.head as u32)?;
+            if c.cid == cid {
+                return Ok(Some(c));
+            }
+            self.stash.push(c);
+        }
+    }
+
     /// Submit, ring and wait in one go; a non-success status becomes `Error::Nvme`.
     pub fn execute(&mut self, sqe: Sqe, timeout: Duration) -> Result<Completion> {
         let cid = self.submit(sqe)?;

@@ -3,7 +3,7 @@
 //! cleanly. Namespaces on the same file share one opened `FileDisk`.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -12,8 +12,9 @@ use bdev::{BlockDevice, FileDisk, FileOptions, NullDisk, QosDisk, RamDisk, Slice
 use crate::config::ControllerConfig;
 use crate::nsspec::{NsKind, NsSpec};
 
-/// Backends per controller, in namespace order.
-pub type Backends = Vec<Vec<Arc<dyn BlockDevice>>>;
+/// Backends per controller, in namespace order. Every namespace is wrapped in a
+/// [`QosDisk`] (pass-through while it has no limits) so `set_qos` can limit it later.
+pub type Backends = Vec<Vec<Arc<QosDisk>>>;
 
 struct FileUse {
     path: PathBuf,
@@ -21,86 +22,117 @@ struct FileUse {
     writable: bool,
     shared: bool,
     who: String,
+    /// (controller socket, nsid): what `release` matches.
+    owner: (PathBuf, u32),
 }
 
+/// The backends a running server has open: files shared between namespaces are
+/// opened once, and a new namespace is checked against the ranges already in use.
+#[derive(Default)]
+pub struct BackendSet {
+    files: HashMap<(PathBuf, bool, bool), Arc<FileDisk>>,
+    uses: Vec<FileUse>,
+}
+
+impl BackendSet {
+    /// Opens namespace `nsid` of the controller on `socket`. Nothing is kept on error.
+    pub fn open(&mut self, ns: &NsSpec, socket: &Path, nsid: u32) -> Result<Arc<QosDisk>> {
+        let who = format!("namespace {nsid} ({ns}) of {}", socket.display());
+        let owner = (socket.to_path_buf(), nsid);
+        self.open_one(ns, &who, owner).with_context(|| who.clone())
+    }
+
+    /// Forgets namespace `nsid` of `socket` (its file range is free again).
+    pub fn release(&mut self, socket: &Path, nsid: u32) {
+        self.uses
+            .retain(|u| !(u.owner.0 == socket && u.owner.1 == nsid));
+        let uses = &self.uses;
+        self.files
+            .retain(|(p, _, _), _| uses.iter().any(|u| &u.path == p));
+    }
+
+    /// Forgets every namespace of `socket`.
+    pub fn release_all(&mut self, socket: &Path) {
+        let ids: Vec<u32> = self
+            .uses
+            .iter()
+            .filter(|u| u.owner.0 == socket)
+            .map(|u| u.owner.1)
+            .collect();
+        for id in ids {
+            self.release(socket, id);
+        }
+    }
+
+    fn open_one(&mut self, ns: &NsSpec, who: &str, owner: (PathBuf, u32)) -> Result<Arc<QosDisk>> {
+        let bs = ns.block_size.unwrap_or(512);
+        let mut new_use = None;
+        let base: Arc<dyn BlockDevice> = match &ns.kind {
+            NsKind::Null { size } => Arc::new(NullDisk::new(*size, bs)?),
+            NsKind::Ram { size } => Arc::new(
+                RamDisk::new(*size, bs).with_context(|| format!("cannot reserve {size} bytes"))?,
+            ),
+            NsKind::File { path, direct } => {
+                let canon = std::fs::canonicalize(path)
+                    .with_context(|| format!("file {} does not exist", path.display()))?;
+                let key = (canon.clone(), *direct, ns.read_only);
+                let disk = match self.files.get(&key) {
+                    Some(d) => d.clone(),
+                    None => {
+                        let opts = FileOptions {
+                            direct: *direct,
+                            read_only: ns.read_only,
+                            block_size: ns.block_size,
+                        };
+                        Arc::new(FileDisk::open(&canon, opts)?)
+                    }
+                };
+                let total = disk.info().size_bytes();
+                let (off, len) = slice_range(ns, total)?;
+                let u = FileUse {
+                    path: canon,
+                    range: (off, len),
+                    writable: !ns.read_only,
+                    shared: ns.shared,
+                    who: who.to_string(),
+                    owner,
+                };
+                check_overlap(&self.uses, &u)?;
+                new_use = Some((key, disk.clone(), u));
+                disk
+            }
+        };
+        let mut dev = base;
+        if ns.slice.is_some() {
+            let (off, len) = slice_range(ns, dev.info().size_bytes())?;
+            dev = Arc::new(SliceDisk::new(dev, off, len)?);
+        }
+        let dev = Arc::new(QosDisk::new(dev, ns.qos)?);
+        if let Some((key, disk, u)) = new_use {
+            self.files.entry(key).or_insert(disk);
+            self.uses.push(u);
+        }
+        Ok(dev)
+    }
+}
+
+/// Opens every namespace before any socket exists.
 pub fn open_all(controllers: &[ControllerConfig]) -> Result<Backends> {
-    let mut files: HashMap<(PathBuf, bool, bool), Arc<FileDisk>> = HashMap::new();
-    let mut uses: Vec<FileUse> = Vec::new();
+    Ok(open_all_set(controllers)?.1)
+}
+
+/// As [`open_all`], also returning the set to open more namespaces against.
+pub fn open_all_set(controllers: &[ControllerConfig]) -> Result<(BackendSet, Backends)> {
+    let mut set = BackendSet::default();
     let mut out = Vec::new();
     for c in controllers {
         let mut devs = Vec::new();
         for (i, ns) in c.namespaces.iter().enumerate() {
-            let who = format!("namespace {} ({ns}) of {}", i + 1, c.socket.display());
-            let dev = open_one(ns, &mut files, &mut uses, &who).with_context(|| who.clone())?;
-            devs.push(dev);
+            devs.push(set.open(ns, &c.socket, i as u32 + 1)?);
         }
         out.push(devs);
     }
-    check_overlaps(&uses)?;
-    Ok(out)
-}
-
-fn open_one(
-    ns: &NsSpec,
-    files: &mut HashMap<(PathBuf, bool, bool), Arc<FileDisk>>,
-    uses: &mut Vec<FileUse>,
-    who: &str,
-) -> Result<Arc<dyn BlockDevice>> {
-    let bs = ns.block_size.unwrap_or(512);
-    let base: Arc<dyn BlockDevice> = match &ns.kind {
-        NsKind::Null { size } => Arc::new(NullDisk::new(*size, bs)?),
-        NsKind::Ram { size } => Arc::new(
-            RamDisk::new(*size, bs).with_context(|| format!("cannot reserve {size} bytes"))?,
-        ),
-        NsKind::File { path, direct } => {
-            let canon = std::fs::canonicalize(path)
-                .with_context(|| format!("file {} does not exist", path.display()))?;
-            let key = (canon.clone(), *direct, ns.read_only);
-            let disk = match files.get(&key) {
-                Some(d) => d.clone(),
-                None => {
-                    let opts = FileOptions {
-                        direct: *direct,
-                        read_only: ns.read_only,
-                        block_size: ns.block_size,
-                    };
-                    let d = Arc::new(FileDisk::open(&canon, opts)?);
-                    files.insert(key, d.clone());
-                    d
-                }
-            };
-            let total = disk.info().size_bytes();
-            let (off, len) = slice_range(ns, total)?;
-            uses.push(FileUse {
-                path: canon,
-                range: (off, len),
-                writable: !ns.read_only,
-                shared: ns.shared,
-                who: who.to_string(),
-            });
-            disk
-        }
-    };
-    let mut dev = base;
-    if ns.slice.is_some() {
-        let (off, len) = slice_range(ns, dev.info().size_bytes())?;
-        dev = Arc::new(SliceDisk::new(dev, off, len)?);
-    }
-    let q = ns.qos;
-    if [
-        q.iops,
-        q.read_iops,
-        q.write_iops,
-        q.bw_bytes,
-        q.read_bw,
-        q.write_bw,
-    ]
-    .iter()
-    .any(Option::is_some)
-    {
-        dev = Arc::new(QosDisk::new(dev, q)?);
-    }
-    Ok(dev)
+    Ok((set, out))
 }
 
 fn slice_range(ns: &NsSpec, total: u64) -> Result<(u64, u64)> {
@@ -117,26 +149,24 @@ fn slice_range(ns: &NsSpec, total: u64) -> Result<(u64, u64)> {
     Ok((off, len))
 }
 
-fn check_overlaps(uses: &[FileUse]) -> Result<()> {
-    for (i, a) in uses.iter().enumerate() {
-        for b in &uses[i + 1..] {
-            let both_shared = a.shared && b.shared;
-            if a.path == b.path
-                && (a.writable || b.writable)
-                && !both_shared
-                && bdev::overlaps(a.range, b.range)
-            {
-                bail!(
-                    "{} and {} overlap on {} (bytes {}+{} and {}+{}): give them disjoint offset=/size= or mark both `shared`",
-                    a.who,
-                    b.who,
-                    a.path.display(),
-                    a.range.0,
-                    a.range.1,
-                    b.range.0,
-                    b.range.1
-                );
-            }
+fn check_overlap(uses: &[FileUse], b: &FileUse) -> Result<()> {
+    for a in uses {
+        let both_shared = a.shared && b.shared;
+        if a.path == b.path
+            && (a.writable || b.writable)
+            && !both_shared
+            && bdev::overlaps(a.range, b.range)
+        {
+            bail!(
+                "{} and {} overlap on {} (bytes {}+{} and {}+{}): give them disjoint offset=/size= or mark both `shared`",
+                a.who,
+                b.who,
+                a.path.display(),
+                a.range.0,
+                a.range.1,
+                b.range.0,
+                b.range.1
+            );
         }
     }
     Ok(())

@@ -2,6 +2,8 @@
 //!
 //! ```toml
 //! cpus = "0-1"                 # reactor CPUs (one reactor per CPU)
+//! rpc = "/run/udrive/rpc.sock" # optional JSON-RPC control socket (docs/rpc.md)
+//! metrics_listen = "127.0.0.1:9100"  # optional Prometheus endpoint
 //!
 //! [[controller]]
 //! socket = "/run/udrive/vm1.sock"
@@ -9,6 +11,7 @@
 //! serial = "vm1-disk"          # optional; default derived from the socket
 //! placement = "round-robin"    # or "single"
 //! io_queues = 32               # I/O queue pairs the controller offers
+//! max_namespaces = 32          # highest NSID (namespaces can be added at run time)
 //! ```
 
 use std::collections::HashSet;
@@ -24,11 +27,17 @@ use crate::nsspec::NsSpec;
 pub struct Config {
     #[serde(default = "default_cpus")]
     pub cpus: String,
+    /// JSON-RPC control socket.
+    #[serde(default)]
+    pub rpc: Option<PathBuf>,
+    /// Address of the Prometheus HTTP endpoint.
+    #[serde(default)]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     #[serde(default, rename = "controller")]
     pub controllers: Vec<ControllerConfig>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ControllerConfig {
     pub socket: PathBuf,
@@ -39,6 +48,8 @@ pub struct ControllerConfig {
     pub placement: String,
     #[serde(default = "default_io_queues")]
     pub io_queues: u16,
+    #[serde(default = "default_max_namespaces")]
+    pub max_namespaces: u32,
 }
 
 pub fn default_cpus() -> String {
@@ -50,6 +61,9 @@ fn default_placement() -> String {
 pub fn default_io_queues() -> u16 {
     32
 }
+pub fn default_max_namespaces() -> u32 {
+    32
+}
 
 impl ControllerConfig {
     pub fn new(socket: PathBuf, namespaces: Vec<NsSpec>) -> Self {
@@ -59,6 +73,7 @@ impl ControllerConfig {
             serial: None,
             placement: default_placement(),
             io_queues: default_io_queues(),
+            max_namespaces: default_max_namespaces(),
         }
     }
 
@@ -91,28 +106,60 @@ impl Config {
     /// Checks what can be checked before anything is created.
     pub fn validate(&self) -> Result<()> {
         engine::parse_cpu_list(&self.cpus).map_err(anyhow::Error::msg)?;
-        if self.controllers.is_empty() {
+        // With a control socket, controllers can come later (nvme_add_controller).
+        if self.controllers.is_empty() && self.rpc.is_none() {
             bail!("no controller configured: add a [[controller]] section or use --vfio-user/--ns");
         }
         let mut sockets = HashSet::new();
         for c in &self.controllers {
-            let what = format!("controller {}", c.socket.display());
-            if c.namespaces.is_empty() {
-                bail!("{what} has no namespace: add one, e.g. ram:1G");
-            }
+            c.validate()?;
             if !sockets.insert(c.socket.clone()) {
                 bail!("socket {} is used by two controllers", c.socket.display());
             }
-            c.placement
-                .parse::<engine::Placement>()
-                .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
-            if c.io_queues == 0 || c.io_queues > 511 {
-                bail!("{what}: io_queues must be 1..=511, not {}", c.io_queues);
+        }
+        if let Some(dir) = self
+            .rpc
+            .as_ref()
+            .and_then(|r| r.parent())
+            .filter(|d| !d.as_os_str().is_empty())
+        {
+            if !dir.is_dir() {
+                bail!("rpc socket directory {} does not exist", dir.display());
             }
-            if let Some(dir) = c.socket.parent().filter(|d| !d.as_os_str().is_empty()) {
-                if !dir.is_dir() {
-                    bail!("{what}: directory {} does not exist", dir.display());
-                }
+        }
+        Ok(())
+    }
+}
+
+impl ControllerConfig {
+    /// Checks one controller on its own (also used for `nvme_add_controller`).
+    pub fn validate(&self) -> Result<()> {
+        let what = format!("controller {}", self.socket.display());
+        if self.namespaces.is_empty() {
+            bail!("{what} has no namespace: add one, e.g. ram:1G");
+        }
+        self.placement
+            .parse::<engine::Placement>()
+            .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        if self.io_queues == 0 || self.io_queues > 511 {
+            bail!("{what}: io_queues must be 1..=511, not {}", self.io_queues);
+        }
+        if self.max_namespaces == 0 || self.max_namespaces > 1024 {
+            bail!(
+                "{what}: max_namespaces must be 1..=1024, not {}",
+                self.max_namespaces
+            );
+        }
+        if self.namespaces.len() > self.max_namespaces as usize {
+            bail!(
+                "{what}: {} namespaces but max_namespaces is {}",
+                self.namespaces.len(),
+                self.max_namespaces
+            );
+        }
+        if let Some(dir) = self.socket.parent().filter(|d| !d.as_os_str().is_empty()) {
+            if !dir.is_dir() {
+                bail!("{what}: directory {} does not exist", dir.display());
             }
         }
         Ok(())

@@ -1,5 +1,6 @@
 //! Wiring one NVMe controller model to one vfio-user socket.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -8,7 +9,10 @@ use guest_mem::DmaSpace;
 use vfio_user::proto::SparseArea;
 use vfio_user::{BarSpec, Irqs, MsixSpec, PciBackend, PciDeviceSpec, PciIds, VfioUserServer};
 
+use bdev::{BlockDevice, QosDisk};
+
 use crate::config::ControllerConfig;
+use crate::nsspec::NsSpec;
 
 /// PCI identity of udrive's NVMe function; the vendor ID is the one Identify
 /// Controller reports (a placeholder until the project registers IDs).
@@ -51,24 +55,52 @@ impl nvme::InterruptSink for IrqSink {
     }
 }
 
+/// One namespace of a running controller: how it was specified and its QoS handle.
+pub struct Namespace {
+    pub spec: NsSpec,
+    pub qos: Arc<QosDisk>,
+}
+
 /// A running NVMe controller behind a vfio-user socket.
 pub struct NvmeDevice {
     pub socket: std::path::PathBuf,
     pub ctrl: nvme::Controller,
     server: Option<VfioUserServer>,
-    pub namespaces: Vec<String>,
+    /// The configuration it was started with; `placement` follows `set_placement`.
+    pub cfg: ControllerConfig,
+    pub cntlid: u16,
+    /// Active namespaces by NSID (kept in step with the controller by the control
+    /// plane, which owns the device).
+    pub namespaces: BTreeMap<u32, Namespace>,
 }
 
 impl NvmeDevice {
+    /// Starts the controller with `devs` as namespaces 1.. (in `cfg.namespaces` order).
     pub fn start(
         cfg: &ControllerConfig,
-        devs: Vec<Arc<dyn bdev::BlockDevice>>,
+        devs: Vec<Arc<QosDisk>>,
         cntlid: u16,
         engine: &Arc<engine::Engine>,
     ) -> Result<NvmeDevice> {
         let what = format!("controller {}", cfg.socket.display());
-        let policy: engine::Placement = cfg.placement.parse().map_err(anyhow::Error::msg)?;
-        let placer = engine::Placer::new(policy, usize::from(cntlid), engine.num_reactors());
+        let placer = placer(&cfg.placement, cntlid, engine)?;
+        let namespaces: BTreeMap<u32, Namespace> = cfg
+            .namespaces
+            .iter()
+            .zip(&devs)
+            .enumerate()
+            .map(|(i, (spec, qos))| {
+                let ns = Namespace {
+                    spec: spec.clone(),
+                    qos: qos.clone(),
+                };
+                (i as u32 + 1, ns)
+            })
+            .collect();
+        let devs: Vec<Option<Arc<dyn BlockDevice>>> = devs
+            .into_iter()
+            .map(|d| Some(d as Arc<dyn BlockDevice>))
+            .collect();
         let mem = DmaSpace::new();
         let nvme_cfg = nvme::ControllerConfig {
             serial: cfg.serial(),
@@ -77,6 +109,7 @@ impl NvmeDevice {
             max_io_queues: cfg.io_queues,
             msix_vectors: cfg.io_queues + 1,
             cntlid,
+            max_namespaces: cfg.max_namespaces,
             ..Default::default()
         };
         let msix = MsixSpec {
@@ -144,8 +177,31 @@ impl NvmeDevice {
             socket: cfg.socket.clone(),
             ctrl,
             server: Some(server),
-            namespaces: cfg.namespaces.iter().map(|n| n.to_string()).collect(),
+            cfg: cfg.clone(),
+            cntlid,
+            namespaces,
         })
+    }
+
+    /// Whether a vfio-user client (a VM, an initiator) is attached.
+    pub fn connected(&self) -> bool {
+        self.server.as_ref().is_some_and(|s| s.client_connected())
+    }
+
+    /// Namespace specs in NSID order, for messages.
+    pub fn namespace_specs(&self) -> Vec<String> {
+        self.namespaces
+            .iter()
+            .map(|(id, n)| format!("{id}={}", n.spec))
+            .collect()
+    }
+
+    /// Queue placement for queues created from now on.
+    pub fn set_placement(&mut self, placement: &str, engine: &Arc<engine::Engine>) -> Result<()> {
+        self.ctrl
+            .set_placer(placer(placement, self.cntlid, engine)?);
+        self.cfg.placement = placement.to_string();
+        Ok(())
     }
 
     pub fn stop(mut self) {
@@ -167,6 +223,15 @@ impl NvmeDevice {
         );
         self.ctrl.shutdown();
     }
+}
+
+fn placer(placement: &str, cntlid: u16, engine: &engine::Engine) -> Result<engine::Placer> {
+    let policy: engine::Placement = placement.parse().map_err(anyhow::Error::msg)?;
+    Ok(engine::Placer::new(
+        policy,
+        usize::from(cntlid),
+        engine.num_reactors(),
+    ))
 }
 
 /// The QEMU command line that attaches `socket` (QEMU 10.1+ has `vfio-user-pci`).

@@ -1,11 +1,14 @@
-//! udrive's wiring: configuration, devices, and the `serve`/`perf` commands. The
+//! udrive's wiring: configuration, devices, and the `serve`/`perf`/`rpc` commands, the control plane. The
 //! binary (`main.rs`) is a thin CLI over this library so integration tests can start
 //! devices in-process.
 
 pub mod backends;
 pub mod config;
 pub mod device;
+pub mod metrics;
 pub mod nsspec;
 pub mod perf;
+pub mod rpc;
 pub mod serve;
+pub mod server;
 pub mod size;

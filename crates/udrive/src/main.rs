@@ -1,6 +1,6 @@
 //! udrive: userspace storage virtualization server.
 
-use udrive::{perf, serve};
+use udrive::{perf, rpc, serve};
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +22,10 @@ enum Cmd {
     Serve(serve::ServeArgs),
     /// Drive a controller with udrive's userspace initiator and report IOPS and latency
     Perf(perf::PerfArgs),
+    /// Call a method on a running server's control socket (JSON-RPC 2.0, docs/rpc.md)
+    Rpc(rpc::client::RpcArgs),
+    /// Print a running server's counters in Prometheus text format
+    Metrics(rpc::client::MetricsArgs),
 }
 
 fn main() {
@@ -36,6 +40,8 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Serve(a) => serve::run(a),
         Cmd::Perf(a) => perf::run(a),
+        Cmd::Rpc(a) => rpc::client::run(a),
+        Cmd::Metrics(a) => rpc::client::run_metrics(a),
     };
     if let Err(e) = r {
         eprintln!("udrive: error: {e:#}");

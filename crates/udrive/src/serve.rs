@@ -1,14 +1,18 @@
 //! `udrive serve`: start reactors and devices, print how to attach, run until a signal.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use crate::config::{Config, ControllerConfig};
-use crate::device::{qemu_command, NvmeDevice};
+use crate::device::qemu_command;
+use crate::metrics::MetricsServer;
 use crate::nsspec::NsSpec;
+use crate::rpc::{Rpc, RpcServer};
+use crate::server::{Device, Server};
 
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
@@ -30,6 +34,22 @@ pub struct ServeArgs {
     /// TOML configuration with several controllers (see docs/config.md)
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// JSON-RPC control socket (docs/rpc.md); `udrive rpc` talks to it
+    #[arg(long, value_name = "SOCKET")]
+    pub rpc: Option<PathBuf>,
+    /// File mode of the control socket, octal
+    #[arg(long, value_name = "MODE", default_value = "0600", value_parser = parse_mode)]
+    pub rpc_mode: u32,
+    /// Serve Prometheus metrics over HTTP at ADDR:PORT (GET /metrics)
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("`{s}` is not an octal file mode such as 0600"))
 }
 
 impl ServeArgs {
@@ -51,6 +71,8 @@ impl ServeArgs {
                 c.io_queues = self.io_queues;
                 Config {
                     cpus: crate::config::default_cpus(),
+                    rpc: None,
+                    metrics_listen: None,
                     controllers: vec![c],
                 }
             }
@@ -58,12 +80,19 @@ impl ServeArgs {
         if let Some(cpus) = self.cpus {
             cfg.cpus = cpus;
         }
+        if self.rpc.is_some() {
+            cfg.rpc = self.rpc;
+        }
+        if self.metrics_listen.is_some() {
+            cfg.metrics_listen = self.metrics_listen;
+        }
         cfg.validate()?;
         Ok(cfg)
     }
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
+    let rpc_mode = args.rpc_mode;
     let cfg = args.into_config()?;
     let cpus = engine::parse_cpu_list(&cfg.cpus).map_err(anyhow::Error::msg)?;
     let online = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -73,46 +102,94 @@ pub fn run(args: ServeArgs) -> Result<()> {
             online - 1
         );
     }
-    let backends = crate::backends::open_all(&cfg.controllers)?;
+    let (backend_set, backends) = crate::backends::open_all_set(&cfg.controllers)?;
     // Signals are routed into the iterator before any thread starts.
     let mut signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
     let engine = engine::Engine::start(&cpus.iter().map(|c| Some(*c)).collect::<Vec<_>>())
         .context("cannot start reactors")?;
     tracing::info!(reactors = engine.num_reactors(), cpus = %cfg.cpus, "reactors started");
 
-    let mut devices = Vec::new();
-    for (i, (c, devs)) in cfg.controllers.iter().zip(backends).enumerate() {
-        match NvmeDevice::start(c, devs, (i + 1) as u16, &engine) {
-            Ok(d) => devices.push(d),
-            Err(e) => {
-                devices.into_iter().for_each(NvmeDevice::stop);
-                engine.shutdown();
-                return Err(e);
-            }
+    let server = match Server::start(&cfg, backend_set, backends, engine.clone()) {
+        Ok(s) => s,
+        Err(e) => {
+            engine.shutdown();
+            return Err(e);
         }
-    }
-    for d in &devices {
-        println!(
-            "udrive: NVMe controller on {} with namespaces {}",
-            d.socket.display(),
-            d.namespaces.join(", ")
-        );
-    }
-    println!("\nAttach a VM (QEMU 10.1+; guest RAM must be a shared memfd):\n");
-    for d in &devices {
-        println!("{}\n", qemu_command(&d.socket));
-    }
-    println!(
-        "Or measure it: udrive perf --vfio-user {} --rw randread --bs 4096 --qd 32 --time 10",
-        devices[0].socket.display()
-    );
-    println!("Stop with Ctrl-C.");
+    };
+    let stop = |server: &Server| {
+        server.stop_devices();
+        engine.shutdown();
+    };
+    let rpc = match &cfg.rpc {
+        Some(path) => match RpcServer::start(path, rpc_mode, Arc::new(Rpc::new(server.clone()))) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                stop(&server);
+                return Err(anyhow::anyhow!(e)).with_context(|| {
+                    format!("cannot listen on control socket {}", path.display())
+                });
+            }
+        },
+        None => None,
+    };
+    let metrics = match cfg.metrics_listen {
+        Some(addr) => match MetricsServer::start(addr, server.clone()) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                drop(rpc);
+                stop(&server);
+                return Err(anyhow::anyhow!(e))
+                    .with_context(|| format!("cannot serve metrics on {addr}"));
+            }
+        },
+        None => None,
+    };
+    print_banner(&server, rpc.as_ref(), metrics.as_ref());
 
     let sig = signals.forever().next();
     tracing::info!(signal = ?sig, "shutting down");
-    for d in devices {
-        d.stop();
-    }
-    engine.shutdown();
+    // Control plane first, so no request races the teardown.
+    drop(metrics);
+    drop(rpc);
+    stop(&server);
     Ok(())
+}
+
+fn print_banner(server: &Server, rpc: Option<&RpcServer>, metrics: Option<&MetricsServer>) {
+    let st = server.lock();
+    for d in &st.devices {
+        let Device::Nvme(d) = d;
+        println!(
+            "udrive: NVMe controller on {} with namespaces {}",
+            d.socket.display(),
+            d.namespaces
+                .values()
+                .map(|n| n.spec.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    if let Some(r) = rpc {
+        println!(
+            "udrive: control socket {} (udrive rpc --socket {} rpc_get_methods)",
+            r.path().display(),
+            r.path().display()
+        );
+    }
+    if let Some(m) = metrics {
+        println!("udrive: metrics on http://{}/metrics", m.addr());
+    }
+    if !st.devices.is_empty() {
+        println!("\nAttach a VM (QEMU 10.1+; guest RAM must be a shared memfd):\n");
+    }
+    for d in &st.devices {
+        println!("{}\n", qemu_command(d.socket()));
+    }
+    if let Some(d) = st.devices.first() {
+        println!(
+            "Or measure it: udrive perf --vfio-user {} --rw randread --bs 4096 --qd 32 --time 10",
+            d.socket().display()
+        );
+    }
+    println!("Stop with Ctrl-C.");
 }

@@ -129,6 +129,14 @@ impl VfioUserServer {
     pub fn socket_path(&self) -> &Path {
         &self.path
     }
+
+    /// Whether a client is connected right now.
+    pub fn client_connected(&self) -> bool {
+        self.active
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
 }
 
 impl Drop for VfioUserServer {

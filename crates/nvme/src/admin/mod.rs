@@ -116,10 +116,7 @@ impl Inner {
     }
 
     /// The backend of active namespace `nsid`.
-    fn active_ns<'s>(
-        st: &'s State,
-        nsid: u32,
-    ) -> Option<&'s std::sync::Arc<dyn bdev::BlockDevice>> {
+    fn active_ns(st: &State, nsid: u32) -> Option<&std::sync::Arc<dyn bdev::BlockDevice>> {
         let i = (nsid as usize).checked_sub(1)?;
         st.ns.get(i)?.as_ref()
     }

@@ -1,0 +1,363 @@
+//! The control methods (docs/rpc.md). Each parses typed params (unknown fields are
+//! refused) and returns JSON; failures of the operation itself are -32000 with the
+//! reason.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::{parse_params, Registry, Rpc, RpcError};
+use crate::config::ControllerConfig;
+use crate::device::{Namespace, NvmeDevice};
+use crate::nsspec::NsSpec;
+use crate::server::{Device, Server};
+
+pub fn register_all(r: &mut Registry) {
+    r.register("get_version", "udrive's name and version", |_, p| {
+        parse_params::<Empty>(p)?;
+        Ok(json!({"name": "udrive", "version": env!("CARGO_PKG_VERSION")}))
+    });
+    r.register("rpc_get_methods", "names of all methods", |rpc, p| {
+        parse_params::<Empty>(p)?;
+        Ok(json!(rpc
+            .registry
+            .names()
+            .map(|(n, _)| n)
+            .collect::<Vec<_>>()))
+    });
+    r.register(
+        "get_devices",
+        "devices and namespaces with config and state",
+        get_devices,
+    );
+    r.register(
+        "nvme_add_controller",
+        "start an NVMe controller on a new vfio-user socket",
+        |rpc, p| {
+            let cfg: ControllerConfig = parse_params(p)?;
+            let socket = cfg.socket.clone();
+            rpc.server.add_controller(cfg)?;
+            device_json_by_socket(&rpc.server, &socket)
+        },
+    );
+    r.register(
+        "nvme_remove_controller",
+        "stop a controller (error if a client is connected, unless force)",
+        |rpc, p| {
+            let a: RemoveController = parse_params(p)?;
+            rpc.server.remove_device(&a.socket, a.force)?;
+            Ok(Value::Bool(true))
+        },
+    );
+    r.register(
+        "nvme_add_namespace",
+        "add a namespace at run time (the host gets a Namespace Attribute Changed event)",
+        |rpc, p| {
+            let a: AddNamespace = parse_params(p)?;
+            let spec: NsSpec = a.spec.parse().map_err(RpcError::params)?;
+            let nsid = rpc.server.add_namespace(&a.socket, spec, a.nsid)?;
+            Ok(json!({"nsid": nsid}))
+        },
+    );
+    r.register(
+        "nvme_remove_namespace",
+        "remove a namespace at run time (I/O in flight finishes; new I/O gets Invalid Namespace)",
+        |rpc, p| {
+            let a: NsRef = parse_params(p)?;
+            rpc.server.remove_namespace(&a.socket, a.nsid)?;
+            Ok(Value::Bool(true))
+        },
+    );
+    r.register(
+        "set_qos",
+        "change a namespace's QoS limits (given ones; 0 removes a limit)",
+        set_qos,
+    );
+    r.register(
+        "clear_qos",
+        "remove all QoS limits of a namespace",
+        |rpc, p| {
+            let a: NsRef = parse_params(p)?;
+            rpc.server
+                .with_namespace(&a.socket, a.nsid, |ns| {
+                    ns.qos.set_limits(bdev::QosLimits::default())?;
+                    Ok(qos_json(ns.qos.limits()))
+                })
+                .map_err(RpcError::from)
+        },
+    );
+    r.register(
+        "set_placement",
+        "queue placement of a device (round-robin or single); applies to queues created afterwards",
+        |rpc, p| {
+            let a: SetPlacement = parse_params(p)?;
+            a.placement
+                .parse::<engine::Placement>()
+                .map_err(RpcError::params)?;
+            rpc.server.set_placement(&a.socket, &a.placement)?;
+            Ok(Value::Bool(true))
+        },
+    );
+    r.register("get_stats", "controller and reactor counters", |rpc, p| {
+        let a: DeviceFilter = parse_params(p)?;
+        stats_json(&rpc.server, a.socket.as_deref())
+    });
+    r.register(
+        "get_metrics",
+        "all counters in Prometheus text format (a string)",
+        |rpc, p| {
+            parse_params::<Empty>(p)?;
+            Ok(Value::String(crate::metrics::render(&rpc.server)))
+        },
+    );
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Empty {}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeviceFilter {
+    #[serde(default)]
+    socket: Option<PathBuf>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemoveController {
+    socket: PathBuf,
+    #[serde(default)]
+    force: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddNamespace {
+    socket: PathBuf,
+    /// As `--ns`: `ram:1G`, `file:/img,offset=1G,size=8G,iops=5000`, ...
+    spec: String,
+    #[serde(default)]
+    nsid: Option<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NsRef {
+    socket: PathBuf,
+    nsid: u32,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetPlacement {
+    socket: PathBuf,
+    placement: String,
+}
+
+/// A rate: a number, or a string with a K/M/G suffix ("100M").
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Rate {
+    N(u64),
+    S(String),
+}
+
+impl Rate {
+    fn value(&self, name: &str) -> Result<Option<u64>, RpcError> {
+        let v = match self {
+            Rate::N(n) => *n,
+            Rate::S(s) => {
+                crate::size::parse_size(s).map_err(|e| RpcError::params(format!("{name}: {e}")))?
+            }
+        };
+        Ok(Some(v).filter(|v| *v > 0))
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetQos {
+    socket: PathBuf,
+    nsid: u32,
+    iops: Option<Rate>,
+    read_iops: Option<Rate>,
+    write_iops: Option<Rate>,
+    bw: Option<Rate>,
+    read_bw: Option<Rate>,
+    write_bw: Option<Rate>,
+}
+
+fn set_qos(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: SetQos = parse_params(p)?;
+    let given = [
+        &a.iops,
+        &a.read_iops,
+        &a.write_iops,
+        &a.bw,
+        &a.read_bw,
+        &a.write_bw,
+    ];
+    if given.iter().all(|r| r.is_none()) {
+        return Err(RpcError::params(
+            "give at least one of iops, read_iops, write_iops, bw, read_bw, write_bw (0 removes a limit)",
+        ));
+    }
+    // Each given rate: Some(new value), where a new value of None removes the limit.
+    let rate = |r: &Option<Rate>, name: &str| r.as_ref().map(|r| r.value(name)).transpose();
+    let iops = rate(&a.iops, "iops")?;
+    let read_iops = rate(&a.read_iops, "read_iops")?;
+    let write_iops = rate(&a.write_iops, "write_iops")?;
+    let bw = rate(&a.bw, "bw")?;
+    let read_bw = rate(&a.read_bw, "read_bw")?;
+    let write_bw = rate(&a.write_bw, "write_bw")?;
+    rpc.server
+        .with_namespace(&a.socket, a.nsid, |ns| {
+            let c = ns.qos.limits();
+            let l = bdev::QosLimits {
+                iops: iops.unwrap_or(c.iops),
+                read_iops: read_iops.unwrap_or(c.read_iops),
+                write_iops: write_iops.unwrap_or(c.write_iops),
+                bw_bytes: bw.unwrap_or(c.bw_bytes),
+                read_bw: read_bw.unwrap_or(c.read_bw),
+                write_bw: write_bw.unwrap_or(c.write_bw),
+            };
+            ns.qos.set_limits(l)?;
+            Ok(qos_json(l))
+        })
+        .map_err(RpcError::from)
+}
+
+fn qos_json(l: bdev::QosLimits) -> Value {
+    json!({
+        "iops": l.iops, "read_iops": l.read_iops, "write_iops": l.write_iops,
+        "bw": l.bw_bytes, "read_bw": l.read_bw, "write_bw": l.write_bw,
+    })
+}
+
+fn namespace_json(nsid: u32, ns: &Namespace) -> Value {
+    use bdev::BlockDevice;
+    let info = ns.qos.info();
+    json!({
+        "nsid": nsid,
+        "spec": ns.spec.to_string(),
+        "backend": ns.qos.describe(),
+        "size_bytes": info.size_bytes(),
+        "block_size": info.block_size,
+        "read_only": info.read_only,
+        "qos": qos_json(ns.qos.limits()),
+    })
+}
+
+fn nvme_json(d: &NvmeDevice) -> Value {
+    let st = d.ctrl.stats();
+    let groups: Vec<Value> = d
+        .ctrl
+        .queue_reactors()
+        .into_iter()
+        .map(|(cqid, reactor)| json!({"cqid": cqid, "reactor": reactor}))
+        .collect();
+    json!({
+        "kind": "nvme",
+        "socket": d.socket,
+        "serial": d.cfg.serial(),
+        "cntlid": d.cntlid,
+        "connected": d.connected(),
+        "placement": d.cfg.placement,
+        "io_queues": d.cfg.io_queues,
+        "max_namespaces": d.ctrl.max_namespaces(),
+        "state": {
+            "ready": st.ready,
+            "fatal": st.fatal,
+            "io_submission_queues": st.io_queues,
+            "io_completion_queues": st.io_completion_queues,
+            "queue_groups": groups,
+        },
+        "namespaces": d.namespaces.iter().map(|(id, ns)| namespace_json(*id, ns)).collect::<Vec<_>>(),
+    })
+}
+
+fn device_json(d: &Device) -> Value {
+    match d {
+        Device::Nvme(n) => nvme_json(n),
+    }
+}
+
+fn device_json_by_socket(server: &Server, socket: &std::path::Path) -> Result<Value, RpcError> {
+    let st = server.lock();
+    st.find(socket)
+        .map(device_json)
+        .ok_or_else(|| st.not_found(socket).into())
+}
+
+fn get_devices(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: DeviceFilter = parse_params(p)?;
+    let st = rpc.server.lock();
+    if let Some(s) = &a.socket {
+        let d = st.find(s).ok_or_else(|| RpcError::from(st.not_found(s)))?;
+        return Ok(json!([device_json(d)]));
+    }
+    Ok(Value::Array(st.devices.iter().map(device_json).collect()))
+}
+
+pub fn controller_stats_json(s: &nvme::ControllerStats) -> Value {
+    json!({
+        "ready": s.ready,
+        "fatal": s.fatal,
+        "doorbell_buffer_configured": s.doorbell_buffer_configured,
+        "shadow_doorbell_reads": s.shadow_doorbell_reads,
+        "io_queues": s.io_queues,
+        "io_completion_queues": s.io_completion_queues,
+        "admin_commands": s.admin_commands,
+        "reads": s.reads,
+        "writes": s.writes,
+        "flushes": s.flushes,
+        "other_io": s.other_io,
+        "io_errors": s.io_errors,
+        "bytes_read": s.bytes_read,
+        "bytes_written": s.bytes_written,
+        "error_log_count": s.error_log_count,
+    })
+}
+
+/// Today's counters: per controller (nvme ControllerStats) and per reactor.
+pub fn stats_json(server: &Server, socket: Option<&std::path::Path>) -> Result<Value, RpcError> {
+    let st = server.lock();
+    if let Some(s) = socket {
+        if st.find(s).is_none() {
+            return Err(st.not_found(s).into());
+        }
+    }
+    let devices: Vec<Value> = st
+        .devices
+        .iter()
+        .filter(|d| socket.is_none_or(|s| d.socket() == s))
+        .map(|d| match d {
+            Device::Nvme(n) => json!({
+                "kind": "nvme",
+                "socket": n.socket,
+                "stats": controller_stats_json(&n.ctrl.stats()),
+            }),
+        })
+        .collect();
+    drop(st);
+    Ok(json!({"devices": devices, "reactors": reactors_json(&server.engine)}))
+}
+
+pub fn reactors_json(engine: &engine::Engine) -> Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    let v: Vec<Value> = (0..engine.num_reactors())
+        .filter_map(|i| {
+            let s = engine.stats(i)?;
+            Some(json!({
+                "reactor": i,
+                "cpu": engine.cpu_of(i),
+                "iterations": s.iterations.load(Relaxed),
+                "busy_iterations": s.busy_iterations.load(Relaxed),
+                "work_items": s.work_items.load(Relaxed),
+            }))
+        })
+        .collect();
+    Value::Array(v)
+}

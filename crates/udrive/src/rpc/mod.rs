@@ -1,0 +1,393 @@
+//! JSON-RPC 2.0 control socket (docs/rpc.md).
+//!
+//! Framing: a stream of JSON values, each a request object or a batch array, sent
+//! back to back with optional whitespace (newline-delimited works, so does SPDK
+//! rpc.py's "one object after another"). Each reply is one JSON value followed by
+//! `\n`. A message larger than [`MAX_MESSAGE`] gets -32600 and the connection is
+//! closed; bytes that cannot start or continue a JSON value get -32700 and close
+//! (the stream cannot be resynchronized); a complete but invalid value gets -32700
+//! and the connection stays.
+//!
+//! Threads: one accept thread, one thread per connection (at most
+//! [`MAX_CONNECTIONS`]); handlers run on the connection's thread and serialize on
+//! the server's control-plane lock.
+
+pub mod client;
+mod framing;
+pub mod methods;
+
+use std::collections::BTreeMap;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::server::Server;
+use framing::{Framer, Push};
+
+/// Largest request message (one object or one batch).
+pub const MAX_MESSAGE: usize = 1 << 20;
+/// Connections served at once; more are answered with an error and closed.
+pub const MAX_CONNECTIONS: usize = 64;
+/// A connection with no complete message for this long is closed.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+pub const PARSE_ERROR: i64 = -32700;
+pub const INVALID_REQUEST: i64 = -32600;
+pub const METHOD_NOT_FOUND: i64 = -32601;
+pub const INVALID_PARAMS: i64 = -32602;
+pub const INTERNAL_ERROR: i64 = -32603;
+/// The request was valid but the operation failed (device busy, no such device...).
+pub const SERVER_ERROR: i64 = -32000;
+
+#[derive(Debug, Clone)]
+pub struct RpcError {
+    pub code: i64,
+    pub message: String,
+}
+
+impl RpcError {
+    pub fn new(code: i64, message: impl Into<String>) -> RpcError {
+        RpcError {
+            code,
+            message: message.into(),
+        }
+    }
+    pub fn params(message: impl Into<String>) -> RpcError {
+        RpcError::new(INVALID_PARAMS, message)
+    }
+}
+
+impl From<anyhow::Error> for RpcError {
+    fn from(e: anyhow::Error) -> RpcError {
+        RpcError::new(SERVER_ERROR, format!("{e:#}"))
+    }
+}
+
+/// Typed parameters: absent params read as `{}`; unknown or mistyped fields are
+/// -32602 with serde's description of what was wrong.
+pub fn parse_params<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, RpcError> {
+    let v = if v.is_null() { json!({}) } else { v };
+    serde_json::from_value(v).map_err(|e| RpcError::params(format!("invalid params: {e}")))
+}
+
+pub type Handler = Box<dyn Fn(&Rpc, Value) -> Result<Value, RpcError> + Send + Sync>;
+
+/// Method name -> handler. The default set is [`methods::register_all`]; other
+/// subsystems (tracing, vhost-user devices) register theirs next to it.
+#[derive(Default)]
+pub struct Registry {
+    methods: BTreeMap<&'static str, (&'static str, Handler)>,
+}
+
+impl Registry {
+    pub fn register(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        f: impl Fn(&Rpc, Value) -> Result<Value, RpcError> + Send + Sync + 'static,
+    ) {
+        self.methods.insert(name, (help, Box::new(f)));
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = (&'static str, &'static str)> + '_ {
+        self.methods.iter().map(|(n, (h, _))| (*n, *h))
+    }
+}
+
+/// What handlers see: the server and the method table.
+pub struct Rpc {
+    pub server: Arc<Server>,
+    pub registry: Registry,
+}
+
+impl Rpc {
+    pub fn new(server: Arc<Server>) -> Rpc {
+        let mut registry = Registry::default();
+        methods::register_all(&mut registry);
+        Rpc { server, registry }
+    }
+
+    /// Handles one framed message; `None` when nothing is to be sent back
+    /// (notifications only).
+    pub fn handle_message(&self, msg: &[u8]) -> Option<Value> {
+        let v: Value = match serde_json::from_slice(msg) {
+            Ok(v) => v,
+            Err(e) => {
+                return Some(error_reply(
+                    Value::Null,
+                    PARSE_ERROR,
+                    &format!("malformed JSON: {e}"),
+                ))
+            }
+        };
+        match v {
+            Value::Array(reqs) if reqs.is_empty() => Some(error_reply(
+                Value::Null,
+                INVALID_REQUEST,
+                "empty batch: send a request object or a non-empty array of them",
+            )),
+            Value::Array(reqs) => {
+                let out: Vec<Value> = reqs
+                    .into_iter()
+                    .filter_map(|r| self.handle_one(r))
+                    .collect();
+                (!out.is_empty()).then_some(Value::Array(out))
+            }
+            v => self.handle_one(v),
+        }
+    }
+
+    fn handle_one(&self, v: Value) -> Option<Value> {
+        let Value::Object(mut o) = v else {
+            return Some(error_reply(
+                Value::Null,
+                INVALID_REQUEST,
+                "a request must be a JSON object with jsonrpc, method, params and id",
+            ));
+        };
+        let notification = !o.contains_key("id");
+        let id = o.remove("id").unwrap_or(Value::Null);
+        if !matches!(id, Value::Null | Value::String(_) | Value::Number(_)) {
+            return Some(error_reply(
+                Value::Null,
+                INVALID_REQUEST,
+                "\"id\" must be a string, a number or null",
+            ));
+        }
+        let r = self.dispatch(o);
+        if notification {
+            return None;
+        }
+        Some(match r {
+            Ok(result) => json!({"jsonrpc": "2.0", "id": id, "result": result}),
+            Err(e) => error_reply(id, e.code, &e.message),
+        })
+    }
+
+    fn dispatch(&self, mut o: serde_json::Map<String, Value>) -> Result<Value, RpcError> {
+        if o.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
+            return Err(RpcError::new(
+                INVALID_REQUEST,
+                "\"jsonrpc\" must be \"2.0\"",
+            ));
+        }
+        let method = match o.remove("method") {
+            Some(Value::String(m)) => m,
+            Some(_) => {
+                return Err(RpcError::new(
+                    INVALID_REQUEST,
+                    "\"method\" must be a string",
+                ))
+            }
+            None => return Err(RpcError::new(INVALID_REQUEST, "\"method\" is missing")),
+        };
+        let params = o.remove("params").unwrap_or(Value::Null);
+        if !matches!(params, Value::Null | Value::Object(_)) {
+            return Err(RpcError::params(
+                "params must be an object of named parameters",
+            ));
+        }
+        let Some((_, f)) = self.registry.methods.get(method.as_str()) else {
+            return Err(RpcError::new(
+                METHOD_NOT_FOUND,
+                format!("unknown method `{method}` (rpc_get_methods lists the methods)"),
+            ));
+        };
+        // A handler bug must not take the connection thread (or the process) down.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(self, params)))
+            .unwrap_or_else(|_| Err(RpcError::new(INTERNAL_ERROR, format!("{method} panicked"))))
+    }
+}
+
+pub fn error_reply(id: Value, code: i64, message: &str) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}})
+}
+
+/// The listening control socket.
+pub struct RpcServer {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl RpcServer {
+    /// Binds `path` with file mode `mode` (refusing a path a live process serves,
+    /// replacing a stale socket) and starts accepting.
+    pub fn start(path: &Path, mode: u32, rpc: Arc<Rpc>) -> io::Result<RpcServer> {
+        let listener = bind_with_mode(path, mode)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("rpc-accept".into())
+            .spawn(move || accept_loop(listener, rpc, stop2));
+        let thread = match thread {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                return Err(e);
+            }
+        };
+        Ok(RpcServer {
+            path: path.to_path_buf(),
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for RpcServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wake the blocking accept.
+        let _ = UnixStream::connect(&self.path);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn bind_with_mode(path: &Path, mode: u32) -> io::Result<UnixListener> {
+    match std::fs::symlink_metadata(path) {
+        Ok(md) if !md.file_type().is_socket() => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ))
+        }
+        Ok(_) => match UnixStream::connect(path) {
+            Ok(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    format!("{} is served by a live process", path.display()),
+                ))
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path)?,
+            Err(e) => return Err(e),
+        },
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    // Bind inside a private directory, set the mode, then move the socket into
+    // place: the socket is never reachable with the umask's (wider) mode.
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let tmp_dir = dir.join(format!(".udrive-rpc-{}", std::process::id()));
+    std::fs::DirBuilder::new().mode(0o700).create(&tmp_dir)?;
+    let tmp = tmp_dir.join("s");
+    let r = (|| {
+        let l = UnixListener::bind(&tmp)?;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))?;
+        std::fs::rename(&tmp, path)?;
+        Ok(l)
+    })();
+    let _ = std::fs::remove_file(&tmp);
+    let _ = std::fs::remove_dir(&tmp_dir);
+    r
+}
+
+fn accept_loop(listener: UnixListener, rpc: Arc<Rpc>, stop: Arc<AtomicBool>) {
+    let active = Arc::new(AtomicUsize::new(0));
+    for conn in listener.incoming() {
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let mut s = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("rpc: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        if active.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+            active.fetch_sub(1, Ordering::AcqRel);
+            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+            let e = error_reply(
+                Value::Null,
+                SERVER_ERROR,
+                &format!("too many control connections (limit {MAX_CONNECTIONS}); try again"),
+            );
+            let _ = s.write_all(format!("{e}\n").as_bytes());
+            continue;
+        }
+        let (rpc, active2) = (rpc.clone(), active.clone());
+        let spawned = std::thread::Builder::new()
+            .name("rpc-conn".into())
+            .spawn(move || {
+                serve_connection(s, &rpc);
+                active2.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("rpc: cannot start a connection thread: {e}");
+            active.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+fn send(s: &mut UnixStream, v: &Value) -> io::Result<()> {
+    let mut out = serde_json::to_vec(v).map_err(io::Error::other)?;
+    out.push(b'\n');
+    s.write_all(&out)
+}
+
+fn serve_connection(mut s: UnixStream, rpc: &Rpc) {
+    let _ = s.set_read_timeout(Some(IDLE_TIMEOUT));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(10)));
+    let mut framer = Framer::new(MAX_MESSAGE);
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match s.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        let mut at = 0;
+        while at < n {
+            let (used, push) = framer.push(&buf[at..n]);
+            at += used;
+            let reply = match push {
+                Push::More => continue,
+                Push::Message(msg) => rpc.handle_message(&msg),
+                Push::TooLarge => {
+                    let e = error_reply(
+                        Value::Null,
+                        INVALID_REQUEST,
+                        &format!("message larger than {MAX_MESSAGE} bytes; connection closed"),
+                    );
+                    let _ = send(&mut s, &e);
+                    return;
+                }
+                Push::Junk(b) => {
+                    let e = error_reply(
+                        Value::Null,
+                        PARSE_ERROR,
+                        &format!(
+                            "malformed JSON: byte {:?} cannot start a request (expected {{ or [); connection closed",
+                            char::from(b)
+                        ),
+                    );
+                    let _ = send(&mut s, &e);
+                    return;
+                }
+            };
+            if let Some(r) = reply {
+                if send(&mut s, &r).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}

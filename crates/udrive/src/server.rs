@@ -1,0 +1,290 @@
+//! The running server: engine, devices and opened backends in one object that the
+//! control socket, the metrics endpoint and signal handling share.
+//!
+//! Control operations take `Server::state` (a plain mutex): it serializes device and
+//! namespace changes. It is never taken on the I/O path — reactors own their queues
+//! and see changes only as messages (see docs/decisions/0008-control-plane.md).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::backends::{BackendSet, Backends};
+use crate::config::{Config, ControllerConfig};
+use crate::device::{Namespace, NvmeDevice};
+use crate::nsspec::NsSpec;
+
+/// A device the server runs. New kinds (virtio-blk over vhost-user) become variants;
+/// the control plane reaches them through the methods below.
+pub enum Device {
+    Nvme(NvmeDevice),
+}
+
+impl Device {
+    pub fn socket(&self) -> &Path {
+        match self {
+            Device::Nvme(d) => &d.socket,
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Device::Nvme(_) => "nvme",
+        }
+    }
+
+    pub fn connected(&self) -> bool {
+        match self {
+            Device::Nvme(d) => d.connected(),
+        }
+    }
+
+    pub fn stop(self) {
+        match self {
+            Device::Nvme(d) => d.stop(),
+        }
+    }
+}
+
+pub struct State {
+    pub devices: Vec<Device>,
+    pub backends: BackendSet,
+    next_cntlid: u16,
+}
+
+/// Whether two names denote the same socket (`vm.sock` and `./vm.sock`, or an
+/// absolute path).
+pub fn same_socket(a: &Path, b: &Path) -> bool {
+    if a == b {
+        return true;
+    }
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
+    }
+}
+
+impl State {
+    pub fn find(&self, socket: &Path) -> Option<&Device> {
+        self.devices
+            .iter()
+            .find(|d| same_socket(d.socket(), socket))
+    }
+
+    fn position(&self, socket: &Path) -> Option<usize> {
+        self.devices
+            .iter()
+            .position(|d| same_socket(d.socket(), socket))
+    }
+
+    /// "No such device", naming the known ones.
+    pub fn not_found(&self, socket: &Path) -> anyhow::Error {
+        let known: Vec<String> = self
+            .devices
+            .iter()
+            .map(|d| d.socket().display().to_string())
+            .collect();
+        anyhow!(
+            "no device on socket {} (devices: {})",
+            socket.display(),
+            if known.is_empty() {
+                "none".to_string()
+            } else {
+                known.join(", ")
+            }
+        )
+    }
+
+    /// The NVMe controller on `socket`.
+    pub fn nvme_mut(&mut self, socket: &Path) -> Result<&mut NvmeDevice> {
+        match self.position(socket) {
+            Some(i) => match &mut self.devices[i] {
+                Device::Nvme(d) => Ok(d),
+            },
+            None => Err(self.not_found(socket)),
+        }
+    }
+}
+
+pub struct Server {
+    pub engine: Arc<engine::Engine>,
+    pub cpus: String,
+    state: Mutex<State>,
+}
+
+impl Server {
+    /// Starts the configured controllers on a running engine. On error everything
+    /// started so far is stopped again.
+    pub fn start(
+        cfg: &Config,
+        backends: BackendSet,
+        devs: Backends,
+        engine: Arc<engine::Engine>,
+    ) -> Result<Arc<Server>> {
+        let server = Arc::new(Server {
+            engine,
+            cpus: cfg.cpus.clone(),
+            state: Mutex::new(State {
+                devices: Vec::new(),
+                backends,
+                next_cntlid: 1,
+            }),
+        });
+        for (c, devs) in cfg.controllers.iter().zip(devs) {
+            let mut st = server.lock();
+            let cntlid = st.next_cntlid;
+            match NvmeDevice::start(c, devs, cntlid, &server.engine) {
+                Ok(d) => {
+                    st.next_cntlid = st.next_cntlid.wrapping_add(1).max(1);
+                    st.devices.push(Device::Nvme(d));
+                }
+                Err(e) => {
+                    drop(st);
+                    server.stop_devices();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(server)
+    }
+
+    /// The control-plane lock. Never held by reactors.
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops every device (removing its socket).
+    pub fn stop_devices(&self) {
+        let devices = std::mem::take(&mut self.lock().devices);
+        for d in devices {
+            d.stop();
+        }
+    }
+
+    /// Opens the namespaces and starts a controller; the socket must be new.
+    pub fn add_controller(&self, cfg: ControllerConfig) -> Result<()> {
+        cfg.validate()?;
+        let mut st = self.lock();
+        if st.find(&cfg.socket).is_some() {
+            bail!("socket {} already has a device", cfg.socket.display());
+        }
+        let mut devs = Vec::new();
+        for (i, ns) in cfg.namespaces.iter().enumerate() {
+            match st.backends.open(ns, &cfg.socket, i as u32 + 1) {
+                Ok(d) => devs.push(d),
+                Err(e) => {
+                    st.backends.release_all(&cfg.socket);
+                    return Err(e);
+                }
+            }
+        }
+        let cntlid = st.next_cntlid;
+        match NvmeDevice::start(&cfg, devs, cntlid, &self.engine) {
+            Ok(d) => {
+                st.next_cntlid = st.next_cntlid.wrapping_add(1).max(1);
+                st.devices.push(Device::Nvme(d));
+                Ok(())
+            }
+            Err(e) => {
+                st.backends.release_all(&cfg.socket);
+                Err(e)
+            }
+        }
+    }
+
+    /// Stops the device on `socket`. A connected client makes this an error unless
+    /// `force` (the client then loses the device as if unplugged).
+    pub fn remove_device(&self, socket: &Path, force: bool) -> Result<()> {
+        let mut st = self.lock();
+        let Some(at) = st.position(socket) else {
+            return Err(st.not_found(socket));
+        };
+        if st.devices[at].connected() && !force {
+            bail!(
+                "device {} has a connected client; disconnect it first or pass \"force\": true",
+                socket.display()
+            );
+        }
+        let d = st.devices.remove(at);
+        st.backends.release_all(d.socket());
+        drop(st);
+        d.stop();
+        Ok(())
+    }
+
+    /// Adds namespace `nsid` (default: the lowest free one) to the controller on
+    /// `socket`; returns the NSID.
+    pub fn add_namespace(&self, socket: &Path, spec: NsSpec, nsid: Option<u32>) -> Result<u32> {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let dev = st.nvme_mut(socket)?;
+        let max = dev.ctrl.max_namespaces();
+        let nsid = match nsid {
+            Some(n) => n,
+            None => (1..=max)
+                .find(|n| !dev.namespaces.contains_key(n))
+                .ok_or_else(|| {
+                    anyhow!(
+                        "controller {} has all {max} namespace IDs in use",
+                        socket.display()
+                    )
+                })?,
+        };
+        if nsid == 0 || nsid > max {
+            bail!("nsid {nsid} is out of range 1..={max}");
+        }
+        if dev.namespaces.contains_key(&nsid) {
+            bail!("namespace {nsid} of {} already exists", socket.display());
+        }
+        let socket_buf: PathBuf = dev.socket.clone();
+        let qos = st.backends.open(&spec, &socket_buf, nsid)?;
+        let dev = st.nvme_mut(socket)?;
+        if let Err(e) = dev.ctrl.add_namespace(nsid, qos.clone()) {
+            st.backends.release(&socket_buf, nsid);
+            return Err(anyhow!(e).context(format!("cannot add namespace {nsid}")));
+        }
+        dev.namespaces.insert(nsid, Namespace { spec, qos });
+        Ok(nsid)
+    }
+
+    /// Removes namespace `nsid`: commands in flight finish, new ones fail with
+    /// Invalid Namespace, and the host is notified.
+    pub fn remove_namespace(&self, socket: &Path, nsid: u32) -> Result<()> {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let dev = st.nvme_mut(socket)?;
+        dev.ctrl
+            .remove_namespace(nsid)
+            .with_context(|| format!("controller {}", socket.display()))?;
+        dev.namespaces.remove(&nsid);
+        let sock = dev.socket.clone();
+        st.backends.release(&sock, nsid);
+        Ok(())
+    }
+
+    /// Runs `f` on namespace `nsid` of the controller on `socket`.
+    pub fn with_namespace<R>(
+        &self,
+        socket: &Path,
+        nsid: u32,
+        f: impl FnOnce(&Namespace) -> Result<R>,
+    ) -> Result<R> {
+        let mut st = self.lock();
+        let dev = st.nvme_mut(socket)?;
+        let ns = dev.namespaces.get(&nsid).ok_or_else(|| {
+            anyhow!(
+                "controller {} has no namespace {nsid} (namespaces: {})",
+                socket.display(),
+                dev.namespace_specs().join(", ")
+            )
+        })?;
+        f(ns)
+    }
+
+    pub fn set_placement(&self, socket: &Path, placement: &str) -> Result<()> {
+        let mut st = self.lock();
+        let dev = st.nvme_mut(socket)?;
+        dev.set_placement(placement, &self.engine)
+    }
+}

@@ -1,0 +1,711 @@
+//! The control socket over a real `udrive serve --rpc` process: every method,
+//! hostile input, devices in use, namespace hot add/remove under I/O seen by the
+//! userspace initiator, and the Prometheus endpoint.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use initiator::{DataMode, DriverOpts, IoOp, NvmeDriver};
+use serde_json::{json, Value};
+
+const T: Duration = Duration::from_secs(10);
+
+/// `udrive serve` in a temp dir; SIGTERM and wait on drop.
+struct Serve {
+    child: Child,
+    dir: tempfile::TempDir,
+    rpc: PathBuf,
+    nvme: PathBuf,
+    banner: Vec<String>,
+}
+
+impl Serve {
+    fn start(extra: &[&str]) -> Serve {
+        let dir = tempfile::tempdir().unwrap();
+        let rpc = dir.path().join("rpc.sock");
+        let nvme = dir.path().join("a.sock");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_udrive"))
+            .args(["serve", "--cpus", "0", "--ns", "ram:64M", "--vfio-user"])
+            .arg(&nvme)
+            .arg("--rpc")
+            .arg(&rpc)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run udrive serve");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut banner = Vec::new();
+        loop {
+            let l = rx.recv_timeout(T).expect("udrive serve did not start");
+            let done = l.starts_with("Stop with");
+            banner.push(l);
+            if done {
+                break;
+            }
+        }
+        Serve {
+            child,
+            dir,
+            rpc,
+            nvme,
+            banner,
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn call(&self, method: &str, params: Value) -> Result<Value, (i64, String)> {
+        call(&self.rpc, method, params)
+    }
+
+    fn ok(&self, method: &str, params: Value) -> Value {
+        self.call(method, params)
+            .unwrap_or_else(|e| panic!("{method} failed: {e:?}"))
+    }
+
+    /// Calls that must fail with `code` and a message containing `want`.
+    #[track_caller]
+    fn err(&self, method: &str, params: Value, code: i64, want: &str) {
+        match self.call(method, params) {
+            Ok(v) => panic!("{method} succeeded: {v}"),
+            Err((c, m)) => {
+                assert_eq!(c, code, "{method}: {m}");
+                assert!(m.contains(want), "{method}: `{want}` not in `{m}`");
+            }
+        }
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child's pid has no memory effects.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let start = Instant::now();
+        while start.elapsed() < T {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn connect(sock: &Path) -> UnixStream {
+    let s = UnixStream::connect(sock).expect("connect control socket");
+    s.set_read_timeout(Some(T)).unwrap();
+    s
+}
+
+/// Reads one newline-terminated reply.
+fn read_reply(s: &mut UnixStream) -> Option<Value> {
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) | Err(_) => return None,
+            Ok(_) if b[0] == b'\n' => break,
+            Ok(_) => line.push(b[0]),
+        }
+    }
+    Some(serde_json::from_slice(&line).expect("reply is JSON"))
+}
+
+fn call(sock: &Path, method: &str, params: Value) -> Result<Value, (i64, String)> {
+    let mut s = connect(sock);
+    let req = json!({"jsonrpc": "2.0", "method": method, "params": params, "id": 7});
+    s.write_all(format!("{req}\n").as_bytes()).unwrap();
+    let r = read_reply(&mut s).expect("a reply");
+    assert_eq!(r["id"], 7);
+    match r.get("error") {
+        Some(e) => Err((
+            e["code"].as_i64().unwrap(),
+            e["message"].as_str().unwrap().to_string(),
+        )),
+        None => Ok(r["result"].clone()),
+    }
+}
+
+fn error_code(v: &Value) -> i64 {
+    v["error"]["code"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("no error in {v}"))
+}
+
+fn opts() -> DriverOpts {
+    DriverOpts {
+        pool_bytes: 16 << 20,
+        io_queues: 4,
+        admin_timeout: Duration::from_secs(5),
+        ..Default::default()
+    }
+}
+
+/// Writes a pattern to `nsid` and reads it back; panics on any error.
+fn verified_io(d: &NvmeDriver, nsid: u32, seed: u8) {
+    let mut qp = d.create_qpair(16, false).unwrap();
+    let buf = qp.alloc_buf(4096).unwrap();
+    let data = vec![seed; 4096];
+    buf.write(0, &data).unwrap();
+    let lba = u64::from(seed) * 8;
+    let c = qp
+        .submit_io(IoOp::Write, nsid, lba, 8, Some(&buf), DataMode::Prp)
+        .unwrap();
+    qp.ring().unwrap();
+    let w = qp.wait(c, T).unwrap();
+    assert!(w.status.is_ok(), "write to ns {nsid}: {}", w.status);
+    buf.fill(0);
+    let c = qp
+        .submit_io(IoOp::Read, nsid, lba, 8, Some(&buf), DataMode::Prp)
+        .unwrap();
+    qp.ring().unwrap();
+    let r = qp.wait(c, T).unwrap();
+    assert!(r.status.is_ok(), "read from ns {nsid}: {}", r.status);
+    let mut back = vec![0u8; 4096];
+    buf.read(0, &mut back).unwrap();
+    assert_eq!(back, data);
+    d.delete_qpair(qp).unwrap();
+}
+
+#[test]
+fn every_method_over_the_socket() {
+    let s = Serve::start(&[]);
+    let mode = std::fs::metadata(&s.rpc).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "control socket mode");
+    let a = s.nvme.to_str().unwrap().to_string();
+    let b = s.path("b.sock").to_str().unwrap().to_string();
+
+    let v = s.ok("get_version", Value::Null);
+    assert_eq!(v["name"], "udrive");
+    let m = s.ok("rpc_get_methods", json!({}));
+    for name in [
+        "get_version",
+        "rpc_get_methods",
+        "get_devices",
+        "nvme_add_controller",
+        "nvme_remove_controller",
+        "nvme_add_namespace",
+        "nvme_remove_namespace",
+        "set_qos",
+        "clear_qos",
+        "set_placement",
+        "get_stats",
+        "get_metrics",
+    ] {
+        assert!(
+            m.as_array().unwrap().contains(&json!(name)),
+            "{name} missing"
+        );
+    }
+
+    let d = s.ok("get_devices", json!({}));
+    assert_eq!(d.as_array().unwrap().len(), 1);
+    assert_eq!(d[0]["socket"], a);
+    assert_eq!(d[0]["connected"], false);
+    assert_eq!(d[0]["namespaces"][0]["spec"], "ram:64M");
+
+    let added = s.ok(
+        "nvme_add_controller",
+        json!({"socket": b, "namespaces": ["ram:16M", "null:1G,bs=4096"], "io_queues": 4, "placement": "single", "serial": "vm-b"}),
+    );
+    assert_eq!(added["serial"], "vm-b");
+    assert_eq!(added["namespaces"][1]["block_size"], 4096);
+    assert!(Path::new(&b).exists());
+    s.err(
+        "nvme_add_controller",
+        json!({"socket": b, "namespaces": ["ram:1M"]}),
+        -32000,
+        "already has a device",
+    );
+    let d = s.ok("get_devices", json!({"socket": b}));
+    assert_eq!(d[0]["placement"], "single");
+    assert_eq!(d[0]["io_queues"], 4);
+
+    let ns = s.ok("nvme_add_namespace", json!({"socket": b, "spec": "ram:8M"}));
+    assert_eq!(ns["nsid"], 3);
+    let ns = s.ok(
+        "nvme_add_namespace",
+        json!({"socket": b, "spec": "null:1G", "nsid": 10}),
+    );
+    assert_eq!(ns["nsid"], 10);
+    s.err(
+        "nvme_add_namespace",
+        json!({"socket": b, "spec": "null:1G", "nsid": 10}),
+        -32000,
+        "already exists",
+    );
+    s.err(
+        "nvme_add_namespace",
+        json!({"socket": b, "spec": "null:1G", "nsid": 33}),
+        -32000,
+        "out of range",
+    );
+    s.err(
+        "nvme_add_namespace",
+        json!({"socket": b, "spec": "disk:1G"}),
+        -32602,
+        "unknown kind",
+    );
+
+    let q = s.ok(
+        "set_qos",
+        json!({"socket": b, "nsid": 3, "iops": 5000, "bw": "100M"}),
+    );
+    assert_eq!(q["iops"], 5000);
+    assert_eq!(q["bw"], 100 << 20);
+    let q = s.ok("set_qos", json!({"socket": b, "nsid": 3, "iops": 0}));
+    assert_eq!(q["iops"], Value::Null, "0 removes one limit");
+    assert_eq!(q["bw"], 100 << 20, "others stay");
+    let d = s.ok("get_devices", json!({"socket": b}));
+    let ns3 = d[0]["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["nsid"] == 3)
+        .unwrap()
+        .clone();
+    assert_eq!(ns3["qos"]["bw"], 100 << 20);
+    let q = s.ok("clear_qos", json!({"socket": b, "nsid": 3}));
+    assert_eq!(q["bw"], Value::Null);
+    s.err(
+        "set_qos",
+        json!({"socket": b, "nsid": 3}),
+        -32602,
+        "at least one",
+    );
+    s.err(
+        "set_qos",
+        json!({"socket": b, "nsid": 4, "iops": 1}),
+        -32000,
+        "no namespace 4",
+    );
+
+    s.ok(
+        "set_placement",
+        json!({"socket": b, "placement": "round-robin"}),
+    );
+    s.err(
+        "set_placement",
+        json!({"socket": b, "placement": "fastest"}),
+        -32602,
+        "unknown placement",
+    );
+
+    let st = s.ok("get_stats", json!({}));
+    assert_eq!(st["devices"].as_array().unwrap().len(), 2);
+    assert_eq!(st["reactors"].as_array().unwrap().len(), 1);
+    assert_eq!(st["devices"][0]["stats"]["reads"], 0);
+    let st = s.ok("get_stats", json!({"socket": a}));
+    assert_eq!(st["devices"].as_array().unwrap().len(), 1);
+
+    let text = s.ok("get_metrics", json!({}));
+    let text = text.as_str().unwrap();
+    assert!(
+        text.contains("# TYPE udrive_nvme_reads_total counter"),
+        "{text}"
+    );
+    assert!(text.contains(&format!("udrive_nvme_reads_total{{socket=\"{b}\"}} 0")));
+
+    s.ok("nvme_remove_namespace", json!({"socket": b, "nsid": 10}));
+    s.err(
+        "nvme_remove_namespace",
+        json!({"socket": b, "nsid": 10}),
+        -32000,
+        "does not exist",
+    );
+    s.ok("nvme_remove_controller", json!({"socket": b}));
+    assert!(!Path::new(&b).exists(), "socket removed");
+    s.err(
+        "nvme_remove_controller",
+        json!({"socket": b}),
+        -32000,
+        "no device",
+    );
+
+    // The CLI: pretty result, and a message + non-zero exit on errors.
+    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["rpc", "--socket"])
+        .arg(&s.rpc)
+        .args(["get_devices", &json!({"socket": a}).to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v[0]["socket"], a);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("\n  "),
+        "pretty"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["rpc", "--socket"])
+        .arg(&s.rpc)
+        .args([
+            "nvme_remove_namespace",
+            "{\"socket\":\"nope.sock\",\"nsid\":1}",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no device on socket nope.sock"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["metrics", "--rpc"])
+        .arg(&s.rpc)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("udrive_reactor_iterations_total"));
+}
+
+#[test]
+fn hostile_input_gets_clear_errors_and_the_server_keeps_serving() {
+    let s = Serve::start(&[]);
+    let a = s.nvme.to_str().unwrap().to_string();
+
+    // Malformed JSON that can be delimited: -32700, the connection stays usable.
+    let mut c = connect(&s.rpc);
+    c.write_all(b"{\"jsonrpc\":\"2.0\",,}\n").unwrap();
+    let r = read_reply(&mut c).unwrap();
+    assert_eq!(error_code(&r), -32700);
+    assert!(r["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("malformed JSON"));
+    // Back-to-back objects without separators, and a notification (no reply).
+    c.write_all(
+        br#"{"jsonrpc":"2.0","method":"get_version"}{"jsonrpc":"2.0","method":"get_version","id":"x"}"#,
+    )
+    .unwrap();
+    let r = read_reply(&mut c).unwrap();
+    assert_eq!(r["id"], "x");
+    assert_eq!(r["result"]["name"], "udrive");
+
+    let cases: Vec<(Value, i64, &str)> = vec![
+        (
+            json!({"jsonrpc": "2.0", "method": "get_devices", "params": {"socket": 5}, "id": 1}),
+            -32602,
+            "invalid type",
+        ),
+        (
+            json!({"jsonrpc": "2.0", "method": "get_devices", "params": {"bogus": 1}, "id": 1}),
+            -32602,
+            "unknown field `bogus`",
+        ),
+        (
+            json!({"jsonrpc": "2.0", "method": "get_devices", "params": [1], "id": 1}),
+            -32602,
+            "object of named parameters",
+        ),
+        (
+            json!({"jsonrpc": "2.0", "method": "nvme_remove_namespace", "params": {"socket": a}, "id": 1}),
+            -32602,
+            "missing field `nsid`",
+        ),
+        (
+            json!({"jsonrpc": "2.0", "method": "nvme_remove_namespace", "params": {"socket": a, "nsid": -1}, "id": 1}),
+            -32602,
+            "invalid value",
+        ),
+        (
+            json!({"jsonrpc": "2.0", "method": "make_coffee", "id": 1}),
+            -32601,
+            "unknown method `make_coffee`",
+        ),
+        (
+            json!({"method": "get_version", "id": 1}),
+            -32600,
+            "\"jsonrpc\" must be \"2.0\"",
+        ),
+        (
+            json!({"jsonrpc": "2.0", "method": 3, "id": 1}),
+            -32600,
+            "\"method\" must be a string",
+        ),
+        (
+            json!({"jsonrpc": "2.0", "id": 1}),
+            -32600,
+            "\"method\" is missing",
+        ),
+        (
+            json!({"jsonrpc": "2.0", "method": "get_version", "id": [1]}),
+            -32600,
+            "\"id\"",
+        ),
+        (json!([]), -32600, "empty batch"),
+    ];
+    for (req, code, want) in cases {
+        c.write_all(format!("{req}\n").as_bytes()).unwrap();
+        let r = read_reply(&mut c).expect("reply");
+        assert_eq!(error_code(&r), code, "{req}: {r}");
+        let m = r["error"]["message"].as_str().unwrap();
+        assert!(m.contains(want), "{req}: `{want}` not in `{m}`");
+    }
+    // A batch: one reply array, in order, errors per entry.
+    c.write_all(
+        br#"[{"jsonrpc":"2.0","method":"get_version","id":1},7,{"jsonrpc":"2.0","method":"nope","id":2}]"#,
+    )
+    .unwrap();
+    let r = read_reply(&mut c).unwrap();
+    let r = r.as_array().unwrap();
+    assert_eq!(r.len(), 3);
+    assert_eq!(r[0]["result"]["name"], "udrive");
+    assert_eq!(error_code(&r[1]), -32600);
+    assert_eq!(error_code(&r[2]), -32601);
+
+    // Bytes that cannot start JSON: -32700, then the connection closes.
+    let mut j = connect(&s.rpc);
+    j.write_all(b"hello\n").unwrap();
+    assert_eq!(error_code(&read_reply(&mut j).unwrap()), -32700);
+    assert!(read_reply(&mut j).is_none(), "closed after junk");
+
+    // A huge message: -32600 once it passes 1 MiB, then close.
+    let mut h = connect(&s.rpc);
+    let huge = format!(
+        "{{\"jsonrpc\":\"2.0\",\"method\":\"get_version\",\"params\":{{\"x\":\"{}\"}},\"id\":1}}",
+        "a".repeat(2 << 20)
+    );
+    let _ = h.write_all(huge.as_bytes());
+    let r = read_reply(&mut h).unwrap();
+    assert_eq!(error_code(&r), -32600);
+    assert!(r["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("larger than"));
+
+    // Half a message, then the client goes away.
+    for _ in 0..20 {
+        let mut p = connect(&s.rpc);
+        p.write_all(b"{\"jsonrpc\":\"2.0\",\"method\":\"get_dev")
+            .unwrap();
+    }
+
+    // Many connections at once: the ones over the limit get an error, the others
+    // are served; afterwards everything works again.
+    let mut many: Vec<UnixStream> = (0..80).map(|_| connect(&s.rpc)).collect();
+    let mut served = 0;
+    let mut refused = 0;
+    for m in many.iter_mut() {
+        let _ = m.write_all(b"{\"jsonrpc\":\"2.0\",\"method\":\"get_version\",\"id\":1}\n");
+        match read_reply(m) {
+            Some(r) if r.get("result").is_some() => served += 1,
+            Some(r) => {
+                assert!(r["error"]["message"].as_str().unwrap().contains("too many"));
+                refused += 1
+            }
+            None => panic!("no reply"),
+        }
+    }
+    assert_eq!(served + refused, 80);
+    assert!(served >= 1 && served <= 64, "served {served}");
+    drop(many);
+
+    // The server still serves: a follow-up call, and I/O on the device.
+    let start = Instant::now();
+    loop {
+        match s.call("get_version", json!({})) {
+            Ok(_) => break,
+            Err(e) if start.elapsed() < T => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("server stopped serving: {e:?}"),
+        }
+    }
+    let d = NvmeDriver::connect(&s.nvme, opts()).unwrap();
+    verified_io(&d, 1, 3);
+}
+
+#[test]
+fn removing_a_device_in_use_needs_force() {
+    let s = Serve::start(&[]);
+    let b = s.path("b.sock");
+    s.ok(
+        "nvme_add_controller",
+        json!({"socket": b, "namespaces": ["ram:16M"]}),
+    );
+    let in_use = NvmeDriver::connect(&b, opts()).unwrap();
+    verified_io(&in_use, 1, 1);
+    let d = s.ok("get_devices", json!({"socket": b}));
+    assert_eq!(d[0]["connected"], true);
+    assert_eq!(d[0]["state"]["ready"], true);
+    s.err(
+        "nvme_remove_controller",
+        json!({"socket": b}),
+        -32000,
+        "connected client",
+    );
+    // Still there and working.
+    verified_io(&in_use, 1, 2);
+    s.ok(
+        "nvme_remove_controller",
+        json!({"socket": b, "force": true}),
+    );
+    assert!(!b.exists());
+    // The other device and the control socket are unaffected.
+    let other = NvmeDriver::connect(&s.nvme, opts()).unwrap();
+    verified_io(&other, 1, 4);
+    s.ok("get_devices", json!({}));
+    drop(in_use);
+}
+
+#[test]
+fn hot_add_and_remove_namespace_while_io_runs_on_another() {
+    let s = Serve::start(&[]);
+    let mut d = NvmeDriver::connect(&s.nvme, opts()).unwrap();
+    assert_eq!(d.namespaces().len(), 1);
+    d.enable_ns_events().unwrap();
+
+    // Background I/O on namespace 1 for the whole test; every error is counted.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ops, errors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut qp = d.create_qpair(32, false).unwrap();
+    let bg = {
+        let (stop, ops, errors) = (stop.clone(), ops.clone(), errors.clone());
+        std::thread::spawn(move || {
+            let buf = qp.alloc_buf(4096).unwrap();
+            let mut lba = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let op = if lba % 2 == 0 {
+                    IoOp::Write
+                } else {
+                    IoOp::Read
+                };
+                let cid = qp
+                    .submit_io(op, 1, lba % 1000 * 8, 8, Some(&buf), DataMode::Prp)
+                    .unwrap();
+                qp.ring().unwrap();
+                let c = qp.wait(cid, T).unwrap();
+                if !c.status.is_ok() {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+                ops.fetch_add(1, Ordering::Relaxed);
+                lba += 1;
+            }
+            qp
+        })
+    };
+    while ops.load(Ordering::Relaxed) < 100 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+
+    let a = s.nvme.to_str().unwrap();
+    let r = s.ok(
+        "nvme_add_namespace",
+        json!({"socket": a, "spec": "ram:16M,bs=4096"}),
+    );
+    assert_eq!(r["nsid"], 2);
+    let ev = d.wait_event(T).unwrap();
+    assert!(ev.is_namespace_change(), "{ev:?}");
+    assert_eq!(ev.log_page, 4);
+    assert_eq!(d.rescan_namespaces().unwrap(), vec![2]);
+    let ns2 = d.namespace(2).expect("new namespace identified").clone();
+    assert_eq!((ns2.lba_size, ns2.size_bytes()), (4096, 16 << 20));
+    // I/O on the new namespace (512-byte blocks are not its format: 1 block).
+    {
+        let mut q2 = d.create_qpair(8, false).unwrap();
+        let buf = q2.alloc_buf(4096).unwrap();
+        buf.write(0, &[0xab; 4096]).unwrap();
+        let c = q2
+            .submit_io(IoOp::Write, 2, 5, 1, Some(&buf), DataMode::Prp)
+            .unwrap();
+        q2.ring().unwrap();
+        assert!(q2.wait(c, T).unwrap().status.is_ok());
+        buf.fill(0);
+        let c = q2
+            .submit_io(IoOp::Read, 2, 5, 1, Some(&buf), DataMode::Prp)
+            .unwrap();
+        q2.ring().unwrap();
+        assert!(q2.wait(c, T).unwrap().status.is_ok());
+        let mut back = vec![0u8; 4096];
+        buf.read(0, &mut back).unwrap();
+        assert_eq!(back, vec![0xab; 4096]);
+
+        // Hot remove: the host is told, and I/O to it gets Invalid Namespace.
+        s.ok("nvme_remove_namespace", json!({"socket": a, "nsid": 2}));
+        let ev = d.wait_event(T).unwrap();
+        assert!(ev.is_namespace_change());
+        assert_eq!(d.rescan_namespaces().unwrap(), vec![2]);
+        assert!(d.namespace(2).is_none());
+        let c = q2
+            .submit_io(IoOp::Read, 2, 5, 1, Some(&buf), DataMode::Prp)
+            .unwrap();
+        q2.ring().unwrap();
+        let st = q2.wait(c, T).unwrap().status;
+        assert_eq!((st.sct, st.sc), (0, 0x0b), "Invalid Namespace, got {st}");
+        d.delete_qpair(q2).unwrap();
+    }
+    let before = ops.load(Ordering::Relaxed);
+    while ops.load(Ordering::Relaxed) < before + 100 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let qp = bg.join().unwrap();
+    d.delete_qpair(qp).unwrap();
+    assert_eq!(
+        errors.load(Ordering::Relaxed),
+        0,
+        "I/O on namespace 1 unaffected"
+    );
+    // The counters saw the Invalid Namespace error and nothing else failed.
+    let st = s.ok("get_stats", json!({"socket": a}));
+    assert_eq!(st["devices"][0]["stats"]["io_errors"], 1);
+}
+
+#[test]
+fn metrics_endpoint_answers_and_rejects_junk() {
+    let s = Serve::start(&["--metrics-listen", "127.0.0.1:0"]);
+    let line = s
+        .banner
+        .iter()
+        .find(|l| l.contains("metrics on http://"))
+        .expect("metrics address printed");
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches("/metrics")
+        .to_string();
+    let http = |req: &[u8]| -> String {
+        let mut c = std::net::TcpStream::connect(&addr).unwrap();
+        c.set_read_timeout(Some(T)).unwrap();
+        let _ = c.write_all(req);
+        let mut out = String::new();
+        let _ = c.read_to_string(&mut out);
+        out
+    };
+    let ok = http(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+    assert!(ok.contains("text/plain; version=0.0.4"));
+    assert!(ok.contains("# TYPE udrive_nvme_reads_total counter"));
+    assert!(ok.contains("udrive_reactor_iterations_total{reactor=\"0\"}"));
+    assert!(http(b"BLAH\r\n\r\n").starts_with("HTTP/1.1 400"));
+    assert!(http(b"GET /metrics HTTP/9\r\n\r\n").starts_with("HTTP/1.1 400"));
+    let big = format!("GET /metrics HTTP/1.1\r\nX: {}\r\n\r\n", "y".repeat(20000));
+    assert!(http(big.as_bytes()).starts_with("HTTP/1.1 400"));
+    assert!(http(b"POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405"));
+    assert!(http(b"GET /other HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
+    // A client that sends half a request and leaves does not wedge the endpoint.
+    {
+        let mut c = std::net::TcpStream::connect(&addr).unwrap();
+        c.write_all(b"GET /met").unwrap();
+    }
+    assert!(http(b"GET /metrics HTTP/1.0\r\n\r\n").starts_with("HTTP/1.1 200"));
+}
