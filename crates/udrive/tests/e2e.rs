@@ -24,7 +24,7 @@ fn identify_fields_and_namespaces() {
     assert_eq!(c.version, 0x0001_0400, "NVMe 1.4");
     assert_eq!(c.mdts, 5);
     assert_eq!(d.max_xfer(), Some(128 << 10));
-    assert_eq!(c.nn, 2);
+    assert_eq!(c.nn, 32, "NN is max_namespaces: namespaces can be added at run time");
     assert_eq!((c.sqes, c.cqes), (0x66, 0x44));
     assert!(c.supports_sgl());
     assert!(
@@ -44,9 +44,11 @@ fn identify_fields_and_namespaces() {
     );
     assert_eq!(null.size_bytes(), 1 << 30);
     assert_eq!(d.namespaces().len(), 2);
-    match d.identify_namespace(3) {
+    // An inactive NSID within NN reads as zeroes; one beyond NN is invalid.
+    assert!(matches!(d.identify_namespace(3), Ok(None)));
+    match d.identify_namespace(33) {
         Err(Error::Nvme(s)) => assert_eq!((s.sct, s.sc), (0, 0x0b)),
-        other => panic!("identify of nsid 3: {other:?}"),
+        other => panic!("identify of nsid 33: {other:?}"),
     }
 
     // The 4 KiB-block null namespace takes I/O of its own block size.

@@ -252,12 +252,14 @@ fn invalid_namespace_ids() {
             let c = raw(&mut qp, Sqe::rw(op::WRITE_ZEROES, nsid, 0, 1));
             generic(&c, 0x0b, &format!("write zeroes nsid {nsid:#x}"));
         }
-        for nsid in [0u32, 2, 0xffff_fffe] {
+        for nsid in [0u32, 33, 0xffff_fffe] {
             match d.identify_namespace(nsid) {
                 Err(Error::Nvme(s)) => assert_eq!((s.sct, s.sc), (0, 0x0b), "identify {nsid}"),
                 other => panic!("Identify Namespace {nsid:#x}: {other:?}"),
             }
         }
+        // Inactive but within NN (namespaces can be added later): zeroes.
+        assert!(matches!(d.identify_namespace(2), Ok(None)));
         qp_still_works(&mut qp, 700, 14);
     });
 }

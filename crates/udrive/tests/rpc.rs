@@ -514,7 +514,7 @@ fn hostile_input_gets_clear_errors_and_the_server_keeps_serving() {
         }
     }
     assert_eq!(served + refused, 80);
-    assert!(served >= 1 && served <= 64, "served {served}");
+    assert!((1..=64).contains(&served), "served {served}");
     drop(many);
 
     // The server still serves: a follow-up call, and I/O on the device.
@@ -583,7 +583,7 @@ fn hot_add_and_remove_namespace_while_io_runs_on_another() {
             let buf = qp.alloc_buf(4096).unwrap();
             let mut lba = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                let op = if lba % 2 == 0 {
+                let op = if lba.is_multiple_of(2) {
                     IoOp::Write
                 } else {
                     IoOp::Read
