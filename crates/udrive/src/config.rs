@@ -193,6 +193,16 @@ mod tests {
     }
 
     #[test]
+    fn control_socket_allows_no_controllers() {
+        let cfg: Config =
+            toml::from_str("rpc = \"r.sock\"\nmetrics_listen = \"127.0.0.1:9100\"").unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.metrics_listen.unwrap().port(), 9100);
+        let bad: Config = toml::from_str("rpc = \"/nonexistent-dir/r.sock\"").unwrap();
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
     fn rejects_bad_configs() {
         let bad = [
             "[[controller]]\nsocket = \"a\"\nnamespaces = [\"ram:1X\"]",
@@ -202,6 +212,8 @@ mod tests {
             "[[controller]]\nsocket = \"a\"\nnamespaces = [\"ram:1G\"]\nplacement = \"fast\"",
             "[[controller]]\nsocket = \"/nonexistent-dir/a\"\nnamespaces = [\"ram:1G\"]",
             "[[controller]]\nsocket = \"a\"\nnamespaces = [\"ram:1G\"]\nbogus = 1",
+            "[[controller]]\nsocket = \"a\"\nnamespaces = [\"ram:1G\"]\nmax_namespaces = 0",
+            "metrics_listen = \"nowhere\"\n[[controller]]\nsocket = \"a\"\nnamespaces = [\"ram:1G\"]",
             "",
         ];
         for b in bad {

@@ -24,7 +24,10 @@ fn identify_fields_and_namespaces() {
     assert_eq!(c.version, 0x0001_0400, "NVMe 1.4");
     assert_eq!(c.mdts, 5);
     assert_eq!(d.max_xfer(), Some(128 << 10));
-    assert_eq!(c.nn, 32, "NN is max_namespaces: namespaces can be added at run time");
+    assert_eq!(
+        c.nn, 32,
+        "NN is max_namespaces: namespaces can be added at run time"
+    );
     assert_eq!((c.sqes, c.cqes), (0x66, 0x44));
     assert!(c.supports_sgl());
     assert!(
