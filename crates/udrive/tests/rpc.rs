@@ -618,7 +618,7 @@ fn hot_add_and_remove_namespace_while_io_runs_on_another() {
     assert_eq!(d.rescan_namespaces().unwrap(), vec![2]);
     let ns2 = d.namespace(2).expect("new namespace identified").clone();
     assert_eq!((ns2.lba_size, ns2.size_bytes()), (4096, 16 << 20));
-    // I/O on the new namespace (512-byte blocks are not its format: 1 block).
+    // I/O on the new namespace (4 KiB blocks).
     {
         let mut q2 = d.create_qpair(8, false).unwrap();
         let buf = q2.alloc_buf(4096).unwrap();
@@ -638,18 +638,42 @@ fn hot_add_and_remove_namespace_while_io_runs_on_another() {
         buf.read(0, &mut back).unwrap();
         assert_eq!(back, vec![0xab; 4096]);
 
-        // Hot remove: the host is told, and I/O to it gets Invalid Namespace.
+        // Hot remove while a thread keeps I/O going on it: every command either
+        // completes normally or gets Invalid Namespace; nothing hangs.
+        let ops2 = Arc::new(AtomicU64::new(0));
+        let io2 = {
+            let ops2 = ops2.clone();
+            std::thread::spawn(move || {
+                let mut lba = 0u64;
+                loop {
+                    let op = if lba.is_multiple_of(2) {
+                        IoOp::Write
+                    } else {
+                        IoOp::Read
+                    };
+                    let c = q2
+                        .submit_io(op, 2, lba % 4000, 1, Some(&buf), DataMode::Prp)
+                        .unwrap();
+                    q2.ring().unwrap();
+                    let st = q2.wait(c, T).unwrap().status;
+                    ops2.fetch_add(1, Ordering::Relaxed);
+                    lba += 1;
+                    if !st.is_ok() {
+                        return (q2, st);
+                    }
+                }
+            })
+        };
+        while ops2.load(Ordering::Relaxed) < 100 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         s.ok("nvme_remove_namespace", json!({"socket": a, "nsid": 2}));
+        let (q2, st) = io2.join().unwrap();
+        assert_eq!((st.sct, st.sc), (0, 0x0b), "Invalid Namespace, got {st}");
         let ev = d.wait_event(T).unwrap();
         assert!(ev.is_namespace_change());
         assert_eq!(d.rescan_namespaces().unwrap(), vec![2]);
         assert!(d.namespace(2).is_none());
-        let c = q2
-            .submit_io(IoOp::Read, 2, 5, 1, Some(&buf), DataMode::Prp)
-            .unwrap();
-        q2.ring().unwrap();
-        let st = q2.wait(c, T).unwrap().status;
-        assert_eq!((st.sct, st.sc), (0, 0x0b), "Invalid Namespace, got {st}");
         d.delete_qpair(q2).unwrap();
     }
     let before = ops.load(Ordering::Relaxed);
