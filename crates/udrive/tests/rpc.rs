@@ -93,19 +93,30 @@ impl Serve {
     }
 }
 
-impl Drop for Serve {
-    fn drop(&mut self) {
+impl Serve {
+    /// SIGTERM, then wait (bounded); `None` if it had to be killed.
+    fn terminate(&mut self) -> Option<std::process::ExitStatus> {
+        if let Ok(Some(st)) = self.child.try_wait() {
+            return Some(st);
+        }
         // SAFETY: kill(2) on our own child's pid has no memory effects.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let start = Instant::now();
         while start.elapsed() < T {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return Some(st);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        None
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        self.terminate();
     }
 }
 
@@ -373,6 +384,12 @@ fn every_method_over_the_socket() {
         .unwrap();
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("udrive_reactor_iterations_total"));
+
+    // SIGTERM: clean exit, control and device sockets removed.
+    let mut s = s;
+    let st = s.terminate().expect("exits after SIGTERM");
+    assert!(st.success(), "{st:?}");
+    assert!(!s.rpc.exists() && !s.nvme.exists(), "sockets removed");
 }
 
 #[test]
