@@ -136,7 +136,10 @@ impl Engine {
     }
 
     pub fn num_reactors(&self) -> usize {
-        self.reactors.read().unwrap_or_else(|e| e.into_inner()).len()
+        self.reactors
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     /// The CPU reactor `i` is pinned to.
@@ -270,9 +273,9 @@ fn handle(msg: Msg, pollers: &mut Pollers, ctx: &mut ReactorCtx) -> bool {
 
 /// The spin time after which every poller lets the reactor sleep, if they all do.
 fn sleep_after(pollers: &Pollers) -> Option<Duration> {
-    pollers
-        .iter()
-        .try_fold(Duration::ZERO, |acc, (_, p)| p.sleep_after().map(|d| acc.max(d)))
+    pollers.iter().try_fold(Duration::ZERO, |acc, (_, p)| {
+        p.sleep_after().map(|d| acc.max(d))
+    })
 }
 
 /// How long one sleep lasts at most; pollers re-arm after it.
