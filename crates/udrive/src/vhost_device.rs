@@ -231,7 +231,7 @@ pub struct VhostArgs {
     pub vhost_user_blk: Option<PathBuf>,
     /// Backend of the vhost-user-blk device: same spec as --ns (null:, ram:, file:...)
     #[arg(long, value_name = "SPEC", requires = "vhost_user_blk")]
-    pub disk: Option<NsSpec>,
+    pub disk: Option<String>,
     /// Virtqueues of the vhost-user-blk device
     #[arg(long, default_value_t = default_queues())]
     pub queues: u16,
@@ -245,7 +245,8 @@ impl VhostArgs {
         let (Some(socket), Some(disk)) = (&self.vhost_user_blk, &self.disk) else {
             return Ok(None);
         };
-        let mut c = VhostBlkConfig::new(socket.clone(), disk.clone());
+        let disk: NsSpec = disk.parse().map_err(|e| anyhow::anyhow!("--disk: {e}"))?;
+        let mut c = VhostBlkConfig::new(socket.clone(), disk);
         c.queues = self.queues;
         c.placement = placement.to_string();
         c.poll = self.poll.clone();
