@@ -82,27 +82,36 @@ impl Raw {
             _call: EventFd::new(0).unwrap(),
         };
         r.set_mem_table();
-        let base = r.base();
-        r.fe.set_vring_num(0, QSIZE).unwrap();
-        r.fe.set_vring_addr(
-            0,
-            &VringConfigData {
-                queue_max_size: QSIZE,
-                queue_size: QSIZE,
-                flags: 0,
-                desc_table_addr: base,
-                used_ring_addr: base + USED,
-                avail_ring_addr: base + AVAIL,
-                log_addr: None,
-            },
-        )
-        .unwrap();
-        r.fe.set_vring_base(0, 0).unwrap();
-        r.fe.set_vring_call(0, &r._call).unwrap();
-        r.fe.set_vring_kick(0, &r._kick).unwrap();
         let mut r = r;
-        r.fe.set_vring_enable(0, true).unwrap();
+        r.start_vring();
         r
+    }
+
+    /// SET_VRING_NUM/ADDR/BASE/CALL/KICK/ENABLE on fresh (zeroed) rings.
+    fn start_vring(&mut self) {
+        self.put(0, &[0u8; USED as usize + 4096]);
+        self.avail = 0;
+        self.next_desc = 0;
+        let base = self.base();
+        self.fe.set_vring_num(0, QSIZE).unwrap();
+        self.fe
+            .set_vring_addr(
+                0,
+                &VringConfigData {
+                    queue_max_size: QSIZE,
+                    queue_size: QSIZE,
+                    flags: 0,
+                    desc_table_addr: base,
+                    used_ring_addr: base + USED,
+                    avail_ring_addr: base + AVAIL,
+                    log_addr: None,
+                },
+            )
+            .unwrap();
+        self.fe.set_vring_base(0, 0).unwrap();
+        self.fe.set_vring_call(0, &self._call).unwrap();
+        self.fe.set_vring_kick(0, &self._kick).unwrap();
+        self.fe.set_vring_enable(0, true).unwrap();
     }
 
     fn base(&self) -> u64 {
@@ -303,6 +312,13 @@ fn hostile_front_end() {
 
     // Meanwhile the other device works.
     blkio_round(&bs, 0x11);
+
+    // A device reset (GET_VRING_BASE, then the rings set up again) revives the queue.
+    r.fe.get_vring_base(0).unwrap();
+    r.start_vring();
+    r.header(T_IN, 8);
+    assert_eq!(r.request(&[hdr, (DATA, 512, true), st]), 0);
+    assert!(r.get(DATA, 512).iter().all(|b| *b == 19));
 
     drop(r);
 
