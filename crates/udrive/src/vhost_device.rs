@@ -216,6 +216,45 @@ mod tests {
         let twice = vec![c.vhost_user_blk[0].clone(), c.vhost_user_blk[0].clone()];
         assert!(validate(&twice, &mut HashSet::new()).is_err());
     }
+
+    #[test]
+    fn overlapping_file_slices_across_device_kinds() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("pool.img");
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(8 << 20)
+            .unwrap();
+        let nvme = crate::config::ControllerConfig::new(
+            dir.path().join("nvme.sock"),
+            vec![format!("file:{},offset=0,size=4M", img.display())
+                .parse()
+                .unwrap()],
+        );
+        let disk = |off: &str| -> VhostBlkConfig {
+            VhostBlkConfig::new(
+                dir.path().join("blk.sock"),
+                format!("file:{},offset={off},size=4M", img.display())
+                    .parse()
+                    .unwrap(),
+            )
+        };
+        let cfg = |d: VhostBlkConfig| crate::config::Config {
+            cpus: "0".into(),
+            controllers: vec![crate::config::ControllerConfig::new(
+                nvme.socket.clone(),
+                nvme.namespaces.clone(),
+            )],
+            vhost_user_blk: vec![d],
+        };
+        let err = open_backends(&cfg(disk("2M")))
+            .err()
+            .expect("overlap refused");
+        assert!(format!("{err:#}").contains("overlap"), "{err:#}");
+        let (nv, blk) = open_backends(&cfg(disk("4M"))).unwrap();
+        assert_eq!((nv.len(), blk.len()), (1, 1));
+        assert_eq!(blk[0].info().size_bytes(), 4 << 20);
+    }
 }
 
 /// `udrive serve` options for one vhost-user-blk device.
