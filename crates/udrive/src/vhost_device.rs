@@ -8,7 +8,7 @@
 //! queues = 2                 # virtqueues (give the guest at least as many vCPUs)
 //! placement = "dedicated"    # dedicated | round-robin | single
 //! poll = "adaptive"          # busy | adaptive | event
-//! cpus = "0-1"               # CPUs for dedicated reactors (cycled); default unpinned
+//! cpus = "0-1"               # CPUs for dedicated reactors (cycled); default: top-level cpus
 //! ```
 
 use std::collections::HashSet;
@@ -35,7 +35,8 @@ pub struct VhostBlkConfig {
     pub placement: String,
     #[serde(default = "default_poll")]
     pub poll: String,
-    /// CPUs for `dedicated` reactors; queue i gets the i-th (cycled).
+    /// CPUs for `dedicated` reactors; queue i gets the i-th (cycled). Default: the
+    /// CPUs of the shared reactors (`cpus` at the top level).
     #[serde(default)]
     pub cpus: Option<String>,
     #[serde(default)]
@@ -141,7 +142,15 @@ fn reactors_for(
                 .into_iter()
                 .map(Some)
                 .collect(),
-            None => vec![None],
+            // Default: the CPUs of the shared reactors (`--cpus`), cycled.
+            None => {
+                let shared: Vec<Option<usize>> = (0..base).map(|i| engine.cpu_of(i)).collect();
+                if shared.is_empty() {
+                    vec![None]
+                } else {
+                    shared
+                }
+            }
         };
         return (0..nq)
             .map(|q| {
