@@ -118,11 +118,16 @@ impl BackendSet {
 
 /// Opens every namespace before any socket exists.
 pub fn open_all(controllers: &[ControllerConfig]) -> Result<Backends> {
-    Ok(open_all_set(controllers)?.1)
+    Ok(open_all_set(controllers, &[])?.1)
 }
 
-/// As [`open_all`], also returning the set to open more namespaces against.
-pub fn open_all_set(controllers: &[ControllerConfig]) -> Result<(BackendSet, Backends)> {
+/// NVMe namespaces plus vhost-user-blk disks (`(socket, spec)`), opened together so
+/// that a file is opened once and overlapping slices are caught across both kinds.
+/// Also returns the set to open more namespaces against at run time.
+pub fn open_all_set(
+    controllers: &[ControllerConfig],
+    disks: &[(PathBuf, &NsSpec)],
+) -> Result<(BackendSet, Backends, Vec<Arc<QosDisk>>)> {
     let mut set = BackendSet::default();
     let mut out = Vec::new();
     for c in controllers {
@@ -132,7 +137,12 @@ pub fn open_all_set(controllers: &[ControllerConfig]) -> Result<(BackendSet, Bac
         }
         out.push(devs);
     }
-    Ok((set, out))
+    let mut disk_devs = Vec::new();
+    for (socket, spec) in disks {
+        // A virtio-blk device has one disk; it is "namespace 1" of its socket.
+        disk_devs.push(set.open(spec, socket, 1)?);
+    }
+    Ok((set, out, disk_devs))
 }
 
 fn slice_range(ns: &NsSpec, total: u64) -> Result<(u64, u64)> {

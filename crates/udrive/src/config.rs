@@ -35,6 +35,8 @@ pub struct Config {
     pub metrics_listen: Option<std::net::SocketAddr>,
     #[serde(default, rename = "controller")]
     pub controllers: Vec<ControllerConfig>,
+    #[serde(default)]
+    pub vhost_user_blk: Vec<crate::vhost_device::VhostBlkConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -106,9 +108,9 @@ impl Config {
     /// Checks what can be checked before anything is created.
     pub fn validate(&self) -> Result<()> {
         engine::parse_cpu_list(&self.cpus).map_err(anyhow::Error::msg)?;
-        // With a control socket, controllers can come later (nvme_add_controller).
-        if self.controllers.is_empty() && self.rpc.is_none() {
-            bail!("no controller configured: add a [[controller]] section or use --vfio-user/--ns");
+        // With a control socket, devices can come later (nvme_add_controller).
+        if self.controllers.is_empty() && self.vhost_user_blk.is_empty() && self.rpc.is_none() {
+            bail!("no device configured: add a [[controller]] or [[vhost_user_blk]] section, or use --vfio-user/--ns or --vhost-user-blk/--disk");
         }
         let mut sockets = HashSet::new();
         for c in &self.controllers {
@@ -117,6 +119,7 @@ impl Config {
                 bail!("socket {} is used by two controllers", c.socket.display());
             }
         }
+        crate::vhost_device::validate(&self.vhost_user_blk, &mut sockets)?;
         if let Some(dir) = self
             .rpc
             .as_ref()
@@ -138,9 +141,13 @@ impl ControllerConfig {
         if self.namespaces.is_empty() {
             bail!("{what} has no namespace: add one, e.g. ram:1G");
         }
-        self.placement
+        if let engine::Placement::Dedicated = self
+            .placement
             .parse::<engine::Placement>()
-            .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("{what}: {e}"))?
+        {
+            bail!("{what}: placement `dedicated` is available for vhost_user_blk devices only; use round-robin or single");
+        }
         if self.io_queues == 0 || self.io_queues > 511 {
             bail!("{what}: io_queues must be 1..=511, not {}", self.io_queues);
         }

@@ -3,6 +3,7 @@
 //! devices in-process.
 
 pub mod backends;
+pub mod blkio_target;
 pub mod config;
 pub mod device;
 pub mod metrics;
@@ -12,3 +13,4 @@ pub mod rpc;
 pub mod serve;
 pub mod server;
 pub mod size;
+pub mod vhost_device;

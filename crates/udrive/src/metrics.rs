@@ -113,8 +113,9 @@ pub fn render(server: &Server) -> String {
         let st = server.lock();
         st.devices
             .iter()
-            .map(|d| match d {
-                Device::Nvme(n) => (n.socket.display().to_string(), n.ctrl.stats()),
+            .filter_map(|d| match d {
+                Device::Nvme(n) => Some((n.socket.display().to_string(), n.ctrl.stats())),
+                Device::VhostBlk(_) => None,
             })
             .collect()
     };

@@ -25,9 +25,11 @@ pub struct ServeArgs {
     /// CPUs for reactor threads, one reactor per CPU (e.g. 0 or 0-1 or 0,2)
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<String>,
-    /// Queue placement over reactors: round-robin or single
+    /// Queue placement over reactors: round-robin or single (vhost-user-blk also: dedicated)
     #[arg(long, default_value = "round-robin", conflicts_with = "config")]
     pub placement: String,
+    #[command(flatten)]
+    pub vhost: crate::vhost_device::VhostArgs,
     /// I/O queue pairs the controller offers
     #[arg(long, default_value_t = crate::config::default_io_queues(), conflicts_with = "config")]
     pub io_queues: u16,
@@ -56,6 +58,18 @@ impl ServeArgs {
     fn into_config(self) -> Result<Config> {
         let mut cfg = match &self.config {
             Some(path) => Config::load(path)?,
+            None if self.vhost.vhost_user_blk.is_some()
+                && self.vfio_user.is_none()
+                && self.ns.is_empty() =>
+            {
+                Config {
+                    cpus: crate::config::default_cpus(),
+                    rpc: None,
+                    metrics_listen: None,
+                    controllers: Vec::new(),
+                    vhost_user_blk: Vec::new(),
+                }
+            }
             None => {
                 let socket = self
                     .vfio_user
@@ -74,9 +88,13 @@ impl ServeArgs {
                     rpc: None,
                     metrics_listen: None,
                     controllers: vec![c],
+                    vhost_user_blk: Vec::new(),
                 }
             }
         };
+        if let Some(d) = self.vhost.to_config(&self.placement)? {
+            cfg.vhost_user_blk.push(d);
+        }
         if let Some(cpus) = self.cpus {
             cfg.cpus = cpus;
         }
@@ -102,14 +120,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
             online - 1
         );
     }
-    let (backend_set, backends) = crate::backends::open_all_set(&cfg.controllers)?;
+    let disks = crate::vhost_device::disk_specs(&cfg);
+    let (backend_set, backends, disk_devs) =
+        crate::backends::open_all_set(&cfg.controllers, &disks)?;
     // Signals are routed into the iterator before any thread starts.
     let mut signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
     let engine = engine::Engine::start(&cpus.iter().map(|c| Some(*c)).collect::<Vec<_>>())
         .context("cannot start reactors")?;
     tracing::info!(reactors = engine.num_reactors(), cpus = %cfg.cpus, "reactors started");
 
-    let server = match Server::start(&cfg, backend_set, backends, engine.clone()) {
+    let server = match Server::start(&cfg, backend_set, backends, disk_devs, engine.clone()) {
         Ok(s) => s,
         Err(e) => {
             engine.shutdown();
@@ -158,16 +178,25 @@ pub fn run(args: ServeArgs) -> Result<()> {
 fn print_banner(server: &Server, rpc: Option<&RpcServer>, metrics: Option<&MetricsServer>) {
     let st = server.lock();
     for d in &st.devices {
-        let Device::Nvme(d) = d;
-        println!(
-            "udrive: NVMe controller on {} with namespaces {}",
-            d.socket.display(),
-            d.namespaces
-                .values()
-                .map(|n| n.spec.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        match d {
+            Device::Nvme(d) => println!(
+                "udrive: NVMe controller on {} with namespaces {}",
+                d.socket.display(),
+                d.namespaces
+                    .values()
+                    .map(|n| n.spec.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Device::VhostBlk(d) => println!(
+                "udrive: vhost-user-blk device on {} with disk {} ({} queues, placement {}, poll {})",
+                d.cfg.socket.display(),
+                d.cfg.disk,
+                d.cfg.queues,
+                d.cfg.placement,
+                d.cfg.poll
+            ),
+        }
     }
     if let Some(r) = rpc {
         println!(
@@ -179,17 +208,28 @@ fn print_banner(server: &Server, rpc: Option<&RpcServer>, metrics: Option<&Metri
     if let Some(m) = metrics {
         println!("udrive: metrics on http://{}/metrics", m.addr());
     }
-    if !st.devices.is_empty() {
-        println!("\nAttach a VM (QEMU 10.1+; guest RAM must be a shared memfd):\n");
-    }
     for d in &st.devices {
-        println!("{}\n", qemu_command(d.socket()));
-    }
-    if let Some(d) = st.devices.first() {
-        println!(
-            "Or measure it: udrive perf --vfio-user {} --rw randread --bs 4096 --qd 32 --time 10",
-            d.socket().display()
-        );
+        match d {
+            Device::Nvme(d) => {
+                println!("\nAttach a VM (QEMU 10.1+; guest RAM must be a shared memfd):\n");
+                println!("{}\n", qemu_command(&d.socket));
+                println!(
+                    "Or measure it: udrive perf --vfio-user {} --rw randread --bs 4096 --qd 32 --time 10",
+                    d.socket.display()
+                );
+            }
+            Device::VhostBlk(d) => {
+                println!("\nAttach a VM (guest RAM must be a shared memfd):\n");
+                println!(
+                    "{}\n",
+                    crate::vhost_device::qemu_command(&d.cfg.socket, d.cfg.queues)
+                );
+                println!(
+                    "Or measure it: udrive perf --vhost-user {} --rw randread --bs 4096 --qd 32 --time 10",
+                    d.cfg.socket.display()
+                );
+            }
+        }
     }
     println!("Stop with Ctrl-C.");
 }

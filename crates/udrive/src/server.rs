@@ -14,35 +14,41 @@ use crate::backends::{BackendSet, Backends};
 use crate::config::{Config, ControllerConfig};
 use crate::device::{Namespace, NvmeDevice};
 use crate::nsspec::NsSpec;
+use crate::vhost_device::VhostBlkDevice;
 
 /// A device the server runs. New kinds (virtio-blk over vhost-user) become variants;
 /// the control plane reaches them through the methods below.
 pub enum Device {
     Nvme(NvmeDevice),
+    VhostBlk(VhostBlkDevice),
 }
 
 impl Device {
     pub fn socket(&self) -> &Path {
         match self {
             Device::Nvme(d) => &d.socket,
+            Device::VhostBlk(d) => &d.cfg.socket,
         }
     }
 
     pub fn kind(&self) -> &'static str {
         match self {
             Device::Nvme(_) => "nvme",
+            Device::VhostBlk(_) => "vhost-user-blk",
         }
     }
 
     pub fn connected(&self) -> bool {
         match self {
             Device::Nvme(d) => d.connected(),
+            Device::VhostBlk(d) => d.dev.connected(),
         }
     }
 
     pub fn stop(self) {
         match self {
             Device::Nvme(d) => d.stop(),
+            Device::VhostBlk(d) => d.dev.stop(),
         }
     }
 }
@@ -101,6 +107,12 @@ impl State {
         match self.position(socket) {
             Some(i) => match &mut self.devices[i] {
                 Device::Nvme(d) => Ok(d),
+                Device::VhostBlk(_) => {
+                    bail!(
+                        "{} is a vhost-user-blk device, not an NVMe controller",
+                        socket.display()
+                    )
+                }
             },
             None => Err(self.not_found(socket)),
         }
@@ -120,8 +132,10 @@ impl Server {
         cfg: &Config,
         backends: BackendSet,
         devs: Backends,
+        disks: Vec<Arc<bdev::QosDisk>>,
         engine: Arc<engine::Engine>,
     ) -> Result<Arc<Server>> {
+        let base_reactors = engine.num_reactors();
         let server = Arc::new(Server {
             engine,
             cpus: cfg.cpus.clone(),
@@ -141,6 +155,18 @@ impl Server {
                 }
                 Err(e) => {
                     drop(st);
+                    server.stop_devices();
+                    return Err(e);
+                }
+            }
+        }
+        for (i, (c, disk)) in cfg.vhost_user_blk.iter().zip(disks).enumerate() {
+            match crate::vhost_device::start(c, disk, i, &server.engine, base_reactors) {
+                Ok(dev) => server.lock().devices.push(Device::VhostBlk(VhostBlkDevice {
+                    cfg: c.clone(),
+                    dev,
+                })),
+                Err(e) => {
                     server.stop_devices();
                     return Err(e);
                 }

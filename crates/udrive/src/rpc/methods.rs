@@ -281,7 +281,24 @@ fn nvme_json(d: &NvmeDevice) -> Value {
 fn device_json(d: &Device) -> Value {
     match d {
         Device::Nvme(n) => nvme_json(n),
+        Device::VhostBlk(v) => vhost_json(v),
     }
+}
+
+fn vhost_json(v: &crate::vhost_device::VhostBlkDevice) -> Value {
+    json!({
+        "kind": "vhost-user-blk",
+        "socket": v.cfg.socket,
+        "connected": v.dev.connected(),
+        "connections": v.dev.connections(),
+        "config": {
+            "disk": v.cfg.disk.to_string(),
+            "queues": v.cfg.queues,
+            "queue_size": v.cfg.queue_size,
+            "placement": v.cfg.placement,
+            "poll": v.cfg.poll,
+        },
+    })
 }
 
 fn device_json_by_socket(server: &Server, socket: &std::path::Path) -> Result<Value, RpcError> {
@@ -338,6 +355,11 @@ pub fn stats_json(server: &Server, socket: Option<&std::path::Path>) -> Result<V
                 "kind": "nvme",
                 "socket": n.socket,
                 "stats": controller_stats_json(&n.ctrl.stats()),
+            }),
+            Device::VhostBlk(v) => json!({
+                "kind": "vhost-user-blk",
+                "socket": v.cfg.socket,
+                "stats": {"connections": v.dev.connections()},
             }),
         })
         .collect();
