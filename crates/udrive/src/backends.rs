@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use bdev::{BlockDevice, FileDisk, FileOptions, NullDisk, QosDisk, RamDisk, SliceDisk};
+use bdev::{BlockDevice, FaultDisk, FileDisk, FileOptions, NullDisk, QosDisk, RamDisk, SliceDisk};
 
 use crate::config::ControllerConfig;
 use crate::nsspec::{NsKind, NsSpec};
@@ -85,6 +85,10 @@ fn open_one(
     if ns.slice.is_some() {
         let (off, len) = slice_range(ns, dev.info().size_bytes())?;
         dev = Arc::new(SliceDisk::new(dev, off, len)?);
+    }
+    if let Some(f) = &ns.fault {
+        let cfg = f.config(dev.info().block_size);
+        dev = Arc::new(FaultDisk::new(dev, cfg)?);
     }
     let q = ns.qos;
     if [

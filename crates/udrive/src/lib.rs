@@ -5,6 +5,7 @@
 pub mod backends;
 pub mod config;
 pub mod device;
+pub mod file_target;
 pub mod nsspec;
 pub mod perf;
 pub mod serve;
