@@ -16,7 +16,12 @@ use crate::file_target::FileTarget;
 #[derive(clap::Args, Debug)]
 pub struct PerfArgs {
     /// vfio-user socket of an NVMe controller
-    #[arg(long, value_name = "SOCKET", required_unless_present = "file", conflicts_with = "file")]
+    #[arg(
+        long,
+        value_name = "SOCKET",
+        required_unless_present = "file",
+        conflicts_with = "file"
+    )]
     pub vfio_user: Option<PathBuf>,
     /// Drive this file or block device directly through io_uring (bare-metal baseline)
     #[arg(long, value_name = "PATH")]
@@ -121,9 +126,8 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
         io_queues: u16::try_from(cfg.jobs).unwrap_or(u16::MAX),
         ..Default::default()
     };
-    let driver = NvmeDriver::connect(sock, opts).with_context(|| {
-        format!("cannot bring up the NVMe controller at {}", sock.display())
-    })?;
+    let driver = NvmeDriver::connect(sock, opts)
+        .with_context(|| format!("cannot bring up the NVMe controller at {}", sock.display()))?;
     let mode = if a.sgl { DataMode::Sgl } else { DataMode::Prp };
     let target = NvmeTarget::new(&driver, a.nsid, mode)
         .with_context(|| format!("namespace {} of {}", a.nsid, sock.display()))?;

@@ -38,7 +38,12 @@ fn data_survives_stop_and_restart() {
     let ns = format!("file:{}", img.display());
     let mut rng = Rng::new(7);
     let writes: Vec<(u64, Vec<u8>)> = (0..6)
-        .map(|i| (i * 9000 + rng.below(1000), rng.bytes(((i + 1) * 8192) as usize)))
+        .map(|i| {
+            (
+                i * 9000 + rng.below(1000),
+                rng.bytes(((i + 1) * 8192) as usize),
+            )
+        })
         .collect();
     {
         let dev = TestDev::start("persist1", &[&ns]);
@@ -231,7 +236,9 @@ fn attach_loop(img: &Path, sector: u32) -> Result<Loop, String> {
             String::from_utf8_lossy(&out.stderr).trim()
         ));
     }
-    Ok(Loop(String::from_utf8_lossy(&out.stdout).trim().to_string()))
+    Ok(Loop(
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+    ))
 }
 
 #[test]

@@ -322,7 +322,10 @@ pub fn write_read(qp: &mut QueuePair, buf: &DmaBuf, slba: u64, data: &[u8], mode
     let nlb = (data.len() / 512) as u32;
     let buf = buf.sub(0, data.len()).expect("buffer large enough");
     buf.write(0, data).expect("fill");
-    assert_ok(&io(qp, IoOp::Write, 1, slba, nlb, Some(&buf), mode), "write");
+    assert_ok(
+        &io(qp, IoOp::Write, 1, slba, nlb, Some(&buf), mode),
+        "write",
+    );
     buf.fill(0);
     assert_ok(&io(qp, IoOp::Read, 1, slba, nlb, Some(&buf), mode), "read");
     let mut back = vec![0u8; data.len()];
