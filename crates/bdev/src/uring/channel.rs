@@ -65,8 +65,29 @@ impl Slot {
     }
 }
 
+/// Ring setup variants, chosen by `UDRIVE_URING` (comma list) while measuring them;
+/// see docs/decisions/0004-uring-backend.md.
+#[derive(Clone, Copy, Debug)]
+struct Tuning {
+    /// IORING_SETUP_COOP_TASKRUN | TASKRUN_FLAG: no IPI for completions; `poll`
+    /// enters the kernel when the ring says task work is pending.
+    coop: bool,
+    /// The file as a registered (fixed) descriptor.
+    fixed: bool,
+}
+
+fn tuning() -> Tuning {
+    let v = std::env::var("UDRIVE_URING").unwrap_or_default();
+    let has = |k: &str| v.split(',').any(|x| x == k);
+    Tuning {
+        coop: has("coop"),
+        fixed: !has("nofixed"),
+    }
+}
+
 pub(super) struct UringChannel {
     ring: IoUring,
+    tuning: Tuning,
     file: Arc<File>,
     size: u64,
     block_size: u64,
@@ -86,11 +107,29 @@ pub(super) struct UringChannel {
 
 impl UringChannel {
     pub(super) fn new(file: Arc<File>, info: &BlockInfo, direct: bool) -> io::Result<Self> {
-        let ring = IoUring::new(ENTRIES)?;
-        ring.submitter().register_files(&[file.as_raw_fd()])?;
+        let mut tuning = tuning();
+        let ring = if tuning.coop {
+            match IoUring::builder()
+                .setup_coop_taskrun()
+                .setup_taskrun_flag()
+                .build(ENTRIES)
+            {
+                Ok(r) => r,
+                Err(_) => {
+                    tuning.coop = false;
+                    IoUring::new(ENTRIES)?
+                }
+            }
+        } else {
+            IoUring::new(ENTRIES)?
+        };
+        if tuning.fixed {
+            ring.submitter().register_files(&[file.as_raw_fd()])?;
+        }
         let n = ENTRIES as usize;
         Ok(UringChannel {
             ring,
+            tuning,
             file,
             size: info.size_bytes(),
             block_size: u64::from(info.block_size),
@@ -108,38 +147,53 @@ impl UringChannel {
 
     fn sqe(&self, idx: u32) -> squeue::Entry {
         let s = &self.slots[idx as usize];
-        let fd = types::Fixed(0);
-        let flags = if s.fua { libc::RWF_DSYNC } else { 0 };
-        let one = s.iov.0.len() == 1;
-        let v = &s.iov.0;
-        let e = match s.kind {
-            Kind::Read if one => opcode::Read::new(fd, v[0].iov_base.cast(), clamp(v[0].iov_len))
-                .offset(s.offset)
-                .build(),
-            Kind::Read => opcode::Readv::new(fd, v.as_ptr(), v.len() as u32)
-                .offset(s.offset)
-                .build(),
-            Kind::Write if one => {
-                opcode::Write::new(fd, v[0].iov_base.cast_const().cast(), clamp(v[0].iov_len))
+        // The opcode builders take the descriptor through a sealed trait, so the two
+        // descriptor kinds are spelled out by a macro rather than a generic function.
+        macro_rules! build {
+            ($fd:expr) => {{
+                let fd = $fd;
+                let flags = if s.fua { libc::RWF_DSYNC } else { 0 };
+                let one = s.iov.0.len() == 1;
+                let v = &s.iov.0;
+                match s.kind {
+                    Kind::Read if one => {
+                        opcode::Read::new(fd, v[0].iov_base.cast(), clamp(v[0].iov_len))
+                            .offset(s.offset)
+                            .build()
+                    }
+                    Kind::Read => opcode::Readv::new(fd, v.as_ptr(), v.len() as u32)
+                        .offset(s.offset)
+                        .build(),
+                    Kind::Write if one => opcode::Write::new(
+                        fd,
+                        v[0].iov_base.cast_const().cast(),
+                        clamp(v[0].iov_len),
+                    )
                     .offset(s.offset)
                     .rw_flags(flags)
-                    .build()
-            }
-            Kind::Write => opcode::Writev::new(fd, v.as_ptr(), v.len() as u32)
-                .offset(s.offset)
-                .rw_flags(flags)
-                .build(),
-            Kind::Fsync => opcode::Fsync::new(fd)
-                .flags(types::FsyncFlags::DATASYNC)
-                .build(),
-            Kind::ZeroRange => opcode::Fallocate::new(fd, s.remaining)
-                .offset(s.offset)
-                .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
-                .build(),
-            Kind::Punch => opcode::Fallocate::new(fd, s.remaining)
-                .offset(s.offset)
-                .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
-                .build(),
+                    .build(),
+                    Kind::Write => opcode::Writev::new(fd, v.as_ptr(), v.len() as u32)
+                        .offset(s.offset)
+                        .rw_flags(flags)
+                        .build(),
+                    Kind::Fsync => opcode::Fsync::new(fd)
+                        .flags(types::FsyncFlags::DATASYNC)
+                        .build(),
+                    Kind::ZeroRange => opcode::Fallocate::new(fd, s.remaining)
+                        .offset(s.offset)
+                        .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+                        .build(),
+                    Kind::Punch => opcode::Fallocate::new(fd, s.remaining)
+                        .offset(s.offset)
+                        .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
+                        .build(),
+                }
+            }};
+        }
+        let e = if self.tuning.fixed {
+            build!(types::Fixed(0))
+        } else {
+            build!(types::Fd(self.file.as_raw_fd()))
         };
         e.user_data(u64::from(idx))
     }
@@ -380,6 +434,15 @@ impl IoChannel for UringChannel {
     }
 
     fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
+        // Cooperative task running: finished I/O waits as task work until we enter
+        // the kernel; do so only when the ring says some is pending.
+        if self.tuning.coop && self.inflight > 0 && self.ring.submission().taskrun() {
+            if let Err(e) = self.ring.submit() {
+                tracing::debug!("io_uring enter for task work: {e}");
+            } else {
+                self.queued = false;
+            }
+        }
         let mut cqes = std::mem::take(&mut self.cqes);
         cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
         self.inflight -= cqes.len();
