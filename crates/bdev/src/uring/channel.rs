@@ -65,29 +65,26 @@ impl Slot {
     }
 }
 
-/// Ring setup variants, chosen by `UDRIVE_URING` (comma list) while measuring them;
-/// see docs/decisions/0004-uring-backend.md.
-#[derive(Clone, Copy, Debug)]
-struct Tuning {
-    /// IORING_SETUP_COOP_TASKRUN | TASKRUN_FLAG: no IPI for completions; `poll`
-    /// enters the kernel when the ring says task work is pending.
-    coop: bool,
-    /// The file as a registered (fixed) descriptor.
-    fixed: bool,
-}
-
-fn tuning() -> Tuning {
-    let v = std::env::var("UDRIVE_URING").unwrap_or_default();
-    let has = |k: &str| v.split(',').any(|x| x == k);
-    Tuning {
-        coop: has("coop"),
-        fixed: !has("nofixed"),
+/// The ring is set up with IORING_SETUP_COOP_TASKRUN | TASKRUN_FLAG where the
+/// kernel has them (5.19+): finished I/O waits as task work without an IPI to the
+/// busy-polling reactor, and `poll` enters the kernel only when the ring flags
+/// pending task work. Measured against the default (IPI) setup and an unregistered
+/// descriptor in docs/decisions/0004-uring-backend.md.
+fn new_ring() -> io::Result<(IoUring, bool)> {
+    match IoUring::builder()
+        .setup_coop_taskrun()
+        .setup_taskrun_flag()
+        .build(ENTRIES)
+    {
+        Ok(r) => Ok((r, true)),
+        Err(_) => Ok((IoUring::new(ENTRIES)?, false)),
     }
 }
 
 pub(super) struct UringChannel {
     ring: IoUring,
-    tuning: Tuning,
+    /// COOP_TASKRUN is in effect.
+    coop: bool,
     file: Arc<File>,
     size: u64,
     block_size: u64,
@@ -107,29 +104,12 @@ pub(super) struct UringChannel {
 
 impl UringChannel {
     pub(super) fn new(file: Arc<File>, info: &BlockInfo, direct: bool) -> io::Result<Self> {
-        let mut tuning = tuning();
-        let ring = if tuning.coop {
-            match IoUring::builder()
-                .setup_coop_taskrun()
-                .setup_taskrun_flag()
-                .build(ENTRIES)
-            {
-                Ok(r) => r,
-                Err(_) => {
-                    tuning.coop = false;
-                    IoUring::new(ENTRIES)?
-                }
-            }
-        } else {
-            IoUring::new(ENTRIES)?
-        };
-        if tuning.fixed {
-            ring.submitter().register_files(&[file.as_raw_fd()])?;
-        }
+        let (ring, coop) = new_ring()?;
+        ring.submitter().register_files(&[file.as_raw_fd()])?;
         let n = ENTRIES as usize;
         Ok(UringChannel {
             ring,
-            tuning,
+            coop,
             file,
             size: info.size_bytes(),
             block_size: u64::from(info.block_size),
@@ -147,53 +127,38 @@ impl UringChannel {
 
     fn sqe(&self, idx: u32) -> squeue::Entry {
         let s = &self.slots[idx as usize];
-        // The opcode builders take the descriptor through a sealed trait, so the two
-        // descriptor kinds are spelled out by a macro rather than a generic function.
-        macro_rules! build {
-            ($fd:expr) => {{
-                let fd = $fd;
-                let flags = if s.fua { libc::RWF_DSYNC } else { 0 };
-                let one = s.iov.0.len() == 1;
-                let v = &s.iov.0;
-                match s.kind {
-                    Kind::Read if one => {
-                        opcode::Read::new(fd, v[0].iov_base.cast(), clamp(v[0].iov_len))
-                            .offset(s.offset)
-                            .build()
-                    }
-                    Kind::Read => opcode::Readv::new(fd, v.as_ptr(), v.len() as u32)
-                        .offset(s.offset)
-                        .build(),
-                    Kind::Write if one => opcode::Write::new(
-                        fd,
-                        v[0].iov_base.cast_const().cast(),
-                        clamp(v[0].iov_len),
-                    )
+        let fd = types::Fixed(0);
+        let flags = if s.fua { libc::RWF_DSYNC } else { 0 };
+        let one = s.iov.0.len() == 1;
+        let v = &s.iov.0;
+        let e = match s.kind {
+            Kind::Read if one => opcode::Read::new(fd, v[0].iov_base.cast(), clamp(v[0].iov_len))
+                .offset(s.offset)
+                .build(),
+            Kind::Read => opcode::Readv::new(fd, v.as_ptr(), v.len() as u32)
+                .offset(s.offset)
+                .build(),
+            Kind::Write if one => {
+                opcode::Write::new(fd, v[0].iov_base.cast_const().cast(), clamp(v[0].iov_len))
                     .offset(s.offset)
                     .rw_flags(flags)
-                    .build(),
-                    Kind::Write => opcode::Writev::new(fd, v.as_ptr(), v.len() as u32)
-                        .offset(s.offset)
-                        .rw_flags(flags)
-                        .build(),
-                    Kind::Fsync => opcode::Fsync::new(fd)
-                        .flags(types::FsyncFlags::DATASYNC)
-                        .build(),
-                    Kind::ZeroRange => opcode::Fallocate::new(fd, s.remaining)
-                        .offset(s.offset)
-                        .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
-                        .build(),
-                    Kind::Punch => opcode::Fallocate::new(fd, s.remaining)
-                        .offset(s.offset)
-                        .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
-                        .build(),
-                }
-            }};
-        }
-        let e = if self.tuning.fixed {
-            build!(types::Fixed(0))
-        } else {
-            build!(types::Fd(self.file.as_raw_fd()))
+                    .build()
+            }
+            Kind::Write => opcode::Writev::new(fd, v.as_ptr(), v.len() as u32)
+                .offset(s.offset)
+                .rw_flags(flags)
+                .build(),
+            Kind::Fsync => opcode::Fsync::new(fd)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build(),
+            Kind::ZeroRange => opcode::Fallocate::new(fd, s.remaining)
+                .offset(s.offset)
+                .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+                .build(),
+            Kind::Punch => opcode::Fallocate::new(fd, s.remaining)
+                .offset(s.offset)
+                .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
+                .build(),
         };
         e.user_data(u64::from(idx))
     }
@@ -435,12 +400,12 @@ impl IoChannel for UringChannel {
 
     fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
         // Cooperative task running: finished I/O waits as task work until we enter
-        // the kernel; do so only when the ring says some is pending.
-        if self.tuning.coop && self.inflight > 0 && self.ring.submission().taskrun() {
-            if let Err(e) = self.ring.submit() {
-                tracing::debug!("io_uring enter for task work: {e}");
-            } else {
-                self.queued = false;
+        // the kernel; do so only when the ring says some is pending. (The enter also
+        // submits anything queued, which `flush` would do next anyway.)
+        if self.coop && self.inflight > 0 && self.ring.submission().taskrun() {
+            match self.ring.submit() {
+                Ok(_) => self.queued = false,
+                Err(e) => tracing::debug!("io_uring enter for task work: {e}"),
             }
         }
         let mut cqes = std::mem::take(&mut self.cqes);
