@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use bdev::{BlockDevice, FileDisk, FileOptions, NullDisk, QosDisk, RamDisk, SliceDisk};
+use bdev::{BlockDevice, FaultDisk, FileDisk, FileOptions, NullDisk, QosDisk, RamDisk, SliceDisk};
 
 use crate::config::ControllerConfig;
 use crate::nsspec::{NsKind, NsSpec};
@@ -106,6 +106,10 @@ impl BackendSet {
         if ns.slice.is_some() {
             let (off, len) = slice_range(ns, dev.info().size_bytes())?;
             dev = Arc::new(SliceDisk::new(dev, off, len)?);
+        }
+        if let Some(f) = &ns.fault {
+            let cfg = f.config(dev.info().block_size);
+            dev = Arc::new(FaultDisk::new(dev, cfg)?);
         }
         let dev = Arc::new(QosDisk::new(dev, ns.qos)?);
         if let Some((key, disk, u)) = new_use {

@@ -6,6 +6,7 @@ pub mod backends;
 pub mod blkio_target;
 pub mod config;
 pub mod device;
+pub mod file_target;
 pub mod metrics;
 pub mod nsspec;
 pub mod perf;

@@ -9,6 +9,13 @@
 //! `ro`, `shared` (allow overlapping writable slices), and QoS limits `iops=`,
 //! `read_iops=`, `write_iops=`, `bw=`, `read_bw=`, `write_bw=` (bytes/s, with K/M/G).
 //! Example: `file:/var/lib/vm.img,offset=1G,size=8G,iops=5000`.
+//!
+//! Test-only fault injection (wraps the namespace in a `bdev::FaultDisk`, after the
+//! slice, so LBAs are the namespace's): `fault_lbas=START-END` (inclusive LBA range
+//! that fails), `fault_rate=0.01` (fraction of requests that fail at random),
+//! `fault_ops=read|write|all` (which requests faults apply to; default all),
+//! `fault_latency_us=N` (every completion is held back N µs). Failed reads end in
+//! Unrecovered Read Error, failed writes in Write Fault.
 
 use std::path::PathBuf;
 
@@ -25,7 +32,41 @@ pub struct NsSpec {
     pub read_only: bool,
     pub shared: bool,
     pub qos: bdev::QosLimits,
+    /// Test-only error/latency injection.
+    pub fault: Option<FaultSpec>,
     text: String,
+}
+
+/// The `fault_*` options of a namespace.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct FaultSpec {
+    /// Inclusive LBA range `(first, last)` whose requests fail.
+    pub lbas: Option<(u64, u64)>,
+    /// Fraction of requests that fail, in millionths.
+    pub rate_ppm: u32,
+    pub ops: Option<bdev::FaultOps>,
+    pub latency_us: u64,
+}
+
+impl FaultSpec {
+    /// The wrapper's configuration for a namespace of `block_size`-byte blocks.
+    pub fn config(&self, block_size: u32) -> bdev::FaultConfig {
+        let bs = u64::from(block_size);
+        bdev::FaultConfig {
+            error_lbas: self
+                .lbas
+                .map(|(a, b)| {
+                    let len = (b - a).saturating_add(1).saturating_mul(bs);
+                    (a.saturating_mul(bs), len)
+                })
+                .into_iter()
+                .collect(),
+            error_rate: f64::from(self.rate_ppm) / 1e6,
+            ops: self.ops.unwrap_or(bdev::FaultOps::All),
+            latency: std::time::Duration::from_micros(self.latency_us),
+            ..Default::default()
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,6 +100,7 @@ impl std::str::FromStr for NsSpec {
             read_only: false,
             shared: false,
             qos: bdev::QosLimits::default(),
+            fault: None,
             text: s.to_string(),
         };
         let mut offset = None;
@@ -93,8 +135,42 @@ impl std::str::FromStr for NsSpec {
                 "bw" => spec.qos.bw_bytes = rate()?,
                 "read_bw" => spec.qos.read_bw = rate()?,
                 "write_bw" => spec.qos.write_bw = rate()?,
+                "fault_lbas" => {
+                    let r = v
+                        .split_once('-')
+                        .and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?)))
+                        .filter(|(a, b)| a <= b)
+                        .ok_or_else(|| bad("fault_lbas must be FIRST-LAST, e.g. 0-7".into()))?;
+                    spec.fault.get_or_insert_with(Default::default).lbas = Some(r);
+                }
+                "fault_rate" => {
+                    let r = v
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|r| (0.0..=1.0).contains(r))
+                        .ok_or_else(|| bad("fault_rate must be a number from 0 to 1".into()))?;
+                    spec.fault.get_or_insert_with(Default::default).rate_ppm =
+                        (r * 1e6).round() as u32;
+                }
+                "fault_ops" => {
+                    let ops = match v {
+                        "read" => bdev::FaultOps::Read,
+                        "write" => bdev::FaultOps::Write,
+                        "all" => bdev::FaultOps::All,
+                        _ => return Err(bad("fault_ops must be read, write or all".into())),
+                    };
+                    spec.fault.get_or_insert_with(Default::default).ops = Some(ops);
+                }
+                "fault_latency_us" => {
+                    let us = v
+                        .parse::<u64>()
+                        .ok()
+                        .filter(|u| *u <= 60_000_000)
+                        .ok_or_else(|| bad("fault_latency_us must be 0..=60000000".into()))?;
+                    spec.fault.get_or_insert_with(Default::default).latency_us = us;
+                }
                 _ => return Err(bad(format!(
-                    "unknown option `{opt}` (known: bs, offset, size, direct, ro, shared, iops, read_iops, write_iops, bw, read_bw, write_bw)"
+                    "unknown option `{opt}` (known: bs, offset, size, direct, ro, shared, iops, read_iops, write_iops, bw, read_bw, write_bw, fault_lbas, fault_rate, fault_ops, fault_latency_us)"
                 ))),
             }
         }
@@ -192,6 +268,16 @@ mod tests {
         assert!(s.read_only);
         assert_eq!(s.qos.iops, Some(5000));
         assert_eq!(s.qos.bw_bytes, Some(100 << 20));
+        let s: NsSpec = "ram:1M,fault_lbas=8-15,fault_rate=0.25,fault_ops=read,fault_latency_us=50"
+            .parse()
+            .unwrap();
+        let f = s.fault.unwrap();
+        assert_eq!(f.lbas, Some((8, 15)));
+        let c = f.config(512);
+        assert_eq!(c.error_lbas, vec![(4096, 4096)]);
+        assert_eq!(c.error_rate, 0.25);
+        assert_eq!(c.ops, bdev::FaultOps::Read);
+        assert_eq!(c.latency, std::time::Duration::from_micros(50));
         for bad in [
             "ram",
             "disk:1G",
@@ -205,6 +291,11 @@ mod tests {
             "ram:1G,ro",
             "ram:1G,iops=0",
             "ram:1G,offset=x",
+            "ram:1G,fault_lbas=5",
+            "ram:1G,fault_lbas=9-3",
+            "ram:1G,fault_rate=2",
+            "ram:1G,fault_ops=trim",
+            "ram:1G,fault_latency_us=-1",
         ] {
             assert!(bad.parse::<NsSpec>().is_err(), "accepted {bad}");
         }

@@ -1,12 +1,17 @@
 //! `udrive perf`: drive a device with udrive's own initiator and report IOPS and
-//! latency, as text or JSON.
+//! latency, as text or JSON. `--vfio-user SOCKET` drives an NVMe controller;
+//! `--file PATH` drives a file or block device directly through io_uring (the
+//! bare-metal baseline, see `file_target`).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use initiator::workload::{self, NvmeTarget, Rw, WorkloadConfig};
+use bdev::BlockDevice;
+use initiator::workload::{self, NvmeTarget, Report, Rw, WorkloadConfig};
 use initiator::{DataMode, DriverOpts, NvmeDriver};
+
+use crate::file_target::FileTarget;
 
 #[derive(clap::Args, Debug)]
 pub struct PerfArgs {
@@ -14,13 +19,19 @@ pub struct PerfArgs {
     #[arg(
         long,
         value_name = "SOCKET",
-        required_unless_present = "vhost_user",
-        conflicts_with = "vhost_user"
+        required_unless_present_any = ["vhost_user", "file"],
+        conflicts_with_all = ["vhost_user", "file"]
     )]
     pub vfio_user: Option<PathBuf>,
     /// vhost-user-blk socket, driven through libblkio (jobs = virtqueues)
-    #[arg(long, value_name = "SOCKET")]
+    #[arg(long, value_name = "SOCKET", conflicts_with = "file")]
     pub vhost_user: Option<PathBuf>,
+    /// Drive this file or block device directly through io_uring (bare-metal baseline)
+    #[arg(long, value_name = "PATH")]
+    pub file: Option<PathBuf>,
+    /// With --file: O_DIRECT (on) or the page cache (off)
+    #[arg(long, default_value = "on", value_parser = ["on", "off"], requires = "file")]
+    pub direct: String,
     /// Namespace to drive
     #[arg(long, default_value_t = 1)]
     pub nsid: u32,
@@ -92,63 +103,12 @@ pub fn run(a: PerfArgs) -> Result<()> {
     if let Some(list) = &a.cpus {
         pin_process(list)?;
     }
-    if let Some(sock) = &a.vhost_user {
-        let target = crate::blkio_target::BlkioTarget::connect(sock, cfg.jobs, cfg.qd, cfg.bs)
-            .with_context(|| {
-                format!(
-                    "cannot bring up the vhost-user-blk device at {}",
-                    sock.display()
-                )
-            })?;
-        if !a.json {
-            eprintln!(
-                "udrive perf: {} (libblkio {}) {} bs={} qd={} jobs={} for {:.1}s ...",
-                sock.display(),
-                crate::blkio_target::DRIVER,
-                rw.name(),
-                cfg.bs,
-                cfg.qd,
-                cfg.jobs,
-                cfg.time.as_secs_f64(),
-            );
-        }
-        return finish(&a, workload::run(&target, &cfg).context("workload failed")?);
-    }
-    let Some(vfio_user) = a.vfio_user.clone() else {
-        bail!("give --vfio-user SOCKET or --vhost-user SOCKET");
+    let report = match (&a.vfio_user, &a.vhost_user, &a.file) {
+        (Some(sock), _, _) => run_nvme(&a, sock, &cfg)?,
+        (None, Some(sock), _) => run_vhost(&a, sock, &cfg)?,
+        (None, None, Some(path)) => run_file(&a, path, &cfg)?,
+        (None, None, None) => bail!("give --vfio-user SOCKET, --vhost-user SOCKET or --file PATH"),
     };
-    let opts = DriverOpts {
-        pool_bytes: workload::pool_bytes_for(&cfg),
-        io_queues: u16::try_from(cfg.jobs).unwrap_or(u16::MAX),
-        ..Default::default()
-    };
-    let driver = NvmeDriver::connect(&vfio_user, opts).with_context(|| {
-        format!(
-            "cannot bring up the NVMe controller at {}",
-            vfio_user.display()
-        )
-    })?;
-    let mode = if a.sgl { DataMode::Sgl } else { DataMode::Prp };
-    let target = NvmeTarget::new(&driver, a.nsid, mode)
-        .with_context(|| format!("namespace {} of {}", a.nsid, vfio_user.display()))?;
-    if !a.json {
-        eprintln!(
-            "udrive perf: {} {} bs={} qd={} jobs={} for {:.1}s on nsid {} ({}) ...",
-            vfio_user.display(),
-            rw.name(),
-            cfg.bs,
-            cfg.qd,
-            cfg.jobs,
-            cfg.time.as_secs_f64(),
-            a.nsid,
-            driver.controller().model.trim(),
-        );
-    }
-    let report = workload::run(&target, &cfg).context("workload failed")?;
-    finish(&a, report)
-}
-
-fn finish(a: &PerfArgs, report: workload::Report) -> Result<()> {
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -162,6 +122,87 @@ fn finish(a: &PerfArgs, report: workload::Report) -> Result<()> {
         );
     }
     Ok(())
+}
+
+fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Result<Report> {
+    let opts = DriverOpts {
+        pool_bytes: workload::pool_bytes_for(cfg),
+        io_queues: u16::try_from(cfg.jobs).unwrap_or(u16::MAX),
+        ..Default::default()
+    };
+    let driver = NvmeDriver::connect(sock, opts)
+        .with_context(|| format!("cannot bring up the NVMe controller at {}", sock.display()))?;
+    let mode = if a.sgl { DataMode::Sgl } else { DataMode::Prp };
+    let target = NvmeTarget::new(&driver, a.nsid, mode)
+        .with_context(|| format!("namespace {} of {}", a.nsid, sock.display()))?;
+    if !a.json {
+        eprintln!(
+            "udrive perf: {} {} bs={} qd={} jobs={} for {:.1}s on nsid {} ({}) ...",
+            sock.display(),
+            cfg.rw.name(),
+            cfg.bs,
+            cfg.qd,
+            cfg.jobs,
+            cfg.time.as_secs_f64(),
+            a.nsid,
+            driver.controller().model.trim(),
+        );
+    }
+    workload::run(&target, cfg).context("workload failed")
+}
+
+fn run_vhost(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Result<Report> {
+    let target = crate::blkio_target::BlkioTarget::connect(sock, cfg.jobs, cfg.qd, cfg.bs)
+        .with_context(|| {
+            format!(
+                "cannot bring up the vhost-user-blk device at {}",
+                sock.display()
+            )
+        })?;
+    if !a.json {
+        eprintln!(
+            "udrive perf: {} (libblkio {}) {} bs={} qd={} jobs={} for {:.1}s ...",
+            sock.display(),
+            crate::blkio_target::DRIVER,
+            cfg.rw.name(),
+            cfg.bs,
+            cfg.qd,
+            cfg.jobs,
+            cfg.time.as_secs_f64(),
+        );
+    }
+    workload::run(&target, cfg).context("workload failed")
+}
+
+fn run_file(a: &PerfArgs, path: &std::path::Path, cfg: &WorkloadConfig) -> Result<Report> {
+    let opts = bdev::FileOptions {
+        direct: a.direct == "on",
+        // Verify writes its pattern first, even for read workloads.
+        read_only: !cfg.verify && matches!(cfg.rw, Rw::RandRead | Rw::Read),
+        block_size: None,
+    };
+    let disk = bdev::FileDisk::open(path, opts.clone())
+        .with_context(|| format!("cannot open {} for I/O", path.display()))?;
+    if opts.direct && !disk.direct() {
+        eprintln!(
+            "udrive perf: {}: O_DIRECT is not supported here; measuring buffered I/O",
+            path.display()
+        );
+    }
+    if !a.json {
+        eprintln!(
+            "udrive perf: {} {} bs={} qd={} jobs={} for {:.1}s on {} ...",
+            path.display(),
+            cfg.rw.name(),
+            cfg.bs,
+            cfg.qd,
+            cfg.jobs,
+            cfg.time.as_secs_f64(),
+            disk.describe(),
+        );
+    }
+    let target = FileTarget::new(std::sync::Arc::new(disk));
+    workload::run(&target, cfg).context("workload failed")
 }
 
 /// Restricts this process (and the job threads it starts later) to `list`.

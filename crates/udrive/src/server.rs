@@ -18,6 +18,8 @@ use crate::vhost_device::VhostBlkDevice;
 
 /// A device the server runs. New kinds (virtio-blk over vhost-user) become variants;
 /// the control plane reaches them through the methods below.
+// A handful of devices per process, never moved on a hot path: size does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Device {
     Nvme(NvmeDevice),
     VhostBlk(VhostBlkDevice),

@@ -1,7 +1,7 @@
 //! Shared setup for udrive's integration tests: in-process controllers on temp
 //! sockets, drivers connected to them, raw SQE helpers, status checks, a seeded RNG
 //! and a "bystander" controller with a well-behaved client doing verified I/O.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
@@ -55,6 +55,40 @@ impl TestDev {
             cntlid,
             _dir: dir,
         }
+    }
+
+    /// Several controllers whose backends are opened together, as `udrive serve`
+    /// does with a config file: namespaces on one file share one opened disk, and
+    /// overlapping writable slices are refused.
+    pub fn start_all(ctrls: &[(&str, &[&str])]) -> Vec<TestDev> {
+        static CNTLID: AtomicU16 = AtomicU16::new(1000);
+        let dirs: Vec<tempfile::TempDir> = ctrls
+            .iter()
+            .map(|_| tempfile::tempdir().expect("temp dir"))
+            .collect();
+        let cfgs: Vec<ControllerConfig> = ctrls
+            .iter()
+            .zip(&dirs)
+            .map(|((name, ns), dir)| {
+                let specs = ns.iter().map(|s| s.parse().expect("ns spec")).collect();
+                ControllerConfig::new(dir.path().join(format!("{name}.sock")), specs)
+            })
+            .collect();
+        let backends = udrive::backends::open_all(&cfgs).expect("open backends");
+        cfgs.iter()
+            .zip(backends)
+            .zip(dirs)
+            .map(|((cfg, devs), dir)| {
+                let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
+                let dev = NvmeDevice::start(cfg, devs, cntlid, &engine()).expect("start device");
+                TestDev {
+                    dev: Some(dev),
+                    sock: cfg.socket.clone(),
+                    cntlid,
+                    _dir: dir,
+                }
+            })
+            .collect()
     }
 
     pub fn ctrl(&self) -> &nvme::Controller {
@@ -258,6 +292,45 @@ pub fn check_io(d: &NvmeDriver, seed: u64) {
         assert!(back == data, "check_io: data mismatch at LBA {slba} x{nlb}");
     }
     d.delete_qpair(qp).expect("delete queue pair");
+}
+
+/// A sparse file of `len` bytes in a directory on a real disk (the target dir), where
+/// O_DIRECT works; removed with the returned directory.
+pub fn disk_file(name: &str, len: u64) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("temp dir on disk");
+    let p = dir.path().join(name);
+    std::fs::File::create(&p)
+        .and_then(|f| f.set_len(len))
+        .expect("create image file");
+    (dir, p)
+}
+
+/// `len` bytes of `path` at byte `off`, read directly (not through udrive).
+pub fn file_bytes(path: &std::path::Path, off: u64, len: usize) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut b = vec![0u8; len];
+    std::fs::File::open(path)
+        .and_then(|f| f.read_exact_at(&mut b, off))
+        .expect("read image file");
+    b
+}
+
+/// Writes `data` at `slba` (namespace 1, 512-byte blocks) from the start of `buf`
+/// and reads it back into the same (cleared) buffer.
+#[track_caller]
+pub fn write_read(qp: &mut QueuePair, buf: &DmaBuf, slba: u64, data: &[u8], mode: DataMode) {
+    let nlb = (data.len() / 512) as u32;
+    let buf = buf.sub(0, data.len()).expect("buffer large enough");
+    buf.write(0, data).expect("fill");
+    assert_ok(
+        &io(qp, IoOp::Write, 1, slba, nlb, Some(&buf), mode),
+        "write",
+    );
+    buf.fill(0);
+    assert_ok(&io(qp, IoOp::Read, 1, slba, nlb, Some(&buf), mode), "read");
+    let mut back = vec![0u8; data.len()];
+    buf.read(0, &mut back).expect("read back");
+    assert!(back == data, "data mismatch at LBA {slba}");
 }
 
 /// Waits until `f` holds (bounded; a behaviour check, not a timing one).
