@@ -31,6 +31,8 @@ pub(crate) struct Shared {
     pub wce: AtomicBool,
     pub ns: Vec<Arc<dyn BlockDevice>>,
     pub mdts_bytes: u64,
+    /// Trace switch of all this controller's queues.
+    pub trace: Arc<trace::TraceControl>,
 }
 
 impl Shared {
@@ -72,6 +74,7 @@ pub(crate) enum Place {
 
 pub(crate) struct GroupEntry {
     pub counters: Arc<Counters>,
+    pub mailbox: Arc<trace::Mailbox>,
     pub place: Place,
 }
 
@@ -87,6 +90,9 @@ pub(crate) struct State {
     pub events: VecDeque<u32>,
     pub shadow: Option<Shadow>,
     pub retired: Totals,
+    /// Metrics and traces of deleted queue groups, merged per CQ id (bounded by the
+    /// number of queue ids).
+    pub retired_queues: BTreeMap<u16, trace::QueueSnapshot>,
     pub admin_commands: u64,
 }
 
@@ -127,6 +133,7 @@ impl Inner {
                 events: VecDeque::new(),
                 shadow: None,
                 retired: Totals::default(),
+                retired_queues: BTreeMap::new(),
                 admin_commands: 0,
             }),
             stop: AtomicBool::new(false),
@@ -261,7 +268,7 @@ impl Inner {
         for cqid in ids {
             if let Some(mut g) = self.take_group(st, cqid) {
                 g.drain();
-                st.retired.add(&g.counters);
+                st.retire(&g);
             }
             st.groups.remove(&cqid);
         }
@@ -287,6 +294,7 @@ impl Inner {
     pub fn place_group(&self, st: &mut State, g: Box<QueueGroup>) -> Result<(), Status> {
         let cqid = g.cq.qid;
         let counters = g.counters.clone();
+        let mailbox = g.rec.mailbox();
         let place = if g.sqs.is_empty() {
             let mut g = g;
             g.park();
@@ -305,7 +313,7 @@ impl Inner {
                     // The poller was dropped and sent the group back.
                     if let Ok(mut g) = rx.try_recv() {
                         g.drain();
-                        st.retired.add(&g.counters);
+                        st.retire(&g);
                     }
                     st.groups.remove(&cqid);
                     st.sq_owner.retain(|_, c| *c != cqid);
@@ -313,7 +321,14 @@ impl Inner {
                 }
             }
         };
-        st.groups.insert(cqid, GroupEntry { counters, place });
+        st.groups.insert(
+            cqid,
+            GroupEntry {
+                counters,
+                mailbox,
+                place,
+            },
+        );
         Ok(())
     }
 

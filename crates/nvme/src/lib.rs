@@ -23,6 +23,7 @@ mod prp;
 mod queue;
 mod regs;
 mod sgl;
+mod stats;
 mod status;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -149,6 +150,7 @@ impl Controller {
             wce: AtomicBool::new(vwc),
             ns: namespaces,
             mdts_bytes: iov::PAGE << mdts,
+            trace: Arc::new(trace::TraceControl::default()),
         });
         let inner = Arc::new(ctrl::Inner::new(cfg, shared, engine, placer, mem));
         let weak = Arc::downgrade(&inner);

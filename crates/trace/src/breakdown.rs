@@ -170,7 +170,15 @@ impl fmt::Display for Breakdown {
                     writeln!(
                         f,
                         "{:<6} {:<10} {:<9} {:>10} {:>10.2} {:>10} {:>10} {:>10} {:>10}",
-                        "", r.layer, side, r.count, r.mean_ns / 1000.0, "-", "-", "-", "-"
+                        "",
+                        r.layer,
+                        side,
+                        r.count,
+                        r.mean_ns / 1000.0,
+                        "-",
+                        "-",
+                        "-",
+                        "-"
                     )?;
                 } else {
                     writeln!(

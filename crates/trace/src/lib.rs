@@ -26,13 +26,15 @@ mod breakdown;
 pub mod clock;
 mod control;
 mod hist;
+mod layerset;
 mod prom;
 mod recorder;
 mod snapshot;
 
-pub use breakdown::{Breakdown, LayerRow, OpBreakdown, Side};
+pub use breakdown::{Breakdown, LayerRow, OpBreakdown, Side, DEVICE};
 pub use control::{Mailbox, TraceControl, TraceSettings};
 pub use hist::HistSnapshot;
+pub use layerset::LayerSet;
 pub use prom::render_prometheus;
 pub use recorder::{QueueRecorder, Stamps};
 pub use snapshot::{
@@ -44,6 +46,10 @@ pub use snapshot::{
 pub const LAYERS: [&str; 4] = ["queue", "backend", "complete", "notify"];
 /// Name of the end-to-end row that follows the layers.
 pub const TOTAL: &str = "total";
+/// An initiator's layers: application submit -> doorbell written, doorbell ->
+/// completion seen (the device, which [`Breakdown::full_path`] replaces by the
+/// server's layers), completion seen -> handed to the application, and the total.
+pub const INITIATOR_LAYERS: [&str; 4] = ["submit", DEVICE, "reap", TOTAL];
 
 /// Kind of operation, for counters and per-op layer tables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,7 +62,12 @@ pub enum OpClass {
 }
 
 impl OpClass {
-    pub const ALL: [OpClass; 4] = [OpClass::Read, OpClass::Write, OpClass::Flush, OpClass::Other];
+    pub const ALL: [OpClass; 4] = [
+        OpClass::Read,
+        OpClass::Write,
+        OpClass::Flush,
+        OpClass::Other,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {

@@ -212,7 +212,9 @@ impl QueueRecorder {
         } else {
             ns.count_error(status);
         }
-        if s.kick != 0 && matches!(op, OpClass::Read | OpClass::Write) {
+        // Requests rejected before reaching the backend have no layer times.
+        let stamped = s.kick != 0 && s.submitted != 0 && s.completed != 0;
+        if stamped && matches!(op, OpClass::Read | OpClass::Write) {
             if self.finished.len() < self.finished.capacity() {
                 self.finished.push(Finished {
                     ns: idx as u32,
@@ -325,7 +327,7 @@ impl QueueRecorder {
             queue: self.queue,
             inflight: self.inflight,
             depth: HistSnapshot::from_hist(&self.depth),
-            trace: self.ctl.settings(),
+            trace: self.settings,
             dropped_samples: self.dropped,
             namespaces,
         }
@@ -409,6 +411,12 @@ mod tests {
         assert_eq!(ns1.errors.iter().map(|e| e.count).sum::<u64>(), 100);
         assert_eq!(ns1.bytes.write, 0);
         let ns0 = s.namespaces.iter().find(|n| n.nsid == 0).unwrap();
-        assert_eq!(ns0.errors, vec![StatusCount { status: 0x0b, count: 100 }]);
+        assert_eq!(
+            ns0.errors,
+            vec![StatusCount {
+                status: 0x0b,
+                count: 100
+            }]
+        );
     }
 }

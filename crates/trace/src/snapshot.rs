@@ -119,3 +119,99 @@ pub struct StatsSnapshot {
     pub devices: Vec<DeviceStats>,
     pub reactors: Vec<ReactorSnapshot>,
 }
+
+/// How trace data of two snapshots of one queue combine.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TraceMerge {
+    Merge,
+    KeepMine,
+    TakeTheirs,
+}
+
+impl NsSnapshot {
+    fn clear_trace(&mut self) {
+        self.latency = HistSnapshot::default();
+        self.layers.clear();
+    }
+
+    fn absorb(&mut self, o: &NsSnapshot, how: TraceMerge) {
+        self.ops.add(&o.ops);
+        self.bytes.add(&o.bytes);
+        for e in &o.errors {
+            match self.errors.iter_mut().find(|x| x.status == e.status) {
+                Some(x) => x.count += e.count,
+                None => self.errors.push(*e),
+            }
+        }
+        match how {
+            TraceMerge::KeepMine => return,
+            TraceMerge::TakeTheirs => {
+                self.latency = o.latency.clone();
+                self.layers = o.layers.clone();
+                return;
+            }
+            TraceMerge::Merge => {}
+        }
+        self.latency = HistSnapshot::merge([&self.latency, &o.latency]);
+        for l in &o.layers {
+            match self.layers.iter_mut().find(|x| x.op == l.op) {
+                Some(mine) => {
+                    for (name, h) in &l.layers {
+                        match mine.layers.iter_mut().find(|(n, _)| n == name) {
+                            Some((_, m)) => *m = HistSnapshot::merge([&*m, h]),
+                            None => mine.layers.push((name.clone(), h.clone())),
+                        }
+                    }
+                }
+                None => self.layers.push(l.clone()),
+            }
+        }
+    }
+}
+
+impl QueueSnapshot {
+    /// Adds `o` (the same queue id at another time: a deleted incarnation, or the
+    /// live one) into `self`. Counters add up; trace data is merged when both belong
+    /// to the same trace, else only that of the trace with epoch `current` is kept.
+    pub fn absorb(&mut self, o: &QueueSnapshot, current: u32) {
+        let mine = self.trace.epoch == current;
+        let theirs = o.trace.epoch == current;
+        let how = match (mine, theirs) {
+            (true, false) => TraceMerge::KeepMine,
+            (false, true) => TraceMerge::TakeTheirs,
+            _ if self.trace.epoch == o.trace.epoch => TraceMerge::Merge,
+            _ => TraceMerge::KeepMine,
+        };
+        for ns in &o.namespaces {
+            match self.namespaces.iter_mut().find(|x| x.nsid == ns.nsid) {
+                Some(m) => m.absorb(ns, how),
+                None => {
+                    let mut n = ns.clone();
+                    if how == TraceMerge::KeepMine {
+                        n.clear_trace();
+                    }
+                    self.namespaces.push(n);
+                }
+            }
+        }
+        if how == TraceMerge::TakeTheirs {
+            for m in self.namespaces.iter_mut() {
+                if !o.namespaces.iter().any(|x| x.nsid == m.nsid) {
+                    m.clear_trace();
+                }
+            }
+            self.trace = o.trace;
+        }
+        self.namespaces.sort_by_key(|n| n.nsid);
+        self.depth = HistSnapshot::merge([&self.depth, &o.depth]);
+        self.inflight = o.inflight;
+        self.dropped_samples += o.dropped_samples;
+    }
+
+    /// Drops latency and layer data (they belong to an earlier trace).
+    pub fn clear_trace(&mut self) {
+        for ns in self.namespaces.iter_mut() {
+            ns.clear_trace();
+        }
+    }
+}

@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use trace::{
-    render_prometheus, DeviceStats, OpClass, QueueRecorder, ReactorSnapshot, Stamps,
-    StatsSnapshot, TraceControl,
+    render_prometheus, DeviceStats, OpClass, QueueRecorder, ReactorSnapshot, Stamps, StatsSnapshot,
+    TraceControl,
 };
 
 fn snapshot(device: &str) -> StatsSnapshot {
@@ -59,11 +59,19 @@ fn parses_and_matches_counts() {
             .map(|s| s.value.clone())
     };
     use prometheus_parse::Value;
-    let ops = |op| find("udrive_io_ops_total", &[("namespace", "2"), ("queue", "3"), ("op", op)]);
+    let ops = |op| {
+        find(
+            "udrive_io_ops_total",
+            &[("namespace", "2"), ("queue", "3"), ("op", op)],
+        )
+    };
     assert_eq!(ops("read"), Some(Value::Counter(5.0)));
     assert_eq!(ops("write"), Some(Value::Counter(5.0)));
     assert_eq!(
-        find("udrive_io_bytes_total", &[("namespace", "2"), ("op", "write")]),
+        find(
+            "udrive_io_bytes_total",
+            &[("namespace", "2"), ("op", "write")]
+        ),
         Some(Value::Counter(4.0 * 4096.0))
     );
     assert_eq!(
@@ -78,7 +86,10 @@ fn parses_and_matches_counts() {
         find("udrive_reactor_cpu_seconds_total", &[("reactor", "0")]),
         Some(Value::Counter(1.5))
     );
-    assert!(scrape.samples.iter().all(|s| s.labels.get("device").is_none_or(|d| d == "vm-1")));
+    assert!(scrape
+        .samples
+        .iter()
+        .all(|s| s.labels.get("device").is_none_or(|d| d == "vm-1")));
     // Histograms: buckets are cumulative and +Inf equals the count.
     let lat = scrape
         .samples

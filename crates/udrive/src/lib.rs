@@ -9,3 +9,5 @@ pub mod nsspec;
 pub mod perf;
 pub mod serve;
 pub mod size;
+pub mod stats;
+pub mod trace_view;

@@ -49,6 +49,21 @@ pub struct PerfArgs {
     /// CPUs the jobs may run on (e.g. 1); default: any
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<String>,
+    /// Time every I/O's layers on the initiator side (and on the server's, when it is
+    /// reachable) and print the breakdown
+    #[arg(long)]
+    pub trace: bool,
+    /// With --trace: also write a stacked-bar chart of mean time per layer
+    #[arg(long, value_name = "PNG", requires = "trace")]
+    pub plot: Option<PathBuf>,
+}
+
+/// The server side of `perf --trace`: starts a trace before the workload and reads
+/// the server's layer table after it (the control socket for a remote server, the
+/// controller itself in-process).
+pub trait ServerTrace {
+    fn start(&self) -> Result<()>;
+    fn stop_and_read(&self) -> Result<trace::Breakdown>;
 }
 
 fn seconds(what: &str, s: f64) -> Result<Duration> {
@@ -59,6 +74,11 @@ fn seconds(what: &str, s: f64) -> Result<Duration> {
 }
 
 pub fn run(a: PerfArgs) -> Result<()> {
+    run_with(a, None)
+}
+
+/// `run`, with the server's layers merged into the trace table when `server` is given.
+pub fn run_with(a: PerfArgs, server: Option<&dyn ServerTrace>) -> Result<()> {
     let rw = match a.rw.as_str() {
         "randrw" => Rw::RandRw {
             read_pct: a.rwmixread,
@@ -76,6 +96,7 @@ pub fn run(a: PerfArgs) -> Result<()> {
         ramp: seconds("ramp", a.ramp)?,
         verify: a.verify,
         nsid: a.nsid,
+        trace: a.trace,
         ..Default::default()
     };
     if cfg.qd == 0 || cfg.qd > 4096 || cfg.jobs == 0 || cfg.jobs > 256 {
@@ -111,11 +132,29 @@ pub fn run(a: PerfArgs) -> Result<()> {
             driver.controller().model.trim(),
         );
     }
-    let report = workload::run(&target, &cfg).context("workload failed")?;
+    if a.trace {
+        if let Some(s) = server {
+            s.start().context("cannot start the server's trace")?;
+        }
+    }
+    let mut report = workload::run(&target, &cfg).context("workload failed")?;
+    if let (Some(init), Some(s)) = (report.trace.take(), server) {
+        let srv = s
+            .stop_and_read()
+            .context("cannot read the server's trace")?;
+        report.trace = Some(trace::Breakdown::full_path(&init, &srv));
+    }
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!("{report}");
+        if let Some(t) = &report.trace {
+            println!("\nlayers (µs):\n{}", crate::trace_view::table(t));
+        }
+    }
+    if let (Some(t), Some(p)) = (&report.trace, &a.plot) {
+        let title = format!("udrive perf {} bs={} qd={}", rw.name(), cfg.bs, cfg.qd);
+        crate::trace_view::plot(t, &title, p)?;
     }
     if report.errors > 0 || report.verify_errors > 0 {
         bail!(
