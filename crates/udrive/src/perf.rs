@@ -138,11 +138,13 @@ pub fn run_with(a: PerfArgs, server: Option<&dyn ServerTrace>) -> Result<()> {
         }
     }
     let mut report = workload::run(&target, &cfg).context("workload failed")?;
-    if let (Some(init), Some(s)) = (report.trace.take(), server) {
+    if let Some(s) = server.filter(|_| a.trace) {
         let srv = s
             .stop_and_read()
             .context("cannot read the server's trace")?;
-        report.trace = Some(trace::Breakdown::full_path(&init, &srv));
+        if let Some(init) = &report.trace {
+            report.trace = Some(trace::Breakdown::full_path(init, &srv));
+        }
     }
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
