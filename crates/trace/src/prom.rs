@@ -122,7 +122,7 @@ pub fn render_prometheus(s: &StatsSnapshot) -> String {
     let mut latency = Family::new(
         "udrive_io_latency_seconds",
         "histogram",
-        "Doorbell seen to completion posted, of traced requests.",
+        "Doorbell seen to interrupt signalled, of traced reads and writes.",
     );
     let mut polls = Family::new(
         "udrive_reactor_polls_total",

@@ -46,9 +46,10 @@ struct NsRecorder {
     ops: [u64; 4],
     bytes: [u64; 4],
     errors: Vec<(u16, u64)>,
-    /// kick -> completion posted of traced requests.
-    latency: Histogram<u64>,
     trace: Option<Box<TraceHists>>,
+    /// Traced reads and writes of this poll whose `notify` time (the same for the
+    /// whole batch) is still to be recorded, with one `record_n`.
+    notify_due: [u64; 2],
 }
 
 impl NsRecorder {
@@ -57,8 +58,8 @@ impl NsRecorder {
             ops: [0; 4],
             bytes: [0; 4],
             errors: Vec::with_capacity(MAX_STATUSES),
-            latency: latency_hist(),
             trace: None,
+            notify_due: [0; 2],
         }
     }
 
@@ -151,7 +152,6 @@ impl QueueRecorder {
         if new.enabled && new.epoch != self.settings.epoch {
             for ns in self.ns.iter_mut() {
                 ns.trace = Some(TraceHists::new());
-                ns.latency.reset();
             }
             self.dropped = 0;
         }
@@ -262,23 +262,34 @@ impl QueueRecorder {
     }
 
     fn fold(&mut self, posted: u64, signalled: u64) {
+        let notify = clock::delta_ns(posted, signalled);
         for f in self.finished.drain(..) {
             let Some(ns) = self.ns.get_mut(f.ns as usize) else {
+                continue;
+            };
+            let Some(t) = ns.trace.as_mut() else {
                 continue;
             };
             let d = [
                 clock::delta_ns(f.s.kick, f.s.submitted),
                 clock::delta_ns(f.s.submitted, f.s.completed),
                 clock::delta_ns(f.s.completed, posted),
-                clock::delta_ns(posted, signalled),
             ];
-            let total: u64 = d.iter().sum();
-            ns.latency
-                .saturating_record(clock::delta_ns(f.s.kick, posted).max(1));
+            let total = d[0] + d[1] + d[2] + notify;
+            let row = &mut t.by_op[usize::from(f.write)];
+            for (h, v) in row.iter_mut().zip(d) {
+                h.saturating_record(v.max(1));
+            }
+            row[NUM_STAMPED - 1].saturating_record(total.max(1));
+            ns.notify_due[usize::from(f.write)] += 1;
+        }
+        for ns in self.ns.iter_mut() {
+            let due = std::mem::take(&mut ns.notify_due);
             if let Some(t) = ns.trace.as_mut() {
-                let row = &mut t.by_op[usize::from(f.write)];
-                for (h, v) in row.iter_mut().zip(d.iter().chain(std::iter::once(&total))) {
-                    h.saturating_record((*v).max(1));
+                for (row, n) in t.by_op.iter_mut().zip(due) {
+                    if n > 0 {
+                        row[NUM_STAMPED - 2].saturating_record_n(notify.max(1), n);
+                    }
                 }
             }
         }
@@ -305,7 +316,14 @@ impl QueueRecorder {
                     .iter()
                     .map(|&(status, count)| StatusCount { status, count })
                     .collect(),
-                latency: HistSnapshot::from_hist(&ns.latency),
+                latency: ns.trace.as_ref().map_or_else(HistSnapshot::default, |t| {
+                    let mut h = latency_hist();
+                    for row in &t.by_op {
+                        // Same fixed bounds, so adding cannot fail.
+                        let _ = h.add(&row[NUM_STAMPED - 1]);
+                    }
+                    HistSnapshot::from_hist(&h)
+                }),
                 layers: ns.trace.as_ref().map_or_else(Vec::new, |t| {
                     ["read", "write"]
                         .iter()

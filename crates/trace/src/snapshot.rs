@@ -69,8 +69,8 @@ pub struct NsSnapshot {
     /// Bytes of successful requests.
     pub bytes: OpCounts,
     pub errors: Vec<StatusCount>,
-    /// Doorbell seen -> completion posted, of traced requests (empty when tracing
-    /// was never started).
+    /// Doorbell seen -> interrupt signalled (the layers' `total`) of traced reads
+    /// and writes (empty when tracing was never started).
     pub latency: HistSnapshot,
     /// Empty unless a trace was started.
     pub layers: Vec<LayerHists>,
