@@ -44,6 +44,16 @@ pub struct ReactorStats {
     pub iterations: AtomicU64,
     pub busy_iterations: AtomicU64,
     pub work_items: AtomicU64,
+    /// CPU time of the reactor thread (CLOCK_THREAD_CPUTIME_ID), in ns.
+    pub cpu_ns: AtomicU64,
+}
+
+/// CPU time this thread has used. A syscall, so the reactor reads it only when it
+/// publishes its counters.
+fn thread_cpu_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(|t| (t.tv_sec() as u64).saturating_mul(1_000_000_000) + t.tv_nsec() as u64)
+        .unwrap_or(0)
 }
 
 struct ReactorHandle {
@@ -345,6 +355,7 @@ fn run_reactor(index: usize, cpu: Option<usize>, rx: Receiver<Msg>, sh: Shared) 
             sh.stats.iterations.store(iters, Ordering::Relaxed);
             sh.stats.busy_iterations.store(busy, Ordering::Relaxed);
             sh.stats.work_items.store(work, Ordering::Relaxed);
+            sh.stats.cpu_ns.store(thread_cpu_ns(), Ordering::Relaxed);
             spin = sleep_after(&pollers);
         }
     }

@@ -30,6 +30,8 @@ pub(crate) struct Shared {
     /// Volatile Write Cache enable (Set Features 06h).
     pub wce: AtomicBool,
     pub mdts_bytes: u64,
+    /// Trace switch of all this controller's queues.
+    pub trace: Arc<trace::TraceControl>,
 }
 
 impl Shared {
@@ -71,6 +73,7 @@ pub(crate) enum Place {
 
 pub(crate) struct GroupEntry {
     pub counters: Arc<Counters>,
+    pub mailbox: Arc<trace::Mailbox>,
     pub place: Place,
 }
 
@@ -86,6 +89,9 @@ pub(crate) struct State {
     pub events: VecDeque<u32>,
     pub shadow: Option<Shadow>,
     pub retired: Totals,
+    /// Metrics and traces of deleted queue groups, merged per CQ id (bounded by the
+    /// number of queue ids).
+    pub retired_queues: BTreeMap<u16, trace::QueueSnapshot>,
     pub admin_commands: u64,
     /// Active namespaces by `nsid - 1` (the reactors hold their own copy per group).
     pub ns: Vec<Option<Arc<dyn BlockDevice>>>,
@@ -133,6 +139,7 @@ impl Inner {
                 events: VecDeque::new(),
                 shadow: None,
                 retired: Totals::default(),
+                retired_queues: BTreeMap::new(),
                 admin_commands: 0,
                 ns,
                 changed_ns: Default::default(),
@@ -273,7 +280,7 @@ impl Inner {
         for cqid in ids {
             if let Some(mut g) = self.take_group(st, cqid) {
                 g.drain();
-                st.retired.add(&g.counters);
+                st.retire(&g);
             }
             st.groups.remove(&cqid);
         }
@@ -299,6 +306,7 @@ impl Inner {
     pub fn place_group(&self, st: &mut State, g: Box<QueueGroup>) -> Result<(), Status> {
         let cqid = g.cq.qid;
         let counters = g.counters.clone();
+        let mailbox = g.rec.mailbox();
         let place = if g.sqs.is_empty() {
             let mut g = g;
             g.park();
@@ -317,7 +325,7 @@ impl Inner {
                     // The poller was dropped and sent the group back.
                     if let Ok(mut g) = rx.try_recv() {
                         g.drain();
-                        st.retired.add(&g.counters);
+                        st.retire(&g);
                     }
                     st.groups.remove(&cqid);
                     st.sq_owner.retain(|_, c| *c != cqid);
@@ -325,7 +333,14 @@ impl Inner {
                 }
             }
         };
-        st.groups.insert(cqid, GroupEntry { counters, place });
+        st.groups.insert(
+            cqid,
+            GroupEntry {
+                counters,
+                mailbox,
+                place,
+            },
+        );
         Ok(())
     }
 

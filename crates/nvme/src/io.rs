@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use bdev::{BlockDevice, IoChannel, IoOp, IoRequest, IoStatus};
 use crossbeam_channel::Sender;
 use guest_mem::{Access, DmaSlice, DmaSpace, MemView, MemoryMap};
+use trace::{OpClass, QueueRecorder, Stamps};
 
 use crate::ctrl::Shared;
 use crate::iov::Iov;
@@ -44,6 +45,8 @@ struct Slot {
     nsid: u32,
     slba: u64,
     bytes: u64,
+    /// Trace stamps; `kick == 0` when this command is not traced.
+    stamps: Stamps,
 }
 
 pub(crate) struct IoSq {
@@ -90,6 +93,8 @@ pub(crate) struct QueueGroup {
     pub shadow: Option<Shadow>,
     pub counters: Arc<Counters>,
     inflight: u32,
+    /// Metrics and trace data of this group (owned by the polling thread).
+    pub rec: QueueRecorder,
 }
 
 enum Exec {
@@ -172,6 +177,13 @@ impl QueueGroup {
             .iter()
             .map(|d| d.as_ref().map(NsChan::open).transpose())
             .collect::<std::io::Result<Vec<_>>>()?;
+        // At most one completion per CQ entry is posted per poll.
+        let rec = QueueRecorder::new(
+            cq.qid,
+            u32::try_from(namespaces.len()).unwrap_or(u32::MAX),
+            usize::from(cq.size),
+            shared.trace.clone(),
+        );
         Ok(Box::new(QueueGroup {
             shared,
             view: MemView::new(mem),
@@ -182,6 +194,7 @@ impl QueueGroup {
             shadow,
             counters: Arc::new(Counters::default()),
             inflight: 0,
+            rec,
         }))
     }
 
@@ -200,6 +213,7 @@ impl QueueGroup {
     pub fn apply(&mut self, change: NsChange) {
         match change {
             NsChange::Add(nsid, chan) => {
+                self.rec.ensure_namespaces(nsid);
                 let i = (nsid as usize).saturating_sub(1);
                 if self.ns.len() <= i {
                     self.ns.resize_with(i + 1, || None);
@@ -278,11 +292,13 @@ impl QueueGroup {
             shadow,
             counters,
             inflight,
+            rec,
         } = self;
         let shared: &Shared = shared;
         if shared.fatal.load(Ordering::Relaxed) {
             return 0;
         }
+        rec.begin_poll();
         // Keep the old snapshot while backends may still write into it.
         if *inflight == 0 {
             view.refresh();
@@ -311,7 +327,7 @@ impl QueueGroup {
                 let mut k = 0u32;
                 c.chan.poll(&mut |tag, st| {
                     k += 1;
-                    if complete(sqs, cq, &cq_ring, counters, shared, inflight, tag, st) {
+                    if complete(sqs, cq, &cq_ring, counters, rec, shared, inflight, tag, st) {
                         posted += 1;
                     }
                 });
@@ -323,6 +339,8 @@ impl QueueGroup {
         }
         let empty = page.sub(0, 0).unwrap_or(page);
         let mut submitted = false;
+        let inflight_before = *inflight;
+        let mut fetched = 0u32;
         for sq in sqs.iter_mut() {
             let tail = read_db(map, &page, shadow, sq.ring.qid, false);
             if tail >= u32::from(sq.ring.size) {
@@ -346,6 +364,8 @@ impl QueueGroup {
                 shared.set_fatal("I/O SQ memory unmapped");
                 return work + posted;
             };
+            // One doorbell-seen stamp serves the whole batch.
+            let kick = rec.kick();
             let mut budget = BUDGET;
             while sq.ring.head != tail && budget > 0 && cq.free() > *inflight {
                 let Some(idx) = sq.free.pop() else { break };
@@ -356,14 +376,19 @@ impl QueueGroup {
                 sq.ring.advance();
                 budget -= 1;
                 work += 1;
+                fetched += 1;
                 let tag = (u64::from(sq.ring.qid) << 32) | u64::from(idx);
                 let Some(slot) = sq.slots.get_mut(idx as usize) else {
                     continue;
                 };
+                slot.stamps = Stamps {
+                    kick: rec.sample(kick),
+                    ..Stamps::default()
+                };
                 match exec(map, empty, shared, ns, &sqe, tag, slot) {
                     Exec::Done(st) => {
                         submitted = true;
-                        account(counters, shared, sq.ring.qid, slot, st);
+                        account(counters, rec, shared, sq.ring.qid, slot, st);
                         if !cq.post(&cq_ring, 0, sq.ring.head, sq.ring.qid, slot.cid, st) {
                             shared.set_fatal("cannot write CQ entry");
                             return work + posted;
@@ -390,9 +415,24 @@ impl QueueGroup {
         if let Some(s) = shadow {
             write_event_idx(map, s, cq.qid, true, cq.head);
         }
-        if posted > 0 && cq.ien {
+        rec.depth(fetched + inflight_before);
+        // Batch stamps, read only when a traced command finished in this poll.
+        let posted_at = if rec.has_finished() {
+            trace::clock::now()
+        } else {
+            0
+        };
+        let signalled = posted > 0 && cq.ien;
+        if signalled {
             shared.irqs.signal(cq.vector);
         }
+        let signalled_at = if signalled && posted_at != 0 {
+            trace::clock::now()
+        } else {
+            posted_at
+        };
+        rec.set_inflight(*inflight);
+        rec.end_poll(posted_at, signalled_at);
         work + posted
     }
 }
@@ -403,6 +443,7 @@ fn complete(
     cq: &mut CqRing,
     ring: &DmaSlice<'_>,
     counters: &Counters,
+    rec: &mut QueueRecorder,
     shared: &Shared,
     inflight: &mut u32,
     tag: u64,
@@ -420,6 +461,9 @@ fn complete(
         return false;
     }
     slot.pending -= 1;
+    if slot.pending == 0 {
+        slot.stamps.completed = QueueRecorder::stamp(slot.stamps.kick);
+    }
     if slot.status.is_ok() {
         slot.status = Status::from_io(st, is_write(slot.opcode));
     }
@@ -429,7 +473,7 @@ fn complete(
     *inflight = inflight.saturating_sub(1);
     sq.free.push(idx);
     let status = slot.status;
-    account(counters, shared, qid, slot, status);
+    account(counters, rec, shared, qid, slot, status);
     if !cq.post(ring, 0, sq.ring.head, qid, slot.cid, status) {
         shared.set_fatal("cannot write CQ entry");
         return false;
@@ -437,8 +481,23 @@ fn complete(
     true
 }
 
-fn account(counters: &Counters, shared: &Shared, sqid: u16, slot: &Slot, st: Status) {
+fn account(
+    counters: &Counters,
+    rec: &mut QueueRecorder,
+    shared: &Shared,
+    sqid: u16,
+    slot: &Slot,
+    st: Status,
+) {
     let ok = st.is_ok();
+    let class = match slot.opcode {
+        OP_READ => OpClass::Read,
+        OP_WRITE => OpClass::Write,
+        OP_FLUSH => OpClass::Flush,
+        _ => OpClass::Other,
+    };
+    // SCT and SC; DNR and More are not part of the error's identity.
+    rec.complete(slot.nsid, class, slot.bytes, st.0 & 0x7ff, slot.stamps);
     match slot.opcode {
         OP_READ => {
             bump(&counters.reads, 1);
@@ -468,9 +527,19 @@ fn account(counters: &Counters, shared: &Shared, sqid: u16, slot: &Slot, st: Sta
     }
 }
 
-fn submit(chan: &mut dyn IoChannel, tag: u64, req: &IoRequest<'_>, write: bool) -> Exec {
+fn submit(
+    chan: &mut dyn IoChannel,
+    tag: u64,
+    req: &IoRequest<'_>,
+    write: bool,
+    stamps: &mut Stamps,
+) -> Exec {
+    stamps.submitted = QueueRecorder::stamp(stamps.kick);
     match chan.submit(tag, req) {
-        Some(st) => Exec::Done(Status::from_io(st, write)),
+        Some(st) => {
+            stamps.completed = QueueRecorder::stamp(stamps.kick);
+            Exec::Done(Status::from_io(st, write))
+        }
         None => Exec::Pending(1),
     }
 }
@@ -517,6 +586,7 @@ fn exec_on<'a>(
         cid: sqe.cid(),
         opcode: op,
         nsid: sqe.nsid(),
+        stamps: slot.stamps,
         ..Slot::default()
     };
     if !matches!(op, OP_FLUSH | OP_WRITE | OP_READ | OP_WRITE_ZEROES | OP_DSM) {
@@ -541,7 +611,7 @@ fn exec_on<'a>(
                 iov: &[],
                 fua: false,
             };
-            submit(chan, tag, &req, true)
+            submit(chan, tag, &req, true, &mut slot.stamps)
         }
         OP_READ | OP_WRITE => {
             let (slba, nlb) = match lba_range(sqe, info.num_blocks) {
@@ -580,7 +650,7 @@ fn exec_on<'a>(
                 iov: iov.slices(),
                 fua,
             };
-            submit(chan, tag, &req, write)
+            submit(chan, tag, &req, write, &mut slot.stamps)
         }
         OP_WRITE_ZEROES => {
             if !info.write_zeroes {
@@ -602,7 +672,7 @@ fn exec_on<'a>(
                 iov: &[],
                 fua,
             };
-            submit(chan, tag, &req, true)
+            submit(chan, tag, &req, true, &mut slot.stamps)
         }
         _ => dsm(map, empty, info, chan, sqe, tag, slot),
     }

@@ -24,6 +24,7 @@ mod prp;
 mod queue;
 mod regs;
 mod sgl;
+mod stats;
 mod status;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -152,6 +153,7 @@ impl Controller {
             errors: Mutex::new(log::ErrorLog::default()),
             wce: AtomicBool::new(vwc),
             mdts_bytes: iov::PAGE << mdts,
+            trace: Arc::new(trace::TraceControl::default()),
         });
         let inner = Arc::new(ctrl::Inner::new(
             cfg, shared, engine, placer, mem, namespaces,

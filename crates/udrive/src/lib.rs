@@ -14,4 +14,6 @@ pub mod rpc;
 pub mod serve;
 pub mod server;
 pub mod size;
+pub mod stats;
+pub mod trace_view;
 pub mod vhost_device;

@@ -68,6 +68,21 @@ pub struct PerfArgs {
     /// CPUs the jobs may run on (e.g. 1); default: any
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<String>,
+    /// Time every I/O's layers on the initiator side (and on the server's, when it is
+    /// reachable) and print the breakdown
+    #[arg(long)]
+    pub trace: bool,
+    /// With --trace: also write a stacked-bar chart of mean time per layer
+    #[arg(long, value_name = "PNG", requires = "trace")]
+    pub plot: Option<PathBuf>,
+}
+
+/// The server side of `perf --trace`: starts a trace before the workload and reads
+/// the server's layer table after it (the control socket for a remote server, the
+/// controller itself in-process).
+pub trait ServerTrace {
+    fn start(&self) -> Result<()>;
+    fn stop_and_read(&self) -> Result<trace::Breakdown>;
 }
 
 fn seconds(what: &str, s: f64) -> Result<Duration> {
@@ -78,6 +93,11 @@ fn seconds(what: &str, s: f64) -> Result<Duration> {
 }
 
 pub fn run(a: PerfArgs) -> Result<()> {
+    run_with(a, None)
+}
+
+/// `run`, with the server's layers merged into the trace table when `server` is given.
+pub fn run_with(a: PerfArgs, server: Option<&dyn ServerTrace>) -> Result<()> {
     let rw = match a.rw.as_str() {
         "randrw" => Rw::RandRw {
             read_pct: a.rwmixread,
@@ -95,6 +115,7 @@ pub fn run(a: PerfArgs) -> Result<()> {
         ramp: seconds("ramp", a.ramp)?,
         verify: a.verify,
         nsid: a.nsid,
+        trace: a.trace,
         ..Default::default()
     };
     if cfg.qd == 0 || cfg.qd > 4096 || cfg.jobs == 0 || cfg.jobs > 256 {
@@ -103,16 +124,34 @@ pub fn run(a: PerfArgs) -> Result<()> {
     if let Some(list) = &a.cpus {
         pin_process(list)?;
     }
-    let report = match (&a.vfio_user, &a.vhost_user, &a.file) {
+    if let Some(srv) = server.filter(|_| a.trace) {
+        srv.start().context("cannot start the server's trace")?;
+    }
+    let mut report = match (&a.vfio_user, &a.vhost_user, &a.file) {
         (Some(sock), _, _) => run_nvme(&a, sock, &cfg)?,
         (None, Some(sock), _) => run_vhost(&a, sock, &cfg)?,
         (None, None, Some(path)) => run_file(&a, path, &cfg)?,
         (None, None, None) => bail!("give --vfio-user SOCKET, --vhost-user SOCKET or --file PATH"),
     };
+    if let Some(srv) = server.filter(|_| a.trace) {
+        let srv = srv
+            .stop_and_read()
+            .context("cannot read the server's trace")?;
+        if let Some(init) = &report.trace {
+            report.trace = Some(trace::Breakdown::full_path(init, &srv));
+        }
+    }
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!("{report}");
+        if let Some(t) = &report.trace {
+            println!("\nlayers (µs):\n{}", crate::trace_view::table(t));
+        }
+    }
+    if let (Some(t), Some(p)) = (&report.trace, &a.plot) {
+        let title = format!("udrive perf {} bs={} qd={}", rw.name(), cfg.bs, cfg.qd);
+        crate::trace_view::plot(t, &title, p)?;
     }
     if report.errors > 0 || report.verify_errors > 0 {
         bail!(

@@ -25,6 +25,17 @@ pub(crate) struct JobResult {
     verify_errors: u64,
     unverified: u64,
     secs: f64,
+    trace: Option<trace::LayerSet>,
+}
+
+/// The initiator's per-I/O stamps (raw trace clock), with `WorkloadConfig::trace`.
+struct Tracer {
+    /// Application submitted, per slot.
+    submitted: Vec<u64>,
+    /// Doorbell written, per slot.
+    rung: Vec<u64>,
+    /// Slots issued since the last doorbell.
+    unrung: Vec<u32>,
 }
 
 #[derive(Clone, Copy)]
@@ -48,6 +59,7 @@ struct Job<'a> {
     gens: Vec<u32>,
     busy: Vec<bool>,
     scratch: Vec<u8>,
+    tracer: Option<Tracer>,
     r: JobResult,
 }
 
@@ -98,6 +110,11 @@ pub(crate) fn run_job(
             Vec::new()
         },
         scratch: vec![0u8; if cfg.verify { cfg.bs as usize } else { 0 }],
+        tracer: cfg.trace.then(|| Tracer {
+            submitted: vec![0; qd as usize],
+            rung: vec![0; qd as usize],
+            unrung: Vec::with_capacity(qd as usize),
+        }),
         r: JobResult {
             job,
             hist: new_hist(),
@@ -108,6 +125,9 @@ pub(crate) fn run_job(
             verify_errors: 0,
             unverified: 0,
             secs: 0.0,
+            trace: cfg
+                .trace
+                .then(|| trace::LayerSet::new(&trace::INITIATOR_LAYERS)),
         },
     };
     if cfg.verify && cfg.rw.read_pct() == 100 {
@@ -165,6 +185,12 @@ impl Job<'_> {
                 self.q.write_buf(slot, 0, &self.scratch)?;
             }
         }
+        if let Some(t) = self.tracer.as_mut() {
+            if let Some(s) = t.submitted.get_mut(slot as usize) {
+                *s = trace::clock::now();
+                t.unrung.push(slot);
+            }
+        }
         self.slots[slot as usize] = Slot {
             start: Instant::now(),
             op,
@@ -172,6 +198,37 @@ impl Job<'_> {
             gen,
         };
         self.q.submit(op, self.offset(block), self.cfg.bs, slot)
+    }
+
+    /// Rings the doorbell; one stamp serves every I/O queued since the last ring.
+    fn commit(&mut self) -> Result<()> {
+        self.q.commit()?;
+        if let Some(t) = self.tracer.as_mut() {
+            let now = trace::clock::now();
+            for s in t.unrung.drain(..) {
+                if let Some(r) = t.rung.get_mut(s as usize) {
+                    *r = now;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Records the initiator's layers of a finished I/O seen by the poll at `seen`.
+    fn trace_done(&mut self, slot: u32, write: bool, seen: u64) {
+        let (Some(t), Some(set)) = (self.tracer.as_ref(), self.r.trace.as_mut()) else {
+            return;
+        };
+        let (Some(&sub), Some(&rung)) = (t.submitted.get(slot as usize), t.rung.get(slot as usize))
+        else {
+            return;
+        };
+        let app = trace::clock::now();
+        let d = trace::clock::delta_ns;
+        set.record(
+            write,
+            &[d(sub, rung), d(rung, seen), d(seen, app), d(sub, app)],
+        );
     }
 
     /// Accounts one completion; returns its latency in ns.
@@ -242,7 +299,7 @@ impl Job<'_> {
                 next += 1;
                 inflight += 1;
             }
-            self.q.commit()?;
+            self.commit()?;
             done.clear();
             self.q.poll(&mut done)?;
             for d in done.iter().copied() {
@@ -271,7 +328,7 @@ impl Job<'_> {
             let b = self.pick_block();
             self.issue(slot, op, b)?;
         }
-        self.q.commit()?;
+        self.commit()?;
         let mut inflight = qd;
         let mut stopped = false;
         let mut last_progress = Instant::now();
@@ -285,10 +342,23 @@ impl Job<'_> {
                 std::hint::spin_loop();
                 continue;
             }
+            let seen = if self.tracer.is_some() {
+                trace::clock::now()
+            } else {
+                0
+            };
             let now = Instant::now();
             last_progress = now;
             stopped |= now >= end;
             for d in done.iter().copied() {
+                let in_window = {
+                    let s = self.slots[d.slot as usize];
+                    s.start >= measure_from && now <= end
+                };
+                if in_window && self.tracer.is_some() {
+                    let write = self.slots[d.slot as usize].op == Op::Write;
+                    self.trace_done(d.slot, write, seen);
+                }
                 let lat = self.complete(d)?;
                 inflight -= 1;
                 // Count what was issued and finished inside the measured window.
@@ -309,7 +379,7 @@ impl Job<'_> {
                 }
             }
             if !stopped {
-                self.q.commit()?;
+                self.commit()?;
             }
         }
         let measured_end = Instant::now().min(end);
@@ -330,6 +400,7 @@ pub(crate) fn merge(cfg: &WorkloadConfig, jobs: Vec<JobResult>) -> Report {
         ..Default::default()
     };
     let mut secs: f64 = 0.0;
+    let mut all_trace: Option<trace::LayerSet> = None;
     for j in &jobs {
         // Same bounds everywhere, so adding cannot fail.
         let _ = all.add(&j.hist);
@@ -338,6 +409,16 @@ pub(crate) fn merge(cfg: &WorkloadConfig, jobs: Vec<JobResult>) -> Report {
         rep.writes += j.writes;
         rep.errors += j.errors;
         rep.verify_errors += j.verify_errors;
+        if let Some(t) = &j.trace {
+            match all_trace.as_mut() {
+                None => {
+                    let mut m = trace::LayerSet::new(&trace::INITIATOR_LAYERS);
+                    m.add(t);
+                    all_trace = Some(m);
+                }
+                Some(m) => m.add(t),
+            }
+        }
         rep.unverified_reads += j.unverified;
         secs = secs.max(j.secs);
         let (iops, bw) = rate(j.ios, cfg.bs, j.secs);
@@ -354,5 +435,6 @@ pub(crate) fn merge(cfg: &WorkloadConfig, jobs: Vec<JobResult>) -> Report {
     rep.elapsed_s = secs;
     (rep.iops, rep.bw_mib_s) = rate(rep.ios, cfg.bs, secs);
     rep.lat_ns = LatStats::from_hist(&all);
+    rep.trace = all_trace.map(|t| t.breakdown(trace::Side::Initiator));
     rep
 }

@@ -91,7 +91,8 @@ pub struct WorkloadConfig {
     pub nsid: u32,
     /// Run this long before measuring.
     pub ramp: Duration,
-    /// Reserved for per-request tracing; ignored for now.
+    /// Record the initiator's layers per I/O (`trace::INITIATOR_LAYERS`) into
+    /// `Report::trace`; costs a few clock reads per I/O.
     pub trace: bool,
     /// Seed for offsets (per job: seed + job); fixed seeds make runs repeatable.
     pub seed: u64,

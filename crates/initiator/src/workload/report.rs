@@ -64,6 +64,9 @@ pub struct Report {
     pub unverified_reads: u64,
     pub lat_ns: LatStats,
     pub jobs: Vec<JobReport>,
+    /// The initiator's layer table, with `WorkloadConfig::trace`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace: Option<trace::Breakdown>,
 }
 
 pub(crate) fn rate(ios: u64, bs: u32, secs: f64) -> (f64, f64) {

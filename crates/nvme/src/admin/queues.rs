@@ -144,7 +144,7 @@ impl Inner {
         }
         if let Some(mut g) = self.take_group(st, qid) {
             g.drain();
-            st.retired.add(&g.counters);
+            st.retire(&g);
         }
         st.groups.remove(&qid);
         ok(0)

@@ -1,0 +1,174 @@
+//! Tracing overhead benchmark (issue 5): one in-process NVMe controller (`null` and
+//! `ram` namespaces) on one reactor pinned to CPU 0, udrive's initiator on CPU 1,
+//! 4 KiB random reads at QD1 and QD32, tracing off and on (every I/O) alternating.
+//! Prints a Markdown table of IOPS (median, min–max) and the overhead; then, with
+//! tracing on and the initiator's layers too, writes the full-path breakdown for
+//! each namespace as text and PNG into OUT_DIR.
+//!
+//!   cargo run --release -p udrive --example trace_bench -- [REPS=5] [SECONDS=3] [OUT_DIR]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use initiator::workload::{self, NvmeTarget, Rw, WorkloadConfig};
+use initiator::{DataMode, DriverOpts, NvmeDriver};
+use trace::Breakdown;
+use udrive::config::ControllerConfig;
+use udrive::device::NvmeDevice;
+use udrive::nsspec::NsSpec;
+
+fn pin(cpu: usize) -> Result<()> {
+    let mut set = nix::sched::CpuSet::new();
+    set.set(cpu)?;
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)?;
+    Ok(())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let reps: usize = args.first().map_or(Ok(5), |s| s.parse())?;
+    let secs: f64 = args.get(1).map_or(Ok(3.0), |s| s.parse())?;
+    let out = args.get(2).map(std::path::PathBuf::from);
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let engine = engine::Engine::start(&[Some(0)]).context("engine")?;
+    let dir = tempfile::tempdir()?;
+    let sock = dir.path().join("bench.sock");
+    let specs: Vec<NsSpec> = ["null:64G", "ram:1G"]
+        .iter()
+        .map(|s| s.parse().map_err(anyhow::Error::msg))
+        .collect::<Result<_>>()?;
+    let cfg = ControllerConfig::new(sock.clone(), specs);
+    let devs = udrive::backends::open_all(std::slice::from_ref(&cfg))?.remove(0);
+    let dev = NvmeDevice::start(&cfg, devs, 1, &engine)?;
+    // The initiator's job threads inherit this.
+    pin(if ncpu > 1 { 1 } else { 0 })?;
+    let base = WorkloadConfig {
+        bs: 4096,
+        jobs: 1,
+        time: Duration::from_secs_f64(secs),
+        ..Default::default()
+    };
+    let driver = NvmeDriver::connect(
+        &sock,
+        DriverOpts {
+            pool_bytes: workload::pool_bytes_for(&WorkloadConfig {
+                qd: 32,
+                ..base.clone()
+            }),
+            io_queues: 1,
+            ..Default::default()
+        },
+    )?;
+    let ram = NvmeTarget::new(&driver, 2, DataMode::Prp)?;
+    // Fill the ram namespace so reads copy real pages.
+    workload::run(
+        &ram,
+        &WorkloadConfig {
+            rw: Rw::Write,
+            bs: 131072,
+            qd: 8,
+            time: Duration::from_secs(2),
+            ..base.clone()
+        },
+    )?;
+    let ctrl = &dev.ctrl;
+    let t = Duration::from_secs(2);
+    let mut rows: Vec<(String, u32, bool, Vec<f64>)> = Vec::new();
+    for (ns, nsid) in [("null", 1u32), ("ram", 2)] {
+        for qd in [1u32, 32] {
+            for on in [false, true] {
+                rows.push((ns.to_string(), qd, on, Vec::new()));
+            }
+        }
+        let _ = nsid;
+    }
+    eprintln!("{reps} reps x {} configs x {secs}s ...", rows.len());
+    for r in 0..reps {
+        for row in rows.iter_mut() {
+            let nsid = if row.0 == "null" { 1 } else { 2 };
+            let target = NvmeTarget::new(&driver, nsid, DataMode::Prp)?;
+            if row.2 {
+                ctrl.trace_start(1, t);
+            } else {
+                ctrl.trace_stop(t);
+            }
+            let rep = workload::run(
+                &target,
+                &WorkloadConfig {
+                    qd: row.1,
+                    seed: r as u64 + 1,
+                    ..base.clone()
+                },
+            )?;
+            row.3.push(rep.iops);
+            eprint!("\r  rep {r} {} qd{} trace={}   ", row.0, row.1, row.2);
+        }
+    }
+    eprintln!();
+    println!("| backend | QD | tracing off IOPS (k) | every I/O IOPS (k) | overhead |");
+    println!("|---|---|---|---|---|");
+    for pair in rows.chunks_mut(2) {
+        let (a, b) = pair.split_at_mut(1);
+        let (off, on) = (&mut a[0], &mut b[0]);
+        let fmt = |v: &[f64]| {
+            let lo = v.iter().copied().fold(f64::MAX, f64::min) / 1e3;
+            let hi = v.iter().copied().fold(0.0, f64::max) / 1e3;
+            (lo, hi)
+        };
+        let (ol, oh) = fmt(&off.3);
+        let (nl, nh) = fmt(&on.3);
+        let mo = median(&mut off.3);
+        let mn = median(&mut on.3);
+        println!(
+            "| {} | {} | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}) | {:+.1} % |",
+            off.0,
+            off.1,
+            mo / 1e3,
+            ol,
+            oh,
+            mn / 1e3,
+            nl,
+            nh,
+            (mn - mo) / mo * 100.0
+        );
+    }
+    println!("\n{reps} runs each, alternating; median (min–max).");
+    if let Some(out) = out {
+        std::fs::create_dir_all(&out)?;
+        for (ns, nsid) in [("null", 1u32), ("ram", 2)] {
+            let target = NvmeTarget::new(&driver, nsid, DataMode::Prp)?;
+            ctrl.trace_start(1, t);
+            let rep = workload::run(
+                &target,
+                &WorkloadConfig {
+                    rw: Rw::RandRw { read_pct: 50 },
+                    qd: 1,
+                    trace: true,
+                    ..base.clone()
+                },
+            )?;
+            ctrl.trace_stop(t);
+            let server = Breakdown::from_queues(&ctrl.queue_stats(t));
+            let init = rep.trace.clone().context("initiator trace")?;
+            let full = Breakdown::full_path(&init, &server);
+            let text = udrive::trace_view::table(&full);
+            println!("\n{ns}, 4 KiB randrw50, QD1 (µs):\n{text}");
+            std::fs::write(out.join(format!("trace-{ns}.txt")), &text)?;
+            udrive::trace_view::plot(
+                &full,
+                &format!("udrive {ns} namespace, 4 KiB randrw QD1: mean time per layer"),
+                &out.join(format!("trace-{ns}.png")),
+            )?;
+        }
+    }
+    drop(Arc::clone(&engine));
+    dev.stop();
+    engine.shutdown();
+    Ok(())
+}

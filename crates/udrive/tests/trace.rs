@@ -1,0 +1,335 @@
+//! Metrics and traces against what an in-process initiator issued and measured.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bdev::{FaultConfig, FaultDisk, QosDisk, QosLimits};
+use common::*;
+use initiator::workload::{self, NvmeTarget, Rw, WorkloadConfig};
+use initiator::{DataMode, IoOp, NvmeDriver};
+use trace::{Breakdown, QueueSnapshot, Side, LAYERS, TOTAL};
+use udrive::config::ControllerConfig;
+use udrive::device::NvmeDevice;
+use udrive::nsspec::NsSpec;
+
+struct Dev {
+    dev: Option<NvmeDevice>,
+    _dir: tempfile::TempDir,
+}
+
+impl Dev {
+    /// Namespaces from `specs`; namespace `fault.0` (1-based) wrapped in a FaultDisk.
+    fn start(specs: &[&str], fault: Option<(u32, FaultConfig)>) -> Dev {
+        static CNTLID: AtomicU16 = AtomicU16::new(200);
+        let dir = tempfile::tempdir().expect("temp dir");
+        let sock = dir.path().join("trace.sock");
+        let specs: Vec<NsSpec> = specs.iter().map(|s| s.parse().expect("ns spec")).collect();
+        let cfg = ControllerConfig::new(sock, specs);
+        let mut devs = udrive::backends::open_all(std::slice::from_ref(&cfg))
+            .expect("open backends")
+            .remove(0);
+        if let Some((nsid, fc)) = fault {
+            let i = nsid as usize - 1;
+            let faulty = Arc::new(FaultDisk::new(devs[i].clone(), fc).expect("fault disk"));
+            devs[i] = Arc::new(QosDisk::new(faulty, QosLimits::default()).expect("qos disk"));
+        }
+        let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
+        let dev = NvmeDevice::start(&cfg, devs, cntlid, &engine()).expect("start device");
+        Dev {
+            dev: Some(dev),
+            _dir: dir,
+        }
+    }
+
+    fn nvme(&self) -> &NvmeDevice {
+        self.dev.as_ref().expect("running")
+    }
+
+    fn queues(&self) -> Vec<QueueSnapshot> {
+        self.nvme().ctrl.queue_stats(T)
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        if let Some(d) = self.dev.take() {
+            d.stop();
+        }
+    }
+}
+
+#[derive(Default, Debug, PartialEq, Eq)]
+struct Seen {
+    ops: [u64; 4],
+    bytes: [u64; 4],
+    errors: BTreeMap<u16, u64>,
+}
+
+#[test]
+fn counters_match_what_the_initiator_issued() {
+    let fc = FaultConfig {
+        error_rate: 0.25,
+        seed: 7,
+        ..Default::default()
+    };
+    let dev = Dev::start(&["ram:4M", "ram:4M"], Some((1, fc)));
+    let d = NvmeDriver::connect(&dev.nvme().socket, opts()).expect("connect");
+    let mut qp = d.create_qpair(16, false).expect("qpair");
+    let buf = qp.alloc_buf(8 * 512).expect("buf");
+    let blocks = 4 * 1024 * 1024 / 512;
+    let mut rng = Rng::new(11);
+    let mut want: BTreeMap<u32, Seen> = BTreeMap::new();
+    for i in 0..600u64 {
+        let nsid = 1 + (rng.below(2) as u32);
+        let nlb = 1 + rng.below(8) as u32;
+        let (op, class) = match rng.below(10) {
+            0 => (IoOp::Flush, 2),
+            1..=4 => (IoOp::Read, 0),
+            _ => (IoOp::Write, 1),
+        };
+        // Every 50th I/O runs past the end: the controller rejects it itself.
+        let slba = if i % 50 == 49 {
+            blocks - 1
+        } else {
+            rng.below(blocks - 8)
+        };
+        let data = (op != IoOp::Flush).then_some(&buf);
+        let c = io(&mut qp, op, nsid, slba, nlb, data, DataMode::Prp);
+        let w = want.entry(nsid).or_default();
+        w.ops[class] += 1;
+        if c.status.is_ok() {
+            if op != IoOp::Flush {
+                w.bytes[class] += u64::from(nlb) * 512;
+            }
+        } else {
+            *w.errors.entry(c.status.code()).or_default() += 1;
+        }
+    }
+    // A namespace that does not exist counts under namespace 0.
+    let c = io(&mut qp, IoOp::Read, 9, 0, 1, Some(&buf), DataMode::Prp);
+    assert!(!c.status.is_ok());
+    let mut bad = Seen::default();
+    bad.ops[0] = 1;
+    bad.errors.insert(c.status.code(), 1);
+    want.insert(0, bad);
+
+    let faults: u64 = want[&1].errors.values().sum();
+    assert!(faults > 20, "the fault disk injected errors ({faults})");
+    let mut got: BTreeMap<u32, Seen> = BTreeMap::new();
+    for q in dev.queues() {
+        for ns in &q.namespaces {
+            let g = got.entry(ns.nsid).or_default();
+            for (i, (_, n)) in ns.ops.pairs().iter().enumerate() {
+                g.ops[i] += n;
+            }
+            for (i, (_, n)) in ns.bytes.pairs().iter().enumerate() {
+                g.bytes[i] += n;
+            }
+            for e in &ns.errors {
+                *g.errors.entry(e.status).or_default() += e.count;
+            }
+        }
+    }
+    got.retain(|_, s| *s != Seen::default());
+    assert_eq!(got, want);
+    // The same numbers reach the Prometheus text.
+    let stats = udrive::stats::get_stats(&[dev.nvme()], &engine());
+    let text = trace::render_prometheus(&stats);
+    let reads1: u64 = want[&1].ops[0];
+    assert!(
+        text.contains(&format!(
+            "namespace=\"1\",queue=\"{}\",op=\"read\"}} {reads1}",
+            qp.qid()
+        )),
+        "{text}"
+    );
+    assert_eq!(stats.reactors.len(), engine().num_reactors());
+}
+
+fn layer_mean(b: &Breakdown, op: &str, layer: &str) -> f64 {
+    b.op(op)
+        .and_then(|o| o.row(layer))
+        .map(|r| r.mean_ns)
+        .unwrap_or_else(|| panic!("no {op}/{layer} in\n{b}"))
+}
+
+#[test]
+fn injected_backend_latency_shows_in_the_backend_layer_only() {
+    let fc = FaultConfig {
+        latency: Duration::from_micros(100),
+        ..Default::default()
+    };
+    let dev = Dev::start(&["ram:8M"], Some((1, fc)));
+    dev.nvme().ctrl.trace_start(1, T);
+    let d = NvmeDriver::connect(&dev.nvme().socket, opts()).expect("connect");
+    let target = NvmeTarget::new(&d, 1, DataMode::Prp).expect("target");
+    let cfg = WorkloadConfig {
+        rw: Rw::RandRw { read_pct: 50 },
+        qd: 4,
+        time: Duration::from_millis(400),
+        trace: true,
+        ..Default::default()
+    };
+    let rep = workload::run(&target, &cfg).expect("workload");
+    dev.nvme().ctrl.trace_stop(T);
+    let server = Breakdown::from_queues(&dev.queues());
+    for op in ["read", "write"] {
+        let backend = layer_mean(&server, op, "backend");
+        assert!(
+            backend >= 100_000.0,
+            "{op}: backend mean {backend} ns\n{server}"
+        );
+        for l in LAYERS.iter().filter(|l| **l != "backend") {
+            let m = layer_mean(&server, op, l);
+            assert!(
+                m < backend / 4.0,
+                "{op}: {l} mean {m} ns vs backend {backend}\n{server}"
+            );
+        }
+    }
+    // The initiator sees it too, in its device layer, not in its own.
+    let init = rep.trace.expect("initiator trace");
+    for op in ["read", "write"] {
+        let dev_mean = layer_mean(&init, op, trace::DEVICE);
+        assert!(dev_mean >= 100_000.0, "{op}: device {dev_mean}\n{init}");
+        for l in ["submit", "reap"] {
+            assert!(
+                layer_mean(&init, op, l) < dev_mean / 4.0,
+                "{op}: {l}\n{init}"
+            );
+        }
+    }
+}
+
+#[test]
+fn layers_add_up_to_what_the_initiator_measured() {
+    let dev = Dev::start(&["null:1G"], None);
+    dev.nvme().ctrl.trace_start(1, T);
+    let d = NvmeDriver::connect(&dev.nvme().socket, opts()).expect("connect");
+    let target = NvmeTarget::new(&d, 1, DataMode::Prp).expect("target");
+    let cfg = WorkloadConfig {
+        rw: Rw::RandRw { read_pct: 50 },
+        qd: 1,
+        time: Duration::from_millis(400),
+        trace: true,
+        ..Default::default()
+    };
+    let rep = workload::run(&target, &cfg).expect("workload");
+    dev.nvme().ctrl.trace_stop(T);
+    let server = Breakdown::from_queues(&dev.queues());
+    let init = rep.trace.clone().expect("initiator trace");
+    // HDR buckets at 2 significant digits: each mean is within 1 %.
+    let close = |a: f64, b: f64, what: &str| {
+        assert!(
+            (a - b).abs() <= 0.02 * b.max(1.0) + 10.0,
+            "{what}: {a} vs {b}"
+        );
+    };
+    for op in ["read", "write"] {
+        let sum: f64 = LAYERS.iter().map(|l| layer_mean(&server, op, l)).sum();
+        close(
+            sum,
+            layer_mean(&server, op, TOTAL),
+            "server layers vs server total",
+        );
+        let isum: f64 = ["submit", trace::DEVICE, "reap"]
+            .iter()
+            .map(|l| layer_mean(&init, op, l))
+            .sum();
+        let itotal = layer_mean(&init, op, TOTAL);
+        close(isum, itotal, "initiator layers vs initiator total");
+
+        // The server's part fits inside the time the initiator waited for the
+        // device: stamps on both sides come from the same clock. Slack: one stamp's
+        // placement on each side (the server may read the doorbell before the
+        // initiator stamps "rung", and stamps "posted" after the guest may see it).
+        let server_total = layer_mean(&server, op, TOTAL);
+        let device = layer_mean(&init, op, trace::DEVICE);
+        assert!(
+            server_total <= device + 1_000.0,
+            "{op}: server {server_total} vs device {device}"
+        );
+    }
+    // The initiator's end-to-end latency (its own Instant, over reads and writes) is
+    // the traced total.
+    let (sum, n) = ["read", "write"].iter().fold((0.0, 0u64), |(s, n), op| {
+        let r = init.op(op).and_then(|o| o.row(TOTAL)).expect("total row");
+        (s + r.mean_ns * r.count as f64, n + r.count)
+    });
+    let (itotal, e2e) = (sum / n as f64, rep.lat_ns.mean);
+    assert!(
+        (itotal - e2e).abs() <= 0.05 * e2e + 500.0,
+        "traced total {itotal} vs measured e2e {e2e}"
+    );
+    // The merged table: initiator rows around the server's, transport in between,
+    // and the row means still add up to the initiator's total.
+    let full = Breakdown::full_path(&init, &server);
+    for op in ["read", "write"] {
+        let o = full.op(op).expect("op in full path");
+        let names: Vec<&str> = o.rows.iter().map(|r| r.layer.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "submit",
+                "queue",
+                "backend",
+                "complete",
+                "notify",
+                "transport",
+                "reap",
+                "total"
+            ]
+        );
+        assert_eq!(o.rows[1].side, Side::Server);
+        assert_eq!(o.rows[5].side, Side::Transport);
+        let sum: f64 = o
+            .rows
+            .iter()
+            .filter(|r| r.layer != TOTAL)
+            .map(|r| r.mean_ns)
+            .sum();
+        close(sum, layer_mean(&full, op, TOTAL), "full path vs total");
+    }
+}
+
+#[test]
+fn sampling_one_in_n_records_about_one_in_n() {
+    let dev = Dev::start(&["null:1G"], None);
+    let d = NvmeDriver::connect(&dev.nvme().socket, opts()).expect("connect");
+    let mut qp = d.create_qpair(8, false).expect("qpair");
+    let buf = qp.alloc_buf(4096).expect("buf");
+    let reads = |qp: &mut initiator::QueuePair, n: u64| {
+        for i in 0..n {
+            let c = io(qp, IoOp::Read, 1, i * 8, 8, Some(&buf), DataMode::Prp);
+            assert_ok(&c, "read");
+        }
+    };
+    // Off: counted, not traced.
+    reads(&mut qp, 100);
+    let traced = |dev: &Dev| {
+        Breakdown::from_queues(&dev.queues())
+            .op("read")
+            .and_then(|o| o.row(TOTAL))
+            .map_or(0, |r| r.count)
+    };
+    assert_eq!(traced(&dev), 0);
+    dev.nvme().ctrl.trace_start(10, T);
+    reads(&mut qp, 1000);
+    assert_eq!(traced(&dev), 100);
+    dev.nvme().ctrl.trace_start(1, T);
+    reads(&mut qp, 50);
+    dev.nvme().ctrl.trace_stop(T);
+    reads(&mut qp, 50);
+    assert_eq!(traced(&dev), 50, "a new start clears, a stop stops");
+    let ops: u64 = dev
+        .queues()
+        .iter()
+        .flat_map(|q| q.namespaces.iter())
+        .map(|n| n.ops.read)
+        .sum();
+    assert_eq!(ops, 1200);
+}
