@@ -17,6 +17,7 @@
 #   UDRIVE-HOSTCHECK phase=1                                waits for the host's "go" on ttyS1
 #   UDRIVE-RECONNECT-READY / UDRIVE-ACK seq=N off=BYTES sha=SHA256 / UDRIVE-RECONNECT-END
 # Parameters on the kernel command line: udrive.queues=N udrive.size=BYTES udrive.reconnect=0|1
+# udrive.writers=N
 
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin
 mount -t proc proc /proc
@@ -34,6 +35,7 @@ arg() { sed -n "s/.*udrive\.$1=\([^ ]*\).*/\1/p" /proc/cmdline; }
 QUEUES=$(arg queues)
 SIZE=$(arg size)
 RECONNECT=$(arg reconnect)
+WRITERS=$(arg writers)
 # Disk layout (byte offsets; the disk must be >= 256 MiB):
 A_OFF=0                     # /data/a.bin, written from vCPU 0 with 1 MiB requests
 B_OFF=$((16 * MIB))         # /data/b.bin, written from vCPU 1 with 4 KiB requests
@@ -217,22 +219,27 @@ t_reread_both_queues() {
     rm -f /tmp/a.back /tmp/b.back
 }
 
-# Reconnect: vCPU 0 writes fresh random 64 KiB chunks one after another, each with
-# O_DIRECT + fsync, and prints each acknowledged one (seq, offset, sha256); vCPU 1
-# keeps reading and checking a.bin. The host kills the backend after a few chunks,
-# restarts it and says "restarted" on ttyS1; the writer then does 32 more chunks.
-# Afterwards every acknowledged chunk must read back with its sha256.
-recon_writer() {
-    i=0 left=-1
+# Reconnect: WRITERS processes on vCPU 0 (so several requests are in flight on
+# queue 0 and may complete out of order) each write fresh random 64 KiB chunks one
+# after another, each with O_DIRECT + fsync, and print each acknowledged one (seq,
+# offset, sha256); vCPU 1 keeps reading and checking a.bin. The host kills the
+# backend after a few chunks, restarts it and says "restarted" on ttyS1; each writer
+# then does 32 more chunks. Afterwards every acknowledged chunk must read back with
+# its sha256.
+recon_writer() { # recon_writer W: chunks W, W+WRITERS, W+2*WRITERS, ...
+    w=$1 i=$1 left=-1
     while [ $i -lt $RECON_MAX ] && [ $left != 0 ]; do
-        dd if=/dev/urandom of=/tmp/chunk bs=65536 count=1 2>/dev/null
-        sum=$(sha256sum </tmp/chunk | cut -d' ' -f1)
+        dd if=/dev/urandom of=/tmp/chunk.$w bs=65536 count=1 2>/dev/null
+        sum=$(sha256sum </tmp/chunk.$w | cut -d' ' -f1)
         off=$((RECON_OFF + i * 65536))
-        taskset -c 0 dd if=/tmp/chunk of=$DEV bs=65536 seek=$((off / 65536)) oflag=direct conv=fsync,notrunc 2>/tmp/wr.err ||
-            { echo "UDRIVE-NACK seq=$i off=$off $(tr '\n' ' ' </tmp/wr.err)" >&4; echo "$i $off error" >>/tmp/acks; i=$((i + 1)); continue; }
-        echo "$i $off $sum" >>/tmp/acks
-        echo "UDRIVE-ACK seq=$i off=$off sha=$sum" >&4
-        i=$((i + 1))
+        if taskset -c 0 dd if=/tmp/chunk.$w of=$DEV bs=65536 seek=$((off / 65536)) oflag=direct conv=fsync,notrunc 2>/tmp/wr.err.$w; then
+            echo "$i $off $sum" >>/tmp/acks.$w
+            echo "UDRIVE-ACK seq=$i off=$off sha=$sum" >&4
+        else
+            echo "UDRIVE-NACK seq=$i off=$off $(tr '\n' ' ' </tmp/wr.err.$w)" >&4
+            echo "$i $off error" >>/tmp/acks.$w
+        fi
+        i=$((i + WRITERS))
         if [ $left = -1 ] && [ -f /tmp/restarted ]; then left=32; fi
         [ $left -gt 0 ] && left=$((left - 1))
     done
@@ -247,24 +254,30 @@ recon_reader() {
     echo "$n $bad" >/tmp/reader
 }
 t_reconnect() {
-    : >/tmp/acks
-    rm -f /tmp/restarted /tmp/writer-done /tmp/reader
+    rm -f /tmp/restarted /tmp/writer-done /tmp/reader /tmp/acks.*
     recon_reader &
     rpid=$!
-    echo "UDRIVE-RECONNECT-READY" >&4
-    recon_writer &
-    wpid=$!
+    echo "UDRIVE-RECONNECT-READY writers=$WRITERS" >&4
+    wpids=
+    w=0
+    while [ $w -lt "$WRITERS" ]; do
+        : >/tmp/acks.$w
+        recon_writer $w &
+        wpids="$wpids $!"
+        w=$((w + 1))
+    done
     if read -r -t 240 reply <&3; then
         DETAIL="host: $reply;"
-        touch /tmp/restarted
     else
         DETAIL="no word from the host on ttyS1 in 240 s;"
-        touch /tmp/restarted
     fi
-    wait $wpid
+    touch /tmp/restarted
+    # shellcheck disable=SC2086
+    wait $wpids
     touch /tmp/writer-done
     wait $rpid
     echo "UDRIVE-RECONNECT-END" >&4
+    cat /tmp/acks.* >/tmp/acks
     acked=$(grep -vc error /tmp/acks) errs=$(grep -c error /tmp/acks)
     # Every acknowledged chunk must read back as written.
     lost=0
@@ -274,9 +287,9 @@ t_reconnect() {
         [ "$got" = "$sum" ] || { lost=$((lost + 1)); echo "chunk $seq at $off: want $sum got $got"; }
     done </tmp/acks
     read -r rn rbad </tmp/reader
-    DETAIL="$DETAIL $acked chunks acknowledged, $errs write errors, $lost acknowledged chunks wrong; reader: $rn passes, $rbad bad"
+    DETAIL="$DETAIL $WRITERS writers: $acked chunks acknowledged, $errs write errors, $lost acknowledged chunks wrong; reader: $rn passes, $rbad bad"
     case "$reply" in restarted*) ;; *) return 1 ;; esac
-    [ "$lost" = 0 ] && [ "$errs" = 0 ] && [ "$rbad" = 0 ] && [ "$acked" -gt 32 ]
+    [ "$lost" = 0 ] && [ "$errs" = 0 ] && [ "$rbad" = 0 ] && [ "$acked" -gt $((32 * WRITERS)) ]
 }
 
 # ---------------------------------------------------------------- main

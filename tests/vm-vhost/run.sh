@@ -20,7 +20,8 @@ QUEUES=${UDRIVE_VHOST_QUEUES:-2}
 VCPUS=${UDRIVE_VM_VCPUS:-$QUEUES}
 DISK_MIB=${UDRIVE_VHOST_DISK_MIB:-256}
 RECONNECT=${UDRIVE_VHOST_RECONNECT:-1}
-KILL_AFTER=${UDRIVE_VHOST_KILL_AFTER:-8}   # acknowledged chunks before the SIGKILL
+WRITERS=${UDRIVE_VHOST_WRITERS:-4}        # concurrent guest writers (requests in flight) during the reconnect
+KILL_AFTER=${UDRIVE_VHOST_KILL_AFTER:-16}  # acknowledged chunks before the SIGKILL
 DOWN_SECS=${UDRIVE_VHOST_DOWN_SECS:-1}     # backend down time
 STALL_SECS=${UDRIVE_VHOST_STALL_SECS:-60}  # no guest progress after the restart = failure
 TIMEOUT=${UDRIVE_VM_TIMEOUT:-240}
@@ -119,7 +120,7 @@ start_qemu() {
         -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
         -serial "file:$d/console.log" -chardev "pipe,id=ctl,path=$d/ctl" -serial chardev:ctl
         -kernel "$d/vmlinuz" -initrd "$d/initramfs.cpio"
-        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.queues=$QUEUES udrive.size=$((DISK_MIB * MIB)) udrive.reconnect=$RECONNECT"
+        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.queues=$QUEUES udrive.size=$((DISK_MIB * MIB)) udrive.reconnect=$RECONNECT udrive.writers=$WRITERS"
         -chardev "socket,id=c0,path=$d/vblk.sock$([ "$RECONNECT" = 1 ] && echo ,reconnect=1)"
         -device "vhost-user-blk-pci,chardev=c0,num-queues=$QUEUES"
     )

@@ -87,11 +87,12 @@ ensure_chroot() {
 
 # in_chroot DIR CMD...: runs CMD in chroot DIR inside a private mount namespace that
 # bind-mounts $TMP at $IN_CHROOT and mounts /proc and /dev; the mounts vanish with
-# CMD. Dies with the harness (PDEATHSIG).
+# CMD. Dies with the harness (PDEATHSIG). CHROOT_CPUS=LIST pins CMD (taskset).
 in_chroot() {
-    local dir=$1
+    local dir=$1 pin=()
     shift
-    setpriv --pdeathsig KILL -- unshare --mount --propagation private -- sh -c '
+    [ -z "${CHROOT_CPUS:-}" ] || pin=(taskset -c "$CHROOT_CPUS")
+    setpriv --pdeathsig KILL -- "${pin[@]}" unshare --mount --propagation private -- sh -c '
         dir=$1 run=$2 d=$3
         shift 3
         mount --bind "$run" "$dir$d" && mount -t proc proc "$dir/proc" &&
