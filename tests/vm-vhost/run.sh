@@ -224,6 +224,8 @@ build_initramfs
 if [ "$BACKEND" = udrive ]; then
     phase "setup: build udrive"
     build_udrive
+    "$UDRIVE" serve --help 2>/dev/null | grep -q -- '--vhost-user-blk' ||
+        die "$UDRIVE serve has no --vhost-user-blk option (this udrive has no virtio-blk device); UDRIVE_VHOST_BACKEND=qsd runs the guest against qemu-storage-daemon"
 fi
 phase "guest run"
 truncate -s "${DISK_MIB}M" "$TMP/disk.img"
