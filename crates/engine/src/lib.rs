@@ -8,11 +8,27 @@ mod placement;
 mod reactor;
 
 pub use cpus::parse_cpu_list;
-pub use placement::{Placement, Placer};
-pub use reactor::{Engine, EngineError, PollerId, ReactorStats};
+pub use placement::{Placement, Placer, PollMode};
+pub use reactor::{Engine, EngineError, PollerId, ReactorStats, Waker};
+
+use std::time::Duration;
 
 /// Something a reactor polls: one call does a bounded amount of work and says how
 /// much (0 means it found nothing to do).
 pub trait Poller: Send {
     fn poll(&mut self) -> usize;
+
+    /// How long the reactor should keep spinning after its last work before this
+    /// poller lets it sleep; `None` (the default) means never: busy polling. A
+    /// reactor sleeps only when every poller it owns agrees.
+    fn sleep_after(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Called just before the reactor sleeps: arm whatever wakes it (enable guest
+    /// notifications that end in [`Waker::wake`]) and return `false` if work turned
+    /// up meanwhile, which cancels the sleep.
+    fn prepare_sleep(&mut self) -> bool {
+        false
+    }
 }

@@ -9,6 +9,10 @@ pub enum Placement {
     RoundRobin,
     /// Every queue of the device on one reactor: the classic single-thread baseline.
     Single,
+    /// One reactor of its own per queue (per guest vCPU), pinned. The engine grows
+    /// reactors for it ([`crate::Engine::add_reactor`]); only device kinds that
+    /// create their reactors support it.
+    Dedicated,
 }
 
 impl FromStr for Placement {
@@ -17,8 +21,9 @@ impl FromStr for Placement {
         match s {
             "round-robin" => Ok(Placement::RoundRobin),
             "single" => Ok(Placement::Single),
+            "dedicated" => Ok(Placement::Dedicated),
             _ => Err(format!(
-                "unknown placement `{s}` (expected round-robin or single)"
+                "unknown placement `{s}` (expected dedicated, round-robin or single)"
             )),
         }
     }
@@ -47,7 +52,9 @@ impl Placer {
     pub fn reactor_for(&self, qid: usize) -> usize {
         match self.policy {
             Placement::Single => self.start % self.reactors,
-            Placement::RoundRobin => (self.start + qid) % self.reactors,
+            // Callers that support Dedicated give the Placer only the reactors they
+            // created for the device, one per queue.
+            Placement::RoundRobin | Placement::Dedicated => (self.start + qid) % self.reactors,
         }
     }
 
@@ -55,5 +62,42 @@ impl Placer {
     pub fn next(&self) -> usize {
         let i = self.next.fetch_add(1, Ordering::Relaxed);
         self.reactor_for(i)
+    }
+}
+
+/// How a poller waits for work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PollMode {
+    /// Spin all the time: lowest latency, one core per reactor.
+    #[default]
+    Busy,
+    /// Spin for a while after the last work, then sleep until kicked.
+    Adaptive,
+    /// Sleep whenever idle.
+    Event,
+}
+
+impl PollMode {
+    /// Spin time after the last work for [`crate::Poller::sleep_after`].
+    pub fn sleep_after(self) -> Option<std::time::Duration> {
+        match self {
+            PollMode::Busy => None,
+            PollMode::Adaptive => Some(std::time::Duration::from_micros(200)),
+            PollMode::Event => Some(std::time::Duration::ZERO),
+        }
+    }
+}
+
+impl FromStr for PollMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "busy" => Ok(PollMode::Busy),
+            "adaptive" => Ok(PollMode::Adaptive),
+            "event" => Ok(PollMode::Event),
+            _ => Err(format!(
+                "unknown poll mode `{s}` (expected busy, adaptive or event)"
+            )),
+        }
     }
 }

@@ -1,8 +1,8 @@
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 
@@ -33,6 +33,8 @@ enum Msg {
     Add(u64, Box<dyn Poller>),
     Remove(u64, Sender<Option<Box<dyn Poller>>>),
     Run(Job),
+    /// Ends a sleep; carries nothing.
+    Wake,
     Stop,
 }
 
@@ -47,6 +49,7 @@ pub struct ReactorStats {
 struct ReactorHandle {
     tx: Sender<Msg>,
     pending: Arc<AtomicBool>,
+    sleeping: Arc<AtomicBool>,
     stats: Arc<ReactorStats>,
     cpu: Option<usize>,
     thread: Option<JoinHandle<()>>,
@@ -61,61 +64,108 @@ thread_local! {
     static ON_REACTOR: Cell<bool> = const { Cell::new(false) };
 }
 
-/// A set of reactors.
+/// Wakes a sleeping reactor (see [`crate::Poller::prepare_sleep`]). Cheap when the
+/// reactor is awake: one atomic swap, no message.
+#[derive(Clone)]
+pub struct Waker {
+    tx: Sender<Msg>,
+    pending: Arc<AtomicBool>,
+    sleeping: Arc<AtomicBool>,
+}
+
+impl Waker {
+    pub fn wake(&self) {
+        if self.sleeping.swap(false, Ordering::SeqCst) {
+            let _ = self.tx.send(Msg::Wake);
+            self.pending.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// A set of reactors. It can grow ([`Engine::add_reactor`]) for devices that want
+/// reactors of their own; reactors are never removed before shutdown.
 pub struct Engine {
-    reactors: Vec<std::sync::Mutex<ReactorHandle>>,
+    reactors: RwLock<Vec<std::sync::Mutex<ReactorHandle>>>,
     next_id: AtomicU64,
 }
 
 impl Engine {
     /// Starts one reactor per entry of `cpus`, pinned to it (`None`: not pinned).
     pub fn start(cpus: &[Option<usize>]) -> Result<Arc<Engine>, EngineError> {
-        let mut reactors = Vec::new();
-        for (index, cpu) in cpus.iter().copied().enumerate() {
-            let (tx, rx) = unbounded();
-            let pending = Arc::new(AtomicBool::new(false));
-            let stats = Arc::new(ReactorStats::default());
-            let (p2, s2) = (pending.clone(), stats.clone());
-            let thread = std::thread::Builder::new()
-                .name(format!("reactor{index}"))
-                .spawn(move || run_reactor(index, cpu, rx, p2, s2))
-                .map_err(EngineError::Spawn)?;
-            reactors.push(std::sync::Mutex::new(ReactorHandle {
-                tx,
-                pending,
-                stats,
-                cpu,
-                thread: Some(thread),
-            }));
-        }
-        Ok(Arc::new(Engine {
-            reactors,
+        let engine = Engine {
+            reactors: RwLock::new(Vec::new()),
             next_id: AtomicU64::new(1),
-        }))
+        };
+        for cpu in cpus {
+            engine.add_reactor(*cpu)?;
+        }
+        Ok(Arc::new(engine))
+    }
+
+    /// Starts one more reactor, pinned to `cpu`, and returns its index.
+    pub fn add_reactor(&self, cpu: Option<usize>) -> Result<usize, EngineError> {
+        let mut reactors = self.reactors.write().unwrap_or_else(|e| e.into_inner());
+        let index = reactors.len();
+        let (tx, rx) = unbounded();
+        let pending = Arc::new(AtomicBool::new(false));
+        let sleeping = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(ReactorStats::default());
+        let shared = Shared {
+            pending: pending.clone(),
+            sleeping: sleeping.clone(),
+            stats: stats.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("reactor{index}"))
+            .spawn(move || run_reactor(index, cpu, rx, shared))
+            .map_err(EngineError::Spawn)?;
+        reactors.push(std::sync::Mutex::new(ReactorHandle {
+            tx,
+            pending,
+            sleeping,
+            stats,
+            cpu,
+            thread: Some(thread),
+        }));
+        Ok(index)
+    }
+
+    fn with<R>(&self, i: usize, f: impl FnOnce(&ReactorHandle) -> R) -> Option<R> {
+        let reactors = self.reactors.read().unwrap_or_else(|e| e.into_inner());
+        reactors.get(i).map(|r| f(&lock(r)))
     }
 
     pub fn num_reactors(&self) -> usize {
-        self.reactors.len()
+        self.reactors.read().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// The CPU reactor `i` is pinned to.
     pub fn cpu_of(&self, i: usize) -> Option<usize> {
-        self.reactors.get(i).and_then(|r| lock(r).cpu)
+        self.with(i, |r| r.cpu).flatten()
     }
 
     pub fn stats(&self, i: usize) -> Option<Arc<ReactorStats>> {
-        self.reactors.get(i).map(|r| lock(r).stats.clone())
+        self.with(i, |r| r.stats.clone())
+    }
+
+    /// A handle that wakes reactor `i` when it sleeps.
+    pub fn waker(&self, i: usize) -> Option<Waker> {
+        self.with(i, |r| Waker {
+            tx: r.tx.clone(),
+            pending: r.pending.clone(),
+            sleeping: r.sleeping.clone(),
+        })
     }
 
     fn send(&self, reactor: usize, msg: Msg) -> Result<(), EngineError> {
-        let r = self
-            .reactors
-            .get(reactor)
-            .ok_or(EngineError::NoSuchReactor(reactor, self.reactors.len()))?;
-        let r = lock(r);
-        r.tx.send(msg).map_err(|_| EngineError::Stopped(reactor))?;
-        r.pending.store(true, Ordering::Release);
-        Ok(())
+        let n = self.num_reactors();
+        self.with(reactor, |r| {
+            r.tx.send(msg).map_err(|_| EngineError::Stopped(reactor))?;
+            r.pending.store(true, Ordering::Release);
+            r.sleeping.store(false, Ordering::SeqCst);
+            Ok(())
+        })
+        .unwrap_or(Err(EngineError::NoSuchReactor(reactor, n)))
     }
 
     /// Hands `poller` to `reactor`; it starts being polled at the next iteration.
@@ -161,7 +211,8 @@ impl Engine {
 
     /// Stops all reactors and joins them; their pollers are dropped.
     pub fn shutdown(&self) {
-        for r in &self.reactors {
+        let reactors = self.reactors.read().unwrap_or_else(|e| e.into_inner());
+        for r in reactors.iter() {
             let mut r = lock(r);
             let _ = r.tx.send(Msg::Stop);
             r.pending.store(true, Ordering::Release);
@@ -191,23 +242,57 @@ fn pin(cpu: usize) {
     }
 }
 
-fn run_reactor(
-    index: usize,
-    cpu: Option<usize>,
-    rx: Receiver<Msg>,
+struct Shared {
     pending: Arc<AtomicBool>,
+    sleeping: Arc<AtomicBool>,
     stats: Arc<ReactorStats>,
-) {
+}
+
+type Pollers = Vec<(u64, Box<dyn Poller>)>;
+
+/// Applies one control message; false on Stop.
+fn handle(msg: Msg, pollers: &mut Pollers, ctx: &mut ReactorCtx) -> bool {
+    match msg {
+        Msg::Add(id, p) => pollers.push((id, p)),
+        Msg::Remove(id, reply) => {
+            let p = pollers
+                .iter()
+                .position(|(i, _)| *i == id)
+                .map(|at| pollers.swap_remove(at).1);
+            let _ = reply.send(p);
+        }
+        Msg::Run(job) => job(ctx),
+        Msg::Wake => {}
+        Msg::Stop => return false,
+    }
+    true
+}
+
+/// The spin time after which every poller lets the reactor sleep, if they all do.
+fn sleep_after(pollers: &Pollers) -> Option<Duration> {
+    pollers
+        .iter()
+        .try_fold(Duration::ZERO, |acc, (_, p)| p.sleep_after().map(|d| acc.max(d)))
+}
+
+/// How long one sleep lasts at most; pollers re-arm after it.
+const MAX_SLEEP: Duration = Duration::from_millis(500);
+
+fn run_reactor(index: usize, cpu: Option<usize>, rx: Receiver<Msg>, sh: Shared) {
     ON_REACTOR.with(|c| c.set(true));
     if let Some(cpu) = cpu {
         pin(cpu);
     }
     let mut ctx = ReactorCtx { index };
-    let mut pollers: Vec<(u64, Box<dyn Poller>)> = Vec::new();
+    let mut pollers: Pollers = Vec::new();
     let (mut iters, mut busy, mut work) = (0u64, 0u64, 0u64);
+    // Some(spin) when every poller may sleep; refreshed on messages and now and then
+    // (pollers may change their mode), so busy-only reactors pay nothing per iteration.
+    let mut spin: Option<Duration> = None;
+    let mut idle_since: Option<Instant> = None;
     loop {
-        if pending.load(Ordering::Acquire) || pollers.is_empty() {
-            pending.store(false, Ordering::Relaxed);
+        if sh.pending.load(Ordering::Acquire) || pollers.is_empty() {
+            sh.pending.store(false, Ordering::Relaxed);
             // With nothing to poll, sleep on the channel instead of spinning.
             let first = if pollers.is_empty() {
                 rx.recv_timeout(Duration::from_millis(100)).ok()
@@ -215,19 +300,11 @@ fn run_reactor(
                 None
             };
             for msg in first.into_iter().chain(rx.try_iter()) {
-                match msg {
-                    Msg::Add(id, p) => pollers.push((id, p)),
-                    Msg::Remove(id, reply) => {
-                        let p = pollers
-                            .iter()
-                            .position(|(i, _)| *i == id)
-                            .map(|at| pollers.swap_remove(at).1);
-                        let _ = reply.send(p);
-                    }
-                    Msg::Run(job) => job(&mut ctx),
-                    Msg::Stop => return,
+                if !handle(msg, &mut pollers, &mut ctx) {
+                    return;
                 }
             }
+            spin = sleep_after(&pollers);
         }
         let mut done = 0;
         for (_, p) in pollers.iter_mut() {
@@ -237,11 +314,35 @@ fn run_reactor(
         if done > 0 {
             busy += 1;
             work += done as u64;
+            idle_since = None;
+        } else if let Some(spin) = spin.filter(|_| !pollers.is_empty()) {
+            let now = Instant::now();
+            let since = *idle_since.get_or_insert(now);
+            if now.duration_since(since) >= spin {
+                // Announce the sleep before the pollers re-check their rings, so a
+                // kick that lands after the check finds `sleeping` set and sends Wake.
+                sh.sleeping.store(true, Ordering::SeqCst);
+                let mut all = true;
+                for (_, p) in pollers.iter_mut() {
+                    all &= p.prepare_sleep();
+                }
+                if all {
+                    if let Ok(msg) = rx.recv_timeout(MAX_SLEEP) {
+                        if !handle(msg, &mut pollers, &mut ctx) {
+                            return;
+                        }
+                        sh.pending.store(true, Ordering::Release);
+                    }
+                }
+                sh.sleeping.store(false, Ordering::SeqCst);
+                idle_since = None;
+            }
         }
         if iters & 0xfff == 0 {
-            stats.iterations.store(iters, Ordering::Relaxed);
-            stats.busy_iterations.store(busy, Ordering::Relaxed);
-            stats.work_items.store(work, Ordering::Relaxed);
+            sh.stats.iterations.store(iters, Ordering::Relaxed);
+            sh.stats.busy_iterations.store(busy, Ordering::Relaxed);
+            sh.stats.work_items.store(work, Ordering::Relaxed);
+            spin = sleep_after(&pollers);
         }
     }
 }

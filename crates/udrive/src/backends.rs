@@ -24,6 +24,15 @@ struct FileUse {
 }
 
 pub fn open_all(controllers: &[ControllerConfig]) -> Result<Backends> {
+    Ok(open_with_disks(controllers, &[])?.0)
+}
+
+/// NVMe namespaces plus vhost-user-blk disks (`(who, spec)`), opened together so
+/// that a file is opened once and overlapping slices are caught across both kinds.
+pub fn open_with_disks(
+    controllers: &[ControllerConfig],
+    disks: &[(String, &NsSpec)],
+) -> Result<(Backends, Vec<Arc<dyn BlockDevice>>)> {
     let mut files: HashMap<(PathBuf, bool, bool), Arc<FileDisk>> = HashMap::new();
     let mut uses: Vec<FileUse> = Vec::new();
     let mut out = Vec::new();
@@ -36,8 +45,13 @@ pub fn open_all(controllers: &[ControllerConfig]) -> Result<Backends> {
         }
         out.push(devs);
     }
+    let mut disk_devs = Vec::new();
+    for (who, spec) in disks {
+        let dev = open_one(spec, &mut files, &mut uses, who).with_context(|| who.clone())?;
+        disk_devs.push(dev);
+    }
     check_overlaps(&uses)?;
-    Ok(out)
+    Ok((out, disk_devs))
 }
 
 fn open_one(

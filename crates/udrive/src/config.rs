@@ -26,6 +26,8 @@ pub struct Config {
     pub cpus: String,
     #[serde(default, rename = "controller")]
     pub controllers: Vec<ControllerConfig>,
+    #[serde(default)]
+    pub vhost_user_blk: Vec<crate::vhost_device::VhostBlkConfig>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -91,8 +93,8 @@ impl Config {
     /// Checks what can be checked before anything is created.
     pub fn validate(&self) -> Result<()> {
         engine::parse_cpu_list(&self.cpus).map_err(anyhow::Error::msg)?;
-        if self.controllers.is_empty() {
-            bail!("no controller configured: add a [[controller]] section or use --vfio-user/--ns");
+        if self.controllers.is_empty() && self.vhost_user_blk.is_empty() {
+            bail!("no device configured: add a [[controller]] or [[vhost_user_blk]] section, or use --vfio-user/--ns or --vhost-user-blk/--disk");
         }
         let mut sockets = HashSet::new();
         for c in &self.controllers {
@@ -103,9 +105,13 @@ impl Config {
             if !sockets.insert(c.socket.clone()) {
                 bail!("socket {} is used by two controllers", c.socket.display());
             }
-            c.placement
+            if let engine::Placement::Dedicated = c
+                .placement
                 .parse::<engine::Placement>()
-                .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+                .map_err(|e| anyhow::anyhow!("{what}: {e}"))?
+            {
+                bail!("{what}: placement `dedicated` is available for vhost_user_blk devices only; use round-robin or single");
+            }
             if c.io_queues == 0 || c.io_queues > 511 {
                 bail!("{what}: io_queues must be 1..=511, not {}", c.io_queues);
             }
@@ -115,6 +121,7 @@ impl Config {
                 }
             }
         }
+        crate::vhost_device::validate(&self.vhost_user_blk, &mut sockets)?;
         Ok(())
     }
 }

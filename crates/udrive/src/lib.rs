@@ -9,3 +9,4 @@ pub mod nsspec;
 pub mod perf;
 pub mod serve;
 pub mod size;
+pub mod vhost_device;

@@ -21,9 +21,11 @@ pub struct ServeArgs {
     /// CPUs for reactor threads, one reactor per CPU (e.g. 0 or 0-1 or 0,2)
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<String>,
-    /// Queue placement over reactors: round-robin or single
+    /// Queue placement over reactors: round-robin or single (vhost-user-blk also: dedicated)
     #[arg(long, default_value = "round-robin", conflicts_with = "config")]
     pub placement: String,
+    #[command(flatten)]
+    pub vhost: crate::vhost_device::VhostArgs,
     /// I/O queue pairs the controller offers
     #[arg(long, default_value_t = crate::config::default_io_queues(), conflicts_with = "config")]
     pub io_queues: u16,
@@ -36,6 +38,16 @@ impl ServeArgs {
     fn into_config(self) -> Result<Config> {
         let mut cfg = match &self.config {
             Some(path) => Config::load(path)?,
+            None if self.vhost.vhost_user_blk.is_some()
+                && self.vfio_user.is_none()
+                && self.ns.is_empty() =>
+            {
+                Config {
+                    cpus: crate::config::default_cpus(),
+                    controllers: Vec::new(),
+                    vhost_user_blk: Vec::new(),
+                }
+            }
             None => {
                 let socket = self
                     .vfio_user
@@ -52,9 +64,13 @@ impl ServeArgs {
                 Config {
                     cpus: crate::config::default_cpus(),
                     controllers: vec![c],
+                    vhost_user_blk: Vec::new(),
                 }
             }
         };
+        if let Some(d) = self.vhost.to_config(&self.placement)? {
+            cfg.vhost_user_blk.push(d);
+        }
         if let Some(cpus) = self.cpus {
             cfg.cpus = cpus;
         }
@@ -73,7 +89,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             online - 1
         );
     }
-    let backends = crate::backends::open_all(&cfg.controllers)?;
+    let (backends, disks) = crate::vhost_device::open_backends(&cfg)?;
     // Signals are routed into the iterator before any thread starts.
     let mut signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
     let engine = engine::Engine::start(&cpus.iter().map(|c| Some(*c)).collect::<Vec<_>>())
@@ -91,6 +107,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
             }
         }
     }
+    let blk = match crate::vhost_device::start_all(&cfg, disks, &engine, cpus.len()) {
+        Ok(b) => b,
+        Err(e) => {
+            devices.into_iter().for_each(NvmeDevice::stop);
+            engine.shutdown();
+            return Err(e);
+        }
+    };
     for d in &devices {
         println!(
             "udrive: NVMe controller on {} with namespaces {}",
@@ -98,14 +122,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
             d.namespaces.join(", ")
         );
     }
-    println!("\nAttach a VM (QEMU 10.1+; guest RAM must be a shared memfd):\n");
-    for d in &devices {
-        println!("{}\n", qemu_command(&d.socket));
+    if !devices.is_empty() {
+        println!("\nAttach a VM (QEMU 10.1+; guest RAM must be a shared memfd):\n");
+        for d in &devices {
+            println!("{}\n", qemu_command(&d.socket));
+        }
+        println!(
+            "Or measure it: udrive perf --vfio-user {} --rw randread --bs 4096 --qd 32 --time 10",
+            devices[0].socket.display()
+        );
     }
-    println!(
-        "Or measure it: udrive perf --vfio-user {} --rw randread --bs 4096 --qd 32 --time 10",
-        devices[0].socket.display()
-    );
+    crate::vhost_device::print_attach(&cfg);
     println!("Stop with Ctrl-C.");
 
     let sig = signals.forever().next();
@@ -113,6 +140,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     for d in devices {
         d.stop();
     }
+    blk.into_iter().for_each(vhost_user_blk::VhostUserBlk::stop);
     engine.shutdown();
     Ok(())
 }

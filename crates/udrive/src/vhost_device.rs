@@ -1,0 +1,296 @@
+//! vhost-user-blk devices in `udrive serve`: their config table, reactor placement,
+//! and the QEMU command line that attaches one.
+//!
+//! ```toml
+//! [[vhost_user_blk]]
+//! socket = "/run/udrive/vm1-blk.sock"
+//! disk = "file:/srv/vm1.img"
+//! queues = 2                 # virtqueues (give the guest at least as many vCPUs)
+//! placement = "dedicated"    # dedicated | round-robin | single
+//! poll = "adaptive"          # busy | adaptive | event
+//! cpus = "0-1"               # CPUs for dedicated reactors (cycled); default unpinned
+//! ```
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use engine::{Engine, Placement, Placer, PollMode};
+use serde::Deserialize;
+use vhost_user_blk::{BlkDeviceOptions, DeviceOptions, VhostUserBlk};
+
+use crate::nsspec::NsSpec;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VhostBlkConfig {
+    pub socket: PathBuf,
+    pub disk: NsSpec,
+    #[serde(default = "default_queues")]
+    pub queues: u16,
+    #[serde(default = "default_queue_size")]
+    pub queue_size: u16,
+    #[serde(default = "default_placement")]
+    pub placement: String,
+    #[serde(default = "default_poll")]
+    pub poll: String,
+    /// CPUs for `dedicated` reactors; queue i gets the i-th (cycled).
+    #[serde(default)]
+    pub cpus: Option<String>,
+    #[serde(default)]
+    pub serial: Option<String>,
+}
+
+pub fn default_queues() -> u16 {
+    1
+}
+fn default_queue_size() -> u16 {
+    256
+}
+pub fn default_placement() -> String {
+    "round-robin".into()
+}
+pub fn default_poll() -> String {
+    "busy".into()
+}
+
+impl VhostBlkConfig {
+    pub fn new(socket: PathBuf, disk: NsSpec) -> Self {
+        VhostBlkConfig {
+            socket,
+            disk,
+            queues: default_queues(),
+            queue_size: default_queue_size(),
+            placement: default_placement(),
+            poll: default_poll(),
+            cpus: None,
+            serial: None,
+        }
+    }
+
+    fn what(&self) -> String {
+        format!("vhost-user-blk device {}", self.socket.display())
+    }
+
+    /// GET_ID answer: given, or derived from the socket's file name.
+    pub fn serial(&self) -> String {
+        let s = self.serial.clone().unwrap_or_else(|| {
+            let stem = self
+                .socket
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            format!("UD-{stem}")
+        });
+        s.chars().filter(|c| c.is_ascii_graphic()).take(20).collect()
+    }
+}
+
+/// Checks the `[[vhost_user_blk]]` entries; `sockets` holds the sockets already used.
+pub fn validate(devs: &[VhostBlkConfig], sockets: &mut HashSet<PathBuf>) -> Result<()> {
+    for d in devs {
+        let what = d.what();
+        if !sockets.insert(d.socket.clone()) {
+            bail!("socket {} is used by two devices", d.socket.display());
+        }
+        if d.queues == 0 || d.queues > 64 {
+            bail!("{what}: queues must be 1..=64, not {}", d.queues);
+        }
+        if !d.queue_size.is_power_of_two() || !(16..=1024).contains(&d.queue_size) {
+            bail!(
+                "{what}: queue_size must be a power of two in 16..=1024, not {}",
+                d.queue_size
+            );
+        }
+        d.placement
+            .parse::<Placement>()
+            .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        d.poll
+            .parse::<PollMode>()
+            .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        if let Some(c) = &d.cpus {
+            engine::parse_cpu_list(c).map_err(|e| anyhow::anyhow!("{what}: cpus: {e}"))?;
+        }
+        if let Some(dir) = d.socket.parent().filter(|p| !p.as_os_str().is_empty()) {
+            if !dir.is_dir() {
+                bail!("{what}: directory {} does not exist", dir.display());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reactors for each queue of one device. `base` is the number of shared reactors
+/// (from `--cpus`); `dedicated` adds reactors of the device's own.
+fn reactors_for(cfg: &VhostBlkConfig, index: usize, engine: &Engine, base: usize) -> Result<Vec<usize>> {
+    let policy: Placement = cfg.placement.parse().map_err(anyhow::Error::msg)?;
+    let nq = usize::from(cfg.queues);
+    if let Placement::Dedicated = policy {
+        let cpus = match &cfg.cpus {
+            Some(c) => engine::parse_cpu_list(c)
+                .map_err(anyhow::Error::msg)?
+                .into_iter()
+                .map(Some)
+                .collect(),
+            None => vec![None],
+        };
+        return (0..nq)
+            .map(|q| {
+                engine
+                    .add_reactor(cpus[q % cpus.len()])
+                    .context("cannot start a dedicated reactor")
+            })
+            .collect();
+    }
+    let placer = Placer::new(policy, index, base);
+    Ok((0..nq).map(|q| placer.reactor_for(q)).collect())
+}
+
+/// Starts one device on `disk`.
+pub fn start(
+    cfg: &VhostBlkConfig,
+    disk: Arc<dyn bdev::BlockDevice>,
+    index: usize,
+    engine: &Arc<Engine>,
+    base_reactors: usize,
+) -> Result<VhostUserBlk> {
+    let reactors = reactors_for(cfg, index, engine, base_reactors)?;
+    let opts = BlkDeviceOptions {
+        device: DeviceOptions {
+            num_queues: cfg.queues,
+            queue_size: cfg.queue_size,
+            serial: cfg.serial(),
+            ..Default::default()
+        },
+        poll: cfg.poll.parse().map_err(anyhow::Error::msg)?,
+    };
+    VhostUserBlk::start(&cfg.socket, disk, opts, engine, &reactors)
+        .with_context(|| format!("cannot start {}", cfg.what()))
+}
+
+/// How to attach QEMU to a device.
+pub fn qemu_command(socket: &Path, queues: u16) -> String {
+    format!(
+        "qemu-system-x86_64 -machine q35,accel=kvm -m 1G -smp {queues} \\\n  \
+         -object memory-backend-memfd,id=mem,size=1G,share=on -numa node,memdev=mem \\\n  \
+         -chardev socket,id=c0,path={},reconnect=1 \\\n  \
+         -device vhost-user-blk-pci,chardev=c0,num-queues={queues} ...",
+        socket.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_and_checks() {
+        let c: crate::config::Config = toml::from_str(
+            r#"
+            [[vhost_user_blk]]
+            socket = "/tmp/a.sock"
+            disk = "ram:64M"
+            queues = 2
+            placement = "dedicated"
+            poll = "adaptive"
+            "#,
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.vhost_user_blk[0].queues, 2);
+        let mut bad = c.vhost_user_blk[0].clone();
+        bad.poll = "sometimes".into();
+        assert!(validate(&[bad], &mut HashSet::new()).is_err());
+        let mut bad = c.vhost_user_blk[0].clone();
+        bad.queues = 0;
+        assert!(validate(&[bad], &mut HashSet::new()).is_err());
+        let twice = vec![c.vhost_user_blk[0].clone(), c.vhost_user_blk[0].clone()];
+        assert!(validate(&twice, &mut HashSet::new()).is_err());
+    }
+}
+
+/// `udrive serve` options for one vhost-user-blk device.
+#[derive(clap::Args, Debug)]
+pub struct VhostArgs {
+    /// vhost-user socket of a virtio-blk device (with --disk)
+    #[arg(long, value_name = "SOCKET", conflicts_with = "config", requires = "disk")]
+    pub vhost_user_blk: Option<PathBuf>,
+    /// Backend of the vhost-user-blk device: same spec as --ns (null:, ram:, file:...)
+    #[arg(long, value_name = "SPEC", requires = "vhost_user_blk")]
+    pub disk: Option<NsSpec>,
+    /// Virtqueues of the vhost-user-blk device
+    #[arg(long, default_value_t = default_queues())]
+    pub queues: u16,
+    /// How vhost-user-blk queues wait for work: busy, adaptive or event
+    #[arg(long, default_value = "busy")]
+    pub poll: String,
+}
+
+impl VhostArgs {
+    pub fn to_config(&self, placement: &str) -> Result<Option<VhostBlkConfig>> {
+        let (Some(socket), Some(disk)) = (&self.vhost_user_blk, &self.disk) else {
+            return Ok(None);
+        };
+        let mut c = VhostBlkConfig::new(socket.clone(), disk.clone());
+        c.queues = self.queues;
+        c.placement = placement.to_string();
+        c.poll = self.poll.clone();
+        Ok(Some(c))
+    }
+}
+
+/// Opens NVMe namespaces and vhost-user-blk disks together (shared files, overlap checks).
+pub fn open_backends(
+    cfg: &crate::config::Config,
+) -> Result<(crate::backends::Backends, Vec<Arc<dyn bdev::BlockDevice>>)> {
+    let disks: Vec<(String, &NsSpec)> = cfg
+        .vhost_user_blk
+        .iter()
+        .map(|d| (format!("disk {} of {}", d.disk, d.what()), &d.disk))
+        .collect();
+    crate::backends::open_with_disks(&cfg.controllers, &disks)
+}
+
+/// Starts every configured device; on failure stops those already started.
+pub fn start_all(
+    cfg: &crate::config::Config,
+    disks: Vec<Arc<dyn bdev::BlockDevice>>,
+    engine: &Arc<Engine>,
+    base_reactors: usize,
+) -> Result<Vec<VhostUserBlk>> {
+    let mut out: Vec<VhostUserBlk> = Vec::new();
+    for (i, (c, disk)) in cfg.vhost_user_blk.iter().zip(disks).enumerate() {
+        match start(c, disk, i, engine, base_reactors) {
+            Ok(d) => out.push(d),
+            Err(e) => {
+                out.into_iter().for_each(VhostUserBlk::stop);
+                return Err(e);
+            }
+        }
+    }
+    Ok(out)
+}
+
+pub fn print_attach(cfg: &crate::config::Config) {
+    for d in &cfg.vhost_user_blk {
+        println!(
+            "udrive: vhost-user-blk device on {} with disk {} ({} queues, placement {}, poll {})",
+            d.socket.display(),
+            d.disk,
+            d.queues,
+            d.placement,
+            d.poll
+        );
+    }
+    if let Some(first) = cfg.vhost_user_blk.first() {
+        println!("\nAttach a VM (guest RAM must be a shared memfd):\n");
+        for d in &cfg.vhost_user_blk {
+            println!("{}\n", qemu_command(&d.socket, d.queues));
+        }
+        println!(
+            "Or measure it: udrive perf --vhost-user {} --rw randread --bs 4096 --qd 32 --time 10",
+            first.socket.display()
+        );
+    }
+}

@@ -1,0 +1,212 @@
+//! A running vhost-user-blk device: socket, connections, and its queue pollers.
+
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use bdev::BlockDevice;
+use engine::{Engine, PollMode, PollerId};
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use virtio_blk::{BlkConfig, DeviceOptions, Mem, QueueWorker};
+use vm_memory::GuestMemoryAtomic;
+
+use crate::backend::{BlkBackend, Conn, QueueCtl, Shared};
+use crate::poller::VirtqPoller;
+
+/// How a device is set up.
+#[derive(Clone, Debug, Default)]
+pub struct BlkDeviceOptions {
+    pub device: DeviceOptions,
+    pub poll: PollMode,
+}
+
+pub struct VhostUserBlk {
+    pub socket: PathBuf,
+    engine: Arc<Engine>,
+    pollers: Vec<PollerId>,
+    stop: Arc<AtomicBool>,
+    conn_handle: Arc<Mutex<Option<ShutdownHandle>>>,
+    thread: Option<JoinHandle<()>>,
+    connections: Arc<AtomicU64>,
+}
+
+/// How long a disconnect waits for in-flight requests before letting a new front
+/// end in.
+const DISCONNECT_DRAIN: Duration = Duration::from_secs(30);
+
+impl VhostUserBlk {
+    /// Listens on `socket` and serves `disk`; queue `i` is polled by reactor
+    /// `reactors[i % reactors.len()]`.
+    pub fn start(
+        socket: &Path,
+        disk: Arc<dyn BlockDevice>,
+        opts: BlkDeviceOptions,
+        engine: &Arc<Engine>,
+        reactors: &[usize],
+    ) -> io::Result<VhostUserBlk> {
+        let nq = usize::from(opts.device.num_queues);
+        if nq == 0 || opts.device.queue_size == 0 || reactors.is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a vhost-user-blk device needs at least one queue, a queue size and a reactor",
+            ));
+        }
+        let cfg = Arc::new(BlkConfig::new(opts.device.clone(), disk.info().clone()));
+        let mut queues = Vec::with_capacity(nq);
+        for i in 0..nq {
+            let r = reactors[i % reactors.len()];
+            let waker = engine.waker(r).ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, format!("no reactor {r}"))
+            })?;
+            queues.push(QueueCtl {
+                conn: Mutex::new(None),
+                gen: AtomicU64::new(0),
+                in_flight: AtomicUsize::new(0),
+                waker,
+            });
+        }
+        let shared = Arc::new(Shared { cfg, queues });
+        let mut listener = Listener::new(socket, true)
+            .map_err(|e| io::Error::other(format!("cannot listen on {}: {e}", socket.display())))?;
+
+        let mut pollers = Vec::with_capacity(nq);
+        for i in 0..nq {
+            let worker = QueueWorker::new(shared.cfg.clone(), disk.channel()?);
+            let p = VirtqPoller::new(i, shared.clone(), worker, opts.poll);
+            let r = reactors[i % reactors.len()];
+            match engine.add_poller(r, Box::new(p)) {
+                Ok(id) => pollers.push(id),
+                Err(e) => {
+                    for id in pollers {
+                        let _ = engine.remove_poller(id);
+                    }
+                    return Err(io::Error::other(e.to_string()));
+                }
+            }
+        }
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let conn_handle = Arc::new(Mutex::new(None));
+        let connections = Arc::new(AtomicU64::new(0));
+        let (stop2, handle2, count2, sock2) = (
+            stop.clone(),
+            conn_handle.clone(),
+            connections.clone(),
+            socket.to_path_buf(),
+        );
+        let thread = std::thread::Builder::new()
+            .name("vhost-blk".into())
+            .spawn(move || serve(&mut listener, shared, &stop2, &handle2, &count2, &sock2))?;
+        Ok(VhostUserBlk {
+            socket: socket.to_path_buf(),
+            engine: engine.clone(),
+            pollers,
+            stop,
+            conn_handle,
+            thread: Some(thread),
+            connections,
+        })
+    }
+
+    /// Front ends that have connected so far.
+    pub fn connections(&self) -> u64 {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// Disconnects the front end (after in-flight requests complete), closes the
+    /// socket and takes the pollers off their reactors.
+    pub fn stop(mut self) {
+        self.stop_inner();
+    }
+
+    fn stop_inner(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(h) = lock(&self.conn_handle).as_ref() {
+            h.shutdown();
+        }
+        // Unblocks a thread waiting in accept().
+        let _ = UnixStream::connect(&self.socket);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        for id in self.pollers.drain(..) {
+            let _ = self.engine.remove_poller(id);
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+impl Drop for VhostUserBlk {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            self.stop_inner();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Serves one front end at a time, each with a fresh vhost-user-backend daemon (its
+/// handler keeps per-connection state such as ownership that must not leak into
+/// the next connection).
+fn serve(
+    listener: &mut Listener,
+    shared: Arc<Shared>,
+    stop: &AtomicBool,
+    handle: &Mutex<Option<ShutdownHandle>>,
+    count: &AtomicU64,
+    socket: &Path,
+) {
+    while !stop.load(Ordering::SeqCst) {
+        let conn = Arc::new(Conn {
+            mem: GuestMemoryAtomic::new(Mem::default()),
+            vrings: Mutex::new(None),
+        });
+        let backend = BlkBackend {
+            shared: shared.clone(),
+            conn: conn.clone(),
+        };
+        let mut daemon = match VhostUserDaemon::new("vhost-blk".into(), backend, conn.mem.clone())
+        {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!(socket = %socket.display(), error = ?e, "cannot set up vhost-user handler");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        if let Err(e) = daemon.start(listener) {
+            tracing::warn!(socket = %socket.display(), error = ?e, "accept failed");
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        }
+        if stop.load(Ordering::SeqCst) {
+            daemon.request_shutdown();
+        } else {
+            count.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(socket = %socket.display(), "vhost-user front end connected");
+        }
+        *lock(handle) = daemon.shutdown_handle();
+        if let Err(e) = daemon.wait() {
+            tracing::info!(socket = %socket.display(), error = ?e, "vhost-user connection ended with an error");
+        }
+        *lock(handle) = None;
+        // Requests taken from this connection's rings finish (their memory stays
+        // mapped while they do) before the pollers let go of the vrings.
+        for q in &shared.queues {
+            q.attach(None);
+        }
+        for q in &shared.queues {
+            q.drain(DISCONNECT_DRAIN);
+        }
+        drop(daemon);
+        tracing::info!(socket = %socket.display(), "vhost-user front end disconnected");
+    }
+}

@@ -1,0 +1,117 @@
+//! One virtqueue as an engine poller: runs on the reactor that owns the queue.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use engine::{PollMode, Poller};
+use vhost_user_backend::{VringStateMutGuard, VringT};
+use virtio_queue::QueueT;
+use vm_memory::GuestAddressSpace;
+use virtio_blk::{Mem, QueueWorker};
+
+use crate::backend::{Conn, Shared, Vring};
+
+pub(crate) struct VirtqPoller {
+    pub index: usize,
+    pub shared: Arc<Shared>,
+    pub worker: QueueWorker,
+    pub mode: PollMode,
+    gen: u64,
+    conn: Option<(Arc<Conn>, Vring)>,
+    mem: Arc<Mem>,
+    /// Guest notifications are off (we are polling) for the current vring.
+    quiet: bool,
+}
+
+impl VirtqPoller {
+    pub fn new(index: usize, shared: Arc<Shared>, worker: QueueWorker, mode: PollMode) -> Self {
+        VirtqPoller {
+            index,
+            shared,
+            worker,
+            mode,
+            gen: 0,
+            conn: None,
+            mem: Arc::new(Mem::default()),
+            quiet: false,
+        }
+    }
+
+    /// Picks up a new connection (or its loss) once nothing is in flight on the old one.
+    fn refresh(&mut self) {
+        let ctl = &self.shared.queues[self.index];
+        let gen = ctl.gen.load(Ordering::Acquire);
+        if gen == self.gen || self.worker.in_flight() != 0 {
+            return;
+        }
+        self.gen = gen;
+        let conn = ctl.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        self.conn = conn.and_then(|c| {
+            let v = c.vrings.lock().ok()?.as_ref()?.get(self.index)?.clone();
+            Some((c, v))
+        });
+        self.worker.reset();
+        self.quiet = false;
+    }
+}
+
+impl Poller for VirtqPoller {
+    fn poll(&mut self) -> usize {
+        self.refresh();
+        let Some((conn, vring)) = &self.conn else {
+            return 0;
+        };
+        {
+            let g = conn.mem.memory();
+            if !std::ptr::eq(&*g, &*self.mem) {
+                self.mem = g.into_inner();
+            }
+        }
+        // The vring state belongs to vhost-user-backend, which changes it only on
+        // control messages; this lock is uncontended on the I/O path.
+        let mut st = <Vring as VringT<_>>::get_mut(vring);
+        let st: &mut <Vring as VringStateMutGuard<'_, _>>::G = &mut st;
+        // A newer connection (or none) waits for our in-flight requests: take no new ones.
+        let current = self.shared.queues[self.index].gen.load(Ordering::Relaxed) == self.gen;
+        let pop = current && st.get_queue().ready() && st.is_enabled();
+        if pop && !self.quiet {
+            // Polling: ask the guest not to kick (no-op with EVENT_IDX beyond not
+            // moving avail_event, which is what suppresses kicks there).
+            let _ = st.disable_notification();
+            self.quiet = true;
+        }
+        let p = self.worker.process(st.get_queue_mut(), &self.mem, pop);
+        if p.used > 0 && st.needs_notification().unwrap_or(true) {
+            let _ = st.signal_used_queue();
+        }
+        self.shared.queues[self.index]
+            .in_flight
+            .store(self.worker.in_flight(), Ordering::Release);
+        p.work
+    }
+
+    fn sleep_after(&self) -> Option<Duration> {
+        self.mode.sleep_after()
+    }
+
+    fn prepare_sleep(&mut self) -> bool {
+        if self.worker.in_flight() != 0 {
+            return false;
+        }
+        let ctl = &self.shared.queues[self.index];
+        if ctl.gen.load(Ordering::Acquire) != self.gen {
+            return false;
+        }
+        let Some((_, vring)) = &self.conn else {
+            return true;
+        };
+        let mut st = <Vring as VringT<_>>::get_mut(vring);
+        if !(st.get_queue().ready() && st.is_enabled()) || self.worker.broken().is_some() {
+            return true;
+        }
+        self.quiet = false;
+        // Re-enable kicks; if the guest added work meanwhile, stay awake.
+        !st.enable_notification().unwrap_or(true)
+    }
+}

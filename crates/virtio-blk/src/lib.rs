@@ -1,0 +1,19 @@
+//! virtio-blk device model on rust-vmm's `virtio-queue`: feature bits and config
+//! space ([`BlkConfig`]), and a per-virtqueue [`QueueWorker`] that turns descriptor
+//! chains into zero-copy bdev requests and completes them on the used ring.
+//!
+//! The model knows nothing about sockets: a transport (vhost-user here) owns the
+//! `Queue` and the guest memory, and calls [`QueueWorker::process`] from the one
+//! thread that owns the queue.
+
+mod config;
+mod guest;
+mod request;
+mod worker;
+
+pub use config::{features, BlkConfig, DeviceOptions};
+pub use guest::Mem;
+pub use worker::{Progress, QueueError, QueueWorker, WorkerStats};
+
+/// Size of a virtio-blk sector: request offsets are always in these units.
+pub const SECTOR: u64 = 512;

@@ -1,0 +1,352 @@
+//! Descriptor chain -> request. The guest is untrusted: every length, direction and
+//! address is checked, and anything odd becomes a status byte, never a panic.
+//!
+//! The spec does not fix how a request is framed over descriptors, so the chain is
+//! read as two byte streams: device-readable (16-byte header, then OUT data or a
+//! DISCARD/WRITE_ZEROES segment) and device-writable (IN data or GET_ID, then the
+//! status byte last).
+
+use std::ops::Deref;
+use std::sync::Arc;
+
+use bdev::{in_range, IoOp};
+use guest_mem::DmaSlice;
+use virtio_bindings::virtio_blk as vb;
+use virtio_queue::DescriptorChain;
+
+use crate::config::{features, BlkConfig, MAX_DISCARD_SECTORS};
+use crate::guest::{window, Mem};
+use crate::SECTOR;
+
+pub(crate) const S_OK: u8 = vb::VIRTIO_BLK_S_OK as u8;
+pub(crate) const S_IOERR: u8 = vb::VIRTIO_BLK_S_IOERR as u8;
+pub(crate) const S_UNSUPP: u8 = vb::VIRTIO_BLK_S_UNSUPP as u8;
+
+const HEADER: usize = 16;
+const ID_BYTES: usize = vb::VIRTIO_BLK_ID_BYTES as usize;
+
+#[derive(Clone, Copy)]
+pub(crate) struct Seg {
+    s: DmaSlice<'static>,
+    writable: bool,
+}
+
+/// What to do with a parsed chain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Send to the backend.
+    Submit,
+    /// Already decided: write this status.
+    Finish(u8),
+}
+
+/// One preallocated request slot.
+pub(crate) struct Slot {
+    pub head: u16,
+    /// Keeps the guest mapping that `data` and `status` point into alive.
+    pub mem: Option<Arc<Mem>>,
+    pub status: Option<DmaSlice<'static>>,
+    pub data: Vec<DmaSlice<'static>>,
+    pub op: IoOp,
+    pub offset: u64,
+    pub len: u64,
+    pub fua: bool,
+    pub used_len: u32,
+    pub outcome: Outcome,
+}
+
+impl Slot {
+    pub fn new(max_segs: usize) -> Self {
+        Slot {
+            head: 0,
+            mem: None,
+            status: None,
+            data: Vec::with_capacity(max_segs),
+            op: IoOp::Read,
+            offset: 0,
+            len: 0,
+            fua: false,
+            used_len: 0,
+            outcome: Outcome::Finish(S_IOERR),
+        }
+    }
+
+    pub fn release(&mut self) {
+        self.mem = None;
+        self.status = None;
+        self.data.clear();
+    }
+
+    fn finish(&mut self, status: u8) {
+        self.outcome = Outcome::Finish(status);
+    }
+}
+
+/// Reads `chain` into `slot`. `segs` is scratch space whose capacity bounds the
+/// number of descriptors accepted.
+pub(crate) fn parse<M>(
+    chain: DescriptorChain<M>,
+    mem: &Arc<Mem>,
+    cfg: &BlkConfig,
+    segs: &mut Vec<Seg>,
+    slot: &mut Slot,
+) where
+    M: Deref,
+    M::Target: vm_memory::GuestMemory,
+{
+    slot.head = chain.head_index();
+    slot.mem = Some(mem.clone());
+    slot.status = None;
+    slot.data.clear();
+    slot.used_len = 0;
+    slot.len = 0;
+    slot.fua = false;
+    slot.outcome = Outcome::Finish(S_IOERR);
+    segs.clear();
+
+    let (mut overflow, mut bad_addr, mut bad_order, mut seen_w) = (false, false, false, false);
+    let mut last: Option<Seg> = None;
+    for d in chain {
+        let writable = d.is_write_only();
+        if !writable && seen_w {
+            bad_order = true;
+        }
+        seen_w |= writable;
+        if d.len() == 0 {
+            continue;
+        }
+        match window(mem, d.addr().0, d.len()) {
+            Some(s) => {
+                let seg = Seg { s, writable };
+                last = Some(seg);
+                if segs.len() < segs.capacity() {
+                    segs.push(seg);
+                } else {
+                    overflow = true;
+                }
+            }
+            None => {
+                bad_addr = true;
+                last = None;
+            }
+        }
+    }
+
+    // Without a writable last byte there is nowhere to put a status: the chain is
+    // returned with nothing written.
+    let Some(last) = last.filter(|l| l.writable) else {
+        slot.finish(S_IOERR);
+        return;
+    };
+    slot.status = last.s.sub(last.s.len() - 1, 1);
+    slot.used_len = 1;
+    if overflow || bad_addr || bad_order {
+        slot.finish(S_IOERR);
+        return;
+    }
+
+    let mut hdr = [0u8; HEADER];
+    if !gather(segs, false, 0, &mut hdr) {
+        slot.finish(S_IOERR);
+        return;
+    }
+    let req_type = u32::from_le_bytes(hdr[0..4].try_into().unwrap_or_default());
+    let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap_or_default());
+    let writable_data = total(segs, true).saturating_sub(1);
+    let readable_data = total(segs, false).saturating_sub(HEADER as u64);
+
+    let status = match req_type {
+        vb::VIRTIO_BLK_T_IN => {
+            let len = collect(segs, true, 0, writable_data, &mut slot.data);
+            slot.used_len = u32::try_from(len + 1).unwrap_or(u32::MAX);
+            rw(cfg, slot, IoOp::Read, sector, len)
+        }
+        vb::VIRTIO_BLK_T_OUT => {
+            let len = collect(segs, false, HEADER as u64, readable_data, &mut slot.data);
+            rw(cfg, slot, IoOp::Write, sector, len)
+        }
+        vb::VIRTIO_BLK_T_FLUSH => {
+            if cfg.features & features::FLUSH == 0 {
+                S_UNSUPP
+            } else {
+                slot.op = IoOp::Flush;
+                slot.offset = 0;
+                return submit(slot);
+            }
+        }
+        vb::VIRTIO_BLK_T_GET_ID => {
+            let mut id = [0u8; ID_BYTES];
+            let n = cfg.opts.serial.len().min(ID_BYTES);
+            id[..n].copy_from_slice(&cfg.opts.serial.as_bytes()[..n]);
+            let want = (writable_data as usize).min(ID_BYTES);
+            if scatter(segs, &id[..want]) {
+                slot.used_len = want as u32 + 1;
+                S_OK
+            } else {
+                S_IOERR
+            }
+        }
+        vb::VIRTIO_BLK_T_DISCARD => range_op(cfg, segs, slot, readable_data, IoOp::Discard),
+        vb::VIRTIO_BLK_T_WRITE_ZEROES => {
+            range_op(cfg, segs, slot, readable_data, IoOp::WriteZeroes)
+        }
+        _ => S_UNSUPP,
+    };
+    if status != S_OK || slot.outcome != Outcome::Submit {
+        slot.finish(status);
+    }
+}
+
+fn submit(slot: &mut Slot) {
+    slot.outcome = Outcome::Submit;
+}
+
+/// Checks an IN/OUT request; on success marks the slot for submission.
+fn rw(cfg: &BlkConfig, slot: &mut Slot, op: IoOp, sector: u64, len: u64) -> u8 {
+    slot.outcome = Outcome::Finish(S_IOERR);
+    if op == IoOp::Write && cfg.info.read_only {
+        return S_IOERR;
+    }
+    let Some(offset) = check_range(cfg, sector, len) else {
+        return S_IOERR;
+    };
+    if len == 0 {
+        return S_OK;
+    }
+    slot.op = op;
+    slot.offset = offset;
+    slot.len = len;
+    // With the guest's write cache off, every write must be durable on completion.
+    slot.fua = op == IoOp::Write && cfg.info.write_cache && !cfg.writeback();
+    submit(slot);
+    S_OK
+}
+
+/// Byte offset of a sector range if it is block-aligned and inside the device.
+fn check_range(cfg: &BlkConfig, sector: u64, len: u64) -> Option<u64> {
+    let bs = u64::from(cfg.info.block_size.max(1));
+    let offset = sector.checked_mul(SECTOR)?;
+    if offset % bs != 0 || len % bs != 0 || !in_range(offset, len, cfg.capacity_bytes()) {
+        return None;
+    }
+    Some(offset)
+}
+
+fn range_op(cfg: &BlkConfig, segs: &[Seg], slot: &mut Slot, readable: u64, op: IoOp) -> u8 {
+    slot.outcome = Outcome::Finish(S_IOERR);
+    let (feature, allowed_flags) = match op {
+        IoOp::Discard => (features::DISCARD, 0),
+        _ => (
+            features::WRITE_ZEROES,
+            vb::VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
+        ),
+    };
+    if cfg.features & feature == 0 {
+        return S_UNSUPP;
+    }
+    // We offer max_discard_seg = max_write_zeroes_seg = 1.
+    let mut seg = [0u8; 16];
+    if readable != 16 || !gather(segs, false, HEADER as u64, &mut seg) {
+        return S_IOERR;
+    }
+    let sector = u64::from_le_bytes(seg[0..8].try_into().unwrap_or_default());
+    let num = u32::from_le_bytes(seg[8..12].try_into().unwrap_or_default());
+    let flags = u32::from_le_bytes(seg[12..16].try_into().unwrap_or_default());
+    if flags & !allowed_flags != 0 {
+        return S_UNSUPP;
+    }
+    if num > MAX_DISCARD_SECTORS || cfg.info.read_only {
+        return S_IOERR;
+    }
+    let len = u64::from(num) * SECTOR;
+    let Some(offset) = check_range(cfg, sector, len) else {
+        return S_IOERR;
+    };
+    if len == 0 {
+        return S_OK;
+    }
+    slot.op = op;
+    slot.offset = offset;
+    slot.len = len;
+    submit(slot);
+    S_OK
+}
+
+fn total(segs: &[Seg], writable: bool) -> u64 {
+    segs.iter()
+        .filter(|s| s.writable == writable)
+        .map(|s| s.s.len() as u64)
+        .sum()
+}
+
+/// Sub-slices covering `len` bytes of one direction's stream from `skip`.
+fn collect(
+    segs: &[Seg],
+    writable: bool,
+    mut skip: u64,
+    len: u64,
+    out: &mut Vec<DmaSlice<'static>>,
+) -> u64 {
+    let mut left = len;
+    for seg in segs.iter().filter(|s| s.writable == writable) {
+        if left == 0 {
+            break;
+        }
+        let l = seg.s.len() as u64;
+        if skip >= l {
+            skip -= l;
+            continue;
+        }
+        let take = (l - skip).min(left);
+        if let Some(part) = seg.s.sub(skip as usize, take as usize) {
+            if out.len() < out.capacity() {
+                out.push(part);
+            }
+        }
+        left -= take;
+        skip = 0;
+    }
+    len - left
+}
+
+/// Copies `dst.len()` bytes of one direction's stream from `skip`; false if short.
+fn gather(segs: &[Seg], writable: bool, mut skip: u64, dst: &mut [u8]) -> bool {
+    let mut at = 0;
+    for seg in segs.iter().filter(|s| s.writable == writable) {
+        if at == dst.len() {
+            break;
+        }
+        let l = seg.s.len() as u64;
+        if skip >= l {
+            skip -= l;
+            continue;
+        }
+        let take = ((l - skip) as usize).min(dst.len() - at);
+        if seg
+            .s
+            .read_into(skip as usize, &mut dst[at..at + take])
+            .is_err()
+        {
+            return false;
+        }
+        at += take;
+        skip = 0;
+    }
+    at == dst.len()
+}
+
+/// Copies `src` to the start of the writable stream.
+fn scatter(segs: &[Seg], src: &[u8]) -> bool {
+    let mut at = 0;
+    for seg in segs.iter().filter(|s| s.writable) {
+        if at == src.len() {
+            break;
+        }
+        let take = seg.s.len().min(src.len() - at);
+        if seg.s.write_from(0, &src[at..at + take]).is_err() {
+            return false;
+        }
+        at += take;
+    }
+    at == src.len()
+}

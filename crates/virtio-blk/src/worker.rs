@@ -1,0 +1,212 @@
+//! One virtqueue's request engine: preallocated slots, pop -> parse -> submit ->
+//! complete, all on the thread that owns the queue.
+
+use std::sync::Arc;
+
+use bdev::{IoChannel, IoRequest, IoStatus};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+
+use crate::config::BlkConfig;
+use crate::guest::Mem;
+use crate::request::{parse, Outcome, Seg, Slot, S_IOERR, S_OK, S_UNSUPP};
+
+/// Descriptors beyond `seg_max` data segments that a well-formed chain may carry
+/// (header, status, and a split header or status).
+const EXTRA_DESCS: usize = 4;
+
+/// What one [`QueueWorker::process`] call did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Chains taken from the avail ring plus backend completions seen.
+    pub work: usize,
+    /// Entries put on the used ring (the caller decides whether to notify).
+    pub used: usize,
+}
+
+/// The queue can no longer be processed until the front end resets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueError {
+    /// The avail index moved further than the queue size (or cannot be read).
+    AvailIndex,
+    /// The used ring cannot be written.
+    UsedRing,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WorkerStats {
+    pub requests: u64,
+    pub errors: u64,
+    pub unsupported: u64,
+}
+
+pub struct QueueWorker {
+    cfg: Arc<BlkConfig>,
+    chan: Box<dyn IoChannel>,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    ready: Vec<u16>,
+    done: Vec<(u64, IoStatus)>,
+    segs: Vec<Seg>,
+    broken: Option<QueueError>,
+    pub stats: WorkerStats,
+}
+
+impl QueueWorker {
+    /// Preallocates one slot per possible queue entry (`cfg.opts.queue_size`).
+    pub fn new(cfg: Arc<BlkConfig>, chan: Box<dyn IoChannel>) -> Self {
+        let n = usize::from(cfg.opts.queue_size.max(1));
+        let max_segs = cfg.opts.seg_max as usize + EXTRA_DESCS;
+        QueueWorker {
+            slots: (0..n).map(|_| Slot::new(max_segs)).collect(),
+            free: (0..n as u16).rev().collect(),
+            ready: Vec::with_capacity(n),
+            done: Vec::with_capacity(n),
+            segs: Vec::with_capacity(max_segs),
+            cfg,
+            chan,
+            broken: None,
+            stats: WorkerStats::default(),
+        }
+    }
+
+    /// Requests handed to the backend and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    pub fn broken(&self) -> Option<QueueError> {
+        self.broken
+    }
+
+    /// Forgets a broken state after the front end re-initialised the queue.
+    pub fn reset(&mut self) {
+        self.broken = None;
+    }
+
+    /// Completes finished backend requests and, with `pop`, takes new chains from the
+    /// avail ring (as many as there are free slots). Ring memory is read through `mem`;
+    /// each request keeps its own clone of `mem` until it completes.
+    pub fn process(&mut self, q: &mut Queue, mem: &Arc<Mem>, pop: bool) -> Progress {
+        let mut p = Progress::default();
+        self.reap(q, mem, &mut p);
+        if pop && self.broken.is_none() {
+            self.pop(q, mem, &mut p);
+            self.submit(q, mem, &mut p);
+            self.chan.flush();
+            // Inline-then-async backends may already have finished something.
+            self.reap(q, mem, &mut p);
+        }
+        p
+    }
+
+    fn reap(&mut self, q: &mut Queue, mem: &Arc<Mem>, p: &mut Progress) {
+        if self.in_flight() == 0 {
+            return;
+        }
+        let done = &mut self.done;
+        done.clear();
+        self.chan.poll(&mut |tag, st| {
+            if done.len() < done.capacity() {
+                done.push((tag, st));
+            }
+        });
+        for i in 0..self.done.len() {
+            let (tag, st) = self.done[i];
+            let Ok(idx) = u16::try_from(tag) else {
+                continue;
+            };
+            if usize::from(idx) < self.slots.len() {
+                p.work += 1;
+                self.complete(q, mem, idx, status_byte(st), p);
+            }
+        }
+    }
+
+    fn pop(&mut self, q: &mut Queue, mem: &Arc<Mem>, p: &mut Progress) {
+        self.ready.clear();
+        if self.free.is_empty() {
+            return;
+        }
+        let mut iter = match q.iter(&**mem) {
+            Ok(it) => it,
+            Err(virtio_queue::Error::QueueNotReady) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "virtqueue avail ring is corrupt; queue stopped until reset");
+                self.broken = Some(QueueError::AvailIndex);
+                return;
+            }
+        };
+        while let Some(idx) = self.free.last().copied() {
+            let Some(chain) = iter.next() else { break };
+            self.free.pop();
+            let slot = &mut self.slots[usize::from(idx)];
+            parse(chain, mem, &self.cfg, &mut self.segs, slot);
+            self.ready.push(idx);
+            p.work += 1;
+        }
+    }
+
+    fn submit(&mut self, q: &mut Queue, mem: &Arc<Mem>, p: &mut Progress) {
+        for i in 0..self.ready.len() {
+            let idx = self.ready[i];
+            let slot = &self.slots[usize::from(idx)];
+            self.stats.requests += 1;
+            let status = match slot.outcome {
+                Outcome::Finish(s) => Some(s),
+                Outcome::Submit => {
+                    let req = IoRequest {
+                        op: slot.op,
+                        offset: slot.offset,
+                        len: slot.len,
+                        iov: &slot.data,
+                        fua: slot.fua,
+                    };
+                    self.chan.submit(u64::from(idx), &req).map(status_byte)
+                }
+            };
+            if let Some(s) = status {
+                self.complete(q, mem, idx, s, p);
+            }
+        }
+        self.ready.clear();
+    }
+
+    fn complete(&mut self, q: &mut Queue, mem: &Arc<Mem>, idx: u16, status: u8, p: &mut Progress) {
+        let slot = &mut self.slots[usize::from(idx)];
+        match status {
+            S_OK => {}
+            S_UNSUPP => self.stats.unsupported += 1,
+            _ => self.stats.errors += 1,
+        }
+        let used_len = match slot.status {
+            Some(st) => {
+                let _ = st.write_from(0, &[status]);
+                if status == S_OK {
+                    slot.used_len
+                } else {
+                    1
+                }
+            }
+            None => 0,
+        };
+        let head = slot.head;
+        slot.release();
+        self.free.push(idx);
+        if q.add_used(&**mem, head, used_len).is_err() {
+            if self.broken.is_none() {
+                tracing::warn!(head, "cannot write the used ring; queue stopped until reset");
+            }
+            self.broken = Some(QueueError::UsedRing);
+            return;
+        }
+        p.used += 1;
+    }
+}
+
+fn status_byte(st: IoStatus) -> u8 {
+    match st {
+        IoStatus::Ok => S_OK,
+        IoStatus::Unsupported => S_UNSUPP,
+        _ => S_IOERR,
+    }
+}
