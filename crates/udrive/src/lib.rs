@@ -3,6 +3,7 @@
 //! devices in-process.
 
 pub mod backends;
+pub mod blkio_target;
 pub mod config;
 pub mod device;
 pub mod nsspec;

@@ -11,8 +11,16 @@ use initiator::{DataMode, DriverOpts, NvmeDriver};
 #[derive(clap::Args, Debug)]
 pub struct PerfArgs {
     /// vfio-user socket of an NVMe controller
+    #[arg(
+        long,
+        value_name = "SOCKET",
+        required_unless_present = "vhost_user",
+        conflicts_with = "vhost_user"
+    )]
+    pub vfio_user: Option<PathBuf>,
+    /// vhost-user-blk socket, driven through libblkio (jobs = virtqueues)
     #[arg(long, value_name = "SOCKET")]
-    pub vfio_user: PathBuf,
+    pub vhost_user: Option<PathBuf>,
     /// Namespace to drive
     #[arg(long, default_value_t = 1)]
     pub nsid: u32,
@@ -84,24 +92,49 @@ pub fn run(a: PerfArgs) -> Result<()> {
     if let Some(list) = &a.cpus {
         pin_process(list)?;
     }
+    if let Some(sock) = &a.vhost_user {
+        let target = crate::blkio_target::BlkioTarget::connect(sock, cfg.jobs, cfg.qd, cfg.bs)
+            .with_context(|| {
+                format!(
+                    "cannot bring up the vhost-user-blk device at {}",
+                    sock.display()
+                )
+            })?;
+        if !a.json {
+            eprintln!(
+                "udrive perf: {} (libblkio {}) {} bs={} qd={} jobs={} for {:.1}s ...",
+                sock.display(),
+                crate::blkio_target::DRIVER,
+                rw.name(),
+                cfg.bs,
+                cfg.qd,
+                cfg.jobs,
+                cfg.time.as_secs_f64(),
+            );
+        }
+        return finish(&a, workload::run(&target, &cfg).context("workload failed")?);
+    }
+    let Some(vfio_user) = a.vfio_user.clone() else {
+        bail!("give --vfio-user SOCKET or --vhost-user SOCKET");
+    };
     let opts = DriverOpts {
         pool_bytes: workload::pool_bytes_for(&cfg),
         io_queues: u16::try_from(cfg.jobs).unwrap_or(u16::MAX),
         ..Default::default()
     };
-    let driver = NvmeDriver::connect(&a.vfio_user, opts).with_context(|| {
+    let driver = NvmeDriver::connect(&vfio_user, opts).with_context(|| {
         format!(
             "cannot bring up the NVMe controller at {}",
-            a.vfio_user.display()
+            vfio_user.display()
         )
     })?;
     let mode = if a.sgl { DataMode::Sgl } else { DataMode::Prp };
     let target = NvmeTarget::new(&driver, a.nsid, mode)
-        .with_context(|| format!("namespace {} of {}", a.nsid, a.vfio_user.display()))?;
+        .with_context(|| format!("namespace {} of {}", a.nsid, vfio_user.display()))?;
     if !a.json {
         eprintln!(
             "udrive perf: {} {} bs={} qd={} jobs={} for {:.1}s on nsid {} ({}) ...",
-            a.vfio_user.display(),
+            vfio_user.display(),
             rw.name(),
             cfg.bs,
             cfg.qd,
@@ -112,6 +145,10 @@ pub fn run(a: PerfArgs) -> Result<()> {
         );
     }
     let report = workload::run(&target, &cfg).context("workload failed")?;
+    finish(&a, report)
+}
+
+fn finish(a: &PerfArgs, report: workload::Report) -> Result<()> {
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

@@ -83,7 +83,10 @@ impl VhostBlkConfig {
                 .unwrap_or_default();
             format!("UD-{stem}")
         });
-        s.chars().filter(|c| c.is_ascii_graphic()).take(20).collect()
+        s.chars()
+            .filter(|c| c.is_ascii_graphic())
+            .take(20)
+            .collect()
     }
 }
 
@@ -123,7 +126,12 @@ pub fn validate(devs: &[VhostBlkConfig], sockets: &mut HashSet<PathBuf>) -> Resu
 
 /// Reactors for each queue of one device. `base` is the number of shared reactors
 /// (from `--cpus`); `dedicated` adds reactors of the device's own.
-fn reactors_for(cfg: &VhostBlkConfig, index: usize, engine: &Engine, base: usize) -> Result<Vec<usize>> {
+fn reactors_for(
+    cfg: &VhostBlkConfig,
+    index: usize,
+    engine: &Engine,
+    base: usize,
+) -> Result<Vec<usize>> {
     let policy: Placement = cfg.placement.parse().map_err(anyhow::Error::msg)?;
     let nq = usize::from(cfg.queues);
     if let Placement::Dedicated = policy {
@@ -214,11 +222,16 @@ mod tests {
 #[derive(clap::Args, Debug)]
 pub struct VhostArgs {
     /// vhost-user socket of a virtio-blk device (with --disk)
-    #[arg(long, value_name = "SOCKET", conflicts_with = "config", requires = "disk")]
+    #[arg(
+        long,
+        value_name = "SOCKET",
+        conflicts_with = "config",
+        requires = "disk"
+    )]
     pub vhost_user_blk: Option<PathBuf>,
     /// Backend of the vhost-user-blk device: same spec as --ns (null:, ram:, file:...)
     #[arg(long, value_name = "SPEC", requires = "vhost_user_blk")]
-    pub disk: Option<NsSpec>,
+    pub disk: Option<String>,
     /// Virtqueues of the vhost-user-blk device
     #[arg(long, default_value_t = default_queues())]
     pub queues: u16,
@@ -232,7 +245,8 @@ impl VhostArgs {
         let (Some(socket), Some(disk)) = (&self.vhost_user_blk, &self.disk) else {
             return Ok(None);
         };
-        let mut c = VhostBlkConfig::new(socket.clone(), disk.clone());
+        let disk: NsSpec = disk.parse().map_err(|e| anyhow::anyhow!("--disk: {e}"))?;
+        let mut c = VhostBlkConfig::new(socket.clone(), disk);
         c.queues = self.queues;
         c.placement = placement.to_string();
         c.poll = self.poll.clone();

@@ -12,6 +12,9 @@ use vhost_user_backend::{VhostUserBackend, VringMutex, VringT};
 use virtio_blk::{BlkConfig, Mem};
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
 
 pub(crate) type Gm = GuestMemoryAtomic<Mem>;
 pub(crate) type Vring = VringMutex<Gm>;
@@ -136,6 +139,12 @@ impl VhostUserBackend for BlkBackend {
             }
         }
         Ok(())
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        // Without one the vring worker thread never ends and dropping the daemon
+        // after a disconnect would hang.
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()
     }
 
     fn handle_event(

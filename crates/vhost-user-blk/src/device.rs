@@ -173,8 +173,7 @@ fn serve(
             shared: shared.clone(),
             conn: conn.clone(),
         };
-        let mut daemon = match VhostUserDaemon::new("vhost-blk".into(), backend, conn.mem.clone())
-        {
+        let mut daemon = match VhostUserDaemon::new("vhost-blk".into(), backend, conn.mem.clone()) {
             Ok(d) => d,
             Err(e) => {
                 tracing::error!(socket = %socket.display(), error = ?e, "cannot set up vhost-user handler");

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use engine::{PollMode, Poller};
 use vhost_user_backend::{VringStateMutGuard, VringT};
+use virtio_blk::{Mem, QueueWorker};
 use virtio_queue::QueueT;
 use vm_memory::GuestAddressSpace;
-use virtio_blk::{Mem, QueueWorker};
 
 use crate::backend::{Conn, Shared, Vring};
 

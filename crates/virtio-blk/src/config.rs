@@ -90,14 +90,8 @@ mod off {
 impl BlkConfig {
     pub fn new(opts: DeviceOptions, info: BlockInfo) -> Self {
         use features::*;
-        let mut f = VERSION_1
-            | EVENT_IDX
-            | INDIRECT_DESC
-            | SEG_MAX
-            | SIZE_MAX
-            | BLK_SIZE
-            | TOPOLOGY
-            | MQ;
+        let mut f =
+            VERSION_1 | EVENT_IDX | INDIRECT_DESC | SEG_MAX | SIZE_MAX | BLK_SIZE | TOPOLOGY | MQ;
         if info.read_only {
             f |= RO;
         }
@@ -135,7 +129,10 @@ impl BlkConfig {
         let mut b = [0u8; off::END];
         let mut put = |at: usize, v: &[u8]| b[at..at + v.len()].copy_from_slice(v);
         let sectors_per_block = (self.info.block_size as u64 / SECTOR).max(1) as u32;
-        put(off::CAPACITY, &(self.capacity_bytes() / SECTOR).to_le_bytes());
+        put(
+            off::CAPACITY,
+            &(self.capacity_bytes() / SECTOR).to_le_bytes(),
+        );
         put(off::SIZE_MAX, &self.opts.size_max.to_le_bytes());
         put(off::SEG_MAX, &self.opts.seg_max.to_le_bytes());
         put(off::BLK_SIZE, &self.info.block_size.to_le_bytes());

@@ -11,6 +11,9 @@ mod guest;
 mod request;
 mod worker;
 
+#[cfg(test)]
+mod tests;
+
 pub use config::{features, BlkConfig, DeviceOptions};
 pub use guest::Mem;
 pub use worker::{Progress, QueueError, QueueWorker, WorkerStats};

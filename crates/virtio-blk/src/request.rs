@@ -226,7 +226,10 @@ fn rw(cfg: &BlkConfig, slot: &mut Slot, op: IoOp, sector: u64, len: u64) -> u8 {
 fn check_range(cfg: &BlkConfig, sector: u64, len: u64) -> Option<u64> {
     let bs = u64::from(cfg.info.block_size.max(1));
     let offset = sector.checked_mul(SECTOR)?;
-    if offset % bs != 0 || len % bs != 0 || !in_range(offset, len, cfg.capacity_bytes()) {
+    if !offset.is_multiple_of(bs)
+        || !len.is_multiple_of(bs)
+        || !in_range(offset, len, cfg.capacity_bytes())
+    {
         return None;
     }
     Some(offset)

@@ -194,7 +194,10 @@ impl QueueWorker {
         self.free.push(idx);
         if q.add_used(&**mem, head, used_len).is_err() {
             if self.broken.is_none() {
-                tracing::warn!(head, "cannot write the used ring; queue stopped until reset");
+                tracing::warn!(
+                    head,
+                    "cannot write the used ring; queue stopped until reset"
+                );
             }
             self.broken = Some(QueueError::UsedRing);
             return;

@@ -1,0 +1,323 @@
+//! A hand-driven vhost-user front end (rust-vmm's `vhost` Frontend) that builds its
+//! own rings in a memfd and sends what a buggy or malicious VMM might: descriptors
+//! outside memory, loops, wrong directions, requests past the end, an avail index
+//! jump, memory-table changes under load and a disconnect with requests queued. The
+//! device answers with error statuses or stops the queue, the process stays up, and
+//! another device (and the next client of this one) keep working.
+
+use std::path::Path;
+use std::sync::atomic::{fence, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use blkio::{Blkio, ReqFlags};
+use guest_mem::SharedMem;
+use std::os::fd::AsRawFd;
+use udrive::vhost_device::{self, VhostBlkConfig};
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vhost_user_blk::VhostUserBlk;
+use vmm_sys_util::eventfd::EventFd;
+
+const QSIZE: u16 = 16;
+const MEM: u64 = 1 << 20;
+const AVAIL: u64 = 0x1000;
+const USED: u64 = 0x2000;
+const HDR: u64 = 0x4000;
+const DATA: u64 = 0x5000;
+const STATUS: u64 = 0x8000;
+const NEXT: u16 = 1;
+const WRITE: u16 = 2;
+const T_IN: u32 = 0;
+const T_OUT: u32 = 1;
+const DISK: u64 = 4 << 20;
+
+fn engine() -> Arc<engine::Engine> {
+    static E: OnceLock<Arc<engine::Engine>> = OnceLock::new();
+    E.get_or_init(|| engine::Engine::start(&[None]).expect("start engine"))
+        .clone()
+}
+
+fn start(dir: &Path, name: &str) -> VhostUserBlk {
+    let cfg = VhostBlkConfig::new(dir.join(name), format!("ram:{DISK}").parse().unwrap());
+    let c = udrive::config::Config {
+        cpus: "0".into(),
+        controllers: vec![],
+        vhost_user_blk: vec![cfg],
+    };
+    let (_, disks) = vhost_device::open_backends(&c).unwrap();
+    vhost_device::start_all(&c, disks, &engine(), 1)
+        .unwrap()
+        .remove(0)
+}
+
+struct Raw {
+    fe: Frontend,
+    mem: SharedMem,
+    next_desc: u16,
+    avail: u16,
+    _kick: EventFd,
+    _call: EventFd,
+}
+
+impl Raw {
+    fn connect(sock: &Path) -> Raw {
+        let mut fe = Frontend::connect(sock, 1).expect("connect");
+        fe.set_owner().unwrap();
+        let f = fe.get_features().unwrap();
+        let want = (1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        assert_eq!(f & want, want);
+        fe.set_features(want).unwrap();
+        let pf = fe.get_protocol_features().unwrap();
+        fe.set_protocol_features(pf & VhostUserProtocolFeatures::CONFIG)
+            .unwrap();
+        let mem = SharedMem::new("hostile-guest", MEM).unwrap();
+        let r = Raw {
+            fe,
+            mem,
+            next_desc: 0,
+            avail: 0,
+            _kick: EventFd::new(0).unwrap(),
+            _call: EventFd::new(0).unwrap(),
+        };
+        r.set_mem_table();
+        let base = r.base();
+        r.fe.set_vring_num(0, QSIZE).unwrap();
+        r.fe.set_vring_addr(
+            0,
+            &VringConfigData {
+                queue_max_size: QSIZE,
+                queue_size: QSIZE,
+                flags: 0,
+                desc_table_addr: base,
+                used_ring_addr: base + USED,
+                avail_ring_addr: base + AVAIL,
+                log_addr: None,
+            },
+        )
+        .unwrap();
+        r.fe.set_vring_base(0, 0).unwrap();
+        r.fe.set_vring_call(0, &r._call).unwrap();
+        r.fe.set_vring_kick(0, &r._kick).unwrap();
+        let mut r = r;
+        r.fe.set_vring_enable(0, true).unwrap();
+        r
+    }
+
+    fn base(&self) -> u64 {
+        self.mem.all().as_ptr() as u64
+    }
+
+    fn set_mem_table(&self) {
+        let region = VhostUserMemoryRegionInfo {
+            guest_phys_addr: 0,
+            memory_size: MEM,
+            userspace_addr: self.base(),
+            mmap_offset: 0,
+            mmap_handle: self.mem.fd().as_raw_fd(),
+        };
+        self.fe.set_mem_table(&[region]).unwrap();
+    }
+
+    fn put(&self, at: u64, bytes: &[u8]) {
+        self.mem.all().write_from(at as usize, bytes).unwrap();
+    }
+    fn get(&self, at: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        self.mem.all().read_into(at as usize, &mut v).unwrap();
+        v
+    }
+    fn u16_at(&self, at: u64) -> u16 {
+        let b = self.get(at, 2);
+        u16::from_le_bytes([b[0], b[1]])
+    }
+
+    fn header(&self, t: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&t.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        self.put(HDR, &h);
+    }
+
+    fn desc(&self, idx: u16, addr: u64, len: u32, flags: u16, next: u16) {
+        let mut d = [0u8; 16];
+        d[0..8].copy_from_slice(&addr.to_le_bytes());
+        d[8..12].copy_from_slice(&len.to_le_bytes());
+        d[12..14].copy_from_slice(&flags.to_le_bytes());
+        d[14..16].copy_from_slice(&next.to_le_bytes());
+        self.put(16 * u64::from(idx), &d);
+    }
+
+    /// Links `descs` (addr, len, write) into a chain, publishes it and kicks.
+    fn push(&mut self, descs: &[(u64, u32, bool)]) {
+        if usize::from(self.next_desc) + descs.len() > usize::from(QSIZE) {
+            self.next_desc = 0;
+        }
+        let head = self.next_desc;
+        for (i, (addr, len, w)) in descs.iter().enumerate() {
+            let idx = head + i as u16;
+            let last = i + 1 == descs.len();
+            let flags = if *w { WRITE } else { 0 } | if last { 0 } else { NEXT };
+            self.desc(idx, *addr, *len, flags, if last { 0 } else { idx + 1 });
+        }
+        self.next_desc += descs.len() as u16;
+        self.publish(head);
+    }
+
+    fn publish(&mut self, head: u16) {
+        self.put(
+            AVAIL + 4 + 2 * u64::from(self.avail % QSIZE),
+            &head.to_le_bytes(),
+        );
+        self.avail = self.avail.wrapping_add(1);
+        fence(Ordering::SeqCst);
+        self.put(AVAIL + 2, &self.avail.to_le_bytes());
+        fence(Ordering::SeqCst);
+        self._kick.write(1).unwrap();
+    }
+
+    fn used_idx(&self) -> u16 {
+        self.u16_at(USED + 2)
+    }
+
+    /// Waits (bounded) until the used index reaches `n`.
+    fn wait_used(&self, n: u16) -> bool {
+        let until = Instant::now() + Duration::from_secs(10);
+        while self.used_idx() != n {
+            if Instant::now() > until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// One request; its status byte.
+    fn request(&mut self, descs: &[(u64, u32, bool)]) -> u8 {
+        self.put(STATUS, &[0xff]);
+        let n = self.used_idx().wrapping_add(1);
+        self.push(descs);
+        assert!(self.wait_used(n), "request not completed");
+        self.get(STATUS, 1)[0]
+    }
+}
+
+/// A libblkio client doing a verified write/read round on `sock`.
+fn blkio_round(sock: &Path, byte: u8) {
+    let mut b = Blkio::new("virtio-blk-vhost-user").unwrap();
+    b.set_str("path", sock.to_str().unwrap()).unwrap();
+    b.connect().unwrap();
+    let mut s = b.start().unwrap();
+    let region = b.alloc_mem_region(4096).unwrap();
+    b.map_mem_region(&region).unwrap();
+    let buf = region.addr as *mut u8;
+    let q = &mut s.queues[0];
+    let mut comps: Vec<_> = (0..1).map(|_| std::mem::MaybeUninit::uninit()).collect();
+    let mut io = |q: &mut blkio::Blkioq, write: bool| {
+        if write {
+            q.write(0, buf, 4096, 0, ReqFlags::empty());
+        } else {
+            q.read(0, buf, 4096, 0, ReqFlags::empty());
+        }
+        let mut t = Duration::from_secs(10);
+        assert_eq!(q.do_io(&mut comps, 1, Some(&mut t), None).unwrap(), 1);
+        // SAFETY: do_io initialised one completion.
+        assert_eq!(unsafe { comps[0].assume_init_ref() }.ret, 0);
+    };
+    // SAFETY: the region is mapped read/write and no request is in flight.
+    unsafe { std::ptr::write_bytes(buf, byte, 4096) };
+    io(q, true);
+    // SAFETY: as above.
+    unsafe { std::ptr::write_bytes(buf, 0, 4096) };
+    io(q, false);
+    // SAFETY: as above.
+    let back = unsafe { std::slice::from_raw_parts(buf, 4096) };
+    assert!(back.iter().all(|x| *x == byte));
+    drop(s);
+    b.unmap_mem_region(&region);
+    b.free_mem_region(&region);
+}
+
+#[test]
+fn hostile_front_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let victim = start(dir.path(), "victim.sock");
+    let bystander = start(dir.path(), "bystander.sock");
+    let vs = dir.path().join("victim.sock");
+    let bs = dir.path().join("bystander.sock");
+
+    let mut r = Raw::connect(&vs);
+    let hdr = (HDR, 16, false);
+    let st = (STATUS, 1, true);
+
+    // A good write and read back.
+    r.put(DATA, &[0x42; 512]);
+    r.header(T_OUT, 3);
+    assert_eq!(r.request(&[hdr, (DATA, 512, false), st]), 0);
+    r.put(DATA, &[0; 512]);
+    r.header(T_IN, 3);
+    assert_eq!(r.request(&[hdr, (DATA, 512, true), st]), 0);
+    assert!(r.get(DATA, 512).iter().all(|b| *b == 0x42));
+
+    // Data outside guest memory, wrong direction, past the end, odd length.
+    assert_eq!(r.request(&[hdr, (MEM - 256, 512, true), st]), 1);
+    assert_eq!(
+        r.request(&[hdr, (DATA, 512, true), (DATA, 16, false), st]),
+        1
+    );
+    r.header(T_IN, DISK / 512);
+    assert_eq!(r.request(&[hdr, (DATA, 512, true), st]), 1);
+    r.header(T_OUT, 0);
+    assert_eq!(r.request(&[hdr, (DATA, 100, false), st]), 1);
+    // Unknown type.
+    r.header(77, 0);
+    assert_eq!(r.request(&[hdr, st]), 2);
+
+    // A descriptor loop: 0 -> 1 -> 0 -> ...; it completes (no status) and nothing hangs.
+    r.header(T_IN, 0);
+    r.desc(0, HDR, 16, NEXT, 1);
+    r.desc(1, DATA, 512, NEXT | WRITE, 0);
+    let n = r.used_idx().wrapping_add(1);
+    r.publish(0);
+    r.next_desc = 2;
+    assert!(r.wait_used(n), "looping chain not returned");
+
+    // Memory table replaced while requests keep coming.
+    for i in 0..20u8 {
+        r.put(DATA, &[i; 512]);
+        r.header(T_OUT, 8);
+        assert_eq!(r.request(&[hdr, (DATA, 512, false), st]), 0);
+        r.set_mem_table();
+    }
+    r.header(T_IN, 8);
+    assert_eq!(r.request(&[hdr, (DATA, 512, true), st]), 0);
+    assert!(r.get(DATA, 512).iter().all(|b| *b == 19));
+
+    // The avail index jumps by more than the queue size: the queue stops.
+    let used = r.used_idx();
+    r.put(AVAIL + 2, &(r.avail.wrapping_add(QSIZE + 3)).to_le_bytes());
+    r._kick.write(1).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(r.used_idx(), used, "nothing taken from a corrupt ring");
+
+    // Meanwhile the other device works.
+    blkio_round(&bs, 0x11);
+
+    drop(r);
+
+    // A new client queues requests and vanishes without waiting for them.
+    let mut r2 = Raw::connect(&vs);
+    r2.header(T_OUT, 16);
+    for _ in 0..5 {
+        r2.push(&[hdr, (DATA, 512, false), st]);
+    }
+    drop(r2);
+
+    // The victim takes the next client; the bystander still works.
+    blkio_round(&vs, 0x22);
+    blkio_round(&bs, 0x33);
+    assert!(victim.connections() >= 2);
+    victim.stop();
+    bystander.stop();
+}
