@@ -8,7 +8,7 @@
 //! queues = 2                 # virtqueues (give the guest at least as many vCPUs)
 //! placement = "dedicated"    # dedicated | round-robin | single
 //! poll = "adaptive"          # busy | adaptive | event
-//! cpus = "0-1"               # CPUs for dedicated reactors (cycled); default unpinned
+//! cpus = "0-1"               # CPUs for dedicated reactors (cycled); default: top-level cpus
 //! ```
 
 use std::collections::HashSet;
@@ -35,7 +35,8 @@ pub struct VhostBlkConfig {
     pub placement: String,
     #[serde(default = "default_poll")]
     pub poll: String,
-    /// CPUs for `dedicated` reactors; queue i gets the i-th (cycled).
+    /// CPUs for `dedicated` reactors; queue i gets the i-th (cycled). Default: the
+    /// CPUs of the shared reactors (`cpus` at the top level).
     #[serde(default)]
     pub cpus: Option<String>,
     #[serde(default)]
@@ -141,7 +142,15 @@ fn reactors_for(
                 .into_iter()
                 .map(Some)
                 .collect(),
-            None => vec![None],
+            // Default: the CPUs of the shared reactors (`--cpus`), cycled.
+            None => {
+                let shared: Vec<Option<usize>> = (0..base).map(|i| engine.cpu_of(i)).collect();
+                if shared.is_empty() {
+                    vec![None]
+                } else {
+                    shared
+                }
+            }
         };
         return (0..nq)
             .map(|q| {
@@ -215,6 +224,45 @@ mod tests {
         assert!(validate(&[bad], &mut HashSet::new()).is_err());
         let twice = vec![c.vhost_user_blk[0].clone(), c.vhost_user_blk[0].clone()];
         assert!(validate(&twice, &mut HashSet::new()).is_err());
+    }
+
+    #[test]
+    fn overlapping_file_slices_across_device_kinds() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("pool.img");
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(8 << 20)
+            .unwrap();
+        let nvme = crate::config::ControllerConfig::new(
+            dir.path().join("nvme.sock"),
+            vec![format!("file:{},offset=0,size=4M", img.display())
+                .parse()
+                .unwrap()],
+        );
+        let disk = |off: &str| -> VhostBlkConfig {
+            VhostBlkConfig::new(
+                dir.path().join("blk.sock"),
+                format!("file:{},offset={off},size=4M", img.display())
+                    .parse()
+                    .unwrap(),
+            )
+        };
+        let cfg = |d: VhostBlkConfig| crate::config::Config {
+            cpus: "0".into(),
+            controllers: vec![crate::config::ControllerConfig::new(
+                nvme.socket.clone(),
+                nvme.namespaces.clone(),
+            )],
+            vhost_user_blk: vec![d],
+        };
+        let err = open_backends(&cfg(disk("2M")))
+            .err()
+            .expect("overlap refused");
+        assert!(format!("{err:#}").contains("overlap"), "{err:#}");
+        let (nv, blk) = open_backends(&cfg(disk("4M"))).unwrap();
+        assert_eq!((nv.len(), blk.len()), (1, 1));
+        assert_eq!(blk[0].info().size_bytes(), 4 << 20);
     }
 }
 

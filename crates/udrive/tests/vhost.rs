@@ -221,3 +221,54 @@ fn read_only_disk_refuses_writes() {
     assert_eq!(s.read(0, 4096), 0);
     assert!(s.bytes(4096).iter().all(|b| *b == 0x3c));
 }
+
+/// libblkio adds and removes memory regions (ADD/REM_MEM_REGION or SET_MEM_TABLE)
+/// on one thread while another keeps verified I/O going on the device.
+#[test]
+fn memory_table_changes_under_load() {
+    let d = start("ram:8M", 1, "busy");
+    let mut s = Session::open(&d.sock);
+    let Session { q, region, b, .. } = &mut s;
+    let addr = region.addr;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let stop = &stop;
+    let rounds = std::thread::scope(|sc| {
+        let io = sc.spawn(move || {
+            let buf = addr as *mut u8;
+            let mut comps: Vec<MaybeUninit<Completion>> =
+                (0..1).map(|_| MaybeUninit::uninit()).collect();
+            let mut n = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) || n < 50 {
+                let byte = (n % 251) as u8;
+                for write in [true, false] {
+                    // SAFETY: the region stays mapped for the session; one request at a time.
+                    unsafe { std::ptr::write_bytes(buf, if write { byte } else { !byte }, 4096) };
+                    let off = u64::from(n % 64) * 4096;
+                    if write {
+                        q.write(off, buf, 4096, 0, ReqFlags::empty());
+                    } else {
+                        q.read(off, buf, 4096, 0, ReqFlags::empty());
+                    }
+                    let mut t = Duration::from_secs(10);
+                    assert_eq!(q.do_io(&mut comps, 1, Some(&mut t), None).unwrap(), 1);
+                    // SAFETY: do_io initialised one completion.
+                    assert_eq!(unsafe { comps[0].assume_init_ref() }.ret, 0);
+                }
+                // SAFETY: as above.
+                let back = unsafe { std::slice::from_raw_parts(buf, 4096) };
+                assert!(back.iter().all(|x| *x == byte), "round {n}: data mismatch");
+                n += 1;
+            }
+            n
+        });
+        for _ in 0..20 {
+            let extra = b.alloc_mem_region(1 << 20).unwrap();
+            b.map_mem_region(&extra).unwrap();
+            b.unmap_mem_region(&extra);
+            b.free_mem_region(&extra);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        io.join().unwrap()
+    });
+    assert!(rounds >= 50);
+}

@@ -27,6 +27,8 @@ const USED: u64 = 0x2000;
 const HDR: u64 = 0x4000;
 const DATA: u64 = 0x5000;
 const STATUS: u64 = 0x8000;
+/// Per-request status bytes for the reconnect test (past its data buffers).
+const STATUSES: u64 = 0x2_0000;
 const NEXT: u16 = 1;
 const WRITE: u16 = 2;
 const T_IN: u32 = 0;
@@ -40,7 +42,11 @@ fn engine() -> Arc<engine::Engine> {
 }
 
 fn start(dir: &Path, name: &str) -> VhostUserBlk {
-    let cfg = VhostBlkConfig::new(dir.join(name), format!("ram:{DISK}").parse().unwrap());
+    start_on(dir, name, &format!("ram:{DISK}"))
+}
+
+fn start_on(dir: &Path, name: &str, disk: &str) -> VhostUserBlk {
+    let cfg = VhostBlkConfig::new(dir.join(name), disk.parse().unwrap());
     let c = udrive::config::Config {
         cpus: "0".into(),
         controllers: vec![],
@@ -63,6 +69,14 @@ struct Raw {
 
 impl Raw {
     fn connect(sock: &Path) -> Raw {
+        let mem = SharedMem::new("hostile-guest", MEM).unwrap();
+        Self::connect_with(sock, mem, None)
+    }
+
+    /// Connects with guest memory `mem`. `resume`: rings already hold requests; start
+    /// at this avail index (what QEMU does after a backend disconnect: the used index)
+    /// instead of zeroing the rings.
+    fn connect_with(sock: &Path, mem: SharedMem, resume: Option<(u16, u16)>) -> Raw {
         let mut fe = Frontend::connect(sock, 1).expect("connect");
         fe.set_owner().unwrap();
         let f = fe.get_features().unwrap();
@@ -72,7 +86,6 @@ impl Raw {
         let pf = fe.get_protocol_features().unwrap();
         fe.set_protocol_features(pf & VhostUserProtocolFeatures::CONFIG)
             .unwrap();
-        let mem = SharedMem::new("hostile-guest", MEM).unwrap();
         let r = Raw {
             fe,
             mem,
@@ -82,27 +95,46 @@ impl Raw {
             _call: EventFd::new(0).unwrap(),
         };
         r.set_mem_table();
-        let base = r.base();
-        r.fe.set_vring_num(0, QSIZE).unwrap();
-        r.fe.set_vring_addr(
-            0,
-            &VringConfigData {
-                queue_max_size: QSIZE,
-                queue_size: QSIZE,
-                flags: 0,
-                desc_table_addr: base,
-                used_ring_addr: base + USED,
-                avail_ring_addr: base + AVAIL,
-                log_addr: None,
-            },
-        )
-        .unwrap();
-        r.fe.set_vring_base(0, 0).unwrap();
-        r.fe.set_vring_call(0, &r._call).unwrap();
-        r.fe.set_vring_kick(0, &r._kick).unwrap();
         let mut r = r;
-        r.fe.set_vring_enable(0, true).unwrap();
+        match resume {
+            None => r.start_vring(),
+            Some((base, avail)) => {
+                r.avail = avail;
+                r.setup_vring(base);
+            }
+        }
         r
+    }
+
+    /// SET_VRING_NUM/ADDR/BASE/CALL/KICK/ENABLE on fresh (zeroed) rings.
+    fn start_vring(&mut self) {
+        self.put(0, &[0u8; USED as usize + 4096]);
+        self.avail = 0;
+        self.next_desc = 0;
+        self.setup_vring(0);
+    }
+
+    fn setup_vring(&mut self, avail_base: u16) {
+        let base = self.base();
+        self.fe.set_vring_num(0, QSIZE).unwrap();
+        self.fe
+            .set_vring_addr(
+                0,
+                &VringConfigData {
+                    queue_max_size: QSIZE,
+                    queue_size: QSIZE,
+                    flags: 0,
+                    desc_table_addr: base,
+                    used_ring_addr: base + USED,
+                    avail_ring_addr: base + AVAIL,
+                    log_addr: None,
+                },
+            )
+            .unwrap();
+        self.fe.set_vring_base(0, avail_base).unwrap();
+        self.fe.set_vring_call(0, &self._call).unwrap();
+        self.fe.set_vring_kick(0, &self._kick).unwrap();
+        self.fe.set_vring_enable(0, true).unwrap();
     }
 
     fn base(&self) -> u64 {
@@ -181,10 +213,10 @@ impl Raw {
         self.u16_at(USED + 2)
     }
 
-    /// Waits (bounded) until the used index reaches `n`.
+    /// Waits (bounded) until the used index reaches `n` (or passes it).
     fn wait_used(&self, n: u16) -> bool {
         let until = Instant::now() + Duration::from_secs(10);
-        while self.used_idx() != n {
+        while (self.used_idx().wrapping_sub(n) as i16) < 0 {
             if Instant::now() > until {
                 return false;
             }
@@ -304,6 +336,13 @@ fn hostile_front_end() {
     // Meanwhile the other device works.
     blkio_round(&bs, 0x11);
 
+    // A device reset (GET_VRING_BASE, then the rings set up again) revives the queue.
+    r.fe.get_vring_base(0).unwrap();
+    r.start_vring();
+    r.header(T_IN, 8);
+    assert_eq!(r.request(&[hdr, (DATA, 512, true), st]), 0);
+    assert!(r.get(DATA, 512).iter().all(|b| *b == 19));
+
     drop(r);
 
     // A new client queues requests and vanishes without waiting for them.
@@ -320,4 +359,85 @@ fn hostile_front_end() {
     assert!(victim.connections() >= 2);
     victim.stop();
     bystander.stop();
+}
+
+/// The front end goes away with writes in flight on an io_uring file backend and
+/// comes back (same guest memory) the way QEMU does after a disconnect: SET_VRING_BASE
+/// with the used index. Every request is completed exactly once across the two
+/// connections, because the device completed everything it had taken before letting
+/// go of the first connection.
+#[test]
+fn reconnect_completes_each_request_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(DISK).unwrap();
+    let dev = start_on(dir.path(), "r.sock", &format!("file:{}", img.display()));
+    let sock = dir.path().join("r.sock");
+    let n: u16 = 12;
+
+    let mut r = Raw::connect(&sock);
+    for i in 0..n {
+        let hdr_at = HDR + 16 * u64::from(i);
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&T_OUT.to_le_bytes());
+        h[8..16].copy_from_slice(&(u64::from(i) * 8).to_le_bytes());
+        r.put(hdr_at, &h);
+        r.put(DATA + 4096 * u64::from(i), &[i as u8 + 1; 4096]);
+        r.put(STATUSES + u64::from(i), &[0xff]);
+        // Three descriptors per request: five fit in the table at once, so request i
+        // reuses the descriptors of request i - 5 once that one completed.
+        if i >= 5 {
+            assert!(r.wait_used(i - 4));
+        }
+        r.next_desc = (i % 5) * 3;
+        r.push(&[
+            (hdr_at, 16, false),
+            (DATA + 4096 * u64::from(i), 4096, false),
+            (STATUSES + u64::from(i), 1, true),
+        ]);
+    }
+    let Raw { fe, mem, .. } = r;
+    drop(fe);
+    // QEMU restarts the ring at the used index it sees once the backend is gone.
+    let until = Instant::now() + Duration::from_secs(10);
+    while dev.connections() < 1 || {
+        let mut b = [0u8; 2];
+        mem.all().read_into((USED + 2) as usize, &mut b).unwrap();
+        u16::from_le_bytes(b) == 0
+    } {
+        assert!(Instant::now() < until, "nothing completed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let used_now = {
+        let mut b = [0u8; 2];
+        mem.all().read_into((USED + 2) as usize, &mut b).unwrap();
+        u16::from_le_bytes(b)
+    };
+    let r2 = Raw::connect_with(&sock, mem, Some((used_now, n)));
+    r2._kick.write(1).unwrap();
+    assert!(
+        r2.wait_used(n),
+        "not every request completed after reconnect"
+    );
+    // A request completed twice would push the used index past n.
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(r2.used_idx(), n, "a request was completed twice");
+    for i in 0..n {
+        assert_eq!(
+            r2.get(STATUSES + u64::from(i), 1)[0],
+            0,
+            "request {i} status"
+        );
+    }
+    drop(r2);
+    dev.stop();
+    let data = std::fs::read(&img).unwrap();
+    for i in 0..usize::from(n) {
+        let at = i * 4096;
+        assert!(
+            data[at..at + 4096].iter().all(|b| *b == i as u8 + 1),
+            "block {i}"
+        );
+    }
 }

@@ -32,6 +32,8 @@ pub(crate) struct QueueCtl {
     pub gen: AtomicU64,
     /// Requests the poller has handed to the backend and not completed.
     pub in_flight: AtomicUsize,
+    /// Counts GET_VRING_BASE stops, so the poller can start afresh afterwards.
+    pub stops: AtomicU64,
     pub waker: Waker,
 }
 
@@ -131,6 +133,7 @@ impl VhostUserBackend for BlkBackend {
         // The handler marked the queue not ready, so the poller takes no new chains;
         // answer GET_VRING_BASE only once the ones it took are on the used ring.
         if let Some(q) = self.shared.queues.get(queue_index as usize) {
+            q.stops.fetch_add(1, Ordering::AcqRel);
             if !q.drain(DRAIN_LIMIT) {
                 tracing::warn!(
                     queue_index,

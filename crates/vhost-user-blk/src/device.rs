@@ -67,6 +67,7 @@ impl VhostUserBlk {
                 conn: Mutex::new(None),
                 gen: AtomicU64::new(0),
                 in_flight: AtomicUsize::new(0),
+                stops: AtomicU64::new(0),
                 waker,
             });
         }

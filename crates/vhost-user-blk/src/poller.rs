@@ -22,6 +22,9 @@ pub(crate) struct VirtqPoller {
     mem: Arc<Mem>,
     /// Guest notifications are off (we are polling) for the current vring.
     quiet: bool,
+    /// `QueueCtl::stops` when we last looked: a stop (GET_VRING_BASE: guest reset,
+    /// reboot) clears a broken queue and re-applies notification suppression.
+    stops: u64,
 }
 
 impl VirtqPoller {
@@ -35,6 +38,7 @@ impl VirtqPoller {
             conn: None,
             mem: Arc::new(Mem::default()),
             quiet: false,
+            stops: 0,
         }
     }
 
@@ -74,6 +78,14 @@ impl Poller for VirtqPoller {
         let st: &mut <Vring as VringStateMutGuard<'_, _>>::G = &mut st;
         // A newer connection (or none) waits for our in-flight requests: take no new ones.
         let current = self.shared.queues[self.index].gen.load(Ordering::Relaxed) == self.gen;
+        // Read under the vring lock: a stop counted before the vring was restarted is
+        // seen no later than the restart itself.
+        let stops = self.shared.queues[self.index].stops.load(Ordering::Acquire);
+        if stops != self.stops {
+            self.stops = stops;
+            self.worker.reset();
+            self.quiet = false;
+        }
         let pop = current && st.get_queue().ready() && st.is_enabled();
         if pop && !self.quiet {
             // Polling: ask the guest not to kick (no-op with EVENT_IDX beyond not

@@ -96,6 +96,11 @@ impl QueueWorker {
             // Inline-then-async backends may already have finished something.
             self.reap(q, mem, &mut p);
         }
+        if self.in_flight() != 0 {
+            // Reaping may have queued resubmissions (short transfers, backlog); push
+            // them even while the queue is stopped and draining.
+            self.chan.flush();
+        }
         p
     }
 
