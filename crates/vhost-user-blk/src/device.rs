@@ -174,6 +174,7 @@ fn serve(
         let conn = Arc::new(Conn {
             mem: GuestMemoryAtomic::new(Mem::default()),
             vrings: Mutex::new(None),
+            inflight: Mutex::new(None),
         });
         let backend = BlkBackend {
             shared: shared.clone(),
@@ -187,11 +188,32 @@ fn serve(
                 continue;
             }
         };
-        if let Err(e) = daemon.start(listener) {
-            tracing::warn!(socket = %socket.display(), error = ?e, "accept failed");
-            std::thread::sleep(Duration::from_millis(100));
-            continue;
-        }
+        let front = match listener.accept() {
+            Ok(Some(s)) => s,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::warn!(socket = %socket.display(), error = ?e, "accept failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        // vhost-user-backend's handler sits behind our relay (see proxy.rs), reached
+        // over a private abstract socket.
+        let relay = match inner_pair().and_then(|(mut inner, back)| {
+            daemon
+                .start(&mut inner)
+                .map_err(|e| io::Error::other(e.to_string()))?;
+            let c = conn.clone();
+            std::thread::Builder::new()
+                .name("vhost-blk-proxy".into())
+                .spawn(move || crate::proxy::run(front, back, c))
+        }) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::error!(socket = %socket.display(), error = %e, "cannot set up the vhost-user relay");
+                continue;
+            }
+        };
         if stop.load(Ordering::SeqCst) {
             daemon.request_shutdown();
         } else {
@@ -203,6 +225,7 @@ fn serve(
             tracing::info!(socket = %socket.display(), error = ?e, "vhost-user connection ended with an error");
         }
         *lock(handle) = None;
+        let _ = relay.join();
         // Requests taken from this connection's rings finish (their memory stays
         // mapped while they do) before the pollers let go of the vrings.
         for q in &shared.queues {
@@ -214,4 +237,20 @@ fn serve(
         drop(daemon);
         tracing::info!(socket = %socket.display(), "vhost-user front end disconnected");
     }
+}
+
+/// A listener on a fresh abstract socket and a stream already connected to it.
+fn inner_pair() -> io::Result<(Listener, UnixStream)> {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixListener};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let name = format!(
+        "udrive-vhost-blk-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    );
+    let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
+    let l = UnixListener::bind_addr(&addr)?;
+    let s = UnixStream::connect_addr(&addr)?;
+    Ok((Listener::from(l), s))
 }
