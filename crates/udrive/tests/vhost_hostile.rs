@@ -14,7 +14,9 @@ use blkio::{Blkio, ReqFlags};
 use guest_mem::SharedMem;
 use std::os::fd::AsRawFd;
 use udrive::vhost_device::{self, VhostBlkConfig};
-use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::message::{
+    VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vhost_user_blk::VhostUserBlk;
@@ -69,6 +71,17 @@ impl Raw {
     /// at this avail index (what QEMU does after a backend disconnect: the used index)
     /// instead of zeroing the rings.
     fn connect_with(sock: &Path, mem: SharedMem, resume: Option<(u16, u16)>) -> Raw {
+        Self::connect_log(sock, mem, resume, None)
+    }
+
+    /// As `connect_with`; with `log`, negotiates INFLIGHT_SHMFD and hands the
+    /// device that inflight area (SET_INFLIGHT_FD) before the rings start.
+    fn connect_log(
+        sock: &Path,
+        mem: SharedMem,
+        resume: Option<(u16, u16)>,
+        log: Option<&std::fs::File>,
+    ) -> Raw {
         let mut fe = Frontend::connect(sock, 1).expect("connect");
         fe.set_owner().unwrap();
         let f = fe.get_features().unwrap();
@@ -76,8 +89,21 @@ impl Raw {
         assert_eq!(f & want, want);
         fe.set_features(want).unwrap();
         let pf = fe.get_protocol_features().unwrap();
-        fe.set_protocol_features(pf & VhostUserProtocolFeatures::CONFIG)
-            .unwrap();
+        let mut want_pf = VhostUserProtocolFeatures::CONFIG;
+        if log.is_some() {
+            assert!(pf.contains(VhostUserProtocolFeatures::INFLIGHT_SHMFD));
+            want_pf |= VhostUserProtocolFeatures::INFLIGHT_SHMFD;
+        }
+        fe.set_protocol_features(pf & want_pf).unwrap();
+        if let Some(f) = log {
+            let info = VhostUserInflight {
+                mmap_size: f.metadata().unwrap().len(),
+                mmap_offset: 0,
+                num_queues: 1,
+                queue_size: QSIZE,
+            };
+            fe.set_inflight_fd(&info, f.as_raw_fd()).unwrap();
+        }
         let r = Raw {
             fe,
             mem,
@@ -432,4 +458,205 @@ fn reconnect_completes_each_request_once() {
             "block {i}"
         );
     }
+}
+
+/// Asks a device for a fresh inflight area (GET_INFLIGHT_FD), as QEMU does once.
+fn get_inflight_area(sock: &Path) -> std::fs::File {
+    let mut fe = Frontend::connect(sock, 1).expect("connect");
+    fe.set_owner().unwrap();
+    fe.get_features().unwrap();
+    let want = (1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+    fe.set_features(want).unwrap();
+    let pf = fe.get_protocol_features().unwrap();
+    assert!(pf.contains(VhostUserProtocolFeatures::INFLIGHT_SHMFD));
+    fe.set_protocol_features(pf & VhostUserProtocolFeatures::INFLIGHT_SHMFD)
+        .unwrap();
+    let ask = VhostUserInflight {
+        mmap_size: 0,
+        mmap_offset: 0,
+        num_queues: 1,
+        queue_size: QSIZE,
+    };
+    let (info, file) = fe.get_inflight_fd(&ask).unwrap();
+    assert_eq!(info.mmap_offset, 0);
+    assert!(info.mmap_size >= 16 + 16 * u64::from(QSIZE));
+    assert!(file.metadata().unwrap().len() >= info.mmap_size);
+    file
+}
+
+/// Inflight log field writers (layout: docs/decisions/0005).
+fn log_put(f: &std::fs::File, at: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(bytes, at).unwrap();
+}
+fn log_desc(f: &std::fs::File, head: u16, inflight: u8, counter: u64) {
+    let at = 16 + 16 * u64::from(head);
+    log_put(f, at, &[inflight]);
+    log_put(f, at + 8, &counter.to_le_bytes());
+}
+fn log_header(f: &std::fs::File, desc_num: u16, last_batch_head: u16, used_idx: u16) {
+    log_put(f, 8, &1u16.to_le_bytes());
+    log_put(f, 10, &desc_num.to_le_bytes());
+    log_put(f, 12, &last_batch_head.to_le_bytes());
+    log_put(f, 14, &used_idx.to_le_bytes());
+}
+
+/// The state a crashed udrive leaves behind, written by hand (the rings and the
+/// inflight area live in the front end, so this is exactly what a new process
+/// finds): four writes taken from the avail ring; the second completed out of order;
+/// the fourth's used entry written but its inflight flag not yet cleared (killed in
+/// between). A new device must redo the first and the third, in the order they were
+/// taken, and nothing else.
+#[test]
+fn restart_resubmits_inflight_requests_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(DISK).unwrap();
+    let dev = start_on(dir.path(), "i.sock", &format!("file:{}", img.display()));
+    let sock = dir.path().join("i.sock");
+    let log = get_inflight_area(&sock);
+
+    let mem = SharedMem::new("inflight-guest", MEM).unwrap();
+    mem.all().fill(0);
+    let r = Raw {
+        fe: Frontend::connect(&sock, 1).unwrap(),
+        mem,
+        next_desc: 0,
+        avail: 0,
+        _kick: EventFd::new(0).unwrap(),
+        _call: EventFd::new(0).unwrap(),
+    };
+    let heads = [0u16, 3, 6, 9];
+    for (i, &head) in heads.iter().enumerate() {
+        let i = i as u64;
+        let hdr_at = HDR + 16 * i;
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&T_OUT.to_le_bytes());
+        h[8..16].copy_from_slice(&(i * 8).to_le_bytes());
+        r.put(hdr_at, &h);
+        r.put(DATA + 4096 * i, &[i as u8 + 1; 4096]);
+        r.put(STATUSES + i, &[0xff]);
+        r.desc(head, hdr_at, 16, NEXT, head + 1);
+        r.desc(head + 1, DATA + 4096 * i, 4096, NEXT, head + 2);
+        r.desc(head + 2, STATUSES + i, 1, WRITE, 0);
+        r.put(AVAIL + 4 + 2 * i, &head.to_le_bytes());
+    }
+    r.put(AVAIL + 2, &4u16.to_le_bytes());
+    // Used ring: head 3 (request 1) then head 9 (request 3); used idx 2.
+    r.put(USED + 4, &3u32.to_le_bytes());
+    r.put(USED + 8, &1u32.to_le_bytes());
+    r.put(USED + 12, &9u32.to_le_bytes());
+    r.put(USED + 16, &1u32.to_le_bytes());
+    r.put(USED + 2, &2u16.to_le_bytes());
+    log_header(&log, QSIZE, 9, 1);
+    log_desc(&log, 0, 1, 1);
+    log_desc(&log, 3, 0, 2);
+    log_desc(&log, 6, 1, 3);
+    log_desc(&log, 9, 1, 4);
+    let Raw { fe, mem, .. } = r;
+    drop(fe);
+
+    // QEMU restarts the ring at the used index after a crash.
+    let r2 = Raw::connect_log(&sock, mem, Some((2, 4)), Some(&log));
+    r2._kick.write(1).unwrap();
+    assert!(r2.wait_used(4), "the requests in flight were not redone");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(r2.used_idx(), 4, "a request was completed twice");
+    let used_heads: Vec<u32> = (2..4)
+        .map(|k| {
+            let b = r2.get(USED + 4 + 8 * k, 4);
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        })
+        .collect();
+    assert_eq!(used_heads, vec![0, 6], "resubmitted in the order taken");
+    assert_eq!(r2.get(STATUSES, 1)[0], 0);
+    assert_eq!(r2.get(STATUSES + 2, 1)[0], 0);
+    assert_eq!(r2.get(STATUSES + 1, 1)[0], 0xff, "completed request redone");
+    assert_eq!(r2.get(STATUSES + 3, 1)[0], 0xff, "completed request redone");
+    // The log is clean again and follows the ring.
+    let mut b = [0u8; 2];
+    use std::os::unix::fs::FileExt;
+    log.read_exact_at(&mut b, 14).unwrap();
+    assert_eq!(u16::from_le_bytes(b), 4);
+    for h in heads {
+        let mut f = [0u8; 1];
+        log.read_exact_at(&mut f, 16 + 16 * u64::from(h)).unwrap();
+        assert_eq!(f[0], 0, "head {h} still marked in flight");
+    }
+    drop(r2);
+    dev.stop();
+    let data = std::fs::read(&img).unwrap();
+    for (i, want) in [(0usize, 1u8), (1, 0), (2, 3), (3, 0)] {
+        let at = i * 4096;
+        assert!(
+            data[at..at + 4096].iter().all(|b| *b == want),
+            "block {i}: only the requests in flight are redone"
+        );
+    }
+}
+
+/// Garbage in the inflight area (heads everywhere, a huge desc_num, descriptor
+/// loops, indirect tables pointing outside memory) and areas that are too small
+/// must not take the device down.
+#[test]
+fn hostile_inflight_area() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = start(dir.path(), "h.sock");
+    let sock = dir.path().join("h.sock");
+    let log = get_inflight_area(&sock);
+    let len = log.metadata().unwrap().len() as usize;
+    let junk: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
+    log_put(&log, 0, &junk);
+    log_header(&log, u16::MAX, 0xfff0, 0x1234);
+    for h in 0..QSIZE {
+        log_desc(&log, h, 1, u64::from(h).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    }
+    let mem = SharedMem::new("inflight-hostile", MEM).unwrap();
+    let r = Raw {
+        fe: Frontend::connect(&sock, 1).unwrap(),
+        mem,
+        next_desc: 0,
+        avail: 0,
+        _kick: EventFd::new(0).unwrap(),
+        _call: EventFd::new(0).unwrap(),
+    };
+    // Every descriptor loops to itself or jumps outside memory / into indirection.
+    for i in 0..QSIZE {
+        match i % 3 {
+            0 => r.desc(i, HDR, 16, NEXT, i),
+            1 => r.desc(i, MEM + 4096, 16, 4, 0),
+            _ => r.desc(i, 0, 64, 4 | NEXT, (i + 1) % QSIZE),
+        }
+    }
+    let Raw { fe, mem, .. } = r;
+    drop(fe);
+    let r2 = Raw::connect_log(&sock, mem, Some((0, 0)), Some(&log));
+    r2._kick.write(1).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    drop(r2);
+    // An area smaller than it claims is refused (not mapped: touching it would
+    // SIGBUS); the connection and the device go on.
+    let small = SharedMem::new("inflight-small", 64).unwrap();
+    let mut fe = Frontend::connect(&sock, 1).unwrap();
+    fe.set_owner().unwrap();
+    fe.get_features().unwrap();
+    fe.set_features((1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
+        .unwrap();
+    let pf = fe.get_protocol_features().unwrap();
+    fe.set_protocol_features(
+        pf & (VhostUserProtocolFeatures::INFLIGHT_SHMFD | VhostUserProtocolFeatures::REPLY_ACK),
+    )
+    .unwrap();
+    fe.set_hdr_flags(vhost::vhost_user::message::VhostUserHeaderFlag::NEED_REPLY);
+    let info = VhostUserInflight {
+        mmap_size: 1 << 30,
+        mmap_offset: 0,
+        num_queues: 1,
+        queue_size: QSIZE,
+    };
+    let _ = fe.set_inflight_fd(&info, small.fd().as_raw_fd());
+    assert!(fe.get_features().is_ok(), "connection dropped");
+    drop(fe);
+    blkio_round(&sock, 0x5a);
+    dev.stop();
 }
