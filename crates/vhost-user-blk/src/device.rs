@@ -198,11 +198,12 @@ fn serve(
             }
         };
         // vhost-user-backend's handler sits behind our relay (see proxy.rs), reached
-        // over a private abstract socket.
-        let relay = match inner_pair().and_then(|(mut inner, back)| {
+        // over a private socket.
+        let relay = match inner_pair().and_then(|(mut inner, back, dir)| {
             daemon
                 .start(&mut inner)
                 .map_err(|e| io::Error::other(e.to_string()))?;
+            drop(dir);
             let c = conn.clone();
             std::thread::Builder::new()
                 .name("vhost-blk-proxy".into())
@@ -239,18 +240,31 @@ fn serve(
     }
 }
 
-/// A listener on a fresh abstract socket and a stream already connected to it.
-fn inner_pair() -> io::Result<(Listener, UnixStream)> {
-    use std::os::linux::net::SocketAddrExt;
-    use std::os::unix::net::{SocketAddr, UnixListener};
+/// A listener on a fresh private socket and a stream already connected to it. The
+/// socket lives in a new 0700 directory (an abstract socket could be reached, and
+/// raced, by any local user) that is removed once the daemon has accepted.
+fn inner_pair() -> io::Result<(Listener, UnixStream, PrivateDir)> {
+    use std::os::unix::fs::DirBuilderExt;
+    use std::os::unix::net::UnixListener;
     static N: AtomicU64 = AtomicU64::new(0);
-    let name = format!(
+    let dir = std::env::temp_dir().join(format!(
         "udrive-vhost-blk-{}-{}",
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
-    );
-    let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
-    let l = UnixListener::bind_addr(&addr)?;
-    let s = UnixStream::connect_addr(&addr)?;
-    Ok((Listener::from(l), s))
+    ));
+    std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+    let dir = PrivateDir(dir);
+    let path = dir.0.join("s");
+    let l = UnixListener::bind(&path)?;
+    let s = UnixStream::connect(&path)?;
+    Ok((Listener::from(l), s, dir))
+}
+
+/// Removes the relay's socket directory when dropped.
+struct PrivateDir(PathBuf);
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
