@@ -648,13 +648,17 @@ fn hostile_inflight_area() {
     )
     .unwrap();
     fe.set_hdr_flags(vhost::vhost_user::message::VhostUserHeaderFlag::NEED_REPLY);
+    // 64 queues need more than the one page the fd holds.
     let info = VhostUserInflight {
         mmap_size: 1 << 30,
         mmap_offset: 0,
-        num_queues: 1,
+        num_queues: 64,
         queue_size: QSIZE,
     };
-    let _ = fe.set_inflight_fd(&info, small.fd().as_raw_fd());
+    assert!(
+        fe.set_inflight_fd(&info, small.fd().as_raw_fd()).is_err(),
+        "area larger than its fd accepted"
+    );
     assert!(fe.get_features().is_ok(), "connection dropped");
     drop(fe);
     blkio_round(&sock, 0x5a);
