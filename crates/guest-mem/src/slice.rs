@@ -1,5 +1,5 @@
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use zerocopy::{FromBytes, Immutable, IntoBytes};
 
@@ -157,5 +157,62 @@ impl<'a> DmaSlice<'a> {
     /// Release-store of a naturally aligned u32.
     pub fn store_u32(&self, off: usize, v: u32) -> Option<()> {
         self.atomic_u32(off).map(|a| a.store(v, Ordering::Release))
+    }
+
+    /// A naturally aligned atomic view of `size_of::<A>()` bytes at `off`.
+    fn atomic_at<A>(&self, off: usize) -> Option<*mut A> {
+        let n = std::mem::size_of::<A>();
+        if self.check(off, n).is_err() {
+            return None;
+        }
+        // SAFETY: in bounds (checked above).
+        let p = unsafe { self.ptr.add(off) };
+        if !(p as usize).is_multiple_of(n) {
+            return None;
+        }
+        Some(p.cast())
+    }
+
+    /// Acquire-load of a u8 shared with another party (flags in shared logs).
+    pub fn load_u8(&self, off: usize) -> Option<u8> {
+        // SAFETY: aligned and in bounds (atomic_at); shared memory is only accessed
+        // through atomics and copies, so an atomic view is sound.
+        self.atomic_at::<u8>(off)
+            .map(|p| unsafe { AtomicU8::from_ptr(p) }.load(Ordering::Acquire))
+    }
+
+    /// Release-store of a u8.
+    pub fn store_u8(&self, off: usize, v: u8) -> Option<()> {
+        // SAFETY: as in load_u8.
+        self.atomic_at::<u8>(off)
+            .map(|p| unsafe { AtomicU8::from_ptr(p) }.store(v, Ordering::Release))
+    }
+
+    /// Acquire-load of a naturally aligned u16.
+    pub fn load_u16(&self, off: usize) -> Option<u16> {
+        // SAFETY: as in load_u8.
+        self.atomic_at::<u16>(off)
+            .map(|p| unsafe { AtomicU16::from_ptr(p) }.load(Ordering::Acquire))
+    }
+
+    /// Release-store of a naturally aligned u16.
+    pub fn store_u16(&self, off: usize, v: u16) -> Option<()> {
+        // SAFETY: as in load_u8.
+        self.atomic_at::<u16>(off)
+            .map(|p| unsafe { AtomicU16::from_ptr(p) }.store(v, Ordering::Release))
+    }
+
+    /// Acquire-load of a naturally aligned u64.
+    pub fn load_u64(&self, off: usize) -> Option<u64> {
+        // SAFETY: as in load_u8.
+        self.atomic_at::<u64>(off)
+            .map(|p| unsafe { AtomicU64::from_ptr(p) }.load(Ordering::Acquire))
+    }
+
+    /// Release-store of a naturally aligned u64.
+    pub fn store_u64(&self, off: usize, v: u64) -> Option<()> {
+        // SAFETY: as in load_u8.
+        self.atomic_at::<u64>(off)
+            .map(|p| unsafe { AtomicU64::from_ptr(p) }.store(v, Ordering::Release))
     }
 }

@@ -14,7 +14,9 @@ use blkio::{Blkio, ReqFlags};
 use guest_mem::SharedMem;
 use std::os::fd::AsRawFd;
 use udrive::vhost_device::{self, VhostBlkConfig};
-use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::message::{
+    VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vhost_user_blk::VhostUserBlk;
@@ -69,6 +71,17 @@ impl Raw {
     /// at this avail index (what QEMU does after a backend disconnect: the used index)
     /// instead of zeroing the rings.
     fn connect_with(sock: &Path, mem: SharedMem, resume: Option<(u16, u16)>) -> Raw {
+        Self::connect_log(sock, mem, resume, None)
+    }
+
+    /// As `connect_with`; with `log`, negotiates INFLIGHT_SHMFD and hands the
+    /// device that inflight area (SET_INFLIGHT_FD) before the rings start.
+    fn connect_log(
+        sock: &Path,
+        mem: SharedMem,
+        resume: Option<(u16, u16)>,
+        log: Option<&std::fs::File>,
+    ) -> Raw {
         let mut fe = Frontend::connect(sock, 1).expect("connect");
         fe.set_owner().unwrap();
         let f = fe.get_features().unwrap();
@@ -76,8 +89,21 @@ impl Raw {
         assert_eq!(f & want, want);
         fe.set_features(want).unwrap();
         let pf = fe.get_protocol_features().unwrap();
-        fe.set_protocol_features(pf & VhostUserProtocolFeatures::CONFIG)
-            .unwrap();
+        let mut want_pf = VhostUserProtocolFeatures::CONFIG;
+        if log.is_some() {
+            assert!(pf.contains(VhostUserProtocolFeatures::INFLIGHT_SHMFD));
+            want_pf |= VhostUserProtocolFeatures::INFLIGHT_SHMFD;
+        }
+        fe.set_protocol_features(pf & want_pf).unwrap();
+        if let Some(f) = log {
+            let info = VhostUserInflight {
+                mmap_size: f.metadata().unwrap().len(),
+                mmap_offset: 0,
+                num_queues: 1,
+                queue_size: QSIZE,
+            };
+            fe.set_inflight_fd(&info, f.as_raw_fd()).unwrap();
+        }
         let r = Raw {
             fe,
             mem,
@@ -424,6 +450,334 @@ fn reconnect_completes_each_request_once() {
     }
     drop(r2);
     dev.stop();
+    let data = std::fs::read(&img).unwrap();
+    for i in 0..usize::from(n) {
+        let at = i * 4096;
+        assert!(
+            data[at..at + 4096].iter().all(|b| *b == i as u8 + 1),
+            "block {i}"
+        );
+    }
+}
+
+/// Asks a device for a fresh inflight area (GET_INFLIGHT_FD), as QEMU does once.
+fn get_inflight_area(sock: &Path) -> std::fs::File {
+    let mut fe = Frontend::connect(sock, 1).expect("connect");
+    fe.set_owner().unwrap();
+    fe.get_features().unwrap();
+    let want = (1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+    fe.set_features(want).unwrap();
+    let pf = fe.get_protocol_features().unwrap();
+    assert!(pf.contains(VhostUserProtocolFeatures::INFLIGHT_SHMFD));
+    fe.set_protocol_features(pf & VhostUserProtocolFeatures::INFLIGHT_SHMFD)
+        .unwrap();
+    let ask = VhostUserInflight {
+        mmap_size: 0,
+        mmap_offset: 0,
+        num_queues: 1,
+        queue_size: QSIZE,
+    };
+    let (info, file) = fe.get_inflight_fd(&ask).unwrap();
+    assert_eq!(info.mmap_offset, 0);
+    assert!(info.mmap_size >= 16 + 16 * u64::from(QSIZE));
+    assert!(file.metadata().unwrap().len() >= info.mmap_size);
+    file
+}
+
+/// Inflight log field writers (layout: docs/decisions/0005).
+fn log_put(f: &std::fs::File, at: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(bytes, at).unwrap();
+}
+fn log_desc(f: &std::fs::File, head: u16, inflight: u8, counter: u64) {
+    let at = 16 + 16 * u64::from(head);
+    log_put(f, at, &[inflight]);
+    log_put(f, at + 8, &counter.to_le_bytes());
+}
+fn log_header(f: &std::fs::File, desc_num: u16, last_batch_head: u16, used_idx: u16) {
+    log_put(f, 8, &1u16.to_le_bytes());
+    log_put(f, 10, &desc_num.to_le_bytes());
+    log_put(f, 12, &last_batch_head.to_le_bytes());
+    log_put(f, 14, &used_idx.to_le_bytes());
+}
+
+/// The state a crashed udrive leaves behind, written by hand (the rings and the
+/// inflight area live in the front end, so this is exactly what a new process
+/// finds): four writes taken from the avail ring; the second completed out of order;
+/// the fourth's used entry written but its inflight flag not yet cleared (killed in
+/// between). A new device must redo the first and the third, in the order they were
+/// taken, and nothing else.
+#[test]
+fn restart_resubmits_inflight_requests_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(DISK).unwrap();
+    let dev = start_on(dir.path(), "i.sock", &format!("file:{}", img.display()));
+    let sock = dir.path().join("i.sock");
+    let log = get_inflight_area(&sock);
+
+    let mem = SharedMem::new("inflight-guest", MEM).unwrap();
+    mem.all().fill(0);
+    let r = Raw {
+        fe: Frontend::connect(&sock, 1).unwrap(),
+        mem,
+        next_desc: 0,
+        avail: 0,
+        _kick: EventFd::new(0).unwrap(),
+        _call: EventFd::new(0).unwrap(),
+    };
+    let heads = [0u16, 3, 6, 9];
+    for (i, &head) in heads.iter().enumerate() {
+        let i = i as u64;
+        let hdr_at = HDR + 16 * i;
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&T_OUT.to_le_bytes());
+        h[8..16].copy_from_slice(&(i * 8).to_le_bytes());
+        r.put(hdr_at, &h);
+        r.put(DATA + 4096 * i, &[i as u8 + 1; 4096]);
+        r.put(STATUSES + i, &[0xff]);
+        r.desc(head, hdr_at, 16, NEXT, head + 1);
+        r.desc(head + 1, DATA + 4096 * i, 4096, NEXT, head + 2);
+        r.desc(head + 2, STATUSES + i, 1, WRITE, 0);
+        r.put(AVAIL + 4 + 2 * i, &head.to_le_bytes());
+    }
+    r.put(AVAIL + 2, &4u16.to_le_bytes());
+    // Used ring: head 3 (request 1) then head 9 (request 3); used idx 2.
+    r.put(USED + 4, &3u32.to_le_bytes());
+    r.put(USED + 8, &1u32.to_le_bytes());
+    r.put(USED + 12, &9u32.to_le_bytes());
+    r.put(USED + 16, &1u32.to_le_bytes());
+    r.put(USED + 2, &2u16.to_le_bytes());
+    log_header(&log, QSIZE, 9, 1);
+    log_desc(&log, 0, 1, 1);
+    log_desc(&log, 3, 0, 2);
+    log_desc(&log, 6, 1, 3);
+    log_desc(&log, 9, 1, 4);
+    let Raw { fe, mem, .. } = r;
+    drop(fe);
+
+    // QEMU restarts the ring at the used index after a crash.
+    let r2 = Raw::connect_log(&sock, mem, Some((2, 4)), Some(&log));
+    r2._kick.write(1).unwrap();
+    assert!(r2.wait_used(4), "the requests in flight were not redone");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(r2.used_idx(), 4, "a request was completed twice");
+    let used_heads: Vec<u32> = (2..4)
+        .map(|k| {
+            let b = r2.get(USED + 4 + 8 * k, 4);
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        })
+        .collect();
+    assert_eq!(used_heads, vec![0, 6], "resubmitted in the order taken");
+    assert_eq!(r2.get(STATUSES, 1)[0], 0);
+    assert_eq!(r2.get(STATUSES + 2, 1)[0], 0);
+    assert_eq!(r2.get(STATUSES + 1, 1)[0], 0xff, "completed request redone");
+    assert_eq!(r2.get(STATUSES + 3, 1)[0], 0xff, "completed request redone");
+    // The log is clean again and follows the ring.
+    let mut b = [0u8; 2];
+    use std::os::unix::fs::FileExt;
+    log.read_exact_at(&mut b, 14).unwrap();
+    assert_eq!(u16::from_le_bytes(b), 4);
+    for h in heads {
+        let mut f = [0u8; 1];
+        log.read_exact_at(&mut f, 16 + 16 * u64::from(h)).unwrap();
+        assert_eq!(f[0], 0, "head {h} still marked in flight");
+    }
+    drop(r2);
+    dev.stop();
+    let data = std::fs::read(&img).unwrap();
+    for (i, want) in [(0usize, 1u8), (1, 0), (2, 3), (3, 0)] {
+        let at = i * 4096;
+        assert!(
+            data[at..at + 4096].iter().all(|b| *b == want),
+            "block {i}: only the requests in flight are redone"
+        );
+    }
+}
+
+/// Garbage in the inflight area (heads everywhere, a huge desc_num, descriptor
+/// loops, indirect tables pointing outside memory) and areas that are too small
+/// must not take the device down.
+#[test]
+fn hostile_inflight_area() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = start(dir.path(), "h.sock");
+    let sock = dir.path().join("h.sock");
+    let log = get_inflight_area(&sock);
+    let len = log.metadata().unwrap().len() as usize;
+    let junk: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
+    log_put(&log, 0, &junk);
+    log_header(&log, u16::MAX, 0xfff0, 0x1234);
+    for h in 0..QSIZE {
+        log_desc(&log, h, 1, u64::from(h).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    }
+    let mem = SharedMem::new("inflight-hostile", MEM).unwrap();
+    let r = Raw {
+        fe: Frontend::connect(&sock, 1).unwrap(),
+        mem,
+        next_desc: 0,
+        avail: 0,
+        _kick: EventFd::new(0).unwrap(),
+        _call: EventFd::new(0).unwrap(),
+    };
+    // Every descriptor loops to itself or jumps outside memory / into indirection.
+    for i in 0..QSIZE {
+        match i % 3 {
+            0 => r.desc(i, HDR, 16, NEXT, i),
+            1 => r.desc(i, MEM + 4096, 16, 4, 0),
+            _ => r.desc(i, 0, 64, 4 | NEXT, (i + 1) % QSIZE),
+        }
+    }
+    let Raw { fe, mem, .. } = r;
+    drop(fe);
+    let r2 = Raw::connect_log(&sock, mem, Some((0, 0)), Some(&log));
+    r2._kick.write(1).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    drop(r2);
+    // An area smaller than it claims is refused (not mapped: touching it would
+    // SIGBUS); the connection and the device go on.
+    let small = SharedMem::new("inflight-small", 64).unwrap();
+    let mut fe = Frontend::connect(&sock, 1).unwrap();
+    fe.set_owner().unwrap();
+    fe.get_features().unwrap();
+    fe.set_features((1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
+        .unwrap();
+    let pf = fe.get_protocol_features().unwrap();
+    fe.set_protocol_features(
+        pf & (VhostUserProtocolFeatures::INFLIGHT_SHMFD | VhostUserProtocolFeatures::REPLY_ACK),
+    )
+    .unwrap();
+    fe.set_hdr_flags(vhost::vhost_user::message::VhostUserHeaderFlag::NEED_REPLY);
+    // 64 queues need more than the one page the fd holds.
+    let info = VhostUserInflight {
+        mmap_size: 1 << 30,
+        mmap_offset: 0,
+        num_queues: 64,
+        queue_size: QSIZE,
+    };
+    assert!(
+        fe.set_inflight_fd(&info, small.fd().as_raw_fd()).is_err(),
+        "area larger than its fd accepted"
+    );
+    assert!(fe.get_features().is_ok(), "connection dropped");
+    drop(fe);
+    blkio_round(&sock, 0x5a);
+    dev.stop();
+}
+
+/// Kills a child process on drop (a failing test must not leave a server behind).
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve_child(sock: &Path, disk: &str) -> Child {
+    let _ = std::fs::remove_file(sock);
+    let c = Child(
+        std::process::Command::new(env!("CARGO_BIN_EXE_udrive"))
+            .arg("serve")
+            .arg("--vhost-user-blk")
+            .arg(sock)
+            .args(["--disk", disk, "--queues", "1"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn udrive serve"),
+    );
+    let until = Instant::now() + Duration::from_secs(30);
+    while std::os::unix::net::UnixStream::connect(sock).is_err() {
+        assert!(Instant::now() < until, "udrive serve did not come up");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    c
+}
+
+/// A real crash: `udrive serve` on a throttled file disk (5 IOPS, so requests sit
+/// in flight) is SIGKILLed after the first of five writes completed; a new process
+/// gets the same inflight area and the rings restarted at the used index, as QEMU
+/// does. Every write completes exactly once and lands in the file.
+#[test]
+fn sigkill_with_requests_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(DISK).unwrap();
+    let sock = dir.path().join("k.sock");
+    let mut first = serve_child(&sock, &format!("file:{},iops=5", img.display()));
+    // The probe connection above counts as a front end; wait until it is gone.
+    std::thread::sleep(Duration::from_millis(50));
+    let log = get_inflight_area(&sock);
+    let mem = SharedMem::new("sigkill-guest", MEM).unwrap();
+    let mut r = Raw::connect_log(&sock, mem, None, Some(&log));
+    let n: u16 = 5;
+    for i in 0..n {
+        let hdr_at = HDR + 16 * u64::from(i);
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&T_OUT.to_le_bytes());
+        h[8..16].copy_from_slice(&(u64::from(i) * 8).to_le_bytes());
+        r.put(hdr_at, &h);
+        r.put(DATA + 4096 * u64::from(i), &[i as u8 + 1; 4096]);
+        r.put(STATUSES + u64::from(i), &[0xff]);
+        r.push(&[
+            (hdr_at, 16, false),
+            (DATA + 4096 * u64::from(i), 4096, false),
+            (STATUSES + u64::from(i), 1, true),
+        ]);
+    }
+    assert!(r.wait_used(1), "nothing completed before the kill");
+    first.0.kill().unwrap();
+    first.0.wait().unwrap();
+    let used = r.used_idx();
+    assert!(
+        used < n,
+        "everything completed before the kill; nothing tested"
+    );
+    // The killed process logged what it had taken and not completed.
+    {
+        use std::os::unix::fs::FileExt;
+        let mut b = [0u8; 2];
+        log.read_exact_at(&mut b, 14).unwrap();
+        let log_used = u16::from_le_bytes(b);
+        let marked = (0..QSIZE)
+            .filter(|h| {
+                let mut f = [0u8; 1];
+                log.read_exact_at(&mut f, 16 + 16 * u64::from(*h)).unwrap();
+                f[0] == 1
+            })
+            .count();
+        // Killed between a used entry and its flag: one more marked, index behind.
+        assert!(
+            (log_used == used && marked == usize::from(n - used))
+                || (log_used == used - 1 && marked == usize::from(n - used) + 1),
+            "log: used {log_used}, {marked} marked; ring used {used}"
+        );
+    }
+    let Raw { fe, mem, .. } = r;
+    drop(fe);
+
+    let _second = serve_child(&sock, &format!("file:{}", img.display()));
+    std::thread::sleep(Duration::from_millis(50));
+    let r2 = Raw::connect_log(&sock, mem, Some((used, n)), Some(&log));
+    r2._kick.write(1).unwrap();
+    assert!(r2.wait_used(n), "requests in flight at the kill were lost");
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(r2.used_idx(), n, "a request was completed twice");
+    let mut seen: Vec<u32> = (0..u64::from(n))
+        .map(|k| {
+            let b = r2.get(USED + 4 + 8 * k, 4);
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        })
+        .collect();
+    seen.sort_unstable();
+    assert_eq!(seen, vec![0, 3, 6, 9, 12], "each head completed once");
+    for i in 0..n {
+        assert_eq!(r2.get(STATUSES + u64::from(i), 1)[0], 0, "request {i}");
+    }
+    drop(r2);
     let data = std::fs::read(&img).unwrap();
     for i in 0..usize::from(n) {
         let at = i * 4096;

@@ -23,6 +23,8 @@ pub(crate) type Vring = VringMutex<Gm>;
 pub(crate) struct Conn {
     pub mem: Gm,
     pub vrings: Mutex<Option<Vec<Vring>>>,
+    /// The inflight log the front end handed us with SET_INFLIGHT_FD.
+    pub inflight: Mutex<Option<crate::inflight::Region>>,
 }
 
 /// Per-queue state shared between the vhost-user threads and the queue's poller.
@@ -106,6 +108,8 @@ impl VhostUserBackend for BlkBackend {
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            // Answered by `proxy` in front of vhost-user-backend's handler.
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
     }
 
     fn set_event_idx(&self, _enabled: bool) {

@@ -174,6 +174,7 @@ fn serve(
         let conn = Arc::new(Conn {
             mem: GuestMemoryAtomic::new(Mem::default()),
             vrings: Mutex::new(None),
+            inflight: Mutex::new(None),
         });
         let backend = BlkBackend {
             shared: shared.clone(),
@@ -187,11 +188,33 @@ fn serve(
                 continue;
             }
         };
-        if let Err(e) = daemon.start(listener) {
-            tracing::warn!(socket = %socket.display(), error = ?e, "accept failed");
-            std::thread::sleep(Duration::from_millis(100));
-            continue;
-        }
+        let front = match listener.accept() {
+            Ok(Some(s)) => s,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::warn!(socket = %socket.display(), error = ?e, "accept failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        // vhost-user-backend's handler sits behind our relay (see proxy.rs), reached
+        // over a private socket.
+        let relay = match inner_pair().and_then(|(mut inner, back, dir)| {
+            daemon
+                .start(&mut inner)
+                .map_err(|e| io::Error::other(e.to_string()))?;
+            drop(dir);
+            let c = conn.clone();
+            std::thread::Builder::new()
+                .name("vhost-blk-proxy".into())
+                .spawn(move || crate::proxy::run(front, back, c))
+        }) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::error!(socket = %socket.display(), error = %e, "cannot set up the vhost-user relay");
+                continue;
+            }
+        };
         if stop.load(Ordering::SeqCst) {
             daemon.request_shutdown();
         } else {
@@ -203,6 +226,7 @@ fn serve(
             tracing::info!(socket = %socket.display(), error = ?e, "vhost-user connection ended with an error");
         }
         *lock(handle) = None;
+        let _ = relay.join();
         // Requests taken from this connection's rings finish (their memory stays
         // mapped while they do) before the pollers let go of the vrings.
         for q in &shared.queues {
@@ -213,5 +237,34 @@ fn serve(
         }
         drop(daemon);
         tracing::info!(socket = %socket.display(), "vhost-user front end disconnected");
+    }
+}
+
+/// A listener on a fresh private socket and a stream already connected to it. The
+/// socket lives in a new 0700 directory (an abstract socket could be reached, and
+/// raced, by any local user) that is removed once the daemon has accepted.
+fn inner_pair() -> io::Result<(Listener, UnixStream, PrivateDir)> {
+    use std::os::unix::fs::DirBuilderExt;
+    use std::os::unix::net::UnixListener;
+    static N: AtomicU64 = AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "udrive-vhost-blk-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+    let dir = PrivateDir(dir);
+    let path = dir.0.join("s");
+    let l = UnixListener::bind(&path)?;
+    let s = UnixStream::connect(&path)?;
+    Ok((Listener::from(l), s, dir))
+}
+
+/// Removes the relay's socket directory when dropped.
+struct PrivateDir(PathBuf);
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }

@@ -9,7 +9,9 @@
 
 mod backend;
 mod device;
+mod inflight;
 mod poller;
+mod proxy;
 
 pub use device::{BlkDeviceOptions, VhostUserBlk};
 pub use engine::PollMode;

@@ -25,6 +25,8 @@ pub(crate) struct VirtqPoller {
     /// `QueueCtl::stops` when we last looked: a stop (GET_VRING_BASE: guest reset,
     /// reboot) clears a broken queue and re-applies notification suppression.
     stops: u64,
+    /// The rings were (re)started: consult the inflight log before taking chains.
+    recover: bool,
 }
 
 impl VirtqPoller {
@@ -39,6 +41,7 @@ impl VirtqPoller {
             mem: Arc::new(Mem::default()),
             quiet: false,
             stops: 0,
+            recover: true,
         }
     }
 
@@ -57,6 +60,7 @@ impl VirtqPoller {
         });
         self.worker.reset();
         self.quiet = false;
+        self.recover = true;
     }
 }
 
@@ -85,8 +89,22 @@ impl Poller for VirtqPoller {
             self.stops = stops;
             self.worker.reset();
             self.quiet = false;
+            self.recover = true;
         }
         let pop = current && st.get_queue().ready() && st.is_enabled();
+        if pop && self.recover && self.worker.in_flight() == 0 {
+            // SET_INFLIGHT_FD comes before the rings are started, so the log of
+            // this start is in place now.
+            self.recover = false;
+            let log = conn
+                .inflight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .and_then(|r| r.queue(self.index));
+            self.worker.set_inflight(log);
+            self.worker.recover(st.get_queue_mut(), &self.mem);
+        }
         if pop && !self.quiet {
             // Polling: ask the guest not to kick (no-op with EVENT_IDX beyond not
             // moving avail_event, which is what suppresses kicks there).

@@ -6,8 +6,10 @@
 //! `Queue` and the guest memory, and calls [`QueueWorker::process`] from the one
 //! thread that owns the queue.
 
+mod chain;
 mod config;
 mod guest;
+mod inflight;
 mod request;
 mod worker;
 
@@ -16,6 +18,7 @@ mod tests;
 
 pub use config::{features, BlkConfig, DeviceOptions};
 pub use guest::Mem;
+pub use inflight::{queue_region_size, InflightMem, InflightQueue};
 pub use worker::{Progress, QueueError, QueueWorker, WorkerStats};
 
 /// Size of a virtio-blk sector: request offsets are always in these units.

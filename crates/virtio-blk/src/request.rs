@@ -6,13 +6,12 @@
 //! DISCARD/WRITE_ZEROES segment) and device-writable (IN data or GET_ID, then the
 //! status byte last).
 
-use std::ops::Deref;
 use std::sync::Arc;
 
 use bdev::{in_range, IoOp};
 use guest_mem::DmaSlice;
 use virtio_bindings::virtio_blk as vb;
-use virtio_queue::DescriptorChain;
+use virtio_queue::desc::split::Descriptor;
 
 use crate::config::{features, BlkConfig, MAX_DISCARD_SECTORS};
 use crate::guest::{window, Mem};
@@ -82,19 +81,17 @@ impl Slot {
     }
 }
 
-/// Reads `chain` into `slot`. `segs` is scratch space whose capacity bounds the
-/// number of descriptors accepted.
-pub(crate) fn parse<M>(
-    chain: DescriptorChain<M>,
+/// Reads the chain with head `head` (its descriptors in `chain`) into `slot`. `segs`
+/// is scratch space whose capacity bounds the number of descriptors accepted.
+pub(crate) fn parse(
+    head: u16,
+    chain: impl Iterator<Item = Descriptor>,
     mem: &Arc<Mem>,
     cfg: &BlkConfig,
     segs: &mut Vec<Seg>,
     slot: &mut Slot,
-) where
-    M: Deref,
-    M::Target: vm_memory::GuestMemory,
-{
-    slot.head = chain.head_index();
+) {
+    slot.head = head;
     slot.mem = Some(mem.clone());
     slot.status = None;
     slot.data.clear();

@@ -436,3 +436,147 @@ fn requests_keep_their_memory_snapshot() {
     assert_eq!(Arc::strong_count(&g.mem), before);
     let _ = g.queue.size();
 }
+
+fn with_log(g: &mut Guest) -> guest_mem::SharedMem {
+    let shm =
+        guest_mem::SharedMem::new("test-inflight", crate::queue_region_size(QSIZE) as u64).unwrap();
+    // The worker logs into a mapping of the same memfd (as after SET_INFLIGHT_FD).
+    let map = guest_mem::MappedRegion::map_fd(
+        std::os::fd::AsFd::as_fd(&shm.fd()),
+        0,
+        0,
+        shm.len(),
+        guest_mem::Prot::RW,
+    )
+    .unwrap();
+    let log =
+        crate::InflightQueue::new(Arc::new(crate::InflightMem::Mapped(map)), 0, QSIZE).unwrap();
+    g.worker.set_inflight(Some(log));
+    assert_eq!(g.worker.recover(&mut g.queue, &g.mem), 0);
+    shm
+}
+
+#[test]
+fn inflight_log_follows_requests() {
+    let mut g = guest();
+    let shm = with_log(&mut g);
+    let s = shm.all();
+    assert_eq!(s.load_u16(8), Some(1), "version written on first start");
+    assert_eq!(s.load_u16(10), Some(QSIZE));
+    assert_eq!(g.request(vb::VIRTIO_BLK_T_OUT, 0, Some((512, R))), (OK, 1));
+    assert_eq!(g.request(vb::VIRTIO_BLK_T_OUT, 1, Some((512, R))), (OK, 1));
+    assert_eq!(s.load_u16(14), Some(2), "log used_idx follows the ring");
+    assert_eq!(
+        s.load_u16(12),
+        Some(3),
+        "last batch head is the last completed"
+    );
+    for h in 0..QSIZE {
+        assert_eq!(s.load_u8(16 + 16 * usize::from(h)), Some(0), "head {h}");
+    }
+    // Counters record the order taken (heads 0 and 3).
+    assert_eq!(s.load_u64(16 + 8), Some(1));
+    assert_eq!(s.load_u64(16 + 16 * 3 + 8), Some(2));
+}
+
+#[test]
+fn recover_redoes_logged_heads_in_order_and_skips_the_last_batch() {
+    let mut g = guest();
+    let shm = with_log(&mut g);
+    let s = shm.all();
+    // Three writes "taken by a previous process": heads 0, 3, 6, taken in the order
+    // 6, 0, 3; head 3 completed (used entry written, flag still set: crash between).
+    for (i, head) in [0u16, 3, 6].into_iter().enumerate() {
+        let hdr = HDR + 16 * i as u64;
+        g.header(hdr, vb::VIRTIO_BLK_T_OUT, i as u64);
+        g.mem
+            .write_slice(&[i as u8 + 1; 512], GuestAddress(DATA + 512 * i as u64))
+            .unwrap();
+        g.store_desc(
+            head,
+            Descriptor::new(hdr, 16, VRING_DESC_F_NEXT as u16, head + 1),
+        );
+        g.store_desc(
+            head + 1,
+            Descriptor::new(
+                DATA + 512 * i as u64,
+                512,
+                VRING_DESC_F_NEXT as u16,
+                head + 2,
+            ),
+        );
+        g.store_desc(head + 2, Descriptor::new(STATUS + i as u64, 1, W, 0));
+        g.mem
+            .write_obj(0xffu8, GuestAddress(STATUS + i as u64))
+            .unwrap();
+        g.publish(head);
+    }
+    let at = g.used_addr + 4;
+    g.mem.write_obj(3u32, GuestAddress(at)).unwrap();
+    g.mem
+        .write_obj(1u16, GuestAddress(g.used_addr + 2))
+        .unwrap();
+    for (head, counter) in [(6u16, 1u64), (0, 2), (3, 3)] {
+        let o = 16 + 16 * usize::from(head);
+        s.store_u64(o + 8, counter).unwrap();
+        s.store_u8(o, 1).unwrap();
+    }
+    s.store_u16(12, 3).unwrap();
+    s.store_u16(14, 0).unwrap();
+    g.queue.set_next_avail(1);
+    assert_eq!(g.worker.recover(&mut g.queue, &g.mem), 2);
+    g.worker.process(&mut g.queue, &g.mem, true);
+    assert_eq!(g.used_idx(), 3);
+    assert_eq!(g.used(1).0, 6, "oldest first");
+    assert_eq!(g.used(2).0, 0);
+    assert_eq!(
+        g.queue.next_avail(),
+        3,
+        "continues after the redone requests"
+    );
+    let st = |i: u64| g.mem.read_obj::<u8>(GuestAddress(STATUS + i)).unwrap();
+    assert_eq!((st(0), st(1), st(2)), (OK, 0xff, OK));
+}
+
+#[test]
+fn chain_walk_is_bounded() {
+    let g = guest();
+    let walk = |head| crate::chain::ChainWalk::new(&g.mem, 0, QSIZE, head).count();
+    // A loop ends after at most QSIZE descriptors.
+    g.store_desc(0, Descriptor::new(HDR, 16, VRING_DESC_F_NEXT as u16, 1));
+    g.store_desc(1, Descriptor::new(HDR, 16, VRING_DESC_F_NEXT as u16, 0));
+    assert_eq!(walk(0), usize::from(QSIZE));
+    // Heads and next indices outside the table end the chain.
+    assert_eq!(walk(QSIZE), 0);
+    g.store_desc(2, Descriptor::new(HDR, 16, VRING_DESC_F_NEXT as u16, 999));
+    assert_eq!(walk(2), 1);
+    // Indirect: a table outside memory, a nested indirect, a bad length.
+    let ind = VRING_DESC_F_INDIRECT as u16;
+    g.store_desc(3, Descriptor::new(0xffff_ffff_0000, 64, ind, 0));
+    assert_eq!(walk(3), 0);
+    g.store_desc(4, Descriptor::new(DATA, 32, ind, 0));
+    g.mem
+        .write_obj(
+            RawDescriptor::from(Descriptor::new(DATA, 32, ind, 0)),
+            GuestAddress(DATA),
+        )
+        .unwrap();
+    assert_eq!(walk(4), 0, "indirect inside indirect");
+    g.store_desc(5, Descriptor::new(DATA, 17, ind, 0));
+    assert_eq!(walk(5), 0);
+    // An indirect table of two descriptors that loop: bounded by its length.
+    g.mem
+        .write_obj(
+            RawDescriptor::from(Descriptor::new(HDR, 16, VRING_DESC_F_NEXT as u16, 1)),
+            GuestAddress(DATA),
+        )
+        .unwrap();
+    g.mem
+        .write_obj(
+            RawDescriptor::from(Descriptor::new(HDR, 16, VRING_DESC_F_NEXT as u16, 0)),
+            GuestAddress(DATA + 16),
+        )
+        .unwrap();
+    g.store_desc(6, Descriptor::new(DATA, 32, ind, 0));
+    assert_eq!(walk(6), 2);
+}

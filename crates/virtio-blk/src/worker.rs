@@ -6,8 +6,10 @@ use std::sync::Arc;
 use bdev::{IoChannel, IoRequest, IoStatus};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
+use crate::chain::ChainWalk;
 use crate::config::BlkConfig;
 use crate::guest::Mem;
+use crate::inflight::InflightQueue;
 use crate::request::{parse, Outcome, Seg, Slot, S_IOERR, S_OK, S_UNSUPP};
 
 /// Descriptors beyond `seg_max` data segments that a well-formed chain may carry
@@ -48,6 +50,12 @@ pub struct QueueWorker {
     done: Vec<(u64, IoStatus)>,
     segs: Vec<Seg>,
     broken: Option<QueueError>,
+    /// The front end's inflight log for this queue (vhost-user INFLIGHT_SHMFD).
+    inflight: Option<InflightQueue>,
+    /// Order in which chains were taken, recorded in the inflight log.
+    counter: u64,
+    /// Scratch for recovery: `(counter, head)` of requests to resubmit.
+    resubmit: Vec<(u64, u16)>,
     pub stats: WorkerStats,
 }
 
@@ -65,6 +73,9 @@ impl QueueWorker {
             cfg,
             chan,
             broken: None,
+            inflight: None,
+            counter: 1,
+            resubmit: Vec::with_capacity(n),
             stats: WorkerStats::default(),
         }
     }
@@ -81,6 +92,55 @@ impl QueueWorker {
     /// Forgets a broken state after the front end re-initialised the queue.
     pub fn reset(&mut self) {
         self.broken = None;
+    }
+
+    /// Logs taken chains in `log` from now on (or stops logging).
+    pub fn set_inflight(&mut self, log: Option<InflightQueue>) {
+        self.inflight = log;
+    }
+
+    /// Starts a queue that the front end (re)initialised while an inflight log is
+    /// set: brings the log in line with the used ring, resubmits the requests a
+    /// previous process took but never completed (oldest first), and continues the
+    /// avail ring after them. Call with nothing in flight, before the first
+    /// [`Self::process`] on the new rings. Returns the number resubmitted.
+    pub fn recover(&mut self, q: &mut Queue, mem: &Arc<Mem>) -> usize {
+        let Some(log) = self.inflight.clone() else {
+            return 0;
+        };
+        if self.in_flight() != 0 {
+            return 0;
+        }
+        let Ok(used) = q.used_idx(&**mem, std::sync::atomic::Ordering::Acquire) else {
+            tracing::warn!("virtqueue used ring is unreadable; queue stopped until reset");
+            self.broken = Some(QueueError::UsedRing);
+            return 0;
+        };
+        let size = q.size();
+        self.counter = log.recover(used.0, size, &mut self.resubmit);
+        let n = self.resubmit.len().min(self.free.len());
+        q.set_next_used(used.0);
+        q.set_next_avail(used.0.wrapping_add(n as u16));
+        let table = q.desc_table();
+        self.ready.clear();
+        for i in 0..n {
+            let head = self.resubmit[i].1;
+            let Some(idx) = self.free.pop() else { break };
+            let slot = &mut self.slots[usize::from(idx)];
+            let walk = ChainWalk::new(mem, table, size, head);
+            parse(head, walk, mem, &self.cfg, &mut self.segs, slot);
+            self.ready.push(idx);
+        }
+        if n > 0 {
+            tracing::info!(
+                requests = n,
+                "resubmitting requests in flight at the last disconnect"
+            );
+        }
+        let mut p = Progress::default();
+        self.submit(q, mem, &mut p);
+        self.chan.flush();
+        n
     }
 
     /// Completes finished backend requests and, with `pop`, takes new chains from the
@@ -145,7 +205,12 @@ impl QueueWorker {
             let Some(chain) = iter.next() else { break };
             self.free.pop();
             let slot = &mut self.slots[usize::from(idx)];
-            parse(chain, mem, &self.cfg, &mut self.segs, slot);
+            let head = chain.head_index();
+            if let Some(log) = &self.inflight {
+                log.take(head, self.counter);
+                self.counter += 1;
+            }
+            parse(head, chain, mem, &self.cfg, &mut self.segs, slot);
             self.ready.push(idx);
             p.work += 1;
         }
@@ -197,6 +262,9 @@ impl QueueWorker {
         let head = slot.head;
         slot.release();
         self.free.push(idx);
+        if let Some(log) = &self.inflight {
+            log.before_used(head);
+        }
         if q.add_used(&**mem, head, used_len).is_err() {
             if self.broken.is_none() {
                 tracing::warn!(
@@ -206,6 +274,9 @@ impl QueueWorker {
             }
             self.broken = Some(QueueError::UsedRing);
             return;
+        }
+        if let Some(log) = &self.inflight {
+            log.used(head, q.next_used());
         }
         p.used += 1;
     }

@@ -1,0 +1,80 @@
+//! GET_INFLIGHT_FD / SET_INFLIGHT_FD: the shared memory in which each queue logs
+//! the requests it took (layout in `virtio_blk::InflightQueue`).
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+
+use guest_mem::{MappedRegion, Prot, SharedMem};
+use virtio_blk::{queue_region_size, InflightMem, InflightQueue};
+
+/// Bounds on what a front end may ask for (QEMU: num-queues ≤ 1024, queue sizes
+/// ≤ 1024; the split ring allows 32768).
+const MAX_QUEUES: u16 = 1024;
+const MAX_QUEUE_SIZE: u16 = 32768;
+
+/// A device's inflight area: `num_queues` regions of `queue_size` entries each.
+#[derive(Clone, Debug)]
+pub(crate) struct Region {
+    mem: Arc<InflightMem>,
+    queue_size: u16,
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, msg)
+}
+
+fn area_size(num_queues: u16, queue_size: u16) -> io::Result<u64> {
+    if num_queues == 0 || num_queues > MAX_QUEUES || queue_size == 0 || queue_size > MAX_QUEUE_SIZE
+    {
+        return Err(invalid(format!(
+            "inflight area for {num_queues} queues of {queue_size} entries is out of range"
+        )));
+    }
+    Ok(u64::from(num_queues) * queue_region_size(queue_size) as u64)
+}
+
+impl Region {
+    /// A fresh, zeroed area for GET_INFLIGHT_FD: returns the memfd to hand out and
+    /// its size.
+    pub fn allocate(num_queues: u16, queue_size: u16) -> io::Result<(SharedMem, u64)> {
+        let size = area_size(num_queues, queue_size)?;
+        let mem = SharedMem::new("udrive-vhost-inflight", size)?;
+        Ok((mem, size))
+    }
+
+    /// Maps the area a front end handed back with SET_INFLIGHT_FD.
+    pub fn map(
+        file: &File,
+        mmap_size: u64,
+        mmap_offset: u64,
+        num_queues: u16,
+        queue_size: u16,
+    ) -> io::Result<Region> {
+        let need = area_size(num_queues, queue_size)?;
+        if mmap_size < need {
+            return Err(invalid(format!(
+                "inflight area of {mmap_size} bytes is smaller than the {need} that \
+                 {num_queues} queues of {queue_size} entries need"
+            )));
+        }
+        // Mapping past the end of the file would turn accesses into SIGBUS.
+        let flen = file.metadata()?.len();
+        if mmap_offset.checked_add(need).is_none_or(|end| end > flen) {
+            return Err(invalid(format!(
+                "inflight fd holds {flen} bytes, fewer than offset {mmap_offset} + {need}"
+            )));
+        }
+        let map = MappedRegion::map_fd(file.as_fd(), mmap_offset, 0, need, Prot::RW)?;
+        Ok(Region {
+            mem: Arc::new(InflightMem::Mapped(map)),
+            queue_size,
+        })
+    }
+
+    /// Queue `index`'s log, if the area has one.
+    pub fn queue(&self, index: usize) -> Option<InflightQueue> {
+        InflightQueue::new(self.mem.clone(), index, self.queue_size)
+    }
+}
