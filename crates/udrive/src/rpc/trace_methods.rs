@@ -42,12 +42,17 @@ pub fn register(r: &mut Registry) {
         "trace one request in `sample` (default 1: all) on every device or on `socket`; drops earlier trace data",
         |rpc, p| {
             let a: TraceStart = parse_params(p)?;
-            let sample = a.sample.unwrap_or(1);
-            if !(1..=u64::from(MAX_SAMPLE)).contains(&sample) {
-                return Err(RpcError::params(format!(
-                    "sample must be 1..={MAX_SAMPLE} (trace one request in N), not {sample}"
-                )));
-            }
+            let sample = match &a.sample {
+                None => 1,
+                Some(v) => v
+                    .as_u64()
+                    .filter(|n| (1..=u64::from(MAX_SAMPLE)).contains(n))
+                    .ok_or_else(|| {
+                        RpcError::params(format!(
+                            "sample must be an integer 1..={MAX_SAMPLE} (trace one request in N), not {v}"
+                        ))
+                    })?,
+            };
             let st = rpc.server.lock();
             let (nvme, skipped) = select(&st, a.socket.as_deref())?;
             stats::trace_start(&nvme, sample as u32);
@@ -94,9 +99,9 @@ struct DeviceFilter {
 struct TraceStart {
     #[serde(default)]
     socket: Option<PathBuf>,
-    /// u64 so that out-of-range numbers get our message rather than serde's.
+    /// Checked by hand so that every wrong value gets a message naming `sample`.
     #[serde(default)]
-    sample: Option<u64>,
+    sample: Option<Value>,
 }
 
 /// The NVMe controllers `socket` selects (all when `None`) and the vhost-user-blk
