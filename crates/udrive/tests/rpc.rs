@@ -929,3 +929,45 @@ fn udrive_trace_and_perf_trace_over_the_socket() {
         assert!(text.contains(w), "{w} missing in\n{text}");
     }
 }
+
+#[test]
+fn vhost_user_blk_devices_are_listed_and_skipped_by_trace() {
+    let vdir = tempfile::tempdir().unwrap();
+    let v = vdir.path().join("v.sock");
+    let vs = v.to_str().unwrap().to_string();
+    let s = Serve::start(&["--vhost-user-blk", &vs, "--disk", "ram:16M"]);
+    let a = s.nvme.to_str().unwrap().to_string();
+    let st = s.ok("get_stats", json!({}));
+    let kinds: Vec<&str> = st["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["nvme", "vhost-user-blk"]);
+    let st = s.ok("get_stats", json!({"socket": vs}));
+    assert_eq!(st["devices"][0]["name"], "v");
+    assert_eq!(st["devices"][0]["queues"], json!([]));
+
+    let r = s.ok("trace_start", json!({}));
+    assert_eq!(r["devices"], json!([a]));
+    assert_eq!(r["skipped"], json!([vs]));
+    let r = s.ok("trace_start", json!({"socket": vs}));
+    assert_eq!(
+        (r["devices"].clone(), r["skipped"].clone()),
+        (json!([]), json!([vs]))
+    );
+    s.ok("trace_stop", json!({"socket": vs}));
+    let b = s.ok("trace_read", json!({"socket": vs}));
+    assert_eq!(b["ops"], json!([]));
+
+    s.err(
+        "set_placement",
+        json!({"socket": vs, "placement": "single"}),
+        -32000,
+        "fixed when it starts",
+    );
+    let text = s.ok("get_metrics", json!({}));
+    prometheus_parse::Scrape::parse(text.as_str().unwrap().lines().map(|l| Ok(l.to_string())))
+        .expect("get_metrics is Prometheus text");
+}
