@@ -15,5 +15,6 @@ pub mod serve;
 pub mod server;
 pub mod size;
 pub mod stats;
+pub mod trace_cmd;
 pub mod trace_view;
 pub mod vhost_device;

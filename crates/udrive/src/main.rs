@@ -1,6 +1,6 @@
 //! udrive: userspace storage virtualization server.
 
-use udrive::{perf, rpc, serve};
+use udrive::{perf, rpc, serve, trace_cmd};
 
 use clap::{Parser, Subcommand};
 
@@ -26,6 +26,8 @@ enum Cmd {
     Rpc(rpc::client::RpcArgs),
     /// Print a running server's counters in Prometheus text format
     Metrics(rpc::client::MetricsArgs),
+    /// Trace a running server's requests for a while and print the time per layer
+    Trace(trace_cmd::TraceArgs),
 }
 
 fn main() {
@@ -39,9 +41,19 @@ fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Serve(a) => serve::run(a),
-        Cmd::Perf(a) => perf::run(a),
+        Cmd::Perf(a) => match a.rpc.clone() {
+            Some(rpc) => {
+                let server = trace_cmd::RpcServerTrace {
+                    rpc,
+                    device: a.vfio_user.clone(),
+                };
+                perf::run_with(a, Some(&server))
+            }
+            None => perf::run(a),
+        },
         Cmd::Rpc(a) => rpc::client::run(a),
         Cmd::Metrics(a) => rpc::client::run_metrics(a),
+        Cmd::Trace(a) => trace_cmd::run(a),
     };
     if let Err(e) = r {
         eprintln!("udrive: error: {e:#}");

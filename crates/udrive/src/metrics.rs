@@ -6,7 +6,6 @@
 //! a size bound, handled one at a time on one control thread, and answered with
 //! `Connection: close`.
 
-use std::fmt::Write as _;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,145 +13,21 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::server::{Device, Server};
+use crate::server::Server;
 
 /// Largest request head accepted.
 pub const MAX_REQUEST: usize = 8192;
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
 
-fn label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-struct Family<'a> {
-    out: &'a mut String,
-}
-
-impl Family<'_> {
-    fn head(&mut self, name: &str, kind: &str, help: &str) {
-        let _ = writeln!(self.out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    }
-    fn sample(&mut self, name: &str, labels: &[(&str, &str)], v: u64) {
-        let l: Vec<String> = labels
-            .iter()
-            .map(|(k, v)| format!("{k}=\"{}\"", label(v)))
-            .collect();
-        let _ = writeln!(self.out, "{name}{{{}}} {v}", l.join(","));
-    }
-}
-
-/// Today's counters (nvme ControllerStats, engine ReactorStats) in Prometheus text
-/// format. The trace branch's StatsSnapshot renderer replaces this body at merge.
+/// Every device's and reactor's counters and histograms (`get_stats`) in Prometheus
+/// text format.
 pub fn render(server: &Server) -> String {
-    type Get = fn(&nvme::ControllerStats) -> u64;
-    let ctrl: [(&str, &str, &str, Get); 10] = [
-        (
-            "udrive_nvme_reads_total",
-            "counter",
-            "Read commands completed",
-            |s| s.reads,
-        ),
-        (
-            "udrive_nvme_writes_total",
-            "counter",
-            "Write commands completed",
-            |s| s.writes,
-        ),
-        (
-            "udrive_nvme_flushes_total",
-            "counter",
-            "Flush commands completed",
-            |s| s.flushes,
-        ),
-        (
-            "udrive_nvme_other_io_total",
-            "counter",
-            "Write Zeroes, Dataset Management and rejected I/O commands",
-            |s| s.other_io,
-        ),
-        (
-            "udrive_nvme_io_errors_total",
-            "counter",
-            "I/O commands completed with an error status",
-            |s| s.io_errors,
-        ),
-        (
-            "udrive_nvme_read_bytes_total",
-            "counter",
-            "Bytes read by successful Read commands",
-            |s| s.bytes_read,
-        ),
-        (
-            "udrive_nvme_written_bytes_total",
-            "counter",
-            "Bytes written by successful Write commands",
-            |s| s.bytes_written,
-        ),
-        (
-            "udrive_nvme_admin_commands_total",
-            "counter",
-            "Admin commands executed",
-            |s| s.admin_commands,
-        ),
-        (
-            "udrive_nvme_io_queues",
-            "gauge",
-            "I/O submission queues",
-            |s| s.io_queues as u64,
-        ),
-        (
-            "udrive_nvme_ready",
-            "gauge",
-            "1 while the controller is enabled (CSTS.RDY)",
-            |s| u64::from(s.ready),
-        ),
-    ];
-    let stats: Vec<(String, nvme::ControllerStats)> = {
-        let st = server.lock();
-        st.devices
-            .iter()
-            .filter_map(|d| match d {
-                Device::Nvme(n) => Some((n.socket.display().to_string(), n.ctrl.stats())),
-                Device::VhostBlk(_) => None,
-            })
-            .collect()
-    };
-    let mut out = String::new();
-    let mut f = Family { out: &mut out };
-    for (name, kind, help, get) in ctrl {
-        f.head(name, kind, help);
-        for (socket, s) in &stats {
-            f.sample(name, &[("socket", socket)], get(s));
-        }
+    match crate::rpc::trace_methods::snapshot(server, None) {
+        Ok(s) => trace::render_prometheus(&s),
+        // Without a socket filter there is nothing to fail on; render empty rather
+        // than break a scrape.
+        Err(_) => trace::render_prometheus(&trace::StatsSnapshot::default()),
     }
-    let e = &server.engine;
-    type RGet = fn(&engine::ReactorStats) -> u64;
-    let reactor: [(&str, &str, RGet); 3] = [
-        ("udrive_reactor_iterations_total", "Poll iterations", |s| {
-            s.iterations.load(Ordering::Relaxed)
-        }),
-        (
-            "udrive_reactor_busy_iterations_total",
-            "Poll iterations that found work",
-            |s| s.busy_iterations.load(Ordering::Relaxed),
-        ),
-        (
-            "udrive_reactor_work_items_total",
-            "Work items (commands, completions) handled",
-            |s| s.work_items.load(Ordering::Relaxed),
-        ),
-    ];
-    for (name, help, get) in reactor {
-        f.head(name, "counter", help);
-        for i in 0..e.num_reactors() {
-            if let Some(s) = e.stats(i) {
-                f.sample(name, &[("reactor", &i.to_string())], get(&s));
-            }
-        }
-    }
-    out
 }
 
 /// The `--metrics-listen` endpoint.
@@ -315,6 +190,5 @@ mod tests {
             route(b"GET metrics HTTP/1.1\r\n\r\n"),
             Route::Bad(_)
         ));
-        assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }

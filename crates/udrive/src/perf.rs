@@ -75,6 +75,10 @@ pub struct PerfArgs {
     /// With --trace: also write a stacked-bar chart of mean time per layer
     #[arg(long, value_name = "PNG", requires = "trace")]
     pub plot: Option<PathBuf>,
+    /// With --trace: the server's control socket (`udrive serve --rpc`), to add the
+    /// server's layers to the breakdown
+    #[arg(long, value_name = "PATH", requires = "trace")]
+    pub rpc: Option<PathBuf>,
 }
 
 /// The server side of `perf --trace`: starts a trace before the workload and reads

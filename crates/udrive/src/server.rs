@@ -312,6 +312,14 @@ impl Server {
 
     pub fn set_placement(&self, socket: &Path, placement: &str) -> Result<()> {
         let mut st = self.lock();
+        if let Some(Device::VhostBlk(v)) = st.find(socket) {
+            bail!(
+                "the placement of vhost-user-blk device {} is fixed when it starts ({}); \
+                 change `placement` in its configuration and restart the server",
+                socket.display(),
+                v.cfg.placement
+            );
+        }
         let dev = st.nvme_mut(socket)?;
         dev.set_placement(placement, &self.engine)
     }

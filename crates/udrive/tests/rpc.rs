@@ -155,6 +155,18 @@ fn call(sock: &Path, method: &str, params: Value) -> Result<Value, (i64, String)
     }
 }
 
+/// `get_stats`: the sum of `what` (ops or bytes) of `op` over every queue and
+/// namespace of device `dev`.
+fn ns_sum(st: &Value, dev: usize, what: &str, op: &str) -> u64 {
+    st["devices"][dev]["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|q| q["namespaces"].as_array().unwrap())
+        .map(|n| n[what][op].as_u64().unwrap())
+        .sum()
+}
+
 fn error_code(v: &Value) -> i64 {
     v["error"]["code"]
         .as_i64()
@@ -323,17 +335,17 @@ fn every_method_over_the_socket() {
     let st = s.ok("get_stats", json!({}));
     assert_eq!(st["devices"].as_array().unwrap().len(), 2);
     assert_eq!(st["reactors"].as_array().unwrap().len(), 1);
-    assert_eq!(st["devices"][0]["stats"]["reads"], 0);
+    assert_eq!(ns_sum(&st, 0, "ops", "read"), 0);
     let st = s.ok("get_stats", json!({"socket": a}));
     assert_eq!(st["devices"].as_array().unwrap().len(), 1);
 
     let text = s.ok("get_metrics", json!({}));
     let text = text.as_str().unwrap();
     assert!(
-        text.contains("# TYPE udrive_nvme_reads_total counter"),
+        text.contains("# TYPE udrive_io_ops_total counter"),
         "{text}"
     );
-    assert!(text.contains(&format!("udrive_nvme_reads_total{{socket=\"{b}\"}} 0")));
+    assert!(text.contains("udrive_reactor_polls_total{reactor=\"0\",state=\"busy\"}"));
 
     s.ok("nvme_remove_namespace", json!({"socket": b, "nsid": 10}));
     s.err(
@@ -383,7 +395,7 @@ fn every_method_over_the_socket() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    assert!(String::from_utf8_lossy(&out.stdout).contains("udrive_reactor_iterations_total"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("udrive_reactor_polls_total"));
 
     // SIGTERM: clean exit, control and device sockets removed.
     let mut s = s;
@@ -707,7 +719,15 @@ fn hot_add_and_remove_namespace_while_io_runs_on_another() {
     );
     // The counters saw the Invalid Namespace error and nothing else failed.
     let st = s.ok("get_stats", json!({"socket": a}));
-    assert_eq!(st["devices"][0]["stats"]["io_errors"], 1);
+    let errors: u64 = st["devices"][0]["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|q| q["namespaces"].as_array().unwrap())
+        .flat_map(|n| n["errors"].as_array().unwrap())
+        .map(|e| e["count"].as_u64().unwrap())
+        .sum();
+    assert_eq!(errors, 1);
 }
 
 #[test]
@@ -735,8 +755,11 @@ fn metrics_endpoint_answers_and_rejects_junk() {
     let ok = http(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
     assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
     assert!(ok.contains("text/plain; version=0.0.4"));
-    assert!(ok.contains("# TYPE udrive_nvme_reads_total counter"));
-    assert!(ok.contains("udrive_reactor_iterations_total{reactor=\"0\"}"));
+    assert!(ok.contains("# TYPE udrive_io_ops_total counter"));
+    assert!(ok.contains("udrive_reactor_polls_total{reactor=\"0\",state=\"idle\"}"));
+    let body = ok.split("\r\n\r\n").nth(1).unwrap();
+    prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
+        .expect("the endpoint serves Prometheus text");
     assert!(http(b"BLAH\r\n\r\n").starts_with("HTTP/1.1 400"));
     assert!(http(b"GET /metrics HTTP/9\r\n\r\n").starts_with("HTTP/1.1 400"));
     let big = format!("GET /metrics HTTP/1.1\r\nX: {}\r\n\r\n", "y".repeat(20000));
@@ -749,4 +772,202 @@ fn metrics_endpoint_answers_and_rejects_junk() {
         c.write_all(b"GET /met").unwrap();
     }
     assert!(http(b"GET /metrics HTTP/1.0\r\n\r\n").starts_with("HTTP/1.1 200"));
+}
+
+/// `n` writes then `n` reads of 4 KiB on namespace 1, one at a time.
+fn sync_io(d: &NvmeDriver, n: u64) {
+    let mut qp = d.create_qpair(8, false).unwrap();
+    let buf = qp.alloc_buf(4096).unwrap();
+    for op in [IoOp::Write, IoOp::Read] {
+        for i in 0..n {
+            let c = qp
+                .submit_io(op, 1, i * 8, 8, Some(&buf), DataMode::Prp)
+                .unwrap();
+            qp.ring().unwrap();
+            assert!(qp.wait(c, T).unwrap().status.is_ok());
+        }
+    }
+    d.delete_qpair(qp).unwrap();
+}
+
+#[test]
+fn trace_methods_and_metrics_count_what_the_initiator_issued() {
+    let s = Serve::start(&[]);
+    let a = s.nvme.to_str().unwrap().to_string();
+    for bad in [
+        json!(0),
+        json!(-1),
+        json!(1u64 << 31),
+        json!("x"),
+        json!(1.5),
+    ] {
+        s.err("trace_start", json!({"sample": bad}), -32602, "sample");
+    }
+    s.err(
+        "trace_start",
+        json!({"socket": "nope.sock"}),
+        -32000,
+        "no device",
+    );
+    let r = s.ok("trace_start", json!({"sample": (1u64 << 31) - 1}));
+    assert_eq!(r["devices"][0], a);
+    let r = s.ok("trace_start", json!({"socket": a}));
+    assert_eq!(r["sample"], 1);
+
+    let d = NvmeDriver::connect(&s.nvme, opts()).unwrap();
+    sync_io(&d, 50);
+    s.ok("trace_stop", json!({}));
+    // Not traced: the counters still see it, the breakdown does not.
+    sync_io(&d, 10);
+
+    let b: trace::Breakdown =
+        serde_json::from_value(s.ok("trace_read", json!({"socket": a}))).unwrap();
+    for op in ["read", "write"] {
+        let o = b.op(op).unwrap_or_else(|| panic!("no {op} in {b:?}"));
+        for l in trace::LAYERS.iter().chain([&trace::TOTAL]) {
+            let row = o.row(l).unwrap_or_else(|| panic!("no {op} {l} row"));
+            assert_eq!(row.count, 50, "{op} {l}");
+        }
+        assert!(o.row("backend").unwrap().max_ns > 0);
+    }
+
+    let st = s.ok("get_stats", json!({}));
+    assert_eq!(ns_sum(&st, 0, "ops", "read"), 60);
+    assert_eq!(ns_sum(&st, 0, "ops", "write"), 60);
+    assert_eq!(ns_sum(&st, 0, "bytes", "write"), 60 * 4096);
+
+    let text = s.ok("get_metrics", json!({}));
+    let scrape =
+        prometheus_parse::Scrape::parse(text.as_str().unwrap().lines().map(|l| Ok(l.to_string())))
+            .expect("get_metrics is Prometheus text");
+    let sum = |name: &str, op: &str| -> f64 {
+        scrape
+            .samples
+            .iter()
+            .filter(|x| x.metric == name && x.labels.get("op") == Some(op))
+            .map(|x| match x.value {
+                prometheus_parse::Value::Counter(v) => v,
+                ref v => panic!("{name} is {v:?}, not a counter"),
+            })
+            .sum()
+    };
+    assert_eq!(sum("udrive_io_ops_total", "read"), 60.0);
+    assert_eq!(sum("udrive_io_ops_total", "write"), 60.0);
+    assert_eq!(sum("udrive_io_bytes_total", "read"), 60.0 * 4096.0);
+    assert_eq!(sum("udrive_io_ops_total", "flush"), 0.0);
+}
+
+#[test]
+fn udrive_trace_and_perf_trace_over_the_socket() {
+    let s = Serve::start(&[]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let bg = {
+        let (stop, sock) = (stop.clone(), s.nvme.clone());
+        std::thread::spawn(move || {
+            let d = NvmeDriver::connect(&sock, opts()).unwrap();
+            while !stop.load(Ordering::Relaxed) {
+                sync_io(&d, 20);
+            }
+        })
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["trace", "--time", "1", "--rpc"])
+        .arg(&s.rpc)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for w in ["read", "write", "backend", "notify", "total", "p99.9"] {
+        assert!(text.contains(w), "{w} missing in\n{text}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["trace", "--time", "0.5", "--sample", "2", "--json", "--rpc"])
+        .arg(&s.rpc)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let b: trace::Breakdown = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(b
+        .op("read")
+        .is_some_and(|o| o.row("total").unwrap().count > 0));
+    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["trace", "--time", "0", "--sample", "0", "--rpc"])
+        .arg(&s.rpc)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "--sample 0 refused");
+    stop.store(true, Ordering::Relaxed);
+    bg.join().unwrap();
+
+    // perf --trace --rpc: initiator layers and the server's in one table.
+    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args([
+            "perf",
+            "--time",
+            "0.5",
+            "--rw",
+            "randrw",
+            "--trace",
+            "--vfio-user",
+        ])
+        .arg(&s.nvme)
+        .arg("--rpc")
+        .arg(&s.rpc)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for w in ["submit", "reap", "queue", "backend", "notify", "transport"] {
+        assert!(text.contains(w), "{w} missing in\n{text}");
+    }
+}
+
+#[test]
+fn vhost_user_blk_devices_are_listed_and_skipped_by_trace() {
+    let vdir = tempfile::tempdir().unwrap();
+    let v = vdir.path().join("v.sock");
+    let vs = v.to_str().unwrap().to_string();
+    let s = Serve::start(&["--vhost-user-blk", &vs, "--disk", "ram:16M"]);
+    let a = s.nvme.to_str().unwrap().to_string();
+    let st = s.ok("get_stats", json!({}));
+    let kinds: Vec<&str> = st["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["nvme", "vhost-user-blk"]);
+    let st = s.ok("get_stats", json!({"socket": vs}));
+    assert_eq!(st["devices"][0]["name"], "v");
+    assert_eq!(st["devices"][0]["queues"], json!([]));
+
+    let r = s.ok("trace_start", json!({}));
+    assert_eq!(r["devices"], json!([a]));
+    assert_eq!(r["skipped"], json!([vs]));
+    let r = s.ok("trace_start", json!({"socket": vs}));
+    assert_eq!(
+        (r["devices"].clone(), r["skipped"].clone()),
+        (json!([]), json!([vs]))
+    );
+    s.ok("trace_stop", json!({"socket": vs}));
+    let b = s.ok("trace_read", json!({"socket": vs}));
+    assert_eq!(b["ops"], json!([]));
+
+    s.err(
+        "set_placement",
+        json!({"socket": vs, "placement": "single"}),
+        -32000,
+        "fixed when it starts",
+    );
+    let text = s.ok("get_metrics", json!({}));
+    prometheus_parse::Scrape::parse(text.as_str().unwrap().lines().map(|l| Ok(l.to_string())))
+        .expect("get_metrics is Prometheus text");
 }

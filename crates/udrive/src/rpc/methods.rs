@@ -99,18 +99,7 @@ pub fn register_all(r: &mut Registry) {
             Ok(Value::Bool(true))
         },
     );
-    r.register("get_stats", "controller and reactor counters", |rpc, p| {
-        let a: DeviceFilter = parse_params(p)?;
-        stats_json(&rpc.server, a.socket.as_deref())
-    });
-    r.register(
-        "get_metrics",
-        "all counters in Prometheus text format (a string)",
-        |rpc, p| {
-            parse_params::<Empty>(p)?;
-            Ok(Value::String(crate::metrics::render(&rpc.server)))
-        },
-    );
+    super::trace_methods::register(r);
 }
 
 #[derive(Deserialize)]
@@ -316,70 +305,4 @@ fn get_devices(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
         return Ok(json!([device_json(d)]));
     }
     Ok(Value::Array(st.devices.iter().map(device_json).collect()))
-}
-
-pub fn controller_stats_json(s: &nvme::ControllerStats) -> Value {
-    json!({
-        "ready": s.ready,
-        "fatal": s.fatal,
-        "doorbell_buffer_configured": s.doorbell_buffer_configured,
-        "shadow_doorbell_reads": s.shadow_doorbell_reads,
-        "io_queues": s.io_queues,
-        "io_completion_queues": s.io_completion_queues,
-        "admin_commands": s.admin_commands,
-        "reads": s.reads,
-        "writes": s.writes,
-        "flushes": s.flushes,
-        "other_io": s.other_io,
-        "io_errors": s.io_errors,
-        "bytes_read": s.bytes_read,
-        "bytes_written": s.bytes_written,
-        "error_log_count": s.error_log_count,
-    })
-}
-
-/// Today's counters: per controller (nvme ControllerStats) and per reactor.
-pub fn stats_json(server: &Server, socket: Option<&std::path::Path>) -> Result<Value, RpcError> {
-    let st = server.lock();
-    if let Some(s) = socket {
-        if st.find(s).is_none() {
-            return Err(st.not_found(s).into());
-        }
-    }
-    let devices: Vec<Value> = st
-        .devices
-        .iter()
-        .filter(|d| socket.is_none_or(|s| d.socket() == s))
-        .map(|d| match d {
-            Device::Nvme(n) => json!({
-                "kind": "nvme",
-                "socket": n.socket,
-                "stats": controller_stats_json(&n.ctrl.stats()),
-            }),
-            Device::VhostBlk(v) => json!({
-                "kind": "vhost-user-blk",
-                "socket": v.cfg.socket,
-                "stats": {"connections": v.dev.connections()},
-            }),
-        })
-        .collect();
-    drop(st);
-    Ok(json!({"devices": devices, "reactors": reactors_json(&server.engine)}))
-}
-
-pub fn reactors_json(engine: &engine::Engine) -> Value {
-    use std::sync::atomic::Ordering::Relaxed;
-    let v: Vec<Value> = (0..engine.num_reactors())
-        .filter_map(|i| {
-            let s = engine.stats(i)?;
-            Some(json!({
-                "reactor": i,
-                "cpu": engine.cpu_of(i),
-                "iterations": s.iterations.load(Relaxed),
-                "busy_iterations": s.busy_iterations.load(Relaxed),
-                "work_items": s.work_items.load(Relaxed),
-            }))
-        })
-        .collect();
-    Value::Array(v)
 }

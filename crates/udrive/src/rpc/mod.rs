@@ -15,6 +15,7 @@
 pub mod client;
 mod framing;
 pub mod methods;
+pub mod trace_methods;
 
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};

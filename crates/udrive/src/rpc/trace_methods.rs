@@ -1,0 +1,169 @@
+//! Tracing and metrics methods (docs/rpc.md): `get_stats`, `get_metrics`,
+//! `trace_start`, `trace_stop`, `trace_read`. They select devices here and leave the
+//! data to `crate::stats`. vhost-user-blk devices have no per-queue recorders yet:
+//! they appear in `get_stats` with no queues and are skipped (and named as skipped)
+//! by the trace methods.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use trace::{DeviceStats, StatsSnapshot};
+
+use super::{parse_params, Registry, RpcError};
+use crate::device::NvmeDevice;
+use crate::server::{Device, Server, State};
+use crate::stats;
+
+/// Largest `sample` (one request in N is traced); the recorders count in u32 and
+/// keep the top bit free.
+pub const MAX_SAMPLE: u32 = (1 << 31) - 1;
+
+pub fn register(r: &mut Registry) {
+    r.register(
+        "get_stats",
+        "per device/namespace/queue counters, histograms and reactor counters (trace::StatsSnapshot)",
+        |rpc, p| {
+            let a: DeviceFilter = parse_params(p)?;
+            let s = snapshot(&rpc.server, a.socket.as_deref())?;
+            serde_json::to_value(s).map_err(|e| RpcError::new(super::INTERNAL_ERROR, e.to_string()))
+        },
+    );
+    r.register(
+        "get_metrics",
+        "all counters in Prometheus text format (a string)",
+        |rpc, p| {
+            parse_params::<Empty>(p)?;
+            Ok(Value::String(crate::metrics::render(&rpc.server)))
+        },
+    );
+    r.register(
+        "trace_start",
+        "trace one request in `sample` (default 1: all) on every device or on `socket`; drops earlier trace data",
+        |rpc, p| {
+            let a: TraceStart = parse_params(p)?;
+            let sample = match &a.sample {
+                None => 1,
+                Some(v) => v
+                    .as_u64()
+                    .filter(|n| (1..=u64::from(MAX_SAMPLE)).contains(n))
+                    .ok_or_else(|| {
+                        RpcError::params(format!(
+                            "sample must be an integer 1..={MAX_SAMPLE} (trace one request in N), not {v}"
+                        ))
+                    })?,
+            };
+            let st = rpc.server.lock();
+            let (nvme, skipped) = select(&st, a.socket.as_deref())?;
+            stats::trace_start(&nvme, sample as u32);
+            Ok(targets(&nvme, &skipped, Some(sample)))
+        },
+    );
+    r.register(
+        "trace_stop",
+        "stop tracing on every device or on `socket`; the data stays readable",
+        |rpc, p| {
+            let a: DeviceFilter = parse_params(p)?;
+            let st = rpc.server.lock();
+            let (nvme, skipped) = select(&st, a.socket.as_deref())?;
+            stats::trace_stop(&nvme);
+            Ok(targets(&nvme, &skipped, None))
+        },
+    );
+    r.register(
+        "trace_read",
+        "the layer breakdown (count, mean, p50, p99, p99.9, max per layer, per op) of the current trace",
+        |rpc, p| {
+            let a: DeviceFilter = parse_params(p)?;
+            let st = rpc.server.lock();
+            let (nvme, _) = select(&st, a.socket.as_deref())?;
+            let b = stats::trace_read(&nvme);
+            serde_json::to_value(b).map_err(|e| RpcError::new(super::INTERNAL_ERROR, e.to_string()))
+        },
+    );
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Empty {}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeviceFilter {
+    #[serde(default)]
+    socket: Option<PathBuf>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TraceStart {
+    #[serde(default)]
+    socket: Option<PathBuf>,
+    /// Checked by hand so that every wrong value gets a message naming `sample`.
+    #[serde(default)]
+    sample: Option<Value>,
+}
+
+/// The NVMe controllers `socket` selects (all when `None`) and the vhost-user-blk
+/// devices it selects, which have nothing to trace yet. A socket with no device is
+/// an error.
+fn select<'a>(
+    st: &'a State,
+    socket: Option<&Path>,
+) -> Result<(Vec<&'a NvmeDevice>, Vec<&'a Path>), RpcError> {
+    let mut nvme = Vec::new();
+    let mut skipped = Vec::new();
+    if let Some(s) = socket {
+        if st.find(s).is_none() {
+            return Err(st.not_found(s).into());
+        }
+    }
+    for d in &st.devices {
+        if socket.is_some_and(|s| !crate::server::same_socket(d.socket(), s)) {
+            continue;
+        }
+        match d {
+            Device::Nvme(n) => nvme.push(n),
+            Device::VhostBlk(v) => skipped.push(v.cfg.socket.as_path()),
+        }
+    }
+    Ok((nvme, skipped))
+}
+
+fn targets(nvme: &[&NvmeDevice], skipped: &[&Path], sample: Option<u64>) -> Value {
+    let mut v = json!({
+        "devices": nvme.iter().map(|d| d.socket.display().to_string()).collect::<Vec<_>>(),
+        "skipped": skipped.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+    });
+    if let Some(s) = sample {
+        v["sample"] = json!(s);
+    }
+    v
+}
+
+/// The stats of the devices `socket` selects (all when `None`) and of every reactor.
+/// vhost-user-blk devices are listed with no queues (they keep no per-queue
+/// counters yet).
+pub fn snapshot(server: &Server, socket: Option<&Path>) -> Result<StatsSnapshot, RpcError> {
+    let st = server.lock();
+    let (nvme, _) = select(&st, socket)?;
+    let mut s = stats::get_stats(&nvme, &server.engine);
+    for d in &st.devices {
+        if let Device::VhostBlk(v) = d {
+            if socket.is_none_or(|s| crate::server::same_socket(&v.cfg.socket, s)) {
+                s.devices.push(DeviceStats {
+                    name: socket_name(&v.cfg.socket),
+                    kind: "vhost-user-blk".into(),
+                    queues: Vec::new(),
+                });
+            }
+        }
+    }
+    Ok(s)
+}
+
+fn socket_name(p: &Path) -> String {
+    p.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| p.display().to_string())
+}
