@@ -8,6 +8,13 @@ pub(crate) fn latency_hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 100_000_000_000, 2).expect("static histogram bounds are valid")
 }
 
+/// Raw clock ticks, 1 .. 10^12 (100 s up to a 10 GHz counter) at 2 significant
+/// digits: the layer histograms record unconverted tick deltas and are scaled to ns
+/// when a snapshot is taken.
+pub(crate) fn tick_hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 1_000_000_000_000, 2).expect("static histogram bounds are valid")
+}
+
 /// Queue depths 1 .. 65536, exact up to 128.
 pub(crate) fn depth_hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 65_536, 2).expect("static histogram bounds are valid")
@@ -45,6 +52,32 @@ impl HistSnapshot {
             buckets: h
                 .iter_recorded()
                 .map(|v| (v.value_iterated_to(), v.count_at_value()))
+                .collect(),
+        }
+    }
+
+    /// A histogram of clock ticks as nanoseconds: every value is scaled by `to_ns`
+    /// and the mean by `ns_per_tick`, a linear map that keeps the layers' means
+    /// adding up exactly as they did in ticks.
+    pub fn from_ticks(
+        h: &Histogram<u64>,
+        to_ns: impl Fn(u64) -> u64,
+        ns_per_tick: f64,
+    ) -> HistSnapshot {
+        if h.is_empty() {
+            return HistSnapshot::default();
+        }
+        HistSnapshot {
+            count: h.len(),
+            mean: h.mean() * ns_per_tick,
+            min: to_ns(h.min()),
+            p50: to_ns(h.value_at_quantile(0.50)),
+            p99: to_ns(h.value_at_quantile(0.99)),
+            p99_9: to_ns(h.value_at_quantile(0.999)),
+            max: to_ns(h.max()),
+            buckets: h
+                .iter_recorded()
+                .map(|v| (to_ns(v.value_iterated_to()), v.count_at_value()))
                 .collect(),
         }
     }

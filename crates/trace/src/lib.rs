@@ -30,6 +30,7 @@ mod layerset;
 mod prom;
 mod recorder;
 mod snapshot;
+mod ticks;
 
 pub use breakdown::{Breakdown, LayerRow, OpBreakdown, Side, DEVICE};
 pub use control::{Mailbox, TraceControl, TraceSettings};

@@ -6,8 +6,9 @@ use hdrhistogram::Histogram;
 
 use crate::clock;
 use crate::control::{Mailbox, TraceControl, TraceSettings};
-use crate::hist::{depth_hist, latency_hist, HistSnapshot};
+use crate::hist::{depth_hist, tick_hist, HistSnapshot};
 use crate::snapshot::{LayerHists, NsSnapshot, OpCounts, QueueSnapshot, StatusCount};
+use crate::ticks::TickBuckets;
 use crate::{OpClass, LAYERS, TOTAL};
 
 /// Distinct error statuses counted per namespace; further ones share `OVERFLOW`.
@@ -28,14 +29,15 @@ pub struct Stamps {
     pub completed: u64,
 }
 
-/// Layer histograms of one namespace: reads and writes, each layer plus total.
+/// Layer histograms of one namespace: reads and writes, each layer plus total, in
+/// raw clock ticks (scaled to ns only in [`QueueRecorder::snapshot`]).
 struct TraceHists {
-    by_op: [[Histogram<u64>; NUM_STAMPED]; 2],
+    by_op: [[TickBuckets; NUM_STAMPED]; 2],
 }
 
 impl TraceHists {
     fn new() -> Box<TraceHists> {
-        let row = || std::array::from_fn(|_| latency_hist());
+        let row = || std::array::from_fn(|_| TickBuckets::new());
         Box::new(TraceHists {
             by_op: [row(), row()],
         })
@@ -272,7 +274,8 @@ impl QueueRecorder {
     }
 
     fn fold(&mut self, posted: u64, signalled: u64) {
-        let notify = clock::delta_ns(posted, signalled);
+        // Tick deltas, no scaling per request (see `snapshot`).
+        let notify = signalled.saturating_sub(posted);
         for f in self.finished.drain(..) {
             let Some(ns) = self.ns.get_mut(f.ns as usize) else {
                 continue;
@@ -281,16 +284,16 @@ impl QueueRecorder {
                 continue;
             };
             let d = [
-                clock::delta_ns(f.s.kick, f.s.submitted),
-                clock::delta_ns(f.s.submitted, f.s.completed),
-                clock::delta_ns(f.s.completed, posted),
+                f.s.submitted.saturating_sub(f.s.kick),
+                f.s.completed.saturating_sub(f.s.submitted),
+                posted.saturating_sub(f.s.completed),
             ];
             let total = d[0] + d[1] + d[2] + notify;
             let row = &mut t.by_op[usize::from(f.write)];
             for (h, v) in row.iter_mut().zip(d) {
-                h.saturating_record(v.max(1));
+                h.record(v);
             }
-            row[NUM_STAMPED - 1].saturating_record(total.max(1));
+            row[NUM_STAMPED - 1].record(total);
             ns.notify_due[usize::from(f.write)] += 1;
         }
         for ns in self.ns.iter_mut() {
@@ -298,7 +301,7 @@ impl QueueRecorder {
             if let Some(t) = ns.trace.as_mut() {
                 for (row, n) in t.by_op.iter_mut().zip(due) {
                     if n > 0 {
-                        row[NUM_STAMPED - 2].saturating_record_n(notify.max(1), n);
+                        row[NUM_STAMPED - 2].record_n(notify, n);
                     }
                 }
             }
@@ -312,6 +315,12 @@ impl QueueRecorder {
 
     /// The queue's data now (for pollers that are not running, or tests).
     pub fn snapshot(&self) -> QueueSnapshot {
+        let per_tick = clock::ns_per_tick();
+        let ns_of = |b: &TickBuckets| {
+            let mut h = tick_hist();
+            b.fold_into(&mut h);
+            HistSnapshot::from_ticks(&h, clock::ticks_to_ns, per_tick)
+        };
         let namespaces = self
             .ns
             .iter()
@@ -327,12 +336,11 @@ impl QueueRecorder {
                     .map(|&(status, count)| StatusCount { status, count })
                     .collect(),
                 latency: ns.trace.as_ref().map_or_else(HistSnapshot::default, |t| {
-                    let mut h = latency_hist();
+                    let mut h = tick_hist();
                     for row in &t.by_op {
-                        // Same fixed bounds, so adding cannot fail.
-                        let _ = h.add(&row[NUM_STAMPED - 1]);
+                        row[NUM_STAMPED - 1].fold_into(&mut h);
                     }
-                    HistSnapshot::from_hist(&h)
+                    HistSnapshot::from_ticks(&h, clock::ticks_to_ns, per_tick)
                 }),
                 layers: ns.trace.as_ref().map_or_else(Vec::new, |t| {
                     ["read", "write"]
@@ -344,7 +352,7 @@ impl QueueRecorder {
                                 .iter()
                                 .chain(std::iter::once(&TOTAL))
                                 .zip(row.iter())
-                                .map(|(name, h)| (name.to_string(), HistSnapshot::from_hist(h)))
+                                .map(|(name, h)| (name.to_string(), ns_of(h)))
                                 .collect(),
                         })
                         .collect()
