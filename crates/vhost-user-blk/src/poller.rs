@@ -111,7 +111,19 @@ impl Poller for VirtqPoller {
             let _ = st.disable_notification();
             self.quiet = true;
         }
-        let p = self.worker.process(st.get_queue_mut(), &self.mem, pop);
+        // Buffers are translated with the snapshot taken after the avail index read
+        // (see `process_with`): the one loaded above may predate an ADD_MEM_REG whose
+        // buffers the first requests of a connection already point into.
+        let atomic = &conn.mem;
+        let mut latest = |m: &mut Arc<Mem>| {
+            let g = atomic.memory();
+            if !std::ptr::eq(&*g, &**m) {
+                *m = g.into_inner();
+            }
+        };
+        let p = self
+            .worker
+            .process_with(st.get_queue_mut(), &mut self.mem, &mut latest, pop);
         if p.used > 0 && st.needs_notification().unwrap_or(true) {
             let _ = st.signal_used_queue();
         }

@@ -52,6 +52,8 @@ pub(crate) struct Slot {
     pub fua: bool,
     pub used_len: u32,
     pub outcome: Outcome,
+    /// Why the request gets VIRTIO_BLK_S_IOERR (for the log), when parsing decided it.
+    pub cause: &'static str,
 }
 
 impl Slot {
@@ -67,6 +69,7 @@ impl Slot {
             fua: false,
             used_len: 0,
             outcome: Outcome::Finish(S_IOERR),
+            cause: "",
         }
     }
 
@@ -99,6 +102,7 @@ pub(crate) fn parse(
     slot.len = 0;
     slot.fua = false;
     slot.outcome = Outcome::Finish(S_IOERR);
+    slot.cause = "";
     segs.clear();
 
     let (mut overflow, mut bad_addr, mut bad_order, mut seen_w) = (false, false, false, false);
@@ -132,18 +136,27 @@ pub(crate) fn parse(
     // Without a writable last byte there is nowhere to put a status: the chain is
     // returned with nothing written.
     let Some(last) = last.filter(|l| l.writable) else {
+        slot.cause = "no writable status byte (or it is outside guest memory)";
         slot.finish(S_IOERR);
         return;
     };
     slot.status = last.s.sub(last.s.len() - 1, 1);
     slot.used_len = 1;
     if overflow || bad_addr || bad_order {
+        slot.cause = if bad_addr {
+            "a descriptor is outside the guest memory table"
+        } else if overflow {
+            "more descriptors than seg_max allows"
+        } else {
+            "a readable descriptor follows a writable one"
+        };
         slot.finish(S_IOERR);
         return;
     }
 
     let mut hdr = [0u8; HEADER];
     if !gather(segs, false, 0, &mut hdr) {
+        slot.cause = "short request header";
         slot.finish(S_IOERR);
         return;
     }
@@ -190,6 +203,9 @@ pub(crate) fn parse(
         _ => S_UNSUPP,
     };
     if status != S_OK || slot.outcome != Outcome::Submit {
+        if status == S_IOERR {
+            slot.cause = "bad request (range, alignment, read-only or segment)";
+        }
         slot.finish(status);
     }
 }

@@ -1,6 +1,7 @@
 //! One virtqueue's request engine: preallocated slots, pop -> parse -> submit ->
 //! complete, all on the thread that owns the queue.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bdev::{IoChannel, IoRequest, IoStatus};
@@ -147,10 +148,28 @@ impl QueueWorker {
     /// avail ring (as many as there are free slots). Ring memory is read through `mem`;
     /// each request keeps its own clone of `mem` until it completes.
     pub fn process(&mut self, q: &mut Queue, mem: &Arc<Mem>, pop: bool) -> Progress {
+        let mut mem = mem.clone();
+        self.process_with(q, &mut mem, &mut |_| {}, pop)
+    }
+
+    /// Like [`process`](Self::process) for memory the front end can change while the
+    /// queue runs: `latest` replaces `mem` with the newest snapshot, and is called
+    /// after the avail index was read and before any chain published up to it is
+    /// parsed. The front end maps a buffer (and waits for our ack) before it publishes
+    /// a request pointing into it, so a snapshot taken before the avail index read may
+    /// lack that buffer.
+    pub fn process_with(
+        &mut self,
+        q: &mut Queue,
+        mem: &mut Arc<Mem>,
+        latest: &mut dyn FnMut(&mut Arc<Mem>),
+        pop: bool,
+    ) -> Progress {
         let mut p = Progress::default();
+        let mem = &mut *mem;
         self.reap(q, mem, &mut p);
         if pop && self.broken.is_none() {
-            self.pop(q, mem, &mut p);
+            self.pop(q, mem, latest, &mut p);
             self.submit(q, mem, &mut p);
             self.chan.flush();
             // Inline-then-async backends may already have finished something.
@@ -187,22 +206,43 @@ impl QueueWorker {
         }
     }
 
-    fn pop(&mut self, q: &mut Queue, mem: &Arc<Mem>, p: &mut Progress) {
+    fn pop(
+        &mut self,
+        q: &mut Queue,
+        mem: &mut Arc<Mem>,
+        latest: &mut dyn FnMut(&mut Arc<Mem>),
+        p: &mut Progress,
+    ) {
         self.ready.clear();
-        if self.free.is_empty() {
+        if self.free.is_empty() || !q.ready() || q.avail_ring() == 0 {
             return;
         }
+        // Read the avail index first, then take the memory snapshot: every chain up
+        // to that index was published after its buffers were in the memory table.
+        // Chains published later may need a newer snapshot: they wait for the next call.
+        let avail = match q.avail_idx(&**mem, Ordering::Acquire) {
+            Ok(a) => a,
+            Err(e) => {
+                self.corrupt(&e);
+                return;
+            }
+        };
+        latest(mem);
+        let mut budget = avail.0.wrapping_sub(q.next_avail());
         let mut iter = match q.iter(&**mem) {
             Ok(it) => it,
             Err(virtio_queue::Error::QueueNotReady) => return,
             Err(e) => {
-                tracing::warn!(error = %e, "virtqueue avail ring is corrupt; queue stopped until reset");
-                self.broken = Some(QueueError::AvailIndex);
+                self.corrupt(&e);
                 return;
             }
         };
         while let Some(idx) = self.free.last().copied() {
+            if budget == 0 {
+                break;
+            }
             let Some(chain) = iter.next() else { break };
+            budget -= 1;
             self.free.pop();
             let slot = &mut self.slots[usize::from(idx)];
             let head = chain.head_index();
@@ -214,6 +254,11 @@ impl QueueWorker {
             self.ready.push(idx);
             p.work += 1;
         }
+    }
+
+    fn corrupt(&mut self, e: &virtio_queue::Error) {
+        tracing::warn!(error = %e, "virtqueue avail ring is corrupt; queue stopped until reset");
+        self.broken = Some(QueueError::AvailIndex);
     }
 
     fn submit(&mut self, q: &mut Queue, mem: &Arc<Mem>, p: &mut Progress) {
@@ -246,7 +291,23 @@ impl QueueWorker {
         match status {
             S_OK => {}
             S_UNSUPP => self.stats.unsupported += 1,
-            _ => self.stats.errors += 1,
+            _ => {
+                self.stats.errors += 1;
+                // Rate-limited: the 1st, 2nd, 4th, 8th... error of this queue.
+                if self.stats.errors.is_power_of_two() {
+                    let cause = if slot.cause.is_empty() {
+                        "the backend failed the request"
+                    } else {
+                        slot.cause
+                    };
+                    tracing::warn!(
+                        errors = self.stats.errors,
+                        head = slot.head,
+                        cause,
+                        "virtio-blk request completed with IOERR"
+                    );
+                }
+            }
         }
         let used_len = match slot.status {
             Some(st) => {
