@@ -67,6 +67,22 @@ pub fn default_max_namespaces() -> u32 {
     32
 }
 
+/// A serial number of at most 20 printable ASCII characters: the one given, or
+/// derived from the socket's file name (NVMe SN and virtio-blk GET_ID both hold 20).
+pub fn serial_for(given: Option<&str>, socket: &std::path::Path) -> String {
+    let s = given.map(str::to_string).unwrap_or_else(|| {
+        let stem = socket
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        format!("UD-{stem}")
+    });
+    s.chars()
+        .filter(|c| c.is_ascii_graphic())
+        .take(20)
+        .collect()
+}
+
 impl ControllerConfig {
     pub fn new(socket: PathBuf, namespaces: Vec<NsSpec>) -> Self {
         ControllerConfig {
@@ -81,18 +97,7 @@ impl ControllerConfig {
 
     /// Serial number: given, or derived from the socket's file name.
     pub fn serial(&self) -> String {
-        let s = self.serial.clone().unwrap_or_else(|| {
-            let stem = self
-                .socket
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            format!("UD-{stem}")
-        });
-        s.chars()
-            .filter(|c| c.is_ascii_graphic())
-            .take(20)
-            .collect()
+        crate::config::serial_for(self.serial.as_deref(), &self.socket)
     }
 }
 

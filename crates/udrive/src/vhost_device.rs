@@ -76,18 +76,7 @@ impl VhostBlkConfig {
 
     /// GET_ID answer: given, or derived from the socket's file name.
     pub fn serial(&self) -> String {
-        let s = self.serial.clone().unwrap_or_else(|| {
-            let stem = self
-                .socket
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            format!("UD-{stem}")
-        });
-        s.chars()
-            .filter(|c| c.is_ascii_graphic())
-            .take(20)
-            .collect()
+        crate::config::serial_for(self.serial.as_deref(), &self.socket)
     }
 }
 

@@ -145,6 +145,17 @@ fn call(sock: &Path, method: &str, params: Value) -> Result<Value, (i64, String)
     let req = json!({"jsonrpc": "2.0", "method": method, "params": params, "id": 7});
     s.write_all(format!("{req}\n").as_bytes()).unwrap();
     let r = read_reply(&mut s).expect("a reply");
+    // A refusal at accept time (connection limit) cannot know the request's id.
+    if r["id"].is_null()
+        && r["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("too many"))
+    {
+        return Err((
+            r["error"]["code"].as_i64().unwrap_or(0),
+            r["error"]["message"].to_string(),
+        ));
+    }
     assert_eq!(r["id"], 7);
     match r.get("error") {
         Some(e) => Err((

@@ -7,7 +7,6 @@
 
 use std::io;
 use std::os::fd::AsFd;
-use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -49,26 +48,7 @@ impl std::fmt::Debug for VfioUserServer {
 }
 
 fn bind(path: &Path) -> io::Result<UnixListener> {
-    match std::fs::symlink_metadata(path) {
-        Ok(md) if !md.file_type().is_socket() => {
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a socket", path.display()),
-            ))
-        }
-        Ok(_) => match UnixStream::connect(path) {
-            Ok(_) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::AddrInUse,
-                    format!("{} is served by a live process", path.display()),
-                ))
-            }
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path)?,
-            Err(e) => return Err(e),
-        },
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
+    crate::sock::clear_stale_socket(path)?;
     UnixListener::bind(path)
 }
 

@@ -104,13 +104,13 @@ pub fn register_all(r: &mut Registry) {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Empty {}
+pub(super) struct Empty {}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct DeviceFilter {
+pub(super) struct DeviceFilter {
     #[serde(default)]
-    socket: Option<PathBuf>,
+    pub socket: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]

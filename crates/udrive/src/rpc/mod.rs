@@ -19,7 +19,7 @@ pub mod trace_methods;
 
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -260,26 +260,7 @@ impl Drop for RpcServer {
 }
 
 fn bind_with_mode(path: &Path, mode: u32) -> io::Result<UnixListener> {
-    match std::fs::symlink_metadata(path) {
-        Ok(md) if !md.file_type().is_socket() => {
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a socket", path.display()),
-            ))
-        }
-        Ok(_) => match UnixStream::connect(path) {
-            Ok(_) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::AddrInUse,
-                    format!("{} is served by a live process", path.display()),
-                ))
-            }
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path)?,
-            Err(e) => return Err(e),
-        },
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
+    vfio_user::sock::clear_stale_socket(path)?;
     // Bind inside a private directory, set the mode, then move the socket into
     // place: the socket is never reachable with the umask's (wider) mode.
     let dir = path

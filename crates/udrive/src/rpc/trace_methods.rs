@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use trace::{DeviceStats, StatsSnapshot};
 
+use super::methods::{DeviceFilter, Empty};
 use super::{parse_params, Registry, RpcError};
 use crate::device::NvmeDevice;
 use crate::server::{Device, Server, State};
@@ -81,17 +82,6 @@ pub fn register(r: &mut Registry) {
             serde_json::to_value(b).map_err(|e| RpcError::new(super::INTERNAL_ERROR, e.to_string()))
         },
     );
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Empty {}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DeviceFilter {
-    #[serde(default)]
-    socket: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
