@@ -45,25 +45,9 @@ RECON_MAX=2048
 MAGIC_OFF=$((255 * MIB))    # one 4 KiB marker block
 DATA_MIB=$(($(wc -c </data/a.bin) / MIB))
 
-log() { echo "udrive-guest: $*"; }
-# result NAME PASS|FAIL DETAIL...  (detail is one line, no newlines)
-result() {
-    n=$1 s=$2
-    shift 2
-    echo "UDRIVE-RESULT name=$n status=$s detail=$(echo "$*" | tr '\n' ' ' | cut -c1-300)"
-}
-# run NAME FUNC: FUNC sets $DETAIL and returns 0 for PASS; its output is
-# shown (indented) only on failure.
-run() {
-    name=$1
-    DETAIL=
-    if "$2" >/tmp/out 2>&1; then
-        result "$name" PASS "$DETAIL"
-    else
-        sed 's/^/    | /' /tmp/out | tail -n 40
-        result "$name" FAIL "$DETAIL"
-    fi
-}
+# log, result and run: the reporting both VM tests share (packed by initramfs_pack).
+# shellcheck source=tests/vm/guest-lib.sh
+. /guest-lib.sh
 irqs() { # total interrupts of the vector named $1 over all CPUs, -1 if none
     awk -v q="$1" -v n="$NCPU" '$NF == q { s = 0; for (i = 2; i <= n + 1; i++) s += $i; print s; f = 1 }
         END { if (!f) print -1 }' /proc/interrupts

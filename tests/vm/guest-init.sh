@@ -31,25 +31,9 @@ PERSIST_OFF=$((192 * MIB))   # data kept across the reboot: 8 MiB
 MAGIC_OFF=$((255 * MIB))     # one 4 KiB marker block
 PERSIST_MIB=8
 
-log() { echo "udrive-guest: $*"; }
-# result NAME PASS|FAIL DETAIL...  (detail is one line, no newlines)
-result() {
-    n=$1 s=$2
-    shift 2
-    echo "UDRIVE-RESULT name=$n status=$s detail=$(echo "$*" | tr '\n' ' ' | cut -c1-300)"
-}
-# run NAME FUNC: FUNC sets $DETAIL and returns 0 for PASS; its output is
-# shown (indented) only on failure.
-run() {
-    name=$1
-    DETAIL=
-    if "$2" >/tmp/out 2>&1; then
-        result "$name" PASS "$DETAIL"
-    else
-        sed 's/^/    | /' /tmp/out | tail -n 40
-        result "$name" FAIL "$DETAIL"
-    fi
-}
+# log, result and run: the reporting both VM tests share (packed by initramfs_pack).
+# shellcheck source=tests/vm/guest-lib.sh
+. /guest-lib.sh
 short() { echo "$1" | cut -c1-12; }
 field() { sed -n "s/^$1[[:space:]]*:[[:space:]]*//p" | head -n1 | sed 's/[[:space:]]*$//'; }
 irqs() { # total interrupts of the vector named $1 over all CPUs

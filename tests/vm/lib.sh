@@ -166,6 +166,7 @@ initramfs_add_bin() {
 initramfs_pack() {
     local r=$1
     cp "$2" "$r/init" && chmod 755 "$r/init"
+    cp "$root/tests/vm/guest-lib.sh" "$r/guest-lib.sh"
     (cd "$r" && find . | "$r/bin/busybox" cpio -o -H newc 2>/dev/null >"$3")
     rm -rf "$r"
 }
