@@ -220,6 +220,14 @@ fn rw(cfg: &BlkConfig, slot: &mut Slot, op: IoOp, sector: u64, len: u64) -> u8 {
     if op == IoOp::Write && cfg.info.read_only {
         return S_IOERR;
     }
+    // With the guest's write cache off, every write must be durable on completion.
+    let fua = op == IoOp::Write && cfg.info.write_cache && !cfg.writeback();
+    queue_range(cfg, slot, op, sector, len, fua)
+}
+
+/// Checks the sector range and marks the slot for submission; an empty range
+/// completes at once.
+fn queue_range(cfg: &BlkConfig, slot: &mut Slot, op: IoOp, sector: u64, len: u64, fua: bool) -> u8 {
     let Some(offset) = check_range(cfg, sector, len) else {
         return S_IOERR;
     };
@@ -229,8 +237,7 @@ fn rw(cfg: &BlkConfig, slot: &mut Slot, op: IoOp, sector: u64, len: u64) -> u8 {
     slot.op = op;
     slot.offset = offset;
     slot.len = len;
-    // With the guest's write cache off, every write must be durable on completion.
-    slot.fua = op == IoOp::Write && cfg.info.write_cache && !cfg.writeback();
+    slot.fua = fua;
     submit(slot);
     S_OK
 }
@@ -274,18 +281,7 @@ fn range_op(cfg: &BlkConfig, segs: &[Seg], slot: &mut Slot, readable: u64, op: I
     if num > MAX_DISCARD_SECTORS || cfg.info.read_only {
         return S_IOERR;
     }
-    let len = u64::from(num) * SECTOR;
-    let Some(offset) = check_range(cfg, sector, len) else {
-        return S_IOERR;
-    };
-    if len == 0 {
-        return S_OK;
-    }
-    slot.op = op;
-    slot.offset = offset;
-    slot.len = len;
-    submit(slot);
-    S_OK
+    queue_range(cfg, slot, op, sector, u64::from(num) * SECTOR, false)
 }
 
 fn total(segs: &[Seg], writable: bool) -> u64 {
