@@ -16,7 +16,7 @@ pub use qos::{QosClock, QosDisk, QosLimits, BURST, QOS_QUEUE_DEPTH};
 pub use ram::RamDisk;
 pub use request::{BlockInfo, IoOp, IoRequest, IoStatus};
 pub use slice::{overlaps, SliceDisk};
-pub use uring::{FileDisk, FileOptions};
+pub use uring::{FileDisk, FileEngine, FileOptions};
 
 use std::io;
 

@@ -1,8 +1,9 @@
-//! io_uring file backend: data round trips, bounce path, zeroing, errors.
+//! File backend: data round trips, bounce path, zeroing, errors, through io_uring
+//! and through the inline engine.
 
 use std::time::{Duration, Instant};
 
-use bdev::{BlockDevice, FileDisk, FileOptions, IoChannel, IoOp, IoRequest, IoStatus};
+use bdev::{BlockDevice, FileDisk, FileEngine, FileOptions, IoChannel, IoOp, IoRequest, IoStatus};
 use guest_mem::{DmaSlice, SharedMem};
 
 const SIZE: u64 = 1 << 20;
@@ -20,16 +21,25 @@ fn make_file(dir: &tempfile::TempDir, name: &str, size: u64) -> std::path::PathB
 }
 
 fn open(p: &std::path::Path, direct: bool, read_only: bool) -> FileDisk {
-    FileDisk::open(
+    open_with(p, direct, read_only, FileEngine::Uring)
+}
+
+fn open_with(p: &std::path::Path, direct: bool, read_only: bool, engine: FileEngine) -> FileDisk {
+    let d = FileDisk::open(
         p,
         FileOptions {
             direct,
             read_only,
             block_size: None,
+            engine,
         },
     )
-    .unwrap()
+    .unwrap();
+    assert_eq!(d.inline(), engine == FileEngine::Inline);
+    d
 }
+
+const ENGINES: [FileEngine; 2] = [FileEngine::Uring, FileEngine::Inline];
 
 /// Submits one request and drives the channel until it completes.
 fn run(ch: &mut dyn IoChannel, op: IoOp, offset: u64, iov: &[DmaSlice<'_>], fua: bool) -> IoStatus {
@@ -75,9 +85,15 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
 }
 
 fn round_trip(direct: bool) {
+    for e in ENGINES {
+        round_trip_with(direct, e);
+    }
+}
+
+fn round_trip_with(direct: bool, engine: FileEngine) {
     let dir = disk_dir();
     let p = make_file(&dir, "d.img", SIZE);
-    let d = open(&p, direct, false);
+    let d = open_with(&p, direct, false, engine);
     assert_eq!(d.info().num_blocks, SIZE / 512);
     assert!(!d.info().volatile && d.info().write_cache && d.info().discard_zeroes);
     assert_eq!(d.describe().contains(":direct"), d.direct());
@@ -140,9 +156,15 @@ fn direct_is_used_on_disk_and_tmpfs_falls_back() {
 
 #[test]
 fn unaligned_and_multi_segment_direct() {
+    for e in ENGINES {
+        unaligned_and_multi_segment(e);
+    }
+}
+
+fn unaligned_and_multi_segment(engine: FileEngine) {
     let dir = disk_dir();
     let p = make_file(&dir, "d.img", SIZE);
-    let d = open(&p, true, false);
+    let d = open_with(&p, true, false, engine);
     let mut ch = d.channel().unwrap();
     let mem = SharedMem::new("g", 1 << 20).unwrap();
     let s = mem.all();
@@ -181,10 +203,10 @@ fn unaligned_and_multi_segment_direct() {
     assert_eq!(back, big);
 }
 
-fn zeroing(direct: bool) {
+fn zeroing(direct: bool, engine: FileEngine) {
     let dir = disk_dir();
     let p = make_file(&dir, "d.img", SIZE);
-    let d = open(&p, direct, false);
+    let d = open_with(&p, direct, false, engine);
     let mut ch = d.channel().unwrap();
     let mem = SharedMem::new("g", 65536).unwrap();
     let s = mem.all();
@@ -212,8 +234,10 @@ fn zeroing(direct: bool) {
 
 #[test]
 fn write_zeroes_and_discard_read_back_zeroes() {
-    zeroing(true);
-    zeroing(false);
+    for e in ENGINES {
+        zeroing(true, e);
+        zeroing(false, e);
+    }
 }
 
 #[test]
@@ -259,9 +283,15 @@ fn many_in_flight() {
 
 #[test]
 fn range_and_read_only_errors() {
+    for e in ENGINES {
+        range_and_read_only(e);
+    }
+}
+
+fn range_and_read_only(engine: FileEngine) {
     let dir = disk_dir();
     let p = make_file(&dir, "d.img", SIZE);
-    let d = open(&p, true, false);
+    let d = open_with(&p, true, false, engine);
     let mut ch = d.channel().unwrap();
     let mem = SharedMem::new("g", 8192).unwrap();
     let s = mem.all();
@@ -284,7 +314,7 @@ fn range_and_read_only_errors() {
     );
     drop(ch);
 
-    let ro = open(&p, true, true);
+    let ro = open_with(&p, true, true, engine);
     assert!(ro.info().read_only);
     let mut ch = ro.channel().unwrap();
     assert_eq!(run(&mut *ch, IoOp::Write, 0, &b, false), IoStatus::ReadOnly);
@@ -331,4 +361,74 @@ fn open_errors_name_the_path() {
         ..FileOptions::default()
     };
     assert!(FileDisk::open(&k4, bad).is_err());
+}
+
+#[test]
+fn inline_completes_in_submit_and_reports_a_shrunk_file() {
+    let dir = disk_dir();
+    let p = make_file(&dir, "d.img", SIZE);
+    let d = open_with(&p, false, false, FileEngine::Inline);
+    assert!(d.describe().starts_with("inline:"), "{}", d.describe());
+    let mut ch = d.channel().unwrap();
+    let mem = SharedMem::new("g", 8192).unwrap();
+    let s = mem.all();
+    let b = [s.sub(0, 8192).unwrap()];
+    let req = IoRequest {
+        op: IoOp::Read,
+        offset: 0,
+        len: 8192,
+        iov: &b,
+        fua: false,
+    };
+    assert_eq!(ch.submit(1, &req), Some(IoStatus::Ok));
+    // Nothing is left for poll: the request finished inside submit.
+    ch.flush();
+    assert_eq!(
+        ch.poll(&mut |_, _| panic!("inline request completed twice")),
+        0
+    );
+    // Someone truncates the backing file under the running disk: a read beyond the
+    // new end ends in a read error, a write in an I/O error (no hang, no loop).
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    let req = IoRequest {
+        offset: 8192,
+        ..req
+    };
+    assert_eq!(ch.submit(2, &req), Some(IoStatus::ReadError));
+    // Half inside the file: the first part is read, then EOF.
+    let req = IoRequest { offset: 0, ..req };
+    assert_eq!(ch.submit(3, &req), Some(IoStatus::ReadError));
+}
+
+#[test]
+fn auto_engine_is_io_uring_on_a_disk_filesystem() {
+    let dir = disk_dir();
+    let p = make_file(&dir, "d.img", SIZE);
+    let d = FileDisk::open(&p, FileOptions::default()).unwrap();
+    assert!(!d.inline(), "{}", d.describe());
+    if !std::path::Path::new("/dev/shm").is_dir() {
+        return;
+    }
+    // On tmpfs, auto is inline exactly when io_uring would punt reads to workers
+    // (tmpfs without FMODE_NOWAIT); either way the data round-trips.
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    let p = make_file(&shm, "s.img", SIZE);
+    let d = FileDisk::open(&p, FileOptions::default()).unwrap();
+    eprintln!("{}", d.describe());
+    let mut ch = d.channel().unwrap();
+    let mem = SharedMem::new("g", 8192).unwrap();
+    let s = mem.all();
+    s.write_from(0, &pattern(4096, 4)).unwrap();
+    let w = [s.sub(0, 4096).unwrap()];
+    assert_eq!(run(&mut *ch, IoOp::Write, 4096, &w, false), IoStatus::Ok);
+    let r = [s.sub(4096, 4096).unwrap()];
+    assert_eq!(run(&mut *ch, IoOp::Read, 4096, &r, false), IoStatus::Ok);
+    let mut b = vec![0u8; 4096];
+    s.read_into(4096, &mut b).unwrap();
+    assert_eq!(b, pattern(4096, 4));
 }

@@ -30,7 +30,7 @@ struct FileUse {
 /// opened once, and a new namespace is checked against the ranges already in use.
 #[derive(Default)]
 pub struct BackendSet {
-    files: HashMap<(PathBuf, bool, bool), Arc<FileDisk>>,
+    files: HashMap<(PathBuf, bool, bdev::FileEngine, bool), Arc<FileDisk>>,
     uses: Vec<FileUse>,
 }
 
@@ -48,7 +48,7 @@ impl BackendSet {
             .retain(|u| !(u.owner.0 == socket && u.owner.1 == nsid));
         let uses = &self.uses;
         self.files
-            .retain(|(p, _, _), _| uses.iter().any(|u| &u.path == p));
+            .retain(|(p, _, _, _), _| uses.iter().any(|u| &u.path == p));
     }
 
     /// Forgets every namespace of `socket`.
@@ -72,10 +72,14 @@ impl BackendSet {
             NsKind::Ram { size } => Arc::new(
                 RamDisk::new(*size, bs).with_context(|| format!("cannot reserve {size} bytes"))?,
             ),
-            NsKind::File { path, direct } => {
+            NsKind::File {
+                path,
+                direct,
+                engine,
+            } => {
                 let canon = std::fs::canonicalize(path)
                     .with_context(|| format!("file {} does not exist", path.display()))?;
-                let key = (canon.clone(), *direct, ns.read_only);
+                let key = (canon.clone(), *direct, *engine, ns.read_only);
                 let disk = match self.files.get(&key) {
                     Some(d) => d.clone(),
                     None => {
@@ -83,6 +87,7 @@ impl BackendSet {
                             direct: *direct,
                             read_only: ns.read_only,
                             block_size: ns.block_size,
+                            engine: *engine,
                         };
                         Arc::new(FileDisk::open(&canon, opts)?)
                     }

@@ -6,7 +6,8 @@
 //!
 //! followed by options: `bs=512|4096`, `offset=SIZE,size=SIZE` (a slice of the
 //! backend: the namespace sees only those bytes), `direct=on|off` (file; default on),
-//! `ro`, `shared` (allow overlapping writable slices), and QoS limits `iops=`,
+//! `engine=auto|uring|inline` (file; default auto: inline only for memory-filesystem
+//! files that io_uring would hand to kernel workers, see `bdev::FileEngine`), `ro`, `shared` (allow overlapping writable slices), and QoS limits `iops=`,
 //! `read_iops=`, `write_iops=`, `bw=`, `read_bw=`, `write_bw=` (bytes/s, with K/M/G).
 //! Example: `file:/var/lib/vm.img,offset=1G,size=8G,iops=5000`.
 //!
@@ -71,9 +72,17 @@ impl FaultSpec {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NsKind {
-    Null { size: u64 },
-    Ram { size: u64 },
-    File { path: PathBuf, direct: bool },
+    Null {
+        size: u64,
+    },
+    Ram {
+        size: u64,
+    },
+    File {
+        path: PathBuf,
+        direct: bool,
+        engine: bdev::FileEngine,
+    },
 }
 
 impl TryFrom<String> for NsSpec {
@@ -93,6 +102,7 @@ impl std::str::FromStr for NsSpec {
         let mut parts = rest.split(',');
         let arg = parts.next().unwrap_or_default();
         let mut direct = true;
+        let mut engine = None;
         let mut spec = NsSpec {
             kind: NsKind::Null { size: 0 },
             block_size: None,
@@ -127,6 +137,7 @@ impl std::str::FromStr for NsSpec {
                         _ => return Err(bad("direct must be on or off".into())),
                     }
                 }
+                "engine" => engine = Some(v.parse::<bdev::FileEngine>().map_err(bad)?),
                 "ro" => spec.read_only = true,
                 "shared" => spec.shared = true,
                 "iops" => spec.qos.iops = rate()?,
@@ -170,7 +181,7 @@ impl std::str::FromStr for NsSpec {
                     spec.fault.get_or_insert_with(Default::default).latency_us = us;
                 }
                 _ => return Err(bad(format!(
-                    "unknown option `{opt}` (known: bs, offset, size, direct, ro, shared, iops, read_iops, write_iops, bw, read_bw, write_bw, fault_lbas, fault_rate, fault_ops, fault_latency_us)"
+                    "unknown option `{opt}` (known: bs, offset, size, direct, engine, ro, shared, iops, read_iops, write_iops, bw, read_bw, write_bw, fault_lbas, fault_rate, fault_ops, fault_latency_us)"
                 ))),
             }
         }
@@ -209,6 +220,7 @@ impl std::str::FromStr for NsSpec {
                 NsKind::File {
                     path: PathBuf::from(arg),
                     direct,
+                    engine: engine.unwrap_or_default(),
                 }
             }
             other => {
@@ -217,8 +229,12 @@ impl std::str::FromStr for NsSpec {
                 )))
             }
         };
-        if (!direct || spec.read_only) && !matches!(spec.kind, NsKind::File { .. }) {
-            return Err(bad("direct= and ro apply to file namespaces only".into()));
+        if (!direct || engine.is_some() || spec.read_only)
+            && !matches!(spec.kind, NsKind::File { .. })
+        {
+            return Err(bad(
+                "direct=, engine= and ro apply to file namespaces only".into()
+            ));
         }
         spec.slice = match (offset, size) {
             (None, None) => None,
@@ -261,13 +277,22 @@ mod tests {
             s.kind,
             NsKind::File {
                 path: "/x/y.img".into(),
-                direct: false
+                direct: false,
+                engine: bdev::FileEngine::Auto,
             }
         );
         assert_eq!(s.slice, Some((1 << 30, Some(2 << 30))));
         assert!(s.read_only);
         assert_eq!(s.qos.iops, Some(5000));
         assert_eq!(s.qos.bw_bytes, Some(100 << 20));
+        let s: NsSpec = "file:/x/y.img,engine=inline".parse().unwrap();
+        assert!(matches!(
+            s.kind,
+            NsKind::File {
+                engine: bdev::FileEngine::Inline,
+                ..
+            }
+        ));
         let s: NsSpec = "ram:1M,fault_lbas=8-15,fault_rate=0.25,fault_ops=read,fault_latency_us=50"
             .parse()
             .unwrap();
@@ -287,6 +312,8 @@ mod tests {
             "ram:0",
             "file:",
             "file:/a,direct=maybe",
+            "file:/a,engine=spdk",
+            "ram:1G,engine=uring",
             "ram:1G,direct=off",
             "ram:1G,ro",
             "ram:1G,iops=0",

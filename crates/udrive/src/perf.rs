@@ -32,6 +32,9 @@ pub struct PerfArgs {
     /// With --file: O_DIRECT (on) or the page cache (off)
     #[arg(long, default_value = "on", value_parser = ["on", "off"], requires = "file")]
     pub direct: String,
+    /// With --file: I/O engine, as a file namespace's `engine=` (auto, uring, inline)
+    #[arg(long, default_value = "auto", requires = "file")]
+    pub engine: bdev::FileEngine,
     /// Namespace to drive
     #[arg(long, default_value_t = 1)]
     pub nsid: u32,
@@ -223,6 +226,7 @@ fn run_file(a: &PerfArgs, path: &std::path::Path, cfg: &WorkloadConfig) -> Resul
         // Verify writes its pattern first, even for read workloads.
         read_only: !cfg.verify && matches!(cfg.rw, Rw::RandRead | Rw::Read),
         block_size: None,
+        engine: a.engine,
     };
     let disk = bdev::FileDisk::open(path, opts.clone())
         .with_context(|| format!("cannot open {} for I/O", path.display()))?;

@@ -81,8 +81,22 @@ fn new_ring() -> io::Result<(IoUring, bool)> {
     }
 }
 
+/// What a completion (CQE or synchronous result) means for its slot.
+enum Step {
+    Done(IoStatus),
+    /// Short transfer or EINTR/EAGAIN: issue the rest again.
+    Again,
+}
+
+/// Retries of one inline request before it fails (a file that keeps returning
+/// EINTR/EAGAIN or short transfers must not hold the reactor forever).
+const INLINE_RETRIES: u32 = 1024;
+
 pub(super) struct UringChannel {
+    /// Unused by the inline engine (nothing is ever pushed, so `poll` finds nothing).
     ring: IoUring,
+    /// Inline engine: every request is done synchronously inside `submit`.
+    inline: bool,
     /// COOP_TASKRUN is in effect.
     coop: bool,
     file: Arc<File>,
@@ -103,12 +117,18 @@ pub(super) struct UringChannel {
 }
 
 impl UringChannel {
-    pub(super) fn new(file: Arc<File>, info: &BlockInfo, direct: bool) -> io::Result<Self> {
+    pub(super) fn new(
+        file: Arc<File>,
+        info: &BlockInfo,
+        direct: bool,
+        inline: bool,
+    ) -> io::Result<Self> {
         let (ring, coop) = new_ring()?;
         ring.submitter().register_files(&[file.as_raw_fd()])?;
         let n = ENTRIES as usize;
         Ok(UringChannel {
             ring,
+            inline,
             coop,
             file,
             size: info.size_bytes(),
@@ -264,8 +284,52 @@ impl UringChannel {
         } else {
             s.iov.0.extend(req.iov.iter().map(|b| b.as_iovec()));
         }
-        self.enqueue(idx);
-        None
+        self.dispatch(idx)
+    }
+
+    /// Hands a prepared slot to the ring, or runs it now with the inline engine.
+    fn dispatch(&mut self, idx: u32) -> Option<IoStatus> {
+        if !self.inline {
+            self.enqueue(idx);
+            return None;
+        }
+        for _ in 0..INLINE_RETRIES {
+            let res = self.run_sync(idx);
+            if let Step::Done(st) = self.complete(idx, res) {
+                self.release(idx);
+                return Some(st);
+            }
+        }
+        self.release(idx);
+        Some(IoStatus::IoError)
+    }
+
+    /// The slot's operation as one synchronous system call; the result is what the
+    /// CQE would have carried.
+    fn run_sync(&self, idx: u32) -> i32 {
+        let s = &self.slots[idx as usize];
+        match s.kind {
+            Kind::Read | Kind::Write => {
+                let flags = if s.fua { libc::RWF_DSYNC } else { 0 };
+                sys::rw_sync(&self.file, s.kind == Kind::Write, &s.iov.0, s.offset, flags)
+            }
+            Kind::Fsync => match self.file.sync_data() {
+                Ok(()) => 0,
+                Err(e) => -e.raw_os_error().unwrap_or(libc::EIO),
+            },
+            Kind::ZeroRange => sys::fallocate(
+                &self.file,
+                libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                s.offset,
+                s.remaining,
+            ),
+            Kind::Punch => sys::fallocate(
+                &self.file,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                s.offset,
+                s.remaining,
+            ),
+        }
     }
 
     fn start_simple(&mut self, tag: u64, kind: Kind, req: &IoRequest<'_>) -> Option<IoStatus> {
@@ -281,8 +345,7 @@ impl UringChannel {
         s.len = req.len;
         s.fua = false;
         s.bounced = false;
-        self.enqueue(idx);
-        None
+        self.dispatch(idx)
     }
 
     /// Synchronous fallback when FALLOC_FL_ZERO_RANGE is not supported.
@@ -306,27 +369,25 @@ impl UringChannel {
         IoStatus::Ok
     }
 
-    /// Handles one CQE; returns the final status, or None if the slot was resubmitted.
-    fn complete(&mut self, idx: u32, res: i32) -> Option<IoStatus> {
+    /// Handles one result: the final status, or `Again` with the slot advanced past
+    /// what was transferred.
+    fn complete(&mut self, idx: u32, res: i32) -> Step {
         let s = &mut self.slots[idx as usize];
         let read = s.kind == Kind::Read;
         if res < 0 {
             let errno = -res;
             return match (s.kind, errno) {
-                (_, libc::EINTR | libc::EAGAIN) => {
-                    self.enqueue(idx);
-                    None
-                }
+                (_, libc::EINTR | libc::EAGAIN) => Step::Again,
                 (Kind::ZeroRange, libc::EOPNOTSUPP | libc::EINVAL) => {
                     let (off, len) = (s.offset, s.remaining);
-                    Some(self.write_zeroes_sync(off, len))
+                    Step::Done(self.write_zeroes_sync(off, len))
                 }
-                (Kind::Punch, libc::EOPNOTSUPP) => Some(IoStatus::Ok),
-                _ => Some(map_errno(errno, read)),
+                (Kind::Punch, libc::EOPNOTSUPP) => Step::Done(IoStatus::Ok),
+                _ => Step::Done(map_errno(errno, read)),
             };
         }
         if !matches!(s.kind, Kind::Read | Kind::Write) {
-            return Some(IoStatus::Ok);
+            return Step::Done(IoStatus::Ok);
         }
         let n = res as u64;
         if n >= s.remaining {
@@ -335,11 +396,11 @@ impl UringChannel {
                     sys::copy_to_iovecs(b, &s.guest.0);
                 }
             }
-            return Some(IoStatus::Ok);
+            return Step::Done(IoStatus::Ok);
         }
         if n == 0 {
             // EOF inside the device: the backing file shrank under us.
-            return Some(if read {
+            return Step::Done(if read {
                 IoStatus::ReadError
             } else {
                 IoStatus::IoError
@@ -348,8 +409,7 @@ impl UringChannel {
         s.offset += n;
         s.remaining -= n;
         advance(&mut s.iov.0, n as usize);
-        self.enqueue(idx);
-        None
+        Step::Again
     }
 }
 
@@ -414,11 +474,14 @@ impl IoChannel for UringChannel {
         let mut n = 0;
         for &(ud, res) in &cqes {
             let idx = ud as u32;
-            if let Some(st) = self.complete(idx, res) {
-                let tag = self.slots[idx as usize].tag;
-                self.release(idx);
-                done(tag, st);
-                n += 1;
+            match self.complete(idx, res) {
+                Step::Done(st) => {
+                    let tag = self.slots[idx as usize].tag;
+                    self.release(idx);
+                    done(tag, st);
+                    n += 1;
+                }
+                Step::Again => self.enqueue(idx),
             }
         }
         cqes.clear();

@@ -13,6 +13,12 @@
 //! * WriteZeroes uses FALLOC_FL_ZERO_RANGE; on EOPNOTSUPP/EINVAL it writes zeroes
 //!   synchronously. Discard punches a hole (KEEP_SIZE); EOPNOTSUPP is treated as
 //!   a successful no-op hint (block devices report `discard_zeroes = false`).
+//! * Engine: io_uring, or *inline* (each request one synchronous `preadv2`/
+//!   `pwritev2`/`fdatasync`/`fallocate` inside `submit`). `Auto` picks inline only
+//!   for files on a memory filesystem whose reads io_uring would hand to a kernel
+//!   worker thread (no FMODE_NOWAIT, e.g. tmpfs before Linux 6.x gained it): there
+//!   the I/O is a page-cache copy that cannot wait for a device, and the worker
+//!   handoff costs more than the copy (docs/decisions/0009-inline-memory-files.md).
 
 mod channel;
 mod sys;
@@ -25,6 +31,30 @@ use std::sync::Arc;
 
 use crate::{BlockDevice, BlockInfo, IoChannel};
 
+/// How a [`FileDisk`] issues I/O.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FileEngine {
+    /// Inline for memory-backed files io_uring would punt to workers, else io_uring.
+    #[default]
+    Auto,
+    Uring,
+    /// Synchronous system calls on the calling (reactor) thread. Only sensible when
+    /// the I/O cannot block for long: a tmpfs page swapped out stalls the reactor.
+    Inline,
+}
+
+impl std::str::FromStr for FileEngine {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(FileEngine::Auto),
+            "uring" | "io_uring" => Ok(FileEngine::Uring),
+            "inline" => Ok(FileEngine::Inline),
+            _ => Err(format!("unknown I/O engine {s:?} (auto, uring or inline)")),
+        }
+    }
+}
+
 /// How to open a [`FileDisk`].
 #[derive(Clone, Debug)]
 pub struct FileOptions {
@@ -33,6 +63,7 @@ pub struct FileOptions {
     pub read_only: bool,
     /// 512 or 4096; default 512 for files, the logical block size for devices.
     pub block_size: Option<u32>,
+    pub engine: FileEngine,
 }
 
 impl Default for FileOptions {
@@ -41,6 +72,7 @@ impl Default for FileOptions {
             direct: true,
             read_only: false,
             block_size: None,
+            engine: FileEngine::Auto,
         }
     }
 }
@@ -52,6 +84,7 @@ pub struct FileDisk {
     info: BlockInfo,
     direct: bool,
     blkdev: bool,
+    inline: bool,
 }
 
 fn err(path: &Path, kind: io::ErrorKind, msg: impl std::fmt::Display) -> io::Error {
@@ -130,6 +163,11 @@ impl FileDisk {
             direct = false;
             file = open_file(path, opts.read_only, false).map_err(|e| err(path, e.kind(), e))?;
         }
+        let inline = match opts.engine {
+            FileEngine::Uring => false,
+            FileEngine::Inline => true,
+            FileEngine::Auto => !blkdev && sys::memory_backed(&file) && sys::reads_punted(&file),
+        };
         let info = BlockInfo {
             block_size,
             num_blocks: size / u64::from(block_size),
@@ -146,6 +184,7 @@ impl FileDisk {
             info,
             direct,
             blkdev,
+            inline,
         })
     }
 
@@ -153,12 +192,18 @@ impl FileDisk {
     pub fn direct(&self) -> bool {
         self.direct
     }
+
+    /// Whether the inline engine is in effect (see [`FileEngine`]).
+    pub fn inline(&self) -> bool {
+        self.inline
+    }
 }
 
 impl BlockDevice for FileDisk {
     fn describe(&self) -> String {
         format!(
-            "uring:{}:{}:bs={}{}{}",
+            "{}:{}:{}:bs={}{}{}",
+            if self.inline { "inline" } else { "uring" },
             if self.blkdev { "bdev" } else { "file" },
             self.path.display(),
             self.info.block_size,
@@ -174,6 +219,7 @@ impl BlockDevice for FileDisk {
             self.file.clone(),
             &self.info,
             self.direct,
+            self.inline,
         )?))
     }
 }

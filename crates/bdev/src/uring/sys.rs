@@ -103,3 +103,86 @@ pub(super) fn blkdev_geometry(f: &File) -> io::Result<(u64, u32)> {
     }
     Ok((size, lbs as u32))
 }
+
+/// One synchronous `preadv2`/`pwritev2` at `offset` (the inline engine): bytes
+/// transferred, or a negative errno as io_uring would report it.
+///
+/// # Safety contract (upheld by the channel)
+/// `iov` are copies of DmaSlice iovecs (guest memory kept mapped until the request
+/// completes, which for the inline engine is before `submit` returns) or point at a
+/// slot's bounce buffer.
+pub(super) fn rw_sync(f: &File, write: bool, iov: &[libc::iovec], offset: u64, flags: i32) -> i32 {
+    let fd = f.as_raw_fd();
+    let cnt = iov.len().min(libc::c_int::MAX as usize) as libc::c_int;
+    let off = offset.min(i64::MAX as u64) as libc::off_t;
+    // SAFETY: see the contract above; the kernel only accesses `iov[..cnt]` and the
+    // memory they describe, for the duration of the call.
+    let r = unsafe {
+        if write {
+            libc::pwritev2(fd, iov.as_ptr(), cnt, off, flags)
+        } else {
+            libc::preadv2(fd, iov.as_ptr(), cnt, off, flags)
+        }
+    };
+    if r < 0 {
+        -io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)
+    } else {
+        r.min(i32::MAX as isize) as i32
+    }
+}
+
+/// `fallocate(mode)` on `[offset, offset + len)`: 0 or a negative errno.
+pub(super) fn fallocate(f: &File, mode: i32, offset: u64, len: u64) -> i32 {
+    // SAFETY: fallocate takes only integers; a bad range is an errno, not UB.
+    let r = unsafe {
+        libc::fallocate(
+            f.as_raw_fd(),
+            mode,
+            offset.min(i64::MAX as u64) as libc::off_t,
+            len.min(i64::MAX as u64) as libc::off_t,
+        )
+    };
+    if r < 0 {
+        -io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)
+    } else {
+        0
+    }
+}
+
+/// Would io_uring hand this file's reads to a kernel worker thread? It does for
+/// files without non-blocking read support (FMODE_NOWAIT), which a one-byte
+/// `preadv2(RWF_NOWAIT)` reveals as EOPNOTSUPP (a zero-length read returns before
+/// the flag is checked). O_DIRECT files need an aligned buffer for the probe.
+pub(super) fn reads_punted(f: &File) -> bool {
+    let buf = AlignedBuf::new(ALIGN);
+    let iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: ALIGN,
+    };
+    // SAFETY: one iovec over a live buffer of ALIGN bytes we own.
+    let r = unsafe { libc::preadv2(f.as_raw_fd(), &iov, 1, 0, libc::RWF_NOWAIT) };
+    r < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP)
+}
+
+/// Is the file on a memory filesystem (tmpfs, ramfs, hugetlbfs), where I/O is a
+/// copy that never waits for a device?
+pub(super) fn memory_backed(f: &File) -> bool {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: fstatfs fills the statfs struct it is given; it is only read on success.
+    let r = unsafe { libc::fstatfs(f.as_raw_fd(), st.as_mut_ptr()) };
+    if r < 0 {
+        return false;
+    }
+    // SAFETY: fstatfs succeeded, so the struct is initialised.
+    // f_type is i64 here but not on every target.
+    #[allow(clippy::unnecessary_cast)]
+    let t = unsafe { st.assume_init() }.f_type as i64;
+    matches!(t, TMPFS_MAGIC | RAMFS_MAGIC | HUGETLBFS_MAGIC)
+}
