@@ -182,17 +182,8 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
     let target = NvmeTarget::new(&driver, a.nsid, mode)
         .with_context(|| format!("namespace {} of {}", a.nsid, sock.display()))?;
     if !a.json {
-        eprintln!(
-            "udrive perf: {} {} bs={} qd={} jobs={} for {:.1}s on nsid {} ({}) ...",
-            sock.display(),
-            cfg.rw.name(),
-            cfg.bs,
-            cfg.qd,
-            cfg.jobs,
-            cfg.time.as_secs_f64(),
-            a.nsid,
-            driver.controller().model.trim(),
-        );
+        let on = format!("nsid {} ({})", a.nsid, driver.controller().model.trim());
+        announce(&sock.display().to_string(), cfg, &on);
     }
     workload::run(&target, cfg).context("workload failed")
 }
@@ -206,16 +197,8 @@ fn run_vhost(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resu
             )
         })?;
     if !a.json {
-        eprintln!(
-            "udrive perf: {} (libblkio {}) {} bs={} qd={} jobs={} for {:.1}s ...",
-            sock.display(),
-            crate::blkio_target::DRIVER,
-            cfg.rw.name(),
-            cfg.bs,
-            cfg.qd,
-            cfg.jobs,
-            cfg.time.as_secs_f64(),
-        );
+        let on = format!("libblkio {}", crate::blkio_target::DRIVER);
+        announce(&sock.display().to_string(), cfg, &on);
     }
     workload::run(&target, cfg).context("workload failed")
 }
@@ -237,19 +220,22 @@ fn run_file(a: &PerfArgs, path: &std::path::Path, cfg: &WorkloadConfig) -> Resul
         );
     }
     if !a.json {
-        eprintln!(
-            "udrive perf: {} {} bs={} qd={} jobs={} for {:.1}s on {} ...",
-            path.display(),
-            cfg.rw.name(),
-            cfg.bs,
-            cfg.qd,
-            cfg.jobs,
-            cfg.time.as_secs_f64(),
-            disk.describe(),
-        );
+        announce(&path.display().to_string(), cfg, &disk.describe());
     }
     let target = FileTarget::new(std::sync::Arc::new(disk));
     workload::run(&target, cfg).context("workload failed")
+}
+
+/// The one line `perf` prints before it starts (unless --json).
+fn announce(target: &str, cfg: &WorkloadConfig, on: &str) {
+    eprintln!(
+        "udrive perf: {target} {} bs={} qd={} jobs={} for {:.1}s on {on} ...",
+        cfg.rw.name(),
+        cfg.bs,
+        cfg.qd,
+        cfg.jobs,
+        cfg.time.as_secs_f64(),
+    );
 }
 
 /// Restricts this process (and the job threads it starts later) to `list`.
