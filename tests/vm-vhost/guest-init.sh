@@ -284,18 +284,7 @@ stty -F /dev/ttyS1 -echo -icrnl 2>/dev/null
 exec 3</dev/ttyS1 4>&1
 run modules t_modules
 t_enumerate >/tmp/out 2>&1
-if [ ! -b $DEV ]; then
-    result enumerate FAIL "$DETAIL"
-    dmesg | tail -n 40
-    finish 0 poweroff
-fi
-MAGIC=$(read_magic)
-case "$MAGIC" in
-UDRIVE-VM-MAGIC\ phase=1*) PHASE=2 ;;
-UDRIVE-VM-MAGIC*) PHASE=3 ;;
-*) PHASE=1 ;;
-esac
-echo "UDRIVE-BOOT phase=$PHASE cpus=$NCPU kernel=$(uname -r) uptime=$(cut -d' ' -f1 /proc/uptime)s"
+boot_phase
 
 if [ $PHASE = 1 ]; then
     result enumerate PASS "$DETAIL"

@@ -31,40 +31,16 @@ MIB=1048576
 A_OFF=0 B_OFF=$((16 * MIB)) # as in guest-init.sh
 
 TAG=vm-test-vhost
-TMP=''
 # shellcheck source=tests/vm/lib.sh
 source "$root/tests/vm/lib.sh"
 
-if [ "${UDRIVE_VM_TESTS:-1}" = 0 ]; then
-    say "skipped (UDRIVE_VM_TESTS=0)"
-    exit 0
-fi
-[ "$(id -u)" = 0 ] || die "needs root (debootstrap, chroot, mounts); run with sudo, or set UDRIVE_VM_TESTS=0 to skip"
 case $BACKEND in udrive | qsd) ;; *) die "UDRIVE_VHOST_BACKEND must be udrive or qsd, not '$BACKEND'" ;; esac
-
-# ------------------------------------------------------------ cleanup
-TMP=$(mktemp -d /tmp/udrive-vm-vhost.XXXXXX) # on disk, not tmpfs: udrive opens the file O_DIRECT
-BACKEND_PID=''
-cleanup() {
-    set +e
-    [ -n "$QEMU_PID" ] && kill -KILL "$QEMU_PID" 2>/dev/null && wait "$QEMU_PID" 2>/dev/null
-    [ -n "$BACKEND_PID" ] && kill -KILL "$BACKEND_PID" 2>/dev/null && wait "$BACKEND_PID" 2>/dev/null
-    mountpoint -q "$BOOKWORM$IN_CHROOT" 2>/dev/null && umount -l "$BOOKWORM$IN_CHROOT"
-    if [ "${UDRIVE_VM_KEEP:-0}" = 1 ]; then say "kept $TMP"; else rm -rf "$TMP"; fi
-}
-trap cleanup EXIT
-trap 'say "interrupted"; exit 130' INT TERM
+vm_begin "$BOOKWORM"
 
 # ------------------------------------------------------------ setup
 ensure_bookworm() {
     ensure_chroot "$BOOKWORM" bookworm "$BOOKWORM_PKGS"
-    local v
-    [ -x "$BOOKWORM/usr/bin/qemu-system-x86_64" ] || die "no qemu-system-x86_64 in $BOOKWORM; remove it and retry"
-    [ -f "$BOOKWORM/usr/share/qemu/qboot.rom" ] || die "no qboot.rom in $BOOKWORM/usr/share/qemu"
-    v=$(chroot "$BOOKWORM" qemu-system-x86_64 --version | head -n1)
-    say "$v (chroot $BOOKWORM)"
-    chroot "$BOOKWORM" qemu-system-x86_64 -device help 2>/dev/null | grep -q '"vhost-user-blk-pci"' ||
-        die "$v has no vhost-user-blk-pci device"
+    check_qemu "$BOOKWORM" vhost-user-blk-pci
 }
 
 build_initramfs() {
@@ -98,14 +74,14 @@ start_backend() {
         echo "chroot $BOOKWORM $*" >>"$TMP/backend.log"
         in_chroot "$BOOKWORM" "$@" >>"$TMP/backend.log" 2>&1 </dev/null &
     fi
-    BACKEND_PID=$!
-    wait_socket "$TMP/vblk.sock" "$BACKEND_PID" "$TMP/backend.log" "$BACKEND"
+    SERVER_PID=$!
+    wait_socket "$TMP/vblk.sock" "$SERVER_PID" "$TMP/backend.log" "$BACKEND"
 }
 
 stop_backend() {
-    stop_pid "$BACKEND_PID"
+    stop_pid "$SERVER_PID"
     BACKEND_RC=$STOP_RC
-    BACKEND_PID=
+    SERVER_PID=
 }
 
 # ------------------------------------------------------------ QEMU 7.2
@@ -154,14 +130,14 @@ host_check_file() {
 # the same socket and file, tell the guest; then watch that the guest's I/O resumes.
 RECON_STATE=off RECON_ACKS=0 KILL_T='' RESUME_T='' ACKS_AT_KILL=0 LAST_PROGRESS_T=''
 kill_and_restart() {
-    say "reconnect: SIGKILL $BACKEND (pid $BACKEND_PID) after $RECON_ACKS acknowledged chunks"
+    say "reconnect: SIGKILL $BACKEND (pid $SERVER_PID) after $RECON_ACKS acknowledged chunks"
     KILL_T=$EPOCHREALTIME ACKS_AT_KILL=$RECON_ACKS
-    kill -KILL "$BACKEND_PID"
-    wait "$BACKEND_PID" 2>/dev/null || true
+    kill -KILL "$SERVER_PID"
+    wait "$SERVER_PID" 2>/dev/null || true
     echo "---- $(date +%T.%N) killed with SIGKILL" >>"$TMP/backend.log"
     sleep "$DOWN_SECS"
     start_backend
-    say "reconnect: $BACKEND restarted (pid $BACKEND_PID) $(elapsed "$KILL_T") s after the kill"
+    say "reconnect: $BACKEND restarted (pid $SERVER_PID) $(elapsed "$KILL_T") s after the kill"
     RECON_STATE=restarted LAST_PROGRESS_T=$EPOCHREALTIME
     tell_guest "restarted: $BACKEND killed after $ACKS_AT_KILL chunks, back after $(elapsed "$KILL_T") s"
 }

@@ -233,18 +233,7 @@ t_data_persisted() {
 
 # ---------------------------------------------------------------- main
 wait_for_disk >/tmp/out 2>&1
-if [ ! -b $DEV ]; then
-    result enumerate FAIL "$DETAIL"
-    dmesg | tail -n 40
-    finish 0 poweroff
-fi
-MAGIC=$(read_magic)
-case "$MAGIC" in
-UDRIVE-VM-MAGIC\ phase=1*) PHASE=2 ;;
-UDRIVE-VM-MAGIC*) PHASE=3 ;;
-*) PHASE=1 ;;
-esac
-echo "UDRIVE-BOOT phase=$PHASE cpus=$NCPU kernel=$(uname -r) uptime=$(cut -d' ' -f1 /proc/uptime)s"
+boot_phase
 [ $PHASE = 1 ] && result enumerate PASS "$DETAIL"
 
 if [ $PHASE = 1 ]; then

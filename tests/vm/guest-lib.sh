@@ -20,3 +20,22 @@ run() {
         result "$name" FAIL "$DETAIL"
     fi
 }
+
+# boot_phase: once the disk should be there ($DEV; the caller's wait set $DETAIL):
+# reports enumerate FAIL and powers off if it is not, else reads the caller's magic
+# block (read_magic) and sets MAGIC and PHASE (1 first boot, 2 after the warm
+# reboot, 3 after that) and prints the UDRIVE-BOOT line the host watches for.
+boot_phase() {
+    if [ ! -b "$DEV" ]; then
+        result enumerate FAIL "$DETAIL"
+        dmesg | tail -n 40
+        finish 0 poweroff
+    fi
+    MAGIC=$(read_magic)
+    case "$MAGIC" in
+    UDRIVE-VM-MAGIC\ phase=1*) PHASE=2 ;;
+    UDRIVE-VM-MAGIC*) PHASE=3 ;;
+    *) PHASE=1 ;;
+    esac
+    echo "UDRIVE-BOOT phase=$PHASE cpus=$NCPU kernel=$(uname -r) uptime=$(cut -d' ' -f1 /proc/uptime)s"
+}

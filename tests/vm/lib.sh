@@ -2,12 +2,13 @@
 # Shared parts of the VM test harnesses (tests/vm/run.sh: NVMe over vfio-user,
 # tests/vm-vhost/run.sh: virtio-blk over vhost-user). Sourced, never run.
 #
-# The caller sets before sourcing: root (repo root), TAG (log prefix), TMP (run
-# directory, created by the caller), CACHE (cache directory). It provides nothing
-# else; everything here is a function, except the shared state listed below.
+# The caller sets before sourcing: root (repo root), TAG (log prefix), CACHE (cache
+# directory), then calls `vm_begin CHROOT` (creates TMP, the run directory). Everything
+# here is a function, except the shared state listed below.
 #
 # Shared state: PHASE/TIMES (phase timing), RESULTS (UDRIVE-RESULT lines),
-# HARNESS_FAIL (reasons the guest run went wrong), QEMU_PID/QEMU_RC.
+# HARNESS_FAIL (reasons the guest run went wrong), QEMU_PID/QEMU_RC, SERVER_PID (the
+# device server, udrive or a peer), TMP.
 
 IN_CHROOT=/run/udrive-vm # where the run directory appears inside a chroot
 # Modules the virtio-blk guest loads, in load order (Debian's cloud kernel builds
@@ -17,7 +18,7 @@ VIRTIO_MODULES="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev v
 T0=$EPOCHREALTIME
 say() { printf '%s: %s\n' "$TAG" "$*"; }
 elapsed() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
-PHASE='' PHASE_T='' TIMES=() RESULTS=() HARNESS_FAIL=() QEMU_PID='' QEMU_RC=''
+PHASE='' PHASE_T='' TIMES=() RESULTS=() HARNESS_FAIL=() QEMU_PID='' QEMU_RC='' SERVER_PID='' TMP=''
 phase() { # phase NAME: ends the previous phase (printing its time) and starts NAME
     if [ -n "$PHASE" ]; then
         local t
@@ -36,6 +37,40 @@ die() {
 }
 
 # ------------------------------------------------------------ chroots
+# vm_begin CHROOT: honours UDRIVE_VM_TESTS=0, checks for root, creates TMP (on disk,
+# not tmpfs: udrive opens backing files there with O_DIRECT) and sets the trap that
+# kills QEMU and the server, unmounts CHROOT's view of TMP and removes TMP.
+vm_begin() {
+    if [ "${UDRIVE_VM_TESTS:-1}" = 0 ]; then
+        say "skipped (UDRIVE_VM_TESTS=0)"
+        exit 0
+    fi
+    [ "$(id -u)" = 0 ] || die "needs root (debootstrap, chroot, mounts); run with sudo, or set UDRIVE_VM_TESTS=0 to skip"
+    VM_CHROOT=$1
+    TMP=$(mktemp -d "/tmp/udrive-$TAG.XXXXXX")
+    trap vm_cleanup EXIT
+    trap 'say "interrupted"; exit 130' INT TERM
+}
+vm_cleanup() {
+    set +e
+    [ -n "$QEMU_PID" ] && kill -KILL "$QEMU_PID" 2>/dev/null && wait "$QEMU_PID" 2>/dev/null
+    [ -n "$SERVER_PID" ] && kill -KILL "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
+    # QEMU's bind mounts live in its own mount namespace and vanish with it;
+    # this only catches a namespace-less leftover.
+    mountpoint -q "$VM_CHROOT$IN_CHROOT" 2>/dev/null && umount -l "$VM_CHROOT$IN_CHROOT"
+    if [ "${UDRIVE_VM_KEEP:-0}" = 1 ]; then say "kept $TMP"; else rm -rf "$TMP"; fi
+}
+
+# check_qemu CHROOT DEVICE: the chroot has QEMU and qboot, and QEMU has DEVICE.
+check_qemu() {
+    local q=/usr/bin/qemu-system-x86_64 v
+    [ -x "$1$q" ] || die "no $q in $1; remove $1 and retry"
+    [ -f "$1/usr/share/qemu/qboot.rom" ] || die "no qboot.rom in $1/usr/share/qemu"
+    v=$(chroot "$1" $q --version | head -n1)
+    chroot "$1" $q -device help 2>/dev/null | grep -q "\"$2\"" || die "$v in $1 has no $2 device"
+    say "$v (chroot $1)"
+}
+
 mirror() { # the Debian mirror this machine's apt uses
     [ -n "${UDRIVE_VM_MIRROR:-}" ] && { echo "$UDRIVE_VM_MIRROR"; return; }
     local m

@@ -23,36 +23,12 @@ TAG=vm-test
 # shellcheck source=tests/vm/lib.sh
 source "$here/lib.sh"
 
-if [ "${UDRIVE_VM_TESTS:-1}" = 0 ]; then
-    say "skipped (UDRIVE_VM_TESTS=0)"
-    exit 0
-fi
-[ "$(id -u)" = 0 ] || die "needs root (debootstrap, chroot, mounts); run with sudo, or set UDRIVE_VM_TESTS=0 to skip"
-
-# ------------------------------------------------------------ cleanup
-TMP=$(mktemp -d /tmp/udrive-vm.XXXXXX)
-QEMU_PID='' UDRIVE_PID=''
-cleanup() {
-    set +e
-    [ -n "$QEMU_PID" ] && kill -KILL "$QEMU_PID" 2>/dev/null && wait "$QEMU_PID" 2>/dev/null
-    [ -n "$UDRIVE_PID" ] && kill -KILL "$UDRIVE_PID" 2>/dev/null && wait "$UDRIVE_PID" 2>/dev/null
-    # QEMU's bind mounts live in its own mount namespace and vanish with it;
-    # this only catches a namespace-less leftover.
-    mountpoint -q "$SID$IN_CHROOT" 2>/dev/null && umount -l "$SID$IN_CHROOT"
-    if [ "${UDRIVE_VM_KEEP:-0}" = 1 ]; then say "kept $TMP"; else rm -rf "$TMP"; fi
-}
-trap cleanup EXIT
-trap 'say "interrupted"; exit 130' INT TERM
+vm_begin "$SID"
 
 # ------------------------------------------------------------ sid chroot
 ensure_sid() {
     ensure_chroot "$SID" sid "$SID_PKGS"
-    QEMU_BIN=/usr/bin/qemu-system-x86_64
-    [ -x "$SID$QEMU_BIN" ] || die "no $QEMU_BIN in $SID; remove $SID and retry"
-    [ -f "$SID/usr/share/qemu/qboot.rom" ] || die "no qboot.rom in $SID/usr/share/qemu"
-    chroot "$SID" $QEMU_BIN -device help 2>/dev/null | grep -q '"vfio-user-pci"' ||
-        die "$(chroot "$SID" $QEMU_BIN --version | head -n1) in $SID has no vfio-user-pci device"
-    say "$(chroot "$SID" $QEMU_BIN --version | head -n1) (chroot $SID)"
+    check_qemu "$SID" vfio-user-pci
 }
 
 # ------------------------------------------------------------ initramfs
@@ -71,8 +47,8 @@ start_udrive() {
     NO_COLOR=1 RUST_LOG=${RUST_LOG:-info} setpriv --pdeathsig KILL -- \
         "$UDRIVE" serve --vfio-user "$TMP/nvme.sock" --ns "$NS" --cpus "$UDRIVE_CPUS" \
         >"$TMP/udrive.log" 2>&1 </dev/null &
-    UDRIVE_PID=$!
-    wait_socket "$TMP/nvme.sock" "$UDRIVE_PID" "$TMP/udrive.log" "udrive serve"
+    SERVER_PID=$!
+    wait_socket "$TMP/nvme.sock" "$SERVER_PID" "$TMP/udrive.log" "udrive serve"
 }
 
 # ------------------------------------------------------------ QEMU in the chroot
@@ -96,14 +72,14 @@ start_qemu() {
     fi
     echo "chroot $SID qemu-system-x86_64 ${QEMU_ARGS[*]}" >"$TMP/qemu.cmd"
     # A private mount namespace holds the chroot's mounts: they disappear with QEMU.
-    in_chroot "$SID" $QEMU_BIN "${QEMU_ARGS[@]}" >"$TMP/qemu.log" 2>&1 </dev/null &
+    in_chroot "$SID" /usr/bin/qemu-system-x86_64 "${QEMU_ARGS[@]}" >"$TMP/qemu.log" 2>&1 </dev/null &
     QEMU_PID=$!
 }
 
 stop_udrive() {
-    stop_pid "$UDRIVE_PID"
+    stop_pid "$SERVER_PID"
     UDRIVE_RC=$STOP_RC
-    UDRIVE_PID=
+    SERVER_PID=
 }
 
 # ------------------------------------------------------------ main
