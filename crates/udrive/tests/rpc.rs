@@ -942,11 +942,18 @@ fn udrive_trace_and_perf_trace_over_the_socket() {
 }
 
 #[test]
-fn vhost_user_blk_devices_are_listed_and_skipped_by_trace() {
+fn vhost_user_blk_devices_have_stats_and_traces() {
     let vdir = tempfile::tempdir().unwrap();
     let v = vdir.path().join("v.sock");
     let vs = v.to_str().unwrap().to_string();
-    let s = Serve::start(&["--vhost-user-blk", &vs, "--disk", "ram:16M"]);
+    let s = Serve::start(&[
+        "--vhost-user-blk",
+        &vs,
+        "--disk",
+        "ram:16M",
+        "--queues",
+        "2",
+    ]);
     let a = s.nvme.to_str().unwrap().to_string();
     let st = s.ok("get_stats", json!({}));
     let kinds: Vec<&str> = st["devices"]
@@ -958,27 +965,47 @@ fn vhost_user_blk_devices_are_listed_and_skipped_by_trace() {
     assert_eq!(kinds, ["nvme", "vhost-user-blk"]);
     let st = s.ok("get_stats", json!({"socket": vs}));
     assert_eq!(st["devices"][0]["name"], "v");
-    assert_eq!(st["devices"][0]["queues"], json!([]));
+    let queues: Vec<u64> = st["devices"][0]["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["queue"].as_u64().unwrap())
+        .collect();
+    assert_eq!(queues, [0, 1]);
 
     let r = s.ok("trace_start", json!({}));
-    assert_eq!(r["devices"], json!([a]));
-    assert_eq!(r["skipped"], json!([vs]));
-    let r = s.ok("trace_start", json!({"socket": vs}));
-    assert_eq!(
-        (r["devices"].clone(), r["skipped"].clone()),
-        (json!([]), json!([vs]))
-    );
+    assert_eq!(r["devices"], json!([a, vs]));
+    let r = s.ok("trace_start", json!({"socket": vs, "sample": 1}));
+    assert_eq!(r["devices"], json!([vs]));
+    // I/O through libblkio while the trace runs.
+    let t = udrive::blkio_target::BlkioTarget::connect(&v, 1, 4, 4096).expect("libblkio");
+    let cfg = initiator::workload::WorkloadConfig {
+        rw: initiator::workload::Rw::RandRw { read_pct: 50 },
+        qd: 4,
+        time: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let rep = initiator::workload::run(&t, &cfg).expect("workload");
+    drop(t);
     s.ok("trace_stop", json!({"socket": vs}));
     let b = s.ok("trace_read", json!({"socket": vs}));
-    assert_eq!(b["ops"], json!([]));
-
-    s.err(
-        "set_placement",
-        json!({"socket": vs, "placement": "single"}),
-        -32000,
-        "fixed when it starts",
+    let b: trace::Breakdown = serde_json::from_value(b).unwrap();
+    let reads = b
+        .op("read")
+        .and_then(|o| o.row("total"))
+        .expect("read total");
+    assert!(reads.count >= rep.reads, "{b}");
+    assert!(
+        b.op("write").and_then(|o| o.row("backend")).is_some(),
+        "{b}"
     );
+
     let text = s.ok("get_metrics", json!({}));
-    prometheus_parse::Scrape::parse(text.as_str().unwrap().lines().map(|l| Ok(l.to_string())))
+    let text = text.as_str().unwrap();
+    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
         .expect("get_metrics is Prometheus text");
+    assert!(
+        text.contains("udrive_io_ops_total{device=\"v\",namespace=\"1\",queue=\"0\",op=\"read\"}"),
+        "{text}"
+    );
 }

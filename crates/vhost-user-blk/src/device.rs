@@ -9,7 +9,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bdev::BlockDevice;
-use engine::{Engine, PollMode, PollerId};
+use engine::{Engine, PollMode, PollerId, Waker};
+use trace::{Mailbox, TraceControl};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use virtio_blk::{BlkConfig, DeviceOptions, Mem, QueueWorker};
@@ -33,6 +34,11 @@ pub struct VhostUserBlk {
     conn_handle: Arc<Mutex<Option<ShutdownHandle>>>,
     thread: Option<JoinHandle<()>>,
     connections: Arc<AtomicU64>,
+    /// Trace switch of all the device's virtqueues.
+    pub(crate) trace: Arc<TraceControl>,
+    /// Per virtqueue, in queue order: where its poller leaves snapshots, and the
+    /// waker of its reactor (a sleeping reactor answers only once woken).
+    pub(crate) mailboxes: Vec<(Arc<Mailbox>, Waker)>,
 }
 
 /// How long a disconnect waits for in-flight requests before letting a new front
@@ -75,9 +81,13 @@ impl VhostUserBlk {
         let mut listener = Listener::new(socket, true)
             .map_err(|e| io::Error::other(format!("cannot listen on {}: {e}", socket.display())))?;
 
+        let trace = Arc::new(TraceControl::default());
+        let mut mailboxes = Vec::with_capacity(nq);
         let mut pollers = Vec::with_capacity(nq);
         for i in 0..nq {
-            let worker = QueueWorker::new(shared.cfg.clone(), disk.channel()?);
+            let worker =
+                QueueWorker::traced(shared.cfg.clone(), disk.channel()?, i as u16, trace.clone());
+            mailboxes.push((worker.mailbox(), shared.queues[i].waker.clone()));
             let p = VirtqPoller::new(i, shared.clone(), worker, opts.poll);
             let r = reactors[i % reactors.len()];
             match engine.add_poller(r, Box::new(p)) {
@@ -111,12 +121,19 @@ impl VhostUserBlk {
             conn_handle,
             thread: Some(thread),
             connections,
+            trace,
+            mailboxes,
         })
     }
 
     /// Whether a front end is connected now.
     pub fn connected(&self) -> bool {
         lock(&self.conn_handle).is_some()
+    }
+
+    /// Virtqueues the device offers.
+    pub fn num_queues(&self) -> usize {
+        self.mailboxes.len()
     }
 
     /// Front ends that have connected so far.

@@ -68,6 +68,8 @@ impl Poller for VirtqPoller {
     fn poll(&mut self) -> usize {
         self.refresh();
         let Some((conn, vring)) = &self.conn else {
+            // Still answer stats readers and pick up trace start/stop.
+            self.worker.finish_poll(|| false);
             return 0;
         };
         {
@@ -124,9 +126,10 @@ impl Poller for VirtqPoller {
         let p = self
             .worker
             .process_with(st.get_queue_mut(), &mut self.mem, &mut latest, pop);
-        if p.used > 0 && st.needs_notification().unwrap_or(true) {
-            let _ = st.signal_used_queue();
-        }
+        // With EVENT_IDX the guest may not want this interrupt: then `notify` is 0.
+        self.worker.finish_poll(|| {
+            p.used > 0 && st.needs_notification().unwrap_or(true) && st.signal_used_queue().is_ok()
+        });
         self.shared.queues[self.index]
             .in_flight
             .store(self.worker.in_flight(), Ordering::Release);
