@@ -1009,3 +1009,194 @@ fn vhost_user_blk_devices_have_stats_and_traces() {
         "{text}"
     );
 }
+
+/// Verified random I/O through libblkio on a vhost-user-blk socket.
+fn blkio_io(sock: &Path, jobs: u32) -> initiator::workload::Report {
+    let t = udrive::blkio_target::BlkioTarget::connect(sock, jobs, 4, 4096).expect("libblkio");
+    let cfg = initiator::workload::WorkloadConfig {
+        rw: initiator::workload::Rw::RandRw { read_pct: 50 },
+        qd: 4,
+        jobs,
+        verify: true,
+        time: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let r = initiator::workload::run(&t, &cfg).expect("workload");
+    assert!(r.ios > 0);
+    assert_eq!((r.errors, r.verify_errors), (0, 0));
+    r
+}
+
+#[test]
+fn vhost_user_blk_add_and_remove() {
+    let s = Serve::start(&[]);
+    let v = s.path("v.sock");
+    let added = s.ok(
+        "vhost_user_blk_add",
+        json!({"socket": v, "disk": "ram:16M", "queues": 2, "poll_mode": "event", "serial": "vm-v"}),
+    );
+    assert_eq!(added["kind"], "vhost-user-blk");
+    assert_eq!(added["config"]["queues"], 2);
+    assert_eq!(added["config"]["poll"], "event");
+    assert_eq!(added["config"]["read_only"], false);
+    assert!(v.exists());
+    let d = s.ok("get_devices", json!({}));
+    assert_eq!(d.as_array().unwrap().len(), 2);
+    blkio_io(&v, 2);
+    // The queues count what went through them.
+    let st = s.ok("get_stats", json!({"socket": v}));
+    assert!(ns_sum(&st, 0, "ops", "read") > 0);
+
+    // In use: refused unless forced.
+    let in_use = udrive::blkio_target::BlkioTarget::connect(&v, 1, 4, 4096).expect("libblkio");
+    assert_eq!(
+        s.ok("get_devices", json!({"socket": v}))[0]["connected"],
+        true
+    );
+    s.err(
+        "vhost_user_blk_remove",
+        json!({"socket": v}),
+        -32000,
+        "connected client",
+    );
+    s.ok("vhost_user_blk_remove", json!({"socket": v, "force": true}));
+    assert!(!v.exists());
+    drop(in_use);
+    s.err("get_devices", json!({"socket": v}), -32000, "no device");
+
+    // The socket and the disk's file range are free again.
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("d.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let spec = format!("file:{},size=4M", img.display());
+    s.ok("vhost_user_blk_add", json!({"socket": v, "disk": spec}));
+    blkio_io(&v, 1);
+    // The server notices the client's disconnect on its own thread.
+    let until = Instant::now() + T;
+    while s.ok("get_devices", json!({"socket": v}))[0]["connected"] != false {
+        assert!(Instant::now() < until, "disconnect not seen");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    s.ok("vhost_user_blk_remove", json!({"socket": v}));
+    s.ok(
+        "vhost_user_blk_add",
+        json!({"socket": v, "disk": spec, "read_only": true}),
+    );
+    assert_eq!(
+        s.ok("get_devices", json!({"socket": v}))[0]["config"]["read_only"],
+        true
+    );
+    // libblkio refuses a read-write session on a read-only device.
+    assert!(udrive::blkio_target::BlkioTarget::connect(&v, 1, 4, 4096).is_err());
+    s.ok("vhost_user_blk_remove", json!({"socket": v}));
+    // The NVMe controller was never affected.
+    let other = NvmeDriver::connect(&s.nvme, opts()).unwrap();
+    verified_io(&other, 1, 5);
+}
+
+#[test]
+fn vhost_user_blk_add_hostile_params() {
+    let s = Serve::start(&[]);
+    let v = s.path("v.sock");
+    let dir = tempfile::tempdir().unwrap();
+    let add = |p: Value, code: i64, want: &str| s.err("vhost_user_blk_add", p, code, want);
+    add(json!({"socket": v}), -32602, "disk");
+    add(
+        json!({"socket": v, "disk": "ram:1M", "colour": 1}),
+        -32602,
+        "unknown field",
+    );
+    add(json!({"socket": v, "disk": 5}), -32602, "invalid type");
+    add(
+        json!({"socket": v, "disk": "disk:1G"}),
+        -32602,
+        "unknown kind",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "queues": 0}),
+        -32602,
+        "queues must be",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "queues": 70000}),
+        -32602,
+        "invalid value",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "queues": -1}),
+        -32602,
+        "invalid value",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "queue_size": 100}),
+        -32602,
+        "power of two",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "placement": "everywhere"}),
+        -32602,
+        "placement",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "poll_mode": "sometimes"}),
+        -32602,
+        "sometimes",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "cpus": "0-"}),
+        -32602,
+        "cpus",
+    );
+    add(
+        json!({"socket": dir.path().join("no/such/dir.sock"), "disk": "ram:1M"}),
+        -32602,
+        "does not exist",
+    );
+    add(
+        json!({"socket": v, "disk": format!("file:{}", dir.path().join("missing.img").display())}),
+        -32000,
+        "does not exist",
+    );
+    // Sockets that are taken: a device's, another process's file.
+    add(
+        json!({"socket": s.nvme, "disk": "ram:1M"}),
+        -32000,
+        "already has a device",
+    );
+    let precious = dir.path().join("precious.txt");
+    std::fs::write(&precious, b"keep me").unwrap();
+    add(
+        json!({"socket": precious, "disk": "ram:1M"}),
+        -32000,
+        "not a socket",
+    );
+    assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
+    // Removing: wrong kind, unknown socket, bad params.
+    s.err(
+        "vhost_user_blk_remove",
+        json!({"socket": s.nvme}),
+        -32000,
+        "nvme_remove_controller",
+    );
+    s.err(
+        "vhost_user_blk_remove",
+        json!({"socket": v}),
+        -32000,
+        "no device",
+    );
+    s.err("vhost_user_blk_remove", json!({}), -32602, "socket");
+    s.err(
+        "vhost_user_blk_remove",
+        json!({"socket": v, "force": "yes"}),
+        -32602,
+        "invalid type",
+    );
+    // Nothing was left behind, and the server still works.
+    assert!(!v.exists());
+    assert_eq!(s.ok("get_devices", json!({})).as_array().unwrap().len(), 1);
+    s.ok("vhost_user_blk_add", json!({"socket": v, "disk": "ram:1M"}));
+    blkio_io(&v, 1);
+}

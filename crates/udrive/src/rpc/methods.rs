@@ -100,6 +100,7 @@ pub fn register_all(r: &mut Registry) {
         },
     );
     super::trace_methods::register(r);
+    super::vhost_methods::register(r);
 }
 
 #[derive(Deserialize)]
@@ -286,11 +287,15 @@ fn vhost_json(v: &crate::vhost_device::VhostBlkDevice) -> Value {
             "queue_size": v.cfg.queue_size,
             "placement": v.cfg.placement,
             "poll": v.cfg.poll,
+            "read_only": v.cfg.disk.read_only,
         },
     })
 }
 
-fn device_json_by_socket(server: &Server, socket: &std::path::Path) -> Result<Value, RpcError> {
+pub(super) fn device_json_by_socket(
+    server: &Server,
+    socket: &std::path::Path,
+) -> Result<Value, RpcError> {
     let st = server.lock();
     st.find(socket)
         .map(device_json)
