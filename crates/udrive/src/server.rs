@@ -377,6 +377,27 @@ impl Server {
         f(ns)
     }
 
+    /// How the queues of the vhost-user-blk device on `socket` wait for work
+    /// (`busy`, `adaptive`, `event`), applied while they run.
+    pub fn set_poll_mode(&self, socket: &Path, mode: engine::PollMode, name: &str) -> Result<()> {
+        let mut st = self.lock();
+        let Some(at) = st.position(socket) else {
+            return Err(st.not_found(socket));
+        };
+        match &mut st.devices[at] {
+            Device::Nvme(_) => bail!(
+                "{} is an NVMe controller: its queues are always busy-polled; \
+                 set_poll_mode applies to vhost-user-blk devices",
+                socket.display()
+            ),
+            Device::VhostBlk(v) => {
+                v.dev.set_poll_mode(mode);
+                v.cfg.poll = name.to_string();
+                Ok(())
+            }
+        }
+    }
+
     pub fn set_placement(&self, socket: &Path, placement: &str) -> Result<()> {
         let mut st = self.lock();
         if let Some(Device::VhostBlk(v)) = st.find(socket) {

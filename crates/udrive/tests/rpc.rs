@@ -1200,3 +1200,72 @@ fn vhost_user_blk_add_hostile_params() {
     s.ok("vhost_user_blk_add", json!({"socket": v, "disk": "ram:1M"}));
     blkio_io(&v, 1);
 }
+
+#[test]
+fn set_poll_mode_while_libblkio_runs() {
+    let s = Serve::start(&[]);
+    let v = s.path("v.sock");
+    let added = s.ok(
+        "vhost_user_blk_add",
+        json!({"socket": v, "disk": "ram:16M", "queues": 2}),
+    );
+    assert_eq!(added["state"]["poll_mode"], "busy");
+    let r = std::thread::scope(|sc| {
+        let io = sc.spawn(|| {
+            let t = udrive::blkio_target::BlkioTarget::connect(&v, 2, 4, 4096).expect("libblkio");
+            let cfg = initiator::workload::WorkloadConfig {
+                rw: initiator::workload::Rw::RandRw { read_pct: 50 },
+                qd: 4,
+                jobs: 2,
+                verify: true,
+                time: Duration::from_millis(1000),
+                ..Default::default()
+            };
+            initiator::workload::run(&t, &cfg).expect("workload")
+        });
+        for mode in ["event", "adaptive", "busy", "event", "busy", "adaptive"] {
+            std::thread::sleep(Duration::from_millis(120));
+            assert_eq!(
+                s.ok("set_poll_mode", json!({"socket": v, "mode": mode})),
+                true
+            );
+            let d = s.ok("get_devices", json!({"socket": v}));
+            assert_eq!(d[0]["state"]["poll_mode"], mode);
+            assert_eq!(d[0]["config"]["poll"], mode);
+        }
+        io.join().unwrap()
+    });
+    assert!(r.ios > 0);
+    assert_eq!((r.errors, r.verify_errors), (0, 0));
+    // NVMe controllers, bad modes and sockets get clear errors.
+    s.err(
+        "set_poll_mode",
+        json!({"socket": s.nvme, "mode": "event"}),
+        -32000,
+        "always busy-polled",
+    );
+    s.err(
+        "set_poll_mode",
+        json!({"socket": v, "mode": "lazy"}),
+        -32602,
+        "unknown poll mode",
+    );
+    s.err(
+        "set_poll_mode",
+        json!({"socket": v, "mode": 1}),
+        -32602,
+        "invalid type",
+    );
+    s.err("set_poll_mode", json!({"socket": v}), -32602, "mode");
+    s.err(
+        "set_poll_mode",
+        json!({"socket": s.path("none.sock"), "mode": "busy"}),
+        -32000,
+        "no device",
+    );
+    assert_eq!(
+        s.ok("get_devices", json!({"socket": v}))[0]["state"]["poll_mode"],
+        "adaptive"
+    );
+    blkio_io(&v, 2);
+}

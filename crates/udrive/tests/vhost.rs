@@ -11,7 +11,7 @@ use initiator::workload::{self, Rw, WorkloadConfig};
 use trace::{Breakdown, LAYERS, TOTAL};
 use udrive::blkio_target::BlkioTarget;
 use udrive::vhost_device::{self, VhostBlkConfig};
-use vhost_user_blk::VhostUserBlk;
+use vhost_user_blk::{PollMode, VhostUserBlk};
 
 fn engine() -> Arc<engine::Engine> {
     static E: OnceLock<Arc<engine::Engine>> = OnceLock::new();
@@ -533,4 +533,94 @@ fn sampling_one_in_n_and_stats_of_sleeping_queues() {
     assert_eq!(ops.read, 1200);
     assert_eq!(bytes.read, 1200 * 4096);
     assert!(errors.is_empty());
+}
+
+/// The published iteration count of reactor `r` (refreshed every 4096 iterations).
+fn reactor_polls(r: usize) -> u64 {
+    engine()
+        .stats(r)
+        .expect("reactor")
+        .iterations
+        .load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let until = std::time::Instant::now() + T;
+    while !f() {
+        assert!(std::time::Instant::now() < until, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn poll_mode_changes_while_io_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let mut cfg = VhostBlkConfig::new(sock.clone(), "ram:16M".parse().unwrap());
+    cfg.queues = 2;
+    cfg.placement = "dedicated".into();
+    let d = Dev {
+        dev: Some(vhost_device::open_and_start(&cfg, &engine(), 1).unwrap()),
+        sock,
+        _dir: dir,
+    };
+    let reactors = d.blk().queue_reactors();
+    assert_eq!(reactors.len(), 2);
+    assert!(
+        reactors.iter().all(|r| *r >= 1),
+        "own reactors: {reactors:?}"
+    );
+    // A libblkio client keeps verified I/O going on both queues while the mode flips.
+    let r = std::thread::scope(|sc| {
+        let io = sc.spawn(|| {
+            let cfg = WorkloadConfig {
+                rw: Rw::RandRw { read_pct: 50 },
+                bs: 4096,
+                qd: 4,
+                jobs: 2,
+                time: Duration::from_millis(1200),
+                verify: true,
+                ..Default::default()
+            };
+            let t = BlkioTarget::connect(&d.sock, 2, 4, 4096).expect("connect libblkio");
+            workload::run(&t, &cfg).expect("workload")
+        });
+        for mode in [
+            PollMode::Event,
+            PollMode::Adaptive,
+            PollMode::Busy,
+            PollMode::Event,
+            PollMode::Busy,
+            PollMode::Adaptive,
+            PollMode::Event,
+        ] {
+            std::thread::sleep(Duration::from_millis(150));
+            d.blk().set_poll_mode(mode);
+            assert_eq!(d.blk().poll_mode(), mode);
+        }
+        io.join().unwrap()
+    });
+    assert!(r.ios > 0);
+    assert_eq!((r.errors, r.verify_errors), (0, 0));
+    // Idle in event mode: the reactors sleep (their published count stops moving;
+    // a spinning reactor publishes every 4096 iterations).
+    for &q in &reactors {
+        let mut last = reactor_polls(q);
+        wait_for("reactor still spins in event mode", || {
+            std::thread::sleep(Duration::from_millis(200));
+            let now = reactor_polls(q);
+            std::mem::replace(&mut last, now) == now
+        });
+    }
+    // Busy: they spin again without any I/O to wake them.
+    d.blk().set_poll_mode(PollMode::Busy);
+    for &q in &reactors {
+        let before = reactor_polls(q);
+        wait_for("reactor does not spin in busy mode", || {
+            reactor_polls(q) > before + 4096
+        });
+    }
+    // And I/O after the last switch works.
+    let r = run(&d.sock, Rw::RandRw { read_pct: 50 }, 2, 4);
+    assert_eq!((r.errors, r.verify_errors), (0, 0));
 }

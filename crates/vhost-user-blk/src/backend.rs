@@ -2,11 +2,11 @@
 //! hands the vrings of each connection to the queue pollers.
 
 use std::io;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use engine::Waker;
+use engine::{PollMode, Waker};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringMutex, VringT};
 use virtio_blk::{BlkConfig, Mem};
@@ -63,6 +63,28 @@ impl QueueCtl {
 pub(crate) struct Shared {
     pub cfg: Arc<BlkConfig>,
     pub queues: Vec<QueueCtl>,
+    /// The device's poll mode ([`PollMode`] as `u8`); pollers read it when their
+    /// reactor asks how long to spin, so changing it takes no lock anywhere.
+    pub poll: AtomicU8,
+}
+
+impl Shared {
+    pub fn poll_mode(&self) -> PollMode {
+        match self.poll.load(Ordering::Relaxed) {
+            1 => PollMode::Adaptive,
+            2 => PollMode::Event,
+            _ => PollMode::Busy,
+        }
+    }
+
+    pub fn set_poll_mode(&self, mode: PollMode) {
+        let v = match mode {
+            PollMode::Busy => 0,
+            PollMode::Adaptive => 1,
+            PollMode::Event => 2,
+        };
+        self.poll.store(v, Ordering::Relaxed);
+    }
 }
 
 /// How long GET_VRING_BASE waits for in-flight requests before answering anyway.

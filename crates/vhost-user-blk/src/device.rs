@@ -3,7 +3,7 @@
 use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -39,6 +39,7 @@ pub struct VhostUserBlk {
     /// Per virtqueue, in queue order: where its poller leaves snapshots, and the
     /// waker of its reactor (a sleeping reactor answers only once woken).
     pub(crate) mailboxes: Vec<(Arc<Mailbox>, Waker)>,
+    shared: Arc<Shared>,
 }
 
 /// How long a disconnect waits for in-flight requests before letting a new front
@@ -77,7 +78,12 @@ impl VhostUserBlk {
                 waker,
             });
         }
-        let shared = Arc::new(Shared { cfg, queues });
+        let shared = Arc::new(Shared {
+            cfg,
+            queues,
+            poll: AtomicU8::new(0),
+        });
+        shared.set_poll_mode(opts.poll);
         let mut listener = Listener::new(socket, true)
             .map_err(|e| io::Error::other(format!("cannot listen on {}: {e}", socket.display())))?;
 
@@ -88,7 +94,7 @@ impl VhostUserBlk {
             let worker =
                 QueueWorker::traced(shared.cfg.clone(), disk.channel()?, i as u16, trace.clone());
             mailboxes.push((worker.mailbox(), shared.queues[i].waker.clone()));
-            let p = VirtqPoller::new(i, shared.clone(), worker, opts.poll);
+            let p = VirtqPoller::new(i, shared.clone(), worker);
             let r = reactors[i % reactors.len()];
             match engine.add_poller(r, Box::new(p)) {
                 Ok(id) => pollers.push(id),
@@ -110,9 +116,10 @@ impl VhostUserBlk {
             connections.clone(),
             socket.to_path_buf(),
         );
+        let shared2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name("vhost-blk".into())
-            .spawn(move || serve(&mut listener, shared, &stop2, &handle2, &count2, &sock2))?;
+            .spawn(move || serve(&mut listener, shared2, &stop2, &handle2, &count2, &sock2))?;
         Ok(VhostUserBlk {
             socket: socket.to_path_buf(),
             engine: engine.clone(),
@@ -123,12 +130,34 @@ impl VhostUserBlk {
             connections,
             trace,
             mailboxes,
+            shared,
         })
     }
 
     /// Whether a front end is connected now.
     pub fn connected(&self) -> bool {
         lock(&self.conn_handle).is_some()
+    }
+
+    /// How the device's queues wait for work now.
+    pub fn poll_mode(&self) -> PollMode {
+        self.shared.poll_mode()
+    }
+
+    /// Changes how the queues wait for work, while they run: the pollers report
+    /// the new mode the next time their reactor asks (on a message, and every few
+    /// thousand iterations); sleeping reactors are woken so they ask now. Busy
+    /// pollers turn guest notifications off again at their next poll.
+    pub fn set_poll_mode(&self, mode: PollMode) {
+        self.shared.set_poll_mode(mode);
+        for q in &self.shared.queues {
+            q.waker.wake();
+        }
+    }
+
+    /// The reactor of each virtqueue's poller, in queue order.
+    pub fn queue_reactors(&self) -> Vec<usize> {
+        self.pollers.iter().map(|p| p.reactor).collect()
     }
 
     /// Virtqueues the device offers.

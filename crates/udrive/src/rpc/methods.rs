@@ -289,7 +289,19 @@ fn vhost_json(v: &crate::vhost_device::VhostBlkDevice) -> Value {
             "poll": v.cfg.poll,
             "read_only": v.cfg.disk.read_only,
         },
+        "state": {
+            "poll_mode": poll_mode_name(v.dev.poll_mode()),
+            "queue_reactors": v.dev.queue_reactors(),
+        },
     })
+}
+
+fn poll_mode_name(m: engine::PollMode) -> &'static str {
+    match m {
+        engine::PollMode::Busy => "busy",
+        engine::PollMode::Adaptive => "adaptive",
+        engine::PollMode::Event => "event",
+    }
 }
 
 pub(super) fn device_json_by_socket(

@@ -1,4 +1,5 @@
-//! vhost-user-blk methods (docs/rpc.md): `vhost_user_blk_add`, `vhost_user_blk_remove`.
+//! vhost-user-blk methods (docs/rpc.md): `vhost_user_blk_add`, `vhost_user_blk_remove`,
+//! `set_poll_mode`.
 //! A device added here goes through the same construction as one from the command
 //! line or the TOML config (`Server::add_vhost_blk` -> `vhost_device::start`).
 
@@ -32,6 +33,23 @@ pub fn register(r: &mut Registry) {
             Ok(Value::Bool(true))
         },
     );
+    r.register(
+        "set_poll_mode",
+        "how a vhost-user-blk device's queues wait for work (busy, adaptive or event), applied at once",
+        |rpc, p| {
+            let a: SetPollMode = parse_params(p)?;
+            let mode: engine::PollMode = a.mode.parse().map_err(RpcError::params)?;
+            rpc.server.set_poll_mode(&a.socket, mode, &a.mode)?;
+            Ok(Value::Bool(true))
+        },
+    );
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetPollMode {
+    socket: PathBuf,
+    mode: String,
 }
 
 #[derive(Deserialize)]
