@@ -210,16 +210,7 @@ impl Server {
         if st.find(&cfg.socket).is_some() {
             bail!("socket {} already has a device", cfg.socket.display());
         }
-        if matches!(cfg.placement.parse(), Ok(engine::Placement::Dedicated))
-            && self.engine.num_reactors() + usize::from(cfg.queues) > MAX_REACTORS
-        {
-            bail!(
-                "dedicated placement would need {} more reactors and the server has {} of at most {MAX_REACTORS} \
-                 (reactor threads stay until shutdown); use round-robin or single",
-                cfg.queues,
-                self.engine.num_reactors()
-            );
-        }
+        self.check_reactor_budget(&cfg)?;
         let disk = st.backends.open(&cfg.disk, &cfg.socket, 1)?;
         if let Err(e) = self.start_vhost_blk(&mut st, &cfg, disk) {
             st.backends.release_all(&cfg.socket);
@@ -400,15 +391,55 @@ impl Server {
 
     pub fn set_placement(&self, socket: &Path, placement: &str) -> Result<()> {
         let mut st = self.lock();
-        if let Some(Device::VhostBlk(v)) = st.find(socket) {
+        let Some(at) = st.position(socket) else {
+            return Err(st.not_found(socket));
+        };
+        let index = st.devices[..at]
+            .iter()
+            .filter(|d| matches!(d, Device::VhostBlk(_)))
+            .count();
+        match &mut st.devices[at] {
+            Device::Nvme(dev) => {
+                if matches!(placement.parse(), Ok(engine::Placement::Dedicated)) {
+                    bail!(
+                        "placement `dedicated` is available for vhost-user-blk devices only; \
+                         use round-robin or single for NVMe controller {}",
+                        socket.display()
+                    );
+                }
+                dev.set_placement(placement, &self.engine)
+            }
+            Device::VhostBlk(v) => {
+                let mut cfg = v.cfg.clone();
+                cfg.placement = placement.to_string();
+                self.check_reactor_budget(&cfg)?;
+                let reactors = crate::vhost_device::reactors_for(
+                    &cfg,
+                    index,
+                    &self.engine,
+                    self.base_reactors,
+                )?;
+                v.dev
+                    .move_queues(&reactors)
+                    .with_context(|| format!("cannot move the queues of {}", socket.display()))?;
+                v.cfg = cfg;
+                Ok(())
+            }
+        }
+    }
+
+    /// Refuses `dedicated` placement that would grow the engine past [`MAX_REACTORS`].
+    fn check_reactor_budget(&self, cfg: &VhostBlkConfig) -> Result<()> {
+        if matches!(cfg.placement.parse(), Ok(engine::Placement::Dedicated))
+            && self.engine.num_reactors() + usize::from(cfg.queues) > MAX_REACTORS
+        {
             bail!(
-                "the placement of vhost-user-blk device {} is fixed when it starts ({}); \
-                 change `placement` in its configuration and restart the server",
-                socket.display(),
-                v.cfg.placement
+                "dedicated placement would need {} more reactors and the server has {} of at most {MAX_REACTORS} \
+                 (reactor threads stay until shutdown); use round-robin or single",
+                cfg.queues,
+                self.engine.num_reactors()
             );
         }
-        let dev = st.nvme_mut(socket)?;
-        dev.set_placement(placement, &self.engine)
+        Ok(())
     }
 }

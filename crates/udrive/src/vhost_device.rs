@@ -116,7 +116,7 @@ pub fn validate(devs: &[VhostBlkConfig], sockets: &mut HashSet<PathBuf>) -> Resu
 
 /// Reactors for each queue of one device. `base` is the number of shared reactors
 /// (from `--cpus`); `dedicated` adds reactors of the device's own.
-fn reactors_for(
+pub fn reactors_for(
     cfg: &VhostBlkConfig,
     index: usize,
     engine: &Engine,

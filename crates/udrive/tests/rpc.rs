@@ -1202,7 +1202,7 @@ fn vhost_user_blk_add_hostile_params() {
 }
 
 #[test]
-fn set_poll_mode_while_libblkio_runs() {
+fn set_poll_mode_and_placement_while_libblkio_runs() {
     let s = Serve::start(&[]);
     let v = s.path("v.sock");
     let added = s.ok(
@@ -1223,15 +1223,43 @@ fn set_poll_mode_while_libblkio_runs() {
             };
             initiator::workload::run(&t, &cfg).expect("workload")
         });
-        for mode in ["event", "adaptive", "busy", "event", "busy", "adaptive"] {
+        let placements = [
+            "dedicated",
+            "single",
+            "round-robin",
+            "dedicated",
+            "single",
+            "single",
+        ];
+        for (mode, placement) in ["event", "adaptive", "busy", "event", "busy", "adaptive"]
+            .into_iter()
+            .zip(placements)
+        {
             std::thread::sleep(Duration::from_millis(120));
             assert_eq!(
                 s.ok("set_poll_mode", json!({"socket": v, "mode": mode})),
                 true
             );
+            s.ok(
+                "set_placement",
+                json!({"socket": v, "placement": placement}),
+            );
             let d = s.ok("get_devices", json!({"socket": v}));
             assert_eq!(d[0]["state"]["poll_mode"], mode);
             assert_eq!(d[0]["config"]["poll"], mode);
+            assert_eq!(d[0]["config"]["placement"], placement);
+            let on: Vec<u64> = d[0]["state"]["queue_reactors"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r.as_u64().unwrap())
+                .collect();
+            // One shared reactor (--cpus 0): everything but dedicated is on reactor 0.
+            assert_eq!(
+                on.iter().all(|r| *r >= 1),
+                placement == "dedicated",
+                "{placement}: {on:?}"
+            );
         }
         io.join().unwrap()
     });
@@ -1243,6 +1271,18 @@ fn set_poll_mode_while_libblkio_runs() {
         json!({"socket": s.nvme, "mode": "event"}),
         -32000,
         "always busy-polled",
+    );
+    s.err(
+        "set_placement",
+        json!({"socket": s.nvme, "placement": "dedicated"}),
+        -32000,
+        "vhost-user-blk devices only",
+    );
+    s.err(
+        "set_placement",
+        json!({"socket": v, "placement": "everywhere"}),
+        -32602,
+        "placement",
     );
     s.err(
         "set_poll_mode",

@@ -624,3 +624,56 @@ fn poll_mode_changes_while_io_runs() {
     let r = run(&d.sock, Rw::RandRw { read_pct: 50 }, 2, 4);
     assert_eq!((r.errors, r.verify_errors), (0, 0));
 }
+
+#[test]
+fn queues_move_between_reactors_while_io_runs() {
+    // Event mode: kicks must reach the reactor that owns the queue after each move.
+    let d = start("ram:16M", 2, "event");
+    let shared = d.blk().queue_reactors();
+    assert_eq!(shared, [0, 0]);
+    let mut cfg = VhostBlkConfig::new(d.sock.clone(), "ram:16M".parse().unwrap());
+    cfg.queues = 2;
+    let plans = [
+        ("dedicated", true),
+        ("single", false),
+        ("dedicated", true),
+        ("round-robin", false),
+    ];
+    let mut dev = d;
+    let r = std::thread::scope(|sc| {
+        let sock = dev.sock.clone();
+        let io = sc.spawn(move || {
+            let cfg = WorkloadConfig {
+                rw: Rw::RandRw { read_pct: 50 },
+                bs: 4096,
+                qd: 4,
+                jobs: 2,
+                time: Duration::from_millis(1000),
+                verify: true,
+                ..Default::default()
+            };
+            let t = BlkioTarget::connect(&sock, 2, 4, 4096).expect("connect libblkio");
+            workload::run(&t, &cfg).expect("workload")
+        });
+        for (placement, own) in plans {
+            std::thread::sleep(Duration::from_millis(150));
+            cfg.placement = placement.into();
+            let reactors = vhost_device::reactors_for(&cfg, 0, &engine(), 1).unwrap();
+            let blk = dev.dev.as_mut().expect("running");
+            blk.move_queues(&reactors).unwrap();
+            let now = blk.queue_reactors();
+            assert_eq!(now, reactors, "{placement}");
+            assert_eq!(now.iter().all(|r| *r >= 1), own, "{placement}: {now:?}");
+        }
+        io.join().unwrap()
+    });
+    assert!(r.ios > 0);
+    assert_eq!((r.errors, r.verify_errors), (0, 0));
+    // Counters moved with the queues.
+    let (ops, _, errors) = dev.totals();
+    assert!(ops.read + ops.write >= r.ios);
+    assert!(errors.is_empty());
+    assert!(dev.dev.as_mut().unwrap().move_queues(&[]).is_err());
+    assert!(dev.dev.as_mut().unwrap().move_queues(&[9999]).is_err());
+    assert_eq!(dev.blk().queue_reactors(), [0, 0], "nothing moved on error");
+}

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use engine::{PollMode, Waker};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringMutex, VringT};
@@ -36,14 +37,16 @@ pub(crate) struct QueueCtl {
     pub in_flight: AtomicUsize,
     /// Counts GET_VRING_BASE stops, so the poller can start afresh afterwards.
     pub stops: AtomicU64,
-    pub waker: Waker,
+    /// Wakes the reactor that polls this queue; replaced when the queue moves to
+    /// another reactor (`set_placement`). Read by the kick thread with one load.
+    pub waker: ArcSwap<Waker>,
 }
 
 impl QueueCtl {
     pub fn attach(&self, conn: Option<Arc<Conn>>) {
         *self.conn.lock().unwrap_or_else(|e| e.into_inner()) = conn;
         self.gen.fetch_add(1, Ordering::AcqRel);
-        self.waker.wake();
+        self.waker.load().wake();
     }
 
     /// Waits until the poller has no request in flight (or `limit` passes).
@@ -53,7 +56,7 @@ impl QueueCtl {
             if Instant::now() > until {
                 return false;
             }
-            self.waker.wake();
+            self.waker.load().wake();
             std::thread::sleep(Duration::from_micros(200));
         }
         true
@@ -185,7 +188,7 @@ impl VhostUserBackend for BlkBackend {
     ) -> io::Result<()> {
         self.install_vrings(vrings);
         if let Some(q) = self.shared.queues.get(usize::from(device_event)) {
-            q.waker.wake();
+            q.waker.load().wake();
         }
         Ok(())
     }

@@ -8,8 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use bdev::BlockDevice;
-use engine::{Engine, PollMode, PollerId, Waker};
+use engine::{Engine, PollMode, PollerId};
 use trace::{Mailbox, TraceControl};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
@@ -36,10 +37,9 @@ pub struct VhostUserBlk {
     connections: Arc<AtomicU64>,
     /// Trace switch of all the device's virtqueues.
     pub(crate) trace: Arc<TraceControl>,
-    /// Per virtqueue, in queue order: where its poller leaves snapshots, and the
-    /// waker of its reactor (a sleeping reactor answers only once woken).
-    pub(crate) mailboxes: Vec<(Arc<Mailbox>, Waker)>,
-    shared: Arc<Shared>,
+    /// Per virtqueue, in queue order: where its poller leaves snapshots.
+    pub(crate) mailboxes: Vec<Arc<Mailbox>>,
+    pub(crate) shared: Arc<Shared>,
 }
 
 /// How long a disconnect waits for in-flight requests before letting a new front
@@ -75,7 +75,7 @@ impl VhostUserBlk {
                 gen: AtomicU64::new(0),
                 in_flight: AtomicUsize::new(0),
                 stops: AtomicU64::new(0),
-                waker,
+                waker: ArcSwap::from_pointee(waker),
             });
         }
         let shared = Arc::new(Shared {
@@ -93,7 +93,7 @@ impl VhostUserBlk {
         for i in 0..nq {
             let worker =
                 QueueWorker::traced(shared.cfg.clone(), disk.channel()?, i as u16, trace.clone());
-            mailboxes.push((worker.mailbox(), shared.queues[i].waker.clone()));
+            mailboxes.push(worker.mailbox());
             let p = VirtqPoller::new(i, shared.clone(), worker);
             let r = reactors[i % reactors.len()];
             match engine.add_poller(r, Box::new(p)) {
@@ -151,8 +151,51 @@ impl VhostUserBlk {
     pub fn set_poll_mode(&self, mode: PollMode) {
         self.shared.set_poll_mode(mode);
         for q in &self.shared.queues {
-            q.waker.wake();
+            q.waker.load().wake();
         }
+    }
+
+    /// Moves virtqueue `i`'s poller to reactor `reactors[i % reactors.len()]`, while
+    /// the device runs: each poller is taken off its reactor between two polls
+    /// (with its requests in flight, which complete on the new one), its kicks are
+    /// pointed at the new reactor, and it is handed over. Checks every reactor
+    /// first; on an error nothing has moved unless the engine is shutting down.
+    pub fn move_queues(&mut self, reactors: &[usize]) -> io::Result<()> {
+        if reactors.is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "no reactor to move the queues to",
+            ));
+        }
+        let mut wakers = Vec::with_capacity(self.pollers.len());
+        for i in 0..self.pollers.len() {
+            let r = reactors[i % reactors.len()];
+            let w = self.engine.waker(r).ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, format!("no reactor {r}"))
+            })?;
+            wakers.push((r, w));
+        }
+        for (i, (r, w)) in wakers.into_iter().enumerate() {
+            let id = self.pollers[i];
+            if id.reactor == r {
+                continue;
+            }
+            let p = self
+                .engine
+                .remove_poller(id)
+                .map_err(|e| io::Error::other(e.to_string()))?
+                .ok_or_else(|| {
+                    io::Error::other(format!("queue {i} is not on reactor {}", id.reactor))
+                })?;
+            // A kick in between wakes the old reactor; the new one checks the ring
+            // on its first poll.
+            self.shared.queues[i].waker.store(Arc::new(w));
+            self.pollers[i] = self
+                .engine
+                .add_poller(r, p)
+                .map_err(|e| io::Error::other(e.to_string()))?;
+        }
+        Ok(())
     }
 
     /// The reactor of each virtqueue's poller, in queue order.

@@ -34,18 +34,19 @@ impl VhostUserBlk {
     /// sleeping reactor (adaptive/event polling) is woken for it. A queue that does
     /// not answer within `timeout` is left out.
     pub fn queue_stats(&self, timeout: Duration) -> Vec<QueueSnapshot> {
-        for (b, _) in &self.mailboxes {
+        for b in &self.mailboxes {
             let _ = b.take();
             b.request();
         }
         let start = Instant::now();
         let mut out: Vec<Option<QueueSnapshot>> = self.mailboxes.iter().map(|_| None).collect();
         loop {
-            for ((b, waker), o) in self.mailboxes.iter().zip(out.iter_mut()) {
+            let queues = self.mailboxes.iter().zip(&self.shared.queues);
+            for ((b, q), o) in queues.zip(out.iter_mut()) {
                 if o.is_none() {
                     *o = b.take();
                     // One atomic swap while the reactor is awake.
-                    waker.wake();
+                    q.waker.load().wake();
                 }
             }
             if out.iter().all(Option::is_some) || start.elapsed() >= timeout {

@@ -89,7 +89,7 @@ pub fn register_all(r: &mut Registry) {
     );
     r.register(
         "set_placement",
-        "queue placement of a device (round-robin or single); applies to queues created afterwards",
+        "queue placement of a device: NVMe round-robin or single (queues created afterwards); vhost-user-blk also dedicated (moves its queues now)",
         |rpc, p| {
             let a: SetPlacement = parse_params(p)?;
             a.placement
