@@ -241,6 +241,9 @@ fn every_method_over_the_socket() {
         "set_qos",
         "clear_qos",
         "set_placement",
+        "set_poll_mode",
+        "vhost_user_blk_add",
+        "vhost_user_blk_remove",
         "get_stats",
         "get_metrics",
     ] {

@@ -85,7 +85,9 @@ impl QueueWorker {
         let n = usize::from(cfg.opts.queue_size.max(1));
         let max_segs = cfg.opts.seg_max as usize + EXTRA_DESCS;
         QueueWorker {
-            rec: QueueRecorder::new(queue, DISK_NSID, n, ctl),
+            // A slot can complete twice in one poll (reaped, popped again, done
+            // inline), so room for two rounds of the ring.
+            rec: QueueRecorder::new(queue, DISK_NSID, 2 * n, ctl),
             slots: (0..n).map(|_| Slot::new(max_segs)).collect(),
             free: (0..n as u16).rev().collect(),
             ready: Vec::with_capacity(n),
