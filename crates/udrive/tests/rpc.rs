@@ -1003,6 +1003,31 @@ fn vhost_user_blk_devices_have_stats_and_traces() {
         "{b}"
     );
 
+    // `udrive trace` on the vhost-user-blk device while libblkio runs I/O.
+    let (out, rep) = std::thread::scope(|sc| {
+        let io = sc.spawn(|| blkio_io(&v, 2));
+        let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+            .args(["trace", "--time", "0.3", "--json", "--device"])
+            .arg(&v)
+            .arg("--rpc")
+            .arg(&s.rpc)
+            .output()
+            .unwrap();
+        (out, io.join().unwrap())
+    });
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let b: trace::Breakdown = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        b.op("write")
+            .is_some_and(|o| o.row("queue").unwrap().count > 0),
+        "{b} ({} I/Os)",
+        rep.ios
+    );
+
     let text = s.ok("get_metrics", json!({}));
     let text = text.as_str().unwrap();
     prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
@@ -1021,13 +1046,22 @@ fn blkio_io(sock: &Path, jobs: u32) -> initiator::workload::Report {
         qd: 4,
         jobs,
         verify: true,
-        time: Duration::from_millis(200),
+        time: Duration::from_millis(600),
         ..Default::default()
     };
     let r = initiator::workload::run(&t, &cfg).expect("workload");
     assert!(r.ios > 0);
     assert_eq!((r.errors, r.verify_errors), (0, 0));
     r
+}
+
+/// The server notices a client's disconnect on its own thread.
+fn wait_disconnected(s: &Serve, v: &Path) {
+    let until = Instant::now() + T;
+    while s.ok("get_devices", json!({"socket": v}))[0]["connected"] != false {
+        assert!(Instant::now() < until, "disconnect not seen");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 #[test]
@@ -1077,12 +1111,7 @@ fn vhost_user_blk_add_and_remove() {
     let spec = format!("file:{},size=4M", img.display());
     s.ok("vhost_user_blk_add", json!({"socket": v, "disk": spec}));
     blkio_io(&v, 1);
-    // The server notices the client's disconnect on its own thread.
-    let until = Instant::now() + T;
-    while s.ok("get_devices", json!({"socket": v}))[0]["connected"] != false {
-        assert!(Instant::now() < until, "disconnect not seen");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_disconnected(&s, &v);
     s.ok("vhost_user_blk_remove", json!({"socket": v}));
     s.ok(
         "vhost_user_blk_add",
@@ -1094,6 +1123,7 @@ fn vhost_user_blk_add_and_remove() {
     );
     // libblkio refuses a read-write session on a read-only device.
     assert!(udrive::blkio_target::BlkioTarget::connect(&v, 1, 4, 4096).is_err());
+    wait_disconnected(&s, &v);
     s.ok("vhost_user_blk_remove", json!({"socket": v}));
     // The NVMe controller was never affected.
     let other = NvmeDriver::connect(&s.nvme, opts()).unwrap();
