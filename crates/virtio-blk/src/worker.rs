@@ -231,7 +231,10 @@ impl QueueWorker {
         if pop && self.broken.is_none() {
             let before = self.in_flight() as u32;
             self.pop(q, mem, latest, &mut p);
-            self.rec.depth(before + self.ready.len() as u32);
+            if !self.ready.is_empty() {
+                // Depth seen by this batch: what it brought plus what was waiting.
+                self.rec.depth(before + self.ready.len() as u32);
+            }
             self.submit(q, mem, &mut p);
             self.chan.flush();
             // Inline-then-async backends may already have finished something.
