@@ -256,6 +256,15 @@ fn read_only_disk_refuses_writes() {
     let mut s = Session::open_with(&d.sock, true);
     assert_eq!(s.read(0, 4096), 0);
     assert!(s.bytes(4096).iter().all(|b| *b == 0x3c));
+    // libblkio refuses it itself (EBADF), so it never reaches the device; the
+    // device's own refusal (IOERR, counted) is in the virtio-blk unit tests.
+    assert_eq!(s.write(0, 4096), -libc::EBADF);
+    drop(s);
+    assert!(std::fs::read(&img).unwrap().iter().all(|b| *b == 0x3c));
+    // The counters hold what reached the device.
+    let (ops, bytes, errors) = d.totals();
+    assert_eq!((ops.read, ops.write, bytes.read), (1, 0, 4096));
+    assert!(errors.is_empty(), "{errors:?}");
 }
 
 /// libblkio adds and removes memory regions (ADD/REM_MEM_REGION or SET_MEM_TABLE)
