@@ -14,7 +14,7 @@ use crate::backends::{BackendSet, Backends};
 use crate::config::{Config, ControllerConfig};
 use crate::device::{Namespace, NvmeDevice};
 use crate::nsspec::NsSpec;
-use crate::vhost_device::VhostBlkDevice;
+use crate::vhost_device::{VhostBlkConfig, VhostBlkDevice};
 
 /// A device the server runs. New kinds (virtio-blk over vhost-user) become variants;
 /// the control plane reaches them through the methods below.
@@ -124,8 +124,15 @@ impl State {
 pub struct Server {
     pub engine: Arc<engine::Engine>,
     pub cpus: String,
+    /// Reactors from `--cpus` (shared by devices); `dedicated` placement adds more.
+    base_reactors: usize,
     state: Mutex<State>,
 }
+
+/// Most reactors `vhost_user_blk_add` may bring the engine to with `dedicated`
+/// placement (reactor threads live until shutdown, so repeated adds must not grow
+/// them without bound).
+pub const MAX_REACTORS: usize = 256;
 
 impl Server {
     /// Starts the configured controllers on a running engine. On error everything
@@ -141,6 +148,7 @@ impl Server {
         let server = Arc::new(Server {
             engine,
             cpus: cfg.cpus.clone(),
+            base_reactors,
             state: Mutex::new(State {
                 devices: Vec::new(),
                 backends,
@@ -162,19 +170,53 @@ impl Server {
                 }
             }
         }
-        for (i, (c, disk)) in cfg.vhost_user_blk.iter().zip(disks).enumerate() {
-            match crate::vhost_device::start(c, disk, i, &server.engine, base_reactors) {
-                Ok(dev) => server.lock().devices.push(Device::VhostBlk(VhostBlkDevice {
-                    cfg: c.clone(),
-                    dev,
-                })),
-                Err(e) => {
-                    server.stop_devices();
-                    return Err(e);
-                }
+        for (c, disk) in cfg.vhost_user_blk.iter().zip(disks) {
+            let mut st = server.lock();
+            if let Err(e) = server.start_vhost_blk(&mut st, c, disk) {
+                drop(st);
+                server.stop_devices();
+                return Err(e);
             }
         }
         Ok(server)
+    }
+
+    /// Starts a vhost-user-blk device on its opened disk (the one path for
+    /// configured devices and `vhost_user_blk_add`).
+    fn start_vhost_blk(
+        &self,
+        st: &mut State,
+        cfg: &VhostBlkConfig,
+        disk: Arc<bdev::QosDisk>,
+    ) -> Result<()> {
+        // Devices so far: round-robin starts each device's queues on a further reactor.
+        let index = st
+            .devices
+            .iter()
+            .filter(|d| matches!(d, Device::VhostBlk(_)))
+            .count();
+        let dev = crate::vhost_device::start(cfg, disk, index, &self.engine, self.base_reactors)?;
+        st.devices.push(Device::VhostBlk(VhostBlkDevice {
+            cfg: cfg.clone(),
+            dev,
+        }));
+        Ok(())
+    }
+
+    /// Opens the disk and starts a vhost-user-blk device; the socket must be new.
+    pub fn add_vhost_blk(&self, cfg: VhostBlkConfig) -> Result<()> {
+        crate::vhost_device::validate(std::slice::from_ref(&cfg), &mut Default::default())?;
+        let mut st = self.lock();
+        if st.find(&cfg.socket).is_some() {
+            bail!("socket {} already has a device", cfg.socket.display());
+        }
+        self.check_reactor_budget(&cfg)?;
+        let disk = st.backends.open(&cfg.disk, &cfg.socket, 1)?;
+        if let Err(e) = self.start_vhost_blk(&mut st, &cfg, disk) {
+            st.backends.release_all(&cfg.socket);
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// The control-plane lock. Never held by reactors.
@@ -224,10 +266,26 @@ impl Server {
     /// Stops the device on `socket`. A connected client makes this an error unless
     /// `force` (the client then loses the device as if unplugged).
     pub fn remove_device(&self, socket: &Path, force: bool) -> Result<()> {
+        self.remove_device_of(socket, None, force)
+    }
+
+    /// [`Self::remove_device`] that refuses devices of another kind than `kind`
+    /// (`Device::kind`), naming the method that removes them.
+    pub fn remove_device_of(&self, socket: &Path, kind: Option<&str>, force: bool) -> Result<()> {
         let mut st = self.lock();
         let Some(at) = st.position(socket) else {
             return Err(st.not_found(socket));
         };
+        if let Some(k) = kind.filter(|k| *k != st.devices[at].kind()) {
+            let (is, method) = match &st.devices[at] {
+                Device::Nvme(_) => ("an NVMe controller", "nvme_remove_controller"),
+                Device::VhostBlk(_) => ("a vhost-user-blk device", "vhost_user_blk_remove"),
+            };
+            bail!(
+                "{} is {is}, not a {k} device; remove it with {method}",
+                socket.display()
+            );
+        }
         if st.devices[at].connected() && !force {
             bail!(
                 "device {} has a connected client; disconnect it first or pass \"force\": true",
@@ -310,17 +368,78 @@ impl Server {
         f(ns)
     }
 
+    /// How the queues of the vhost-user-blk device on `socket` wait for work
+    /// (`busy`, `adaptive`, `event`), applied while they run.
+    pub fn set_poll_mode(&self, socket: &Path, mode: engine::PollMode, name: &str) -> Result<()> {
+        let mut st = self.lock();
+        let Some(at) = st.position(socket) else {
+            return Err(st.not_found(socket));
+        };
+        match &mut st.devices[at] {
+            Device::Nvme(_) => bail!(
+                "{} is an NVMe controller: its queues are always busy-polled; \
+                 set_poll_mode applies to vhost-user-blk devices",
+                socket.display()
+            ),
+            Device::VhostBlk(v) => {
+                v.dev.set_poll_mode(mode);
+                v.cfg.poll = name.to_string();
+                Ok(())
+            }
+        }
+    }
+
     pub fn set_placement(&self, socket: &Path, placement: &str) -> Result<()> {
         let mut st = self.lock();
-        if let Some(Device::VhostBlk(v)) = st.find(socket) {
+        let Some(at) = st.position(socket) else {
+            return Err(st.not_found(socket));
+        };
+        let index = st.devices[..at]
+            .iter()
+            .filter(|d| matches!(d, Device::VhostBlk(_)))
+            .count();
+        match &mut st.devices[at] {
+            Device::Nvme(dev) => {
+                if matches!(placement.parse(), Ok(engine::Placement::Dedicated)) {
+                    bail!(
+                        "placement `dedicated` is available for vhost-user-blk devices only; \
+                         use round-robin or single for NVMe controller {}",
+                        socket.display()
+                    );
+                }
+                dev.set_placement(placement, &self.engine)
+            }
+            Device::VhostBlk(v) => {
+                let mut cfg = v.cfg.clone();
+                cfg.placement = placement.to_string();
+                self.check_reactor_budget(&cfg)?;
+                let reactors = crate::vhost_device::reactors_for(
+                    &cfg,
+                    index,
+                    &self.engine,
+                    self.base_reactors,
+                )?;
+                v.dev
+                    .move_queues(&reactors)
+                    .with_context(|| format!("cannot move the queues of {}", socket.display()))?;
+                v.cfg = cfg;
+                Ok(())
+            }
+        }
+    }
+
+    /// Refuses `dedicated` placement that would grow the engine past [`MAX_REACTORS`].
+    fn check_reactor_budget(&self, cfg: &VhostBlkConfig) -> Result<()> {
+        if matches!(cfg.placement.parse(), Ok(engine::Placement::Dedicated))
+            && self.engine.num_reactors() + usize::from(cfg.queues) > MAX_REACTORS
+        {
             bail!(
-                "the placement of vhost-user-blk device {} is fixed when it starts ({}); \
-                 change `placement` in its configuration and restart the server",
-                socket.display(),
-                v.cfg.placement
+                "dedicated placement would need {} more reactors and the server has {} of at most {MAX_REACTORS} \
+                 (reactor threads stay until shutdown); use round-robin or single",
+                cfg.queues,
+                self.engine.num_reactors()
             );
         }
-        let dev = st.nvme_mut(socket)?;
-        dev.set_placement(placement, &self.engine)
+        Ok(())
     }
 }

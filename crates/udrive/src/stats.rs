@@ -2,22 +2,102 @@
 //! methods: small functions over the running devices and the engine, so the RPC
 //! layer only parses parameters and serializes the results.
 
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use trace::{Breakdown, DeviceStats, ReactorSnapshot, StatsSnapshot};
+use trace::{Breakdown, DeviceStats, QueueSnapshot, ReactorSnapshot, StatsSnapshot};
 
 use crate::device::NvmeDevice;
+use crate::server::Device;
+use crate::vhost_device::VhostBlkDevice;
 
 /// How long a stats or trace read waits for busy reactors to answer.
 pub const READ_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// A device whose queues keep counters and trace data (NVMe controllers,
+/// vhost-user-blk devices).
+pub trait Traced {
+    fn socket(&self) -> &Path;
+    /// `nvme` or `vhost-user-blk`.
+    fn kind(&self) -> &'static str;
+    /// Every queue's snapshot; queues that do not answer within `timeout` are left out.
+    fn queue_stats(&self, timeout: Duration) -> Vec<QueueSnapshot>;
+    /// Starts a trace (dropping the previous one's layer data); returns once the
+    /// queues applied it.
+    fn trace_start(&self, sample_every: u32, timeout: Duration);
+    fn trace_stop(&self, timeout: Duration);
+}
+
+impl Traced for NvmeDevice {
+    fn socket(&self) -> &Path {
+        &self.socket
+    }
+    fn kind(&self) -> &'static str {
+        "nvme"
+    }
+    fn queue_stats(&self, timeout: Duration) -> Vec<QueueSnapshot> {
+        self.ctrl.queue_stats(timeout)
+    }
+    fn trace_start(&self, sample_every: u32, timeout: Duration) {
+        self.ctrl.trace_start(sample_every, timeout);
+    }
+    fn trace_stop(&self, timeout: Duration) {
+        self.ctrl.trace_stop(timeout);
+    }
+}
+
+impl Traced for VhostBlkDevice {
+    fn socket(&self) -> &Path {
+        &self.cfg.socket
+    }
+    fn kind(&self) -> &'static str {
+        "vhost-user-blk"
+    }
+    fn queue_stats(&self, timeout: Duration) -> Vec<QueueSnapshot> {
+        self.dev.queue_stats(timeout)
+    }
+    fn trace_start(&self, sample_every: u32, timeout: Duration) {
+        self.dev.trace_start(sample_every, timeout);
+    }
+    fn trace_stop(&self, timeout: Duration) {
+        self.dev.trace_stop(timeout);
+    }
+}
+
+impl Traced for Device {
+    fn socket(&self) -> &Path {
+        self.as_traced().socket()
+    }
+    fn kind(&self) -> &'static str {
+        self.as_traced().kind()
+    }
+    fn queue_stats(&self, timeout: Duration) -> Vec<QueueSnapshot> {
+        self.as_traced().queue_stats(timeout)
+    }
+    fn trace_start(&self, sample_every: u32, timeout: Duration) {
+        self.as_traced().trace_start(sample_every, timeout);
+    }
+    fn trace_stop(&self, timeout: Duration) {
+        self.as_traced().trace_stop(timeout);
+    }
+}
+
+impl Device {
+    fn as_traced(&self) -> &dyn Traced {
+        match self {
+            Device::Nvme(d) => d,
+            Device::VhostBlk(d) => d,
+        }
+    }
+}
+
 /// The name a device has in stats and metrics: its socket's file stem.
-pub fn device_name(d: &NvmeDevice) -> String {
-    d.socket
-        .file_stem()
+pub fn device_name<D: Traced + ?Sized>(d: &D) -> String {
+    let s = d.socket();
+    s.file_stem()
         .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| d.socket.display().to_string())
+        .unwrap_or_else(|| s.display().to_string())
 }
 
 /// Counters of every reactor of `engine`.
@@ -36,21 +116,21 @@ pub fn reactors(engine: &engine::Engine) -> Vec<ReactorSnapshot> {
 }
 
 /// One device's queues.
-pub fn device_stats(d: &NvmeDevice, timeout: Duration) -> DeviceStats {
+pub fn device_stats<D: Traced + ?Sized>(d: &D, timeout: Duration) -> DeviceStats {
     DeviceStats {
         name: device_name(d),
-        kind: "nvme".into(),
-        queues: d.ctrl.queue_stats(timeout),
+        kind: d.kind().into(),
+        queues: d.queue_stats(timeout),
     }
 }
 
 /// `get_stats`: every device and reactor. Render with [`trace::render_prometheus`]
 /// for `udrive metrics` and the HTTP endpoint.
-pub fn get_stats(devices: &[&NvmeDevice], engine: &engine::Engine) -> StatsSnapshot {
+pub fn get_stats<D: Traced + ?Sized>(devices: &[&D], engine: &engine::Engine) -> StatsSnapshot {
     StatsSnapshot {
         devices: devices
             .iter()
-            .map(|d| device_stats(d, READ_TIMEOUT))
+            .map(|d| device_stats(*d, READ_TIMEOUT))
             .collect(),
         reactors: reactors(engine),
     }
@@ -58,24 +138,24 @@ pub fn get_stats(devices: &[&NvmeDevice], engine: &engine::Engine) -> StatsSnaps
 
 /// `trace_start`: traces one request in `sample_every` (1: all) on `devices`,
 /// dropping the layer data of an earlier trace. Returns once the queues apply it.
-pub fn trace_start(devices: &[&NvmeDevice], sample_every: u32) {
+pub fn trace_start<D: Traced + ?Sized>(devices: &[&D], sample_every: u32) {
     for d in devices {
-        d.ctrl.trace_start(sample_every, READ_TIMEOUT);
+        d.trace_start(sample_every, READ_TIMEOUT);
     }
 }
 
 /// `trace_stop`: stops tracing; the data stays readable.
-pub fn trace_stop(devices: &[&NvmeDevice]) {
+pub fn trace_stop<D: Traced + ?Sized>(devices: &[&D]) {
     for d in devices {
-        d.ctrl.trace_stop(READ_TIMEOUT);
+        d.trace_stop(READ_TIMEOUT);
     }
 }
 
 /// `trace_read`: the layer table over all queues and namespaces of `devices`.
-pub fn trace_read(devices: &[&NvmeDevice]) -> Breakdown {
+pub fn trace_read<D: Traced + ?Sized>(devices: &[&D]) -> Breakdown {
     let queues: Vec<_> = devices
         .iter()
-        .flat_map(|d| d.ctrl.queue_stats(READ_TIMEOUT))
+        .flat_map(|d| d.queue_stats(READ_TIMEOUT))
         .collect();
     Breakdown::from_queues(&queues)
 }

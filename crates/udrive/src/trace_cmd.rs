@@ -60,12 +60,9 @@ pub fn run(a: TraceArgs) -> Result<()> {
     start["sample"] = json!(a.sample);
     let started = rpc(&a.rpc, "trace_start", start)?;
     let traced = started["devices"].as_array().map_or(0, Vec::len);
-    if let Some(s) = started["skipped"].as_array().filter(|s| !s.is_empty()) {
-        eprintln!("udrive trace: skipping devices without tracing (vhost-user-blk): {s:?}");
-    }
     if traced == 0 {
         let _ = rpc(&a.rpc, "trace_stop", device_params(a.device.as_deref()));
-        bail!("the server has no device that can be traced (NVMe controllers only for now)");
+        bail!("the server has no device to trace (add one with nvme_add_controller or vhost_user_blk_add)");
     }
     let total = Duration::from_secs_f64(a.time);
     let began = Instant::now();

@@ -116,7 +116,7 @@ pub fn validate(devs: &[VhostBlkConfig], sockets: &mut HashSet<PathBuf>) -> Resu
 
 /// Reactors for each queue of one device. `base` is the number of shared reactors
 /// (from `--cpus`); `dedicated` adds reactors of the device's own.
-fn reactors_for(
+pub fn reactors_for(
     cfg: &VhostBlkConfig,
     index: usize,
     engine: &Engine,
@@ -161,6 +161,9 @@ pub fn start(
     engine: &Arc<Engine>,
     base_reactors: usize,
 ) -> Result<VhostUserBlk> {
+    // Never unlink a live socket or another file: only what a dead process left.
+    vfio_user::sock::clear_stale_socket(&cfg.socket)
+        .with_context(|| format!("cannot listen for {}", cfg.what()))?;
     let reactors = reactors_for(cfg, index, engine, base_reactors)?;
     let opts = BlkDeviceOptions {
         device: DeviceOptions {

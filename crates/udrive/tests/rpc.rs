@@ -241,6 +241,9 @@ fn every_method_over_the_socket() {
         "set_qos",
         "clear_qos",
         "set_placement",
+        "set_poll_mode",
+        "vhost_user_blk_add",
+        "vhost_user_blk_remove",
         "get_stats",
         "get_metrics",
     ] {
@@ -942,11 +945,18 @@ fn udrive_trace_and_perf_trace_over_the_socket() {
 }
 
 #[test]
-fn vhost_user_blk_devices_are_listed_and_skipped_by_trace() {
+fn vhost_user_blk_devices_have_stats_and_traces() {
     let vdir = tempfile::tempdir().unwrap();
     let v = vdir.path().join("v.sock");
     let vs = v.to_str().unwrap().to_string();
-    let s = Serve::start(&["--vhost-user-blk", &vs, "--disk", "ram:16M"]);
+    let s = Serve::start(&[
+        "--vhost-user-blk",
+        &vs,
+        "--disk",
+        "ram:16M",
+        "--queues",
+        "2",
+    ]);
     let a = s.nvme.to_str().unwrap().to_string();
     let st = s.ok("get_stats", json!({}));
     let kinds: Vec<&str> = st["devices"]
@@ -958,27 +968,377 @@ fn vhost_user_blk_devices_are_listed_and_skipped_by_trace() {
     assert_eq!(kinds, ["nvme", "vhost-user-blk"]);
     let st = s.ok("get_stats", json!({"socket": vs}));
     assert_eq!(st["devices"][0]["name"], "v");
-    assert_eq!(st["devices"][0]["queues"], json!([]));
+    let queues: Vec<u64> = st["devices"][0]["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["queue"].as_u64().unwrap())
+        .collect();
+    assert_eq!(queues, [0, 1]);
 
     let r = s.ok("trace_start", json!({}));
-    assert_eq!(r["devices"], json!([a]));
-    assert_eq!(r["skipped"], json!([vs]));
-    let r = s.ok("trace_start", json!({"socket": vs}));
-    assert_eq!(
-        (r["devices"].clone(), r["skipped"].clone()),
-        (json!([]), json!([vs]))
-    );
+    assert_eq!(r["devices"], json!([a, vs]));
+    let r = s.ok("trace_start", json!({"socket": vs, "sample": 1}));
+    assert_eq!(r["devices"], json!([vs]));
+    // I/O through libblkio while the trace runs.
+    let t = udrive::blkio_target::BlkioTarget::connect(&v, 1, 4, 4096).expect("libblkio");
+    let cfg = initiator::workload::WorkloadConfig {
+        rw: initiator::workload::Rw::RandRw { read_pct: 50 },
+        qd: 4,
+        time: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let rep = initiator::workload::run(&t, &cfg).expect("workload");
+    drop(t);
     s.ok("trace_stop", json!({"socket": vs}));
     let b = s.ok("trace_read", json!({"socket": vs}));
-    assert_eq!(b["ops"], json!([]));
+    let b: trace::Breakdown = serde_json::from_value(b).unwrap();
+    let reads = b
+        .op("read")
+        .and_then(|o| o.row("total"))
+        .expect("read total");
+    assert!(reads.count >= rep.reads, "{b}");
+    assert!(
+        b.op("write").and_then(|o| o.row("backend")).is_some(),
+        "{b}"
+    );
 
+    // `udrive trace` on the vhost-user-blk device while libblkio runs I/O.
+    let (out, rep) = std::thread::scope(|sc| {
+        let io = sc.spawn(|| blkio_io(&v, 2));
+        let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+            .args(["trace", "--time", "0.3", "--json", "--device"])
+            .arg(&v)
+            .arg("--rpc")
+            .arg(&s.rpc)
+            .output()
+            .unwrap();
+        (out, io.join().unwrap())
+    });
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let b: trace::Breakdown = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        b.op("write")
+            .is_some_and(|o| o.row("queue").unwrap().count > 0),
+        "{b} ({} I/Os)",
+        rep.ios
+    );
+
+    let text = s.ok("get_metrics", json!({}));
+    let text = text.as_str().unwrap();
+    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
+        .expect("get_metrics is Prometheus text");
+    assert!(
+        text.contains("udrive_io_ops_total{device=\"v\",namespace=\"1\",queue=\"0\",op=\"read\"}"),
+        "{text}"
+    );
+}
+
+/// Verified random I/O through libblkio on a vhost-user-blk socket.
+fn blkio_io(sock: &Path, jobs: u32) -> initiator::workload::Report {
+    let t = udrive::blkio_target::BlkioTarget::connect(sock, jobs, 4, 4096).expect("libblkio");
+    let cfg = initiator::workload::WorkloadConfig {
+        rw: initiator::workload::Rw::RandRw { read_pct: 50 },
+        qd: 4,
+        jobs,
+        verify: true,
+        time: Duration::from_millis(600),
+        ..Default::default()
+    };
+    let r = initiator::workload::run(&t, &cfg).expect("workload");
+    assert!(r.ios > 0);
+    assert_eq!((r.errors, r.verify_errors), (0, 0));
+    r
+}
+
+/// The server notices a client's disconnect on its own thread.
+fn wait_disconnected(s: &Serve, v: &Path) {
+    let until = Instant::now() + T;
+    while s.ok("get_devices", json!({"socket": v}))[0]["connected"] != false {
+        assert!(Instant::now() < until, "disconnect not seen");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn vhost_user_blk_add_and_remove() {
+    let s = Serve::start(&[]);
+    let v = s.path("v.sock");
+    let added = s.ok(
+        "vhost_user_blk_add",
+        json!({"socket": v, "disk": "ram:16M", "queues": 2, "poll_mode": "event", "serial": "vm-v"}),
+    );
+    assert_eq!(added["kind"], "vhost-user-blk");
+    assert_eq!(added["config"]["queues"], 2);
+    assert_eq!(added["config"]["poll"], "event");
+    assert_eq!(added["config"]["read_only"], false);
+    assert!(v.exists());
+    let d = s.ok("get_devices", json!({}));
+    assert_eq!(d.as_array().unwrap().len(), 2);
+    blkio_io(&v, 2);
+    // The queues count what went through them.
+    let st = s.ok("get_stats", json!({"socket": v}));
+    assert!(ns_sum(&st, 0, "ops", "read") > 0);
+
+    // In use: refused unless forced.
+    let in_use = udrive::blkio_target::BlkioTarget::connect(&v, 1, 4, 4096).expect("libblkio");
+    assert_eq!(
+        s.ok("get_devices", json!({"socket": v}))[0]["connected"],
+        true
+    );
+    s.err(
+        "vhost_user_blk_remove",
+        json!({"socket": v}),
+        -32000,
+        "connected client",
+    );
+    s.ok("vhost_user_blk_remove", json!({"socket": v, "force": true}));
+    assert!(!v.exists());
+    drop(in_use);
+    s.err("get_devices", json!({"socket": v}), -32000, "no device");
+
+    // The socket and the disk's file range are free again.
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("d.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let spec = format!("file:{},size=4M", img.display());
+    s.ok("vhost_user_blk_add", json!({"socket": v, "disk": spec}));
+    blkio_io(&v, 1);
+    wait_disconnected(&s, &v);
+    s.ok("vhost_user_blk_remove", json!({"socket": v}));
+    s.ok(
+        "vhost_user_blk_add",
+        json!({"socket": v, "disk": spec, "read_only": true}),
+    );
+    assert_eq!(
+        s.ok("get_devices", json!({"socket": v}))[0]["config"]["read_only"],
+        true
+    );
+    // libblkio refuses a read-write session on a read-only device.
+    assert!(udrive::blkio_target::BlkioTarget::connect(&v, 1, 4, 4096).is_err());
+    wait_disconnected(&s, &v);
+    s.ok("vhost_user_blk_remove", json!({"socket": v}));
+    // The NVMe controller was never affected.
+    let other = NvmeDriver::connect(&s.nvme, opts()).unwrap();
+    verified_io(&other, 1, 5);
+}
+
+#[test]
+fn vhost_user_blk_add_hostile_params() {
+    let s = Serve::start(&[]);
+    let v = s.path("v.sock");
+    let dir = tempfile::tempdir().unwrap();
+    let add = |p: Value, code: i64, want: &str| s.err("vhost_user_blk_add", p, code, want);
+    add(json!({"socket": v}), -32602, "disk");
+    add(
+        json!({"socket": v, "disk": "ram:1M", "colour": 1}),
+        -32602,
+        "unknown field",
+    );
+    add(json!({"socket": v, "disk": 5}), -32602, "invalid type");
+    add(
+        json!({"socket": v, "disk": "disk:1G"}),
+        -32602,
+        "unknown kind",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "queues": 0}),
+        -32602,
+        "queues must be",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "queues": 70000}),
+        -32602,
+        "invalid value",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "queues": -1}),
+        -32602,
+        "invalid value",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "queue_size": 100}),
+        -32602,
+        "power of two",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "placement": "everywhere"}),
+        -32602,
+        "placement",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "poll_mode": "sometimes"}),
+        -32602,
+        "sometimes",
+    );
+    add(
+        json!({"socket": v, "disk": "ram:1M", "cpus": "0-"}),
+        -32602,
+        "cpus",
+    );
+    add(
+        json!({"socket": dir.path().join("no/such/dir.sock"), "disk": "ram:1M"}),
+        -32602,
+        "does not exist",
+    );
+    add(
+        json!({"socket": v, "disk": format!("file:{}", dir.path().join("missing.img").display())}),
+        -32000,
+        "does not exist",
+    );
+    // Sockets that are taken: a device's, another process's file.
+    add(
+        json!({"socket": s.nvme, "disk": "ram:1M"}),
+        -32000,
+        "already has a device",
+    );
+    let precious = dir.path().join("precious.txt");
+    std::fs::write(&precious, b"keep me").unwrap();
+    add(
+        json!({"socket": precious, "disk": "ram:1M"}),
+        -32000,
+        "not a socket",
+    );
+    assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
+    // Removing: wrong kind, unknown socket, bad params.
+    s.err(
+        "vhost_user_blk_remove",
+        json!({"socket": s.nvme}),
+        -32000,
+        "nvme_remove_controller",
+    );
+    s.err(
+        "vhost_user_blk_remove",
+        json!({"socket": v}),
+        -32000,
+        "no device",
+    );
+    s.err("vhost_user_blk_remove", json!({}), -32602, "socket");
+    s.err(
+        "vhost_user_blk_remove",
+        json!({"socket": v, "force": "yes"}),
+        -32602,
+        "invalid type",
+    );
+    // Nothing was left behind, and the server still works.
+    assert!(!v.exists());
+    assert_eq!(s.ok("get_devices", json!({})).as_array().unwrap().len(), 1);
+    s.ok("vhost_user_blk_add", json!({"socket": v, "disk": "ram:1M"}));
+    blkio_io(&v, 1);
+}
+
+#[test]
+fn set_poll_mode_and_placement_while_libblkio_runs() {
+    let s = Serve::start(&[]);
+    let v = s.path("v.sock");
+    let added = s.ok(
+        "vhost_user_blk_add",
+        json!({"socket": v, "disk": "ram:16M", "queues": 2}),
+    );
+    assert_eq!(added["state"]["poll_mode"], "busy");
+    let r = std::thread::scope(|sc| {
+        let io = sc.spawn(|| {
+            let t = udrive::blkio_target::BlkioTarget::connect(&v, 2, 4, 4096).expect("libblkio");
+            let cfg = initiator::workload::WorkloadConfig {
+                rw: initiator::workload::Rw::RandRw { read_pct: 50 },
+                qd: 4,
+                jobs: 2,
+                verify: true,
+                time: Duration::from_millis(1000),
+                ..Default::default()
+            };
+            initiator::workload::run(&t, &cfg).expect("workload")
+        });
+        let placements = [
+            "dedicated",
+            "single",
+            "round-robin",
+            "dedicated",
+            "single",
+            "single",
+        ];
+        for (mode, placement) in ["event", "adaptive", "busy", "event", "busy", "adaptive"]
+            .into_iter()
+            .zip(placements)
+        {
+            std::thread::sleep(Duration::from_millis(120));
+            assert_eq!(
+                s.ok("set_poll_mode", json!({"socket": v, "mode": mode})),
+                true
+            );
+            s.ok(
+                "set_placement",
+                json!({"socket": v, "placement": placement}),
+            );
+            let d = s.ok("get_devices", json!({"socket": v}));
+            assert_eq!(d[0]["state"]["poll_mode"], mode);
+            assert_eq!(d[0]["config"]["poll"], mode);
+            assert_eq!(d[0]["config"]["placement"], placement);
+            let on: Vec<u64> = d[0]["state"]["queue_reactors"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r.as_u64().unwrap())
+                .collect();
+            // One shared reactor (--cpus 0): everything but dedicated is on reactor 0.
+            assert_eq!(
+                on.iter().all(|r| *r >= 1),
+                placement == "dedicated",
+                "{placement}: {on:?}"
+            );
+        }
+        io.join().unwrap()
+    });
+    assert!(r.ios > 0);
+    assert_eq!((r.errors, r.verify_errors), (0, 0));
+    // NVMe controllers, bad modes and sockets get clear errors.
+    s.err(
+        "set_poll_mode",
+        json!({"socket": s.nvme, "mode": "event"}),
+        -32000,
+        "always busy-polled",
+    );
     s.err(
         "set_placement",
-        json!({"socket": vs, "placement": "single"}),
+        json!({"socket": s.nvme, "placement": "dedicated"}),
         -32000,
-        "fixed when it starts",
+        "vhost-user-blk devices only",
     );
-    let text = s.ok("get_metrics", json!({}));
-    prometheus_parse::Scrape::parse(text.as_str().unwrap().lines().map(|l| Ok(l.to_string())))
-        .expect("get_metrics is Prometheus text");
+    s.err(
+        "set_placement",
+        json!({"socket": v, "placement": "everywhere"}),
+        -32602,
+        "placement",
+    );
+    s.err(
+        "set_poll_mode",
+        json!({"socket": v, "mode": "lazy"}),
+        -32602,
+        "unknown poll mode",
+    );
+    s.err(
+        "set_poll_mode",
+        json!({"socket": v, "mode": 1}),
+        -32602,
+        "invalid type",
+    );
+    s.err("set_poll_mode", json!({"socket": v}), -32602, "mode");
+    s.err(
+        "set_poll_mode",
+        json!({"socket": s.path("none.sock"), "mode": "busy"}),
+        -32000,
+        "no device",
+    );
+    assert_eq!(
+        s.ok("get_devices", json!({"socket": v}))[0]["state"]["poll_mode"],
+        "adaptive"
+    );
+    blkio_io(&v, 2);
 }

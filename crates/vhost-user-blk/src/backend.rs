@@ -2,11 +2,12 @@
 //! hands the vrings of each connection to the queue pollers.
 
 use std::io;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use engine::Waker;
+use arc_swap::ArcSwap;
+use engine::{PollMode, Waker};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringMutex, VringT};
 use virtio_blk::{BlkConfig, Mem};
@@ -36,14 +37,16 @@ pub(crate) struct QueueCtl {
     pub in_flight: AtomicUsize,
     /// Counts GET_VRING_BASE stops, so the poller can start afresh afterwards.
     pub stops: AtomicU64,
-    pub waker: Waker,
+    /// Wakes the reactor that polls this queue; replaced when the queue moves to
+    /// another reactor (`set_placement`). Read by the kick thread with one load.
+    pub waker: ArcSwap<Waker>,
 }
 
 impl QueueCtl {
     pub fn attach(&self, conn: Option<Arc<Conn>>) {
         *self.conn.lock().unwrap_or_else(|e| e.into_inner()) = conn;
         self.gen.fetch_add(1, Ordering::AcqRel);
-        self.waker.wake();
+        self.waker.load().wake();
     }
 
     /// Waits until the poller has no request in flight (or `limit` passes).
@@ -53,7 +56,7 @@ impl QueueCtl {
             if Instant::now() > until {
                 return false;
             }
-            self.waker.wake();
+            self.waker.load().wake();
             std::thread::sleep(Duration::from_micros(200));
         }
         true
@@ -63,6 +66,28 @@ impl QueueCtl {
 pub(crate) struct Shared {
     pub cfg: Arc<BlkConfig>,
     pub queues: Vec<QueueCtl>,
+    /// The device's poll mode ([`PollMode`] as `u8`); pollers read it when their
+    /// reactor asks how long to spin, so changing it takes no lock anywhere.
+    pub poll: AtomicU8,
+}
+
+impl Shared {
+    pub fn poll_mode(&self) -> PollMode {
+        match self.poll.load(Ordering::Relaxed) {
+            1 => PollMode::Adaptive,
+            2 => PollMode::Event,
+            _ => PollMode::Busy,
+        }
+    }
+
+    pub fn set_poll_mode(&self, mode: PollMode) {
+        let v = match mode {
+            PollMode::Busy => 0,
+            PollMode::Adaptive => 1,
+            PollMode::Event => 2,
+        };
+        self.poll.store(v, Ordering::Relaxed);
+    }
 }
 
 /// How long GET_VRING_BASE waits for in-flight requests before answering anyway.
@@ -163,7 +188,7 @@ impl VhostUserBackend for BlkBackend {
     ) -> io::Result<()> {
         self.install_vrings(vrings);
         if let Some(q) = self.shared.queues.get(usize::from(device_event)) {
-            q.waker.wake();
+            q.waker.load().wake();
         }
         Ok(())
     }

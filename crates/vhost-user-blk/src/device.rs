@@ -3,13 +3,15 @@
 use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use bdev::BlockDevice;
 use engine::{Engine, PollMode, PollerId};
+use trace::{Mailbox, TraceControl};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use virtio_blk::{BlkConfig, DeviceOptions, Mem, QueueWorker};
@@ -33,6 +35,11 @@ pub struct VhostUserBlk {
     conn_handle: Arc<Mutex<Option<ShutdownHandle>>>,
     thread: Option<JoinHandle<()>>,
     connections: Arc<AtomicU64>,
+    /// Trace switch of all the device's virtqueues.
+    pub(crate) trace: Arc<TraceControl>,
+    /// Per virtqueue, in queue order: where its poller leaves snapshots.
+    pub(crate) mailboxes: Vec<Arc<Mailbox>>,
+    pub(crate) shared: Arc<Shared>,
 }
 
 /// How long a disconnect waits for in-flight requests before letting a new front
@@ -68,17 +75,26 @@ impl VhostUserBlk {
                 gen: AtomicU64::new(0),
                 in_flight: AtomicUsize::new(0),
                 stops: AtomicU64::new(0),
-                waker,
+                waker: ArcSwap::from_pointee(waker),
             });
         }
-        let shared = Arc::new(Shared { cfg, queues });
+        let shared = Arc::new(Shared {
+            cfg,
+            queues,
+            poll: AtomicU8::new(0),
+        });
+        shared.set_poll_mode(opts.poll);
         let mut listener = Listener::new(socket, true)
             .map_err(|e| io::Error::other(format!("cannot listen on {}: {e}", socket.display())))?;
 
+        let trace = Arc::new(TraceControl::default());
+        let mut mailboxes = Vec::with_capacity(nq);
         let mut pollers = Vec::with_capacity(nq);
         for i in 0..nq {
-            let worker = QueueWorker::new(shared.cfg.clone(), disk.channel()?);
-            let p = VirtqPoller::new(i, shared.clone(), worker, opts.poll);
+            let worker =
+                QueueWorker::traced(shared.cfg.clone(), disk.channel()?, i as u16, trace.clone());
+            mailboxes.push(worker.mailbox());
+            let p = VirtqPoller::new(i, shared.clone(), worker);
             let r = reactors[i % reactors.len()];
             match engine.add_poller(r, Box::new(p)) {
                 Ok(id) => pollers.push(id),
@@ -100,9 +116,10 @@ impl VhostUserBlk {
             connections.clone(),
             socket.to_path_buf(),
         );
+        let shared2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name("vhost-blk".into())
-            .spawn(move || serve(&mut listener, shared, &stop2, &handle2, &count2, &sock2))?;
+            .spawn(move || serve(&mut listener, shared2, &stop2, &handle2, &count2, &sock2))?;
         Ok(VhostUserBlk {
             socket: socket.to_path_buf(),
             engine: engine.clone(),
@@ -111,12 +128,84 @@ impl VhostUserBlk {
             conn_handle,
             thread: Some(thread),
             connections,
+            trace,
+            mailboxes,
+            shared,
         })
     }
 
     /// Whether a front end is connected now.
     pub fn connected(&self) -> bool {
         lock(&self.conn_handle).is_some()
+    }
+
+    /// How the device's queues wait for work now.
+    pub fn poll_mode(&self) -> PollMode {
+        self.shared.poll_mode()
+    }
+
+    /// Changes how the queues wait for work, while they run: the pollers report
+    /// the new mode the next time their reactor asks (on a message, and every few
+    /// thousand iterations); sleeping reactors are woken so they ask now. Busy
+    /// pollers turn guest notifications off again at their next poll.
+    pub fn set_poll_mode(&self, mode: PollMode) {
+        self.shared.set_poll_mode(mode);
+        for q in &self.shared.queues {
+            q.waker.load().wake();
+        }
+    }
+
+    /// Moves virtqueue `i`'s poller to reactor `reactors[i % reactors.len()]`, while
+    /// the device runs: each poller is taken off its reactor between two polls
+    /// (with its requests in flight, which complete on the new one), its kicks are
+    /// pointed at the new reactor, and it is handed over. Checks every reactor
+    /// first; on an error nothing has moved unless the engine is shutting down.
+    pub fn move_queues(&mut self, reactors: &[usize]) -> io::Result<()> {
+        if reactors.is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "no reactor to move the queues to",
+            ));
+        }
+        let mut wakers = Vec::with_capacity(self.pollers.len());
+        for i in 0..self.pollers.len() {
+            let r = reactors[i % reactors.len()];
+            let w = self.engine.waker(r).ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, format!("no reactor {r}"))
+            })?;
+            wakers.push((r, w));
+        }
+        for (i, (r, w)) in wakers.into_iter().enumerate() {
+            let id = self.pollers[i];
+            if id.reactor == r {
+                continue;
+            }
+            let p = self
+                .engine
+                .remove_poller(id)
+                .map_err(|e| io::Error::other(e.to_string()))?
+                .ok_or_else(|| {
+                    io::Error::other(format!("queue {i} is not on reactor {}", id.reactor))
+                })?;
+            // A kick in between wakes the old reactor; the new one checks the ring
+            // on its first poll.
+            self.shared.queues[i].waker.store(Arc::new(w));
+            self.pollers[i] = self
+                .engine
+                .add_poller(r, p)
+                .map_err(|e| io::Error::other(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// The reactor of each virtqueue's poller, in queue order.
+    pub fn queue_reactors(&self) -> Vec<usize> {
+        self.pollers.iter().map(|p| p.reactor).collect()
+    }
+
+    /// Virtqueues the device offers.
+    pub fn num_queues(&self) -> usize {
+        self.mailboxes.len()
     }
 
     /// Front ends that have connected so far.

@@ -12,7 +12,8 @@ mod device;
 mod inflight;
 mod poller;
 mod proxy;
+mod stats;
 
 pub use device::{BlkDeviceOptions, VhostUserBlk};
 pub use engine::PollMode;
-pub use virtio_blk::DeviceOptions;
+pub use virtio_blk::{DeviceOptions, DISK_NSID};

@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use engine::{PollMode, Poller};
+use engine::Poller;
 use vhost_user_backend::{VringStateMutGuard, VringT};
 use virtio_blk::{Mem, QueueWorker};
 use virtio_queue::QueueT;
@@ -16,7 +16,6 @@ pub(crate) struct VirtqPoller {
     pub index: usize,
     pub shared: Arc<Shared>,
     pub worker: QueueWorker,
-    pub mode: PollMode,
     gen: u64,
     conn: Option<(Arc<Conn>, Vring)>,
     mem: Arc<Mem>,
@@ -30,12 +29,11 @@ pub(crate) struct VirtqPoller {
 }
 
 impl VirtqPoller {
-    pub fn new(index: usize, shared: Arc<Shared>, worker: QueueWorker, mode: PollMode) -> Self {
+    pub fn new(index: usize, shared: Arc<Shared>, worker: QueueWorker) -> Self {
         VirtqPoller {
             index,
             shared,
             worker,
-            mode,
             gen: 0,
             conn: None,
             mem: Arc::new(Mem::default()),
@@ -68,6 +66,8 @@ impl Poller for VirtqPoller {
     fn poll(&mut self) -> usize {
         self.refresh();
         let Some((conn, vring)) = &self.conn else {
+            // Still answer stats readers and pick up trace start/stop.
+            self.worker.finish_poll(|| false);
             return 0;
         };
         {
@@ -124,21 +124,25 @@ impl Poller for VirtqPoller {
         let p = self
             .worker
             .process_with(st.get_queue_mut(), &mut self.mem, &mut latest, pop);
-        if p.used > 0 && st.needs_notification().unwrap_or(true) {
-            let _ = st.signal_used_queue();
-        }
+        // With EVENT_IDX the guest may not want this interrupt: then `notify` is 0.
+        self.worker.finish_poll(|| {
+            p.used > 0 && st.needs_notification().unwrap_or(true) && st.signal_used_queue().is_ok()
+        });
         self.shared.queues[self.index]
             .in_flight
             .store(self.worker.in_flight(), Ordering::Release);
         p.work
     }
 
+    /// The reactor asks on control messages and every few thousand iterations, so
+    /// a `set_poll_mode` reaches it without a lock or a per-poll load.
     fn sleep_after(&self) -> Option<Duration> {
-        self.mode.sleep_after()
+        self.shared.poll_mode().sleep_after()
     }
 
     fn prepare_sleep(&mut self) -> bool {
-        if self.worker.in_flight() != 0 {
+        // Switched to busy since the reactor last asked: stay awake.
+        if self.worker.in_flight() != 0 || self.shared.poll_mode().sleep_after().is_none() {
             return false;
         }
         let ctl = &self.shared.queues[self.index];

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use bdev::{in_range, IoOp};
 use guest_mem::DmaSlice;
+use trace::{OpClass, Stamps};
 use virtio_bindings::virtio_blk as vb;
 use virtio_queue::desc::split::Descriptor;
 
@@ -54,6 +55,11 @@ pub(crate) struct Slot {
     pub outcome: Outcome,
     /// Why the request gets VIRTIO_BLK_S_IOERR (for the log), when parsing decided it.
     pub cause: &'static str,
+    /// What the request is for the counters (set from the header's type, also for
+    /// requests rejected before the backend).
+    pub class: OpClass,
+    /// Trace stamps; `kick == 0` when this request is not traced.
+    pub stamps: Stamps,
 }
 
 impl Slot {
@@ -70,6 +76,8 @@ impl Slot {
             used_len: 0,
             outcome: Outcome::Finish(S_IOERR),
             cause: "",
+            class: OpClass::Other,
+            stamps: Stamps::default(),
         }
     }
 
@@ -103,6 +111,8 @@ pub(crate) fn parse(
     slot.fua = false;
     slot.outcome = Outcome::Finish(S_IOERR);
     slot.cause = "";
+    slot.class = OpClass::Other;
+    slot.stamps = Stamps::default();
     segs.clear();
 
     let (mut overflow, mut bad_addr, mut bad_order, mut seen_w) = (false, false, false, false);
@@ -161,6 +171,12 @@ pub(crate) fn parse(
         return;
     }
     let req_type = u32::from_le_bytes(hdr[0..4].try_into().unwrap_or_default());
+    slot.class = match req_type {
+        vb::VIRTIO_BLK_T_IN => OpClass::Read,
+        vb::VIRTIO_BLK_T_OUT => OpClass::Write,
+        vb::VIRTIO_BLK_T_FLUSH => OpClass::Flush,
+        _ => OpClass::Other,
+    };
     let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap_or_default());
     let writable_data = total(segs, true).saturating_sub(1);
     let readable_data = total(segs, false).saturating_sub(HEADER as u64);

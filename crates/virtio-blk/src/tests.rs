@@ -612,3 +612,103 @@ fn buffer_mapped_after_the_snapshot_was_loaded() {
     assert_eq!(newer.read_obj::<u8>(GuestAddress(status)).unwrap(), OK);
     assert_eq!(g.worker.stats.errors, 0);
 }
+
+/// Counters of the disk's namespace in the worker's snapshot.
+fn disk_counts(g: &Guest) -> trace::NsSnapshot {
+    let s = g.worker.snapshot();
+    assert!(
+        s.namespaces.iter().all(|n| n.nsid == crate::DISK_NSID),
+        "{s:?}"
+    );
+    s.namespaces
+        .into_iter()
+        .find(|n| n.nsid == crate::DISK_NSID)
+        .expect("disk namespace")
+}
+
+fn errors(ns: &trace::NsSnapshot) -> Vec<(u16, u64)> {
+    let mut e: Vec<(u16, u64)> = ns.errors.iter().map(|e| (e.status, e.count)).collect();
+    e.sort();
+    e
+}
+
+#[test]
+fn counters_by_op_bytes_and_virtio_status() {
+    let mut i = info(false);
+    i.read_only = true;
+    let mut g = guest_with(i, 8);
+    let last = DISK / 512;
+    // Two good reads, one past the end, a write to the read-only disk, a flush
+    // without a write cache and an unknown type.
+    assert_eq!(g.request(vb::VIRTIO_BLK_T_IN, 0, Some((4096, W))).0, OK);
+    assert_eq!(g.request(vb::VIRTIO_BLK_T_IN, 8, Some((512, W))).0, OK);
+    assert_eq!(
+        g.request(vb::VIRTIO_BLK_T_IN, last, Some((512, W))).0,
+        IOERR
+    );
+    assert_eq!(g.request(vb::VIRTIO_BLK_T_OUT, 0, Some((512, R))).0, IOERR);
+    assert_eq!(g.request(vb::VIRTIO_BLK_T_FLUSH, 0, None).0, UNSUPP);
+    assert_eq!(g.request(99, 0, None).0, UNSUPP);
+    let ns = disk_counts(&g);
+    assert_eq!(
+        (ns.ops.read, ns.ops.write, ns.ops.flush, ns.ops.other),
+        (3, 1, 1, 1)
+    );
+    assert_eq!((ns.bytes.read, ns.bytes.write), (4608, 0));
+    assert_eq!(
+        errors(&ns),
+        vec![(u16::from(IOERR), 2), (u16::from(UNSUPP), 2)]
+    );
+    // Tracing was never started: no layers.
+    assert!(ns.layers.is_empty());
+    assert_eq!(g.worker.snapshot().inflight, 0);
+}
+
+#[test]
+fn traced_requests_have_layers_that_add_up() {
+    let mut g = guest();
+    let ctl = Arc::new(trace::TraceControl::default());
+    let disk = RamDisk::new(DISK, 512).unwrap();
+    let cfg = Arc::new(BlkConfig::new(
+        DeviceOptions {
+            queue_size: QSIZE,
+            ..Default::default()
+        },
+        info(false),
+    ));
+    g.worker = QueueWorker::traced(cfg, disk.channel().unwrap(), 3, ctl.clone());
+    for i in 0..10 {
+        g.request(vb::VIRTIO_BLK_T_IN, i, Some((512, W)));
+    }
+    ctl.start(2);
+    for i in 0..20 {
+        g.request(vb::VIRTIO_BLK_T_IN, i, Some((512, W)));
+        g.request(vb::VIRTIO_BLK_T_OUT, i, Some((512, R)));
+    }
+    // Rejected before the backend: counted, not traced.
+    g.request(vb::VIRTIO_BLK_T_IN, DISK / 512, Some((512, W)));
+    ctl.stop();
+    g.request(vb::VIRTIO_BLK_T_IN, 0, Some((512, W)));
+    let s = g.worker.snapshot();
+    assert_eq!(s.queue, 3);
+    let ns = disk_counts(&g);
+    assert_eq!((ns.ops.read, ns.ops.write), (32, 20));
+    // One in two of 40 traced requests (reads and writes alternate, so the sample
+    // counter picks one op: count the total over both).
+    let total: u64 = ns
+        .layers
+        .iter()
+        .map(|l| l.layers.last().expect("total").1.count)
+        .sum();
+    assert_eq!(total, 20, "{:?}", ns.layers);
+    for l in &ns.layers {
+        let names: Vec<&str> = l.layers.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["queue", "backend", "complete", "notify", "total"]);
+        let mean = |h: &trace::HistSnapshot| h.mean;
+        let sum: f64 = l.layers[..4].iter().map(|(_, h)| mean(h)).sum();
+        let t = mean(&l.layers[4].1);
+        assert!((sum - t).abs() <= 0.02 * t + 10.0, "{} vs {t}", sum);
+        // Nothing was signalled: the notify layer is 0.
+        assert_eq!(l.layers[3].1.max, 0);
+    }
+}

@@ -4,7 +4,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bdev::{IoChannel, IoRequest, IoStatus};
+use bdev::{IoChannel, IoOp, IoRequest, IoStatus};
+use trace::{Mailbox, QueueRecorder, TraceControl};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
 use crate::chain::ChainWalk;
@@ -12,6 +13,10 @@ use crate::config::BlkConfig;
 use crate::guest::Mem;
 use crate::inflight::InflightQueue;
 use crate::request::{parse, Outcome, Seg, Slot, S_IOERR, S_OK, S_UNSUPP};
+
+/// The namespace id a virtio-blk disk's counters are kept under (a device has one
+/// disk; 0 would mean "no valid namespace" to the recorder).
+pub const DISK_NSID: u32 = 1;
 
 /// Descriptors beyond `seg_max` data segments that a well-formed chain may carry
 /// (header, status, and a split header or status).
@@ -58,14 +63,31 @@ pub struct QueueWorker {
     /// Scratch for recovery: `(counter, head)` of requests to resubmit.
     resubmit: Vec<(u64, u16)>,
     pub stats: WorkerStats,
+    /// Counters and layer times of this queue (docs/decisions/0007-tracing.md).
+    rec: QueueRecorder,
 }
 
 impl QueueWorker {
-    /// Preallocates one slot per possible queue entry (`cfg.opts.queue_size`).
+    /// Preallocates one slot per possible queue entry (`cfg.opts.queue_size`). The
+    /// queue's recorder has a trace switch of its own; see [`Self::traced`].
     pub fn new(cfg: Arc<BlkConfig>, chan: Box<dyn IoChannel>) -> Self {
+        Self::traced(cfg, chan, 0, Arc::new(TraceControl::default()))
+    }
+
+    /// Like [`Self::new`], for virtqueue `queue` of a device whose queues share the
+    /// trace switch `ctl`.
+    pub fn traced(
+        cfg: Arc<BlkConfig>,
+        chan: Box<dyn IoChannel>,
+        queue: u16,
+        ctl: Arc<TraceControl>,
+    ) -> Self {
         let n = usize::from(cfg.opts.queue_size.max(1));
         let max_segs = cfg.opts.seg_max as usize + EXTRA_DESCS;
         QueueWorker {
+            // A slot can complete twice in one poll (reaped, popped again, done
+            // inline), so room for two rounds of the ring.
+            rec: QueueRecorder::new(queue, DISK_NSID, 2 * n, ctl),
             slots: (0..n).map(|_| Slot::new(max_segs)).collect(),
             free: (0..n as u16).rev().collect(),
             ready: Vec::with_capacity(n),
@@ -79,6 +101,40 @@ impl QueueWorker {
             resubmit: Vec::with_capacity(n),
             stats: WorkerStats::default(),
         }
+    }
+
+    /// Where readers ask for this queue's counters and trace data (answered at the
+    /// end of a poll, see [`Self::finish_poll`]).
+    pub fn mailbox(&self) -> Arc<Mailbox> {
+        self.rec.mailbox()
+    }
+
+    /// The queue's counters and trace data now (for a worker nobody polls, tests).
+    pub fn snapshot(&self) -> trace::QueueSnapshot {
+        self.rec.snapshot()
+    }
+
+    /// Ends a poll: `signal` puts the interrupt (call eventfd) out if one is due and
+    /// says whether it did. Takes the batch's "posted" and "signalled" stamps (only
+    /// when a traced request finished in this poll), folds them in and answers a
+    /// snapshot request. Call once after every [`Self::process_with`], and on polls
+    /// that had nothing to process, with `|| false`.
+    #[inline]
+    pub fn finish_poll(&mut self, signal: impl FnOnce() -> bool) {
+        self.rec.begin_poll();
+        let posted = if self.rec.has_finished() {
+            trace::clock::now()
+        } else {
+            0
+        };
+        let signalled = signal();
+        let signalled_at = if signalled && posted != 0 {
+            trace::clock::now()
+        } else {
+            posted
+        };
+        self.rec.set_inflight(self.in_flight() as u32);
+        self.rec.end_poll(posted, signalled_at);
     }
 
     /// Requests handed to the backend and not yet completed.
@@ -149,7 +205,9 @@ impl QueueWorker {
     /// each request keeps its own clone of `mem` until it completes.
     pub fn process(&mut self, q: &mut Queue, mem: &Arc<Mem>, pop: bool) -> Progress {
         let mut mem = mem.clone();
-        self.process_with(q, &mut mem, &mut |_| {}, pop)
+        let p = self.process_with(q, &mut mem, &mut |_| {}, pop);
+        self.finish_poll(|| false);
+        p
     }
 
     /// Like [`process`](Self::process) for memory the front end can change while the
@@ -167,9 +225,16 @@ impl QueueWorker {
     ) -> Progress {
         let mut p = Progress::default();
         let mem = &mut *mem;
+        // Trace start/stop take effect here (one load when nothing changed).
+        self.rec.begin_poll();
         self.reap(q, mem, &mut p);
         if pop && self.broken.is_none() {
+            let before = self.in_flight() as u32;
             self.pop(q, mem, latest, &mut p);
+            if !self.ready.is_empty() {
+                // Depth seen by this batch: what it brought plus what was waiting.
+                self.rec.depth(before + self.ready.len() as u32);
+            }
             self.submit(q, mem, &mut p);
             self.chan.flush();
             // Inline-then-async backends may already have finished something.
@@ -199,7 +264,8 @@ impl QueueWorker {
             let Ok(idx) = u16::try_from(tag) else {
                 continue;
             };
-            if usize::from(idx) < self.slots.len() {
+            if let Some(slot) = self.slots.get_mut(usize::from(idx)) {
+                slot.stamps.completed = QueueRecorder::stamp(slot.stamps.kick);
                 p.work += 1;
                 self.complete(q, mem, idx, status_byte(st), p);
             }
@@ -229,6 +295,11 @@ impl QueueWorker {
         };
         latest(mem);
         let mut budget = avail.0.wrapping_sub(q.next_avail());
+        if budget == 0 {
+            return;
+        }
+        // One avail-seen stamp serves the whole batch.
+        let kick = self.rec.kick();
         let mut iter = match q.iter(&**mem) {
             Ok(it) => it,
             Err(virtio_queue::Error::QueueNotReady) => return,
@@ -251,6 +322,7 @@ impl QueueWorker {
                 self.counter += 1;
             }
             parse(head, chain, mem, &self.cfg, &mut self.segs, slot);
+            slot.stamps.kick = self.rec.sample(kick);
             self.ready.push(idx);
             p.work += 1;
         }
@@ -264,7 +336,7 @@ impl QueueWorker {
     fn submit(&mut self, q: &mut Queue, mem: &Arc<Mem>, p: &mut Progress) {
         for i in 0..self.ready.len() {
             let idx = self.ready[i];
-            let slot = &self.slots[usize::from(idx)];
+            let slot = &mut self.slots[usize::from(idx)];
             self.stats.requests += 1;
             let status = match slot.outcome {
                 Outcome::Finish(s) => Some(s),
@@ -276,7 +348,13 @@ impl QueueWorker {
                         iov: &slot.data,
                         fua: slot.fua,
                     };
-                    self.chan.submit(u64::from(idx), &req).map(status_byte)
+                    slot.stamps.submitted = QueueRecorder::stamp(slot.stamps.kick);
+                    let st = self.chan.submit(u64::from(idx), &req).map(status_byte);
+                    if st.is_some() {
+                        // Inline backend: it completed inside the call.
+                        slot.stamps.completed = QueueRecorder::stamp(slot.stamps.kick);
+                    }
+                    st
                 }
             };
             if let Some(s) = status {
@@ -320,9 +398,18 @@ impl QueueWorker {
             }
             None => 0,
         };
+        let bytes = match (slot.outcome, slot.op) {
+            (Outcome::Submit, IoOp::Read | IoOp::Write) => slot.len,
+            _ => 0,
+        };
+        let class = slot.class;
+        let stamps = slot.stamps;
         let head = slot.head;
         slot.release();
         self.free.push(idx);
+        // Its `complete` layer ends at the batch's "posted" stamp (`finish_poll`).
+        self.rec
+            .complete(DISK_NSID, class, bytes, u16::from(status), stamps);
         if let Some(log) = &self.inflight {
             log.before_used(head);
         }

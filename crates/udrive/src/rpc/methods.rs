@@ -89,7 +89,7 @@ pub fn register_all(r: &mut Registry) {
     );
     r.register(
         "set_placement",
-        "queue placement of a device (round-robin or single); applies to queues created afterwards",
+        "queue placement of a device: NVMe round-robin or single (queues created afterwards); vhost-user-blk also dedicated (moves its queues now)",
         |rpc, p| {
             let a: SetPlacement = parse_params(p)?;
             a.placement
@@ -100,6 +100,7 @@ pub fn register_all(r: &mut Registry) {
         },
     );
     super::trace_methods::register(r);
+    super::vhost_methods::register(r);
 }
 
 #[derive(Deserialize)]
@@ -286,11 +287,27 @@ fn vhost_json(v: &crate::vhost_device::VhostBlkDevice) -> Value {
             "queue_size": v.cfg.queue_size,
             "placement": v.cfg.placement,
             "poll": v.cfg.poll,
+            "read_only": v.cfg.disk.read_only,
+        },
+        "state": {
+            "poll_mode": poll_mode_name(v.dev.poll_mode()),
+            "queue_reactors": v.dev.queue_reactors(),
         },
     })
 }
 
-fn device_json_by_socket(server: &Server, socket: &std::path::Path) -> Result<Value, RpcError> {
+fn poll_mode_name(m: engine::PollMode) -> &'static str {
+    match m {
+        engine::PollMode::Busy => "busy",
+        engine::PollMode::Adaptive => "adaptive",
+        engine::PollMode::Event => "event",
+    }
+}
+
+pub(super) fn device_json_by_socket(
+    server: &Server,
+    socket: &std::path::Path,
+) -> Result<Value, RpcError> {
     let st = server.lock();
     st.find(socket)
         .map(device_json)

@@ -16,6 +16,7 @@ pub mod client;
 mod framing;
 pub mod methods;
 pub mod trace_methods;
+mod vhost_methods;
 
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};

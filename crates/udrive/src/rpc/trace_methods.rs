@@ -1,18 +1,16 @@
 //! Tracing and metrics methods (docs/rpc.md): `get_stats`, `get_metrics`,
 //! `trace_start`, `trace_stop`, `trace_read`. They select devices here and leave the
-//! data to `crate::stats`. vhost-user-blk devices have no per-queue recorders yet:
-//! they appear in `get_stats` with no queues and are skipped (and named as skipped)
-//! by the trace methods.
+//! data to `crate::stats`. NVMe controllers and vhost-user-blk devices both keep
+//! per-queue recorders (`crate::stats::Traced`).
 
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use serde_json::{json, Value};
-use trace::{DeviceStats, StatsSnapshot};
+use trace::StatsSnapshot;
 
 use super::methods::{DeviceFilter, Empty};
 use super::{parse_params, Registry, RpcError};
-use crate::device::NvmeDevice;
 use crate::server::{Device, Server, State};
 use crate::stats;
 
@@ -55,9 +53,9 @@ pub fn register(r: &mut Registry) {
                     })?,
             };
             let st = rpc.server.lock();
-            let (nvme, skipped) = select(&st, a.socket.as_deref())?;
-            stats::trace_start(&nvme, sample as u32);
-            Ok(targets(&nvme, &skipped, Some(sample)))
+            let devs = select(&st, a.socket.as_deref())?;
+            stats::trace_start(&devs, sample as u32);
+            Ok(targets(&devs, Some(sample)))
         },
     );
     r.register(
@@ -66,9 +64,9 @@ pub fn register(r: &mut Registry) {
         |rpc, p| {
             let a: DeviceFilter = parse_params(p)?;
             let st = rpc.server.lock();
-            let (nvme, skipped) = select(&st, a.socket.as_deref())?;
-            stats::trace_stop(&nvme);
-            Ok(targets(&nvme, &skipped, None))
+            let devs = select(&st, a.socket.as_deref())?;
+            stats::trace_stop(&devs);
+            Ok(targets(&devs, None))
         },
     );
     r.register(
@@ -77,8 +75,8 @@ pub fn register(r: &mut Registry) {
         |rpc, p| {
             let a: DeviceFilter = parse_params(p)?;
             let st = rpc.server.lock();
-            let (nvme, _) = select(&st, a.socket.as_deref())?;
-            let b = stats::trace_read(&nvme);
+            let devs = select(&st, a.socket.as_deref())?;
+            let b = stats::trace_read(&devs);
             serde_json::to_value(b).map_err(|e| RpcError::new(super::INTERNAL_ERROR, e.to_string()))
         },
     );
@@ -94,36 +92,24 @@ struct TraceStart {
     sample: Option<Value>,
 }
 
-/// The NVMe controllers `socket` selects (all when `None`) and the vhost-user-blk
-/// devices it selects, which have nothing to trace yet. A socket with no device is
-/// an error.
-fn select<'a>(
-    st: &'a State,
-    socket: Option<&Path>,
-) -> Result<(Vec<&'a NvmeDevice>, Vec<&'a Path>), RpcError> {
-    let mut nvme = Vec::new();
-    let mut skipped = Vec::new();
+/// The devices `socket` selects (all when `None`). A socket with no device is an
+/// error.
+fn select<'a>(st: &'a State, socket: Option<&Path>) -> Result<Vec<&'a Device>, RpcError> {
     if let Some(s) = socket {
         if st.find(s).is_none() {
             return Err(st.not_found(s).into());
         }
     }
-    for d in &st.devices {
-        if socket.is_some_and(|s| !crate::server::same_socket(d.socket(), s)) {
-            continue;
-        }
-        match d {
-            Device::Nvme(n) => nvme.push(n),
-            Device::VhostBlk(v) => skipped.push(v.cfg.socket.as_path()),
-        }
-    }
-    Ok((nvme, skipped))
+    Ok(st
+        .devices
+        .iter()
+        .filter(|d| socket.is_none_or(|s| crate::server::same_socket(d.socket(), s)))
+        .collect())
 }
 
-fn targets(nvme: &[&NvmeDevice], skipped: &[&Path], sample: Option<u64>) -> Value {
+fn targets(devs: &[&Device], sample: Option<u64>) -> Value {
     let mut v = json!({
-        "devices": nvme.iter().map(|d| d.socket.display().to_string()).collect::<Vec<_>>(),
-        "skipped": skipped.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        "devices": devs.iter().map(|d| d.socket().display().to_string()).collect::<Vec<_>>(),
     });
     if let Some(s) = sample {
         v["sample"] = json!(s);
@@ -132,28 +118,8 @@ fn targets(nvme: &[&NvmeDevice], skipped: &[&Path], sample: Option<u64>) -> Valu
 }
 
 /// The stats of the devices `socket` selects (all when `None`) and of every reactor.
-/// vhost-user-blk devices are listed with no queues (they keep no per-queue
-/// counters yet).
 pub fn snapshot(server: &Server, socket: Option<&Path>) -> Result<StatsSnapshot, RpcError> {
     let st = server.lock();
-    let (nvme, _) = select(&st, socket)?;
-    let mut s = stats::get_stats(&nvme, &server.engine);
-    for d in &st.devices {
-        if let Device::VhostBlk(v) = d {
-            if socket.is_none_or(|s| crate::server::same_socket(&v.cfg.socket, s)) {
-                s.devices.push(DeviceStats {
-                    name: socket_name(&v.cfg.socket),
-                    kind: "vhost-user-blk".into(),
-                    queues: Vec::new(),
-                });
-            }
-        }
-    }
-    Ok(s)
-}
-
-fn socket_name(p: &Path) -> String {
-    p.file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| p.display().to_string())
+    let devs = select(&st, socket)?;
+    Ok(stats::get_stats(&devs, &server.engine))
 }

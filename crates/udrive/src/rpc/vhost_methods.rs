@@ -1,0 +1,110 @@
+//! vhost-user-blk methods (docs/rpc.md): `vhost_user_blk_add`, `vhost_user_blk_remove`,
+//! `set_poll_mode`.
+//! A device added here goes through the same construction as one from the command
+//! line or the TOML config (`Server::add_vhost_blk` -> `vhost_device::start`).
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::{parse_params, Registry, RpcError};
+use crate::nsspec::NsSpec;
+use crate::vhost_device::VhostBlkConfig;
+
+pub fn register(r: &mut Registry) {
+    r.register(
+        "vhost_user_blk_add",
+        "start a virtio-blk device on a new vhost-user socket",
+        |rpc, p| {
+            let cfg = parse_params::<AddVhostBlk>(p)?.into_config()?;
+            let socket = cfg.socket.clone();
+            rpc.server.add_vhost_blk(cfg)?;
+            super::methods::device_json_by_socket(&rpc.server, &socket)
+        },
+    );
+    r.register(
+        "vhost_user_blk_remove",
+        "stop a vhost-user-blk device (error if a front end is connected, unless force)",
+        |rpc, p| {
+            let a: RemoveVhostBlk = parse_params(p)?;
+            rpc.server
+                .remove_device_of(&a.socket, Some("vhost-user-blk"), a.force)?;
+            Ok(Value::Bool(true))
+        },
+    );
+    r.register(
+        "set_poll_mode",
+        "how a vhost-user-blk device's queues wait for work (busy, adaptive or event), applied at once",
+        |rpc, p| {
+            let a: SetPollMode = parse_params(p)?;
+            let mode: engine::PollMode = a.mode.parse().map_err(RpcError::params)?;
+            rpc.server.set_poll_mode(&a.socket, mode, &a.mode)?;
+            Ok(Value::Bool(true))
+        },
+    );
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetPollMode {
+    socket: PathBuf,
+    mode: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddVhostBlk {
+    socket: PathBuf,
+    /// As `--disk`: `ram:1G`, `file:/img,offset=1G,size=8G`, ...
+    disk: String,
+    queues: Option<u16>,
+    queue_size: Option<u16>,
+    placement: Option<String>,
+    #[serde(alias = "poll")]
+    poll_mode: Option<String>,
+    cpus: Option<String>,
+    serial: Option<String>,
+    /// Same as `,ro` in `disk`.
+    #[serde(default)]
+    read_only: bool,
+}
+
+impl AddVhostBlk {
+    /// The device's configuration, checked as the TOML config is (-32602 if not).
+    fn into_config(self) -> Result<VhostBlkConfig, RpcError> {
+        let mut spec = self.disk;
+        if self.read_only {
+            spec.push_str(",ro");
+        }
+        let disk: NsSpec = spec
+            .parse()
+            .map_err(|e| RpcError::params(format!("disk: {e}")))?;
+        let mut c = VhostBlkConfig::new(self.socket, disk);
+        if let Some(q) = self.queues {
+            c.queues = q;
+        }
+        if let Some(q) = self.queue_size {
+            c.queue_size = q;
+        }
+        if let Some(p) = self.placement {
+            c.placement = p;
+        }
+        if let Some(p) = self.poll_mode {
+            c.poll = p;
+        }
+        c.cpus = self.cpus;
+        c.serial = self.serial;
+        crate::vhost_device::validate(std::slice::from_ref(&c), &mut Default::default())
+            .map_err(|e| RpcError::params(format!("{e:#}")))?;
+        Ok(c)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemoveVhostBlk {
+    socket: PathBuf,
+    #[serde(default)]
+    force: bool,
+}
