@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bdev::{FaultConfig, FaultDisk, QosDisk, QosLimits};
+use common::layers::{assert_latency_in_backend_only, layer_mean};
 use common::*;
 use initiator::workload::{self, NvmeTarget, Rw, WorkloadConfig};
 use initiator::{DataMode, IoOp, NvmeDriver};
@@ -150,13 +151,6 @@ fn counters_match_what_the_initiator_issued() {
     assert_eq!(stats.reactors.len(), engine().num_reactors());
 }
 
-fn layer_mean(b: &Breakdown, op: &str, layer: &str) -> f64 {
-    b.op(op)
-        .and_then(|o| o.row(layer))
-        .map(|r| r.mean_ns)
-        .unwrap_or_else(|| panic!("no {op}/{layer} in\n{b}"))
-}
-
 #[test]
 fn injected_backend_latency_shows_in_the_backend_layer_only() {
     let fc = FaultConfig {
@@ -177,20 +171,7 @@ fn injected_backend_latency_shows_in_the_backend_layer_only() {
     let rep = workload::run(&target, &cfg).expect("workload");
     dev.nvme().ctrl.trace_stop(T);
     let server = Breakdown::from_queues(&dev.queues());
-    for op in ["read", "write"] {
-        let backend = layer_mean(&server, op, "backend");
-        assert!(
-            backend >= 100_000.0,
-            "{op}: backend mean {backend} ns\n{server}"
-        );
-        for l in LAYERS.iter().filter(|l| **l != "backend") {
-            let m = layer_mean(&server, op, l);
-            assert!(
-                m < backend / 4.0,
-                "{op}: {l} mean {m} ns vs backend {backend}\n{server}"
-            );
-        }
-    }
+    assert_latency_in_backend_only(&server);
     // The initiator sees it too, in its device layer, not in its own.
     let init = rep.trace.expect("initiator trace");
     for op in ["read", "write"] {

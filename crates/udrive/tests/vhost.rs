@@ -1,14 +1,17 @@
 //! vhost-user-blk devices with libblkio as the client: the workload generator across
 //! queues with verification, then flush, discard, write zeroes and bad requests.
 
+mod common;
+
 use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+use common::layers::{assert_latency_in_backend_only, assert_layers_add_up};
 use initiator::workload::{self, Rw, WorkloadConfig};
-use trace::{Breakdown, LAYERS, TOTAL};
+use trace::{Breakdown, TOTAL};
 use udrive::blkio_target::BlkioTarget;
 use udrive::vhost_device::{self, VhostBlkConfig};
 use vhost_user_blk::{PollMode, VhostUserBlk};
@@ -423,13 +426,6 @@ fn counters_match_what_libblkio_issued() {
     assert_eq!(got_errors, errors.into_iter().collect::<Vec<_>>());
 }
 
-fn layer_mean(b: &Breakdown, op: &str, layer: &str) -> f64 {
-    b.op(op)
-        .and_then(|o| o.row(layer))
-        .map(|r| r.mean_ns)
-        .unwrap_or_else(|| panic!("no {op}/{layer} in\n{b}"))
-}
-
 fn traced_run(d: &Dev, qd: u32) -> (Breakdown, workload::Report) {
     d.blk().trace_start(1, T);
     let cfg = WorkloadConfig {
@@ -456,20 +452,7 @@ fn injected_backend_latency_shows_in_the_backend_layer_only() {
     let d = start_faulty(ram, fc, 1);
     let (server, r) = traced_run(&d, 4);
     assert_eq!(r.errors, 0);
-    for op in ["read", "write"] {
-        let backend = layer_mean(&server, op, "backend");
-        assert!(
-            backend >= 100_000.0,
-            "{op}: backend mean {backend} ns\n{server}"
-        );
-        for l in LAYERS.iter().filter(|l| **l != "backend") {
-            let m = layer_mean(&server, op, l);
-            assert!(
-                m < backend / 4.0,
-                "{op}: {l} mean {m} ns vs backend {backend}\n{server}"
-            );
-        }
-    }
+    assert_latency_in_backend_only(&server);
 }
 
 #[test]
@@ -487,15 +470,7 @@ fn layers_add_up_and_fit_in_what_libblkio_measured() {
         .sum();
     // Every request was traced (the client counts only those inside its window).
     assert!(traced >= r.ios, "{traced} traced, {} measured", r.ios);
-    for op in ["read", "write"] {
-        let sum: f64 = LAYERS.iter().map(|l| layer_mean(&server, op, l)).sum();
-        let total = layer_mean(&server, op, TOTAL);
-        // HDR buckets at 2 significant digits: each mean is within 1 %.
-        assert!(
-            (sum - total).abs() <= 0.02 * total + 10.0,
-            "{op}: layers {sum} vs total {total}\n{server}"
-        );
-    }
+    assert_layers_add_up(&server);
     // The server's part (kick seen -> call signalled) lies inside the client's
     // submit -> completion time; slack for where each side takes its stamps.
     let (sum, n) = ["read", "write"].iter().fold((0.0, 0u64), |(s, n), op| {

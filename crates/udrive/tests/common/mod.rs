@@ -3,6 +3,8 @@
 //! and a "bystander" controller with a well-behaved client doing verified I/O.
 #![allow(dead_code, unused_imports)]
 
+pub mod layers;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
