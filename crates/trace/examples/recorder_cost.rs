@@ -38,11 +38,7 @@ fn run(rec: &mut QueueRecorder, batches: u64, batch: u64, how: Stamping) -> f64 
     for _ in 0..batches {
         rec.begin_poll();
         let kick = rec.kick();
-        let mut prev = QueueRecorder::stamp(if how == Stamping::Chained {
-            kick
-        } else {
-            0
-        });
+        let mut prev = QueueRecorder::stamp(if how == Stamping::Chained { kick } else { 0 });
         for _ in 0..batch {
             seq += 1;
             let k = rec.sample(kick);
@@ -107,10 +103,7 @@ fn main() {
             }
             std::hint::black_box(x);
             let c = t.elapsed().as_nanos() as f64 / n as f64;
-            for (m, v) in best
-                .iter_mut()
-                .zip([off, two, chained, synthetic, s16, c])
-            {
+            for (m, v) in best.iter_mut().zip([off, two, chained, synthetic, s16, c]) {
                 *m = m.min(v);
             }
         }
