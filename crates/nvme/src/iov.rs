@@ -1,6 +1,10 @@
 //! A fixed-capacity iovec of guest memory slices built without heap allocation.
+//! One [`Iov`] can also hold the iovecs of several commands one after the other (a
+//! batch is parsed before it is submitted, see `io.rs`); each command still gets
+//! at most [`MAX_IOV`] segments.
 
 use guest_mem::{Access, DmaSlice, MemoryMap};
+use smallvec::SmallVec;
 
 use crate::status::Status;
 
@@ -8,6 +12,10 @@ pub(crate) const PAGE: u64 = 4096;
 /// Enough for the largest MDTS we accept (2^7 pages) plus an unaligned first page.
 pub(crate) const MAX_IOV: usize = 130;
 pub(crate) const MAX_MDTS: u8 = 7;
+/// Segments one [`Iov`] holds for all its commands. `SmallVec` (inline, never
+/// spilled: pushes stop at the per-command limit, which stays below this) so that
+/// making an `Iov` does not write its 4 KiB of storage, which a plain array must.
+const POOL: usize = 256;
 
 /// MDTS we advertise and enforce: the configured value capped by the iovec size
 /// (0, "unlimited" in the spec, becomes the cap too).
@@ -20,8 +28,11 @@ pub(crate) fn effective_mdts(cfg: u8) -> u8 {
 }
 
 pub(crate) struct Iov<'a> {
-    segs: [DmaSlice<'a>; MAX_IOV],
-    n: usize,
+    segs: SmallVec<[DmaSlice<'a>; POOL]>,
+    /// First segment of the current command.
+    first: usize,
+    /// Segment count at which the current command overflows.
+    limit: usize,
     total: u64,
     run_start: u64,
     run_len: u64,
@@ -30,11 +41,11 @@ pub(crate) struct Iov<'a> {
 }
 
 impl<'a> Iov<'a> {
-    /// `empty` fills unused entries; any zero-length slice does.
-    pub fn new(empty: DmaSlice<'a>) -> Iov<'a> {
+    pub fn new() -> Iov<'a> {
         Iov {
-            segs: [empty; MAX_IOV],
-            n: 0,
+            segs: SmallVec::new(),
+            first: 0,
+            limit: MAX_IOV,
             total: 0,
             run_start: 0,
             run_len: 0,
@@ -98,15 +109,53 @@ impl<'a> Iov<'a> {
     }
 
     fn push(&mut self, s: DmaSlice<'a>, len: u64) -> Result<(), Status> {
-        let slot = self.segs.get_mut(self.n).ok_or(self.overflow)?;
-        *slot = s;
-        self.n += 1;
+        if self.segs.len() >= self.limit {
+            return Err(self.overflow);
+        }
+        self.segs.push(s);
         self.total = self.total.saturating_add(len);
         Ok(())
     }
 
+    /// Whether another command fits after the ones held (each may need
+    /// [`MAX_IOV`] segments).
+    pub fn has_room(&self) -> bool {
+        self.segs.len() + MAX_IOV <= POOL
+    }
+
+    /// Starts the next command's segments after the ones held. Call only when
+    /// [`Iov::has_room`]; a failed walk may leave segments behind, which is harmless
+    /// (they are not in any command's range).
+    pub fn next_command(&mut self) {
+        self.first = self.segs.len();
+        self.limit = self.first + MAX_IOV;
+        self.total = 0;
+        self.run_len = 0;
+        self.overflow = Status::INVALID_SGL_COUNT;
+    }
+
+    /// Forgets every command's segments.
+    pub fn clear(&mut self) {
+        self.segs.clear();
+        self.next_command();
+    }
+
+    /// Where the current command's segments are, for [`Iov::segments`].
+    pub fn range(&self) -> (u16, u16) {
+        // Both are at most POOL.
+        (self.first as u16, self.segs.len() as u16)
+    }
+
+    /// A command's segments by its [`Iov::range`].
+    pub fn segments(&self, (start, end): (u16, u16)) -> &[DmaSlice<'a>] {
+        self.segs
+            .get(usize::from(start)..usize::from(end))
+            .unwrap_or(&[])
+    }
+
+    /// The current command's segments.
     pub fn slices(&self) -> &[DmaSlice<'a>] {
-        self.segs.get(..self.n).unwrap_or(&[])
+        self.segs.get(self.first..).unwrap_or(&[])
     }
 
     /// Copies `data` into the buffers in order (short buffers truncate).

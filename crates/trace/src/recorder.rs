@@ -83,12 +83,18 @@ impl NsRecorder {
 }
 
 /// A traced request that completed in this poll, waiting for the batch's post and
-/// notify stamps.
+/// notify stamps, with its first two layers already as tick deltas. Computing them
+/// when the request completes reads the stamps one by one; copying the `Stamps`
+/// whole (a wide load over stamps the device stored one by one a moment before)
+/// stalls on store forwarding: 3 ns of the ~11 ns recording cost per request in
+/// `recorder_cost`.
 #[derive(Clone, Copy)]
 struct Finished {
     ns: u32,
     write: bool,
-    s: Stamps,
+    queue: u64,
+    backend: u64,
+    completed: u64,
 }
 
 /// Metrics and trace data of one queue. Methods marked hot are called per request
@@ -231,7 +237,9 @@ impl QueueRecorder {
                 self.finished.push(Finished {
                     ns: idx as u32,
                     write: op == OpClass::Write,
-                    s,
+                    queue: s.submitted.saturating_sub(s.kick),
+                    backend: s.completed.saturating_sub(s.submitted),
+                    completed: s.completed,
                 });
             } else {
                 self.dropped += 1;
@@ -283,11 +291,7 @@ impl QueueRecorder {
             let Some(t) = ns.trace.as_mut() else {
                 continue;
             };
-            let d = [
-                f.s.submitted.saturating_sub(f.s.kick),
-                f.s.completed.saturating_sub(f.s.submitted),
-                posted.saturating_sub(f.s.completed),
-            ];
+            let d = [f.queue, f.backend, posted.saturating_sub(f.completed)];
             let total = d[0] + d[1] + d[2] + notify;
             let row = &mut t.by_op[usize::from(f.write)];
             for (h, v) in row.iter_mut().zip(d) {

@@ -93,11 +93,7 @@ impl Inner {
         if sqe.psdt() != 0 {
             return Status::INVALID_FIELD;
         }
-        let page = self.shared.doorbells.all();
-        let Some(empty) = page.sub(0, 0) else {
-            return Status::INTERNAL_ERROR;
-        };
-        let mut iov = Iov::new(empty);
+        let mut iov = Iov::new();
         let r = crate::prp::walk(
             map,
             sqe.prp1(),

@@ -280,6 +280,25 @@ impl Host {
         cid
     }
 
+    /// Places commands in queue `qid` and rings its doorbell once, so the
+    /// controller sees them as one batch; returns their CIDs.
+    pub fn submit_batch(&mut self, qid: u16, cmds: &[[u32; 16]]) -> Vec<u16> {
+        let mut cids = Vec::new();
+        for &c in cmds {
+            let mut s = c;
+            self.cid = self.cid.wrapping_add(1);
+            s[0] = (s[0] & 0xffff) | (u32::from(self.cid) << 16);
+            cids.push(self.cid);
+            let q = *self.q(qid);
+            let bytes: Vec<u8> = s.iter().flat_map(|d| d.to_le_bytes()).collect();
+            self.write_mem(q.sq + u64::from(q.tail) * 64, &bytes);
+            self.q(qid).tail = (q.tail + 1) % q.size;
+        }
+        let tail = self.q(qid).tail;
+        self.ring(qid, false, tail);
+        cids
+    }
+
     /// Next CQE of queue `qid`, if posted.
     pub fn try_reap(&mut self, qid: u16) -> Option<Cqe> {
         let q = *self.q(qid);
