@@ -3,7 +3,8 @@
 //! 4 KiB random reads at QD1 and QD32, tracing off and on (every I/O) alternating.
 //! Prints a Markdown table of IOPS (median, min–max) and the overhead; then, with
 //! tracing on and the initiator's layers too, writes the full-path breakdown for
-//! each namespace as text and PNG into OUT_DIR.
+//! each namespace as text and PNG into OUT_DIR: `null`, `ram`, and a `file`
+//! namespace on a 256 MiB file in TRACE_BENCH_FILE_DIR (default /var/tmp, O_DIRECT).
 //!
 //!   cargo run --release -p udrive --example trace_bench -- [REPS=5] [SECONDS=3] [OUT_DIR]
 
@@ -39,7 +40,23 @@ fn main() -> Result<()> {
     let engine = engine::Engine::start(&[Some(0)]).context("engine")?;
     let dir = tempfile::tempdir()?;
     let sock = dir.path().join("bench.sock");
-    let specs: Vec<NsSpec> = ["null:64G", "ram:1G"]
+    let file_dir = std::env::var("TRACE_BENCH_FILE_DIR").unwrap_or_else(|_| "/var/tmp".into());
+    let file = tempfile::Builder::new()
+        .prefix("udrive-trace-bench")
+        .tempfile_in(&file_dir)
+        .with_context(|| format!("temp file in {file_dir}"))?;
+    // Written blocks, not holes: reads of holes never reach the disk.
+    {
+        use std::io::Write;
+        let mut f = file.as_file();
+        let chunk = vec![0x5au8; 1 << 20];
+        for _ in 0..256 {
+            f.write_all(&chunk)?;
+        }
+        f.sync_all()?;
+    }
+    let file_spec = format!("file:{},direct=on", file.path().display());
+    let specs: Vec<NsSpec> = ["null:64G", "ram:1G", file_spec.as_str()]
         .iter()
         .map(|s| s.parse().map_err(anyhow::Error::msg))
         .collect::<Result<_>>()?;
@@ -141,7 +158,7 @@ fn main() -> Result<()> {
     println!("\n{reps} runs each, alternating; median (min–max).");
     if let Some(out) = out {
         std::fs::create_dir_all(&out)?;
-        for (ns, nsid) in [("null", 1u32), ("ram", 2)] {
+        for (ns, nsid) in [("null", 1u32), ("ram", 2), ("file", 3)] {
             let target = NvmeTarget::new(&driver, nsid, DataMode::Prp)?;
             ctrl.trace_start(1, t);
             let rep = workload::run(
@@ -158,7 +175,12 @@ fn main() -> Result<()> {
             let init = rep.trace.clone().context("initiator trace")?;
             let full = Breakdown::full_path(&init, &server);
             let text = udrive::trace_view::table(&full);
-            println!("\n{ns}, 4 KiB randrw50, QD1 (µs):\n{text}");
+            let what = if ns == "file" {
+                format!("file ({file_dir}, O_DIRECT)")
+            } else {
+                ns.to_string()
+            };
+            println!("\n{what}, 4 KiB randrw50, QD1 (µs):\n{text}");
             std::fs::write(out.join(format!("trace-{ns}.txt")), &text)?;
             udrive::trace_view::plot(
                 &full,
