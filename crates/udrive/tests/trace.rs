@@ -151,6 +151,24 @@ fn counters_match_what_the_initiator_issued() {
     assert_eq!(stats.reactors.len(), engine().num_reactors());
 }
 
+/// 400 ms of traced 50 % random reads/writes at `qd` on namespace 1: the server's
+/// breakdown and the initiator's report (with its own trace).
+fn traced_randrw(dev: &Dev, qd: u32) -> (Breakdown, workload::Report) {
+    dev.nvme().ctrl.trace_start(1, T);
+    let d = NvmeDriver::connect(&dev.nvme().socket, opts()).expect("connect");
+    let target = NvmeTarget::new(&d, 1, DataMode::Prp).expect("target");
+    let cfg = WorkloadConfig {
+        rw: Rw::RandRw { read_pct: 50 },
+        qd,
+        time: Duration::from_millis(400),
+        trace: true,
+        ..Default::default()
+    };
+    let rep = workload::run(&target, &cfg).expect("workload");
+    dev.nvme().ctrl.trace_stop(T);
+    (Breakdown::from_queues(&dev.queues()), rep)
+}
+
 #[test]
 fn injected_backend_latency_shows_in_the_backend_layer_only() {
     let fc = FaultConfig {
@@ -158,19 +176,7 @@ fn injected_backend_latency_shows_in_the_backend_layer_only() {
         ..Default::default()
     };
     let dev = Dev::start(&["ram:8M"], Some((1, fc)));
-    dev.nvme().ctrl.trace_start(1, T);
-    let d = NvmeDriver::connect(&dev.nvme().socket, opts()).expect("connect");
-    let target = NvmeTarget::new(&d, 1, DataMode::Prp).expect("target");
-    let cfg = WorkloadConfig {
-        rw: Rw::RandRw { read_pct: 50 },
-        qd: 4,
-        time: Duration::from_millis(400),
-        trace: true,
-        ..Default::default()
-    };
-    let rep = workload::run(&target, &cfg).expect("workload");
-    dev.nvme().ctrl.trace_stop(T);
-    let server = Breakdown::from_queues(&dev.queues());
+    let (server, rep) = traced_randrw(&dev, 4);
     assert_latency_in_backend_only(&server);
     // The initiator sees it too, in its device layer, not in its own.
     let init = rep.trace.expect("initiator trace");
@@ -189,19 +195,7 @@ fn injected_backend_latency_shows_in_the_backend_layer_only() {
 #[test]
 fn layers_add_up_to_what_the_initiator_measured() {
     let dev = Dev::start(&["null:1G"], None);
-    dev.nvme().ctrl.trace_start(1, T);
-    let d = NvmeDriver::connect(&dev.nvme().socket, opts()).expect("connect");
-    let target = NvmeTarget::new(&d, 1, DataMode::Prp).expect("target");
-    let cfg = WorkloadConfig {
-        rw: Rw::RandRw { read_pct: 50 },
-        qd: 1,
-        time: Duration::from_millis(400),
-        trace: true,
-        ..Default::default()
-    };
-    let rep = workload::run(&target, &cfg).expect("workload");
-    dev.nvme().ctrl.trace_stop(T);
-    let server = Breakdown::from_queues(&dev.queues());
+    let (server, rep) = traced_randrw(&dev, 1);
     let init = rep.trace.clone().expect("initiator trace");
     // HDR buckets at 2 significant digits: each mean is within 1 %.
     let close = |a: f64, b: f64, what: &str| {
