@@ -173,6 +173,19 @@ impl Raw {
     fn put(&self, at: u64, bytes: &[u8]) {
         self.mem.all().write_from(at as usize, bytes).unwrap();
     }
+
+    /// Writes request `i`'s parts into guest memory: an OUT header for sector `i * 8`,
+    /// 4 KiB of byte `i + 1` and an unset status byte. Returns the header's address.
+    fn stage_write(&self, i: u64) -> u64 {
+        let hdr_at = HDR + 16 * i;
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&T_OUT.to_le_bytes());
+        h[8..16].copy_from_slice(&(i * 8).to_le_bytes());
+        self.put(hdr_at, &h);
+        self.put(DATA + 4096 * i, &[i as u8 + 1; 4096]);
+        self.put(STATUSES + i, &[0xff]);
+        hdr_at
+    }
     fn get(&self, at: u64, len: usize) -> Vec<u8> {
         let mut v = vec![0u8; len];
         self.mem.all().read_into(at as usize, &mut v).unwrap();
@@ -395,13 +408,7 @@ fn reconnect_completes_each_request_once() {
 
     let mut r = Raw::connect(&sock);
     for i in 0..n {
-        let hdr_at = HDR + 16 * u64::from(i);
-        let mut h = [0u8; 16];
-        h[0..4].copy_from_slice(&T_OUT.to_le_bytes());
-        h[8..16].copy_from_slice(&(u64::from(i) * 8).to_le_bytes());
-        r.put(hdr_at, &h);
-        r.put(DATA + 4096 * u64::from(i), &[i as u8 + 1; 4096]);
-        r.put(STATUSES + u64::from(i), &[0xff]);
+        let hdr_at = r.stage_write(u64::from(i));
         // Three descriptors per request: five fit in the table at once, so request i
         // reuses the descriptors of request i - 5 once that one completed.
         if i >= 5 {
@@ -529,13 +536,7 @@ fn restart_resubmits_inflight_requests_once() {
     let heads = [0u16, 3, 6, 9];
     for (i, &head) in heads.iter().enumerate() {
         let i = i as u64;
-        let hdr_at = HDR + 16 * i;
-        let mut h = [0u8; 16];
-        h[0..4].copy_from_slice(&T_OUT.to_le_bytes());
-        h[8..16].copy_from_slice(&(i * 8).to_le_bytes());
-        r.put(hdr_at, &h);
-        r.put(DATA + 4096 * i, &[i as u8 + 1; 4096]);
-        r.put(STATUSES + i, &[0xff]);
+        let hdr_at = r.stage_write(i);
         r.desc(head, hdr_at, 16, NEXT, head + 1);
         r.desc(head + 1, DATA + 4096 * i, 4096, NEXT, head + 2);
         r.desc(head + 2, STATUSES + i, 1, WRITE, 0);
@@ -715,13 +716,7 @@ fn sigkill_with_requests_in_flight() {
     let mut r = Raw::connect_log(&sock, mem, None, Some(&log));
     let n: u16 = 5;
     for i in 0..n {
-        let hdr_at = HDR + 16 * u64::from(i);
-        let mut h = [0u8; 16];
-        h[0..4].copy_from_slice(&T_OUT.to_le_bytes());
-        h[8..16].copy_from_slice(&(u64::from(i) * 8).to_le_bytes());
-        r.put(hdr_at, &h);
-        r.put(DATA + 4096 * u64::from(i), &[i as u8 + 1; 4096]);
-        r.put(STATUSES + u64::from(i), &[0xff]);
+        let hdr_at = r.stage_write(u64::from(i));
         r.push(&[
             (hdr_at, 16, false),
             (DATA + 4096 * u64::from(i), 4096, false),
