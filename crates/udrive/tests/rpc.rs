@@ -378,37 +378,30 @@ fn every_method_over_the_socket() {
     );
 
     // The CLI: pretty result, and a message + non-zero exit on errors.
-    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args(["rpc", "--socket"])
-        .arg(&s.rpc)
-        .args(["get_devices", &json!({"socket": a}).to_string()])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    let out = udrive_ok(&[
+        "rpc",
+        "--socket",
+        s.rpc.to_str().unwrap(),
+        "get_devices",
+        &json!({"socket": a}).to_string(),
+    ]);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v[0]["socket"], a);
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("\n  "),
         "pretty"
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args(["rpc", "--socket"])
-        .arg(&s.rpc)
-        .args([
-            "nvme_remove_namespace",
-            "{\"socket\":\"nope.sock\",\"nsid\":1}",
-        ])
-        .output()
-        .unwrap();
+    let out = udrive(&[
+        "rpc",
+        "--socket",
+        s.rpc.to_str().unwrap(),
+        "nvme_remove_namespace",
+        "{\"socket\":\"nope.sock\",\"nsid\":1}",
+    ]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no device on socket nope.sock"), "{err}");
-    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args(["metrics", "--rpc"])
-        .arg(&s.rpc)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    let out = udrive_ok(&["metrics", "--rpc", s.rpc.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("udrive_reactor_polls_total"));
 
     // SIGTERM: clean exit, control and device sockets removed.
@@ -884,61 +877,52 @@ fn udrive_trace_and_perf_trace_over_the_socket() {
             }
         })
     };
-    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args(["trace", "--time", "1", "--rpc"])
-        .arg(&s.rpc)
-        .output()
-        .unwrap();
+    let out = udrive_ok(&["trace", "--time", "1", "--rpc", s.rpc.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     for w in ["read", "write", "backend", "notify", "total", "p99.9"] {
         assert!(text.contains(w), "{w} missing in\n{text}");
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args(["trace", "--time", "0.5", "--sample", "2", "--json", "--rpc"])
-        .arg(&s.rpc)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    let out = udrive_ok(&[
+        "trace",
+        "--time",
+        "0.5",
+        "--sample",
+        "2",
+        "--json",
+        "--rpc",
+        s.rpc.to_str().unwrap(),
+    ]);
     let b: trace::Breakdown = serde_json::from_slice(&out.stdout).unwrap();
     assert!(b
         .op("read")
         .is_some_and(|o| o.row("total").unwrap().count > 0));
-    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args(["trace", "--time", "0", "--sample", "0", "--rpc"])
-        .arg(&s.rpc)
-        .output()
-        .unwrap();
+    let out = udrive(&[
+        "trace",
+        "--time",
+        "0",
+        "--sample",
+        "0",
+        "--rpc",
+        s.rpc.to_str().unwrap(),
+    ]);
     assert!(!out.status.success(), "--sample 0 refused");
     stop.store(true, Ordering::Relaxed);
     bg.join().unwrap();
 
     // perf --trace --rpc: initiator layers and the server's in one table.
-    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args([
-            "perf",
-            "--time",
-            "0.5",
-            "--rw",
-            "randrw",
-            "--trace",
-            "--vfio-user",
-        ])
-        .arg(&s.nvme)
-        .arg("--rpc")
-        .arg(&s.rpc)
-        .output()
-        .unwrap();
+    let out = udrive_ok(&[
+        "perf",
+        "--time",
+        "0.5",
+        "--rw",
+        "randrw",
+        "--trace",
+        "--vfio-user",
+        s.nvme.to_str().unwrap(),
+        "--rpc",
+        s.rpc.to_str().unwrap(),
+    ]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     for w in ["submit", "reap", "queue", "backend", "notify", "transport"] {
         assert!(text.contains(w), "{w} missing in\n{text}");
     }
@@ -1006,20 +990,18 @@ fn vhost_user_blk_devices_have_stats_and_traces() {
     // `udrive trace` on the vhost-user-blk device while libblkio runs I/O.
     let (out, rep) = std::thread::scope(|sc| {
         let io = sc.spawn(|| blkio_io(&v, 2));
-        let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
-            .args(["trace", "--time", "0.3", "--json", "--device"])
-            .arg(&v)
-            .arg("--rpc")
-            .arg(&s.rpc)
-            .output()
-            .unwrap();
+        let out = udrive_ok(&[
+            "trace",
+            "--time",
+            "0.3",
+            "--json",
+            "--device",
+            v.to_str().unwrap(),
+            "--rpc",
+            s.rpc.to_str().unwrap(),
+        ]);
         (out, io.join().unwrap())
     });
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let b: trace::Breakdown = serde_json::from_slice(&out.stdout).unwrap();
     assert!(
         b.op("write")
@@ -1341,4 +1323,24 @@ fn set_poll_mode_and_placement_while_libblkio_runs() {
         "adaptive"
     );
     blkio_io(&v, 2);
+}
+
+/// Runs the `udrive` binary with `args`.
+fn udrive(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(args)
+        .output()
+        .expect("run udrive")
+}
+
+/// Runs the `udrive` binary with `args`; it must succeed (else its output is shown).
+fn udrive_ok(args: &[&str]) -> std::process::Output {
+    let out = udrive(args);
+    assert!(
+        out.status.success(),
+        "udrive {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
 }
