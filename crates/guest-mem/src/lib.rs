@@ -10,12 +10,14 @@
 //! * [`DmaSlice`] — a bounds-checked window into any of those, with copy and atomic
 //!   accessors. Its lifetime ties it to the snapshot or mapping it came from.
 
+mod fault;
 mod map;
 mod region;
 mod shared;
 mod slice;
 mod space;
 
+pub use fault::{guard_range, repaired_faults, FaultGuard, FaultSignal, MAX_GUARDED_RANGES};
 pub use map::{Access, MemError, MemoryMap};
 pub use region::{MappedRegion, Prot};
 pub use shared::SharedMem;

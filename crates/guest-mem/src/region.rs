@@ -1,7 +1,9 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
+use crate::fault::{FaultGuard, FaultSignal};
 use crate::slice::DmaSlice;
 
 /// Access rights a client granted on a region.
@@ -37,6 +39,8 @@ pub struct MappedRegion {
     len: usize,
     host: NonNull<u8>,
     prot: Prot,
+    /// Client files can shrink under the mapping; see `fault.rs`.
+    guard: Option<FaultGuard>,
 }
 
 // SAFETY: the region is a plain memory mapping; the pointer stays valid until drop and
@@ -47,12 +51,27 @@ unsafe impl Sync for MappedRegion {}
 
 impl MappedRegion {
     /// Maps `len` bytes of `fd` at `fd_offset` (MAP_SHARED) to represent IOVA `iova`.
+    /// A SIGBUS from the file shrinking later is confined to this mapping (it turns
+    /// into zero pages); use [`MappedRegion::map_fd_watched`] to learn of it.
     pub fn map_fd(
         fd: BorrowedFd<'_>,
         fd_offset: u64,
         iova: u64,
         len: u64,
         prot: Prot,
+    ) -> io::Result<Self> {
+        Self::map_fd_watched(fd, fd_offset, iova, len, prot, &FaultSignal::new()?)
+    }
+
+    /// [`MappedRegion::map_fd`], raising `signal` if the file shrinks under the
+    /// mapping. A regular file (memfd, hugetlbfs, /dev/shm) must hold the whole range.
+    pub fn map_fd_watched(
+        fd: BorrowedFd<'_>,
+        fd_offset: u64,
+        iova: u64,
+        len: u64,
+        prot: Prot,
+        signal: &Arc<FaultSignal>,
     ) -> io::Result<Self> {
         let len = check_range(iova, len)?;
         if !fd_offset.is_multiple_of(crate::page_size() as u64) {
@@ -61,6 +80,7 @@ impl MappedRegion {
                 format!("fd offset {fd_offset:#x} is not page aligned"),
             ));
         }
+        check_file_holds(fd, fd_offset, len as u64)?;
         let off = libc::off_t::try_from(fd_offset)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "fd offset too large"))?;
         // SAFETY: a fresh mapping chosen by the kernel (addr NULL) aliases no Rust object;
@@ -78,7 +98,11 @@ impl MappedRegion {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Self::from_raw(iova, len, p, prot))
+        let mut region = Self::from_raw(iova, len, p, prot);
+        // SAFETY: the range is the mapping just made; `Drop` drops the guard before
+        // unmapping it.
+        region.guard = Some(unsafe { crate::fault::guard_range(p.cast(), len, signal) }?);
+        Ok(region)
     }
 
     /// Anonymous private memory at `iova`: for tests and fake guests.
@@ -108,6 +132,7 @@ impl MappedRegion {
             // mmap never returns NULL on success for a NULL hint.
             host: NonNull::new(p.cast()).unwrap_or(NonNull::dangling()),
             prot,
+            guard: None,
         }
     }
 
@@ -142,12 +167,36 @@ impl MappedRegion {
 
 impl Drop for MappedRegion {
     fn drop(&mut self) {
+        // Unregister first: a fault handler must never touch an unmapped range.
+        drop(self.guard.take());
         // SAFETY: host/len describe a mapping we created and nothing borrows it any more
         // (every DmaSlice borrows `self`).
         unsafe {
             libc::munmap(self.host.as_ptr().cast(), self.len);
         }
     }
+}
+
+/// Pages of a regular file past its end SIGBUS on access: refuse such a mapping up
+/// front with a message naming the sizes. Other files (devices) have no usable size.
+fn check_file_holds(fd: BorrowedFd<'_>, off: u64, len: u64) -> io::Result<()> {
+    // SAFETY: fstat fills a plain struct for a valid fd.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Ok(());
+    }
+    let size = st.st_size as u64;
+    if off.checked_add(len).is_none_or(|end| end > size) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("the file holds {size} bytes, fewer than offset {off:#x} + length {len:#x}"),
+        ));
+    }
+    Ok(())
 }
 
 fn check_range(iova: u64, len: u64) -> io::Result<usize> {

@@ -14,7 +14,9 @@ pub struct SharedMem {
 }
 
 impl SharedMem {
-    /// A zero-filled memfd of `len` bytes (rounded up to pages), mapped read-write.
+    /// A zero-filled memfd of `len` bytes (rounded up to pages), mapped read-write,
+    /// and sealed so that the peer we hand it to can neither shrink it (which would
+    /// SIGBUS our accesses) nor grow it, nor lift the seals.
     pub fn new(name: &str, len: u64) -> io::Result<Self> {
         let page = crate::page_size() as u64;
         let len = len
@@ -24,7 +26,9 @@ impl SharedMem {
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "bad shared memory size"))?;
         let cname = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: memfd_create with a valid NUL-terminated name; result checked.
-        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -34,6 +38,11 @@ impl SharedMem {
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))?;
         // SAFETY: valid fd; plain syscall.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), flen) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: fcntl on our own fd with an integer argument.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
             return Err(io::Error::last_os_error());
         }
         let map = MappedRegion::map_fd(fd.as_fd(), 0, 0, len, Prot::RW)?;
@@ -77,5 +86,19 @@ mod tests {
         let b = MappedRegion::map_fd(a.fd(), 0, 0, a.len(), Prot::RW).unwrap();
         a.all().store_u32(8, 0xdead_beef).unwrap();
         assert_eq!(b.slice(8, 4).unwrap().load_u32(0), Some(0xdead_beef));
+    }
+
+    #[test]
+    fn the_peer_cannot_resize_or_unseal() {
+        let a = SharedMem::new("t", 8192).unwrap();
+        // A peer gets the same file through the fd it was sent; try as it would.
+        let fd = a.fd().as_raw_fd();
+        // SAFETY: plain syscalls on our own fd.
+        unsafe {
+            assert!(libc::ftruncate(fd, 0) < 0, "shrink refused");
+            assert!(libc::ftruncate(fd, 1 << 20) < 0, "grow refused");
+            assert!(libc::fcntl(fd, libc::F_ADD_SEALS, 0) < 0, "seals sealed");
+        }
+        assert_eq!(a.all().load_u32(4096), Some(0));
     }
 }

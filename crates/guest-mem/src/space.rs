@@ -2,6 +2,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::fault::FaultSignal;
 use crate::map::MemoryMap;
 
 /// A client's current DMA memory map, changed by the control path and read by
@@ -11,15 +12,34 @@ use crate::map::MemoryMap;
 /// Removing memory is safe against in-flight I/O: [`DmaSpace::update`] returns the
 /// old snapshot, and [`DmaSpace::wait_released`] waits until every view has moved to
 /// the new one (dropping the last reference unmaps regions that are gone).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct DmaSpace {
     generation: AtomicU64,
     current: Mutex<Arc<MemoryMap>>,
+    /// Raised when a file behind one of the client's regions shrank under us.
+    fault: Arc<FaultSignal>,
 }
 
 impl DmaSpace {
+    /// # Panics
+    /// When no eventfd can be created (descriptor limit reached at device setup);
+    /// use [`DmaSpace::try_new`] to handle that.
     pub fn new() -> Arc<DmaSpace> {
-        Arc::new(DmaSpace::default())
+        Self::try_new().expect("cannot create an eventfd for a DMA space")
+    }
+
+    pub fn try_new() -> std::io::Result<Arc<DmaSpace>> {
+        Ok(Arc::new(DmaSpace {
+            generation: AtomicU64::new(0),
+            current: Mutex::default(),
+            fault: FaultSignal::new()?,
+        }))
+    }
+
+    /// What client regions should be mapped with ([`crate::MappedRegion::map_fd_watched`]),
+    /// and what the client's control thread polls to learn of a fault.
+    pub fn fault_signal(&self) -> &Arc<FaultSignal> {
+        &self.fault
     }
 
     pub fn generation(&self) -> u64 {

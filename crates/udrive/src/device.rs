@@ -101,7 +101,7 @@ impl NvmeDevice {
             .into_iter()
             .map(|d| Some(d as Arc<dyn BlockDevice>))
             .collect();
-        let mem = DmaSpace::new();
+        let mem = DmaSpace::try_new()?;
         let nvme_cfg = nvme::ControllerConfig {
             serial: cfg.serial(),
             model: "udrive NVMe".into(),

@@ -923,3 +923,58 @@ fn vfio_dma_map_with_missing_or_bad_fds() {
         assert!(c.device_info().is_ok(), "connection survives");
     });
 }
+
+// ---- client files that shrink -------------------------------------------------------
+
+/// A client truncates a file it mapped with DMA_MAP while a command reads it: the
+/// access that faults reads zeroes instead of killing the process, the client is
+/// disconnected, and the controller serves the next client.
+#[test]
+fn dma_mapped_file_truncated_under_io() {
+    let by = bystander();
+    by.check();
+    let dev = TestDev::start("shrink", &["ram:16M"]);
+    {
+        let d = dev.connect();
+        // Unsealed, like QEMU's memory-backend-file.
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(64 << 10).unwrap();
+        let xi = 0x2_0000_0000;
+        use std::os::fd::AsFd;
+        d.client()
+            .dma_map(file.as_fd(), 0, xi, 64 << 10, Prot::RW)
+            .unwrap();
+        let mut qp = d.create_qpair(16, false).unwrap();
+        assert_ok(&raw(&mut qp, rw_prp(WRITE, 1, 10, 8, xi, 0)), "write");
+        file.set_len(0).unwrap();
+        let before = guest_mem::repaired_faults();
+        // The data of this write now lies past the end of the file.
+        let _ = qp.submit(rw_prp(WRITE, 1, 10, 8, xi, 0));
+        let _ = qp.ring();
+        wait_until("the fault is repaired", Duration::from_secs(10), || {
+            guest_mem::repaired_faults() > before
+        });
+        wait_until("the client is dropped", Duration::from_secs(10), || {
+            d.client().device_info().is_err()
+        });
+    }
+    dev.check_fresh_client(91);
+    by.check();
+}
+
+/// The doorbell page udrive shares is sealed: a client cannot shrink it.
+#[test]
+fn doorbell_memfd_cannot_be_truncated() {
+    let dev = TestDev::start("bar0seal", &["ram:1M"]);
+    let mut c = client(&dev);
+    let info = c.region_info(proto::PCI_BAR0_REGION).unwrap();
+    let fd = info.fd.expect("BAR0 comes with its doorbell fd");
+    let f = std::fs::File::from(fd);
+    assert!(
+        f.set_len(0).is_err(),
+        "shrinking the doorbell page is refused"
+    );
+    assert!(f.set_len(1 << 20).is_err(), "growing it too");
+    drop(c);
+    dev.check_fresh_client(92);
+}

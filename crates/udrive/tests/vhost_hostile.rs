@@ -52,9 +52,48 @@ fn start_on(dir: &Path, name: &str, disk: &str) -> VhostUserBlk {
     vhost_device::open_and_start(&cfg, &engine(), 1).unwrap()
 }
 
+/// A test guest's RAM: a sealed memfd (QEMU's memory-backend-memfd) or a plain
+/// file that the guest's VMM can shrink (memory-backend-file).
+enum GuestRam {
+    Sealed(SharedMem),
+    File(std::fs::File, guest_mem::MappedRegion),
+}
+
+impl From<SharedMem> for GuestRam {
+    fn from(m: SharedMem) -> GuestRam {
+        GuestRam::Sealed(m)
+    }
+}
+
+impl GuestRam {
+    fn file(len: u64) -> GuestRam {
+        use std::os::fd::AsFd;
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(len).unwrap();
+        let map =
+            guest_mem::MappedRegion::map_fd(f.as_fd(), 0, 0, len, guest_mem::Prot::RW).unwrap();
+        GuestRam::File(f, map)
+    }
+
+    fn all(&self) -> guest_mem::DmaSlice<'_> {
+        match self {
+            GuestRam::Sealed(m) => m.all(),
+            GuestRam::File(_, map) => map.slice(0, map.len() as usize).unwrap(),
+        }
+    }
+
+    fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        match self {
+            GuestRam::Sealed(m) => m.fd(),
+            GuestRam::File(f, _) => f.as_fd(),
+        }
+    }
+}
+
 struct Raw {
     fe: Frontend,
-    mem: SharedMem,
+    mem: GuestRam,
     next_desc: u16,
     avail: u16,
     _kick: EventFd,
@@ -70,7 +109,7 @@ impl Raw {
     /// Connects with guest memory `mem`. `resume`: rings already hold requests; start
     /// at this avail index (what QEMU does after a backend disconnect: the used index)
     /// instead of zeroing the rings.
-    fn connect_with(sock: &Path, mem: SharedMem, resume: Option<(u16, u16)>) -> Raw {
+    fn connect_with(sock: &Path, mem: impl Into<GuestRam>, resume: Option<(u16, u16)>) -> Raw {
         Self::connect_log(sock, mem, resume, None)
     }
 
@@ -78,10 +117,11 @@ impl Raw {
     /// device that inflight area (SET_INFLIGHT_FD) before the rings start.
     fn connect_log(
         sock: &Path,
-        mem: SharedMem,
+        mem: impl Into<GuestRam>,
         resume: Option<(u16, u16)>,
         log: Option<&std::fs::File>,
     ) -> Raw {
+        let mem = mem.into();
         let mut fe = Frontend::connect(sock, 1).expect("connect");
         fe.set_owner().unwrap();
         let f = fe.get_features().unwrap();
@@ -527,7 +567,7 @@ fn restart_resubmits_inflight_requests_once() {
     mem.all().fill(0);
     let r = Raw {
         fe: Frontend::connect(&sock, 1).unwrap(),
-        mem,
+        mem: mem.into(),
         next_desc: 0,
         avail: 0,
         _kick: EventFd::new(0).unwrap(),
@@ -615,7 +655,7 @@ fn hostile_inflight_area() {
     let mem = SharedMem::new("inflight-hostile", MEM).unwrap();
     let r = Raw {
         fe: Frontend::connect(&sock, 1).unwrap(),
-        mem,
+        mem: mem.into(),
         next_desc: 0,
         avail: 0,
         _kick: EventFd::new(0).unwrap(),
@@ -781,4 +821,71 @@ fn sigkill_with_requests_in_flight() {
             "block {i}"
         );
     }
+}
+
+/// A front end whose guest RAM is a plain file (memory-backend-file): a region
+/// larger than its file is refused; shrinking the file under a running queue costs
+/// that front end its connection, never the process; the device and a bystander
+/// keep serving.
+#[test]
+fn front_end_shrinks_its_memory_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let victim = start(dir.path(), "victim.sock");
+    let bystander = start(dir.path(), "bystander.sock");
+    let vs = dir.path().join("victim.sock");
+    let bs = dir.path().join("bystander.sock");
+
+    // 1. A 4 KiB file offered as 1 MiB of guest RAM.
+    {
+        let small = tempfile::tempfile().unwrap();
+        small.set_len(4096).unwrap();
+        let ram = GuestRam::file(MEM);
+        let mut fe = Frontend::connect(&vs, 1).expect("connect");
+        fe.set_owner().unwrap();
+        let want = (1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        fe.get_features().unwrap();
+        fe.set_features(want).unwrap();
+        let pf = fe.get_protocol_features().unwrap();
+        fe.set_protocol_features(pf & VhostUserProtocolFeatures::REPLY_ACK)
+            .unwrap();
+        fe.set_hdr_flags(vhost::vhost_user::message::VhostUserHeaderFlag::NEED_REPLY);
+        let region = VhostUserMemoryRegionInfo {
+            guest_phys_addr: 0,
+            memory_size: MEM,
+            userspace_addr: ram.all().as_ptr() as u64,
+            mmap_offset: 0,
+            mmap_handle: small.as_raw_fd(),
+        };
+        assert!(fe.set_mem_table(&[region]).is_err(), "short file refused");
+    }
+
+    // 2. A file shrunk while the queue runs.
+    let mut r = Raw::connect_with(&vs, GuestRam::file(MEM), None);
+    let hdr = (HDR, 16, false);
+    let st = (STATUS, 1, true);
+    r.put(DATA, &[0x42; 512]);
+    r.header(T_OUT, 3);
+    assert_eq!(r.request(&[hdr, (DATA, 512, false), st]), 0);
+    let before = guest_mem::repaired_faults();
+    if let GuestRam::File(f, _) = &r.mem {
+        f.set_len(0).unwrap();
+    }
+    // Our own next write into the ring faults too (and is repaired in this test
+    // process): the kick makes the device read a ring that is no longer there.
+    r._kick.write(1).unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while victim.connected() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        guest_mem::repaired_faults() > before,
+        "the fault was repaired"
+    );
+    assert!(!victim.connected(), "the front end lost its connection");
+    drop(r);
+
+    blkio_round(&vs, 0x55);
+    blkio_round(&bs, 0x66);
+    victim.stop();
+    bystander.stop();
 }

@@ -156,7 +156,7 @@ fn run(
                 Some(c) => c.stream.as_fd(),
                 None => listener.as_fd(),
             };
-            let fds = [stop_rx.as_fd(), second];
+            let fds = [stop_rx.as_fd(), second, dev.mem.fault_signal().wake_fd()];
             match crate::sock::poll_in(&fds, -1) {
                 Ok(r) => r,
                 Err(e) => {
@@ -168,6 +168,21 @@ fn run(
         };
         if ready[0] {
             break;
+        }
+        if ready[2] && dev.mem.fault_signal().take() {
+            // The client shrank a file it had mapped to us; its pages now read as
+            // zeroes. Its session cannot continue: drop it and reset the device for
+            // the next client.
+            tracing::error!(
+                "vfio-user {name}: the client truncated memory it shared with DMA_MAP \
+                 while it was in use; disconnecting it and resetting the device"
+            );
+            if conn.is_some() {
+                end_client(&mut dev, conn.take());
+                set_active(None);
+            }
+            dev.reset();
+            continue;
         }
         if !ready[1] {
             continue;

@@ -2,20 +2,24 @@
 //! hands the vrings of each connection to the queue pollers.
 
 use std::io;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use engine::{PollMode, Waker};
+use guest_mem::FaultSignal;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringMutex, VringT};
 use virtio_blk::{BlkConfig, Mem};
-use vm_memory::GuestMemoryAtomic;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
+
+use crate::guarded::GuardedMem;
 
 pub(crate) type Gm = GuestMemoryAtomic<Mem>;
 pub(crate) type Vring = VringMutex<Gm>;
@@ -26,6 +30,37 @@ pub(crate) struct Conn {
     pub vrings: Mutex<Option<Vec<Vring>>>,
     /// The inflight log the front end handed us with SET_INFLIGHT_FD.
     pub inflight: Mutex<Option<crate::inflight::Region>>,
+    /// Which of `mem`'s snapshots are safe against the front end shrinking its files.
+    pub guarded: GuardedMem,
+    /// The front end's socket, to end the connection from a poller.
+    pub front: Mutex<Option<UnixStream>>,
+}
+
+impl Conn {
+    pub fn new() -> io::Result<Conn> {
+        let mem = GuestMemoryAtomic::new(Mem::default());
+        let guarded = GuardedMem::new(FaultSignal::new()?, mem.memory().into_inner());
+        Ok(Conn {
+            mem,
+            vrings: Mutex::new(None),
+            inflight: Mutex::new(None),
+            guarded,
+            front: Mutex::new(None),
+        })
+    }
+
+    /// Ends the connection (the relay sees the socket shut down and the daemon
+    /// stops); the device then waits for the next front end as after any disconnect.
+    pub fn disconnect(&self) {
+        if let Some(s) = self
+            .front
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
 }
 
 /// Per-queue state shared between the vhost-user threads and the queue's poller.
@@ -152,10 +187,13 @@ impl VhostUserBackend for BlkBackend {
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
     }
 
-    fn update_memory(&self, _mem: Gm) -> io::Result<()> {
+    fn update_memory(&self, mem: Gm) -> io::Result<()> {
         // The handler replaced the snapshot inside the GuestMemoryAtomic we share
-        // with the pollers; requests in flight keep the old one alive.
-        Ok(())
+        // with the pollers (requests in flight keep the old one alive); they start
+        // using it once its regions are guarded.
+        self.conn.guarded.sync(mem.memory().into_inner()).inspect_err(|e| {
+            tracing::error!(error = %e, "cannot guard the front end's new memory table; its queues stay stopped");
+        })
     }
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {

@@ -14,8 +14,7 @@ use engine::{Engine, PollMode, PollerId};
 use trace::{Mailbox, TraceControl};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
-use virtio_blk::{BlkConfig, DeviceOptions, Mem, QueueWorker};
-use vm_memory::GuestMemoryAtomic;
+use virtio_blk::{BlkConfig, DeviceOptions, QueueWorker};
 
 use crate::backend::{BlkBackend, Conn, QueueCtl, Shared};
 use crate::poller::VirtqPoller;
@@ -260,11 +259,14 @@ fn serve(
     socket: &Path,
 ) {
     while !stop.load(Ordering::SeqCst) {
-        let conn = Arc::new(Conn {
-            mem: GuestMemoryAtomic::new(Mem::default()),
-            vrings: Mutex::new(None),
-            inflight: Mutex::new(None),
-        });
+        let conn = match Conn::new() {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                tracing::error!(socket = %socket.display(), error = %e, "cannot set up a vhost-user connection");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
         let backend = BlkBackend {
             shared: shared.clone(),
             conn: conn.clone(),
@@ -286,6 +288,7 @@ fn serve(
                 continue;
             }
         };
+        *lock(&conn.front) = front.try_clone().ok();
         // vhost-user-backend's handler sits behind our relay (see proxy.rs), reached
         // over a private socket.
         let relay = match inner_pair().and_then(|(mut inner, back, dir)| {

@@ -6,7 +6,7 @@ use std::io;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
-use guest_mem::{MappedRegion, Prot, SharedMem};
+use guest_mem::{FaultSignal, MappedRegion, Prot, SharedMem};
 use virtio_blk::{queue_region_size, InflightMem, InflightQueue};
 
 /// Bounds on what a front end may ask for (QEMU: num-queues ≤ 1024, queue sizes
@@ -44,14 +44,16 @@ impl Region {
         Ok((mem, size))
     }
 
-    /// Maps the area a front end handed back with SET_INFLIGHT_FD.
+    /// Maps the area a front end handed back with SET_INFLIGHT_FD; `signal` is
+    /// raised if the front end shrinks the file afterwards.
     pub fn map(
         file: &File,
-        mmap_size: u64,
-        mmap_offset: u64,
+        req: (u64, u64),
         num_queues: u16,
         queue_size: u16,
+        signal: &Arc<FaultSignal>,
     ) -> io::Result<Region> {
+        let (mmap_size, mmap_offset) = req;
         let need = area_size(num_queues, queue_size)?;
         if mmap_size < need {
             return Err(invalid(format!(
@@ -59,14 +61,9 @@ impl Region {
                  {num_queues} queues of {queue_size} entries need"
             )));
         }
-        // Mapping past the end of the file would turn accesses into SIGBUS.
-        let flen = file.metadata()?.len();
-        if mmap_offset.checked_add(need).is_none_or(|end| end > flen) {
-            return Err(invalid(format!(
-                "inflight fd holds {flen} bytes, fewer than offset {mmap_offset} + {need}"
-            )));
-        }
-        let map = MappedRegion::map_fd(file.as_fd(), mmap_offset, 0, need, Prot::RW)?;
+        // Refuses an area past the end of the file (its pages would SIGBUS).
+        let map =
+            MappedRegion::map_fd_watched(file.as_fd(), mmap_offset, 0, need, Prot::RW, signal)?;
         Ok(Region {
             mem: Arc::new(InflightMem::Mapped(map)),
             queue_size,

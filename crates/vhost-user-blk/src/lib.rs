@@ -9,6 +9,7 @@
 
 mod backend;
 mod device;
+mod guarded;
 mod inflight;
 mod poller;
 mod proxy;

@@ -26,6 +26,8 @@ pub(crate) struct VirtqPoller {
     stops: u64,
     /// The rings were (re)started: consult the inflight log before taking chains.
     recover: bool,
+    /// The current connection's memory faulted and it is being disconnected.
+    faulted: bool,
 }
 
 impl VirtqPoller {
@@ -40,6 +42,7 @@ impl VirtqPoller {
             quiet: false,
             stops: 0,
             recover: true,
+            faulted: false,
         }
     }
 
@@ -59,6 +62,7 @@ impl VirtqPoller {
         self.worker.reset();
         self.quiet = false;
         self.recover = true;
+        self.faulted = false;
     }
 }
 
@@ -70,8 +74,28 @@ impl Poller for VirtqPoller {
             self.worker.finish_poll(|| false);
             return 0;
         };
+        if conn.guarded.signal.faulted() {
+            // The front end shrank a file it shares with us (its pages now read as
+            // zeroes): end its connection; the next one starts clean.
+            if !self.faulted {
+                self.faulted = true;
+                tracing::error!(
+                    queue = self.index,
+                    "the vhost-user front end truncated memory it shares with us while \
+                     it was in use; disconnecting it"
+                );
+                conn.disconnect();
+            }
+            self.worker.finish_poll(|| false);
+            return 0;
+        }
         {
             let g = conn.mem.memory();
+            if !conn.guarded.is_guarded(&g) {
+                // A new memory table is being installed: wait until it is guarded.
+                self.worker.finish_poll(|| false);
+                return 0;
+            }
             if !std::ptr::eq(&*g, &*self.mem) {
                 self.mem = g.into_inner();
             }
@@ -114,10 +138,10 @@ impl Poller for VirtqPoller {
         // Buffers are translated with the snapshot taken after the avail index read
         // (see `process_with`): the one loaded above may predate an ADD_MEM_REG whose
         // buffers the first requests of a connection already point into.
-        let atomic = &conn.mem;
+        let (atomic, guarded) = (&conn.mem, &conn.guarded);
         let mut latest = |m: &mut Arc<Mem>| {
             let g = atomic.memory();
-            if !std::ptr::eq(&*g, &**m) {
+            if !std::ptr::eq(&*g, &**m) && guarded.is_guarded(&g) {
                 *m = g.into_inner();
             }
         };

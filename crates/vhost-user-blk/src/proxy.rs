@@ -25,7 +25,9 @@ const HDR: usize = 12;
 /// config, a 32-region log); anything bigger ends the connection.
 const MAX_BODY: usize = 64 * 1024;
 const MAX_FDS: usize = 32;
+const SET_MEM_TABLE: u32 = 5;
 const GET_INFLIGHT_FD: u32 = 31;
+const ADD_MEM_REG: u32 = 37;
 const SET_INFLIGHT_FD: u32 = 32;
 const F_VERSION: u32 = 0x1;
 const F_REPLY: u32 = 0x4;
@@ -185,10 +187,10 @@ fn handle(msg: Msg, front: &Mutex<UnixStream>, conn: &Conn) -> io::Result<Option
             let res = match msg.files.first() {
                 Some(f) => Region::map(
                     f,
-                    req.mmap_size,
-                    req.mmap_offset,
+                    (req.mmap_size, req.mmap_offset),
                     req.num_queues,
                     req.queue_size,
+                    &conn.guarded.signal,
                 ),
                 None => Err(bad("SET_INFLIGHT_FD without a file descriptor")),
             };
@@ -209,8 +211,62 @@ fn handle(msg: Msg, front: &Mutex<UnixStream>, conn: &Conn) -> io::Result<Option
             }
             Ok(None)
         }
+        SET_MEM_TABLE | ADD_MEM_REG => match check_mem_files(&msg) {
+            Ok(()) => Ok(Some(msg)),
+            Err(e) => {
+                tracing::warn!(error = %e, "vhost-user memory region refused");
+                if msg.flags() & F_NEED_REPLY == 0 {
+                    // The front end expects no answer and would go on with memory we
+                    // do not have: end the connection instead.
+                    return Err(e);
+                }
+                let v: u64 = 1;
+                send(front, &reply_hdr(msg.request(), 8), &v.to_le_bytes(), &[])?;
+                Ok(None)
+            }
+        },
         _ => Ok(Some(msg)),
     }
+}
+
+/// A memory region descriptor: guest address, size, user address, mmap offset.
+const REGION_LEN: usize = 32;
+
+/// Refuses regions that lie past the end of their file: vm-memory would map them
+/// and the first access there would SIGBUS. (A file shrunk later is caught by the
+/// fault guard, see `guarded.rs`.)
+fn check_mem_files(msg: &Msg) -> io::Result<()> {
+    let (count, table) = match msg.request() {
+        SET_MEM_TABLE => {
+            let n = msg
+                .body
+                .get(0..4)
+                .ok_or_else(|| bad("short memory table"))?;
+            let n = u32::from_le_bytes(n.try_into().unwrap_or_default()) as usize;
+            (n, msg.body.get(8..).unwrap_or_default())
+        }
+        _ => (1, msg.body.get(8..).unwrap_or_default()),
+    };
+    if count != msg.files.len() || table.len() < count.saturating_mul(REGION_LEN) {
+        return Err(bad("memory table does not match its file descriptors"));
+    }
+    for (i, (f, r)) in msg
+        .files
+        .iter()
+        .zip(table.chunks_exact(REGION_LEN))
+        .enumerate()
+    {
+        let u64_at = |o: usize| u64::from_le_bytes(r[o..o + 8].try_into().unwrap_or_default());
+        let (size, offset) = (u64_at(8), u64_at(24));
+        let meta = f.metadata()?;
+        if meta.is_file() && offset.checked_add(size).is_none_or(|end| end > meta.len()) {
+            return Err(bad(&format!(
+                "memory region {i}: its file holds {} bytes, fewer than offset {offset:#x} + size {size:#x}",
+                meta.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Relays until either side hangs up, then shuts both down.
