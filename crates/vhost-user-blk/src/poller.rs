@@ -93,6 +93,10 @@ impl Poller for VirtqPoller {
             let g = conn.mem.memory();
             if !conn.guarded.is_guarded(&g) {
                 // A new memory table is being installed: wait until it is guarded.
+                // Every guest-memory access of this poller (the vring helpers of
+                // vhost-user-backend included, which would read the newest
+                // snapshot) goes through `self.mem`, so none touches memory that a
+                // shrinking file could turn into an unrecoverable SIGBUS.
                 self.worker.finish_poll(|| false);
                 return 0;
             }
@@ -132,7 +136,7 @@ impl Poller for VirtqPoller {
         if pop && !self.quiet {
             // Polling: ask the guest not to kick (no-op with EVENT_IDX beyond not
             // moving avail_event, which is what suppresses kicks there).
-            let _ = st.disable_notification();
+            let _ = st.get_queue_mut().disable_notification(&*self.mem);
             self.quiet = true;
         }
         // Buffers are translated with the snapshot taken after the avail index read
@@ -150,7 +154,9 @@ impl Poller for VirtqPoller {
             .process_with(st.get_queue_mut(), &mut self.mem, &mut latest, pop);
         // With EVENT_IDX the guest may not want this interrupt: then `notify` is 0.
         self.worker.finish_poll(|| {
-            p.used > 0 && st.needs_notification().unwrap_or(true) && st.signal_used_queue().is_ok()
+            p.used > 0
+                && st.get_queue_mut().needs_notification(&*self.mem).unwrap_or(true)
+                && st.signal_used_queue().is_ok()
         });
         self.shared.queues[self.index]
             .in_flight
@@ -181,7 +187,10 @@ impl Poller for VirtqPoller {
             return true;
         }
         self.quiet = false;
-        // Re-enable kicks; if the guest added work meanwhile, stay awake.
-        !st.enable_notification().unwrap_or(true)
+        // Re-enable kicks; if the guest added work meanwhile, stay awake. (Through
+        // our snapshot, not the vring's: see the guarded-memory note in `poll`.)
+        !st.get_queue_mut()
+            .enable_notification(&*self.mem)
+            .unwrap_or(true)
     }
 }
