@@ -331,4 +331,56 @@ mod tests {
             drop(g);
         }
     }
+
+    /// The child half of `a_fault_outside_client_memory_still_kills`.
+    #[test]
+    #[ignore = "run by a_fault_outside_client_memory_still_kills in a child process"]
+    fn child_faults_outside_guarded_memory() {
+        let page = crate::page_size();
+        let sig = FaultSignal::new().unwrap();
+        let fd = memfd(page as i64);
+        // The handler is installed (one guarded mapping exists) ...
+        let _guarded =
+            MappedRegion::map_fd_watched(fd.as_fd(), 0, 0, page as u64, Prot::RW, &sig).unwrap();
+        let other = memfd(page as i64);
+        // SAFETY: a fresh shared mapping of our own memfd, not registered anywhere.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                page,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                other.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        // SAFETY: shrinking our own memfd.
+        assert_eq!(unsafe { libc::ftruncate(other.as_raw_fd(), 0) }, 0);
+        // ... but this mapping is not client memory: the read must kill us.
+        // SAFETY: p is mapped (reading it faults, which is the point).
+        let v = unsafe { std::ptr::read_volatile(p.cast::<u8>()) };
+        println!("survived with {v}");
+    }
+
+    #[test]
+    fn a_fault_outside_client_memory_still_kills() {
+        use std::os::unix::process::ExitStatusExt;
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "fault::tests::child_faults_outside_guarded_memory",
+                "--nocapture",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGBUS),
+            "child: {:?} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
 }

@@ -155,7 +155,10 @@ impl Poller for VirtqPoller {
         // With EVENT_IDX the guest may not want this interrupt: then `notify` is 0.
         self.worker.finish_poll(|| {
             p.used > 0
-                && st.get_queue_mut().needs_notification(&*self.mem).unwrap_or(true)
+                && st
+                    .get_queue_mut()
+                    .needs_notification(&*self.mem)
+                    .unwrap_or(true)
                 && st.signal_used_queue().is_ok()
         });
         self.shared.queues[self.index]
