@@ -889,3 +889,40 @@ fn front_end_shrinks_its_memory_file() {
     victim.stop();
     bystander.stop();
 }
+
+/// SET_INFLIGHT_FD with the front end's own (unsealed) file, truncated while the
+/// queue logs requests in it: that front end loses its connection, the device serves
+/// the next one. (The area udrive hands out itself is sealed: it cannot shrink.)
+#[test]
+fn front_end_shrinks_its_inflight_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let victim = start(dir.path(), "victim.sock");
+    let vs = dir.path().join("victim.sock");
+    let sealed = get_inflight_area(&vs);
+    assert!(sealed.set_len(0).is_err(), "our inflight memfd is sealed");
+    let log = tempfile::tempfile().unwrap();
+    log.set_len(sealed.metadata().unwrap().len()).unwrap();
+    drop(sealed);
+
+    let mut r = Raw::connect_log(&vs, SharedMem::new("g", MEM).unwrap(), None, Some(&log));
+    let hdr = (HDR, 16, false);
+    let st = (STATUS, 1, true);
+    r.put(DATA, &[0x17; 512]);
+    r.header(T_OUT, 1);
+    assert_eq!(r.request(&[hdr, (DATA, 512, false), st]), 0);
+    let before = guest_mem::repaired_faults();
+    log.set_len(0).unwrap();
+    r.push(&[hdr, (DATA, 512, false), st]);
+    let until = Instant::now() + Duration::from_secs(10);
+    while victim.connected() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        guest_mem::repaired_faults() > before,
+        "the fault was repaired"
+    );
+    assert!(!victim.connected(), "the front end lost its connection");
+    drop(r);
+    blkio_round(&vs, 0x77);
+    victim.stop();
+}
