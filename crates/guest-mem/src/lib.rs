@@ -12,6 +12,7 @@
 
 mod fault;
 mod map;
+mod pins;
 mod region;
 mod shared;
 mod slice;
@@ -19,6 +20,7 @@ mod space;
 
 pub use fault::{guard_range, repaired_faults, FaultGuard, FaultSignal, MAX_GUARDED_RANGES};
 pub use map::{Access, MemError, MemoryMap};
+pub use pins::{MemPins, Pin};
 pub use region::{MappedRegion, Prot};
 pub use shared::SharedMem;
 pub use slice::{DmaSlice, OutOfBounds};

@@ -128,6 +128,18 @@ impl MemView {
         &self.map
     }
 
+    /// The map as of the last refresh, to keep it alive (see [`crate::MemPins`]).
+    #[inline]
+    pub fn map_arc(&self) -> &Arc<MemoryMap> {
+        &self.map
+    }
+
+    /// Generation of the map as of the last refresh.
+    #[inline]
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     pub fn space(&self) -> &Arc<DmaSpace> {
         &self.space
     }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bdev::{BlockDevice, IoChannel, IoOp, IoRequest, IoStatus};
 use crossbeam_channel::Sender;
-use guest_mem::{Access, DmaSlice, DmaSpace, MemView, MemoryMap};
+use guest_mem::{Access, DmaSlice, DmaSpace, MemPins, MemView, MemoryMap, Pin};
 use smallvec::SmallVec;
 use trace::{OpClass, QueueRecorder, Stamps};
 
@@ -55,6 +55,9 @@ struct Slot {
     segs: (u16, u16),
     /// Trace stamps; `kick == 0` when this command is not traced.
     stamps: Stamps,
+    /// Keeps the memory map this command was translated against while the backend
+    /// has it.
+    pin: Pin,
 }
 
 pub(crate) struct IoSq {
@@ -101,6 +104,8 @@ pub(crate) struct QueueGroup {
     pub shadow: Option<Shadow>,
     pub counters: Arc<Counters>,
     inflight: u32,
+    /// The memory snapshots commands in flight were translated against.
+    pins: MemPins,
     /// Metrics and trace data of this group (owned by the polling thread).
     pub rec: QueueRecorder,
 }
@@ -202,6 +207,7 @@ impl QueueGroup {
             shadow,
             counters: Arc::new(Counters::default()),
             inflight: 0,
+            pins: MemPins::with_capacity(4),
             rec,
         }))
     }
@@ -272,6 +278,16 @@ impl QueueGroup {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
+        if self.inflight == 0 {
+            self.pins.clear();
+        } else {
+            // Their memory stays mapped: a late completion must not write into
+            // memory the client was told it got back.
+            tracing::warn!(
+                requests = self.inflight,
+                "backend requests did not complete within 5 s; dropping them"
+            );
+        }
         self.inflight = 0;
         self.retiring.clear();
         for c in self.ns.iter_mut().flatten() {
@@ -300,6 +316,7 @@ impl QueueGroup {
             shadow,
             counters,
             inflight,
+            pins,
             rec,
         } = self;
         let shared: &Shared = shared;
@@ -307,10 +324,9 @@ impl QueueGroup {
             return 0;
         }
         rec.begin_poll();
-        // Keep the old snapshot while backends may still write into it.
-        if *inflight == 0 {
-            view.refresh();
-        }
+        // Commands in flight keep the snapshots they use pinned (`pins`), so the view
+        // moves on as soon as the client changes its map.
+        view.refresh();
         let view: &MemView = view;
         let map = view.map();
         let page = shared.doorbells.all();
@@ -335,7 +351,8 @@ impl QueueGroup {
                 let mut k = 0u32;
                 c.chan.poll(&mut |tag, st| {
                     k += 1;
-                    if complete(sqs, cq, &cq_ring, counters, rec, shared, inflight, tag, st) {
+                    let done = (&mut *inflight, &mut *pins);
+                    if complete(sqs, cq, &cq_ring, counters, rec, shared, done, tag, st) {
                         posted += 1;
                     }
                 });
@@ -361,7 +378,7 @@ impl QueueGroup {
             }
             // The map may have changed after the refresh above but before the host
             // rang (e.g. DMA_MAP, then a command using it): take the new one first.
-            if *inflight == 0 && !view.is_current() {
+            if !view.is_current() {
                 return work + posted;
             }
             if shadow.is_some() {
@@ -394,8 +411,9 @@ impl QueueGroup {
                 // to the backend first.
                 if !batch.is_empty() && (!rw || batch.len() == BATCH || !iov.has_room()) {
                     submitted = true;
+                    let pending = (&mut *inflight, &mut *pins, view);
                     let Some(n) = submit_batch(
-                        sq, &batch, &iov, ns, cq, &cq_ring, counters, rec, shared, inflight,
+                        sq, &batch, &iov, ns, cq, &cq_ring, counters, rec, shared, pending,
                     ) else {
                         return work + posted;
                     };
@@ -436,6 +454,7 @@ impl QueueGroup {
                         Exec::Pending(n) => {
                             submitted = true;
                             slot.pending = n;
+                            slot.pin = pins.pin(view);
                             *inflight += 1;
                             None
                         }
@@ -453,8 +472,9 @@ impl QueueGroup {
             }
             if !batch.is_empty() {
                 submitted = true;
+                let pending = (&mut *inflight, &mut *pins, view);
                 let Some(n) = submit_batch(
-                    sq, &batch, &iov, ns, cq, &cq_ring, counters, rec, shared, inflight,
+                    sq, &batch, &iov, ns, cq, &cq_ring, counters, rec, shared, pending,
                 ) else {
                     return work + posted;
                 };
@@ -502,7 +522,7 @@ fn complete(
     counters: &Counters,
     rec: &mut QueueRecorder,
     shared: &Shared,
-    inflight: &mut u32,
+    (inflight, pins): (&mut u32, &mut MemPins),
     tag: u64,
     st: IoStatus,
 ) -> bool {
@@ -528,6 +548,7 @@ fn complete(
         return false;
     }
     *inflight = inflight.saturating_sub(1);
+    pins.unpin(slot.pin);
     sq.free.push(idx);
     let status = slot.status;
     account(counters, rec, shared, qid, slot, status);
@@ -557,7 +578,7 @@ fn submit_batch(
     counters: &Counters,
     rec: &mut QueueRecorder,
     shared: &Shared,
-    inflight: &mut u32,
+    (inflight, pins, view): (&mut u32, &mut MemPins, &MemView),
 ) -> Option<usize> {
     let qid = sq.ring.qid;
     // The last clock read, if it was taken right after the previous submit call.
@@ -596,6 +617,7 @@ fn submit_batch(
             }
             None => {
                 slot.pending = 1;
+                slot.pin = pins.pin(view);
                 c.inflight += 1;
                 *inflight += 1;
             }
