@@ -96,10 +96,7 @@ impl Load {
 
 #[test]
 fn dma_map_and_unmap_under_sustained_load() {
-    let dev = TestDev::start(
-        "load",
-        &[&format!("ram:16M,fault_latency_us={LATENCY_US}")],
-    );
+    let dev = TestDev::start("load", &[&format!("ram:16M,fault_latency_us={LATENCY_US}")]);
     let d = dev.connect();
     let mut qp = d.create_qpair(64, false).unwrap();
     let mut load = Load::start(&mut qp);
@@ -114,7 +111,9 @@ fn dma_map_and_unmap_under_sustained_load() {
     let data = Rng::new(7).bytes(4096);
     extra.all().write_from(0, &data).unwrap();
     for round in 0..5u64 {
-        let cid = qp.submit(rw_prp(WRITE, 1, 1000 + round * 8, 8, xi, 0)).unwrap();
+        let cid = qp
+            .submit(rw_prp(WRITE, 1, 1000 + round * 8, 8, xi, 0))
+            .unwrap();
         qp.ring().unwrap();
         let c = load.until(&mut qp, cid);
         assert_ok(&c, "write from a region mapped under load");
@@ -145,6 +144,10 @@ fn dma_map_and_unmap_under_sustained_load() {
         "the unmap waited {took:?}: it should wait only for the commands in flight"
     );
     load.pump(&mut qp, Duration::from_millis(20));
-    assert!(load.done > 50, "the load kept running ({} reads)", load.done);
+    assert!(
+        load.done > 50,
+        "the load kept running ({} reads)",
+        load.done
+    );
     assert!(!dev.ctrl().stats().fatal);
 }

@@ -66,6 +66,33 @@ impl VirtqPoller {
     }
 }
 
+impl VirtqPoller {
+    /// The front end shrank a file it shares with us (its pages now read as zeroes):
+    /// end its connection; the next one starts clean. Kept out of line so the hot
+    /// `poll` stays small.
+    #[cold]
+    #[inline(never)]
+    fn faulted(&mut self, conn: &Conn) -> usize {
+        if !self.faulted {
+            self.faulted = true;
+            tracing::error!(
+                queue = self.index,
+                "the vhost-user front end truncated memory it shares with us while it \
+                 was in use; disconnecting it"
+            );
+            conn.disconnect();
+        }
+        self.idle()
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn idle(&mut self) -> usize {
+        self.worker.finish_poll(|| false);
+        0
+    }
+}
+
 impl Poller for VirtqPoller {
     fn poll(&mut self) -> usize {
         self.refresh();
@@ -75,19 +102,8 @@ impl Poller for VirtqPoller {
             return 0;
         };
         if conn.guarded.signal.faulted() {
-            // The front end shrank a file it shares with us (its pages now read as
-            // zeroes): end its connection; the next one starts clean.
-            if !self.faulted {
-                self.faulted = true;
-                tracing::error!(
-                    queue = self.index,
-                    "the vhost-user front end truncated memory it shares with us while \
-                     it was in use; disconnecting it"
-                );
-                conn.disconnect();
-            }
-            self.worker.finish_poll(|| false);
-            return 0;
+            let conn = conn.clone();
+            return self.faulted(&conn);
         }
         {
             let g = conn.mem.memory();
@@ -97,8 +113,7 @@ impl Poller for VirtqPoller {
                 // vhost-user-backend included, which would read the newest
                 // snapshot) goes through `self.mem`, so none touches memory that a
                 // shrinking file could turn into an unrecoverable SIGBUS.
-                self.worker.finish_poll(|| false);
-                return 0;
+                return self.idle();
             }
             if !std::ptr::eq(&*g, &*self.mem) {
                 self.mem = g.into_inner();
