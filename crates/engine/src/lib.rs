@@ -3,6 +3,8 @@
 //! exactly one reactor, so its state needs no locks. Control work reaches reactors
 //! as messages, applied between poll iterations.
 
+#![forbid(unsafe_code)]
+
 mod cpus;
 mod placement;
 mod reactor;

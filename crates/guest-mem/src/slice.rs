@@ -88,7 +88,13 @@ impl<'a> DmaSlice<'a> {
     /// Copies `dst.len()` bytes from offset `off` out of the window.
     pub fn read_into(&self, off: usize, dst: &mut [u8]) -> Result<(), OutOfBounds> {
         self.check(off, dst.len())?;
-        // SAFETY: bounds checked; dst is a distinct Rust buffer so no overlap.
+        // SAFETY: [off, off+len) is inside the mapping (checked above) and `dst` is a
+        // private Rust buffer, so the two cannot overlap. The other side may write the
+        // shared bytes while we copy: what we rely on is that the copy lands in private
+        // memory the guest cannot reach, and callers validate *that* copy (never the
+        // shared bytes), so a concurrent change yields a torn value, not a
+        // time-of-check/time-of-use hole. Bytes, unlike references, have no invalid
+        // values, so a torn copy is still initialized data.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
@@ -96,7 +102,9 @@ impl<'a> DmaSlice<'a> {
     /// Copies `src` into the window at offset `off`.
     pub fn write_from(&self, off: usize, src: &[u8]) -> Result<(), OutOfBounds> {
         self.check(off, src.len())?;
-        // SAFETY: bounds checked; src is a distinct Rust buffer.
+        // SAFETY: [off, off+len) is inside the mapping (checked above) and `src` is a
+        // private Rust buffer, so they cannot overlap; writing shared memory that the
+        // other side may read or write concurrently only gives it torn bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(off), src.len()) };
         Ok(())
     }

@@ -13,6 +13,8 @@
 //! posts completions signals), keep-alive timeout enforcement, namespace
 //! management/attach, Format NVM, firmware commands, SGL Bit Bucket descriptors.
 
+#![forbid(unsafe_code)]
+
 mod admin;
 mod ctrl;
 mod identify;

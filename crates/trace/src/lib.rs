@@ -22,6 +22,8 @@
 //! | `notify` | completion posted | interrupt signalled (0 when the guest polls) |
 //! | `total` | doorbell/kick observed | interrupt signalled |
 
+#![forbid(unsafe_code)]
+
 mod breakdown;
 pub mod clock;
 mod control;
