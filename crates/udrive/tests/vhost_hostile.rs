@@ -926,3 +926,52 @@ fn front_end_shrinks_its_inflight_file() {
     blkio_round(&vs, 0x77);
     victim.stop();
 }
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Every vhost-user connection returns its descriptors, however it ends, and so
+/// does a device that is started and stopped (RPC add + remove).
+#[test]
+fn connections_and_devices_return_their_fds() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = start(dir.path(), "fds.sock");
+    let sock = dir.path().join("fds.sock");
+    // Warm up (the engine, the first connection's lazily made state).
+    for _ in 0..10 {
+        drop(std::os::unix::net::UnixStream::connect(&sock).unwrap());
+    }
+    blkio_round(&sock, 1);
+    // The device takes queued connections one at a time: wait until it caught up.
+    let settle = |base: usize| {
+        let until = Instant::now() + Duration::from_secs(60);
+        while open_fds() > base && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        open_fds()
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    let base = open_fds();
+    for _ in 0..10_000 {
+        drop(std::os::unix::net::UnixStream::connect(&sock).unwrap());
+    }
+    let after = settle(base);
+    assert!(
+        after <= base,
+        "10 000 bare connections left {} fds open",
+        after - base
+    );
+    for i in 0..20u8 {
+        blkio_round(&sock, i);
+    }
+    assert!(settle(base) <= base, "20 full sessions left fds open");
+    dev.stop();
+    std::thread::sleep(Duration::from_millis(100));
+    let base = open_fds();
+    for i in 0..50 {
+        let d = start(dir.path(), &format!("cycle{i}.sock"));
+        d.stop();
+    }
+    assert!(settle(base) <= base, "50 device add/remove cycles left fds open");
+}

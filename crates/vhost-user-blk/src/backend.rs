@@ -2,6 +2,7 @@
 //! hands the vrings of each connection to the queue pollers.
 
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -34,6 +35,27 @@ pub(crate) struct Conn {
     pub guarded: GuardedMem,
     /// The front end's socket, to end the connection from a poller.
     pub front: Mutex<Option<UnixStream>>,
+    /// Exit eventfds whose ownership vhost-user-backend took and dropped (see
+    /// `exit_event`).
+    exit_consumers: Mutex<Vec<RawFd>>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        for fd in self
+            .exit_consumers
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            // SAFETY: vhost-user-backend 0.24 turned this eventfd into a raw fd for
+            // its worker's epoll set and never closes it (Cargo.lock pins the
+            // version; re-check on upgrade). The worker holds the backend, which
+            // holds this `Conn`, so when we run the worker is gone and nothing else
+            // uses or closes the fd: we are its only owner.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
+    }
 }
 
 impl Conn {
@@ -46,6 +68,7 @@ impl Conn {
             inflight: Mutex::new(None),
             guarded,
             front: Mutex::new(None),
+            exit_consumers: Mutex::new(Vec::new()),
         })
     }
 
@@ -214,7 +237,19 @@ impl VhostUserBackend for BlkBackend {
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
         // Without one the vring worker thread never ends and dropping the daemon
         // after a disconnect would hang.
-        new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()
+        let (consumer, notifier) =
+            new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC)
+                .inspect_err(|e| crate::fd_limit::report("an exit eventfd", e))
+                .ok()?;
+        // vhost-user-backend 0.24 registers the consumer with `into_raw_fd()` and
+        // never closes it: one eventfd leaked per connection. The connection closes
+        // it (see `Conn`'s drop).
+        self.conn
+            .exit_consumers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(consumer.as_raw_fd());
+        Some((consumer, notifier))
     }
 
     fn handle_event(

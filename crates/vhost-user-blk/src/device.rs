@@ -283,7 +283,11 @@ fn serve(
             Ok(Some(s)) => s,
             Ok(None) => continue,
             Err(e) => {
-                tracing::warn!(socket = %socket.display(), error = ?e, "accept failed");
+                let e = match e {
+                    vhost::vhost_user::Error::SocketError(e) => e,
+                    e => io::Error::other(e.to_string()),
+                };
+                crate::fd_limit::report(&format!("a connection on {}", socket.display()), &e);
                 std::thread::sleep(Duration::from_millis(100));
                 continue;
             }

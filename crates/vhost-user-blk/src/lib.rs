@@ -9,6 +9,7 @@
 
 mod backend;
 mod device;
+mod fd_limit;
 mod guarded;
 mod inflight;
 mod poller;
