@@ -37,6 +37,37 @@ pub struct Config {
     pub controllers: Vec<ControllerConfig>,
     #[serde(default)]
     pub vhost_user_blk: Vec<crate::vhost_device::VhostBlkConfig>,
+    /// Default mode and group of every device socket (each device may set its own).
+    #[serde(default)]
+    pub socket_mode: Option<String>,
+    #[serde(default)]
+    pub socket_group: Option<String>,
+}
+
+/// Who may connect to a device socket: `socket_mode` (octal, default 0600: owner
+/// only) and `socket_group` (name or number), as in the TOML config, the CLI and
+/// the RPC add methods.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+pub struct SocketPerms {
+    #[serde(default)]
+    pub socket_mode: Option<String>,
+    #[serde(default)]
+    pub socket_group: Option<String>,
+}
+
+impl SocketPerms {
+    /// These, with what is unset taken from `defaults`.
+    pub fn or(&self, defaults: &SocketPerms) -> SocketPerms {
+        SocketPerms {
+            socket_mode: self.socket_mode.clone().or(defaults.socket_mode.clone()),
+            socket_group: self.socket_group.clone().or(defaults.socket_group.clone()),
+        }
+    }
+
+    pub fn access(&self) -> Result<sockfile::SocketAccess> {
+        sockfile::SocketAccess::parse(self.socket_mode.as_deref(), self.socket_group.as_deref())
+            .map_err(anyhow::Error::msg)
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -52,6 +83,10 @@ pub struct ControllerConfig {
     pub io_queues: u16,
     #[serde(default = "default_max_namespaces")]
     pub max_namespaces: u32,
+    #[serde(default)]
+    pub socket_mode: Option<String>,
+    #[serde(default)]
+    pub socket_group: Option<String>,
 }
 
 pub fn default_cpus() -> String {
@@ -92,7 +127,22 @@ impl ControllerConfig {
             placement: default_placement(),
             io_queues: default_io_queues(),
             max_namespaces: default_max_namespaces(),
+            socket_mode: None,
+            socket_group: None,
         }
+    }
+
+    /// Who may connect to its socket.
+    pub fn socket_perms(&self) -> SocketPerms {
+        SocketPerms {
+            socket_mode: self.socket_mode.clone(),
+            socket_group: self.socket_group.clone(),
+        }
+    }
+
+    pub fn set_socket_perms(&mut self, p: SocketPerms) {
+        self.socket_mode = p.socket_mode;
+        self.socket_group = p.socket_group;
     }
 
     /// Serial number: given, or derived from the socket's file name.
@@ -102,6 +152,14 @@ impl ControllerConfig {
 }
 
 impl Config {
+    /// The socket mode and group of devices that do not set their own.
+    pub fn socket_defaults(&self) -> SocketPerms {
+        SocketPerms {
+            socket_mode: self.socket_mode.clone(),
+            socket_group: self.socket_group.clone(),
+        }
+    }
+
     pub fn load(path: &Path) -> Result<Config> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config file {}", path.display()))?;
@@ -117,6 +175,7 @@ impl Config {
         if self.controllers.is_empty() && self.vhost_user_blk.is_empty() && self.rpc.is_none() {
             bail!("no device configured: add a [[controller]] or [[vhost_user_blk]] section, or use --vfio-user/--ns or --vhost-user-blk/--disk");
         }
+        self.socket_defaults().access()?;
         let mut sockets = HashSet::new();
         for c in &self.controllers {
             c.validate()?;
@@ -143,6 +202,7 @@ impl ControllerConfig {
     /// Checks one controller on its own (also used for `nvme_add_controller`).
     pub fn validate(&self) -> Result<()> {
         let what = format!("controller {}", self.socket.display());
+        self.socket_perms().access().with_context(|| what.clone())?;
         if self.namespaces.is_empty() {
             bail!("{what} has no namespace: add one, e.g. ram:1G");
         }

@@ -158,6 +158,7 @@ impl NvmeDevice {
         let server = VfioUserServer::start(
             vfio_user::ServerConfig {
                 socket: cfg.socket.clone(),
+                access: cfg.socket_perms().access()?,
                 name: cfg.serial(),
             },
             spec,

@@ -40,18 +40,26 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SOCKET")]
     pub rpc: Option<PathBuf>,
     /// File mode of the control socket, octal
-    #[arg(long, value_name = "MODE", default_value = "0600", value_parser = parse_mode)]
+    #[arg(long, value_name = "MODE", default_value = "0600", value_parser = sockfile::parse_mode)]
     pub rpc_mode: u32,
+    /// File mode of the device sockets (vfio-user, vhost-user), octal; a VMM running
+    /// as another user needs e.g. 0660 with --socket-group [default: 0600]
+    #[arg(long, value_name = "MODE", value_parser = check_mode)]
+    pub socket_mode: Option<String>,
+    /// Group of the device sockets, by name or number
+    #[arg(long, value_name = "GROUP", value_parser = check_group)]
+    pub socket_group: Option<String>,
     /// Serve Prometheus metrics over HTTP at ADDR:PORT (GET /metrics)
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
-fn parse_mode(s: &str) -> Result<u32, String> {
-    u32::from_str_radix(s.trim_start_matches("0o"), 8)
-        .ok()
-        .filter(|m| *m <= 0o777)
-        .ok_or_else(|| format!("`{s}` is not an octal file mode such as 0600"))
+fn check_mode(s: &str) -> Result<String, String> {
+    sockfile::parse_mode(s).map(|_| s.to_string())
+}
+
+fn check_group(s: &str) -> Result<String, String> {
+    sockfile::parse_group(s).map(|_| s.to_string())
 }
 
 impl ServeArgs {
@@ -68,6 +76,8 @@ impl ServeArgs {
                     metrics_listen: None,
                     controllers: Vec::new(),
                     vhost_user_blk: Vec::new(),
+                    socket_mode: None,
+                    socket_group: None,
                 }
             }
             None => {
@@ -89,6 +99,8 @@ impl ServeArgs {
                     metrics_listen: None,
                     controllers: vec![c],
                     vhost_user_blk: Vec::new(),
+                    socket_mode: None,
+                    socket_group: None,
                 }
             }
         };
@@ -103,6 +115,22 @@ impl ServeArgs {
         }
         if self.metrics_listen.is_some() {
             cfg.metrics_listen = self.metrics_listen;
+        }
+        if self.socket_mode.is_some() {
+            cfg.socket_mode = self.socket_mode;
+        }
+        if self.socket_group.is_some() {
+            cfg.socket_group = self.socket_group;
+        }
+        // Devices without their own socket mode/group get the defaults.
+        let defaults = cfg.socket_defaults();
+        for c in &mut cfg.controllers {
+            let p = c.socket_perms().or(&defaults);
+            c.set_socket_perms(p);
+        }
+        for d in &mut cfg.vhost_user_blk {
+            let p = d.socket_perms().or(&defaults);
+            d.set_socket_perms(p);
         }
         cfg.validate()?;
         Ok(cfg)

@@ -126,6 +126,8 @@ pub struct Server {
     pub cpus: String,
     /// Reactors from `--cpus` (shared by devices); `dedicated` placement adds more.
     base_reactors: usize,
+    /// Socket mode and group of devices added later that do not name their own.
+    socket_defaults: crate::config::SocketPerms,
     state: Mutex<State>,
 }
 
@@ -149,6 +151,7 @@ impl Server {
             engine,
             cpus: cfg.cpus.clone(),
             base_reactors,
+            socket_defaults: cfg.socket_defaults(),
             state: Mutex::new(State {
                 devices: Vec::new(),
                 backends,
@@ -204,7 +207,9 @@ impl Server {
     }
 
     /// Opens the disk and starts a vhost-user-blk device; the socket must be new.
-    pub fn add_vhost_blk(&self, cfg: VhostBlkConfig) -> Result<()> {
+    pub fn add_vhost_blk(&self, mut cfg: VhostBlkConfig) -> Result<()> {
+        let perms = cfg.socket_perms().or(&self.socket_defaults);
+        cfg.set_socket_perms(perms);
         crate::vhost_device::validate(std::slice::from_ref(&cfg), &mut Default::default())?;
         let mut st = self.lock();
         if st.find(&cfg.socket).is_some() {
@@ -233,7 +238,9 @@ impl Server {
     }
 
     /// Opens the namespaces and starts a controller; the socket must be new.
-    pub fn add_controller(&self, cfg: ControllerConfig) -> Result<()> {
+    pub fn add_controller(&self, mut cfg: ControllerConfig) -> Result<()> {
+        let perms = cfg.socket_perms().or(&self.socket_defaults);
+        cfg.set_socket_perms(perms);
         cfg.validate()?;
         let mut st = self.lock();
         if st.find(&cfg.socket).is_some() {

@@ -41,6 +41,10 @@ pub struct VhostBlkConfig {
     pub cpus: Option<String>,
     #[serde(default)]
     pub serial: Option<String>,
+    #[serde(default)]
+    pub socket_mode: Option<String>,
+    #[serde(default)]
+    pub socket_group: Option<String>,
 }
 
 pub fn default_queues() -> u16 {
@@ -67,7 +71,22 @@ impl VhostBlkConfig {
             poll: default_poll(),
             cpus: None,
             serial: None,
+            socket_mode: None,
+            socket_group: None,
         }
+    }
+
+    /// Who may connect to its socket.
+    pub fn socket_perms(&self) -> crate::config::SocketPerms {
+        crate::config::SocketPerms {
+            socket_mode: self.socket_mode.clone(),
+            socket_group: self.socket_group.clone(),
+        }
+    }
+
+    pub fn set_socket_perms(&mut self, p: crate::config::SocketPerms) {
+        self.socket_mode = p.socket_mode;
+        self.socket_group = p.socket_group;
     }
 
     fn what(&self) -> String {
@@ -105,6 +124,7 @@ pub fn validate(devs: &[VhostBlkConfig], sockets: &mut HashSet<PathBuf>) -> Resu
         if let Some(c) = &d.cpus {
             engine::parse_cpu_list(c).map_err(|e| anyhow::anyhow!("{what}: cpus: {e}"))?;
         }
+        d.socket_perms().access().with_context(|| what.clone())?;
         if let Some(dir) = d.socket.parent().filter(|p| !p.as_os_str().is_empty()) {
             if !dir.is_dir() {
                 bail!("{what}: directory {} does not exist", dir.display());
@@ -161,9 +181,7 @@ pub fn start(
     engine: &Arc<Engine>,
     base_reactors: usize,
 ) -> Result<VhostUserBlk> {
-    // Never unlink a live socket or another file: only what a dead process left.
-    vfio_user::sock::clear_stale_socket(&cfg.socket)
-        .with_context(|| format!("cannot listen for {}", cfg.what()))?;
+    let access = cfg.socket_perms().access().with_context(|| cfg.what())?;
     let reactors = reactors_for(cfg, index, engine, base_reactors)?;
     let opts = BlkDeviceOptions {
         device: DeviceOptions {
@@ -173,6 +191,7 @@ pub fn start(
             ..Default::default()
         },
         poll: cfg.poll.parse().map_err(anyhow::Error::msg)?,
+        access,
     };
     VhostUserBlk::start(&cfg.socket, disk, opts, engine, &reactors)
         .with_context(|| format!("cannot start {}", cfg.what()))
@@ -249,6 +268,8 @@ mod tests {
             vhost_user_blk: vec![d],
             rpc: None,
             metrics_listen: None,
+            socket_mode: None,
+            socket_group: None,
         };
         let open = |c: &crate::config::Config| {
             crate::backends::open_all_set(&c.controllers, &disk_specs(c)).map(|(_, n, b)| (n, b))

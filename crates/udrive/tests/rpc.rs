@@ -1344,3 +1344,99 @@ fn udrive_ok(args: &[&str]) -> std::process::Output {
     );
     out
 }
+
+/// Device sockets are owner-only unless the operator says otherwise: on the command
+/// line (for every device), per device over RPC, and in the TOML config.
+#[test]
+fn device_sockets_get_the_mode_and_group_asked_for() {
+    use std::os::unix::fs::MetadataExt;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o777;
+    let s = Serve::start(&[]);
+    assert_eq!(mode(&s.nvme), 0o600, "default: owner only");
+    let v = s.dir.path().join("v.sock");
+    call(
+        &s.rpc,
+        "vhost_user_blk_add",
+        json!({"socket": v, "disk": "ram:16M"}),
+    )
+    .unwrap();
+    assert_eq!(mode(&v), 0o600, "RPC-added devices too");
+    drop(s);
+
+    let s = Serve::start(&["--socket-mode", "0660", "--socket-group", "root"]);
+    assert_eq!(mode(&s.nvme), 0o660);
+    assert_eq!(std::fs::metadata(&s.nvme).unwrap().gid(), 0);
+    let v = s.dir.path().join("v.sock");
+    call(
+        &s.rpc,
+        "vhost_user_blk_add",
+        json!({"socket": v, "disk": "ram:16M"}),
+    )
+    .unwrap();
+    assert_eq!(
+        mode(&v),
+        0o660,
+        "the CLI's default reaches RPC-added devices"
+    );
+    let w = s.dir.path().join("w.sock");
+    call(
+        &s.rpc,
+        "vhost_user_blk_add",
+        json!({"socket": w, "disk": "ram:16M", "socket_mode": "0640"}),
+    )
+    .unwrap();
+    assert_eq!(mode(&w), 0o640);
+    let c = s.dir.path().join("c.sock");
+    call(
+        &s.rpc,
+        "nvme_add_controller",
+        json!({"socket": c, "namespaces": ["ram:16M"], "socket_mode": "0620"}),
+    )
+    .unwrap();
+    assert_eq!(mode(&c), 0o620);
+    let devs = call(&s.rpc, "get_devices", json!({})).unwrap();
+    let modes: Vec<&str> = devs
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["socket_access"]["mode"].as_str().unwrap())
+        .collect();
+    assert!(modes.contains(&"0640") && modes.contains(&"0620"), "{devs}");
+    for bad in [
+        json!({"socket": s.dir.path().join("x.sock"), "disk": "ram:1M", "socket_mode": "999"}),
+        json!({"socket": s.dir.path().join("y.sock"), "disk": "ram:1M", "socket_group": "no-such-group-here"}),
+    ] {
+        let (_, msg) = call(&s.rpc, "vhost_user_blk_add", bad).unwrap_err();
+        assert!(msg.contains("octal") || msg.contains("no group"), "{msg}");
+    }
+    drop(s);
+
+    // TOML: a top-level default and a per-device override.
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
+    let cfg = dir.path().join("u.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "cpus = \"0\"\nsocket_mode = \"0640\"\n\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"ram:16M\"]\n\n[[vhost_user_blk]]\nsocket = \"{}\"\ndisk = \"ram:16M\"\nsocket_mode = \"0660\"\n",
+            a.display(),
+            b.display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let until = std::time::Instant::now() + T;
+    while !(a.exists() && b.exists()) && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (ma, mb) = (mode(&a), mode(&b));
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!((ma, mb), (0o640, 0o660));
+}

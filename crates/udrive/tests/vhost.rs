@@ -51,6 +51,8 @@ fn start_in(dir: tempfile::TempDir, disk: &str, queues: u16, poll: &str) -> Dev 
         metrics_listen: None,
         controllers: vec![],
         vhost_user_blk: vec![cfg],
+        socket_mode: None,
+        socket_group: None,
     };
     c.validate().unwrap();
     let dev = vhost_device::open_and_start(&c.vhost_user_blk[0], &engine(), 1).unwrap();

@@ -973,5 +973,8 @@ fn connections_and_devices_return_their_fds() {
         let d = start(dir.path(), &format!("cycle{i}.sock"));
         d.stop();
     }
-    assert!(settle(base) <= base, "50 device add/remove cycles left fds open");
+    assert!(
+        settle(base) <= base,
+        "50 device add/remove cycles left fds open"
+    );
 }

@@ -28,6 +28,8 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
     pub socket: PathBuf,
+    /// Mode and group of the socket file (default: owner only).
+    pub access: sockfile::SocketAccess,
     /// For logs and the thread name.
     pub name: String,
 }
@@ -47,11 +49,6 @@ impl std::fmt::Debug for VfioUserServer {
     }
 }
 
-fn bind(path: &Path) -> io::Result<UnixListener> {
-    crate::sock::clear_stale_socket(path)?;
-    UnixListener::bind(path)
-}
-
 impl VfioUserServer {
     /// The interrupt state for `spec`, to share between the device model and
     /// [`VfioUserServer::start`].
@@ -69,7 +66,7 @@ impl VfioUserServer {
         irqs: Arc<Irqs>,
     ) -> io::Result<VfioUserServer> {
         device::validate(&spec, &irqs)?;
-        let listener = bind(&cfg.socket)?;
+        let listener = sockfile::bind(&cfg.socket, cfg.access)?;
         listener.set_nonblocking(true)?;
         let (stop_tx, stop_rx) = UnixStream::pair()?;
         let dev = Device {

@@ -129,32 +129,3 @@ pub(crate) fn poll_in(fds: &[BorrowedFd<'_>], timeout_ms: i32) -> io::Result<Vec
         return Ok(pfds.iter().map(|p| p.revents != 0).collect());
     }
 }
-
-/// Makes `path` free for a new listening socket: a socket left by a dead process is
-/// removed; a live one or a file that is not a socket is an error naming the path.
-pub fn clear_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
-    use std::io;
-    use std::os::unix::fs::FileTypeExt;
-    use std::os::unix::net::UnixStream;
-    match std::fs::symlink_metadata(path) {
-        Ok(md) if !md.file_type().is_socket() => {
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a socket", path.display()),
-            ))
-        }
-        Ok(_) => match UnixStream::connect(path) {
-            Ok(_) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::AddrInUse,
-                    format!("{} is served by a live process", path.display()),
-                ))
-            }
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path)?,
-            Err(e) => return Err(e),
-        },
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    Ok(())
-}

@@ -464,6 +464,7 @@ fn stop_removes_socket_and_restart_replaces_stale() {
         let irqs = vfio_user::VfioUserServer::irqs_for(&spec);
         vfio_user::VfioUserServer::start(
             vfio_user::ServerConfig {
+                access: Default::default(),
                 socket: f.path.clone(),
                 name: "t2".into(),
             },

@@ -24,6 +24,8 @@ use crate::poller::VirtqPoller;
 pub struct BlkDeviceOptions {
     pub device: DeviceOptions,
     pub poll: PollMode,
+    /// Mode and group of the socket file (default: owner only).
+    pub access: sockfile::SocketAccess,
 }
 
 pub struct VhostUserBlk {
@@ -83,8 +85,12 @@ impl VhostUserBlk {
             poll: AtomicU8::new(0),
         });
         shared.set_poll_mode(opts.poll);
-        let mut listener = Listener::new(socket, true)
-            .map_err(|e| io::Error::other(format!("cannot listen on {}: {e}", socket.display())))?;
+        let mut listener = Listener::from(sockfile::bind(socket, opts.access).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot listen on {}: {e}", socket.display()),
+            )
+        })?);
 
         let trace = Arc::new(TraceControl::default());
         let mut mailboxes = Vec::with_capacity(nq);
@@ -101,6 +107,7 @@ impl VhostUserBlk {
                     for id in pollers {
                         let _ = engine.remove_poller(id);
                     }
+                    let _ = std::fs::remove_file(socket);
                     return Err(io::Error::other(e.to_string()));
                 }
             }

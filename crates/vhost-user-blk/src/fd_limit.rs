@@ -19,7 +19,11 @@ pub(crate) fn report(what: &str, err: &std::io::Error) {
         .map(|d| d.as_secs())
         .unwrap_or(0);
     let last = LAST.load(Ordering::Relaxed);
-    if now >= last + 10 && LAST.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+    if now >= last + 10
+        && LAST
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
         tracing::error!(
             error = %err,
             "cannot create {what}: the process is out of file descriptors; \

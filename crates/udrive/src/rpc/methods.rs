@@ -251,6 +251,7 @@ fn nvme_json(d: &NvmeDevice) -> Value {
     json!({
         "kind": "nvme",
         "socket": d.socket,
+        "socket_access": socket_access_json(&d.cfg.socket_perms()),
         "serial": d.cfg.serial(),
         "cntlid": d.cntlid,
         "connected": d.connected(),
@@ -268,6 +269,14 @@ fn nvme_json(d: &NvmeDevice) -> Value {
     })
 }
 
+/// The effective mode (octal text) and group of a device socket.
+fn socket_access_json(p: &crate::config::SocketPerms) -> Value {
+    match p.access() {
+        Ok(a) => json!({"mode": format!("{:04o}", a.mode), "gid": a.gid}),
+        Err(_) => Value::Null,
+    }
+}
+
 fn device_json(d: &Device) -> Value {
     match d {
         Device::Nvme(n) => nvme_json(n),
@@ -279,6 +288,7 @@ fn vhost_json(v: &crate::vhost_device::VhostBlkDevice) -> Value {
     json!({
         "kind": "vhost-user-blk",
         "socket": v.cfg.socket,
+        "socket_access": socket_access_json(&v.cfg.socket_perms()),
         "connected": v.dev.connected(),
         "connections": v.dev.connections(),
         "config": {

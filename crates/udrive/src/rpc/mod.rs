@@ -20,7 +20,6 @@ mod vhost_methods;
 
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -223,7 +222,7 @@ impl RpcServer {
     /// Binds `path` with file mode `mode` (refusing a path a live process serves,
     /// replacing a stale socket) and starts accepting.
     pub fn start(path: &Path, mode: u32, rpc: Arc<Rpc>) -> io::Result<RpcServer> {
-        let listener = bind_with_mode(path, mode)?;
+        let listener = sockfile::bind(path, sockfile::SocketAccess { mode, gid: None })?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
@@ -258,28 +257,6 @@ impl Drop for RpcServer {
         }
         let _ = std::fs::remove_file(&self.path);
     }
-}
-
-fn bind_with_mode(path: &Path, mode: u32) -> io::Result<UnixListener> {
-    vfio_user::sock::clear_stale_socket(path)?;
-    // Bind inside a private directory, set the mode, then move the socket into
-    // place: the socket is never reachable with the umask's (wider) mode.
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let tmp_dir = dir.join(format!(".udrive-rpc-{}", std::process::id()));
-    std::fs::DirBuilder::new().mode(0o700).create(&tmp_dir)?;
-    let tmp = tmp_dir.join("s");
-    let r = (|| {
-        let l = UnixListener::bind(&tmp)?;
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))?;
-        std::fs::rename(&tmp, path)?;
-        Ok(l)
-    })();
-    let _ = std::fs::remove_file(&tmp);
-    let _ = std::fs::remove_dir(&tmp_dir);
-    r
 }
 
 fn accept_loop(listener: UnixListener, rpc: Arc<Rpc>, stop: Arc<AtomicBool>) {

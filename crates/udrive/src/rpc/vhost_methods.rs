@@ -65,6 +65,8 @@ struct AddVhostBlk {
     poll_mode: Option<String>,
     cpus: Option<String>,
     serial: Option<String>,
+    socket_mode: Option<String>,
+    socket_group: Option<String>,
     /// Same as `,ro` in `disk`.
     #[serde(default)]
     read_only: bool,
@@ -95,6 +97,8 @@ impl AddVhostBlk {
         }
         c.cpus = self.cpus;
         c.serial = self.serial;
+        c.socket_mode = self.socket_mode;
+        c.socket_group = self.socket_group;
         crate::vhost_device::validate(std::slice::from_ref(&c), &mut Default::default())
             .map_err(|e| RpcError::params(format!("{e:#}")))?;
         Ok(c)

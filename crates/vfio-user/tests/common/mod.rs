@@ -114,6 +114,7 @@ impl Fixture {
         let irqs = VfioUserServer::irqs_for(&spec);
         let server = VfioUserServer::start(
             ServerConfig {
+                access: Default::default(),
                 socket: path.clone(),
                 name: "test".into(),
             },
