@@ -11,6 +11,24 @@ use std::path::Path;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// How long a whole message (vfio-user, vhost-user, JSON-RPC) may take to arrive
+/// once its first byte has: socket timeouts apply per `recv`, so without this a
+/// client that trickles bytes (a 1 MiB message, one byte every few seconds) holds a
+/// thread for ever. `UDRIVE_MSG_DEADLINE_MS` overrides the 5 s (read once; tests
+/// use a short one).
+pub fn message_deadline() -> std::time::Duration {
+    static D: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *D.get_or_init(|| {
+        std::env::var("UDRIVE_MSG_DEADLINE_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(
+                std::time::Duration::from_secs(5),
+                std::time::Duration::from_millis,
+            )
+    })
+}
+
 /// Who may connect to a socket: its file mode and, optionally, its group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SocketAccess {

@@ -5,6 +5,7 @@
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::time::Instant;
 
 use zerocopy::IntoBytes;
 
@@ -29,15 +30,25 @@ pub(crate) enum ReadError {
     Framing(Option<(Header, i32)>, &'static str),
 }
 
-/// Fills `buf` completely. `Ok(false)` if EOF came before the first byte.
+/// Fills `buf` completely, by `deadline`. `Ok(false)` if EOF came before the first
+/// byte.
 fn fill(
     s: &UnixStream,
     buf: &mut [u8],
     fds: &mut Vec<OwnedFd>,
     trunc: &mut bool,
+    deadline: Instant,
 ) -> Result<bool, ReadError> {
     let mut got = 0;
     while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
+        if ms == 0 || !sock::poll_in(&[s.as_fd()], ms).map_err(ReadError::Io)?[0] {
+            return Err(ReadError::Framing(
+                None,
+                "message not complete within the deadline (slow sender)",
+            ));
+        }
         match sock::recv(s.as_fd(), &mut buf[got..], fds) {
             Ok((0, _)) if got == 0 => return Ok(false),
             Ok((0, _)) => return Err(ReadError::Framing(None, "EOF inside a message")),
@@ -55,8 +66,9 @@ fn fill(
 pub(crate) fn read_msg(s: &UnixStream) -> Result<Msg, ReadError> {
     let mut fds = Vec::new();
     let mut trunc = false;
+    let deadline = Instant::now() + sockfile::message_deadline();
     let mut hb = [0u8; HEADER_SIZE];
-    if !fill(s, &mut hb, &mut fds, &mut trunc)? {
+    if !fill(s, &mut hb, &mut fds, &mut trunc, deadline)? {
         return Err(ReadError::Eof);
     }
     let hdr: Header = proto::parse(&hb).unwrap_or_default();
@@ -74,7 +86,7 @@ pub(crate) fn read_msg(s: &UnixStream) -> Result<Msg, ReadError> {
         ));
     }
     let mut payload = vec![0u8; size - HEADER_SIZE];
-    if !payload.is_empty() && !fill(s, &mut payload, &mut fds, &mut trunc)? {
+    if !payload.is_empty() && !fill(s, &mut payload, &mut fds, &mut trunc, deadline)? {
         return Err(ReadError::Framing(None, "EOF inside a message"));
     }
     Ok(Msg {

@@ -14,6 +14,7 @@ use std::net::Shutdown;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
@@ -76,19 +77,51 @@ fn recv(sock: &UnixStream, buf: &mut Vec<u8>) -> io::Result<Option<Msg>> {
     if n == 0 {
         return Ok(None);
     }
-    (&*sock).read_exact(&mut hdr[n..])?;
+    // The rest of the message must follow within the deadline (a front end that
+    // trickles bytes would hold this relay, and the device, for ever).
+    let deadline = Instant::now() + sockfile::message_deadline();
+    read_exact_by(sock, &mut hdr[n..], deadline)?;
     let size = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]) as usize;
     if size > MAX_BODY {
         return Err(bad("vhost-user message larger than any request we know"));
     }
     buf.clear();
     buf.resize(size, 0);
-    (&*sock).read_exact(buf)?;
+    let r = read_exact_by(sock, buf, deadline);
+    // Between messages the front end may idle as long as it likes.
+    sock.set_read_timeout(None)?;
+    r?;
     Ok(Some(Msg {
         hdr,
         body: std::mem::take(buf),
         files,
     }))
+}
+
+/// `read_exact` that gives up at `deadline`.
+fn read_exact_by(sock: &UnixStream, mut buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    while !buf.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "vhost-user message not complete within the deadline (slow sender)",
+            ));
+        }
+        sock.set_read_timeout(Some(left))?;
+        match (&*sock).read(buf) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 fn send(sock: &Mutex<UnixStream>, hdr: &[u8], body: &[u8], fds: &[RawFd]) -> io::Result<()> {

@@ -32,6 +32,11 @@ impl Framer {
         }
     }
 
+    /// Whether a message has started and is not complete yet.
+    pub fn in_message(&self) -> bool {
+        self.depth > 0
+    }
+
     /// Consumes bytes up to the end of the next complete message (or all of
     /// `data`); returns how many it consumed and what happened.
     pub fn push(&mut self, data: &[u8]) -> (usize, Push) {

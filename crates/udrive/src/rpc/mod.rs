@@ -9,8 +9,11 @@
 //! and the connection stays.
 //!
 //! Threads: one accept thread, one thread per connection (at most
-//! [`MAX_CONNECTIONS`]); handlers run on the connection's thread and serialize on
-//! the server's control-plane lock.
+//! [`MAX_CONNECTIONS`]; when all are taken a new connection closes the longest
+//! idle one, so idle or slow clients cannot lock the operator out); handlers run on
+//! the connection's thread and serialize on the server's control-plane lock. A
+//! connection may idle [`IDLE_TIMEOUT`] between messages, but a message must arrive
+//! whole within `sockfile::message_deadline()` once it has started.
 
 pub mod client;
 mod framing;
@@ -22,7 +25,7 @@ use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -260,7 +263,7 @@ impl Drop for RpcServer {
 }
 
 fn accept_loop(listener: UnixListener, rpc: Arc<Rpc>, stop: Arc<AtomicBool>) {
-    let active = Arc::new(AtomicUsize::new(0));
+    let table = Arc::new(ConnTable::default());
     for conn in listener.incoming() {
         if stop.load(Ordering::Acquire) {
             return;
@@ -273,28 +276,96 @@ fn accept_loop(listener: UnixListener, rpc: Arc<Rpc>, stop: Arc<AtomicBool>) {
                 continue;
             }
         };
-        if active.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
-            active.fetch_sub(1, Ordering::AcqRel);
+        let Some(slot) = table.admit(&s) else {
             let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
             let e = error_reply(
                 Value::Null,
                 SERVER_ERROR,
-                &format!("too many control connections (limit {MAX_CONNECTIONS}); try again"),
+                &format!(
+                    "too many control connections busy with requests (limit {MAX_CONNECTIONS}); try again"
+                ),
             );
             let _ = s.write_all(format!("{e}\n").as_bytes());
             continue;
-        }
-        let (rpc, active2) = (rpc.clone(), active.clone());
+        };
+        let (rpc, table2) = (rpc.clone(), table.clone());
         let spawned = std::thread::Builder::new()
             .name("rpc-conn".into())
             .spawn(move || {
-                serve_connection(s, &rpc);
-                active2.fetch_sub(1, Ordering::AcqRel);
+                serve_connection(s, &rpc, &slot);
+                table2.leave(&slot);
             });
         if let Err(e) = spawned {
             tracing::warn!("rpc: cannot start a connection thread: {e}");
-            active.fetch_sub(1, Ordering::AcqRel);
         }
+    }
+}
+
+/// What a control connection is doing, for choosing one to close when all slots
+/// are taken.
+#[derive(Debug)]
+struct ConnSlot {
+    id: u64,
+    stream: Option<UnixStream>,
+    /// A handler is running for it: never evicted.
+    busy: AtomicBool,
+    /// When it last completed a message or connected (ms since the table began).
+    last: AtomicU64,
+}
+
+/// Milliseconds on a process-wide monotonic clock.
+fn now_ms() -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    EPOCH
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
+}
+
+/// The open control connections. A flood of idle or slow connections must not lock
+/// the operator out: when all `MAX_CONNECTIONS` slots are taken, a new connection
+/// closes the one that has been waiting longest without a request running (a slow
+/// sender mid-message counts as waiting), and is refused only if every slot is
+/// busy running a request. The per-message deadline and the idle timeout bound how
+/// long any connection holds a slot anyway.
+#[derive(Default)]
+struct ConnTable {
+    conns: std::sync::Mutex<Vec<Arc<ConnSlot>>>,
+    next: AtomicU64,
+}
+
+impl ConnTable {
+    fn admit(&self, s: &UnixStream) -> Option<Arc<ConnSlot>> {
+        let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        if conns.len() >= MAX_CONNECTIONS {
+            let victim = conns
+                .iter()
+                .filter(|c| !c.busy.load(Ordering::Acquire))
+                .min_by_key(|c| c.last.load(Ordering::Relaxed))?
+                .clone();
+            tracing::info!(
+                "rpc: {MAX_CONNECTIONS} control connections open; closing the longest idle one"
+            );
+            if let Some(v) = &victim.stream {
+                let _ = v.shutdown(std::net::Shutdown::Both);
+            }
+            conns.retain(|c| c.id != victim.id);
+        }
+        let slot = Arc::new(ConnSlot {
+            id: self.next.fetch_add(1, Ordering::Relaxed),
+            stream: s.try_clone().ok(),
+            busy: AtomicBool::new(false),
+            last: AtomicU64::new(now_ms()),
+        });
+        conns.push(slot.clone());
+        Some(slot)
+    }
+
+    fn leave(&self, slot: &ConnSlot) {
+        self.conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|c| c.id != slot.id);
     }
 }
 
@@ -304,12 +375,21 @@ fn send(s: &mut UnixStream, v: &Value) -> io::Result<()> {
     s.write_all(&out)
 }
 
-fn serve_connection(mut s: UnixStream, rpc: &Rpc) {
-    let _ = s.set_read_timeout(Some(IDLE_TIMEOUT));
+fn serve_connection(mut s: UnixStream, rpc: &Rpc, slot: &ConnSlot) {
     let _ = s.set_write_timeout(Some(Duration::from_secs(10)));
     let mut framer = Framer::new(MAX_MESSAGE);
     let mut buf = vec![0u8; 64 << 10];
+    // Between messages a connection may idle for IDLE_TIMEOUT; once a message has
+    // started it must be complete within the message deadline.
+    let mut deadline: Option<std::time::Instant> = None;
     loop {
+        let wait = match deadline {
+            Some(d) => d.saturating_duration_since(std::time::Instant::now()),
+            None => IDLE_TIMEOUT,
+        };
+        if wait.is_zero() || s.set_read_timeout(Some(wait)).is_err() {
+            return;
+        }
         let n = match s.read(&mut buf) {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
@@ -318,9 +398,19 @@ fn serve_connection(mut s: UnixStream, rpc: &Rpc) {
         while at < n {
             let (used, push) = framer.push(&buf[at..n]);
             at += used;
+            if framer.in_message() && deadline.is_none() {
+                deadline = Some(std::time::Instant::now() + sockfile::message_deadline());
+            }
             let reply = match push {
                 Push::More => continue,
-                Push::Message(msg) => rpc.handle_message(&msg),
+                Push::Message(msg) => {
+                    deadline = None;
+                    slot.busy.store(true, Ordering::Release);
+                    let r = rpc.handle_message(&msg);
+                    slot.last.store(now_ms(), Ordering::Relaxed);
+                    slot.busy.store(false, Ordering::Release);
+                    r
+                }
                 Push::TooLarge => {
                     let e = error_reply(
                         Value::Null,
