@@ -32,12 +32,14 @@ pub(crate) struct Shared {
     pub mdts_bytes: u64,
     /// Trace switch of all this controller's queues.
     pub trace: Arc<trace::TraceControl>,
+    /// Budget of the controller's guest-triggerable log lines.
+    pub log: trace::LogLimiter,
 }
 
 impl Shared {
     pub fn set_fatal(&self, why: &str) {
         if !self.fatal.swap(true, Ordering::AcqRel) {
-            tracing::warn!("nvme: controller fatal status: {why}");
+            trace::limited!(self.log, warn, "nvme: controller fatal status: {why}");
         }
     }
 
@@ -219,7 +221,13 @@ impl Inner {
             || r.asq == 0
             || r.acq == 0;
         if bad {
-            tracing::warn!(cc = r.cc, aqa = r.aqa, "nvme: invalid controller enable");
+            trace::limited!(
+                self.shared.log,
+                warn,
+                cc = r.cc,
+                aqa = r.aqa,
+                "nvme: invalid controller enable"
+            );
             st.regs.cfs = true;
             return;
         }
@@ -234,7 +242,9 @@ impl Inner {
         });
         st.regs.shst = 0;
         st.regs.rdy = true;
-        tracing::info!(
+        trace::limited!(
+            self.shared.log,
+            info,
             cntlid = self.cfg.cntlid,
             admin_sq = asqs,
             admin_cq = acqs,
@@ -246,7 +256,12 @@ impl Inner {
     /// host programs before enabling again.
     pub fn disable(&self, st: &mut State) {
         if st.regs.rdy {
-            tracing::info!(cntlid = self.cfg.cntlid, "nvme: controller disabled");
+            trace::limited!(
+                self.shared.log,
+                info,
+                cntlid = self.cfg.cntlid,
+                "nvme: controller disabled"
+            );
         }
         self.teardown_queues(st);
         st.admin = None;

@@ -156,6 +156,7 @@ impl Controller {
             wce: AtomicBool::new(vwc),
             mdts_bytes: iov::PAGE << mdts,
             trace: Arc::new(trace::TraceControl::default()),
+            log: trace::LogLimiter::new(),
         });
         let inner = Arc::new(ctrl::Inner::new(
             cfg, shared, engine, placer, mem, namespaces,

@@ -29,6 +29,7 @@ pub mod clock;
 mod control;
 mod hist;
 mod layerset;
+mod loglimit;
 mod prom;
 mod recorder;
 mod snapshot;
@@ -38,6 +39,7 @@ pub use breakdown::{Breakdown, LayerRow, OpBreakdown, Side, DEVICE};
 pub use control::{Mailbox, TraceControl, TraceSettings};
 pub use hist::HistSnapshot;
 pub use layerset::LayerSet;
+pub use loglimit::{LogLimiter, LINES_PER_WINDOW, WINDOW_MS};
 pub use prom::render_prometheus;
 pub use recorder::{QueueRecorder, Stamps};
 pub use snapshot::{

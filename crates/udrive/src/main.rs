@@ -30,13 +30,28 @@ enum Cmd {
     Trace(trace_cmd::TraceArgs),
 }
 
+/// `RUST_LOG` (default `info`), with the virtqueue library silenced unless named:
+/// it logs an error for every bad ring access a guest makes, unthrottled (one
+/// hostile ring wrote thousands of lines a millisecond); the virtio-blk worker logs
+/// the same conditions itself, rate-limited per device.
+fn log_filter() -> tracing_subscriber::EnvFilter {
+    let spec = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
+    let spec = if spec.contains("virtio_queue") {
+        spec
+    } else {
+        format!("{spec},virtio_queue=off")
+    };
+    tracing_subscriber::EnvFilter::try_new(&spec)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,virtio_queue=off"))
+}
+
 fn main() {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        // Colour codes only for a terminal, not for journald or log files.
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(log_filter())
         .init();
     let cli = Cli::parse();
     let r = match cli.cmd {

@@ -63,11 +63,11 @@ impl Conn {
             Ok(m) => m,
             Err(ReadError::Eof) => return Flow::Disconnect,
             Err(ReadError::Io(e)) => {
-                tracing::info!("vfio-user: connection error: {e}");
+                trace::limited!(dev.log, info, "vfio-user: connection error: {e}");
                 return Flow::Disconnect;
             }
             Err(ReadError::Framing(hdr, why)) => {
-                tracing::warn!("vfio-user: disconnecting client: {why}");
+                trace::limited!(dev.log, warn, "vfio-user: disconnecting client: {why}");
                 if let Some((h, errno)) = hdr {
                     let _ = msg::send_error(&self.stream, &h, errno);
                 }
@@ -104,7 +104,7 @@ impl Conn {
         match sent {
             Ok(()) => Flow::Continue,
             Err(e) => {
-                tracing::info!("vfio-user: reply failed, disconnecting: {e}");
+                trace::limited!(dev.log, info, "vfio-user: reply failed, disconnecting: {e}");
                 Flow::Disconnect
             }
         }
@@ -240,7 +240,7 @@ fn dma_map(dev: &Device, p: &[u8], mut fds: Vec<OwnedFd>) -> Res {
         1 => fds.remove(0),
         _ => return Err(libc::EINVAL),
     };
-    crate::dma::map(&dev.mem, &req, fd)?;
+    crate::dma::map(&dev.mem, &req, fd, &dev.log)?;
     Ok(Reply::empty())
 }
 

@@ -115,6 +115,8 @@ pub(crate) struct Device {
     pub backend: Arc<dyn PciBackend>,
     pub irqs: Arc<Irqs>,
     pub mem: Arc<DmaSpace>,
+    /// Budget of the log lines its client can trigger.
+    pub log: trace::LogLimiter,
 }
 
 enum Bar0Target {

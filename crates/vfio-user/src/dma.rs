@@ -16,7 +16,12 @@ use crate::proto::{DmaMap, DmaUnmap, DMA_READ, DMA_WRITE, UNMAP_ALL, UNMAP_GET_D
 pub(crate) const MAX_DMA_MAPS: u32 = 1024;
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
 
-pub(crate) fn map(mem: &DmaSpace, req: &DmaMap, fd: OwnedFd) -> Result<(), i32> {
+pub(crate) fn map(
+    mem: &DmaSpace,
+    req: &DmaMap,
+    fd: OwnedFd,
+    log: &trace::LogLimiter,
+) -> Result<(), i32> {
     if req.flags & !(DMA_READ | DMA_WRITE) != 0 || req.flags == 0 {
         return Err(libc::EINVAL);
     }
@@ -39,7 +44,9 @@ pub(crate) fn map(mem: &DmaSpace, req: &DmaMap, fd: OwnedFd) -> Result<(), i32> 
         mem.fault_signal(),
     )
     .map_err(|e| {
-        tracing::warn!(
+        trace::limited!(
+            log,
+            warn,
             "vfio-user: DMA_MAP of {:#x}+{:#x} (file offset {:#x}) refused: {e}",
             req.addr,
             req.size,

@@ -75,6 +75,7 @@ impl VfioUserServer {
             backend,
             irqs,
             mem,
+            log: trace::LogLimiter::new(),
         };
         let active = Arc::new(Mutex::new(None));
         let act = active.clone();
@@ -170,7 +171,9 @@ fn run(
             // The client shrank a file it had mapped to us; its pages now read as
             // zeroes. Its session cannot continue: drop it and reset the device for
             // the next client.
-            tracing::error!(
+            trace::limited!(
+                dev.log,
+                error,
                 "vfio-user {name}: the client truncated memory it shared with DMA_MAP \
                  while it was in use; disconnecting it and resetting the device"
             );
@@ -186,7 +189,7 @@ fn run(
         }
         if let Some(c) = conn.as_mut() {
             if let Flow::Disconnect = c.handle_next(&mut dev) {
-                tracing::info!("vfio-user {name}: client disconnected");
+                trace::limited!(dev.log, info, "vfio-user {name}: client disconnected");
                 end_client(&mut dev, conn.take());
                 set_active(None);
             }
@@ -196,12 +199,12 @@ fn run(
                     let _ = s.set_read_timeout(Some(READ_TIMEOUT));
                     let _ = s.set_write_timeout(Some(WRITE_TIMEOUT));
                     set_active(s.try_clone().ok());
-                    tracing::info!("vfio-user {name}: client connected");
+                    trace::limited!(dev.log, info, "vfio-user {name}: client connected");
                     conn = Some(Conn::new(s));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => {
-                    tracing::warn!("vfio-user {name}: accept failed: {e}");
+                    trace::limited!(dev.log, warn, "vfio-user {name}: accept failed: {e}");
                     std::thread::sleep(Duration::from_millis(10));
                 }
             }

@@ -35,6 +35,8 @@ pub(crate) struct Conn {
     pub guarded: GuardedMem,
     /// The front end's socket, to end the connection from a poller.
     pub front: Mutex<Option<UnixStream>>,
+    /// The device's budget of front-end-triggerable log lines.
+    pub log: Arc<trace::LogLimiter>,
     /// Exit eventfds whose ownership vhost-user-backend took and dropped (see
     /// `exit_event`).
     exit_consumers: Mutex<Vec<RawFd>>,
@@ -59,7 +61,7 @@ impl Drop for Conn {
 }
 
 impl Conn {
-    pub fn new() -> io::Result<Conn> {
+    pub fn new(log: Arc<trace::LogLimiter>) -> io::Result<Conn> {
         let mem = GuestMemoryAtomic::new(Mem::default());
         let guarded = GuardedMem::new(FaultSignal::new()?, mem.memory().into_inner());
         Ok(Conn {
@@ -68,6 +70,7 @@ impl Conn {
             inflight: Mutex::new(None),
             guarded,
             front: Mutex::new(None),
+            log,
             exit_consumers: Mutex::new(Vec::new()),
         })
     }
@@ -127,6 +130,9 @@ pub(crate) struct Shared {
     /// The device's poll mode ([`PollMode`] as `u8`); pollers read it when their
     /// reactor asks how long to spin, so changing it takes no lock anywhere.
     pub poll: AtomicU8,
+    /// Budget of the log lines its front ends can trigger (shared by connections,
+    /// so reconnecting does not refill it).
+    pub log: Arc<trace::LogLimiter>,
 }
 
 impl Shared {
@@ -215,7 +221,7 @@ impl VhostUserBackend for BlkBackend {
         // with the pollers (requests in flight keep the old one alive); they start
         // using it once its regions are guarded.
         self.conn.guarded.sync(mem.memory().into_inner()).inspect_err(|e| {
-            tracing::error!(error = %e, "cannot guard the front end's new memory table; its queues stay stopped");
+            trace::limited!(self.shared.log, error, error = %e, "cannot guard the front end's new memory table; its queues stay stopped");
         })
     }
 
@@ -225,7 +231,9 @@ impl VhostUserBackend for BlkBackend {
         if let Some(q) = self.shared.queues.get(queue_index as usize) {
             q.stops.fetch_add(1, Ordering::AcqRel);
             if !q.drain(DRAIN_LIMIT) {
-                tracing::warn!(
+                trace::limited!(
+                    self.shared.log,
+                    warn,
                     queue_index,
                     "requests still in flight after {DRAIN_LIMIT:?}; stopping the vring anyway"
                 );

@@ -83,6 +83,7 @@ impl VhostUserBlk {
             cfg,
             queues,
             poll: AtomicU8::new(0),
+            log: Arc::new(trace::LogLimiter::new()),
         });
         shared.set_poll_mode(opts.poll);
         let mut listener = Listener::from(sockfile::bind(socket, opts.access).map_err(|e| {
@@ -266,7 +267,7 @@ fn serve(
     socket: &Path,
 ) {
     while !stop.load(Ordering::SeqCst) {
-        let conn = match Conn::new() {
+        let conn = match Conn::new(shared.log.clone()) {
             Ok(c) => Arc::new(c),
             Err(e) => {
                 tracing::error!(socket = %socket.display(), error = %e, "cannot set up a vhost-user connection");
@@ -322,11 +323,11 @@ fn serve(
             daemon.request_shutdown();
         } else {
             count.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(socket = %socket.display(), "vhost-user front end connected");
+            trace::limited!(shared.log, info, socket = %socket.display(), "vhost-user front end connected");
         }
         *lock(handle) = daemon.shutdown_handle();
         if let Err(e) = daemon.wait() {
-            tracing::info!(socket = %socket.display(), error = ?e, "vhost-user connection ended with an error");
+            trace::limited!(shared.log, info, socket = %socket.display(), error = ?e, "vhost-user connection ended with an error");
         }
         *lock(handle) = None;
         let _ = relay.join();
@@ -339,7 +340,7 @@ fn serve(
             q.drain(DISCONNECT_DRAIN);
         }
         drop(daemon);
-        tracing::info!(socket = %socket.display(), "vhost-user front end disconnected");
+        trace::limited!(shared.log, info, socket = %socket.display(), "vhost-user front end disconnected");
     }
 }
 

@@ -75,7 +75,9 @@ impl VirtqPoller {
     fn faulted(&mut self, conn: &Conn) -> usize {
         if !self.faulted {
             self.faulted = true;
-            tracing::error!(
+            trace::limited!(
+                conn.log,
+                error,
                 queue = self.index,
                 "the vhost-user front end truncated memory it shares with us while it \
                  was in use; disconnecting it"

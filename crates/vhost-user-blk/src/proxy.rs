@@ -199,7 +199,7 @@ fn handle(msg: Msg, front: &Mutex<UnixStream>, conn: &Conn) -> io::Result<Option
                 Err(e) => {
                     // The protocol has no error reply here: an empty area (size 0,
                     // no fd) tells the front end we cannot track.
-                    tracing::warn!(error = %e, "GET_INFLIGHT_FD refused");
+                    trace::limited!(conn.log, warn, error = %e, "GET_INFLIGHT_FD refused");
                     let out = InflightMsg {
                         mmap_size: 0,
                         mmap_offset: 0,
@@ -233,7 +233,7 @@ fn handle(msg: Msg, front: &Mutex<UnixStream>, conn: &Conn) -> io::Result<Option
                     true
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "SET_INFLIGHT_FD refused; requests in flight at a crash will not be recovered");
+                    trace::limited!(conn.log, warn, error = %e, "SET_INFLIGHT_FD refused; requests in flight at a crash will not be recovered");
                     *conn.inflight.lock().unwrap_or_else(|e| e.into_inner()) = None;
                     false
                 }
@@ -247,7 +247,7 @@ fn handle(msg: Msg, front: &Mutex<UnixStream>, conn: &Conn) -> io::Result<Option
         SET_MEM_TABLE | ADD_MEM_REG => match check_mem_files(&msg) {
             Ok(()) => Ok(Some(msg)),
             Err(e) => {
-                tracing::warn!(error = %e, "vhost-user memory region refused");
+                trace::limited!(conn.log, warn, error = %e, "vhost-user memory region refused");
                 if msg.flags() & F_NEED_REPLY == 0 {
                     // The front end expects no answer and would go on with memory we
                     // do not have: end the connection instead.
@@ -329,7 +329,7 @@ pub(crate) fn run(front: UnixStream, back: UnixStream, conn: Arc<Conn>) -> io::R
             Ok(Some(m)) => m,
             Ok(None) => break,
             Err(e) => {
-                tracing::info!(error = %e, "vhost-user front end connection ended");
+                trace::limited!(conn.log, info, error = %e, "vhost-user front end connection ended");
                 break;
             }
         };

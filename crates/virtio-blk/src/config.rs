@@ -64,6 +64,8 @@ pub struct BlkConfig {
     pub features: u64,
     /// `writeback` config field: 1 while the guest lets us cache writes.
     writeback: AtomicBool,
+    /// Budget of the device's guest-triggerable log lines (all its queues).
+    pub log: trace::LogLimiter,
 }
 
 /// Byte offsets in `struct virtio_blk_config`.
@@ -112,6 +114,7 @@ impl BlkConfig {
             info,
             features: f,
             writeback,
+            log: trace::LogLimiter::new(),
         }
     }
 

@@ -169,7 +169,11 @@ impl QueueWorker {
             return 0;
         }
         let Ok(used) = q.used_idx(&**mem, std::sync::atomic::Ordering::Acquire) else {
-            tracing::warn!("virtqueue used ring is unreadable; queue stopped until reset");
+            trace::limited!(
+                self.cfg.log,
+                warn,
+                "virtqueue used ring is unreadable; queue stopped until reset"
+            );
             self.broken = Some(QueueError::UsedRing);
             return 0;
         };
@@ -189,7 +193,9 @@ impl QueueWorker {
             self.ready.push(idx);
         }
         if n > 0 {
-            tracing::info!(
+            trace::limited!(
+                self.cfg.log,
+                info,
                 requests = n,
                 "resubmitting requests in flight at the last disconnect"
             );
@@ -329,7 +335,7 @@ impl QueueWorker {
     }
 
     fn corrupt(&mut self, e: &virtio_queue::Error) {
-        tracing::warn!(error = %e, "virtqueue avail ring is corrupt; queue stopped until reset");
+        trace::limited!(self.cfg.log, warn, error = %e, "virtqueue avail ring is corrupt; queue stopped until reset");
         self.broken = Some(QueueError::AvailIndex);
     }
 
@@ -378,7 +384,9 @@ impl QueueWorker {
                     } else {
                         slot.cause
                     };
-                    tracing::warn!(
+                    trace::limited!(
+                        self.cfg.log,
+                        warn,
                         errors = self.stats.errors,
                         head = slot.head,
                         cause,
@@ -415,7 +423,9 @@ impl QueueWorker {
         }
         if q.add_used(&**mem, head, used_len).is_err() {
             if self.broken.is_none() {
-                tracing::warn!(
+                trace::limited!(
+                    self.cfg.log,
+                    warn,
                     head,
                     "cannot write the used ring; queue stopped until reset"
                 );

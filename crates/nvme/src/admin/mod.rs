@@ -222,7 +222,9 @@ impl Inner {
         }
         let shadow = Shadow { db, ei };
         st.shadow = Some(shadow);
-        tracing::info!(
+        trace::limited!(
+            self.shared.log,
+            info,
             shadow = format_args!("{db:#x}"),
             event_idx = format_args!("{ei:#x}"),
             "doorbell buffer configured"
