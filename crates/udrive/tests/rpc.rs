@@ -533,24 +533,21 @@ fn hostile_input_gets_clear_errors_and_the_server_keeps_serving() {
             .unwrap();
     }
 
-    // Many connections at once: the ones over the limit get an error, the others
-    // are served; afterwards everything works again.
+    // Many connections at once: over the limit, a new connection closes the one
+    // idle longest; every connection is either served or closed, never stuck.
     let mut many: Vec<UnixStream> = (0..80).map(|_| connect(&s.rpc)).collect();
     let mut served = 0;
-    let mut refused = 0;
+    let mut closed = 0;
     for m in many.iter_mut() {
         let _ = m.write_all(b"{\"jsonrpc\":\"2.0\",\"method\":\"get_version\",\"id\":1}\n");
         match read_reply(m) {
             Some(r) if r.get("result").is_some() => served += 1,
-            Some(r) => {
-                assert!(r["error"]["message"].as_str().unwrap().contains("too many"));
-                refused += 1
-            }
-            None => panic!("no reply"),
+            Some(r) => panic!("unexpected reply {r}"),
+            None => closed += 1,
         }
     }
-    assert_eq!(served + refused, 80);
-    assert!((1..=64).contains(&served), "served {served}");
+    assert_eq!(served + closed, 80);
+    assert!(served >= 64, "served {served}");
     drop(many);
 
     // The server still serves: a follow-up call, and I/O on the device.
