@@ -17,6 +17,8 @@
 
 mod admin;
 mod ctrl;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod identify;
 mod io;
 mod iov;

@@ -7,6 +7,8 @@ pub mod blkio_target;
 pub mod config;
 pub mod device;
 pub mod file_target;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 pub mod metrics;
 pub mod nsspec;
 pub mod perf;

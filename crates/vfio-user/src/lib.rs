@@ -10,6 +10,8 @@
 mod conn;
 mod device;
 mod dma;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod irqs;
 mod msg;
 pub mod pci;

@@ -8,6 +8,8 @@
 
 mod chain;
 mod config;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod guest;
 mod inflight;
 mod request;

@@ -16,7 +16,7 @@
 //! whole within `sockfile::message_deadline()` once it has started.
 
 pub mod client;
-mod framing;
+pub(crate) mod framing;
 pub mod methods;
 pub mod trace_methods;
 mod vhost_methods;
