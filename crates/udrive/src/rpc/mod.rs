@@ -271,7 +271,13 @@ fn accept_loop(listener: UnixListener, rpc: Arc<Rpc>, stop: Arc<AtomicBool>) {
         let mut s = match conn {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!("rpc: accept failed: {e}");
+                // EMFILE repeats every 10 ms until a descriptor frees up.
+                static LOG: trace::LogLimiter = trace::LogLimiter::new();
+                trace::limited!(
+                    LOG,
+                    warn,
+                    "rpc: accept failed: {e} (out of file descriptors? raise `ulimit -n`)"
+                );
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
