@@ -228,7 +228,7 @@ fn print_banner(server: &Server, rpc: Option<&RpcServer>, metrics: Option<&Metri
     }
     if let Some(r) = rpc {
         println!(
-            "udrive: control socket {} (udrive rpc --socket {} rpc_get_methods)",
+            "udrive: control socket {} (udrive rpc --rpc {} rpc_get_methods)",
             r.path().display(),
             r.path().display()
         );

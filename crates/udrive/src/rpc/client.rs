@@ -14,8 +14,9 @@ pub const DEFAULT_SOCKET: &str = "./udrive-rpc.sock";
 
 #[derive(clap::Args, Debug)]
 pub struct RpcArgs {
-    /// Control socket of `udrive serve --rpc`
-    #[arg(long, short = 's', value_name = "PATH", default_value = DEFAULT_SOCKET)]
+    /// Control socket of `udrive serve --rpc` (`--rpc`, like every other command;
+    /// `--socket` is kept as an alias)
+    #[arg(long = "rpc", short = 's', alias = "socket", value_name = "PATH", default_value = DEFAULT_SOCKET)]
     pub socket: PathBuf,
     /// Seconds to wait for the reply
     #[arg(long, short = 't', default_value_t = 60)]
