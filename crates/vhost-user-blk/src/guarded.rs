@@ -61,6 +61,11 @@ impl GuardedMem {
     /// snapshots nobody else holds any more.
     pub fn sync(&self, current: Arc<Mem>) -> std::io::Result<()> {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        // Held before any of its regions is registered, so that a registration
+        // failing half-way never leaves a range registered that could be unmapped.
+        if !held.snapshots.iter().any(|s| Arc::ptr_eq(s, &current)) {
+            held.snapshots.push(current.clone());
+        }
         for range in ranges(&current) {
             if held.guards.iter().any(|(r, _)| *r == range) {
                 continue;
@@ -69,9 +74,6 @@ impl GuardedMem {
             // is dropped (see `release`), so it stays mapped while registered.
             let g = unsafe { guest_mem::guard_range(range.0 as *const u8, range.1, &self.signal) }?;
             held.guards.push((range, g));
-        }
-        if !held.snapshots.iter().any(|s| Arc::ptr_eq(s, &current)) {
-            held.snapshots.push(current.clone());
         }
         self.guarded
             .store(Arc::as_ptr(&current).cast_mut(), Ordering::Release);
