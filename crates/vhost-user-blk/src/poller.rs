@@ -59,6 +59,10 @@ impl VirtqPoller {
             let v = c.vrings.lock().ok()?.as_ref()?.get(self.index)?.clone();
             Some((c, v))
         });
+        // Let go of the old connection's memory table and inflight log: the front
+        // end may be gone, and its mappings (and file descriptors) with it.
+        self.mem = Arc::new(Mem::default());
+        self.worker.set_inflight(None);
         self.worker.reset();
         self.quiet = false;
         self.recover = true;
