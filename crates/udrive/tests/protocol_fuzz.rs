@@ -14,225 +14,13 @@ mod common;
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use blkio::{Blkio, ReqFlags};
+use common::serve::{vfio_shrink, vhost_loop, Bystanders, Server};
 use common::{opts, Rng};
-use guest_mem::Prot;
-use initiator::regs::{AQA, CC, CC_EN};
-use initiator::{DataMode, IoOp, NvmeDriver, VfioUserClient};
-use vfio_user::proto::PCI_BAR0_REGION;
-
-struct Server {
-    child: Child,
-    dir: tempfile::TempDir,
-}
-
-impl Server {
-    fn start() -> Server {
-        let dir = tempfile::tempdir().unwrap();
-        let p = |n: &str| dir.path().join(n);
-        let cfg = format!(
-            "cpus = \"0\"\nrpc = \"{}\"\n\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"ram:16M\"]\n\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"ram:16M\"]\n\n[[vhost_user_blk]]\nsocket = \"{}\"\ndisk = \"ram:16M\"\n\n[[vhost_user_blk]]\nsocket = \"{}\"\ndisk = \"ram:16M\"\n",
-            p("rpc.sock").display(),
-            p("nvme-a.sock").display(),
-            p("nvme-b.sock").display(),
-            p("vhost-a.sock").display(),
-            p("vhost-b.sock").display(),
-        );
-        std::fs::write(p("u.toml"), cfg).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_udrive"))
-            .args(["serve", "--config"])
-            .arg(p("u.toml"))
-            .env("UDRIVE_MSG_DEADLINE_MS", "300")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("stderr.log")).unwrap())
-            .spawn()
-            .unwrap();
-        let s = Server { child, dir };
-        let until = Instant::now() + Duration::from_secs(30);
-        for n in [
-            "rpc.sock",
-            "nvme-a.sock",
-            "nvme-b.sock",
-            "vhost-a.sock",
-            "vhost-b.sock",
-        ] {
-            while !s.path(n).exists() {
-                assert!(Instant::now() < until, "udrive serve did not start");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-        s
-    }
-
-    fn path(&self, n: &str) -> PathBuf {
-        self.dir.path().join(n)
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn alive(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
-    fn fds(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
-            .map(|d| d.count())
-            .unwrap_or(0)
-    }
-
-    fn rss_kib(&self) -> u64 {
-        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("VmRSS:"))
-                    .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-            })
-            .unwrap_or(0)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Verified I/O by well-behaved clients until `stop`; errors are collected.
-struct Bystanders {
-    ops: Arc<AtomicU64>,
-    errors: Arc<Mutex<Vec<String>>>,
-    stop: Arc<AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Bystanders {
-    fn start(nvme: PathBuf, vhost: PathBuf) -> Bystanders {
-        let ops = Arc::new(AtomicU64::new(0));
-        let errors = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (o, e, s) = (ops.clone(), errors.clone(), stop.clone());
-        let t1 = std::thread::spawn(move || {
-            if let Err(m) = nvme_loop(&nvme, &o, &s) {
-                e.lock().unwrap().push(m);
-            }
-        });
-        let (o, e, s) = (ops.clone(), errors.clone(), stop.clone());
-        let t2 = std::thread::spawn(move || {
-            if let Err(m) = vhost_loop(&vhost, &o, &s) {
-                e.lock().unwrap().push(m);
-            }
-        });
-        Bystanders {
-            ops,
-            errors,
-            stop,
-            threads: vec![t1, t2],
-        }
-    }
-
-    fn finish(self) -> (u64, Vec<String>) {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads {
-            let _ = t.join();
-        }
-        let errors = self.errors.lock().unwrap().clone();
-        (self.ops.load(Ordering::Relaxed), errors)
-    }
-}
-
-fn nvme_loop(sock: &Path, ops: &AtomicU64, stop: &AtomicBool) -> Result<(), String> {
-    let d = NvmeDriver::connect(sock, opts()).map_err(|e| format!("nvme connect: {e}"))?;
-    let mut qp = d.create_qpair(16, false).map_err(|e| e.to_string())?;
-    let buf = qp.alloc_buf(4096).map_err(|e| e.to_string())?;
-    let mut rng = Rng::new(7);
-    while !stop.load(Ordering::Relaxed) {
-        let slba = rng.below(4000) * 8;
-        let data = rng.bytes(4096);
-        buf.write(0, &data).map_err(|e| e.to_string())?;
-        for op in [IoOp::Write, IoOp::Read] {
-            if op == IoOp::Read {
-                buf.fill(0);
-            }
-            let c = qp
-                .submit_io(op, 1, slba, 8, Some(&buf), DataMode::Prp)
-                .and_then(|cid| qp.ring().map(|_| cid))
-                .and_then(|cid| qp.wait(cid, Duration::from_secs(10)))
-                .map_err(|e| format!("nvme bystander {op:?}: {e}"))?;
-            if !c.status.is_ok() {
-                return Err(format!("nvme bystander {op:?}: {}", c.status));
-            }
-        }
-        let mut back = vec![0u8; 4096];
-        buf.read(0, &mut back).map_err(|e| e.to_string())?;
-        if back != data {
-            return Err(format!("nvme bystander: data mismatch at LBA {slba}"));
-        }
-        ops.fetch_add(1, Ordering::Relaxed);
-    }
-    Ok(())
-}
-
-fn vhost_loop(sock: &Path, ops: &AtomicU64, stop: &AtomicBool) -> Result<(), String> {
-    let mut b = Blkio::new("virtio-blk-vhost-user").map_err(|e| e.to_string())?;
-    b.set_str("path", sock.to_str().unwrap_or_default())
-        .map_err(|e| e.to_string())?;
-    b.connect().map_err(|e| e.to_string())?;
-    let mut s = b.start().map_err(|e| e.to_string())?;
-    let region = b.alloc_mem_region(4096).map_err(|e| e.to_string())?;
-    b.map_mem_region(&region).map_err(|e| e.to_string())?;
-    let buf = region.addr as *mut u8;
-    let q = &mut s.queues[0];
-    let mut comps: Vec<_> = (0..1).map(|_| std::mem::MaybeUninit::uninit()).collect();
-    let mut rng = Rng::new(11);
-    let mut result = Ok(());
-    while !stop.load(Ordering::Relaxed) && result.is_ok() {
-        let off = rng.below(4000) * 4096;
-        let byte = (rng.below(255) + 1) as u8;
-        let mut io = |write: bool| -> Result<(), String> {
-            if write {
-                q.write(off, buf, 4096, 0, ReqFlags::empty());
-            } else {
-                q.read(off, buf, 4096, 0, ReqFlags::empty());
-            }
-            let mut t = Duration::from_secs(10);
-            let n = q
-                .do_io(&mut comps, 1, Some(&mut t), None)
-                .map_err(|e| format!("vhost bystander: {e}"))?;
-            // SAFETY: do_io initialised `n` completions.
-            if n != 1 || unsafe { comps[0].assume_init_ref() }.ret != 0 {
-                return Err("vhost bystander: request failed".into());
-            }
-            Ok(())
-        };
-        // SAFETY: the region is mapped read/write and no request is in flight.
-        unsafe { std::ptr::write_bytes(buf, byte, 4096) };
-        result = io(true).and_then(|_| {
-            // SAFETY: as above.
-            unsafe { std::ptr::write_bytes(buf, 0, 4096) };
-            io(false)
-        });
-        // SAFETY: as above.
-        let back = unsafe { std::slice::from_raw_parts(buf, 4096) };
-        if result.is_ok() && !back.iter().all(|x| *x == byte) {
-            result = Err(format!("vhost bystander: data mismatch at {off}"));
-        }
-        ops.fetch_add(1, Ordering::Relaxed);
-    }
-    drop(s);
-    b.unmap_mem_region(&region);
-    b.free_mem_region(&region);
-    result
-}
+use initiator::NvmeDriver;
 
 // ---- the attacks -------------------------------------------------------------------
 
@@ -345,31 +133,6 @@ fn vfio_fuzz(rng: &mut Rng, sock: &Path) {
             let _ = file.set_len(rng.below(0x10000));
         }
     }
-}
-
-/// Maps a plain file, puts the admin queues in it, enables the controller, then
-/// shrinks the file and rings the admin doorbell: the device must fault into zero
-/// pages and drop this client, never the process.
-fn vfio_shrink(sock: &Path) {
-    let Ok(mut c) = VfioUserClient::connect(sock) else {
-        return;
-    };
-    let file = memfd_like(0x10000);
-    let base = 0x20_0000u64;
-    if c.dma_map(file.as_fd(), 0, base, 0x10000, Prot::RW).is_err() {
-        return;
-    }
-    let _ = c.region_write_u32(PCI_BAR0_REGION, AQA, (15 << 16) | 15);
-    let asq = base.to_le_bytes();
-    let acq = (base + 0x1000).to_le_bytes();
-    let _ = c.region_write(PCI_BAR0_REGION, 0x28, &asq, false);
-    let _ = c.region_write(PCI_BAR0_REGION, 0x30, &acq, false);
-    let _ = c.region_write_u32(PCI_BAR0_REGION, CC, CC_EN | (6 << 16) | (4 << 20));
-    std::thread::sleep(Duration::from_millis(20));
-    let _ = file.set_len(0);
-    // Admin SQ tail doorbell.
-    let _ = c.region_write_u32(PCI_BAR0_REGION, 0x1000, 1);
-    std::thread::sleep(Duration::from_millis(50));
 }
 
 fn vhost_msg(req: u32, flags: u32, body: &[u8]) -> Vec<u8> {
@@ -502,7 +265,7 @@ fn protocol_fuzzer_against_a_running_server() {
     while start.elapsed() < Duration::from_secs(secs) {
         match rng.below(10) {
             0..=3 => vfio_fuzz(&mut rng, &na),
-            4 => vfio_shrink(&na),
+            4 => drop(vfio_shrink(&na)),
             5..=8 => vhost_fuzz(&mut rng, &va),
             _ => rpc_fuzz(&mut rng, &rpc),
         }
@@ -521,11 +284,8 @@ fn protocol_fuzzer_against_a_running_server() {
         log.lines().count()
     );
     // Let connections wind down, then compare with the baseline.
-    let until = Instant::now() + Duration::from_secs(20);
-    while server.fds() > fds0 + 2 && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let (fds1, rss1) = (server.fds(), server.rss_kib());
+    let fds1 = server.settle_fds(fds0);
+    let rss1 = server.rss_kib();
     let (ops, errors) = by.finish();
     assert!(server.alive(), "udrive died (seed {seed})");
     assert!(
@@ -534,7 +294,7 @@ fn protocol_fuzzer_against_a_running_server() {
     );
     assert!(ops > 10, "bystanders made progress ({ops} round trips)");
     assert!(
-        fds1 <= fds0 + 2,
+        fds1 <= fds0,
         "fds {fds0} -> {fds1} after {sessions} sessions (seed {seed})"
     );
     assert!(

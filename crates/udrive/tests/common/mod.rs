@@ -4,6 +4,8 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod layers;
+pub mod serve;
+pub mod vhost_fe;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};

@@ -1,0 +1,297 @@
+//! A `udrive serve` child process serving two NVMe controllers and two
+//! vhost-user-blk devices (`nvme-a`/`vhost-a` for attackers, `nvme-b`/`vhost-b` for
+//! bystanders) and a control socket, and the bystanders' well-behaved clients doing
+//! verified I/O. The message deadline is shortened to 300 ms and the log goes to a
+//! file the tests read.
+
+use std::io::{Read, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use guest_mem::Prot;
+use initiator::regs::{AQA, CC, CC_EN};
+use initiator::{DataMode, IoOp, NvmeDriver, VfioUserClient};
+use vfio_user::proto::PCI_BAR0_REGION;
+
+use super::vhost_fe::BlkioClient;
+use super::{opts, Rng};
+
+pub const SOCKETS: [&str; 5] = [
+    "rpc.sock",
+    "nvme-a.sock",
+    "nvme-b.sock",
+    "vhost-a.sock",
+    "vhost-b.sock",
+];
+
+pub struct Server {
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl Server {
+    pub fn start() -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |n: &str| dir.path().join(n).display().to_string();
+        let mut cfg = format!("cpus = \"0\"\nrpc = \"{}\"\n", p("rpc.sock"));
+        for n in ["nvme-a.sock", "nvme-b.sock"] {
+            cfg += &format!(
+                "\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"ram:16M\"]\n",
+                p(n)
+            );
+        }
+        for n in ["vhost-a.sock", "vhost-b.sock"] {
+            cfg += &format!(
+                "\n[[vhost_user_blk]]\nsocket = \"{}\"\ndisk = \"ram:16M\"\n",
+                p(n)
+            );
+        }
+        std::fs::write(p("u.toml"), cfg).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_udrive"))
+            .args(["serve", "--config", &p("u.toml")])
+            .env("UDRIVE_MSG_DEADLINE_MS", "300")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(p("stderr.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let s = Server { child, dir };
+        let until = Instant::now() + Duration::from_secs(30);
+        for n in SOCKETS {
+            while !s.path(n).exists() {
+                assert!(Instant::now() < until, "udrive serve did not start");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        s
+    }
+
+    pub fn path(&self, n: &str) -> PathBuf {
+        self.dir.path().join(n)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    pub fn fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+
+    /// What each open descriptor is (for messages when a count is off).
+    pub fn fd_targets(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .map(|t| t.display().to_string())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Waits (up to 20 s) until the fd count is at most `base`; the count then.
+    pub fn settle_fds(&self, base: usize) -> usize {
+        let until = Instant::now() + Duration::from_secs(20);
+        while self.fds() > base && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.fds()
+    }
+
+    pub fn rss_kib(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
+    /// Everything the server logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.path("stderr.log")).unwrap_or_default()
+    }
+
+    /// `udrive rpc METHOD PARAMS` against this server; its stdout, or stderr on failure.
+    pub fn rpc(&self, method: &str, params: &str) -> Result<String, String> {
+        let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+            .args(["rpc", "--rpc"])
+            .arg(self.path("rpc.sock"))
+            .args([method, params])
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Verified I/O by well-behaved clients until `finish`; errors are collected. Each
+/// client stays within the first 1 MiB of its disk, so the server's RSS settles.
+pub struct Bystanders {
+    ops: Arc<AtomicU64>,
+    errors: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Bystanders {
+    pub fn start(nvme: PathBuf, vhost: PathBuf) -> Bystanders {
+        let ops = Arc::new(AtomicU64::new(0));
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let spawn = |f: fn(&Path, &AtomicU64, &AtomicBool) -> Result<(), String>, sock: PathBuf| {
+            let (o, e, s) = (ops.clone(), errors.clone(), stop.clone());
+            std::thread::spawn(move || {
+                if let Err(m) = f(&sock, &o, &s) {
+                    e.lock().unwrap().push(m);
+                }
+            })
+        };
+        let threads = vec![spawn(nvme_loop, nvme), spawn(vhost_loop, vhost)];
+        Bystanders {
+            ops,
+            errors,
+            stop,
+            threads,
+        }
+    }
+
+    /// Round trips so far.
+    pub fn ops(&self) -> u64 {
+        self.ops.load(Ordering::Relaxed)
+    }
+
+    /// Stops the clients: the round trips they made and the errors they saw.
+    pub fn finish(self) -> (u64, Vec<String>) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads {
+            let _ = t.join();
+        }
+        let errors = self.errors.lock().unwrap().clone();
+        (self.ops.load(Ordering::Relaxed), errors)
+    }
+}
+
+/// Write, read back and compare random 4 KiB blocks until `stop`.
+pub fn nvme_loop(sock: &Path, ops: &AtomicU64, stop: &AtomicBool) -> Result<(), String> {
+    let d = NvmeDriver::connect(sock, opts()).map_err(|e| format!("nvme connect: {e}"))?;
+    let mut qp = d.create_qpair(16, false).map_err(|e| e.to_string())?;
+    let buf = qp.alloc_buf(4096).map_err(|e| e.to_string())?;
+    let mut rng = Rng::new(7);
+    while !stop.load(Ordering::Relaxed) {
+        let slba = rng.below(256) * 8;
+        let data = rng.bytes(4096);
+        buf.write(0, &data).map_err(|e| e.to_string())?;
+        for op in [IoOp::Write, IoOp::Read] {
+            if op == IoOp::Read {
+                buf.fill(0);
+            }
+            let c = qp
+                .submit_io(op, 1, slba, 8, Some(&buf), DataMode::Prp)
+                .and_then(|cid| qp.ring().map(|_| cid))
+                .and_then(|cid| qp.wait(cid, Duration::from_secs(10)))
+                .map_err(|e| format!("nvme bystander {op:?}: {e}"))?;
+            if !c.status.is_ok() {
+                return Err(format!("nvme bystander {op:?}: {}", c.status));
+            }
+        }
+        let mut back = vec![0u8; 4096];
+        buf.read(0, &mut back).map_err(|e| e.to_string())?;
+        if back != data {
+            return Err(format!("nvme bystander: data mismatch at LBA {slba}"));
+        }
+        ops.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// As `nvme_loop`, through libblkio.
+pub fn vhost_loop(sock: &Path, ops: &AtomicU64, stop: &AtomicBool) -> Result<(), String> {
+    let mut c = BlkioClient::connect(sock)?;
+    let mut rng = Rng::new(11);
+    while !stop.load(Ordering::Relaxed) {
+        let off = rng.below(256) * 4096;
+        let byte = (rng.below(255) + 1) as u8;
+        c.round(off, byte)
+            .map_err(|e| format!("vhost bystander: {e}"))?;
+        ops.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// Maps a plain file, puts the admin queues in it, enables the controller, then
+/// shrinks the file and rings the admin doorbell: the device must fault into zero
+/// pages and drop this client, never the process. Returns the client (to check it
+/// was dropped).
+pub fn vfio_shrink(sock: &Path) -> Option<VfioUserClient> {
+    let Ok(mut c) = VfioUserClient::connect(sock) else {
+        return None;
+    };
+    let file = tempfile::tempfile().ok()?;
+    file.set_len(0x10000).ok()?;
+    let base = 0x20_0000u64;
+    if c.dma_map(file.as_fd(), 0, base, 0x10000, Prot::RW).is_err() {
+        return None;
+    }
+    let _ = c.region_write_u32(PCI_BAR0_REGION, AQA, (15 << 16) | 15);
+    let asq = base.to_le_bytes();
+    let acq = (base + 0x1000).to_le_bytes();
+    let _ = c.region_write(PCI_BAR0_REGION, 0x28, &asq, false);
+    let _ = c.region_write(PCI_BAR0_REGION, 0x30, &acq, false);
+    let _ = c.region_write_u32(PCI_BAR0_REGION, CC, CC_EN | (6 << 16) | (4 << 20));
+    std::thread::sleep(Duration::from_millis(20));
+    let _ = file.set_len(0);
+    // Admin SQ tail doorbell.
+    let _ = c.region_write_u32(PCI_BAR0_REGION, 0x1000, 1);
+    std::thread::sleep(Duration::from_millis(50));
+    Some(c)
+}
+
+/// Sends `first`, then one byte of `rest` every 100 ms; returns when the peer
+/// closed the connection (true) or after 5 s (false).
+pub fn trickle(s: &mut UnixStream, first: &[u8], rest: &[u8]) -> bool {
+    s.write_all(first).unwrap();
+    let start = Instant::now();
+    for b in rest {
+        std::thread::sleep(Duration::from_millis(100));
+        if s.write_all(&[*b]).is_err() {
+            return true;
+        }
+        let _ = s.set_read_timeout(Some(Duration::from_millis(1)));
+        let mut x = [0u8; 64];
+        match s.read(&mut x) {
+            Ok(0) => return true,
+            Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => return true,
+            _ => {}
+        }
+        if start.elapsed() > Duration::from_secs(5) {
+            return false;
+        }
+    }
+    false
+}
