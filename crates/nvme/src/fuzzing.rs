@@ -69,3 +69,73 @@ fn memory(image: &[u8]) -> std::io::Result<MemoryMap> {
     }
     Ok(map)
 }
+
+/// Guest memory of the admin target, mapped in the controller's DMA space too so
+/// that queues it creates point into it.
+const ADMIN_MEM: (u64, u64) = (0x10000, 0x20000);
+/// Commands per input at most.
+const ADMIN_BATCH: usize = 8;
+
+struct AdminRig {
+    ctrl: crate::Controller,
+    region: Arc<MappedRegion>,
+    map: Arc<MemoryMap>,
+}
+
+struct NoIrqs;
+
+impl crate::InterruptSink for NoIrqs {
+    fn signal(&self, _vector: u16) {}
+}
+
+fn admin_rig() -> std::io::Result<AdminRig> {
+    let engine = engine::Engine::start(&[None]).map_err(std::io::Error::other)?;
+    let placer = engine::Placer::new(engine::Placement::RoundRobin, 0, 1);
+    let mem = guest_mem::DmaSpace::try_new()?;
+    let region = Arc::new(MappedRegion::anonymous(ADMIN_MEM.0, ADMIN_MEM.1)?);
+    mem.update(|m| m.with_region(region.clone()))
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    let (_, map) = mem.snapshot();
+    let disk: Arc<dyn bdev::BlockDevice> = Arc::new(bdev::RamDisk::new(1 << 20, 512)?);
+    let ctrl = crate::Controller::new(
+        crate::ControllerConfig::default(),
+        vec![Some(disk), None],
+        engine,
+        placer,
+        mem,
+        Arc::new(NoIrqs),
+    )?;
+    Ok(AdminRig { ctrl, region, map })
+}
+
+/// Admin commands run one after another on an enabled controller with one RAM
+/// namespace and an inactive NSID 2, against guest memory (PRP lists, data
+/// buffers, queue memory at 0x10000..0x30000) from the input. Layout: `[count]`,
+/// then `count % 8 + 1` SQEs of 64 bytes, then the memory image. Each input starts
+/// from a controller that was just disabled (no queues, default features).
+pub fn admin_commands(data: &[u8]) {
+    static RIG: std::sync::OnceLock<Option<AdminRig>> = std::sync::OnceLock::new();
+    let Some(rig) = RIG.get_or_init(|| admin_rig().ok()) else {
+        return;
+    };
+    let n = usize::from(data.first().copied().unwrap_or(0)) % ADMIN_BATCH + 1;
+    let sqes = data.get(1..).unwrap_or_default();
+    let image = data.get(1 + n * 64..).unwrap_or_default();
+    if let Some(all) = rig.region.slice(0, ADMIN_MEM.1 as usize) {
+        all.fill(0);
+        let take = image.len().min(ADMIN_MEM.1 as usize);
+        let _ = all.write_from(0, &image[..take]);
+    }
+    let inner = &rig.ctrl.inner;
+    let mut st = inner.lock();
+    inner.disable(&mut st);
+    // Enabled with 64-byte SQEs and 16-byte CQEs, as every driver sets CC.
+    st.regs.cc = 1 | (6 << 16) | (4 << 20);
+    for i in 0..n {
+        let mut sqe = crate::queue::Sqe::default();
+        for (k, dw) in sqe.dw.iter_mut().enumerate() {
+            *dw = u32::from_le_bytes(le(sqes, i * 64 + k * 4));
+        }
+        let _ = inner.exec_admin(&mut st, &rig.map, &sqe);
+    }
+}

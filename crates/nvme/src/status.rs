@@ -26,6 +26,7 @@ impl Status {
     pub const DATA_TRANSFER_ERROR: Status = generic(0x04);
     // Internal errors may be transient, so the host may retry (no DNR).
     pub const INTERNAL_ERROR: Status = Status(0x06);
+    pub const COMMAND_SEQUENCE_ERROR: Status = generic(0x0c);
     pub const INVALID_NAMESPACE: Status = generic(0x0b);
     pub const INVALID_SGL_SEGMENT: Status = generic(0x0d);
     pub const INVALID_SGL_COUNT: Status = generic(0x0e);

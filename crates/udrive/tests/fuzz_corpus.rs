@@ -31,6 +31,11 @@ fn nvme_data_pointer() {
 }
 
 #[test]
+fn nvme_admin_commands() {
+    replay("nvme_admin_commands", nvme::fuzzing::admin_commands);
+}
+
+#[test]
 fn virtio_blk_virtqueue() {
     replay("virtio_blk_virtqueue", virtio_blk::fuzzing::virtqueue);
 }

@@ -386,9 +386,13 @@ fn queue_creation_and_deletion_errors() {
         generic(&c, 0x02, "PC = 0");
         let c = d.admin(create_cq_raw(30, 15, UNMAPPED, 0, 1)).unwrap();
         assert!(!c.status.is_ok(), "CQ in unmapped memory accepted");
-        // SQ without its CQ.
+        // SQ without its CQ: a valid CQID with no queue is Completion Queue Invalid;
+        // the admin CQ and CQIDs past the 32 allocated are no valid CQID at all
+        // (docs/decisions/0011-nvme-conformance.md).
         specific(create_sq_raw(30, 15, m, 29), 0x00, "SQ on a missing CQ");
-        specific(create_sq_raw(30, 15, m, 0), 0x00, "SQ on the admin CQ");
+        specific(create_sq_raw(30, 15, m, 0), 0x01, "SQ on the admin CQ");
+        specific(create_sq_raw(30, 15, m, 33), 0x01, "SQ on CQ 33 of 32");
+        specific(create_sq_raw(30, 15, m, 0xffff), 0x01, "SQ on CQ 0xffff");
         // A real pair at qid 30, then deletion order errors.
         assert_ok(&d.admin(create_cq_raw(30, 15, m, 0, 1)).unwrap(), "CQ 30");
         specific(create_cq_raw(30, 15, m + 4096, 0, 1), 0x01, "CQ 30 twice");
@@ -847,11 +851,6 @@ fn vfio_unexpected_fds() {
             libc::EINVAL,
             "REGION_READ with two fds",
         );
-        assert_remote(
-            c.request_raw(Command::DmaUnmap, &[0u8; 24], &[m.fd()]),
-            libc::EINVAL,
-            "DMA_UNMAP with an fd",
-        );
         // More fds than the protocol allows (the kernel truncates; server rejects).
         let fds: Vec<_> = (0..16).map(|_| m.fd()).collect();
         assert_remote(
@@ -921,5 +920,41 @@ fn vfio_dma_map_with_missing_or_bad_fds() {
         ));
         c.dma_unmap(0x4_0000_0000, 1 << 20).unwrap();
         assert!(c.device_info().is_ok(), "connection survives");
+    });
+}
+
+/// SPDK's client attaches the region's fd to DMA_UNMAP: the unmap takes effect (the
+/// fd is closed, not kept), and the IOVA can be mapped again to other memory, which
+/// the next command then uses.
+#[test]
+fn dma_unmap_with_an_fd_attached_takes_effect() {
+    hostile("unmapfd", 37, |_dev, d| {
+        let (a, b) = (
+            SharedMem::new("a", 64 << 10).unwrap(),
+            SharedMem::new("b", 64 << 10).unwrap(),
+        );
+        let x = 0x2_0000_0000u64;
+        d.client()
+            .dma_map(a.fd(), 0, x, 64 << 10, Prot::RW)
+            .unwrap();
+        let mut qp = d.create_qpair(16, false).unwrap();
+        a.all().write_from(0, &[0xa5; 4096]).unwrap();
+        assert_ok(&raw(&mut qp, rw_prp(WRITE, 1, 10, 8, x, 0)), "write from a");
+        a.all().write_from(0, &[0; 4096]).unwrap();
+        let mut unmap = u32s(&[24, 0]);
+        unmap.extend_from_slice(&x.to_le_bytes());
+        unmap.extend_from_slice(&(64u64 << 10).to_le_bytes());
+        d.client()
+            .request_raw(Command::DmaUnmap, &unmap, &[a.fd()])
+            .expect("DMA_UNMAP with the region's fd attached");
+        d.client()
+            .dma_map(b.fd(), 0, x, 64 << 10, Prot::RW)
+            .expect("the IOVA is free again");
+        assert_ok(&raw(&mut qp, rw_prp(READ, 1, 10, 8, x, 0)), "read into b");
+        let (mut in_a, mut in_b) = (vec![0u8; 4096], vec![0u8; 4096]);
+        a.all().read_into(0, &mut in_a).unwrap();
+        b.all().read_into(0, &mut in_b).unwrap();
+        assert!(in_b.iter().all(|x| *x == 0xa5), "the read landed in b");
+        assert!(in_a.iter().all(|x| *x == 0), "and not in the unmapped a");
     });
 }

@@ -127,14 +127,25 @@ impl Conn {
         if !self.negotiated && cmd != Command::Version {
             return Err(libc::EINVAL);
         }
-        if !fds.is_empty() && !matches!(cmd, Command::DmaMap | Command::DeviceSetIrqs) {
-            return Err(libc::EINVAL); // fds dropped (closed) on return
+        // DMA_MAP and SET_IRQS carry fds. SPDK's client also attaches the region's fd
+        // to DMA_UNMAP, where it cannot mean anything: close it and unmap. On any
+        // other command an fd means a confused client: refuse (fds closed on return).
+        if !fds.is_empty()
+            && !matches!(
+                cmd,
+                Command::DmaMap | Command::DeviceSetIrqs | Command::DmaUnmap
+            )
+        {
+            return Err(libc::EINVAL);
         }
         let p = payload.as_slice();
         match cmd {
             Command::Version => self.version(p),
             Command::DmaMap => dma_map(dev, p, fds),
-            Command::DmaUnmap => dma_unmap(dev, p),
+            Command::DmaUnmap => {
+                drop(fds);
+                dma_unmap(dev, p)
+            }
             Command::DeviceGetInfo => device_info(p),
             Command::DeviceGetRegionInfo => region_info(dev, p),
             Command::DeviceGetIrqInfo => irq_info(dev, p),

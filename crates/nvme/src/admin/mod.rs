@@ -14,6 +14,7 @@ use crate::iov::{Iov, PAGE};
 use crate::log::smart_page;
 use crate::queue::Sqe;
 use crate::status::Status;
+use features::{FID_HOST_BEHAVIOR, FID_QUEUES, HOST_BEHAVIOR_LEN};
 
 const DELETE_SQ: u8 = 0x00;
 const CREATE_SQ: u8 = 0x01;
@@ -55,24 +56,8 @@ impl Inner {
             CREATE_CQ => self.create_cq(st, map, sqe),
             IDENTIFY => self.identify(st, map, sqe),
             GET_LOG_PAGE => self.get_log_page(st, map, sqe),
-            SET_FEATURES => {
-                let fid = sqe.cdw(10) as u8;
-                let save = sqe.cdw(10) & (1 << 31) != 0;
-                match st.features.set(fid, save, sqe.cdw(11)) {
-                    Ok(dw0) => {
-                        self.shared.wce.store(st.features.wce, Ordering::Relaxed);
-                        ok(dw0)
-                    }
-                    Err(s) => err(s),
-                }
-            }
-            GET_FEATURES => {
-                let sel = (sqe.cdw(10) >> 8) & 7;
-                match st.features.get(sqe.cdw(10) as u8, sel, sqe.cdw(11)) {
-                    Ok(v) => ok(v),
-                    Err(s) => err(s),
-                }
-            }
+            SET_FEATURES => self.set_features(st, map, sqe),
+            GET_FEATURES => self.get_features(st, map, sqe),
             ASYNC_EVENT => {
                 if st.aer.len() > usize::from(identify::AERL) {
                     return err(Status::AER_LIMIT_EXCEEDED);
@@ -88,26 +73,70 @@ impl Inner {
         }
     }
 
-    /// Copies `data` to the host buffer of an admin command (PRPs only).
-    fn data_out(&self, map: &MemoryMap, sqe: &Sqe, data: &[u8]) -> Status {
+    /// The host buffer of an admin command (PRPs only), `len` bytes of it.
+    fn host_buffer<'m>(
+        map: &'m MemoryMap,
+        sqe: &Sqe,
+        len: usize,
+        access: Access,
+    ) -> Result<Iov<'m>, Status> {
         if sqe.psdt() != 0 {
-            return Status::INVALID_FIELD;
+            return Err(Status::INVALID_FIELD);
         }
         let mut iov = Iov::new();
-        let r = crate::prp::walk(
-            map,
-            sqe.prp1(),
-            sqe.prp2(),
-            data.len() as u64,
-            Access::Write,
-            &mut iov,
-        );
-        match r {
-            Ok(()) => {
+        crate::prp::walk(map, sqe.prp1(), sqe.prp2(), len as u64, access, &mut iov)?;
+        Ok(iov)
+    }
+
+    /// Copies `data` to the host buffer of an admin command.
+    fn data_out(&self, map: &MemoryMap, sqe: &Sqe, data: &[u8]) -> Status {
+        match Self::host_buffer(map, sqe, data.len(), Access::Write) {
+            Ok(iov) => {
                 iov.copy_out(data);
                 Status::SUCCESS
             }
             Err(s) => s,
+        }
+    }
+
+    fn set_features(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
+        let fid = sqe.cdw(10) as u8;
+        let save = sqe.cdw(10) & (1 << 31) != 0;
+        let res = match fid {
+            // NVMe 1.4 §5.21.1.7: only before any I/O queue exists.
+            FID_QUEUES if !st.groups.is_empty() || !st.sq_owner.is_empty() => {
+                Err(Status::COMMAND_SEQUENCE_ERROR)
+            }
+            FID_HOST_BEHAVIOR => {
+                let mut data = [0u8; HOST_BEHAVIOR_LEN];
+                Self::host_buffer(map, sqe, data.len(), Access::Read).and_then(|iov| {
+                    iov.copy_in(&mut data);
+                    st.features.set_host_behavior(save, &data)
+                })
+            }
+            _ => st.features.set(fid, save, sqe.cdw(11)),
+        };
+        match res {
+            Ok(dw0) => {
+                self.shared.wce.store(st.features.wce, Ordering::Relaxed);
+                ok(dw0)
+            }
+            Err(s) => err(s),
+        }
+    }
+
+    fn get_features(&self, st: &State, map: &MemoryMap, sqe: &Sqe) -> Done {
+        let fid = sqe.cdw(10) as u8;
+        let sel = (sqe.cdw(10) >> 8) & 7;
+        match st.features.get(fid, sel, sqe.cdw(11)) {
+            Ok(v) if fid == FID_HOST_BEHAVIOR && sel != 3 => {
+                match self.data_out(map, sqe, &st.features.host_behavior()) {
+                    Status::SUCCESS => ok(v),
+                    s => err(s),
+                }
+            }
+            Ok(v) => ok(v),
+            Err(s) => err(s),
         }
     }
 

@@ -84,7 +84,15 @@ impl Inner {
         };
         let cdw11 = sqe.cdw(11);
         let cqid = (cdw11 >> 16) as u16;
-        if cqid == 0 || !st.groups.contains_key(&cqid) {
+        // NVMe 2.0 base, Create I/O Submission Queue, CDW11.CQID: 0 (the admin CQ)
+        // and identifiers beyond the allocated completion queues are not valid
+        // queue identifiers at all (Invalid Queue Identifier, as for a bad QID);
+        // Completion Queue Invalid is for a valid identifier with no queue created.
+        let allocated_cqs = (st.features.queues >> 16) + 1;
+        if cqid == 0 || u32::from(cqid) > allocated_cqs {
+            return err(Status::INVALID_QUEUE_ID);
+        }
+        if !st.groups.contains_key(&cqid) {
             return err(Status::CQ_INVALID);
         }
         if cdw11 & 1 == 0 || regs::cc_iosqes(st.regs.cc) != 6 {
