@@ -14,6 +14,7 @@ pub mod opc {
     pub const SET_FEATURES: u8 = 0x09;
     pub const GET_FEATURES: u8 = 0x0a;
     pub const ASYNC_EVENT: u8 = 0x0c;
+    pub const KEEP_ALIVE: u8 = 0x18;
 
     pub const FLUSH: u8 = 0x00;
     pub const WRITE: u8 = 0x01;

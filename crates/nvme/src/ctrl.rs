@@ -103,6 +103,19 @@ pub(crate) struct State {
     /// log yet: further changes only extend the list (the event type is masked).
     pub ns_event_masked: bool,
     pub placer: Placer,
+    /// When the Keep Alive Timer expires (KATO set and not 0); restarted by each
+    /// Keep Alive command.
+    pub keep_alive: Option<Instant>,
+}
+
+impl State {
+    /// Starts or restarts the Keep Alive Timer from the current KATO (milliseconds,
+    /// rounded up to the 100 ms granularity Identify reports in KAS).
+    pub fn restart_keep_alive(&mut self) {
+        let kato = u64::from(self.features.kato);
+        self.keep_alive =
+            (kato != 0).then(|| Instant::now() + Duration::from_millis(kato.div_ceil(100) * 100));
+    }
 }
 
 pub(crate) struct Inner {
@@ -147,6 +160,7 @@ impl Inner {
                 changed_ns: Default::default(),
                 ns_event_masked: false,
                 placer,
+                keep_alive: None,
             }),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
@@ -270,6 +284,7 @@ impl Inner {
         st.changed_ns.clear();
         st.ns_event_masked = false;
         st.shadow = None;
+        st.keep_alive = None;
         st.features = Features::new(&self.cfg, Self::any_write_cache(&st.ns));
         self.shared.wce.store(st.features.wce, Ordering::Relaxed);
         st.regs.rdy = false;
@@ -363,6 +378,15 @@ impl Inner {
     pub fn admin_poll(&self, st: &mut State) -> usize {
         let Some(mut q) = st.admin else { return 0 };
         if self.shared.fatal.load(Ordering::Acquire) {
+            return 0;
+        }
+        if st.keep_alive.is_some_and(|t| Instant::now() > t) {
+            // NVMe 1.4 §7.12: the host stopped sending Keep Alive within KATO.
+            st.keep_alive = None;
+            self.shared.set_fatal(&format!(
+                "keep alive timeout expired (KATO {} ms)",
+                st.features.kato
+            ));
             return 0;
         }
         let page = self.shared.doorbells.all();

@@ -129,3 +129,30 @@ fn number_of_queues_after_io_queues_exist() {
     drop(d);
     dev.check_fresh_client(4);
 }
+
+/// Keep Alive is advertised (KAS = 100 ms), so it is enforced: while the host sends
+/// Keep Alive within KATO the controller runs; once it stops, the controller sets
+/// CSTS.CFS (NVMe 1.4 §7.12) and a reset clears it. The margins are 10×: this checks
+/// behaviour, not timing.
+#[test]
+fn keep_alive_timeout_is_enforced() {
+    let dev = TestDev::start("keepalive", &["ram:4M"]);
+    let d = dev.connect();
+    let fatal = |d: &NvmeDriver| {
+        d.read_reg32(initiator::regs::CSTS).unwrap() & initiator::regs::CSTS_CFS != 0
+    };
+    assert_ok(&set_features(&d, 0x0f, 1000), "KATO 1 s");
+    assert_eq!(get_features(&d, 0x0f, 0).dw0, 1000);
+    for _ in 0..25 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_ok(&d.admin(Sqe::new(opc::KEEP_ALIVE)).unwrap(), "keep alive");
+        assert!(!fatal(&d), "fatal although the host kept it alive");
+    }
+    wait_fatal(&d);
+    drop(d);
+    // A new client's reset clears it, with KATO back at 0 (no timer).
+    let d = dev.connect();
+    check_io(&d, 5);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(!fatal(&d), "no keep alive timer after the reset");
+}

@@ -14,7 +14,7 @@ use crate::iov::{Iov, PAGE};
 use crate::log::smart_page;
 use crate::queue::Sqe;
 use crate::status::Status;
-use features::{FID_HOST_BEHAVIOR, FID_QUEUES, HOST_BEHAVIOR_LEN};
+use features::{FID_HOST_BEHAVIOR, FID_KEEP_ALIVE, FID_QUEUES, HOST_BEHAVIOR_LEN};
 
 const DELETE_SQ: u8 = 0x00;
 const CREATE_SQ: u8 = 0x01;
@@ -67,7 +67,10 @@ impl Inner {
             }
             // Commands complete almost at once; "not aborted" (dw0 bit 0) is legal.
             ABORT => ok(1),
-            KEEP_ALIVE => ok(0),
+            KEEP_ALIVE => {
+                st.restart_keep_alive();
+                ok(0)
+            }
             DOORBELL_BUFFER_CONFIG => self.doorbell_buffer_config(st, map, sqe),
             _ => err(Status::INVALID_OPCODE),
         }
@@ -119,6 +122,9 @@ impl Inner {
         match res {
             Ok(dw0) => {
                 self.shared.wce.store(st.features.wce, Ordering::Relaxed);
+                if fid == FID_KEEP_ALIVE {
+                    st.restart_keep_alive();
+                }
                 ok(dw0)
             }
             Err(s) => err(s),
