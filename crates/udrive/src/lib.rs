@@ -3,20 +3,25 @@
 //! devices in-process.
 
 pub mod backends;
+#[cfg(feature = "tools")]
 pub mod blkio_target;
 pub mod config;
 pub mod device;
+#[cfg(feature = "tools")]
 pub mod file_target;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod metrics;
 pub mod nsspec;
+#[cfg(feature = "tools")]
 pub mod perf;
 pub mod rpc;
 pub mod serve;
 pub mod server;
 pub mod size;
 pub mod stats;
+#[cfg(feature = "tools")]
 pub mod trace_cmd;
+#[cfg(feature = "tools")]
 pub mod trace_view;
 pub mod vhost_device;

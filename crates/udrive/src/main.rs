@@ -1,6 +1,8 @@
 //! udrive: userspace storage virtualization server.
 
-use udrive::{perf, rpc, serve, trace_cmd};
+#[cfg(feature = "tools")]
+use udrive::{perf, trace_cmd};
+use udrive::{rpc, serve};
 
 use clap::{Parser, Subcommand};
 
@@ -19,14 +21,16 @@ struct Cli {
 enum Cmd {
     /// Serve NVMe controllers on vfio-user sockets (default: one 1 GiB RAM namespace
     /// on ./udrive-nvme.sock)
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Drive a controller with udrive's userspace initiator and report IOPS and latency
+    #[cfg(feature = "tools")]
     Perf(perf::PerfArgs),
     /// Call a method on a running server's control socket (JSON-RPC 2.0, docs/rpc.md)
     Rpc(rpc::client::RpcArgs),
     /// Print a running server's counters in Prometheus text format
     Metrics(rpc::client::MetricsArgs),
     /// Trace a running server's requests for a while and print the time per layer
+    #[cfg(feature = "tools")]
     Trace(trace_cmd::TraceArgs),
 }
 
@@ -55,7 +59,8 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Serve(a) => serve::run(a),
+        Cmd::Serve(a) => serve::run(*a),
+        #[cfg(feature = "tools")]
         Cmd::Perf(a) => match a.rpc.clone() {
             Some(rpc) => {
                 let server = trace_cmd::RpcServerTrace {
@@ -68,6 +73,7 @@ fn main() {
         },
         Cmd::Rpc(a) => rpc::client::run(a),
         Cmd::Metrics(a) => rpc::client::run_metrics(a),
+        #[cfg(feature = "tools")]
         Cmd::Trace(a) => trace_cmd::run(a),
     };
     if let Err(e) = r {

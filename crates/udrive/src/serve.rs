@@ -241,10 +241,12 @@ fn print_banner(server: &Server, rpc: Option<&RpcServer>, metrics: Option<&Metri
             Device::Nvme(d) => {
                 println!("\nAttach a VM (QEMU 10.1+; guest RAM must be a shared memfd):\n");
                 println!("{}\n", qemu_command(&d.socket));
-                println!(
-                    "Or measure it: udrive perf --vfio-user {} --rw randread --bs 4096 --qd 32 --time 10",
-                    d.socket.display()
-                );
+                if cfg!(feature = "tools") {
+                    println!(
+                        "Or measure it: udrive perf --vfio-user {} --rw randread --bs 4096 --qd 32 --time 10",
+                        d.socket.display()
+                    );
+                }
             }
             Device::VhostBlk(d) => {
                 println!("\nAttach a VM (guest RAM must be a shared memfd):\n");
@@ -252,10 +254,12 @@ fn print_banner(server: &Server, rpc: Option<&RpcServer>, metrics: Option<&Metri
                     "{}\n",
                     crate::vhost_device::qemu_command(&d.cfg.socket, d.cfg.queues)
                 );
-                println!(
-                    "Or measure it: udrive perf --vhost-user {} --rw randread --bs 4096 --qd 32 --time 10",
-                    d.cfg.socket.display()
-                );
+                if cfg!(feature = "tools") {
+                    println!(
+                        "Or measure it: udrive perf --vhost-user {} --rw randread --bs 4096 --qd 32 --time 10",
+                        d.cfg.socket.display()
+                    );
+                }
             }
         }
     }
