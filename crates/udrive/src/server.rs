@@ -198,10 +198,12 @@ impl Server {
             .iter()
             .filter(|d| matches!(d, Device::VhostBlk(_)))
             .count();
-        let dev = crate::vhost_device::start(cfg, disk, index, &self.engine, self.base_reactors)?;
+        let dev =
+            crate::vhost_device::start(cfg, disk.clone(), index, &self.engine, self.base_reactors)?;
         st.devices.push(Device::VhostBlk(VhostBlkDevice {
             cfg: cfg.clone(),
             dev,
+            disk,
         }));
         Ok(())
     }
@@ -373,6 +375,36 @@ impl Server {
             )
         })?;
         f(ns)
+    }
+
+    /// Runs `f` on the QoS wrapper of a disk: NVMe namespace `nsid` of the
+    /// controller on `socket`, or the disk of the vhost-user-blk device on `socket`
+    /// (which has one: `nsid` absent or 1).
+    pub fn with_qos<R>(
+        &self,
+        socket: &Path,
+        nsid: Option<u32>,
+        f: impl FnOnce(&bdev::QosDisk) -> Result<R>,
+    ) -> Result<R> {
+        {
+            let st = self.lock();
+            if let Some(Device::VhostBlk(v)) = st.find(socket) {
+                if nsid.is_some_and(|n| n != 1) {
+                    bail!(
+                        "{} is a vhost-user-blk device: its one disk is nsid 1 (or leave nsid out)",
+                        socket.display()
+                    );
+                }
+                return f(&v.disk);
+            }
+        }
+        let Some(nsid) = nsid else {
+            bail!(
+                "give the nsid of the namespace of NVMe controller {}",
+                socket.display()
+            );
+        };
+        self.with_namespace(socket, nsid, |ns| f(&ns.qos))
     }
 
     /// How the queues of the vhost-user-blk device on `socket` wait for work

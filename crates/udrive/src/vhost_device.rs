@@ -322,6 +322,8 @@ impl VhostArgs {
 pub struct VhostBlkDevice {
     pub cfg: VhostBlkConfig,
     pub dev: VhostUserBlk,
+    /// The disk as the device sees it: its QoS limits change at run time.
+    pub disk: Arc<bdev::QosDisk>,
 }
 
 /// Opens the disk of one device on its own and starts it (tests, tools).
@@ -359,9 +361,11 @@ pub fn print_attach(cfg: &crate::config::Config) {
         for d in &cfg.vhost_user_blk {
             println!("{}\n", qemu_command(&d.socket, d.queues));
         }
-        println!(
-            "Or measure it: udrive perf --vhost-user {} --rw randread --bs 4096 --qd 32 --time 10",
-            first.socket.display()
-        );
+        if cfg!(feature = "tools") {
+            println!(
+                "Or measure it: udrive perf --vhost-user {} --rw randread --bs 4096 --qd 32 --time 10",
+                first.socket.display()
+            );
+        }
     }
 }

@@ -1043,6 +1043,44 @@ fn wait_disconnected(s: &Serve, v: &Path) {
     }
 }
 
+/// set_qos / clear_qos reach a vhost-user-blk device's disk (no nsid) and apply to
+/// its I/O at once.
+#[test]
+fn vhost_user_blk_disks_take_qos_limits() {
+    let s = Serve::start(&[]);
+    let v = s.path("v.sock");
+    s.ok(
+        "vhost_user_blk_add",
+        json!({"socket": v, "disk": "ram:16M"}),
+    );
+    let q = s.ok("set_qos", json!({"socket": v, "iops": 100}));
+    assert_eq!(q["iops"], 100);
+    assert_eq!(
+        s.ok("get_devices", json!({"socket": v}))[0]["qos"]["iops"],
+        100
+    );
+    // Unlimited, a RAM disk does well over 10 000 requests in 0.6 s here.
+    let limited = blkio_io(&v, 1);
+    assert!(limited.ios < 1000, "{} requests at 100 IOPS", limited.ios);
+    wait_disconnected(&s, &v);
+    let q = s.ok("clear_qos", json!({"socket": v, "nsid": 1}));
+    assert_eq!(q["iops"], Value::Null);
+    let free = blkio_io(&v, 1);
+    assert!(free.ios > 1000, "{} requests without a limit", free.ios);
+    s.err(
+        "set_qos",
+        json!({"socket": v, "nsid": 2, "iops": 1}),
+        -32000,
+        "its one disk is nsid 1",
+    );
+    s.err(
+        "set_qos",
+        json!({"socket": s.nvme, "iops": 1}),
+        -32000,
+        "give the nsid",
+    );
+}
+
 #[test]
 fn vhost_user_blk_add_and_remove() {
     let s = Serve::start(&[]);

@@ -71,18 +71,18 @@ pub fn register_all(r: &mut Registry) {
     );
     r.register(
         "set_qos",
-        "change a namespace's QoS limits (given ones; 0 removes a limit)",
+        "change the QoS limits of a namespace or vhost-user-blk disk (given ones; 0 removes a limit)",
         set_qos,
     );
     r.register(
         "clear_qos",
-        "remove all QoS limits of a namespace",
+        "remove all QoS limits of a namespace or vhost-user-blk disk",
         |rpc, p| {
-            let a: NsRef = parse_params(p)?;
+            let a: QosRef = parse_params(p)?;
             rpc.server
-                .with_namespace(&a.socket, a.nsid, |ns| {
-                    ns.qos.set_limits(bdev::QosLimits::default())?;
-                    Ok(qos_json(ns.qos.limits()))
+                .with_qos(&a.socket, a.nsid, |qos| {
+                    qos.set_limits(bdev::QosLimits::default())?;
+                    Ok(qos_json(qos.limits()))
                 })
                 .map_err(RpcError::from)
         },
@@ -139,6 +139,14 @@ struct NsRef {
     nsid: u32,
 }
 
+/// A disk with QoS: an NVMe namespace, or a vhost-user-blk device's disk (no nsid).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QosRef {
+    socket: PathBuf,
+    nsid: Option<u32>,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct SetPlacement {
@@ -170,7 +178,8 @@ impl Rate {
 #[serde(deny_unknown_fields)]
 struct SetQos {
     socket: PathBuf,
-    nsid: u32,
+    /// NVMe: the namespace; vhost-user-blk: absent (or 1).
+    nsid: Option<u32>,
     iops: Option<Rate>,
     read_iops: Option<Rate>,
     write_iops: Option<Rate>,
@@ -203,8 +212,8 @@ fn set_qos(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
     let read_bw = rate(&a.read_bw, "read_bw")?;
     let write_bw = rate(&a.write_bw, "write_bw")?;
     rpc.server
-        .with_namespace(&a.socket, a.nsid, |ns| {
-            let c = ns.qos.limits();
+        .with_qos(&a.socket, a.nsid, |qos| {
+            let c = qos.limits();
             let l = bdev::QosLimits {
                 iops: iops.unwrap_or(c.iops),
                 read_iops: read_iops.unwrap_or(c.read_iops),
@@ -213,7 +222,7 @@ fn set_qos(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
                 read_bw: read_bw.unwrap_or(c.read_bw),
                 write_bw: write_bw.unwrap_or(c.write_bw),
             };
-            ns.qos.set_limits(l)?;
+            qos.set_limits(l)?;
             Ok(qos_json(l))
         })
         .map_err(RpcError::from)
@@ -299,6 +308,7 @@ fn vhost_json(v: &crate::vhost_device::VhostBlkDevice) -> Value {
             "poll": v.cfg.poll,
             "read_only": v.cfg.disk.read_only,
         },
+        "qos": qos_json(v.disk.limits()),
         "state": {
             "poll_mode": poll_mode_name(v.dev.poll_mode()),
             "queue_reactors": v.dev.queue_reactors(),
