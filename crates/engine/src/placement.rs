@@ -2,7 +2,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// How a device's queues are spread over reactors.
-#[derive(Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Placement {
     /// Queue i goes to reactor (start + i) mod N.
     #[default]
@@ -13,6 +13,23 @@ pub enum Placement {
     /// reactors for it ([`crate::Engine::add_reactor`]); only device kinds that
     /// create their reactors support it.
     Dedicated,
+}
+
+impl Placement {
+    /// The name the CLI, the config file and the RPC use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Placement::RoundRobin => "round-robin",
+            Placement::Single => "single",
+            Placement::Dedicated => "dedicated",
+        }
+    }
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl FromStr for Placement {
@@ -85,6 +102,23 @@ impl PollMode {
             PollMode::Adaptive => Some(std::time::Duration::from_micros(200)),
             PollMode::Event => Some(std::time::Duration::ZERO),
         }
+    }
+}
+
+impl PollMode {
+    /// The name the CLI, the config file and the RPC use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PollMode::Busy => "busy",
+            PollMode::Adaptive => "adaptive",
+            PollMode::Event => "event",
+        }
+    }
+}
+
+impl std::fmt::Display for PollMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

@@ -77,8 +77,8 @@ pub struct ControllerConfig {
     pub namespaces: Vec<NsSpec>,
     #[serde(default)]
     pub serial: Option<String>,
-    #[serde(default = "default_placement")]
-    pub placement: String,
+    #[serde(default, with = "crate::serde_str")]
+    pub placement: engine::Placement,
     #[serde(default = "default_io_queues")]
     pub io_queues: u16,
     #[serde(default = "default_max_namespaces")]
@@ -91,9 +91,6 @@ pub struct ControllerConfig {
 
 pub fn default_cpus() -> String {
     "0".into()
-}
-fn default_placement() -> String {
-    "round-robin".into()
 }
 pub fn default_io_queues() -> u16 {
     32
@@ -124,7 +121,7 @@ impl ControllerConfig {
             socket,
             namespaces,
             serial: None,
-            placement: default_placement(),
+            placement: engine::Placement::RoundRobin,
             io_queues: default_io_queues(),
             max_namespaces: default_max_namespaces(),
             socket_mode: None,
@@ -206,11 +203,7 @@ impl ControllerConfig {
         if self.namespaces.is_empty() {
             bail!("{what} has no namespace: add one, e.g. ram:1G");
         }
-        if let engine::Placement::Dedicated = self
-            .placement
-            .parse::<engine::Placement>()
-            .map_err(|e| anyhow::anyhow!("{what}: {e}"))?
-        {
+        if self.placement == engine::Placement::Dedicated {
             bail!("{what}: placement `dedicated` is available for vhost_user_blk devices only; use round-robin or single");
         }
         if self.io_queues == 0 || self.io_queues > 511 {

@@ -83,7 +83,7 @@ impl NvmeDevice {
         engine: &Arc<engine::Engine>,
     ) -> Result<NvmeDevice> {
         let what = format!("controller {}", cfg.socket.display());
-        let placer = placer(&cfg.placement, cntlid, engine)?;
+        let placer = placer(cfg.placement, cntlid, engine);
         let namespaces: BTreeMap<u32, Namespace> = cfg
             .namespaces
             .iter()
@@ -198,11 +198,9 @@ impl NvmeDevice {
     }
 
     /// Queue placement for queues created from now on.
-    pub fn set_placement(&mut self, placement: &str, engine: &Arc<engine::Engine>) -> Result<()> {
-        self.ctrl
-            .set_placer(placer(placement, self.cntlid, engine)?);
-        self.cfg.placement = placement.to_string();
-        Ok(())
+    pub fn set_placement(&mut self, placement: engine::Placement, engine: &Arc<engine::Engine>) {
+        self.ctrl.set_placer(placer(placement, self.cntlid, engine));
+        self.cfg.placement = placement;
     }
 
     pub fn stop(mut self) {
@@ -226,13 +224,8 @@ impl NvmeDevice {
     }
 }
 
-fn placer(placement: &str, cntlid: u16, engine: &engine::Engine) -> Result<engine::Placer> {
-    let policy: engine::Placement = placement.parse().map_err(anyhow::Error::msg)?;
-    Ok(engine::Placer::new(
-        policy,
-        usize::from(cntlid),
-        engine.num_reactors(),
-    ))
+fn placer(placement: engine::Placement, cntlid: u16, engine: &engine::Engine) -> engine::Placer {
+    engine::Placer::new(placement, usize::from(cntlid), engine.num_reactors())
 }
 
 /// The QEMU command line that attaches `socket` (QEMU 10.1+ has `vfio-user-pci`).

@@ -16,6 +16,7 @@ pub mod nsspec;
 #[cfg(feature = "tools")]
 pub mod perf;
 pub mod rpc;
+pub mod serde_str;
 pub mod serve;
 pub mod server;
 pub mod size;

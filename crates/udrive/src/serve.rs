@@ -27,7 +27,7 @@ pub struct ServeArgs {
     pub cpus: Option<String>,
     /// Queue placement over reactors: round-robin or single (vhost-user-blk also: dedicated)
     #[arg(long, default_value = "round-robin", conflicts_with = "config")]
-    pub placement: String,
+    pub placement: engine::Placement,
     #[command(flatten)]
     pub vhost: crate::vhost_device::VhostArgs,
     /// I/O queue pairs the controller offers
@@ -91,7 +91,7 @@ impl ServeArgs {
                     self.ns.clone()
                 };
                 let mut c = ControllerConfig::new(socket, ns);
-                c.placement = self.placement.clone();
+                c.placement = self.placement;
                 c.io_queues = self.io_queues;
                 Config {
                     cpus: crate::config::default_cpus(),
@@ -104,7 +104,7 @@ impl ServeArgs {
                 }
             }
         };
-        if let Some(d) = self.vhost.to_config(&self.placement)? {
+        if let Some(d) = self.vhost.to_config(self.placement)? {
             cfg.vhost_user_blk.push(d);
         }
         if let Some(cpus) = self.cpus {

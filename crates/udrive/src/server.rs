@@ -409,7 +409,7 @@ impl Server {
 
     /// How the queues of the vhost-user-blk device on `socket` wait for work
     /// (`busy`, `adaptive`, `event`), applied while they run.
-    pub fn set_poll_mode(&self, socket: &Path, mode: engine::PollMode, name: &str) -> Result<()> {
+    pub fn set_poll_mode(&self, socket: &Path, mode: engine::PollMode) -> Result<()> {
         let mut st = self.lock();
         let Some(at) = st.position(socket) else {
             return Err(st.not_found(socket));
@@ -422,13 +422,13 @@ impl Server {
             ),
             Device::VhostBlk(v) => {
                 v.dev.set_poll_mode(mode);
-                v.cfg.poll = name.to_string();
+                v.cfg.poll = mode;
                 Ok(())
             }
         }
     }
 
-    pub fn set_placement(&self, socket: &Path, placement: &str) -> Result<()> {
+    pub fn set_placement(&self, socket: &Path, placement: engine::Placement) -> Result<()> {
         let mut st = self.lock();
         let Some(at) = st.position(socket) else {
             return Err(st.not_found(socket));
@@ -439,18 +439,19 @@ impl Server {
             .count();
         match &mut st.devices[at] {
             Device::Nvme(dev) => {
-                if matches!(placement.parse(), Ok(engine::Placement::Dedicated)) {
+                if placement == engine::Placement::Dedicated {
                     bail!(
                         "placement `dedicated` is available for vhost-user-blk devices only; \
                          use round-robin or single for NVMe controller {}",
                         socket.display()
                     );
                 }
-                dev.set_placement(placement, &self.engine)
+                dev.set_placement(placement, &self.engine);
+                Ok(())
             }
             Device::VhostBlk(v) => {
                 let mut cfg = v.cfg.clone();
-                cfg.placement = placement.to_string();
+                cfg.placement = placement;
                 self.check_reactor_budget(&cfg)?;
                 let reactors = crate::vhost_device::reactors_for(
                     &cfg,
@@ -469,7 +470,7 @@ impl Server {
 
     /// Refuses `dedicated` placement that would grow the engine past [`MAX_REACTORS`].
     fn check_reactor_budget(&self, cfg: &VhostBlkConfig) -> Result<()> {
-        if matches!(cfg.placement.parse(), Ok(engine::Placement::Dedicated))
+        if cfg.placement == engine::Placement::Dedicated
             && self.engine.num_reactors() + usize::from(cfg.queues) > MAX_REACTORS
         {
             bail!(

@@ -31,10 +31,10 @@ pub struct VhostBlkConfig {
     pub queues: u16,
     #[serde(default = "default_queue_size")]
     pub queue_size: u16,
-    #[serde(default = "default_placement")]
-    pub placement: String,
-    #[serde(default = "default_poll")]
-    pub poll: String,
+    #[serde(default, with = "crate::serde_str")]
+    pub placement: Placement,
+    #[serde(default, with = "crate::serde_str")]
+    pub poll: PollMode,
     /// CPUs for `dedicated` reactors; queue i gets the i-th (cycled). Default: the
     /// CPUs of the shared reactors (`cpus` at the top level).
     #[serde(default)]
@@ -53,12 +53,6 @@ pub fn default_queues() -> u16 {
 fn default_queue_size() -> u16 {
     256
 }
-pub fn default_placement() -> String {
-    "round-robin".into()
-}
-pub fn default_poll() -> String {
-    "busy".into()
-}
 
 impl VhostBlkConfig {
     pub fn new(socket: PathBuf, disk: NsSpec) -> Self {
@@ -67,8 +61,8 @@ impl VhostBlkConfig {
             disk,
             queues: default_queues(),
             queue_size: default_queue_size(),
-            placement: default_placement(),
-            poll: default_poll(),
+            placement: Placement::RoundRobin,
+            poll: PollMode::Busy,
             cpus: None,
             serial: None,
             socket_mode: None,
@@ -115,12 +109,6 @@ pub fn validate(devs: &[VhostBlkConfig], sockets: &mut HashSet<PathBuf>) -> Resu
                 d.queue_size
             );
         }
-        d.placement
-            .parse::<Placement>()
-            .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
-        d.poll
-            .parse::<PollMode>()
-            .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
         if let Some(c) = &d.cpus {
             engine::parse_cpu_list(c).map_err(|e| anyhow::anyhow!("{what}: cpus: {e}"))?;
         }
@@ -142,7 +130,7 @@ pub fn reactors_for(
     engine: &Engine,
     base: usize,
 ) -> Result<Vec<usize>> {
-    let policy: Placement = cfg.placement.parse().map_err(anyhow::Error::msg)?;
+    let policy = cfg.placement;
     let nq = usize::from(cfg.queues);
     if let Placement::Dedicated = policy {
         let cpus = match &cfg.cpus {
@@ -190,7 +178,7 @@ pub fn start(
             serial: cfg.serial(),
             ..Default::default()
         },
-        poll: cfg.poll.parse().map_err(anyhow::Error::msg)?,
+        poll: cfg.poll,
         access,
     };
     VhostUserBlk::start(&cfg.socket, disk, opts, engine, &reactors)
@@ -227,9 +215,11 @@ mod tests {
         .unwrap();
         c.validate().unwrap();
         assert_eq!(c.vhost_user_blk[0].queues, 2);
-        let mut bad = c.vhost_user_blk[0].clone();
-        bad.poll = "sometimes".into();
-        assert!(validate(&[bad], &mut HashSet::new()).is_err());
+        let bad: Result<crate::config::Config, _> = toml::from_str(
+            "[[vhost_user_blk]]\nsocket = \"/tmp/a.sock\"\ndisk = \"ram:64M\"\npoll = \"sometimes\"",
+        );
+        let e = bad.unwrap_err().to_string();
+        assert!(e.contains("unknown poll mode `sometimes`"), "{e}");
         let mut bad = c.vhost_user_blk[0].clone();
         bad.queues = 0;
         assert!(validate(&[bad], &mut HashSet::new()).is_err());
@@ -301,19 +291,19 @@ pub struct VhostArgs {
     pub queues: u16,
     /// How vhost-user-blk queues wait for work: busy, adaptive or event
     #[arg(long, default_value = "busy")]
-    pub poll: String,
+    pub poll: PollMode,
 }
 
 impl VhostArgs {
-    pub fn to_config(&self, placement: &str) -> Result<Option<VhostBlkConfig>> {
+    pub fn to_config(&self, placement: Placement) -> Result<Option<VhostBlkConfig>> {
         let (Some(socket), Some(disk)) = (&self.vhost_user_blk, &self.disk) else {
             return Ok(None);
         };
         let disk: NsSpec = disk.parse().map_err(|e| anyhow::anyhow!("--disk: {e}"))?;
         let mut c = VhostBlkConfig::new(socket.clone(), disk);
         c.queues = self.queues;
-        c.placement = placement.to_string();
-        c.poll = self.poll.clone();
+        c.placement = placement;
+        c.poll = self.poll;
         Ok(Some(c))
     }
 }

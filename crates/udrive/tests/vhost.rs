@@ -44,7 +44,7 @@ fn start_in(dir: tempfile::TempDir, disk: &str, queues: u16, poll: &str) -> Dev 
     let sock = dir.path().join("blk.sock");
     let mut cfg = VhostBlkConfig::new(sock.clone(), disk.parse().unwrap());
     cfg.queues = queues;
-    cfg.poll = poll.into();
+    cfg.poll = poll.parse().unwrap();
     let c = udrive::config::Config {
         cpus: "0".into(),
         rpc: None,
@@ -544,7 +544,7 @@ fn poll_mode_changes_while_io_runs() {
     let sock = dir.path().join("blk.sock");
     let mut cfg = VhostBlkConfig::new(sock.clone(), "ram:16M".parse().unwrap());
     cfg.queues = 2;
-    cfg.placement = "dedicated".into();
+    cfg.placement = engine::Placement::Dedicated;
     let d = Dev {
         dev: Some(vhost_device::open_and_start(&cfg, &engine(), 1).unwrap()),
         sock,
@@ -643,7 +643,7 @@ fn queues_move_between_reactors_while_io_runs() {
         });
         for (placement, own) in plans {
             std::thread::sleep(Duration::from_millis(150));
-            cfg.placement = placement.into();
+            cfg.placement = placement.parse().unwrap();
             let reactors = vhost_device::reactors_for(&cfg, 0, &engine(), 1).unwrap();
             let blk = dev.dev.as_mut().expect("running");
             blk.move_queues(&reactors).unwrap();

@@ -92,10 +92,7 @@ pub fn register_all(r: &mut Registry) {
         "queue placement of a device: NVMe round-robin or single (queues created afterwards); vhost-user-blk also dedicated (moves its queues now)",
         |rpc, p| {
             let a: SetPlacement = parse_params(p)?;
-            a.placement
-                .parse::<engine::Placement>()
-                .map_err(RpcError::params)?;
-            rpc.server.set_placement(&a.socket, &a.placement)?;
+            rpc.server.set_placement(&a.socket, a.placement)?;
             Ok(Value::Bool(true))
         },
     );
@@ -151,7 +148,8 @@ struct QosRef {
 #[serde(deny_unknown_fields)]
 struct SetPlacement {
     socket: PathBuf,
-    placement: String,
+    #[serde(with = "crate::serde_str")]
+    placement: engine::Placement,
 }
 
 /// A rate: a number, or a string with a K/M/G suffix ("100M").
@@ -264,7 +262,7 @@ fn nvme_json(d: &NvmeDevice) -> Value {
         "serial": d.cfg.serial(),
         "cntlid": d.cntlid,
         "connected": d.connected(),
-        "placement": d.cfg.placement,
+        "placement": d.cfg.placement.as_str(),
         "io_queues": d.cfg.io_queues,
         "max_namespaces": d.ctrl.max_namespaces(),
         "state": {
@@ -304,8 +302,8 @@ fn vhost_json(v: &crate::vhost_device::VhostBlkDevice) -> Value {
             "disk": v.cfg.disk.to_string(),
             "queues": v.cfg.queues,
             "queue_size": v.cfg.queue_size,
-            "placement": v.cfg.placement,
-            "poll": v.cfg.poll,
+            "placement": v.cfg.placement.as_str(),
+            "poll": v.cfg.poll.as_str(),
             "read_only": v.cfg.disk.read_only,
         },
         "qos": qos_json(v.disk.limits()),

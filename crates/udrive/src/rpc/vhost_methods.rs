@@ -38,8 +38,7 @@ pub fn register(r: &mut Registry) {
         "how a vhost-user-blk device's queues wait for work (busy, adaptive or event), applied at once",
         |rpc, p| {
             let a: SetPollMode = parse_params(p)?;
-            let mode: engine::PollMode = a.mode.parse().map_err(RpcError::params)?;
-            rpc.server.set_poll_mode(&a.socket, mode, &a.mode)?;
+            rpc.server.set_poll_mode(&a.socket, a.mode)?;
             Ok(Value::Bool(true))
         },
     );
@@ -49,7 +48,8 @@ pub fn register(r: &mut Registry) {
 #[serde(deny_unknown_fields)]
 struct SetPollMode {
     socket: PathBuf,
-    mode: String,
+    #[serde(with = "crate::serde_str")]
+    mode: engine::PollMode,
 }
 
 #[derive(Deserialize)]
@@ -60,9 +60,10 @@ struct AddVhostBlk {
     disk: String,
     queues: Option<u16>,
     queue_size: Option<u16>,
-    placement: Option<String>,
-    #[serde(alias = "poll")]
-    poll_mode: Option<String>,
+    #[serde(default, with = "crate::serde_str::opt")]
+    placement: Option<engine::Placement>,
+    #[serde(default, alias = "poll", with = "crate::serde_str::opt")]
+    poll_mode: Option<engine::PollMode>,
     cpus: Option<String>,
     serial: Option<String>,
     socket_mode: Option<String>,
