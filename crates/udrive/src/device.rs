@@ -1,5 +1,6 @@
 //! Wiring one NVMe controller model to one vfio-user socket.
 
+use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -238,4 +239,92 @@ pub fn qemu_command(socket: &Path) -> String {
          ...your kernel/disk options...",
         abs.display()
     )
+}
+
+impl crate::frontend::FrontEnd for NvmeDevice {
+    fn what(&self) -> &'static str {
+        "an NVMe controller"
+    }
+    fn remove_method(&self) -> &'static str {
+        "nvme_remove_controller"
+    }
+    fn connected(&self) -> bool {
+        NvmeDevice::connected(self)
+    }
+    fn stop(self: Box<Self>) {
+        NvmeDevice::stop(*self)
+    }
+    fn json(&self) -> Value {
+        let d = self;
+        let st = d.ctrl.stats();
+        let groups: Vec<Value> = d
+            .ctrl
+            .queue_reactors()
+            .into_iter()
+            .map(|(cqid, reactor)| json!({"cqid": cqid, "reactor": reactor}))
+            .collect();
+        json!({
+            "kind": "nvme",
+            "socket": d.socket,
+            "socket_access": crate::rpc::methods::socket_access_json(&d.cfg.socket_perms()),
+            "serial": d.cfg.serial(),
+            "cntlid": d.cntlid,
+            "connected": d.connected(),
+            "placement": d.cfg.placement.as_str(),
+            "io_queues": d.cfg.io_queues,
+            "max_namespaces": d.ctrl.max_namespaces(),
+            "state": {
+                "ready": st.ready,
+                "fatal": st.fatal,
+                "io_submission_queues": st.io_queues,
+                "io_completion_queues": st.io_completion_queues,
+                "queue_groups": groups,
+            },
+            "namespaces": d.namespaces.iter().map(|(id, ns)| crate::rpc::methods::namespace_json(*id, ns)).collect::<Vec<_>>(),
+        })
+    }
+    fn banner(&self) -> String {
+        format!(
+            "udrive: NVMe controller on {} with namespaces {}",
+            self.socket.display(),
+            self.namespaces
+                .values()
+                .map(|n| n.spec.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    }
+    fn attach_hint(&self) -> String {
+        format!(
+            "\nAttach a VM (QEMU 10.1+; guest RAM must be a shared memfd):\n\n{}\n\n{}",
+            qemu_command(&self.socket),
+            crate::frontend::measure_hint("vfio-user", &self.socket)
+        )
+    }
+    fn qos(&self, nsid: Option<u32>) -> anyhow::Result<&bdev::QosDisk> {
+        let Some(nsid) = nsid else {
+            anyhow::bail!(
+                "give the nsid of the namespace of NVMe controller {}",
+                self.socket.display()
+            );
+        };
+        match self.namespaces.get(&nsid) {
+            Some(ns) => Ok(&ns.qos),
+            None => anyhow::bail!(
+                "controller {} has no namespace {nsid} (namespaces: {})",
+                self.socket.display(),
+                self.namespace_specs().join(", ")
+            ),
+        }
+    }
+    fn set_poll_mode(&mut self, _mode: engine::PollMode) -> anyhow::Result<()> {
+        anyhow::bail!(
+            "{} is an NVMe controller: its queues are always busy-polled; \
+             set_poll_mode applies to vhost-user-blk devices",
+            self.socket.display()
+        )
+    }
+    fn as_nvme_mut(&mut self) -> Option<&mut NvmeDevice> {
+        Some(self)
+    }
 }

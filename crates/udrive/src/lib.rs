@@ -9,6 +9,7 @@ pub mod config;
 pub mod device;
 #[cfg(feature = "tools")]
 pub mod file_target;
+pub mod frontend;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod metrics;

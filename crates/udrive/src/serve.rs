@@ -8,11 +8,10 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use crate::config::{Config, ControllerConfig};
-use crate::device::qemu_command;
 use crate::metrics::MetricsServer;
 use crate::nsspec::NsSpec;
 use crate::rpc::{Rpc, RpcServer};
-use crate::server::{Device, Server};
+use crate::server::Server;
 
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
@@ -206,25 +205,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
 fn print_banner(server: &Server, rpc: Option<&RpcServer>, metrics: Option<&MetricsServer>) {
     let st = server.lock();
     for d in &st.devices {
-        match d {
-            Device::Nvme(d) => println!(
-                "udrive: NVMe controller on {} with namespaces {}",
-                d.socket.display(),
-                d.namespaces
-                    .values()
-                    .map(|n| n.spec.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-            Device::VhostBlk(d) => println!(
-                "udrive: vhost-user-blk device on {} with disk {} ({} queues, placement {}, poll {})",
-                d.cfg.socket.display(),
-                d.cfg.disk,
-                d.cfg.queues,
-                d.cfg.placement,
-                d.cfg.poll
-            ),
-        }
+        println!("{}", d.banner());
     }
     if let Some(r) = rpc {
         println!(
@@ -237,31 +218,7 @@ fn print_banner(server: &Server, rpc: Option<&RpcServer>, metrics: Option<&Metri
         println!("udrive: metrics on http://{}/metrics", m.addr());
     }
     for d in &st.devices {
-        match d {
-            Device::Nvme(d) => {
-                println!("\nAttach a VM (QEMU 10.1+; guest RAM must be a shared memfd):\n");
-                println!("{}\n", qemu_command(&d.socket));
-                if cfg!(feature = "tools") {
-                    println!(
-                        "Or measure it: udrive perf --vfio-user {} --rw randread --bs 4096 --qd 32 --time 10",
-                        d.socket.display()
-                    );
-                }
-            }
-            Device::VhostBlk(d) => {
-                println!("\nAttach a VM (guest RAM must be a shared memfd):\n");
-                println!(
-                    "{}\n",
-                    crate::vhost_device::qemu_command(&d.cfg.socket, d.cfg.queues)
-                );
-                if cfg!(feature = "tools") {
-                    println!(
-                        "Or measure it: udrive perf --vhost-user {} --rw randread --bs 4096 --qd 32 --time 10",
-                        d.cfg.socket.display()
-                    );
-                }
-            }
-        }
+        println!("{}", d.attach_hint());
     }
     println!("Stop with Ctrl-C.");
 }

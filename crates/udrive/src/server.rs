@@ -16,44 +16,7 @@ use crate::device::{Namespace, NvmeDevice};
 use crate::nsspec::NsSpec;
 use crate::vhost_device::{VhostBlkConfig, VhostBlkDevice};
 
-/// A device the server runs. New kinds (virtio-blk over vhost-user) become variants;
-/// the control plane reaches them through the methods below.
-// A handful of devices per process, never moved on a hot path: size does not matter.
-#[allow(clippy::large_enum_variant)]
-pub enum Device {
-    Nvme(NvmeDevice),
-    VhostBlk(VhostBlkDevice),
-}
-
-impl Device {
-    pub fn socket(&self) -> &Path {
-        match self {
-            Device::Nvme(d) => &d.socket,
-            Device::VhostBlk(d) => &d.cfg.socket,
-        }
-    }
-
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Device::Nvme(_) => "nvme",
-            Device::VhostBlk(_) => "vhost-user-blk",
-        }
-    }
-
-    pub fn connected(&self) -> bool {
-        match self {
-            Device::Nvme(d) => d.connected(),
-            Device::VhostBlk(d) => d.dev.connected(),
-        }
-    }
-
-    pub fn stop(self) {
-        match self {
-            Device::Nvme(d) => d.stop(),
-            Device::VhostBlk(d) => d.dev.stop(),
-        }
-    }
-}
+pub use crate::frontend::Device;
 
 pub struct State {
     pub devices: Vec<Device>,
@@ -106,18 +69,13 @@ impl State {
 
     /// The NVMe controller on `socket`.
     pub fn nvme_mut(&mut self, socket: &Path) -> Result<&mut NvmeDevice> {
-        match self.position(socket) {
-            Some(i) => match &mut self.devices[i] {
-                Device::Nvme(d) => Ok(d),
-                Device::VhostBlk(_) => {
-                    bail!(
-                        "{} is a vhost-user-blk device, not an NVMe controller",
-                        socket.display()
-                    )
-                }
-            },
-            None => Err(self.not_found(socket)),
-        }
+        let Some(i) = self.position(socket) else {
+            return Err(self.not_found(socket));
+        };
+        let what = self.devices[i].what();
+        self.devices[i]
+            .as_nvme_mut()
+            .ok_or_else(|| anyhow!("{} is {what}, not an NVMe controller", socket.display()))
     }
 }
 
@@ -164,7 +122,7 @@ impl Server {
             match NvmeDevice::start(c, devs, cntlid, &server.engine) {
                 Ok(d) => {
                     st.next_cntlid = st.next_cntlid.wrapping_add(1).max(1);
-                    st.devices.push(Device::Nvme(d));
+                    st.devices.push(Box::new(d));
                 }
                 Err(e) => {
                     drop(st);
@@ -193,14 +151,10 @@ impl Server {
         disk: Arc<bdev::QosDisk>,
     ) -> Result<()> {
         // Devices so far: round-robin starts each device's queues on a further reactor.
-        let index = st
-            .devices
-            .iter()
-            .filter(|d| matches!(d, Device::VhostBlk(_)))
-            .count();
+        let index = st.devices.iter().filter(|d| d.as_vhost().is_some()).count();
         let dev =
             crate::vhost_device::start(cfg, disk.clone(), index, &self.engine, self.base_reactors)?;
-        st.devices.push(Device::VhostBlk(VhostBlkDevice {
+        st.devices.push(Box::new(VhostBlkDevice {
             cfg: cfg.clone(),
             dev,
             disk,
@@ -262,7 +216,7 @@ impl Server {
         match NvmeDevice::start(&cfg, devs, cntlid, &self.engine) {
             Ok(d) => {
                 st.next_cntlid = st.next_cntlid.wrapping_add(1).max(1);
-                st.devices.push(Device::Nvme(d));
+                st.devices.push(Box::new(d));
                 Ok(())
             }
             Err(e) => {
@@ -286,10 +240,7 @@ impl Server {
             return Err(st.not_found(socket));
         };
         if let Some(k) = kind.filter(|k| *k != st.devices[at].kind()) {
-            let (is, method) = match &st.devices[at] {
-                Device::Nvme(_) => ("an NVMe controller", "nvme_remove_controller"),
-                Device::VhostBlk(_) => ("a vhost-user-blk device", "vhost_user_blk_remove"),
-            };
+            let (is, method) = (st.devices[at].what(), st.devices[at].remove_method());
             bail!(
                 "{} is {is}, not a {k} device; remove it with {method}",
                 socket.display()
@@ -386,25 +337,9 @@ impl Server {
         nsid: Option<u32>,
         f: impl FnOnce(&bdev::QosDisk) -> Result<R>,
     ) -> Result<R> {
-        {
-            let st = self.lock();
-            if let Some(Device::VhostBlk(v)) = st.find(socket) {
-                if nsid.is_some_and(|n| n != 1) {
-                    bail!(
-                        "{} is a vhost-user-blk device: its one disk is nsid 1 (or leave nsid out)",
-                        socket.display()
-                    );
-                }
-                return f(&v.disk);
-            }
-        }
-        let Some(nsid) = nsid else {
-            bail!(
-                "give the nsid of the namespace of NVMe controller {}",
-                socket.display()
-            );
-        };
-        self.with_namespace(socket, nsid, |ns| f(&ns.qos))
+        let st = self.lock();
+        let d = st.find(socket).ok_or_else(|| st.not_found(socket))?;
+        f(d.qos(nsid)?)
     }
 
     /// How the queues of the vhost-user-blk device on `socket` wait for work
@@ -414,18 +349,7 @@ impl Server {
         let Some(at) = st.position(socket) else {
             return Err(st.not_found(socket));
         };
-        match &mut st.devices[at] {
-            Device::Nvme(_) => bail!(
-                "{} is an NVMe controller: its queues are always busy-polled; \
-                 set_poll_mode applies to vhost-user-blk devices",
-                socket.display()
-            ),
-            Device::VhostBlk(v) => {
-                v.dev.set_poll_mode(mode);
-                v.cfg.poll = mode;
-                Ok(())
-            }
-        }
+        st.devices[at].set_poll_mode(mode)
     }
 
     pub fn set_placement(&self, socket: &Path, placement: engine::Placement) -> Result<()> {
@@ -435,37 +359,37 @@ impl Server {
         };
         let index = st.devices[..at]
             .iter()
-            .filter(|d| matches!(d, Device::VhostBlk(_)))
+            .filter(|d| d.as_vhost().is_some())
             .count();
-        match &mut st.devices[at] {
-            Device::Nvme(dev) => {
-                if placement == engine::Placement::Dedicated {
-                    bail!(
-                        "placement `dedicated` is available for vhost-user-blk devices only; \
-                         use round-robin or single for NVMe controller {}",
-                        socket.display()
-                    );
-                }
-                dev.set_placement(placement, &self.engine);
-                Ok(())
+        let d = &mut st.devices[at];
+        if let Some(dev) = d.as_nvme_mut() {
+            if placement == engine::Placement::Dedicated {
+                bail!(
+                    "placement `dedicated` is available for vhost-user-blk devices only; \
+                     use round-robin or single for NVMe controller {}",
+                    socket.display()
+                );
             }
-            Device::VhostBlk(v) => {
-                let mut cfg = v.cfg.clone();
-                cfg.placement = placement;
-                self.check_reactor_budget(&cfg)?;
-                let reactors = crate::vhost_device::reactors_for(
-                    &cfg,
-                    index,
-                    &self.engine,
-                    self.base_reactors,
-                )?;
-                v.dev
-                    .move_queues(&reactors)
-                    .with_context(|| format!("cannot move the queues of {}", socket.display()))?;
-                v.cfg = cfg;
-                Ok(())
-            }
+            dev.set_placement(placement, &self.engine);
+            return Ok(());
         }
+        let Some(v) = d.as_vhost_mut() else {
+            bail!(
+                "{} is {}: it has no queue placement",
+                socket.display(),
+                d.what()
+            );
+        };
+        let mut cfg = v.cfg.clone();
+        cfg.placement = placement;
+        self.check_reactor_budget(&cfg)?;
+        let reactors =
+            crate::vhost_device::reactors_for(&cfg, index, &self.engine, self.base_reactors)?;
+        v.dev
+            .move_queues(&reactors)
+            .with_context(|| format!("cannot move the queues of {}", socket.display()))?;
+        v.cfg = cfg;
+        Ok(())
     }
 
     /// Refuses `dedicated` placement that would grow the engine past [`MAX_REACTORS`].

@@ -9,7 +9,6 @@ use std::time::Duration;
 use trace::{Breakdown, DeviceStats, QueueSnapshot, ReactorSnapshot, StatsSnapshot};
 
 use crate::device::NvmeDevice;
-use crate::server::Device;
 use crate::vhost_device::VhostBlkDevice;
 
 /// How long a stats or trace read waits for busy reactors to answer.
@@ -62,33 +61,6 @@ impl Traced for VhostBlkDevice {
     }
     fn trace_stop(&self, timeout: Duration) {
         self.dev.trace_stop(timeout);
-    }
-}
-
-impl Traced for Device {
-    fn socket(&self) -> &Path {
-        self.as_traced().socket()
-    }
-    fn kind(&self) -> &'static str {
-        self.as_traced().kind()
-    }
-    fn queue_stats(&self, timeout: Duration) -> Vec<QueueSnapshot> {
-        self.as_traced().queue_stats(timeout)
-    }
-    fn trace_start(&self, sample_every: u32, timeout: Duration) {
-        self.as_traced().trace_start(sample_every, timeout);
-    }
-    fn trace_stop(&self, timeout: Duration) {
-        self.as_traced().trace_stop(timeout);
-    }
-}
-
-impl Device {
-    fn as_traced(&self) -> &dyn Traced {
-        match self {
-            Device::Nvme(d) => d,
-            Device::VhostBlk(d) => d,
-        }
     }
 }
 

@@ -11,6 +11,7 @@
 //! cpus = "0-1"               # CPUs for dedicated reactors (cycled); default: top-level cpus
 //! ```
 
+use serde_json::{json, Value};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -194,6 +195,81 @@ pub fn qemu_command(socket: &Path, queues: u16) -> String {
          -device vhost-user-blk-pci,chardev=c0,num-queues={queues} ...",
         socket.display()
     )
+}
+
+impl crate::frontend::FrontEnd for VhostBlkDevice {
+    fn what(&self) -> &'static str {
+        "a vhost-user-blk device"
+    }
+    fn remove_method(&self) -> &'static str {
+        "vhost_user_blk_remove"
+    }
+    fn connected(&self) -> bool {
+        self.dev.connected()
+    }
+    fn stop(self: Box<Self>) {
+        self.dev.stop()
+    }
+    fn json(&self) -> Value {
+        let v = self;
+        json!({
+            "kind": "vhost-user-blk",
+            "socket": v.cfg.socket,
+            "socket_access": crate::rpc::methods::socket_access_json(&v.cfg.socket_perms()),
+            "connected": v.dev.connected(),
+            "connections": v.dev.connections(),
+            "config": {
+                "disk": v.cfg.disk.to_string(),
+                "queues": v.cfg.queues,
+                "queue_size": v.cfg.queue_size,
+                "placement": v.cfg.placement.as_str(),
+                "poll": v.cfg.poll.as_str(),
+                "read_only": v.cfg.disk.read_only,
+            },
+            "qos": crate::rpc::methods::qos_json(v.disk.limits()),
+            "state": {
+                "poll_mode": v.dev.poll_mode().as_str(),
+                "queue_reactors": v.dev.queue_reactors(),
+            },
+        })
+    }
+    fn banner(&self) -> String {
+        format!(
+            "udrive: vhost-user-blk device on {} with disk {} ({} queues, placement {}, poll {})",
+            self.cfg.socket.display(),
+            self.cfg.disk,
+            self.cfg.queues,
+            self.cfg.placement,
+            self.cfg.poll
+        )
+    }
+    fn attach_hint(&self) -> String {
+        format!(
+            "\nAttach a VM (guest RAM must be a shared memfd):\n\n{}\n\n{}",
+            qemu_command(&self.cfg.socket, self.cfg.queues),
+            crate::frontend::measure_hint("vhost-user", &self.cfg.socket)
+        )
+    }
+    fn qos(&self, nsid: Option<u32>) -> Result<&bdev::QosDisk> {
+        if nsid.is_some_and(|n| n != 1) {
+            anyhow::bail!(
+                "{} is a vhost-user-blk device: its one disk is nsid 1 (or leave nsid out)",
+                self.cfg.socket.display()
+            );
+        }
+        Ok(&self.disk)
+    }
+    fn set_poll_mode(&mut self, mode: PollMode) -> Result<()> {
+        self.dev.set_poll_mode(mode);
+        self.cfg.poll = mode;
+        Ok(())
+    }
+    fn as_vhost(&self) -> Option<&VhostBlkDevice> {
+        Some(self)
+    }
+    fn as_vhost_mut(&mut self) -> Option<&mut VhostBlkDevice> {
+        Some(self)
+    }
 }
 
 #[cfg(test)]

@@ -9,9 +9,9 @@ use serde_json::{json, Value};
 
 use super::{parse_params, Registry, Rpc, RpcError};
 use crate::config::ControllerConfig;
-use crate::device::{Namespace, NvmeDevice};
+use crate::device::Namespace;
 use crate::nsspec::NsSpec;
-use crate::server::{Device, Server};
+use crate::server::Server;
 
 pub fn register_all(r: &mut Registry) {
     r.register("get_version", "udrive's name and version", |_, p| {
@@ -226,14 +226,14 @@ fn set_qos(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
         .map_err(RpcError::from)
 }
 
-fn qos_json(l: bdev::QosLimits) -> Value {
+pub(crate) fn qos_json(l: bdev::QosLimits) -> Value {
     json!({
         "iops": l.iops, "read_iops": l.read_iops, "write_iops": l.write_iops,
         "bw": l.bw_bytes, "read_bw": l.read_bw, "write_bw": l.write_bw,
     })
 }
 
-fn namespace_json(nsid: u32, ns: &Namespace) -> Value {
+pub(crate) fn namespace_json(nsid: u32, ns: &Namespace) -> Value {
     use bdev::BlockDevice;
     let info = ns.qos.info();
     json!({
@@ -247,78 +247,11 @@ fn namespace_json(nsid: u32, ns: &Namespace) -> Value {
     })
 }
 
-fn nvme_json(d: &NvmeDevice) -> Value {
-    let st = d.ctrl.stats();
-    let groups: Vec<Value> = d
-        .ctrl
-        .queue_reactors()
-        .into_iter()
-        .map(|(cqid, reactor)| json!({"cqid": cqid, "reactor": reactor}))
-        .collect();
-    json!({
-        "kind": "nvme",
-        "socket": d.socket,
-        "socket_access": socket_access_json(&d.cfg.socket_perms()),
-        "serial": d.cfg.serial(),
-        "cntlid": d.cntlid,
-        "connected": d.connected(),
-        "placement": d.cfg.placement.as_str(),
-        "io_queues": d.cfg.io_queues,
-        "max_namespaces": d.ctrl.max_namespaces(),
-        "state": {
-            "ready": st.ready,
-            "fatal": st.fatal,
-            "io_submission_queues": st.io_queues,
-            "io_completion_queues": st.io_completion_queues,
-            "queue_groups": groups,
-        },
-        "namespaces": d.namespaces.iter().map(|(id, ns)| namespace_json(*id, ns)).collect::<Vec<_>>(),
-    })
-}
-
 /// The effective mode (octal text) and group of a device socket.
-fn socket_access_json(p: &crate::config::SocketPerms) -> Value {
+pub(crate) fn socket_access_json(p: &crate::config::SocketPerms) -> Value {
     match p.access() {
         Ok(a) => json!({"mode": format!("{:04o}", a.mode), "gid": a.gid}),
         Err(_) => Value::Null,
-    }
-}
-
-fn device_json(d: &Device) -> Value {
-    match d {
-        Device::Nvme(n) => nvme_json(n),
-        Device::VhostBlk(v) => vhost_json(v),
-    }
-}
-
-fn vhost_json(v: &crate::vhost_device::VhostBlkDevice) -> Value {
-    json!({
-        "kind": "vhost-user-blk",
-        "socket": v.cfg.socket,
-        "socket_access": socket_access_json(&v.cfg.socket_perms()),
-        "connected": v.dev.connected(),
-        "connections": v.dev.connections(),
-        "config": {
-            "disk": v.cfg.disk.to_string(),
-            "queues": v.cfg.queues,
-            "queue_size": v.cfg.queue_size,
-            "placement": v.cfg.placement.as_str(),
-            "poll": v.cfg.poll.as_str(),
-            "read_only": v.cfg.disk.read_only,
-        },
-        "qos": qos_json(v.disk.limits()),
-        "state": {
-            "poll_mode": poll_mode_name(v.dev.poll_mode()),
-            "queue_reactors": v.dev.queue_reactors(),
-        },
-    })
-}
-
-fn poll_mode_name(m: engine::PollMode) -> &'static str {
-    match m {
-        engine::PollMode::Busy => "busy",
-        engine::PollMode::Adaptive => "adaptive",
-        engine::PollMode::Event => "event",
     }
 }
 
@@ -328,7 +261,7 @@ pub(super) fn device_json_by_socket(
 ) -> Result<Value, RpcError> {
     let st = server.lock();
     st.find(socket)
-        .map(device_json)
+        .map(|d| d.json())
         .ok_or_else(|| st.not_found(socket).into())
 }
 
@@ -337,7 +270,7 @@ fn get_devices(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
     let st = rpc.server.lock();
     if let Some(s) = &a.socket {
         let d = st.find(s).ok_or_else(|| RpcError::from(st.not_found(s)))?;
-        return Ok(json!([device_json(d)]));
+        return Ok(json!([d.json()]));
     }
-    Ok(Value::Array(st.devices.iter().map(device_json).collect()))
+    Ok(Value::Array(st.devices.iter().map(|d| d.json()).collect()))
 }

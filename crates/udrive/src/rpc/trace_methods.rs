@@ -11,7 +11,8 @@ use trace::StatsSnapshot;
 
 use super::methods::{DeviceFilter, Empty};
 use super::{parse_params, Registry, RpcError};
-use crate::server::{Device, Server, State};
+use crate::frontend::FrontEnd;
+use crate::server::{Server, State};
 use crate::stats;
 
 /// Largest `sample` (one request in N is traced); the recorders count in u32 and
@@ -94,7 +95,7 @@ struct TraceStart {
 
 /// The devices `socket` selects (all when `None`). A socket with no device is an
 /// error.
-fn select<'a>(st: &'a State, socket: Option<&Path>) -> Result<Vec<&'a Device>, RpcError> {
+fn select<'a>(st: &'a State, socket: Option<&Path>) -> Result<Vec<&'a dyn FrontEnd>, RpcError> {
     if let Some(s) = socket {
         if st.find(s).is_none() {
             return Err(st.not_found(s).into());
@@ -104,10 +105,11 @@ fn select<'a>(st: &'a State, socket: Option<&Path>) -> Result<Vec<&'a Device>, R
         .devices
         .iter()
         .filter(|d| socket.is_none_or(|s| crate::server::same_socket(d.socket(), s)))
+        .map(|d| d.as_ref())
         .collect())
 }
 
-fn targets(devs: &[&Device], sample: Option<u64>) -> Value {
+fn targets(devs: &[&dyn FrontEnd], sample: Option<u64>) -> Value {
     let mut v = json!({
         "devices": devs.iter().map(|d| d.socket().display().to_string()).collect::<Vec<_>>(),
     });

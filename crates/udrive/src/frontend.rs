@@ -1,0 +1,58 @@
+//! The control plane's view of a device, whatever its front end: every kind (NVMe
+//! over vfio-user, virtio-blk over vhost-user, the next one) implements
+//! [`FrontEnd`], and the server, the RPC methods, stats, traces and metrics work
+//! with `Box<dyn FrontEnd>` only. What one kind alone can do (NVMe namespaces,
+//! moving vhost-user-blk queues) is reached through `as_nvme_mut`/`as_vhost_mut`.
+
+use anyhow::Result;
+use serde_json::Value;
+
+use crate::device::NvmeDevice;
+use crate::stats::Traced;
+use crate::vhost_device::VhostBlkDevice;
+
+pub trait FrontEnd: Traced + Send {
+    /// What it is, for messages: "an NVMe controller".
+    fn what(&self) -> &'static str;
+    /// The RPC method that removes it.
+    fn remove_method(&self) -> &'static str;
+    /// A client (VMM) is connected.
+    fn connected(&self) -> bool;
+    /// Stops serving and removes the socket.
+    fn stop(self: Box<Self>);
+    /// Its `get_devices` entry: configuration and state.
+    fn json(&self) -> Value;
+    /// One line for the start-up banner.
+    fn banner(&self) -> String;
+    /// How to attach a VM (and measure the device), printed at start-up.
+    fn attach_hint(&self) -> String;
+    /// The QoS wrapper of disk `nsid` (`None`: the device's only disk).
+    fn qos(&self, nsid: Option<u32>) -> Result<&bdev::QosDisk>;
+    /// How its queues wait for work, applied while they run.
+    fn set_poll_mode(&mut self, mode: engine::PollMode) -> Result<()>;
+
+    fn as_nvme_mut(&mut self) -> Option<&mut NvmeDevice> {
+        None
+    }
+    fn as_vhost(&self) -> Option<&VhostBlkDevice> {
+        None
+    }
+    fn as_vhost_mut(&mut self) -> Option<&mut VhostBlkDevice> {
+        None
+    }
+}
+
+/// A device the server runs.
+pub type Device = Box<dyn FrontEnd>;
+
+/// `udrive perf` on a device, when the tools are built in.
+pub fn measure_hint(flag: &str, socket: &std::path::Path) -> String {
+    if cfg!(feature = "tools") {
+        format!(
+            "Or measure it: udrive perf --{flag} {} --rw randread --bs 4096 --qd 32 --time 10",
+            socket.display()
+        )
+    } else {
+        String::new()
+    }
+}
