@@ -19,11 +19,8 @@ use crate::queue::{db_index, CqRing, SqRing, Sqe};
 use crate::status::Status;
 use crate::DOORBELL_OFFSET;
 
-pub(crate) const OP_FLUSH: u8 = 0x00;
-pub(crate) const OP_WRITE: u8 = 0x01;
-pub(crate) const OP_READ: u8 = 0x02;
-pub(crate) const OP_WRITE_ZEROES: u8 = 0x08;
-pub(crate) const OP_DSM: u8 = 0x09;
+use crate::decode::{decode, Facts, IoCmd};
+use crate::decode::{OP_DSM, OP_FLUSH, OP_READ, OP_WRITE, OP_WRITE_ZEROES};
 
 /// Commands taken from one SQ per poll, so one busy queue cannot starve the others.
 const BUDGET: u32 = 128;
@@ -705,13 +702,11 @@ fn submit(
     }
 }
 
-/// First LBA and block count of a Read/Write/Write Zeroes command, range-checked.
-fn lba_range(sqe: &Sqe, num_blocks: u64) -> Result<(u64, u64), Status> {
-    let slba = u64::from(sqe.cdw(10)) | (u64::from(sqe.cdw(11)) << 32);
-    let nlb = u64::from(sqe.cdw(12) & 0xffff) + 1;
-    match slba.checked_add(nlb) {
-        Some(end) if end <= num_blocks => Ok((slba, nlb)),
-        _ => Err(Status::LBA_OUT_OF_RANGE),
+fn facts<'a>(shared: &Shared, info: &'a bdev::BlockInfo) -> Facts<'a> {
+    Facts {
+        info,
+        wce: shared.wce.load(Ordering::Relaxed),
+        mdts_bytes: shared.mdts_bytes,
     }
 }
 
@@ -733,34 +728,24 @@ fn prepare_rw<'a>(
         stamps: slot.stamps,
         ..Slot::default()
     };
-    if sqe.fuse() != 0 {
-        return Err(Status::INVALID_FIELD);
-    }
-    let Some(dev) = dev else {
-        return Err(Status::INVALID_NAMESPACE);
+    let facts = dev.map(|d| facts(shared, d.info()));
+    let IoCmd::Rw {
+        write,
+        slba,
+        offset,
+        bytes,
+        fua,
+    } = decode(sqe, facts)?
+    else {
+        return Err(Status::INVALID_OPCODE);
     };
-    let info = dev.info();
-    let bs = u64::from(info.block_size);
-    let (slba, nlb) = lba_range(sqe, info.num_blocks)?;
     slot.slba = slba;
-    let (Some(bytes), Some(offset)) = (nlb.checked_mul(bs), slba.checked_mul(bs)) else {
-        return Err(Status::LBA_OUT_OF_RANGE);
-    };
-    if bytes > shared.mdts_bytes {
-        return Err(Status::INVALID_FIELD);
-    }
     slot.bytes = bytes;
     slot.offset = offset;
-    let access = if op == OP_READ {
-        Access::Write
-    } else {
-        Access::Read
-    };
+    let access = if write { Access::Read } else { Access::Write };
     data_ptr(map, sqe, bytes, access, iov)?;
     slot.segs = iov.range();
-    // With the write cache turned off by the host, every write is made durable.
-    slot.fua = sqe.cdw(12) & (1 << 30) != 0
-        || (op == OP_WRITE && info.write_cache && !shared.wce.load(Ordering::Relaxed));
+    slot.fua = fua;
     Ok(())
 }
 
@@ -797,21 +782,17 @@ fn exec_on(
         stamps: slot.stamps,
         ..Slot::default()
     };
-    if !matches!(op, OP_FLUSH | OP_WRITE | OP_READ | OP_WRITE_ZEROES | OP_DSM) {
-        return Exec::Done(Status::INVALID_OPCODE);
-    }
-    if sqe.fuse() != 0 {
-        return Exec::Done(Status::INVALID_FIELD);
-    }
+    let cmd = decode(sqe, nc.as_ref().map(|c| facts(shared, c.dev.info())));
+    let cmd = match cmd {
+        Ok(c) => c,
+        Err(s) => return Exec::Done(s),
+    };
     let Some(NsChan { dev, chan, .. }) = nc else {
         return Exec::Done(Status::INVALID_NAMESPACE);
     };
     let chan: &mut dyn IoChannel = chan.as_mut();
-    let info = dev.info();
-    let bs = u64::from(info.block_size);
-    let write = is_write(op);
-    match op {
-        OP_FLUSH => {
+    match cmd {
+        IoCmd::Flush => {
             let req = IoRequest {
                 op: IoOp::Flush,
                 offset: 0,
@@ -821,17 +802,13 @@ fn exec_on(
             };
             submit(chan, tag, &req, true, &mut slot.stamps)
         }
-        OP_READ | OP_WRITE => {
+        IoCmd::Rw { write, .. } => {
             let mut iov = Iov::new();
             if let Err(s) = prepare_rw(map, shared, Some(dev), sqe, slot, &mut iov) {
                 return Exec::Done(s);
             }
             let req = IoRequest {
-                op: if op == OP_READ {
-                    IoOp::Read
-                } else {
-                    IoOp::Write
-                },
+                op: if write { IoOp::Write } else { IoOp::Read },
                 offset: slot.offset,
                 len: slot.bytes,
                 iov: iov.slices(),
@@ -839,19 +816,13 @@ fn exec_on(
             };
             submit(chan, tag, &req, write, &mut slot.stamps)
         }
-        OP_WRITE_ZEROES => {
-            if !info.write_zeroes {
-                return Exec::Done(Status::INVALID_OPCODE);
-            }
-            let (slba, nlb) = match lba_range(sqe, info.num_blocks) {
-                Ok(r) => r,
-                Err(s) => return Exec::Done(s),
-            };
+        IoCmd::WriteZeroes {
+            slba,
+            offset,
+            len,
+            fua,
+        } => {
             slot.slba = slba;
-            let (Some(len), Some(offset)) = (nlb.checked_mul(bs), slba.checked_mul(bs)) else {
-                return Exec::Done(Status::LBA_OUT_OF_RANGE);
-            };
-            let fua = sqe.cdw(12) & (1 << 30) != 0;
             let req = IoRequest {
                 op: IoOp::WriteZeroes,
                 offset,
@@ -861,7 +832,9 @@ fn exec_on(
             };
             submit(chan, tag, &req, true, &mut slot.stamps)
         }
-        _ => dsm(map, info, chan, sqe, tag, slot),
+        IoCmd::Dsm { ranges, deallocate } => {
+            dsm(map, dev.info(), chan, sqe, (ranges, deallocate), tag, slot)
+        }
     }
 }
 
@@ -870,11 +843,10 @@ fn dsm(
     info: &bdev::BlockInfo,
     chan: &mut dyn IoChannel,
     sqe: &Sqe,
+    (nr, deallocate): (usize, bool),
     tag: u64,
     slot: &mut Slot,
 ) -> Exec {
-    let nr = (sqe.cdw(10) & 0xff) as usize + 1;
-    let deallocate = sqe.cdw(11) & (1 << 2) != 0;
     let mut buf = [0u8; MAX_DSM_RANGES * 16];
     let Some(ranges) = buf.get_mut(..nr * 16) else {
         return Exec::Done(Status::INVALID_FIELD);

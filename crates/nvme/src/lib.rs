@@ -17,6 +17,7 @@
 
 mod admin;
 mod ctrl;
+mod decode;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod identify;

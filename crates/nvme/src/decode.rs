@@ -1,0 +1,325 @@
+//! NVM command set decoding: from a submission queue entry and the facts of its
+//! namespace to the I/O the command asks for, or the status that refuses it. Pure —
+//! no guest memory, no backend, no queue: the transport (PCIe queues in `io.rs`)
+//! resolves data pointers and submits. Checks run in the order the statuses are
+//! reported: opcode, fused operation, namespace, then the command's own fields.
+
+use bdev::BlockInfo;
+
+use crate::queue::Sqe;
+use crate::status::Status;
+
+pub(crate) const OP_FLUSH: u8 = 0x00;
+pub(crate) const OP_WRITE: u8 = 0x01;
+pub(crate) const OP_READ: u8 = 0x02;
+pub(crate) const OP_WRITE_ZEROES: u8 = 0x08;
+pub(crate) const OP_DSM: u8 = 0x09;
+
+/// Force Unit Access: CDW12 bit 30 of Read, Write and Write Zeroes.
+const FUA: u32 = 1 << 30;
+
+/// What decoding needs to know about the namespace and the controller.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Facts<'a> {
+    pub info: &'a BlockInfo,
+    /// Volatile Write Cache enabled by the host (Set Features 06h).
+    pub wce: bool,
+    /// Largest transfer (MDTS) in bytes.
+    pub mdts_bytes: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum IoCmd {
+    Flush,
+    /// Read (`write == false`) or Write of `bytes` at byte `offset`.
+    Rw {
+        write: bool,
+        slba: u64,
+        offset: u64,
+        bytes: u64,
+        fua: bool,
+    },
+    WriteZeroes {
+        slba: u64,
+        offset: u64,
+        len: u64,
+        fua: bool,
+    },
+    /// Dataset Management: `ranges` range descriptors in the data buffer.
+    Dsm {
+        ranges: usize,
+        deallocate: bool,
+    },
+}
+
+/// First LBA and block count of a Read/Write/Write Zeroes command, range-checked.
+pub(crate) fn lba_range(sqe: &Sqe, num_blocks: u64) -> Result<(u64, u64), Status> {
+    let slba = u64::from(sqe.cdw(10)) | (u64::from(sqe.cdw(11)) << 32);
+    let nlb = u64::from(sqe.cdw(12) & 0xffff) + 1;
+    match slba.checked_add(nlb) {
+        Some(end) if end <= num_blocks => Ok((slba, nlb)),
+        _ => Err(Status::LBA_OUT_OF_RANGE),
+    }
+}
+
+/// Byte offset and length of `nlb` blocks at `slba`.
+fn bytes(slba: u64, nlb: u64, block_size: u32) -> Result<(u64, u64), Status> {
+    let bs = u64::from(block_size);
+    match (slba.checked_mul(bs), nlb.checked_mul(bs)) {
+        (Some(offset), Some(len)) => Ok((offset, len)),
+        _ => Err(Status::LBA_OUT_OF_RANGE),
+    }
+}
+
+/// The I/O command `sqe` asks of a namespace with `ns` facts (`None`: no such
+/// active namespace).
+pub(crate) fn decode(sqe: &Sqe, ns: Option<Facts<'_>>) -> Result<IoCmd, Status> {
+    let op = sqe.opcode();
+    if !matches!(op, OP_FLUSH | OP_WRITE | OP_READ | OP_WRITE_ZEROES | OP_DSM) {
+        return Err(Status::INVALID_OPCODE);
+    }
+    if sqe.fuse() != 0 {
+        return Err(Status::INVALID_FIELD);
+    }
+    let Some(ns) = ns else {
+        return Err(Status::INVALID_NAMESPACE);
+    };
+    let info = ns.info;
+    match op {
+        OP_FLUSH => Ok(IoCmd::Flush),
+        OP_READ | OP_WRITE => {
+            let write = op == OP_WRITE;
+            let (slba, nlb) = lba_range(sqe, info.num_blocks)?;
+            let (offset, bytes) = bytes(slba, nlb, info.block_size)?;
+            if bytes > ns.mdts_bytes {
+                return Err(Status::INVALID_FIELD);
+            }
+            // With the write cache turned off by the host, every write is made durable.
+            let fua = sqe.cdw(12) & FUA != 0 || (write && info.write_cache && !ns.wce);
+            Ok(IoCmd::Rw {
+                write,
+                slba,
+                offset,
+                bytes,
+                fua,
+            })
+        }
+        OP_WRITE_ZEROES => {
+            if !info.write_zeroes {
+                return Err(Status::INVALID_OPCODE);
+            }
+            let (slba, nlb) = lba_range(sqe, info.num_blocks)?;
+            let (offset, len) = bytes(slba, nlb, info.block_size)?;
+            Ok(IoCmd::WriteZeroes {
+                slba,
+                offset,
+                len,
+                fua: sqe.cdw(12) & FUA != 0,
+            })
+        }
+        _ => Ok(IoCmd::Dsm {
+            ranges: (sqe.cdw(10) & 0xff) as usize + 1,
+            deallocate: sqe.cdw(11) & (1 << 2) != 0,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sqe(op: u8, fuse: u32, nsid: u32, cdw: [u32; 3]) -> Sqe {
+        let mut s = Sqe::default();
+        s.dw[0] = u32::from(op) | (fuse << 8);
+        s.dw[1] = nsid;
+        s.dw[10] = cdw[0];
+        s.dw[11] = cdw[1];
+        s.dw[12] = cdw[2];
+        s
+    }
+
+    fn info(write_cache: bool, write_zeroes: bool) -> BlockInfo {
+        BlockInfo {
+            block_size: 512,
+            num_blocks: 1000,
+            volatile: true,
+            write_cache,
+            read_only: false,
+            discard: true,
+            write_zeroes,
+            discard_zeroes: true,
+        }
+    }
+
+    #[test]
+    fn decoding_table() {
+        let plain = info(false, true);
+        let cached = info(true, false);
+        let facts = |info, wce| {
+            Some(Facts {
+                info,
+                wce,
+                mdts_bytes: 128 << 10,
+            })
+        };
+        let rw = |write, slba, nlb: u64, fua| {
+            Ok(IoCmd::Rw {
+                write,
+                slba,
+                offset: slba * 512,
+                bytes: nlb * 512,
+                fua,
+            })
+        };
+        use Status as S;
+        type Case<'a> = (&'a str, Sqe, Option<Facts<'a>>, Result<IoCmd, Status>);
+        let cases: &[Case] = &[
+            (
+                "read",
+                sqe(OP_READ, 0, 1, [10, 0, 7]),
+                facts(&plain, true),
+                rw(false, 10, 8, false),
+            ),
+            (
+                "write FUA",
+                sqe(OP_WRITE, 0, 1, [0, 0, FUA]),
+                facts(&plain, true),
+                rw(true, 0, 1, true),
+            ),
+            (
+                "write, cache on",
+                sqe(OP_WRITE, 0, 1, [0, 0, 0]),
+                facts(&cached, true),
+                rw(true, 0, 1, false),
+            ),
+            (
+                "write, cache off by host",
+                sqe(OP_WRITE, 0, 1, [0, 0, 0]),
+                facts(&cached, false),
+                rw(true, 0, 1, true),
+            ),
+            (
+                "read, cache off",
+                sqe(OP_READ, 0, 1, [0, 0, 0]),
+                facts(&cached, false),
+                rw(false, 0, 1, false),
+            ),
+            (
+                "last block",
+                sqe(OP_READ, 0, 1, [999, 0, 0]),
+                facts(&plain, true),
+                rw(false, 999, 1, false),
+            ),
+            (
+                "past the end",
+                sqe(OP_READ, 0, 1, [999, 0, 1]),
+                facts(&plain, true),
+                Err(S::LBA_OUT_OF_RANGE),
+            ),
+            (
+                "SLBA high dword",
+                sqe(OP_READ, 0, 1, [0, 1, 0]),
+                facts(&plain, true),
+                Err(S::LBA_OUT_OF_RANGE),
+            ),
+            (
+                "SLBA wraps",
+                sqe(OP_WRITE, 0, 1, [u32::MAX, u32::MAX, 0xffff]),
+                facts(&plain, true),
+                Err(S::LBA_OUT_OF_RANGE),
+            ),
+            (
+                "beyond MDTS",
+                sqe(OP_READ, 0, 1, [0, 0, 256]),
+                facts(&plain, true),
+                Err(S::INVALID_FIELD),
+            ),
+            (
+                "at MDTS",
+                sqe(OP_READ, 0, 1, [0, 0, 255]),
+                facts(&plain, true),
+                rw(false, 0, 256, false),
+            ),
+            (
+                "unknown opcode",
+                sqe(0x7f, 0, 1, [0; 3]),
+                facts(&plain, true),
+                Err(S::INVALID_OPCODE),
+            ),
+            (
+                "unknown opcode, no namespace",
+                sqe(0x7f, 0, 9, [0; 3]),
+                None,
+                Err(S::INVALID_OPCODE),
+            ),
+            (
+                "fused",
+                sqe(OP_READ, 1, 1, [0; 3]),
+                facts(&plain, true),
+                Err(S::INVALID_FIELD),
+            ),
+            (
+                "fused, no namespace",
+                sqe(OP_READ, 2, 9, [0; 3]),
+                None,
+                Err(S::INVALID_FIELD),
+            ),
+            (
+                "no namespace",
+                sqe(OP_READ, 0, 9, [0; 3]),
+                None,
+                Err(S::INVALID_NAMESPACE),
+            ),
+            (
+                "flush",
+                sqe(OP_FLUSH, 0, 1, [0; 3]),
+                facts(&plain, true),
+                Ok(IoCmd::Flush),
+            ),
+            (
+                "write zeroes",
+                sqe(OP_WRITE_ZEROES, 0, 1, [4, 0, 3 | FUA]),
+                facts(&plain, true),
+                Ok(IoCmd::WriteZeroes {
+                    slba: 4,
+                    offset: 2048,
+                    len: 2048,
+                    fua: true,
+                }),
+            ),
+            (
+                "write zeroes past the end",
+                sqe(OP_WRITE_ZEROES, 0, 1, [999, 0, 1]),
+                facts(&plain, true),
+                Err(S::LBA_OUT_OF_RANGE),
+            ),
+            (
+                "write zeroes unsupported",
+                sqe(OP_WRITE_ZEROES, 0, 1, [0; 3]),
+                facts(&cached, true),
+                Err(S::INVALID_OPCODE),
+            ),
+            (
+                "DSM deallocate",
+                sqe(OP_DSM, 0, 1, [2, 1 << 2, 0]),
+                facts(&plain, true),
+                Ok(IoCmd::Dsm {
+                    ranges: 3,
+                    deallocate: true,
+                }),
+            ),
+            (
+                "DSM most ranges",
+                sqe(OP_DSM, 0, 1, [0xff, 0, 0]),
+                facts(&plain, true),
+                Ok(IoCmd::Dsm {
+                    ranges: 256,
+                    deallocate: false,
+                }),
+            ),
+        ];
+        for (what, s, ns, want) in cases {
+            assert_eq!(decode(s, *ns), *want, "{what}");
+        }
+    }
+}
