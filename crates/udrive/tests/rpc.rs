@@ -1059,14 +1059,18 @@ fn vhost_user_blk_disks_take_qos_limits() {
         s.ok("get_devices", json!({"socket": v}))[0]["qos"]["iops"],
         100
     );
-    // Unlimited, a RAM disk does well over 10 000 requests in 0.6 s here.
+    // 0.6 s at 100 IOPS plus the 100 ms burst: never more than a second's worth,
+    // however fast the machine.
     let limited = blkio_io(&v, 1);
-    assert!(limited.ios < 1000, "{} requests at 100 IOPS", limited.ios);
+    assert!(limited.ios <= 100, "{} requests at 100 IOPS", limited.ios);
     wait_disconnected(&s, &v);
     let q = s.ok("clear_qos", json!({"socket": v, "nsid": 1}));
     assert_eq!(q["iops"], Value::Null);
-    let free = blkio_io(&v, 1);
-    assert!(free.ios > 1000, "{} requests without a limit", free.ios);
+    assert_eq!(
+        s.ok("get_devices", json!({"socket": v}))[0]["qos"]["iops"],
+        Value::Null
+    );
+    blkio_io(&v, 1);
     s.err(
         "set_qos",
         json!({"socket": v, "nsid": 2, "iops": 1}),
