@@ -111,6 +111,20 @@ t_dbbuf_advertised() {
     DETAIL="oacs=$oacs (bit 8 = Doorbell Buffer Config)"
     [ $((oacs & 0x100)) -ne 0 ]
 }
+# Error Recovery (05h) and Write Atomicity Normal (0Ah) are mandatory; drivers query
+# Host Behavior Support (16h, a 512-byte structure). docs/decisions/0011.
+t_features() {
+    DETAIL=""
+    for f in 0x5 0xa 0x16; do
+        if [ $f = 0x16 ]; then
+            nvme get-feature $CTRL -f $f -l 512 >/tmp/feat 2>&1 || { DETAIL="$DETAIL $f: $(tail -n1 /tmp/feat)"; return 1; }
+        else
+            nvme get-feature $CTRL -f $f >/tmp/feat 2>&1 || { DETAIL="$DETAIL $f: $(tail -n1 /tmp/feat)"; return 1; }
+        fi
+        cat /tmp/feat
+        DETAIL="$DETAIL $f: $(grep -io 'current value:[^,]*' /tmp/feat | head -n1)"
+    done
+}
 t_io_queues() {
     nq=$(ls /sys/block/nvme0n1/mq | wc -l)
     DETAIL="$nq blk-mq hw queues for $NCPU vCPUs;"
@@ -243,6 +257,7 @@ if [ $PHASE = 1 ]; then
     run error-log t_error_log
     run list t_list
     run dbbuf-advertised t_dbbuf_advertised
+    run get-features t_features
     run io-queues t_io_queues
     snapshot_irqs
     run fio-randwrite-4k-verify t_fio_4k
