@@ -156,3 +156,41 @@ fn keep_alive_timeout_is_enforced() {
     std::thread::sleep(std::time::Duration::from_millis(1500));
     assert!(!fatal(&d), "no keep alive timer after the reset");
 }
+
+/// Identify CNS 05h/06h (I/O Command Set specific namespace and controller data,
+/// NVMe 2.0), which Linux asks for whatever the version: answered for the NVM
+/// command set (CSI 0), Invalid Field for others.
+#[test]
+fn identify_io_command_set_specific_structures() {
+    let dev = TestDev::start("iocs", &["ram:4M"]);
+    let d = dev.connect();
+    let identify = |cns: u32, nsid: u32, csi: u32| Sqe {
+        nsid,
+        cdw10: cns,
+        cdw11: csi << 24,
+        ..Sqe::new(opc::IDENTIFY)
+    };
+    let page = d
+        .admin_read_page(identify(0x06, 0, 0))
+        .expect("CNS 06h, NVM");
+    assert!(page.iter().all(|b| *b == 0), "no NVM limits reported");
+    let page = d
+        .admin_read_page(identify(0x05, 1, 0))
+        .expect("CNS 05h, NVM");
+    assert!(page.iter().all(|b| *b == 0), "no PI, no extended formats");
+    d.admin_read_page(identify(0x05, 2, 0))
+        .expect("CNS 05h, a valid inactive NSID");
+    let c = d.admin(identify(0x05, 0x1_0000, 0)).unwrap();
+    assert_status(&c, 0, 0x0b, "CNS 05h, NSID out of range");
+    for (cns, nsid) in [(0x05, 1), (0x06, 0)] {
+        let c = d.admin(identify(cns, nsid, 2)).unwrap();
+        assert_status(
+            &c,
+            0,
+            0x02,
+            &format!("CNS {cns:#x} for the zoned command set"),
+        );
+    }
+    drop(d);
+    dev.check_fresh_client(6);
+}

@@ -29,6 +29,9 @@ const ASYNC_EVENT: u8 = 0x0c;
 const KEEP_ALIVE: u8 = 0x18;
 const DOORBELL_BUFFER_CONFIG: u8 = 0x7c;
 
+/// Command Set Identifier of the NVM command set.
+const CSI_NVM: u32 = 0;
+
 const LOG_ERROR: u8 = 0x01;
 const LOG_SMART: u8 = 0x02;
 const LOG_FIRMWARE: u8 = 0x03;
@@ -176,6 +179,14 @@ impl Inner {
                 }
                 identify::ns_descriptors(&self.cfg, nsid)
             }
+            // I/O Command Set specific structures (NVMe 2.0; Linux asks for 06h
+            // whatever the version): for the NVM command set (CSI 0) they hold only
+            // limits and extended formats udrive does not have, so all zero.
+            // docs/decisions/0011-nvme-conformance.md
+            0x05 | 0x06 if sqe.cdw(11) >> 24 != CSI_NVM => return err(Status::INVALID_FIELD),
+            0x05 if in_range => vec![0u8; 4096],
+            0x05 => return err(Status::INVALID_NAMESPACE),
+            0x06 => vec![0u8; 4096],
             _ => return err(Status::INVALID_FIELD),
         };
         err(self.data_out(map, sqe, &data))
