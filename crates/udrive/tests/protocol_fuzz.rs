@@ -252,8 +252,10 @@ fn protocol_fuzzer_against_a_running_server() {
     println!("protocol fuzzer: seed {seed} (UDRIVE_FUZZ_SEED={seed} replays), {secs} s");
     let mut server = Server::start();
     let by = Bystanders::start(server.path("nvme-b.sock"), server.path("vhost-b.sock"));
-    // Baseline once the bystanders are connected and running.
-    std::thread::sleep(Duration::from_millis(500));
+    // Baseline once both bystanders are connected and running.
+    common::wait_until("bystanders running", Duration::from_secs(30), || {
+        by.ops() > 20
+    });
     let (fds0, rss0) = (server.fds(), server.rss_kib());
     let mut rng = Rng::new(seed);
     let (mut sessions, start) = (0u64, Instant::now());

@@ -102,10 +102,20 @@ impl Server {
         v
     }
 
-    /// Waits (up to 20 s) until the fd count is at most `base`; the count then.
+    /// Waits (up to 60 s: a loaded machine works through thousands of queued
+    /// connections slowly) until the fd count has stayed at most `base` for half a
+    /// second (an accept still in progress opens one briefly); the count then.
     pub fn settle_fds(&self, base: usize) -> usize {
-        let until = Instant::now() + Duration::from_secs(20);
-        while self.fds() > base && Instant::now() < until {
+        let until = Instant::now() + Duration::from_secs(60);
+        let mut quiet_since = None;
+        while Instant::now() < until {
+            if self.fds() > base {
+                quiet_since = None;
+            } else if quiet_since.get_or_insert_with(Instant::now).elapsed()
+                > Duration::from_millis(500)
+            {
+                break;
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
         self.fds()
@@ -153,7 +163,8 @@ impl Drop for Server {
 /// Verified I/O by well-behaved clients until `finish`; errors are collected. Each
 /// client stays within the first 1 MiB of its disk, so the server's RSS settles.
 pub struct Bystanders {
-    ops: Arc<AtomicU64>,
+    /// Round trips of the NVMe and the vhost-user-blk client.
+    ops: [Arc<AtomicU64>; 2],
     errors: Arc<Mutex<Vec<String>>>,
     stop: Arc<AtomicBool>,
     threads: Vec<std::thread::JoinHandle<()>>,
@@ -161,10 +172,12 @@ pub struct Bystanders {
 
 impl Bystanders {
     pub fn start(nvme: PathBuf, vhost: PathBuf) -> Bystanders {
-        let ops = Arc::new(AtomicU64::new(0));
+        let ops = [Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0))];
         let errors = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
-        let spawn = |f: fn(&Path, &AtomicU64, &AtomicBool) -> Result<(), String>, sock: PathBuf| {
+        let spawn = |f: fn(&Path, &AtomicU64, &AtomicBool) -> Result<(), String>,
+                     sock: PathBuf,
+                     ops: &Arc<AtomicU64>| {
             let (o, e, s) = (ops.clone(), errors.clone(), stop.clone());
             std::thread::spawn(move || {
                 if let Err(m) = f(&sock, &o, &s) {
@@ -172,7 +185,10 @@ impl Bystanders {
                 }
             })
         };
-        let threads = vec![spawn(nvme_loop, nvme), spawn(vhost_loop, vhost)];
+        let threads = vec![
+            spawn(nvme_loop, nvme, &ops[0]),
+            spawn(vhost_loop, vhost, &ops[1]),
+        ];
         Bystanders {
             ops,
             errors,
@@ -181,19 +197,31 @@ impl Bystanders {
         }
     }
 
-    /// Round trips so far.
+    /// Round trips so far of the slower of the two clients (so a count that grows
+    /// means both are connected and making progress).
     pub fn ops(&self) -> u64 {
-        self.ops.load(Ordering::Relaxed)
+        self.ops
+            .iter()
+            .map(|o| o.load(Ordering::Relaxed))
+            .min()
+            .unwrap_or(0)
     }
 
-    /// Stops the clients: the round trips they made and the errors they saw.
+    /// Stops the clients: the round trips they made (the slower one's) and the
+    /// errors they saw.
     pub fn finish(self) -> (u64, Vec<String>) {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.threads {
             let _ = t.join();
         }
         let errors = self.errors.lock().unwrap().clone();
-        (self.ops.load(Ordering::Relaxed), errors)
+        let ops = self
+            .ops
+            .iter()
+            .map(|o| o.load(Ordering::Relaxed))
+            .min()
+            .unwrap_or(0);
+        (ops, errors)
     }
 }
 
