@@ -65,7 +65,7 @@ fn memory(image: &[u8]) -> std::io::Result<MemoryMap> {
         at += take;
         map = map
             .with_region(Arc::new(r))
-            .map_err(|e| std::io::Error::other(e.to_string()))?;
+            .map_err(std::io::Error::other)?;
     }
     Ok(map)
 }
@@ -94,7 +94,7 @@ fn admin_rig() -> std::io::Result<AdminRig> {
     let mem = guest_mem::DmaSpace::try_new()?;
     let region = Arc::new(MappedRegion::anonymous(ADMIN_MEM.0, ADMIN_MEM.1)?);
     mem.update(|m| m.with_region(region.clone()))
-        .map_err(|e| std::io::Error::other(e.to_string()))?;
+        .map_err(std::io::Error::other)?;
     let (_, map) = mem.snapshot();
     let disk: Arc<dyn bdev::BlockDevice> = Arc::new(bdev::RamDisk::new(1 << 20, 512)?);
     let ctrl = crate::Controller::new(
@@ -104,7 +104,8 @@ fn admin_rig() -> std::io::Result<AdminRig> {
         placer,
         mem,
         Arc::new(NoIrqs),
-    )?;
+    )
+    .map_err(std::io::Error::other)?;
     Ok(AdminRig { ctrl, region, map })
 }
 

@@ -120,6 +120,29 @@ pub struct Controller {
     inner: Arc<ctrl::Inner>,
 }
 
+/// Why [`Controller::new`] refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("max_io_queues must be 1..=511 (one doorbell page), not {0}")]
+    IoQueues(u16),
+    #[error("max_queue_entries must be at least 2, not {0}")]
+    QueueEntries(u16),
+    #[error("at least one MSI-X vector is needed")]
+    NoVectors,
+    #[error("{given} namespaces, more than max_namespaces ({max})")]
+    TooManyNamespaces { given: usize, max: u32 },
+    #[error("namespace {nsid}")]
+    Namespace {
+        nsid: u32,
+        #[source]
+        source: NsError,
+    },
+    #[error("cannot create the shared doorbell page")]
+    Doorbells(#[source] std::io::Error),
+    #[error("cannot start the admin thread")]
+    AdminThread(#[source] std::io::Error),
+}
+
 impl Controller {
     /// Creates the controller with namespaces `nsid = index + 1` (`None`: that NSID
     /// is inactive) and starts its admin thread.
@@ -130,25 +153,34 @@ impl Controller {
         placer: Placer,
         mem: Arc<DmaSpace>,
         irqs: Arc<dyn InterruptSink>,
-    ) -> std::io::Result<Controller> {
-        let invalid =
-            |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, m.to_string());
+    ) -> Result<Controller, ControllerError> {
         if cfg.max_io_queues == 0 || cfg.max_io_queues > 0x1ff {
-            return Err(invalid("max_io_queues must be 1..=511 (one doorbell page)"));
+            return Err(ControllerError::IoQueues(cfg.max_io_queues));
         }
         if cfg.max_queue_entries < 2 {
-            return Err(invalid("max_queue_entries must be at least 2"));
+            return Err(ControllerError::QueueEntries(cfg.max_queue_entries));
         }
         if cfg.msix_vectors == 0 {
-            return Err(invalid("at least one MSI-X vector is needed"));
+            return Err(ControllerError::NoVectors);
         }
         if namespaces.len() > cfg.max_namespaces as usize {
-            return Err(invalid("more namespaces than max_namespaces"));
+            return Err(ControllerError::TooManyNamespaces {
+                given: namespaces.len(),
+                max: cfg.max_namespaces,
+            });
         }
-        for d in namespaces.iter().flatten() {
-            namespaces::check_block_size(d.as_ref()).map_err(|e| invalid(&e.to_string()))?;
+        for (i, d) in namespaces.iter().enumerate() {
+            if let Some(d) = d {
+                namespaces::check_block_size(d.as_ref()).map_err(|source| {
+                    ControllerError::Namespace {
+                        nsid: i as u32 + 1,
+                        source,
+                    }
+                })?;
+            }
         }
-        let doorbells = SharedMem::new("nvme-doorbells", 0x2000)?;
+        let doorbells =
+            SharedMem::new("nvme-doorbells", 0x2000).map_err(ControllerError::Doorbells)?;
         let vwc = ctrl::Inner::any_write_cache(&namespaces);
         let mdts = iov::effective_mdts(cfg.mdts);
         let shared = Arc::new(ctrl::Shared {
@@ -167,7 +199,8 @@ impl Controller {
         let weak = Arc::downgrade(&inner);
         let t = std::thread::Builder::new()
             .name("nvme-admin".into())
-            .spawn(move || ctrl::admin_thread(weak))?;
+            .spawn(move || ctrl::admin_thread(weak))
+            .map_err(ControllerError::AdminThread)?;
         *inner.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
         Ok(Controller { inner })
     }

@@ -149,3 +149,78 @@ fn features_logs_and_aer() {
     assert_eq!(c.dw0 & 1, 1);
     assert!(h.admin(sqe(0x18, 0)).ok());
 }
+
+/// A backend with a block size no namespace can have.
+struct OddBlocks(bdev::BlockInfo);
+
+impl bdev::BlockDevice for OddBlocks {
+    fn describe(&self) -> String {
+        "odd".into()
+    }
+    fn info(&self) -> &bdev::BlockInfo {
+        &self.0
+    }
+    fn channel(&self) -> std::io::Result<Box<dyn bdev::IoChannel>> {
+        Err(std::io::Error::other("never opened"))
+    }
+}
+
+#[test]
+fn controller_new_says_what_is_wrong() {
+    use nvme::{Controller, ControllerConfig, ControllerError, NsError};
+    use std::sync::Arc;
+    let engine = engine::Engine::start(&[None]).unwrap();
+    let new = |cfg: ControllerConfig, ns: Vec<Option<Arc<dyn bdev::BlockDevice>>>| {
+        Controller::new(
+            cfg,
+            ns,
+            engine.clone(),
+            engine::Placer::new(engine::Placement::RoundRobin, 0, 1),
+            guest_mem::DmaSpace::new(),
+            Arc::new(Irqs(Vec::new())),
+        )
+    };
+    let cfg = |f: &dyn Fn(&mut ControllerConfig)| {
+        let mut c = ControllerConfig::default();
+        f(&mut c);
+        c
+    };
+    let r = new(cfg(&|c| c.max_io_queues = 0), vec![]);
+    assert!(matches!(r, Err(ControllerError::IoQueues(0))));
+    let r = new(cfg(&|c| c.max_io_queues = 512), vec![]);
+    assert!(matches!(r, Err(ControllerError::IoQueues(512))));
+    let r = new(cfg(&|c| c.max_queue_entries = 1), vec![]);
+    assert!(matches!(r, Err(ControllerError::QueueEntries(1))));
+    let r = new(cfg(&|c| c.msix_vectors = 0), vec![]);
+    assert!(matches!(r, Err(ControllerError::NoVectors)));
+    let r = new(cfg(&|c| c.max_namespaces = 2), vec![None, None, None]);
+    assert!(matches!(
+        r,
+        Err(ControllerError::TooManyNamespaces { given: 3, max: 2 })
+    ));
+    let odd: Arc<dyn bdev::BlockDevice> = Arc::new(OddBlocks(bdev::BlockInfo {
+        block_size: 1000,
+        num_blocks: 8,
+        volatile: true,
+        write_cache: false,
+        read_only: false,
+        discard: false,
+        write_zeroes: false,
+        discard_zeroes: false,
+    }));
+    let r = new(ControllerConfig::default(), vec![None, Some(odd)]);
+    let Err(e) = r else {
+        panic!("a 1000-byte block size was accepted")
+    };
+    assert!(matches!(
+        e,
+        ControllerError::Namespace {
+            nsid: 2,
+            source: NsError::BlockSize(1000)
+        }
+    ));
+    // The cause stays reachable for callers that print the chain.
+    assert!(std::error::Error::source(&e).is_some());
+    assert!(new(ControllerConfig::default(), vec![]).is_ok());
+    engine.shutdown();
+}

@@ -109,7 +109,7 @@ impl VhostUserBlk {
                         let _ = engine.remove_poller(id);
                     }
                     let _ = std::fs::remove_file(socket);
-                    return Err(io::Error::other(e.to_string()));
+                    return Err(io::Error::other(e));
                 }
             }
         }
@@ -190,17 +190,14 @@ impl VhostUserBlk {
             let p = self
                 .engine
                 .remove_poller(id)
-                .map_err(|e| io::Error::other(e.to_string()))?
+                .map_err(io::Error::other)?
                 .ok_or_else(|| {
                     io::Error::other(format!("queue {i} is not on reactor {}", id.reactor))
                 })?;
             // A kick in between wakes the old reactor; the new one checks the ring
             // on its first poll.
             self.shared.queues[i].waker.store(Arc::new(w));
-            self.pollers[i] = self
-                .engine
-                .add_poller(r, p)
-                .map_err(|e| io::Error::other(e.to_string()))?;
+            self.pollers[i] = self.engine.add_poller(r, p).map_err(io::Error::other)?;
         }
         Ok(())
     }
@@ -293,7 +290,7 @@ fn serve(
             Err(e) => {
                 let e = match e {
                     vhost::vhost_user::Error::SocketError(e) => e,
-                    e => io::Error::other(e.to_string()),
+                    e => io::Error::other(e),
                 };
                 crate::fd_limit::report(&format!("a connection on {}", socket.display()), &e);
                 std::thread::sleep(Duration::from_millis(100));
@@ -306,6 +303,8 @@ fn serve(
         let relay = match inner_pair().and_then(|(mut inner, back, dir)| {
             daemon
                 .start(&mut inner)
+                // vhost-user-backend's error is not a std error (it may hold a
+                // thread's panic payload): keep its text.
                 .map_err(|e| io::Error::other(e.to_string()))?;
             drop(dir);
             let c = conn.clone();
