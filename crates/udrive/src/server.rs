@@ -309,25 +309,6 @@ impl Server {
         Ok(())
     }
 
-    /// Runs `f` on namespace `nsid` of the controller on `socket`.
-    pub fn with_namespace<R>(
-        &self,
-        socket: &Path,
-        nsid: u32,
-        f: impl FnOnce(&Namespace) -> Result<R>,
-    ) -> Result<R> {
-        let mut st = self.lock();
-        let dev = st.nvme_mut(socket)?;
-        let ns = dev.namespaces.get(&nsid).ok_or_else(|| {
-            anyhow!(
-                "controller {} has no namespace {nsid} (namespaces: {})",
-                socket.display(),
-                dev.namespace_specs().join(", ")
-            )
-        })?;
-        f(ns)
-    }
-
     /// Runs `f` on the QoS wrapper of a disk: NVMe namespace `nsid` of the
     /// controller on `socket`, or the disk of the vhost-user-blk device on `socket`
     /// (which has one: `nsid` absent or 1).

@@ -410,28 +410,3 @@ pub fn disk_specs(cfg: &crate::config::Config) -> Vec<(PathBuf, &NsSpec)> {
         .map(|d| (d.socket.clone(), &d.disk))
         .collect()
 }
-
-pub fn print_attach(cfg: &crate::config::Config) {
-    for d in &cfg.vhost_user_blk {
-        println!(
-            "udrive: vhost-user-blk device on {} with disk {} ({} queues, placement {}, poll {})",
-            d.socket.display(),
-            d.disk,
-            d.queues,
-            d.placement,
-            d.poll
-        );
-    }
-    if let Some(first) = cfg.vhost_user_blk.first() {
-        println!("\nAttach a VM (guest RAM must be a shared memfd):\n");
-        for d in &cfg.vhost_user_blk {
-            println!("{}\n", qemu_command(&d.socket, d.queues));
-        }
-        if cfg!(feature = "tools") {
-            println!(
-                "Or measure it: udrive perf --vhost-user {} --rw randread --bs 4096 --qd 32 --time 10",
-                first.socket.display()
-            );
-        }
-    }
-}
