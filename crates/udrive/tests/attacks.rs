@@ -23,10 +23,8 @@ use guest_mem::{Prot, SharedMem};
 use initiator::regs::{CC, CC_EN};
 use initiator::{NvmeDriver, VfioUserClient};
 use vfio_user::proto::PCI_BAR0_REGION;
-use vhost::vhost_user::message::{
-    VhostUserHeaderFlag, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
-};
-use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::vhost_user::message::{VhostUserHeaderFlag, VhostUserProtocolFeatures};
+use vhost::vhost_user::Frontend;
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo};
 
 /// One server at a time: each one's reactor and its bystanders busy-poll, and the
@@ -166,14 +164,7 @@ fn dma_map_past_the_end_of_its_file_is_refused() {
 
 /// A front end set up by hand with REPLY_ACK, so a refused message is an error.
 fn acked_frontend(sock: &Path) -> Frontend {
-    let mut fe = Frontend::connect(sock, 1).expect("connect");
-    fe.set_owner().unwrap();
-    fe.get_features().unwrap();
-    let want = (1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
-    fe.set_features(want).unwrap();
-    let pf = fe.get_protocol_features().unwrap();
-    fe.set_protocol_features(pf & VhostUserProtocolFeatures::REPLY_ACK)
-        .unwrap();
+    let fe = negotiate(sock, VhostUserProtocolFeatures::REPLY_ACK);
     fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
     fe
 }

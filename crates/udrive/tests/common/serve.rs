@@ -209,19 +209,13 @@ impl Bystanders {
 
     /// Stops the clients: the round trips they made (the slower one's) and the
     /// errors they saw.
-    pub fn finish(self) -> (u64, Vec<String>) {
+    pub fn finish(mut self) -> (u64, Vec<String>) {
         self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads {
+        for t in std::mem::take(&mut self.threads) {
             let _ = t.join();
         }
         let errors = self.errors.lock().unwrap().clone();
-        let ops = self
-            .ops
-            .iter()
-            .map(|o| o.load(Ordering::Relaxed))
-            .min()
-            .unwrap_or(0);
-        (ops, errors)
+        (self.ops(), errors)
     }
 }
 

@@ -101,19 +101,11 @@ impl Raw {
         log: Option<&std::fs::File>,
     ) -> Raw {
         let mem = mem.into();
-        let mut fe = Frontend::connect(sock, 1).expect("connect");
-        fe.set_owner().unwrap();
-        let f = fe.get_features().unwrap();
-        let want = (1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
-        assert_eq!(f & want, want);
-        fe.set_features(want).unwrap();
-        let pf = fe.get_protocol_features().unwrap();
         let mut want_pf = VhostUserProtocolFeatures::CONFIG;
         if log.is_some() {
-            assert!(pf.contains(VhostUserProtocolFeatures::INFLIGHT_SHMFD));
             want_pf |= VhostUserProtocolFeatures::INFLIGHT_SHMFD;
         }
-        fe.set_protocol_features(pf & want_pf).unwrap();
+        let mut fe = negotiate(sock, want_pf);
         if let Some(f) = log {
             let info = VhostUserInflight {
                 mmap_size: f.metadata().unwrap().len(),
@@ -285,17 +277,27 @@ impl Raw {
     }
 }
 
-/// Asks a device for a fresh inflight area (GET_INFLIGHT_FD), as QEMU does once.
-pub fn get_inflight_area(sock: &Path) -> std::fs::File {
+/// Connects as a front end: owner, VERSION_1 and PROTOCOL_FEATURES, then the
+/// protocol features in `want`, which the device must offer.
+pub fn negotiate(sock: &Path, want: VhostUserProtocolFeatures) -> Frontend {
     let mut fe = Frontend::connect(sock, 1).expect("connect");
     fe.set_owner().unwrap();
-    fe.get_features().unwrap();
-    let want = (1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
-    fe.set_features(want).unwrap();
+    let f = fe.get_features().unwrap();
+    let virtio = (1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+    assert_eq!(f & virtio, virtio);
+    fe.set_features(virtio).unwrap();
     let pf = fe.get_protocol_features().unwrap();
-    assert!(pf.contains(VhostUserProtocolFeatures::INFLIGHT_SHMFD));
-    fe.set_protocol_features(pf & VhostUserProtocolFeatures::INFLIGHT_SHMFD)
-        .unwrap();
+    assert!(
+        pf.contains(want),
+        "the device offers {pf:?}, not all of {want:?}"
+    );
+    fe.set_protocol_features(pf & want).unwrap();
+    fe
+}
+
+/// Asks a device for a fresh inflight area (GET_INFLIGHT_FD), as QEMU does once.
+pub fn get_inflight_area(sock: &Path) -> std::fs::File {
+    let mut fe = negotiate(sock, VhostUserProtocolFeatures::INFLIGHT_SHMFD);
     let ask = VhostUserInflight {
         mmap_size: 0,
         mmap_offset: 0,
