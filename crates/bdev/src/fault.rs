@@ -223,4 +223,17 @@ impl IoChannel for FaultChannel {
     fn flush(&mut self) {
         self.inner.flush()
     }
+
+    /// Delayed completions wait for a deadline, which no descriptor signals.
+    fn arm_notifier(&mut self) -> crate::Armed {
+        if self.pending.is_empty() {
+            self.inner.arm_notifier()
+        } else {
+            crate::Armed::Unsupported
+        }
+    }
+
+    fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.inner.notifier()
+    }
 }

@@ -19,6 +19,7 @@ pub use slice::{overlaps, SliceDisk};
 pub use uring::{FileDisk, FileEngine, FileOptions};
 
 use std::io;
+use std::os::fd::BorrowedFd;
 
 /// A block backend: describes itself and opens per-thread channels.
 pub trait BlockDevice: Send + Sync {
@@ -43,6 +44,32 @@ pub trait IoChannel: Send {
 
     /// Pushes queued submissions to the kernel (once per poll iteration).
     fn flush(&mut self) {}
+
+    /// Prepares the channel's completion notifier before its reactor sleeps with
+    /// requests in flight. The default, [`Armed::Unsupported`], keeps the reactor
+    /// polling until they complete.
+    fn arm_notifier(&mut self) -> Armed {
+        Armed::Unsupported
+    }
+
+    /// The descriptor that becomes readable when an armed channel has completions
+    /// to hand out (valid after [`IoChannel::arm_notifier`] returned
+    /// [`Armed::Fd`]).
+    fn notifier(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
+}
+
+/// What arming a channel's completion notifier found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Armed {
+    /// Completions are waiting already: poll instead of sleeping.
+    Ready,
+    /// [`IoChannel::notifier`] will become readable on the next completion.
+    Fd,
+    /// The channel cannot wake a sleeping reactor (e.g. requests held back by a
+    /// rate limit until time passes): keep polling.
+    Unsupported,
 }
 
 /// Checks that `[offset, offset+len)` lies inside a device of `size` bytes.

@@ -377,4 +377,18 @@ impl IoChannel for QosChannel {
     fn flush(&mut self) {
         self.inner.flush()
     }
+
+    /// Held requests wait for tokens, that is for time to pass: nothing would wake
+    /// the reactor for them.
+    fn arm_notifier(&mut self) -> crate::Armed {
+        if self.queue.is_empty() {
+            self.inner.arm_notifier()
+        } else {
+            crate::Armed::Unsupported
+        }
+    }
+
+    fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.inner.notifier()
+    }
 }

@@ -144,6 +144,14 @@ impl IoChannel for SliceChannel {
     fn flush(&mut self) {
         self.inner.flush()
     }
+
+    fn arm_notifier(&mut self) -> crate::Armed {
+        self.inner.arm_notifier()
+    }
+
+    fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.inner.notifier()
+    }
 }
 
 #[cfg(test)]

@@ -9,10 +9,11 @@ mod cpus;
 mod placement;
 mod reactor;
 
-pub use cpus::parse_cpu_list;
+pub use cpus::{allowed_cpus, check_allowed, format_cpu_list, parse_cpu_list};
 pub use placement::{Placement, Placer, PollMode};
 pub use reactor::{Engine, EngineError, PollerId, ReactorStats, Waker};
 
+use std::os::fd::BorrowedFd;
 use std::time::Duration;
 
 /// Something a reactor polls: one call does a bounded amount of work and says how
@@ -33,4 +34,9 @@ pub trait Poller: Send {
     fn prepare_sleep(&mut self) -> bool {
         false
     }
+
+    /// File descriptors whose readability ends the reactor's sleep, besides its own
+    /// waker (e.g. a backend's completion eventfd while requests are in flight).
+    /// Asked after every poller agreed to sleep.
+    fn wake_fds<'a>(&'a self, _add: &mut dyn FnMut(BorrowedFd<'a>)) {}
 }

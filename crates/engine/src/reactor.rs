@@ -1,10 +1,14 @@
 use std::cell::Cell;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use smallvec::SmallVec;
 
 use crate::Poller;
 
@@ -33,8 +37,6 @@ enum Msg {
     Add(u64, Box<dyn Poller>),
     Remove(u64, Sender<Option<Box<dyn Poller>>>),
     Run(Job),
-    /// Ends a sleep; carries nothing.
-    Wake,
     Stop,
 }
 
@@ -46,6 +48,12 @@ pub struct ReactorStats {
     pub work_items: AtomicU64,
     /// CPU time of the reactor thread (CLOCK_THREAD_CPUTIME_ID), in ns.
     pub cpu_ns: AtomicU64,
+    /// Sleeps the reactor began because every poller agreed (counted as each
+    /// begins).
+    pub sleeps: AtomicU64,
+    /// Sleeps that lasted the longest allowed time (500 ms) without a wake-up:
+    /// normal for an idle reactor; under load, the sign of a lost wake-up.
+    pub sleep_timeouts: AtomicU64,
 }
 
 /// CPU time this thread has used. A syscall, so the reactor reads it only when it
@@ -60,6 +68,7 @@ struct ReactorHandle {
     tx: Sender<Msg>,
     pending: Arc<AtomicBool>,
     sleeping: Arc<AtomicBool>,
+    bell: Arc<EventFd>,
     stats: Arc<ReactorStats>,
     cpu: Option<usize>,
     thread: Option<JoinHandle<()>>,
@@ -78,18 +87,27 @@ thread_local! {
 /// reactor is awake: one atomic swap, no message.
 #[derive(Clone)]
 pub struct Waker {
-    tx: Sender<Msg>,
-    pending: Arc<AtomicBool>,
     sleeping: Arc<AtomicBool>,
+    bell: Arc<EventFd>,
 }
 
 impl Waker {
     pub fn wake(&self) {
         if self.sleeping.swap(false, Ordering::SeqCst) {
-            let _ = self.tx.send(Msg::Wake);
-            self.pending.store(true, Ordering::Release);
+            ring(&self.bell);
         }
     }
+}
+
+/// Makes the reactor's eventfd readable (ends a sleep in `poll`). The counter cannot
+/// overflow: the reactor drains it after every sleep.
+fn ring(bell: &EventFd) {
+    let _ = bell.write(1);
+}
+
+fn new_bell() -> std::io::Result<EventFd> {
+    EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+        .map_err(std::io::Error::from)
 }
 
 /// A set of reactors. It can grow ([`Engine::add_reactor`]) for devices that want
@@ -119,10 +137,12 @@ impl Engine {
         let (tx, rx) = unbounded();
         let pending = Arc::new(AtomicBool::new(false));
         let sleeping = Arc::new(AtomicBool::new(false));
+        let bell = Arc::new(new_bell().map_err(EngineError::Spawn)?);
         let stats = Arc::new(ReactorStats::default());
         let shared = Shared {
             pending: pending.clone(),
             sleeping: sleeping.clone(),
+            bell: bell.clone(),
             stats: stats.clone(),
         };
         let thread = std::thread::Builder::new()
@@ -133,6 +153,7 @@ impl Engine {
             tx,
             pending,
             sleeping,
+            bell,
             stats,
             cpu,
             thread: Some(thread),
@@ -164,9 +185,8 @@ impl Engine {
     /// A handle that wakes reactor `i` when it sleeps.
     pub fn waker(&self, i: usize) -> Option<Waker> {
         self.with(i, |r| Waker {
-            tx: r.tx.clone(),
-            pending: r.pending.clone(),
             sleeping: r.sleeping.clone(),
+            bell: r.bell.clone(),
         })
     }
 
@@ -175,7 +195,9 @@ impl Engine {
         self.with(reactor, |r| {
             r.tx.send(msg).map_err(|_| EngineError::Stopped(reactor))?;
             r.pending.store(true, Ordering::Release);
+            // A reactor with no pollers waits on its bell without announcing a sleep.
             r.sleeping.store(false, Ordering::SeqCst);
+            ring(&r.bell);
             Ok(())
         })
         .unwrap_or(Err(EngineError::NoSuchReactor(reactor, n)))
@@ -229,6 +251,7 @@ impl Engine {
             let mut r = lock(r);
             let _ = r.tx.send(Msg::Stop);
             r.pending.store(true, Ordering::Release);
+            ring(&r.bell);
             if let Some(t) = r.thread.take() {
                 let _ = t.join();
             }
@@ -258,6 +281,7 @@ fn pin(cpu: usize) {
 struct Shared {
     pending: Arc<AtomicBool>,
     sleeping: Arc<AtomicBool>,
+    bell: Arc<EventFd>,
     stats: Arc<ReactorStats>,
 }
 
@@ -275,7 +299,6 @@ fn handle(msg: Msg, pollers: &mut Pollers, ctx: &mut ReactorCtx) -> bool {
             let _ = reply.send(p);
         }
         Msg::Run(job) => job(ctx),
-        Msg::Wake => {}
         Msg::Stop => return false,
     }
     true
@@ -289,7 +312,25 @@ fn sleep_after(pollers: &Pollers) -> Option<Duration> {
 }
 
 /// How long one sleep lasts at most; pollers re-arm after it.
+#[cfg(not(test))]
 const MAX_SLEEP: Duration = Duration::from_millis(500);
+/// Longer than any test waits: a test passes only if the wake-up it checks works.
+#[cfg(test)]
+const MAX_SLEEP: Duration = Duration::from_secs(60);
+
+/// Sleeps until the bell rings, one of the pollers' wake fds becomes readable, or
+/// `timeout` passes; then empties the bell. True if the time ran out.
+fn sleep(bell: &EventFd, pollers: &Pollers, timeout: Duration) -> bool {
+    let mut fds: SmallVec<[PollFd<'_>; 8]> = SmallVec::new();
+    fds.push(PollFd::new(bell.as_fd(), PollFlags::POLLIN));
+    for (_, p) in pollers {
+        p.wake_fds(&mut |fd| fds.push(PollFd::new(fd, PollFlags::POLLIN)));
+    }
+    let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+    let timed_out = matches!(nix::poll::poll(&mut fds, PollTimeout::from(ms)), Ok(0));
+    let _ = bell.read();
+    timed_out
+}
 
 fn run_reactor(index: usize, cpu: Option<usize>, rx: Receiver<Msg>, sh: Shared) {
     ON_REACTOR.with(|c| c.set(true));
@@ -298,7 +339,7 @@ fn run_reactor(index: usize, cpu: Option<usize>, rx: Receiver<Msg>, sh: Shared) 
     }
     let mut ctx = ReactorCtx { index };
     let mut pollers: Pollers = Vec::new();
-    let (mut iters, mut busy, mut work) = (0u64, 0u64, 0u64);
+    let (mut iters, mut busy, mut work, mut sleeps) = (0u64, 0u64, 0u64, 0u64);
     // Some(spin) when every poller may sleep; refreshed on messages and now and then
     // (pollers may change their mode), so busy-only reactors pay nothing per iteration.
     let mut spin: Option<Duration> = None;
@@ -306,13 +347,11 @@ fn run_reactor(index: usize, cpu: Option<usize>, rx: Receiver<Msg>, sh: Shared) 
     loop {
         if sh.pending.load(Ordering::Acquire) || pollers.is_empty() {
             sh.pending.store(false, Ordering::Relaxed);
-            // With nothing to poll, sleep on the channel instead of spinning.
-            let first = if pollers.is_empty() {
-                rx.recv_timeout(Duration::from_millis(100)).ok()
-            } else {
-                None
-            };
-            for msg in first.into_iter().chain(rx.try_iter()) {
+            // With nothing to poll, sleep on the bell instead of spinning.
+            if pollers.is_empty() && rx.is_empty() {
+                let _ = sleep(&sh.bell, &pollers, Duration::from_millis(100));
+            }
+            for msg in rx.try_iter() {
                 if !handle(msg, &mut pollers, &mut ctx) {
                     return;
                 }
@@ -339,12 +378,11 @@ fn run_reactor(index: usize, cpu: Option<usize>, rx: Receiver<Msg>, sh: Shared) 
                 for (_, p) in pollers.iter_mut() {
                     all &= p.prepare_sleep();
                 }
-                if all {
-                    if let Ok(msg) = rx.recv_timeout(MAX_SLEEP) {
-                        if !handle(msg, &mut pollers, &mut ctx) {
-                            return;
-                        }
-                        sh.pending.store(true, Ordering::Release);
+                if all && !sh.pending.load(Ordering::Acquire) {
+                    sleeps += 1;
+                    sh.stats.sleeps.store(sleeps, Ordering::Relaxed);
+                    if sleep(&sh.bell, &pollers, MAX_SLEEP) {
+                        sh.stats.sleep_timeouts.fetch_add(1, Ordering::Relaxed);
                     }
                 }
                 sh.sleeping.store(false, Ordering::SeqCst);
@@ -457,6 +495,55 @@ mod tests {
         wait_for("wake did not reach the poller", || {
             work.load(Ordering::SeqCst) == 0
         });
+        e.shutdown();
+    }
+
+    /// Sleeps whenever idle; wakes on its own eventfd (a backend's completions).
+    struct FdWaiter {
+        fd: Arc<EventFd>,
+        seen: Arc<AtomicUsize>,
+    }
+    impl Poller for FdWaiter {
+        fn poll(&mut self) -> usize {
+            match self.fd.read() {
+                Ok(n) => {
+                    self.seen.fetch_add(n as usize, Ordering::SeqCst);
+                    1
+                }
+                Err(_) => 0,
+            }
+        }
+        fn sleep_after(&self) -> Option<Duration> {
+            Some(Duration::ZERO)
+        }
+        fn prepare_sleep(&mut self) -> bool {
+            true
+        }
+        fn wake_fds<'a>(&'a self, add: &mut dyn FnMut(std::os::fd::BorrowedFd<'a>)) {
+            add(self.fd.as_fd());
+        }
+    }
+
+    #[test]
+    fn a_sleeping_reactor_wakes_on_a_pollers_fd() {
+        let e = Engine::start(&[None]).unwrap();
+        let fd = Arc::new(new_bell().unwrap());
+        let seen = Arc::new(AtomicUsize::new(0));
+        let p = FdWaiter {
+            fd: fd.clone(),
+            seen: seen.clone(),
+        };
+        e.add_poller(0, Box::new(p)).unwrap();
+        let stats = e.stats(0).unwrap();
+        wait_for("reactor never slept", || {
+            stats.sleeps.load(Ordering::Relaxed) > 0
+        });
+        for i in 1..=20u64 {
+            fd.write(1).unwrap();
+            wait_for("completion fd did not wake the reactor", || {
+                seen.load(Ordering::SeqCst) as u64 == i
+            });
+        }
         e.shutdown();
     }
 }

@@ -15,6 +15,7 @@ pub mod opc {
     pub const GET_FEATURES: u8 = 0x0a;
     pub const ASYNC_EVENT: u8 = 0x0c;
     pub const KEEP_ALIVE: u8 = 0x18;
+    pub const DOORBELL_BUFFER_CONFIG: u8 = 0x7c;
 
     pub const FLUSH: u8 = 0x00;
     pub const WRITE: u8 = 0x01;
@@ -65,6 +66,14 @@ impl Sqe {
             nsid,
             cdw10: cns as u32,
             ..Sqe::new(opc::IDENTIFY)
+        }
+    }
+    /// Doorbell Buffer Config: shadow doorbells at `db`, EventIdx at `ei` (one
+    /// page each).
+    pub fn doorbell_buffer_config(db: u64, ei: u64) -> Sqe {
+        Sqe {
+            dptr: [db, ei],
+            ..Sqe::new(opc::DOORBELL_BUFFER_CONFIG)
         }
     }
     pub fn set_features(fid: u32, cdw11: u32) -> Sqe {

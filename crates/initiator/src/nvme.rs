@@ -12,7 +12,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::client::VfioUserClient;
 use crate::cmd::{opc, Completion, Sqe, FEAT_ASYNC_EVENT_CONFIG, FEAT_NUM_QUEUES, LOG_CHANGED_NS};
-use crate::doorbell::Doorbells;
+use crate::doorbell::{Doorbells, ShadowPages};
 use crate::error::{Error, Result};
 use crate::identify::{parse_ns_list, ControllerInfo, Namespace};
 use crate::pool::{DmaBuf, Pool};
@@ -27,6 +27,10 @@ pub struct DriverOpts {
     pub pool_iova: u64,
     /// Ring doorbells with REGION_WRITE messages even if BAR0 has an mmap area.
     pub doorbells_via_messages: bool,
+    /// Use shadow doorbells (Doorbell Buffer Config) for I/O queues: ring only when
+    /// the controller's EventIdx asks for it. `None`: when doorbells go by message
+    /// (each ring costs a round trip there), as a guest's driver would.
+    pub shadow_doorbells: Option<bool>,
     pub admin_depth: u16,
     /// I/O queues to ask for with Set Features (Number of Queues).
     pub io_queues: u16,
@@ -41,6 +45,7 @@ impl Default for DriverOpts {
             pool_bytes: 64 << 20,
             pool_iova: 0x1_0000_0000,
             doorbells_via_messages: false,
+            shadow_doorbells: None,
             admin_depth: 32,
             io_queues: 64,
             admin_timeout: Duration::from_secs(10),
@@ -186,6 +191,7 @@ impl Shared {
             self.write32(regs::CC, cc & !regs::CC_EN)?;
         }
         self.wait_ready(false)?;
+        self.ctx.db.shadow_on.store(false, Ordering::Release);
         self.ctx.gen.fetch_add(1, Ordering::AcqRel);
         *lock(&self.aer) = None;
         let mut a = lock(&self.admin);
@@ -198,6 +204,41 @@ impl Shared {
         self.write32(regs::CC, regs::CC_IOSQES | regs::CC_IOCQES | regs::CC_EN)?;
         self.wait_ready(true)?;
         lock(&self.qids).iter_mut().for_each(|b| *b = false);
+        if self.opts.shadow_doorbells.unwrap_or(!self.ctx.db.is_mmap()) {
+            self.configure_shadow()?;
+        }
+        Ok(())
+    }
+
+    /// Doorbell Buffer Config with our two pages (allocated on first use). A
+    /// controller without it (OACS bit 8 clear, or an error) keeps plain doorbells.
+    fn configure_shadow(&self) -> Result<()> {
+        let db = &self.ctx.db;
+        if db.shadow.get().is_none() {
+            let page = |_| -> Result<DmaBuf> {
+                let c = Arc::new(self.ctx.pool.alloc(4096)?);
+                Ok(DmaBuf::new(
+                    c.mem().clone(),
+                    c.off,
+                    c.iova(),
+                    4096,
+                    Some(c.clone()),
+                ))
+            };
+            let _ = db.shadow.set(ShadowPages {
+                db: page(0)?,
+                ei: page(1)?,
+            });
+        }
+        let Some(sh) = db.shadow.get() else {
+            return Ok(());
+        };
+        sh.db.fill(0);
+        sh.ei.fill(0);
+        match self.admin_ok(Sqe::doorbell_buffer_config(sh.db.iova(), sh.ei.iova())) {
+            Ok(_) => db.shadow_on.store(true, Ordering::Release),
+            Err(e) => tracing::info!("Doorbell Buffer Config refused ({e}); plain doorbells"),
+        }
         Ok(())
     }
 }
@@ -231,10 +272,7 @@ impl NvmeDriver {
         let cap = Cap::parse(u64::from_le_bytes(cap_raw));
         let ctx = Arc::new(QpCtx {
             pool: pool.clone(),
-            db: Doorbells {
-                map,
-                client: client.clone(),
-            },
+            db: Doorbells::new(map, client.clone()),
             gen: Default::default(),
             cap,
         });
@@ -313,6 +351,16 @@ impl NvmeDriver {
     pub fn io_queue_count(&self) -> u16 {
         self.io_queues
     }
+    /// Whether I/O queues use shadow doorbells.
+    pub fn shadow_doorbells(&self) -> bool {
+        self.shared.ctx.db.shadow_on.load(Ordering::Acquire)
+    }
+
+    /// I/O doorbell writes skipped because the controller's EventIdx said so.
+    pub fn doorbells_skipped(&self) -> u64 {
+        self.shared.ctx.db.skipped.load(Ordering::Relaxed)
+    }
+
     pub fn doorbells_mapped(&self) -> bool {
         self.shared.ctx.db.is_mmap()
     }

@@ -2,14 +2,14 @@
 //! registry) and the pieces reactors read (doorbell page, fatal flag, error log).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bdev::BlockDevice;
 use crossbeam_channel::Receiver;
-use engine::{Engine, Placer, PollerId};
+use engine::{Engine, Placer, PollMode, PollerId, Waker};
 use guest_mem::{Access, DmaSpace, SharedMem};
 
 use crate::admin::features::Features;
@@ -34,9 +34,93 @@ pub(crate) struct Shared {
     pub trace: Arc<trace::TraceControl>,
     /// Budget of the controller's guest-triggerable log lines.
     pub log: trace::LogLimiter,
+    /// How queue groups wait for work ([`PollMode`] as u8), switchable at run time.
+    pub poll: AtomicU8,
+    /// Spin time of an idle `adaptive` group before it sleeps.
+    pub idle: Duration,
+    /// The connected client got the doorbell page as an mmap area: its doorbell
+    /// writes land silently, so nothing can wake a sleeping group and every mode
+    /// polls busily until it reconnects.
+    pub mapped: AtomicBool,
+    /// Reactor of the group owning each I/O SQ, by qid: a doorbell written by
+    /// message wakes it.
+    pub sq_wakers: Mutex<Vec<Option<Waker>>>,
+    /// The admin thread, unparked by admin doorbells, events and mode changes.
+    pub admin_thread: OnceLock<std::thread::Thread>,
 }
 
 impl Shared {
+    pub fn poll_mode(&self) -> PollMode {
+        match self.poll.load(Ordering::Relaxed) {
+            1 => PollMode::Adaptive,
+            2 => PollMode::Event,
+            _ => PollMode::Busy,
+        }
+    }
+
+    pub fn set_poll_mode(&self, mode: PollMode) {
+        let v = match mode {
+            PollMode::Busy => 0,
+            PollMode::Adaptive => 1,
+            PollMode::Event => 2,
+        };
+        self.poll.store(v, Ordering::Relaxed);
+    }
+
+    /// How long an idle group spins before it may sleep; `None`: never.
+    pub fn sleep_after(&self) -> Option<Duration> {
+        if self.mapped.load(Ordering::Relaxed) {
+            return None;
+        }
+        match self.poll_mode() {
+            PollMode::Busy => None,
+            PollMode::Adaptive => Some(self.idle),
+            PollMode::Event => Some(Duration::ZERO),
+        }
+    }
+
+    pub fn kick_admin(&self) {
+        if let Some(t) = self.admin_thread.get() {
+            t.unpark();
+        }
+    }
+
+    /// Wakes every reactor that owns one of this controller's groups.
+    pub fn wake_all(&self) {
+        let wakers = self.sq_wakers.lock().unwrap_or_else(|e| e.into_inner());
+        for w in wakers.iter().flatten() {
+            w.wake();
+        }
+    }
+
+    /// A doorbell arrived by message (it is in the page already): wake whoever
+    /// polls it. CQ head doorbells wake nobody: groups never wait for CQ space
+    /// while idle (they fetch only what the CQ can take).
+    fn rang(&self, off: u64) {
+        let idx = (off - DOORBELL_OFFSET) as usize;
+        if idx % 8 != 0 {
+            return;
+        }
+        let qid = idx / 8;
+        if qid == 0 {
+            self.kick_admin();
+            return;
+        }
+        let wakers = self.sq_wakers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(Some(w)) = wakers.get(qid) {
+            w.wake();
+        }
+    }
+
+    fn set_sq_wakers(&self, sqs: &[u16], waker: Option<Waker>) {
+        let mut wakers = self.sq_wakers.lock().unwrap_or_else(|e| e.into_inner());
+        for &qid in sqs {
+            if let Some(w) = wakers.get_mut(usize::from(qid)) {
+                *w = waker.clone();
+            }
+        }
+    }
+
     pub fn set_fatal(&self, why: &str) {
         if !self.fatal.swap(true, Ordering::AcqRel) {
             trace::limited!(self.log, warn, "nvme: controller fatal status: {why}");
@@ -193,6 +277,7 @@ impl Inner {
                 .doorbells
                 .all()
                 .store_u32(off as usize, v.to_le());
+            self.shared.rang(off);
             return;
         }
         let mut st = self.lock();
@@ -327,7 +412,9 @@ impl Inner {
             Place::Running { id, back } => {
                 let p = self.engine.remove_poller(id).ok().flatten();
                 drop(p);
-                back.try_recv().ok()
+                let g = back.try_recv().ok()?;
+                self.shared.set_sq_wakers(&g.sq_ids(), None);
+                Some(g)
             }
         }
     }
@@ -348,8 +435,16 @@ impl Inner {
                 back: tx,
             };
             let reactor = st.placer.reactor_for(usize::from(cqid));
+            let sqs = poller
+                .group
+                .as_ref()
+                .map(|g| g.sq_ids())
+                .unwrap_or_default();
             match self.engine.add_poller(reactor, Box::new(poller)) {
-                Ok(id) => Place::Running { id, back: rx },
+                Ok(id) => {
+                    self.shared.set_sq_wakers(&sqs, self.engine.waker(reactor));
+                    Place::Running { id, back: rx }
+                }
                 Err(e) => {
                     tracing::error!("nvme: cannot start queue group {cqid}: {e}");
                     // The poller was dropped and sent the group back.
@@ -466,6 +561,7 @@ impl Inner {
 
     pub fn stop_admin_thread(&self) {
         self.stop.store(true, Ordering::Release);
+        self.shared.kick_admin();
         let t = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(t) = t {
             if t.thread().id() != std::thread::current().id() {
@@ -500,14 +596,24 @@ pub(crate) fn admin_thread(weak: Weak<Inner>) {
         if inner.stop.load(Ordering::Acquire) {
             return;
         }
-        let n = {
+        let (n, keep_alive) = {
             let mut st = inner.lock();
-            inner.admin_poll(&mut st)
+            (inner.admin_poll(&mut st), st.keep_alive)
         };
+        let mapped = inner.shared.mapped.load(Ordering::Acquire);
         drop(inner);
         if n > 0 {
             last_work = Instant::now();
             idle_sleep = ADMIN_IDLE_SLEEP.0;
+        }
+        if !mapped {
+            // Doorbells come by message and unpark us, as do events and mode
+            // changes; otherwise wake only for the Keep Alive Timer.
+            let until_timer = keep_alive.map_or(ADMIN_PARK, |t| {
+                t.saturating_duration_since(Instant::now()) + Duration::from_millis(1)
+            });
+            std::thread::park_timeout(until_timer.min(ADMIN_PARK));
+            continue;
         }
         // Spin briefly after activity (a driver's init issues commands back to back),
         // then sleep, longer the longer the queue stays idle.
@@ -519,3 +625,7 @@ pub(crate) fn admin_thread(weak: Weak<Inner>) {
         }
     }
 }
+
+/// Longest park of the admin thread of a controller whose doorbells come by message
+/// (a safety net: every event that needs it unparks it).
+const ADMIN_PARK: Duration = Duration::from_secs(1);

@@ -6,10 +6,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bdev::{BlockDevice, IoChannel, IoOp, IoRequest, IoStatus};
+use bdev::{Armed, BlockDevice, IoChannel, IoOp, IoRequest, IoStatus};
 use crossbeam_channel::Sender;
 use guest_mem::{Access, DmaSlice, DmaSpace, MemPins, MemView, MemoryMap, Pin};
 use smallvec::SmallVec;
+use std::os::fd::BorrowedFd;
 use trace::{OpClass, QueueRecorder, Stamps};
 
 use crate::ctrl::Shared;
@@ -156,6 +157,13 @@ pub(crate) fn write_shadow_db(map: &MemoryMap, shadow: Shadow, qid: u16, cq: boo
     }
 }
 
+/// The EventIdx that asks a driver not to ring while we poll: the entry just behind
+/// the one we expect next. Drivers ring when an update moves their index past
+/// EventIdx (`event_idx` in `[old, new)`), which one behind never is.
+fn behind(idx: u16, size: u16) -> u16 {
+    idx.checked_sub(1).unwrap_or(size.saturating_sub(1))
+}
+
 /// Resolves a command's data pointer (PRP or SGL per PSDT) into `iov`.
 pub(crate) fn data_ptr<'a>(
     map: &'a MemoryMap,
@@ -300,6 +308,64 @@ impl QueueGroup {
     /// Off the reactors: hold no memory snapshot, so unmaps need not wait for us.
     pub fn park(&mut self) {
         self.view.park();
+    }
+
+    pub fn sq_ids(&self) -> Vec<u16> {
+        self.sqs.iter().map(|s| s.ring.qid).collect()
+    }
+
+    /// Before the reactor sleeps: arm the backends' completion notifiers, publish
+    /// EventIdx at each SQ's head so the driver rings on its next command, then look
+    /// at the tails once more (a command written before the driver could see the
+    /// new EventIdx would otherwise wait for the next one). `false`: stay awake.
+    pub fn prepare_sleep(&mut self) -> bool {
+        if self.shared.sleep_after().is_none() {
+            return false;
+        }
+        if self.shared.fatal.load(Ordering::Relaxed) {
+            self.view.park();
+            return true;
+        }
+        if self.inflight > 0 {
+            for c in self.ns.iter_mut().flatten().chain(self.retiring.iter_mut()) {
+                if c.inflight > 0 && c.chan.arm_notifier() != Armed::Fd {
+                    return false;
+                }
+            }
+        }
+        let map = self.view.refresh();
+        let page = self.shared.doorbells.all();
+        if let Some(s) = self.shadow {
+            for sq in &self.sqs {
+                write_event_idx(map, s, sq.ring.qid, false, sq.ring.head);
+            }
+            // Pairs with the driver's barrier between its shadow write and its
+            // EventIdx read (Dekker): one of us sees the other's store.
+            std::sync::atomic::fence(Ordering::SeqCst);
+        }
+        for sq in &self.sqs {
+            if read_db(map, &page, self.shadow, sq.ring.qid, false) != u32::from(sq.ring.head) {
+                return false;
+            }
+        }
+        // Asleep we hold no snapshot: an unmap need not wait for us.
+        self.view.park();
+        true
+    }
+
+    /// What wakes the group besides doorbell messages: completion notifiers of
+    /// channels with requests in flight (armed by `prepare_sleep`).
+    pub fn wake_fds<'a>(&'a self, add: &mut dyn FnMut(BorrowedFd<'a>)) {
+        if self.inflight == 0 {
+            return;
+        }
+        for c in self.ns.iter().flatten().chain(self.retiring.iter()) {
+            if c.inflight > 0 {
+                if let Some(fd) = c.chan.notifier() {
+                    add(fd);
+                }
+            }
+        }
     }
 
     pub fn poll(&mut self) -> usize {
@@ -478,7 +544,13 @@ impl QueueGroup {
                 posted += n;
             }
             if let Some(s) = shadow {
-                write_event_idx(map, s, sq.ring.qid, false, sq.ring.head);
+                write_event_idx(
+                    map,
+                    s,
+                    sq.ring.qid,
+                    false,
+                    behind(sq.ring.head, sq.ring.size),
+                );
             }
         }
         if submitted {
@@ -487,7 +559,7 @@ impl QueueGroup {
             }
         }
         if let Some(s) = shadow {
-            write_event_idx(map, s, cq.qid, true, cq.head);
+            write_event_idx(map, s, cq.qid, true, behind(cq.head, cq.size));
         }
         rec.depth(fetched + inflight_before);
         // Batch stamps, read only when a traced command finished in this poll.
@@ -917,6 +989,20 @@ pub(crate) struct GroupPoller {
 impl engine::Poller for GroupPoller {
     fn poll(&mut self) -> usize {
         self.group.as_mut().map_or(0, |g| g.poll())
+    }
+
+    fn sleep_after(&self) -> Option<Duration> {
+        self.group.as_ref().and_then(|g| g.shared.sleep_after())
+    }
+
+    fn prepare_sleep(&mut self) -> bool {
+        self.group.as_mut().is_none_or(|g| g.prepare_sleep())
+    }
+
+    fn wake_fds<'a>(&'a self, add: &mut dyn FnMut(BorrowedFd<'a>)) {
+        if let Some(g) = &self.group {
+            g.wake_fds(add);
+        }
     }
 }
 

@@ -6,12 +6,14 @@
 //! delivers interrupts through an [`InterruptSink`].
 //!
 //! Threads: register accesses and the admin queue run on the control path (a
-//! `nvme-admin` thread polls the admin doorbell); each I/O completion queue and its
-//! submission queues form one poller owned by one engine reactor.
+//! `nvme-admin` thread polls the admin doorbell when the client mapped it, else
+//! sleeps until a doorbell message unparks it); each I/O completion queue and its
+//! submission queues form one poller owned by one engine reactor, which may sleep
+//! in `adaptive` and `event` modes (docs/decisions/0014-nvme-poll-modes.md).
 //!
 //! Not implemented: interrupt coalescing (stored, not applied: every poll batch that
-//! posts completions signals), keep-alive timeout enforcement, namespace
-//! management/attach, Format NVM, firmware commands, SGL Bit Bucket descriptors.
+//! posts completions signals), namespace management/attach, Format NVM, firmware
+//! commands, SGL Bit Bucket descriptors.
 
 #![forbid(unsafe_code)]
 
@@ -32,11 +34,12 @@ mod sgl;
 mod stats;
 mod status;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use bdev::BlockDevice;
-use engine::{Engine, Placer};
+use engine::{Engine, Placer, PollMode};
 use guest_mem::{DmaSpace, SharedMem};
 
 pub use identify::VENDOR_ID;
@@ -49,6 +52,12 @@ pub const BAR0_SIZE: u64 = 0x4000;
 pub const DOORBELL_OFFSET: u64 = 0x1000;
 pub const MSIX_TABLE_OFFSET: u64 = 0x2000;
 pub const MSIX_PBA_OFFSET: u64 = 0x3000;
+
+/// Idle time after which an `adaptive` queue group sleeps. Long enough that a
+/// guest at QD1 on a fast backend (next command ~10-30 µs after the last
+/// completion) never pays a wake-up; short enough that an idle VM costs nothing
+/// measurable (README: idle cost, wake-up latency).
+pub const DEFAULT_ADAPTIVE_IDLE: Duration = Duration::from_micros(500);
 
 /// Delivers MSI-X interrupts (the transport's irqfds).
 pub trait InterruptSink: Send + Sync {
@@ -71,6 +80,10 @@ pub struct ControllerConfig {
     /// Highest namespace ID (Identify NN): namespaces added at run time get IDs up
     /// to this.
     pub max_namespaces: u32,
+    /// How queue groups wait for work; [`Controller::set_poll_mode`] changes it.
+    pub poll: PollMode,
+    /// How long an idle group keeps polling in `adaptive` mode before it sleeps.
+    pub adaptive_idle: Duration,
 }
 
 impl Default for ControllerConfig {
@@ -85,6 +98,8 @@ impl Default for ControllerConfig {
             msix_vectors: 33,
             cntlid: 1,
             max_namespaces: 32,
+            poll: PollMode::Busy,
+            adaptive_idle: DEFAULT_ADAPTIVE_IDLE,
         }
     }
 }
@@ -192,7 +207,13 @@ impl Controller {
             mdts_bytes: iov::PAGE << mdts,
             trace: Arc::new(trace::TraceControl::default()),
             log: trace::LogLimiter::new(),
+            poll: AtomicU8::new(0),
+            idle: cfg.adaptive_idle,
+            mapped: AtomicBool::new(false),
+            sq_wakers: Mutex::new(vec![None; usize::from(cfg.max_io_queues) + 1]),
+            admin_thread: OnceLock::new(),
         });
+        shared.set_poll_mode(cfg.poll);
         let inner = Arc::new(ctrl::Inner::new(
             cfg, shared, engine, placer, mem, namespaces,
         ));
@@ -201,6 +222,7 @@ impl Controller {
             .name("nvme-admin".into())
             .spawn(move || ctrl::admin_thread(weak))
             .map_err(ControllerError::AdminThread)?;
+        let _ = inner.shared.admin_thread.set(t.thread().clone());
         *inner.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
         Ok(Controller { inner })
     }
@@ -259,6 +281,39 @@ impl Controller {
     /// The client went away: stop touching its memory. Namespaces stay.
     pub fn client_gone(&self) {
         self.inner.reset();
+        self.inner.shared.mapped.store(false, Ordering::Release);
+    }
+
+    /// Asked by the transport when a client queries BAR0: whether to offer it the
+    /// doorbell page as an mmap area. Only in `busy` mode; in `adaptive` and
+    /// `event` the doorbells must come by message, which wakes sleeping queues.
+    /// The answer holds for that client's whole connection.
+    pub fn offer_doorbell_mmap(&self) -> bool {
+        let offer = self.inner.shared.mapped.load(Ordering::Acquire)
+            || self.inner.shared.poll_mode() == PollMode::Busy;
+        if offer {
+            self.inner.shared.mapped.store(true, Ordering::Release);
+            self.inner.shared.kick_admin();
+        }
+        offer
+    }
+
+    /// Whether the connected client writes its doorbells into the mapped page.
+    pub fn doorbells_mapped(&self) -> bool {
+        self.inner.shared.mapped.load(Ordering::Acquire)
+    }
+
+    pub fn poll_mode(&self) -> PollMode {
+        self.inner.shared.poll_mode()
+    }
+
+    /// Switches how the queue groups wait for work, at once (sleeping groups are
+    /// woken to re-read it). With the doorbell page mapped by the current client,
+    /// `adaptive` and `event` poll busily until the client reconnects.
+    pub fn set_poll_mode(&self, mode: PollMode) {
+        self.inner.shared.set_poll_mode(mode);
+        self.inner.shared.wake_all();
+        self.inner.shared.kick_admin();
     }
 
     /// Stops the admin thread and takes every queue off the reactors.

@@ -122,6 +122,7 @@ impl Inner {
         if st.features.async_events & AEC_NS_ATTR != 0 && !st.ns_event_masked {
             st.ns_event_masked = true;
             st.events.push_back(EVENT_NS_CHANGED);
+            self.shared.kick_admin();
         }
     }
 

@@ -83,20 +83,32 @@ pub struct ControllerConfig {
     pub io_queues: u16,
     #[serde(default = "default_max_namespaces")]
     pub max_namespaces: u32,
+    /// How its queues wait for work: busy, adaptive or event.
+    #[serde(default, with = "crate::serde_str")]
+    pub poll: engine::PollMode,
+    /// Idle time in µs before an `adaptive` queue group sleeps.
+    #[serde(default = "default_poll_idle_us")]
+    pub poll_idle_us: u64,
     #[serde(default)]
     pub socket_mode: Option<String>,
     #[serde(default)]
     pub socket_group: Option<String>,
 }
 
+/// The first CPU this process may run on (CPU 0 unless an affinity mask says otherwise).
 pub fn default_cpus() -> String {
-    "0".into()
+    engine::allowed_cpus()
+        .first()
+        .map_or_else(|| "0".into(), ToString::to_string)
 }
 pub fn default_io_queues() -> u16 {
     32
 }
 pub fn default_max_namespaces() -> u32 {
     32
+}
+pub fn default_poll_idle_us() -> u64 {
+    nvme::DEFAULT_ADAPTIVE_IDLE.as_micros() as u64
 }
 
 /// A serial number of at most 20 printable ASCII characters: the one given, or
@@ -124,6 +136,8 @@ impl ControllerConfig {
             placement: engine::Placement::RoundRobin,
             io_queues: default_io_queues(),
             max_namespaces: default_max_namespaces(),
+            poll: engine::PollMode::default(),
+            poll_idle_us: default_poll_idle_us(),
             socket_mode: None,
             socket_group: None,
         }

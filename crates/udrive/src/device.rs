@@ -45,6 +45,9 @@ impl PciBackend for NvmeFunction {
     fn client_gone(&self) {
         self.ctrl.client_gone();
     }
+    fn offer_mmap(&self, bar: u32) -> bool {
+        bar == 0 && self.ctrl.offer_doorbell_mmap()
+    }
 }
 
 /// The transport's interrupt table as the NVMe model's interrupt sink.
@@ -82,9 +85,10 @@ impl NvmeDevice {
         devs: Vec<Arc<QosDisk>>,
         cntlid: u16,
         engine: &Arc<engine::Engine>,
+        base_reactors: usize,
     ) -> Result<NvmeDevice> {
         let what = format!("controller {}", cfg.socket.display());
-        let placer = placer(cfg.placement, cntlid, engine);
+        let placer = placer(cfg.placement, cntlid, base_reactors);
         let namespaces: BTreeMap<u32, Namespace> = cfg
             .namespaces
             .iter()
@@ -111,6 +115,8 @@ impl NvmeDevice {
             msix_vectors: cfg.io_queues + 1,
             cntlid,
             max_namespaces: cfg.max_namespaces,
+            poll: cfg.poll,
+            adaptive_idle: std::time::Duration::from_micros(cfg.poll_idle_us),
             ..Default::default()
         };
         let msix = MsixSpec {
@@ -199,8 +205,9 @@ impl NvmeDevice {
     }
 
     /// Queue placement for queues created from now on.
-    pub fn set_placement(&mut self, placement: engine::Placement, engine: &Arc<engine::Engine>) {
-        self.ctrl.set_placer(placer(placement, self.cntlid, engine));
+    pub fn set_placement(&mut self, placement: engine::Placement, base_reactors: usize) {
+        self.ctrl
+            .set_placer(placer(placement, self.cntlid, base_reactors));
         self.cfg.placement = placement;
     }
 
@@ -225,8 +232,10 @@ impl NvmeDevice {
     }
 }
 
-fn placer(placement: engine::Placement, cntlid: u16, engine: &engine::Engine) -> engine::Placer {
-    engine::Placer::new(placement, usize::from(cntlid), engine.num_reactors())
+/// NVMe queues use the server's shared reactors (`--cpus`) only: reactors the engine
+/// grew for `dedicated` vhost-user-blk devices belong to those devices.
+fn placer(placement: engine::Placement, cntlid: u16, base_reactors: usize) -> engine::Placer {
+    engine::Placer::new(placement, usize::from(cntlid), base_reactors)
 }
 
 /// The QEMU command line that attaches `socket` (QEMU 10.1+ has `vfio-user-pci`).
@@ -271,11 +280,19 @@ impl crate::frontend::FrontEnd for NvmeDevice {
             "cntlid": d.cntlid,
             "connected": d.connected(),
             "placement": d.cfg.placement.as_str(),
+            "poll": d.cfg.poll.as_str(),
+            "poll_idle_us": d.cfg.poll_idle_us,
             "io_queues": d.cfg.io_queues,
             "max_namespaces": d.ctrl.max_namespaces(),
             "state": {
                 "ready": st.ready,
                 "fatal": st.fatal,
+                "poll_mode": d.ctrl.poll_mode().as_str(),
+                // mapped: the client writes doorbells into shared memory, so queues
+                // cannot sleep; messages: doorbells arrive as vfio-user messages.
+                "doorbells": if d.ctrl.doorbells_mapped() { "mapped" } else { "messages" },
+                "can_sleep": d.ctrl.poll_mode() != engine::PollMode::Busy && !d.ctrl.doorbells_mapped(),
+                "doorbell_buffer_configured": st.doorbell_buffer_configured,
                 "io_submission_queues": st.io_queues,
                 "io_completion_queues": st.io_completion_queues,
                 "queue_groups": groups,
@@ -317,12 +334,17 @@ impl crate::frontend::FrontEnd for NvmeDevice {
             ),
         }
     }
-    fn set_poll_mode(&mut self, _mode: engine::PollMode) -> anyhow::Result<()> {
-        anyhow::bail!(
-            "{} is an NVMe controller: its queues are always busy-polled; \
-             set_poll_mode applies to vhost-user-blk devices",
-            self.socket.display()
-        )
+    fn set_poll_mode(&mut self, mode: engine::PollMode) -> anyhow::Result<()> {
+        self.ctrl.set_poll_mode(mode);
+        self.cfg.poll = mode;
+        if mode != engine::PollMode::Busy && self.ctrl.doorbells_mapped() {
+            tracing::warn!(
+                socket = %self.socket.display(),
+                "poll mode {mode}: the connected client has the doorbell page mapped, so its \
+                 queues keep polling busily until it reconnects (doorbells then come by message)"
+            );
+        }
+        Ok(())
     }
     fn as_nvme_mut(&mut self) -> Option<&mut NvmeDevice> {
         Some(self)

@@ -68,6 +68,14 @@ pub struct PerfArgs {
     /// Print one JSON object instead of text
     #[arg(long)]
     pub json: bool,
+    /// NVMe doorbells: auto (into the mapped page when the controller offers it,
+    /// else by message) or messages (always REGION_WRITE)
+    #[arg(long, default_value = "auto", value_parser = ["auto", "messages"])]
+    pub doorbells: String,
+    /// NVMe shadow doorbells (Doorbell Buffer Config): auto (when doorbells go by
+    /// message), on or off
+    #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
+    pub shadow_doorbells: String,
     /// CPUs the jobs may run on (e.g. 1); default: any
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<String>,
@@ -174,6 +182,12 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
     let opts = DriverOpts {
         pool_bytes: workload::pool_bytes_for(cfg),
         io_queues: u16::try_from(cfg.jobs).unwrap_or(u16::MAX),
+        doorbells_via_messages: a.doorbells == "messages",
+        shadow_doorbells: match a.shadow_doorbells.as_str() {
+            "on" => Some(true),
+            "off" => Some(false),
+            _ => None,
+        },
         ..Default::default()
     };
     let driver = NvmeDriver::connect(sock, opts)
@@ -182,7 +196,21 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
     let target = NvmeTarget::new(&driver, a.nsid, mode)
         .with_context(|| format!("namespace {} of {}", a.nsid, sock.display()))?;
     if !a.json {
-        let on = format!("nsid {} ({})", a.nsid, driver.controller().model.trim());
+        let on = format!(
+            "nsid {} ({}; doorbells {}{})",
+            a.nsid,
+            driver.controller().model.trim(),
+            if driver.doorbells_mapped() {
+                "mapped"
+            } else {
+                "by message"
+            },
+            if driver.shadow_doorbells() {
+                ", shadow"
+            } else {
+                ""
+            }
+        );
         announce(&sock.display().to_string(), cfg, &on);
     }
     workload::run(&target, cfg).context("workload failed")

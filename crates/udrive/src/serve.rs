@@ -27,6 +27,12 @@ pub struct ServeArgs {
     /// Queue placement over reactors: round-robin or single (vhost-user-blk also: dedicated)
     #[arg(long, default_value = "round-robin", conflicts_with = "config")]
     pub placement: engine::Placement,
+    /// How queues wait for work: busy (spin), adaptive (spin, sleep when idle) or event (sleep whenever idle)
+    #[arg(long, default_value = "busy", conflicts_with = "config")]
+    pub poll: engine::PollMode,
+    /// Idle time in µs after which an adaptive NVMe queue group sleeps
+    #[arg(long, value_name = "US", default_value_t = crate::config::default_poll_idle_us(), conflicts_with = "config")]
+    pub poll_idle_us: u64,
     #[command(flatten)]
     pub vhost: crate::vhost_device::VhostArgs,
     /// I/O queue pairs the controller offers
@@ -92,6 +98,8 @@ impl ServeArgs {
                 let mut c = ControllerConfig::new(socket, ns);
                 c.placement = self.placement;
                 c.io_queues = self.io_queues;
+                c.poll = self.poll;
+                c.poll_idle_us = self.poll_idle_us;
                 Config {
                     cpus: crate::config::default_cpus(),
                     rpc: None,
@@ -103,7 +111,7 @@ impl ServeArgs {
                 }
             }
         };
-        if let Some(d) = self.vhost.to_config(self.placement)? {
+        if let Some(d) = self.vhost.to_config(self.placement, self.poll)? {
             cfg.vhost_user_blk.push(d);
         }
         if let Some(cpus) = self.cpus {
@@ -140,13 +148,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let rpc_mode = args.rpc_mode;
     let cfg = args.into_config()?;
     let cpus = engine::parse_cpu_list(&cfg.cpus).map_err(anyhow::Error::msg)?;
-    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if let Some(bad) = cpus.iter().find(|c| **c >= online) {
-        anyhow::bail!(
-            "--cpus names CPU {bad}, but this machine has CPUs 0-{}",
-            online - 1
-        );
-    }
+    engine::check_allowed(&cpus).map_err(|e| anyhow::anyhow!("--cpus {}: {e}", cfg.cpus))?;
     let disks = crate::vhost_device::disk_specs(&cfg);
     let (backend_set, backends, disk_devs) =
         crate::backends::open_all_set(&cfg.controllers, &disks)?;

@@ -119,7 +119,7 @@ impl Server {
         for (c, devs) in cfg.controllers.iter().zip(devs) {
             let mut st = server.lock();
             let cntlid = st.next_cntlid;
-            match NvmeDevice::start(c, devs, cntlid, &server.engine) {
+            match NvmeDevice::start(c, devs, cntlid, &server.engine, server.base_reactors) {
                 Ok(d) => {
                     st.next_cntlid = st.next_cntlid.wrapping_add(1).max(1);
                     st.devices.push(Box::new(d));
@@ -213,7 +213,7 @@ impl Server {
             }
         }
         let cntlid = st.next_cntlid;
-        match NvmeDevice::start(&cfg, devs, cntlid, &self.engine) {
+        match NvmeDevice::start(&cfg, devs, cntlid, &self.engine, self.base_reactors) {
             Ok(d) => {
                 st.next_cntlid = st.next_cntlid.wrapping_add(1).max(1);
                 st.devices.push(Box::new(d));
@@ -351,7 +351,7 @@ impl Server {
                     socket.display()
                 );
             }
-            dev.set_placement(placement, &self.engine);
+            dev.set_placement(placement, self.base_reactors);
             return Ok(());
         }
         let Some(v) = d.as_vhost_mut() else {

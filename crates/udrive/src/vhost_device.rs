@@ -365,13 +365,14 @@ pub struct VhostArgs {
     /// Virtqueues of the vhost-user-blk device
     #[arg(long, default_value_t = default_queues())]
     pub queues: u16,
-    /// How vhost-user-blk queues wait for work: busy, adaptive or event
-    #[arg(long, default_value = "busy")]
-    pub poll: PollMode,
 }
 
 impl VhostArgs {
-    pub fn to_config(&self, placement: Placement) -> Result<Option<VhostBlkConfig>> {
+    pub fn to_config(
+        &self,
+        placement: Placement,
+        poll: PollMode,
+    ) -> Result<Option<VhostBlkConfig>> {
         let (Some(socket), Some(disk)) = (&self.vhost_user_blk, &self.disk) else {
             return Ok(None);
         };
@@ -379,7 +380,7 @@ impl VhostArgs {
         let mut c = VhostBlkConfig::new(socket.clone(), disk);
         c.queues = self.queues;
         c.placement = placement;
-        c.poll = self.poll;
+        c.poll = poll;
         Ok(Some(c))
     }
 }

@@ -1319,13 +1319,46 @@ fn set_poll_mode_and_placement_while_libblkio_runs() {
     });
     assert!(r.ios > 0);
     assert_eq!((r.errors, r.verify_errors), (0, 0));
-    // NVMe controllers, bad modes and sockets get clear errors.
-    s.err(
-        "set_poll_mode",
-        json!({"socket": s.nvme, "mode": "event"}),
-        -32000,
-        "always busy-polled",
+    // NVMe queues stay on the shared reactor (--cpus 0 = reactor 0) though the
+    // engine grew reactors for the dedicated vhost device.
+    s.ok(
+        "set_placement",
+        json!({"socket": s.nvme, "placement": "round-robin"}),
     );
+    let d = NvmeDriver::connect(&s.nvme, opts()).unwrap();
+    let qps: Vec<_> = (0..3).map(|_| d.create_qpair(16, false).unwrap()).collect();
+    let dev = s.ok("get_devices", json!({"socket": s.nvme}));
+    let groups = dev[0]["state"]["queue_groups"].as_array().unwrap().clone();
+    assert_eq!(groups.len(), 3);
+    assert!(
+        groups.iter().all(|g| g["reactor"] == 0),
+        "NVMe queues on dedicated reactors: {groups:?}"
+    );
+    // NVMe poll modes switch at run time; this client mapped the doorbell page
+    // (busy mode when it connected), so its queues cannot sleep until it reconnects.
+    assert_eq!(
+        s.ok("set_poll_mode", json!({"socket": s.nvme, "mode": "event"})),
+        true
+    );
+    let dev = s.ok("get_devices", json!({"socket": s.nvme}));
+    assert_eq!(dev[0]["poll"], "event");
+    assert_eq!(dev[0]["state"]["poll_mode"], "event");
+    assert_eq!(dev[0]["state"]["doorbells"], "mapped");
+    assert_eq!(dev[0]["state"]["can_sleep"], false);
+    for qp in qps {
+        d.delete_qpair(qp).unwrap();
+    }
+    verified_io(&d, 1, 5);
+    drop(d);
+    let d = NvmeDriver::connect(&s.nvme, opts()).unwrap();
+    assert!(!d.doorbells_mapped(), "event mode offers no doorbell mmap");
+    assert!(d.shadow_doorbells());
+    verified_io(&d, 1, 6);
+    let dev = s.ok("get_devices", json!({"socket": s.nvme}));
+    assert_eq!(dev[0]["state"]["doorbells"], "messages");
+    assert_eq!(dev[0]["state"]["can_sleep"], true);
+    drop(d);
+    // Bad modes and sockets get clear errors.
     s.err(
         "set_placement",
         json!({"socket": s.nvme, "placement": "dedicated"}),

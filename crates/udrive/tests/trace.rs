@@ -39,7 +39,7 @@ impl Dev {
             devs[i] = Arc::new(QosDisk::new(faulty, QosLimits::default()).expect("qos disk"));
         }
         let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
-        let dev = NvmeDevice::start(&cfg, devs, cntlid, &engine()).expect("start device");
+        let dev = NvmeDevice::start(&cfg, devs, cntlid, &engine(), 1).expect("start device");
         Dev {
             dev: Some(dev),
             _dir: dir,

@@ -52,6 +52,13 @@ pub trait PciBackend: Send + Sync {
     fn reset(&self);
     /// The client disconnected; its DMA mappings are dropped right after this returns.
     fn client_gone(&self);
+    /// Whether to offer the client BAR `bar`'s mmap areas now (asked on each region
+    /// query). A model that must see every write to them (to wake a sleeping
+    /// poller) answers `false`: the client then traps the accesses and sends them
+    /// as messages.
+    fn offer_mmap(&self, _bar: u32) -> bool {
+        true
+    }
 }
 
 fn invalid(msg: &str) -> io::Error {
@@ -141,7 +148,7 @@ impl Device {
                 let bar = &self.spec.bar0;
                 info.size = bar.size;
                 info.flags = REGION_READ | REGION_WRITE;
-                if bar.mmap_fd.is_some() {
+                if bar.mmap_fd.is_some() && self.backend.offer_mmap(0) {
                     info.flags |= REGION_MMAP | REGION_CAPS;
                     info.offset = bar.fd_offset;
                     let hdr = CapHeader {

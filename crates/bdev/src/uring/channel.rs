@@ -145,6 +145,11 @@ impl UringChannel {
         })
     }
 
+    fn ring_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.ring.as_fd()
+    }
+
     fn sqe(&self, idx: u32) -> squeue::Entry {
         let s = &self.slots[idx as usize];
         let fd = types::Fixed(0);
@@ -498,6 +503,33 @@ impl IoChannel for UringChannel {
                 Err(e) => tracing::debug!("io_uring submit: {e}"),
             }
         }
+    }
+
+    /// The ring's own descriptor is the notifier: it polls readable once a CQE is
+    /// posted, with no per-completion cost while the reactor is awake (a registered
+    /// eventfd would be signalled for every CQE). Under COOP_TASKRUN a completion
+    /// first waits as task work; the kernel wakes a task sleeping in `poll` to run
+    /// it, which posts the CQE. Work already pending (CQEs, task work, a backlog)
+    /// means: poll now.
+    fn arm_notifier(&mut self) -> crate::Armed {
+        self.flush();
+        let cqes_waiting = {
+            let mut cq = self.ring.completion();
+            cq.sync();
+            !cq.is_empty()
+        };
+        if cqes_waiting
+            || !self.backlog.is_empty()
+            || (self.coop && self.ring.submission().taskrun())
+        {
+            crate::Armed::Ready
+        } else {
+            crate::Armed::Fd
+        }
+    }
+
+    fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        Some(self.ring_fd())
     }
 }
 

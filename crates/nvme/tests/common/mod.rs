@@ -71,8 +71,14 @@ pub struct Host {
     pub admin: Q,
     pub io: Vec<Q>,
     cid: u16,
-    /// Shadow doorbell buffer (when configured): doorbells go there only.
+    /// Shadow doorbell buffer (when configured): doorbells go there only...
     pub shadow: Option<u64>,
+    /// ...unless the EventIdx buffer is given too: then they are also rung when the
+    /// controller's EventIdx asks for it, as Linux does.
+    pub event_idx: Option<u64>,
+    /// Doorbells rung as register writes (what a vfio-user message does), not
+    /// skipped because of EventIdx.
+    pub rung: u64,
 }
 
 pub fn sqe(opcode: u8, nsid: u32) -> [u32; 16] {
@@ -151,6 +157,8 @@ impl Host {
             io: vec![Q::default(); 64],
             cid: 0,
             shadow: None,
+            event_idx: None,
+            rung: 0,
         }
     }
 
@@ -239,22 +247,30 @@ impl Host {
         self.w32(0x14, 0);
         self.wait_csts(1, 0);
         self.shadow = None;
+        self.event_idx = None;
     }
 
-    fn ring(&self, qid: u16, cq: bool, v: u16) {
+    /// Rings like a client whose doorbells are trapped: each ring is a register
+    /// write, which also wakes the poller that owns the queue.
+    fn ring(&mut self, qid: u16, cq: bool, v: u16) {
         let idx = (u64::from(qid) * 2 + u64::from(cq)) * 4;
-        match self.shadow {
-            Some(db) if qid != 0 => self.write_mem(db + idx, &u32::from(v).to_le_bytes()),
-            _ => {
-                let page = self.ctrl.doorbells().all();
-                page.store_u32((0x1000 + idx) as usize, u32::from(v))
-                    .unwrap();
+        if let (Some(db), true) = (self.shadow, qid != 0) {
+            let old = u32::from_le_bytes(self.read_mem(db + idx, 4).try_into().unwrap()) as u16;
+            self.write_mem(db + idx, &u32::from(v).to_le_bytes());
+            std::sync::atomic::fence(Ordering::SeqCst);
+            let Some(ei) = self.event_idx else { return };
+            let e = u32::from_le_bytes(self.read_mem(ei + idx, 4).try_into().unwrap()) as u16;
+            if v.wrapping_sub(e).wrapping_sub(1) >= v.wrapping_sub(old) {
+                return;
             }
         }
+        self.rung += 1;
+        self.ctrl
+            .bar0_write(0x1000 + idx, &u32::from(v).to_le_bytes());
     }
 
     /// Rings a raw SQ tail value (for hostile tests).
-    pub fn ring_sq_raw(&self, qid: u16, v: u16) {
+    pub fn ring_sq_raw(&mut self, qid: u16, v: u16) {
         self.ring(qid, false, v);
     }
 

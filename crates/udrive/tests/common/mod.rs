@@ -43,16 +43,26 @@ pub struct TestDev {
 impl TestDev {
     /// `name` becomes the socket file stem, so the serial is `UD-<name>`.
     pub fn start(name: &str, ns: &[&str]) -> TestDev {
+        Self::start_with(name, ns, |_| {})
+    }
+
+    /// Like [`TestDev::start`], with the configuration adjusted by `tune`.
+    pub fn start_with(
+        name: &str,
+        ns: &[&str],
+        tune: impl FnOnce(&mut ControllerConfig),
+    ) -> TestDev {
         static CNTLID: AtomicU16 = AtomicU16::new(1);
         let dir = tempfile::tempdir().expect("temp dir");
         let sock = dir.path().join(format!("{name}.sock"));
         let specs: Vec<NsSpec> = ns.iter().map(|s| s.parse().expect("ns spec")).collect();
-        let cfg = ControllerConfig::new(sock.clone(), specs);
+        let mut cfg = ControllerConfig::new(sock.clone(), specs);
+        tune(&mut cfg);
         let devs = udrive::backends::open_all(std::slice::from_ref(&cfg))
             .expect("open backends")
             .remove(0);
         let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
-        let dev = NvmeDevice::start(&cfg, devs, cntlid, &engine()).expect("start device");
+        let dev = NvmeDevice::start(&cfg, devs, cntlid, &engine(), 1).expect("start device");
         TestDev {
             dev: Some(dev),
             sock,
@@ -84,7 +94,7 @@ impl TestDev {
             .zip(dirs)
             .map(|((cfg, devs), dir)| {
                 let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
-                let dev = NvmeDevice::start(cfg, devs, cntlid, &engine()).expect("start device");
+                let dev = NvmeDevice::start(cfg, devs, cntlid, &engine(), 1).expect("start device");
                 TestDev {
                     dev: Some(dev),
                     sock: cfg.socket.clone(),

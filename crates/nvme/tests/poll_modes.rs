@@ -1,0 +1,196 @@
+//! Queue groups in `busy`, `adaptive` and `event` mode with doorbells that arrive as
+//! register writes (vfio-user messages): sleeping, EventIdx, wake-ups, switching.
+
+mod common;
+use common::*;
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use engine::PollMode;
+
+fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(10), "{what}");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// A host with Doorbell Buffer Config (shadow + EventIdx, as Linux uses it) and
+/// one I/O queue pair.
+fn host_with_shadow() -> (Host, u64) {
+    let mut h = Host::new();
+    h.enable();
+    let db = h.alloc(1);
+    let ei = h.alloc(1);
+    let mut s = sqe(0x7c, 0);
+    set_prp(&mut s, db, ei);
+    assert!(h.admin(s).ok());
+    h.shadow = Some(db);
+    h.event_idx = Some(ei);
+    assert!(h.create_cq(1, 64, true, 1).ok());
+    assert!(h.create_sq(1, 64, 1).ok());
+    (h, ei)
+}
+
+fn sleeps(h: &Host) -> u64 {
+    h.engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed)
+}
+
+fn read_u32(h: &Host, addr: u64) -> u32 {
+    u32::from_le_bytes(h.read_mem(addr, 4).try_into().unwrap())
+}
+
+#[test]
+fn busy_mode_with_event_idx_asks_the_driver_not_to_ring() {
+    let (mut h, ei) = host_with_shadow();
+    let a = h.alloc(1);
+    let before = h.rung;
+    for i in 0..200u64 {
+        assert!(h.io(rw(2, 1, i, 1, a, 0)).ok());
+    }
+    // The first command rings (EventIdx starts at 0); from then on the controller
+    // keeps EventIdx one behind the tail while it polls.
+    assert!(
+        h.rung - before <= 2,
+        "{} rings for 200 commands",
+        h.rung - before
+    );
+    assert_eq!(read_u32(&h, ei + 8), (200 % 64 + 63) % 64);
+    assert_eq!(sleeps(&h), 0, "busy mode never sleeps");
+}
+
+#[test]
+fn event_mode_sleeps_publishes_event_idx_and_wakes_on_the_doorbell() {
+    let (mut h, ei) = host_with_shadow();
+    h.ctrl.set_poll_mode(PollMode::Event);
+    let a = h.alloc(1);
+    let rung_at_start = h.rung;
+    wait_until("the group did not go to sleep", || sleeps(&h) > 0);
+    for i in 0..100u64 {
+        // Asleep: EventIdx is the tail we stopped at, so the next command rings.
+        let tail = h.io[1].tail;
+        wait_until("EventIdx not published at the tail", || {
+            read_u32(&h, ei + 8) == u32::from(tail)
+        });
+        let (rung, before) = (h.rung, sleeps(&h));
+        let c = h.io(rw(if i % 2 == 0 { 1 } else { 2 }, 1, i, 1, a, 0));
+        assert!(c.ok(), "command {i}: {c:?}");
+        assert!(h.rung > rung, "a sleeping group must be rung");
+        wait_until("the group did not go back to sleep", || sleeps(&h) > before);
+    }
+    // One ring per command (the SQ tail); the CQ head doorbell is kept quiet by
+    // its EventIdx (at most the very first reap rings it).
+    let rings = h.rung - rung_at_start;
+    assert!(
+        (100..=101).contains(&rings),
+        "{rings} rings for 100 commands"
+    );
+}
+
+#[test]
+fn event_mode_without_shadow_doorbells_traps_every_write() {
+    let mut h = Host::new();
+    h.ctrl.set_poll_mode(PollMode::Event);
+    h.enable();
+    assert!(h.create_cq(1, 32, true, 1).ok());
+    assert!(h.create_sq(1, 32, 1).ok());
+    let a = h.alloc(8);
+    let mut pending = Vec::new();
+    for round in 0..50u64 {
+        let before = sleeps(&h);
+        // A few commands at once, then a pause long enough to sleep.
+        for k in 0..4u64 {
+            pending.push(h.submit(1, rw(2, 1, round * 4 + k, 1, a + k * 4096, 0)));
+        }
+        while !pending.is_empty() {
+            let c = h.reap(1);
+            assert!(c.ok(), "{c:?}");
+            pending.retain(|&cid| cid != c.cid);
+        }
+        wait_until("no sleep between rounds", || sleeps(&h) > before);
+    }
+    assert_eq!(h.ctrl.stats().reads, 200);
+}
+
+#[test]
+fn adaptive_mode_stays_awake_under_load_and_sleeps_when_idle() {
+    let cfg = nvme::ControllerConfig {
+        poll: PollMode::Adaptive,
+        adaptive_idle: Duration::from_millis(50),
+        ..Default::default()
+    };
+    let mut h = Host::with(
+        cfg,
+        vec![std::sync::Arc::new(
+            bdev::RamDisk::new(1 << 20, 512).unwrap(),
+        )],
+    );
+    h.enable();
+    assert!(h.create_cq(1, 64, true, 1).ok());
+    assert!(h.create_sq(1, 64, 1).ok());
+    let a = h.alloc(1);
+    wait_until("an idle adaptive group sleeps", || sleeps(&h) > 0);
+    let before = sleeps(&h);
+    // Back to back, well within the idle time: one wake-up, then polling.
+    for i in 0..300u64 {
+        assert!(h.io(rw(1, 1, i % 64, 1, a, 0)).ok());
+    }
+    let during = sleeps(&h) - before;
+    assert!(during <= 2, "slept {during} times under continuous load");
+    wait_until("sleeps again once idle", || sleeps(&h) > before + during);
+}
+
+#[test]
+fn switching_modes_at_run_time_keeps_io_going() {
+    let (mut h, _) = host_with_shadow();
+    let a = h.alloc(1);
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+    let modes = [
+        PollMode::Event,
+        PollMode::Busy,
+        PollMode::Adaptive,
+        PollMode::Event,
+    ];
+    for (i, mode) in modes.iter().cycle().take(40).enumerate() {
+        h.ctrl.set_poll_mode(*mode);
+        let lba = i as u64;
+        let mut data = pattern.clone();
+        data[0] = i as u8;
+        h.write_mem(a, &data);
+        assert!(h.io(rw(1, 1, lba * 8, 8, a, 0)).ok());
+        h.write_mem(a, &[0u8; 4096]);
+        assert!(h.io(rw(2, 1, lba * 8, 8, a, 0)).ok());
+        assert_eq!(h.read_mem(a, 4096), data, "mode {mode}, round {i}");
+        if i % 3 == 0 {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    assert_eq!(h.ctrl.poll_mode(), PollMode::Event);
+}
+
+#[test]
+fn mapped_doorbells_keep_every_mode_busy() {
+    let mut h = Host::new();
+    assert!(h.ctrl.offer_doorbell_mmap(), "busy mode offers the page");
+    h.ctrl.set_poll_mode(PollMode::Event);
+    assert!(
+        h.ctrl.offer_doorbell_mmap(),
+        "sticky for the connected client"
+    );
+    h.enable();
+    assert!(h.create_cq(1, 16, true, 1).ok());
+    assert!(h.create_sq(1, 16, 1).ok());
+    let a = h.alloc(1);
+    assert!(h.io(rw(2, 1, 0, 1, a, 0)).ok());
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        sleeps(&h),
+        0,
+        "a client with mapped doorbells cannot wake us"
+    );
+    // The next client is asked again: event mode does not offer the page.
+    h.ctrl.client_gone();
+    assert!(!h.ctrl.offer_doorbell_mmap());
+}
