@@ -311,6 +311,9 @@ fn sleep_after(pollers: &Pollers) -> Option<Duration> {
     })
 }
 
+/// Idle iterations between clock reads while spinning before a sleep.
+const CLOCK_EVERY: u32 = 64;
+
 /// How long one sleep lasts at most; pollers re-arm after it.
 #[cfg(not(test))]
 const MAX_SLEEP: Duration = Duration::from_millis(500);
@@ -344,6 +347,7 @@ fn run_reactor(index: usize, cpu: Option<usize>, rx: Receiver<Msg>, sh: Shared) 
     // (pollers may change their mode), so busy-only reactors pay nothing per iteration.
     let mut spin: Option<Duration> = None;
     let mut idle_since: Option<Instant> = None;
+    let mut idle_iters = 0u32;
     loop {
         if sh.pending.load(Ordering::Acquire) || pollers.is_empty() {
             sh.pending.store(false, Ordering::Relaxed);
@@ -368,25 +372,32 @@ fn run_reactor(index: usize, cpu: Option<usize>, rx: Receiver<Msg>, sh: Shared) 
             work += done as u64;
             idle_since = None;
         } else if let Some(spin) = spin.filter(|_| !pollers.is_empty()) {
-            let now = Instant::now();
-            let since = *idle_since.get_or_insert(now);
-            if now.duration_since(since) >= spin {
-                // Announce the sleep before the pollers re-check their rings, so a
-                // kick that lands after the check finds `sleeping` set and sends Wake.
-                sh.sleeping.store(true, Ordering::SeqCst);
-                let mut all = true;
-                for (_, p) in pollers.iter_mut() {
-                    all &= p.prepare_sleep();
-                }
-                if all && !sh.pending.load(Ordering::Acquire) {
-                    sleeps += 1;
-                    sh.stats.sleeps.store(sleeps, Ordering::Relaxed);
-                    if sleep(&sh.bell, &pollers, MAX_SLEEP) {
-                        sh.stats.sleep_timeouts.fetch_add(1, Ordering::Relaxed);
+            idle_iters = idle_iters.wrapping_add(1);
+            // The clock is read every CLOCK_EVERY idle iterations (each read
+            // delays noticing new work by a vDSO call), at once in event mode.
+            let check =
+                spin.is_zero() || idle_since.is_none() || idle_iters.is_multiple_of(CLOCK_EVERY);
+            let now = if check { Some(Instant::now()) } else { None };
+            let since = now.map(|n| *idle_since.get_or_insert(n));
+            if let (Some(now), Some(since)) = (now, since) {
+                if now.duration_since(since) >= spin {
+                    // Announce the sleep before the pollers re-check their rings, so a
+                    // kick that lands after the check finds `sleeping` set and sends Wake.
+                    sh.sleeping.store(true, Ordering::SeqCst);
+                    let mut all = true;
+                    for (_, p) in pollers.iter_mut() {
+                        all &= p.prepare_sleep();
                     }
+                    if all && !sh.pending.load(Ordering::Acquire) {
+                        sleeps += 1;
+                        sh.stats.sleeps.store(sleeps, Ordering::Relaxed);
+                        if sleep(&sh.bell, &pollers, MAX_SLEEP) {
+                            sh.stats.sleep_timeouts.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    sh.sleeping.store(false, Ordering::SeqCst);
+                    idle_since = None;
                 }
-                sh.sleeping.store(false, Ordering::SeqCst);
-                idle_since = None;
             }
         }
         if iters & 0xfff == 0 {

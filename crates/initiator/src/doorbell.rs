@@ -31,6 +31,8 @@ pub(crate) struct Doorbells {
     pub shadow_on: AtomicBool,
     /// I/O doorbell updates the controller's EventIdx let us skip.
     pub skipped: AtomicU64,
+    /// Doorbells written by message (REGION_WRITE round trips).
+    pub messages: AtomicU64,
 }
 
 /// Whether moving a doorbell from `old` to `new` passes `event_idx` (NVMe 1.3
@@ -47,6 +49,7 @@ impl Doorbells {
             shadow: OnceLock::new(),
             shadow_on: AtomicBool::new(false),
             skipped: AtomicU64::new(0),
+            messages: AtomicU64::new(0),
         }
     }
 
@@ -77,6 +80,7 @@ impl Doorbells {
                 }
             }
         }
+        self.messages.fetch_add(1, Ordering::Relaxed);
         self.client
             .lock()
             .unwrap_or_else(|e| e.into_inner())

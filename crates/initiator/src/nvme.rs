@@ -361,6 +361,11 @@ impl NvmeDriver {
         self.shared.ctx.db.skipped.load(Ordering::Relaxed)
     }
 
+    /// Doorbells written by message so far.
+    pub fn doorbell_messages(&self) -> u64 {
+        self.shared.ctx.db.messages.load(Ordering::Relaxed)
+    }
+
     pub fn doorbells_mapped(&self) -> bool {
         self.shared.ctx.db.is_mmap()
     }

@@ -98,7 +98,7 @@ impl Shared {
     /// while idle (they fetch only what the CQ can take).
     fn rang(&self, off: u64) {
         let idx = (off - DOORBELL_OFFSET) as usize;
-        if idx % 8 != 0 {
+        if !idx.is_multiple_of(8) {
             return;
         }
         let qid = idx / 8;

@@ -62,6 +62,10 @@ pub struct PerfArgs {
     /// Write patterns and check every read against them
     #[arg(long)]
     pub verify: bool,
+    /// Think time in µs: each job sleeps this long after a completion before it
+    /// issues the next I/O (at --qd 1: the first-I/O-after-idle latency)
+    #[arg(long, value_name = "US", default_value_t = 0)]
+    pub think_us: u64,
     /// Describe data with SGLs instead of PRPs
     #[arg(long)]
     pub sgl: bool,
@@ -129,6 +133,7 @@ pub fn run_with(a: PerfArgs, server: Option<&dyn ServerTrace>) -> Result<()> {
         time: seconds("time", a.time)?,
         ramp: seconds("ramp", a.ramp)?,
         verify: a.verify,
+        think: Duration::from_micros(a.think_us),
         nsid: a.nsid,
         trace: a.trace,
         ..Default::default()
@@ -213,7 +218,16 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
         );
         announce(&sock.display().to_string(), cfg, &on);
     }
-    workload::run(&target, cfg).context("workload failed")
+    let (messages, skipped) = (driver.doorbell_messages(), driver.doorbells_skipped());
+    let report = workload::run(&target, cfg).context("workload failed")?;
+    if !a.json {
+        println!(
+            "doorbells: {} by message, {} skipped (shadow doorbells, controller polling)",
+            driver.doorbell_messages() - messages,
+            driver.doorbells_skipped() - skipped
+        );
+    }
+    Ok(report)
 }
 
 fn run_vhost(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Result<Report> {

@@ -14,16 +14,19 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use engine::PollMode;
+use initiator::{DataMode, DmaBuf, IoOp, NvmeDriver};
 
 const IDLE_US: u64 = 100;
 
-fn stress_queue(d: &NvmeDriver, seed: u64, ios: u64) {
+/// Drives one queue pair on its own share of the namespace (`part` of `parts`).
+fn stress_queue(d: &NvmeDriver, seed: u64, part: u64, parts: u64, ios: u64) {
     let mut qp = d.create_qpair(32, false).expect("queue pair");
     let bufs: Vec<DmaBuf> = (0..4)
         .map(|_| qp.alloc_buf(4096).expect("buffer"))
         .collect();
     let mut rng = Rng::new(seed);
-    let blocks = d.namespace(1).expect("ns 1").nsze / 8;
+    let blocks = d.namespace(1).expect("ns 1").nsze / 8 / parts;
+    let first = part * blocks;
     let mut done = 0u64;
     while done < ios {
         let depth = rng.range(1, 4) as usize;
@@ -31,7 +34,7 @@ fn stress_queue(d: &NvmeDriver, seed: u64, ios: u64) {
         let mut lbas = Vec::with_capacity(depth);
         for b in bufs.iter().take(depth) {
             // A distinct block per slot, tagged with the round so stale data shows.
-            let lba = (rng.below(blocks / 4) * 4 + lbas.len() as u64) * 8;
+            let lba = (first + rng.below(blocks / 4) * 4 + lbas.len() as u64) * 8;
             b.fill((done as u8) ^ (lba as u8));
             let c = qp
                 .submit_io(IoOp::Write, 1, lba, 8, Some(b), DataMode::Prp)
@@ -110,7 +113,9 @@ fn no_lost_wake_up_across_the_idle_threshold() {
     std::thread::scope(|s| {
         for (i, d) in drivers.iter().enumerate() {
             for q in 0..queues_per_ctrl {
-                s.spawn(move || stress_queue(d, 1 + i as u64 * 10 + q, per_queue));
+                s.spawn(move || {
+                    stress_queue(d, 1 + i as u64 * 10 + q, q, queues_per_ctrl, per_queue)
+                });
             }
         }
     });

@@ -361,6 +361,9 @@ impl Job<'_> {
                 }
                 let lat = self.complete(d)?;
                 inflight -= 1;
+                if !self.cfg.think.is_zero() && !stopped {
+                    std::thread::sleep(self.cfg.think);
+                }
                 // Count what was issued and finished inside the measured window.
                 let s = self.slots[d.slot as usize];
                 if s.start >= measure_from && now <= end {

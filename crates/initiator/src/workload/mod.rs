@@ -96,6 +96,10 @@ pub struct WorkloadConfig {
     pub trace: bool,
     /// Seed for offsets (per job: seed + job); fixed seeds make runs repeatable.
     pub seed: u64,
+    /// Pause (sleeping) after each batch of completions before the next I/Os are
+    /// issued: at QD1 with a think time longer than a server's idle threshold,
+    /// every I/O is the first after the server went to sleep. Not part of latency.
+    pub think: Duration,
 }
 
 impl Default for WorkloadConfig {
@@ -111,6 +115,7 @@ impl Default for WorkloadConfig {
             ramp: Duration::ZERO,
             trace: false,
             seed: 0x5eed,
+            think: Duration::ZERO,
         }
     }
 }

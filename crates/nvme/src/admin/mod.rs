@@ -282,7 +282,7 @@ impl Inner {
             let Some(mut g) = self.take_group(st, cqid) else {
                 continue;
             };
-            g.shadow = Some(shadow);
+            g.set_shadow(shadow);
             write_shadow_db(map, shadow, g.cq.qid, true, g.cq.head);
             write_event_idx(map, shadow, g.cq.qid, true, g.cq.head);
             for sq in &g.sqs {
