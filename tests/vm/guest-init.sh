@@ -281,6 +281,14 @@ elif [ $PHASE = 2 ]; then
     run fio-randwrite-after-reboot t_fio_4k
     run queue-irqs-after-reboot t_irqs_grew
     run dmesg-clean-after-reboot t_dmesg_clean
+    # Idle with the disk attached, so the host can measure what an idle guest
+    # costs udrive (udrive.idle=SECONDS on the kernel command line).
+    idle=$(sed -n 's/.*udrive\.idle=\([0-9]*\).*/\1/p' /proc/cmdline)
+    if [ -n "$idle" ] && [ "$idle" -gt 0 ]; then
+        echo "UDRIVE-IDLE begin secs=$idle"
+        sleep "$idle"
+        echo "UDRIVE-IDLE end"
+    fi
     finish 2 poweroff
 else
     result boot-count FAIL "booted a third time (marker: $MAGIC)"

@@ -15,6 +15,10 @@ UDRIVE_CPUS=${UDRIVE_VM_UDRIVE_CPUS:-0}
 VCPUS=${UDRIVE_VM_VCPUS:-2}
 TIMEOUT=${UDRIVE_VM_TIMEOUT:-480}
 GUEST_INIT=${UDRIVE_VM_GUEST_INIT:-$here/guest-init.sh}
+# NVMe poll mode of udrive (--poll); the guest idles IDLE_SECS before powering off
+# while the host measures udrive's CPU (a reactor that sleeps uses next to none).
+POLL=${UDRIVE_VM_POLL:-adaptive}
+IDLE_SECS=${UDRIVE_VM_IDLE_SECS:-4}
 # udrive (default) or qemu-nvme: QEMU's own emulated NVMe instead of udrive, to
 # check the harness and guest script themselves (udrive-specific checks then fail).
 DEVICE=${UDRIVE_VM_DEVICE:-udrive}
@@ -43,9 +47,9 @@ build_initramfs() {
 
 # ------------------------------------------------------------ udrive
 start_udrive() {
-    say "$UDRIVE serve --vfio-user $TMP/nvme.sock --ns $NS --cpus $UDRIVE_CPUS"
+    say "$UDRIVE serve --vfio-user $TMP/nvme.sock --ns $NS --cpus $UDRIVE_CPUS --poll $POLL"
     NO_COLOR=1 RUST_LOG=${RUST_LOG:-info} setpriv --pdeathsig KILL -- \
-        "$UDRIVE" serve --vfio-user "$TMP/nvme.sock" --ns "$NS" --cpus "$UDRIVE_CPUS" \
+        "$UDRIVE" serve --vfio-user "$TMP/nvme.sock" --ns "$NS" --cpus "$UDRIVE_CPUS" --poll "$POLL" \
         >"$TMP/udrive.log" 2>&1 </dev/null &
     SERVER_PID=$!
     wait_socket "$TMP/nvme.sock" "$SERVER_PID" "$TMP/udrive.log" "udrive serve"
@@ -61,7 +65,7 @@ start_qemu() {
         -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
         -serial "file:$d/console.log"
         -kernel "$d/vmlinuz" -initrd "$d/initramfs.cpio"
-        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init"
+        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.idle=$IDLE_SECS"
     )
     if [ "$DEVICE" = qemu-nvme ]; then
         truncate -s "${NS#*:}" "$TMP/disk.img"
@@ -96,7 +100,24 @@ fi
 phase "guest run (2 boots)"
 if [ "$DEVICE" = udrive ]; then start_udrive; else say "self-test: QEMU's emulated NVMe, no udrive"; fi
 start_qemu
-watch_guest "$TMP/console.log" "$TIMEOUT"
+IDLE_T0= IDLE_TICKS0= IDLE_RESULT=
+# On the guest's idle markers: udrive's CPU time (utime + stime) over the idle span.
+idle_hook() {
+    [ -n "${1:-}" ] && [ -n "$SERVER_PID" ] && [ -r "/proc/$SERVER_PID/stat" ] || return 0
+    case $1 in
+    UDRIVE-IDLE\ begin*)
+        IDLE_T0=$EPOCHREALTIME
+        IDLE_TICKS0=$(awk '{print $14 + $15}' "/proc/$SERVER_PID/stat") ;;
+    UDRIVE-IDLE\ end*)
+        [ -n "$IDLE_T0" ] || return 0
+        local ticks
+        ticks=$(awk '{print $14 + $15}' "/proc/$SERVER_PID/stat")
+        IDLE_RESULT=$(awk -v t="$((ticks - IDLE_TICKS0))" -v hz="$(getconf CLK_TCK)" \
+            -v s="$(awk -v a="$IDLE_T0" -v b="$EPOCHREALTIME" 'BEGIN{print b - a}')" \
+            'BEGIN { printf "%.2f %.1f", t / hz / s * 100, s }') ;;
+    esac
+}
+watch_guest "$TMP/console.log" "$TIMEOUT" idle_hook
 [ "$DEVICE" = udrive ] && stop_udrive
 phase ""
 
@@ -116,6 +137,20 @@ if [ "$n" -gt 0 ] && [ "${reads:-0}" -gt 0 ]; then
     host_result shadow-doorbells PASS "configured $n time(s), shadow_doorbell_reads=$reads: $(grep -i 'doorbell' "$TMP/udrive.log" | tail -n 2 | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ' | cut -c1-240)"
 else
     host_result shadow-doorbells FAIL "udrive logged 'doorbell buffer configured' $n time(s), shadow_doorbell_reads=${reads:-none}"
+fi
+# An idle guest: a sleeping reactor uses next to no CPU, a busy one a whole core.
+if [ "$DEVICE" = udrive ] && [ "$IDLE_SECS" -gt 0 ]; then
+    if [ -z "$IDLE_RESULT" ]; then
+        host_result idle-cpu FAIL "no idle span measured (guest markers UDRIVE-IDLE missing)"
+    else
+        read -r pct secs <<<"$IDLE_RESULT"
+        detail="poll $POLL: udrive used $pct% of a core while the guest idled ${secs}s"
+        if [ "$POLL" = busy ] || awk -v p="$pct" 'BEGIN { exit !(p < 50) }'; then
+            host_result idle-cpu PASS "$detail"
+        else
+            host_result idle-cpu FAIL "$detail (a sleeping reactor should be near 0%)"
+        fi
+    fi
 fi
 errors=$(grep -E 'panicked| ERROR ' "$TMP/udrive.log" | head -n 2 | tr '\n' ' ' | cut -c1-240 || true)
 warns=$(grep -c ' WARN ' "$TMP/udrive.log" || true)

@@ -86,9 +86,10 @@ impl Placer {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PollMode {
     /// Spin all the time: lowest latency, one core per reactor.
-    #[default]
     Busy,
-    /// Spin for a while after the last work, then sleep until kicked.
+    /// Spin for a while after the last work, then sleep until kicked. The default:
+    /// as fast as busy under load (README, "Poll modes"), nearly free when idle.
+    #[default]
     Adaptive,
     /// Sleep whenever idle.
     Event,

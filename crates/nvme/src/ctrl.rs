@@ -42,11 +42,19 @@ pub(crate) struct Shared {
     /// writes land silently, so nothing can wake a sleeping group and every mode
     /// polls busily until it reconnects.
     pub mapped: AtomicBool,
-    /// Reactor of the group owning each I/O SQ, by qid: a doorbell written by
-    /// message wakes it.
-    pub sq_wakers: Mutex<Vec<Option<Waker>>>,
+    /// Each existing I/O queue's doorbell by index (`2 * qid + is_cq`): its size,
+    /// and for SQs the reactor of the owning group, which a doorbell written by
+    /// message wakes.
+    pub db_targets: Mutex<Vec<Option<DbTarget>>>,
     /// The admin thread, unparked by admin doorbells, events and mode changes.
     pub admin_thread: OnceLock<std::thread::Thread>,
+}
+
+/// What a doorbell written by message concerns (see `Shared::rang`).
+#[derive(Clone)]
+pub(crate) struct DbTarget {
+    pub size: u16,
+    pub waker: Option<Waker>,
 }
 
 impl Shared {
@@ -87,37 +95,63 @@ impl Shared {
 
     /// Wakes every reactor that owns one of this controller's groups.
     pub fn wake_all(&self) {
-        let wakers = self.sq_wakers.lock().unwrap_or_else(|e| e.into_inner());
-        for w in wakers.iter().flatten() {
+        let targets = self.db_targets.lock().unwrap_or_else(|e| e.into_inner());
+        for w in targets.iter().flatten().filter_map(|t| t.waker.as_ref()) {
             w.wake();
         }
     }
 
-    /// A doorbell arrived by message (it is in the page already): wake whoever
-    /// polls it. CQ head doorbells wake nobody: groups never wait for CQ space
-    /// while idle (they fetch only what the CQ can take).
-    fn rang(&self, off: u64) {
-        let idx = (off - DOORBELL_OFFSET) as usize;
-        if !idx.is_multiple_of(8) {
-            return;
-        }
-        let qid = idx / 8;
-        if qid == 0 {
+    /// A doorbell arrived by message (it is in the page already). A value beyond
+    /// the queue is fatal at once (a sleeping group would not see it); an SQ tail
+    /// wakes the group's reactor. CQ head doorbells wake nobody: groups never wait
+    /// for CQ space while idle (they fetch only what the CQ can take).
+    fn rang(&self, off: u64, v: u32) {
+        let idx = ((off - DOORBELL_OFFSET) / 4) as usize;
+        if idx < 2 {
             self.kick_admin();
             return;
         }
-        let wakers = self.sq_wakers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(Some(w)) = wakers.get(qid) {
+        let targets = self.db_targets.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(Some(t)) = targets.get(idx) else {
+            return;
+        };
+        if v >= u32::from(t.size) {
+            let what = if idx % 2 == 1 { "CQ head" } else { "SQ tail" };
+            self.set_fatal(&format!(
+                "{what} doorbell of queue {} beyond queue size ({v} >= {})",
+                idx / 2,
+                t.size
+            ));
+            return;
+        }
+        if let Some(w) = &t.waker {
             w.wake();
         }
     }
 
-    fn set_sq_wakers(&self, sqs: &[u16], waker: Option<Waker>) {
-        let mut wakers = self.sq_wakers.lock().unwrap_or_else(|e| e.into_inner());
-        for &qid in sqs {
-            if let Some(w) = wakers.get_mut(usize::from(qid)) {
-                *w = waker.clone();
+    /// Registers a group's queues (`waker`: its reactor, `None` while parked) or,
+    /// with `gone`, forgets them.
+    fn set_db_targets(&self, g: &QueueGroup, waker: Option<Waker>, gone: bool) {
+        let mut targets = self.db_targets.lock().unwrap_or_else(|e| e.into_inner());
+        let mut put = |qid: u16, cq: bool, t: DbTarget| {
+            if let Some(e) = targets.get_mut(usize::from(qid) * 2 + usize::from(cq)) {
+                *e = (!gone).then_some(t);
             }
+        };
+        put(
+            g.cq.qid,
+            true,
+            DbTarget {
+                size: g.cq.size,
+                waker: None,
+            },
+        );
+        for sq in &g.sqs {
+            let t = DbTarget {
+                size: sq.ring.size,
+                waker: waker.clone(),
+            };
+            put(sq.ring.qid, false, t);
         }
     }
 
@@ -277,7 +311,7 @@ impl Inner {
                 .doorbells
                 .all()
                 .store_u32(off as usize, v.to_le());
-            self.shared.rang(off);
+            self.shared.rang(off, v);
             return;
         }
         let mut st = self.lock();
@@ -408,12 +442,15 @@ impl Inner {
         let entry = st.groups.get_mut(&cqid)?;
         match std::mem::replace(&mut entry.place, Place::Out) {
             Place::Out => None,
-            Place::Parked(g) => Some(g),
+            Place::Parked(g) => {
+                self.shared.set_db_targets(&g, None, true);
+                Some(g)
+            }
             Place::Running { id, back } => {
                 let p = self.engine.remove_poller(id).ok().flatten();
                 drop(p);
                 let g = back.try_recv().ok()?;
-                self.shared.set_sq_wakers(&g.sq_ids(), None);
+                self.shared.set_db_targets(&g, None, true);
                 Some(g)
             }
         }
@@ -427,6 +464,7 @@ impl Inner {
         let place = if g.sqs.is_empty() {
             let mut g = g;
             g.park();
+            self.shared.set_db_targets(&g, None, false);
             Place::Parked(g)
         } else {
             let (tx, rx) = crossbeam_channel::bounded(1);
@@ -435,20 +473,19 @@ impl Inner {
                 back: tx,
             };
             let reactor = st.placer.reactor_for(usize::from(cqid));
-            let sqs = poller
-                .group
-                .as_ref()
-                .map(|g| g.sq_ids())
-                .unwrap_or_default();
+            if let Some(g) = &poller.group {
+                // Before the reactor has it: a doorbell by message from now on wakes
+                // the reactor, which polls the group first thing anyway.
+                self.shared
+                    .set_db_targets(g, self.engine.waker(reactor), false);
+            }
             match self.engine.add_poller(reactor, Box::new(poller)) {
-                Ok(id) => {
-                    self.shared.set_sq_wakers(&sqs, self.engine.waker(reactor));
-                    Place::Running { id, back: rx }
-                }
+                Ok(id) => Place::Running { id, back: rx },
                 Err(e) => {
                     tracing::error!("nvme: cannot start queue group {cqid}: {e}");
                     // The poller was dropped and sent the group back.
                     if let Ok(mut g) = rx.try_recv() {
+                        self.shared.set_db_targets(&g, None, true);
                         g.drain();
                         st.retire(&g);
                     }

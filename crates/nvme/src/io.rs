@@ -342,10 +342,6 @@ impl QueueGroup {
         }
     }
 
-    pub fn sq_ids(&self) -> Vec<u16> {
-        self.sqs.iter().map(|s| s.ring.qid).collect()
-    }
-
     /// Before the reactor sleeps: arm the backends' completion notifiers, publish
     /// EventIdx at each SQ's head so the driver rings on its next command, then look
     /// at the tails once more (a command written before the driver could see the

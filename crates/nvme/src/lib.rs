@@ -98,7 +98,7 @@ impl Default for ControllerConfig {
             msix_vectors: 33,
             cntlid: 1,
             max_namespaces: 32,
-            poll: PollMode::Busy,
+            poll: PollMode::default(),
             adaptive_idle: DEFAULT_ADAPTIVE_IDLE,
         }
     }
@@ -210,7 +210,7 @@ impl Controller {
             poll: AtomicU8::new(0),
             idle: cfg.adaptive_idle,
             mapped: AtomicBool::new(false),
-            sq_wakers: Mutex::new(vec![None; usize::from(cfg.max_io_queues) + 1]),
+            db_targets: Mutex::new(vec![None; 2 * (usize::from(cfg.max_io_queues) + 1)]),
             admin_thread: OnceLock::new(),
         });
         shared.set_poll_mode(cfg.poll);

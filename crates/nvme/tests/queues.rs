@@ -129,10 +129,10 @@ fn shadow_doorbells() {
     assert!(st.shadow_doorbell_reads >= 5, "{st:?}");
     // The MMIO doorbell page was never written for queue 1.
     assert_eq!(h.ctrl.doorbells().all().load_u32(0x1008), Some(0));
-    // Busy polling: EventIdx one behind the last tail processed, so a driver that
-    // honours it does not ring.
-    let e = h.read_mem(ei + 8, 4);
-    assert_eq!(u32::from_le_bytes(e.try_into().unwrap()), 4);
+    // Polling: EventIdx behind the last tail processed, so a driver that honours
+    // it does not ring (tests/poll_modes.rs has the details).
+    let e = u32::from_le_bytes(h.read_mem(ei + 8, 4).try_into().unwrap());
+    assert!(e < 5 || e == 63, "EventIdx {e} not behind tail 5");
     h.disable();
     assert!(
         !h.ctrl.stats().doorbell_buffer_configured,

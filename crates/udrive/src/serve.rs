@@ -28,7 +28,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "round-robin", conflicts_with = "config")]
     pub placement: engine::Placement,
     /// How queues wait for work: busy (spin), adaptive (spin, sleep when idle) or event (sleep whenever idle)
-    #[arg(long, default_value = "busy", conflicts_with = "config")]
+    #[arg(long, default_value = "adaptive", conflicts_with = "config")]
     pub poll: engine::PollMode,
     /// Idle time in µs after which an adaptive NVMe queue group sleeps
     #[arg(long, value_name = "US", default_value_t = crate::config::default_poll_idle_us(), conflicts_with = "config")]

@@ -63,7 +63,7 @@ impl VhostBlkConfig {
             queues: default_queues(),
             queue_size: default_queue_size(),
             placement: Placement::RoundRobin,
-            poll: PollMode::Busy,
+            poll: PollMode::default(),
             cpus: None,
             serial: None,
             socket_mode: None,

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use common::*;
 use guest_mem::{Prot, SharedMem};
 use initiator::regs::{AQA, CAP, CSTS, CSTS_CFS};
-use initiator::{Completion, Cqe, DataMode, Error, IoOp, NvmeDriver, Sqe, VfioUserClient};
+use initiator::{
+    Completion, Cqe, DataMode, DriverOpts, Error, IoOp, NvmeDriver, Sqe, VfioUserClient,
+};
 use vfio_user::proto::{self, Command, FLAG_ERROR, HEADER_SIZE, MAX_MSG_SIZE};
 
 /// Runs `attack` against a fresh controller with a fresh client, then checks the
@@ -21,7 +23,14 @@ fn hostile(name: &str, seed: u64, attack: impl FnOnce(&TestDev, NvmeDriver)) {
     let by = bystander();
     by.check();
     let dev = TestDev::start(name, &["ram:16M"]);
-    attack(&dev, dev.connect());
+    // Plain doorbells: the attacks ring raw queues of their own through the
+    // doorbell registers, which a controller using shadow doorbells reads from the
+    // shadow buffer instead.
+    let d = dev.connect_with(DriverOpts {
+        shadow_doorbells: Some(false),
+        ..opts()
+    });
+    attack(&dev, d);
     dev.check_fresh_client(seed);
     by.check();
 }

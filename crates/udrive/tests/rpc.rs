@@ -1263,7 +1263,7 @@ fn set_poll_mode_and_placement_while_libblkio_runs() {
         "vhost_user_blk_add",
         json!({"socket": v, "disk": "ram:16M", "queues": 2}),
     );
-    assert_eq!(added["state"]["poll_mode"], "busy");
+    assert_eq!(added["state"]["poll_mode"], "adaptive", "the default");
     let r = std::thread::scope(|sc| {
         let io = sc.spawn(|| {
             let t = udrive::blkio_target::BlkioTarget::connect(&v, 2, 4, 4096).expect("libblkio");
@@ -1325,6 +1325,12 @@ fn set_poll_mode_and_placement_while_libblkio_runs() {
         "set_placement",
         json!({"socket": s.nvme, "placement": "round-robin"}),
     );
+    assert_eq!(
+        s.ok("get_devices", json!({"socket": s.nvme}))[0]["poll"],
+        "adaptive",
+        "the default"
+    );
+    s.ok("set_poll_mode", json!({"socket": s.nvme, "mode": "busy"}));
     let d = NvmeDriver::connect(&s.nvme, opts()).unwrap();
     let qps: Vec<_> = (0..3).map(|_| d.create_qpair(16, false).unwrap()).collect();
     let dev = s.ok("get_devices", json!({"socket": s.nvme}));

@@ -39,9 +39,12 @@ impl Server {
         let dir = tempfile::tempdir().unwrap();
         let p = |n: &str| dir.path().join(n).display().to_string();
         let mut cfg = format!("cpus = \"0\"\nrpc = \"{}\"\n", p("rpc.sock"));
-        for n in ["nvme-a.sock", "nvme-b.sock"] {
+        // The attacker's controller offers its doorbell page (busy mode) so the
+        // mapped memfd can be attacked; the bystander's takes doorbells by message
+        // (adaptive, the default) and must keep working through every attack.
+        for (n, poll) in [("nvme-a.sock", "busy"), ("nvme-b.sock", "adaptive")] {
             cfg += &format!(
-                "\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"ram:16M\"]\n",
+                "\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"ram:16M\"]\npoll = \"{poll}\"\n",
                 p(n)
             );
         }
