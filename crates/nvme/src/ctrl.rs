@@ -3,8 +3,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bdev::BlockDevice;
@@ -46,8 +45,6 @@ pub(crate) struct Shared {
     /// and for SQs the reactor of the owning group, which a doorbell written by
     /// message wakes.
     pub db_targets: Mutex<Vec<Option<DbTarget>>>,
-    /// The admin thread, unparked by admin doorbells, events and mode changes.
-    pub admin_thread: OnceLock<std::thread::Thread>,
 }
 
 /// What a doorbell written by message concerns (see `Shared::rang`).
@@ -87,12 +84,6 @@ impl Shared {
         }
     }
 
-    pub fn kick_admin(&self) {
-        if let Some(t) = self.admin_thread.get() {
-            t.unpark();
-        }
-    }
-
     /// Wakes every reactor that owns one of this controller's groups.
     pub fn wake_all(&self) {
         let targets = self.db_targets.lock().unwrap_or_else(|e| e.into_inner());
@@ -107,10 +98,6 @@ impl Shared {
     /// for CQ space while idle (they fetch only what the CQ can take).
     fn rang(&self, off: u64, v: u32) {
         let idx = ((off - DOORBELL_OFFSET) / 4) as usize;
-        if idx < 2 {
-            self.kick_admin();
-            return;
-        }
         let targets = self.db_targets.lock().unwrap_or_else(|e| e.into_inner());
         let Some(Some(t)) = targets.get(idx) else {
             return;
@@ -243,7 +230,6 @@ pub(crate) struct Inner {
     pub mem: Arc<DmaSpace>,
     pub state: Mutex<State>,
     pub stop: AtomicBool,
-    pub thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Inner {
@@ -281,7 +267,6 @@ impl Inner {
                 keep_alive: None,
             }),
             stop: AtomicBool::new(false),
-            thread: Mutex::new(None),
         }
     }
 
@@ -311,7 +296,13 @@ impl Inner {
                 .doorbells
                 .all()
                 .store_u32(off as usize, v.to_le());
-            self.shared.rang(off, v);
+            if off < DOORBELL_OFFSET + 8 {
+                // The admin queue, by message: handled here, on the client's thread.
+                let mut st = self.lock();
+                self.admin_poll(&mut st);
+            } else {
+                self.shared.rang(off, v);
+            }
             return;
         }
         let mut st = self.lock();
@@ -596,15 +587,9 @@ impl Inner {
         posted.max(1)
     }
 
-    pub fn stop_admin_thread(&self) {
+    /// Takes the controller out of the admin service (see `service`).
+    pub fn stop_admin(&self) {
         self.stop.store(true, Ordering::Release);
-        self.shared.kick_admin();
-        let t = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(t) = t {
-            if t.thread().id() != std::thread::current().id() {
-                let _ = t.join();
-            }
-        }
     }
 }
 
@@ -615,54 +600,3 @@ impl Drop for Inner {
         self.teardown_queues(&mut st);
     }
 }
-
-/// First and longest sleep of an idle admin poller. Admin SQ doorbells are writes
-/// to shared memory (no kick), so the queue is polled; backing off from 150 µs to
-/// 5 ms keeps an idle controller's wake-ups, which preempt the busy-polling reactors
-/// and initiators on a small host, at ~200/s instead of ~6700/s, while an admin
-/// command after a long idle period waits at most 5 ms (drivers allow seconds).
-/// Measured: disk QD1 added mean latency 13 µs → 1–7 µs (README, issue 3).
-const ADMIN_IDLE_SLEEP: (Duration, Duration) =
-    (Duration::from_micros(150), Duration::from_millis(5));
-
-pub(crate) fn admin_thread(weak: Weak<Inner>) {
-    let mut last_work = Instant::now();
-    let mut idle_sleep = ADMIN_IDLE_SLEEP.0;
-    loop {
-        let Some(inner) = weak.upgrade() else { return };
-        if inner.stop.load(Ordering::Acquire) {
-            return;
-        }
-        let (n, keep_alive) = {
-            let mut st = inner.lock();
-            (inner.admin_poll(&mut st), st.keep_alive)
-        };
-        let mapped = inner.shared.mapped.load(Ordering::Acquire);
-        drop(inner);
-        if n > 0 {
-            last_work = Instant::now();
-            idle_sleep = ADMIN_IDLE_SLEEP.0;
-        }
-        if !mapped {
-            // Doorbells come by message and unpark us, as do events and mode
-            // changes; otherwise wake only for the Keep Alive Timer.
-            let until_timer = keep_alive.map_or(ADMIN_PARK, |t| {
-                t.saturating_duration_since(Instant::now()) + Duration::from_millis(1)
-            });
-            std::thread::park_timeout(until_timer.min(ADMIN_PARK));
-            continue;
-        }
-        // Spin briefly after activity (a driver's init issues commands back to back),
-        // then sleep, longer the longer the queue stays idle.
-        if last_work.elapsed() < Duration::from_millis(2) {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(idle_sleep);
-            idle_sleep = (idle_sleep * 2).min(ADMIN_IDLE_SLEEP.1);
-        }
-    }
-}
-
-/// Longest park of the admin thread of a controller whose doorbells come by message
-/// (a safety net: every event that needs it unparks it).
-const ADMIN_PARK: Duration = Duration::from_secs(1);

@@ -5,9 +5,10 @@
 //! with the client, keeps the client's DMA map in a [`guest_mem::DmaSpace`] and
 //! delivers interrupts through an [`InterruptSink`].
 //!
-//! Threads: register accesses and the admin queue run on the control path (a
-//! `nvme-admin` thread polls the admin doorbell when the client mapped it, else
-//! sleeps until a doorbell message unparks it); each I/O completion queue and its
+//! Threads: register accesses and the admin queue run on the control path (admin
+//! doorbells by message on the transport's thread; one `nvme-admin` thread per
+//! process polls the admin doorbells of clients that mapped them and runs Keep
+//! Alive timers); each I/O completion queue and its
 //! submission queues form one poller owned by one engine reactor, which may sleep
 //! in `adaptive` and `event` modes (docs/decisions/0014-nvme-poll-modes.md).
 //!
@@ -30,12 +31,13 @@ mod namespaces;
 mod prp;
 mod queue;
 mod regs;
+mod service;
 mod sgl;
 mod stats;
 mod status;
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bdev::BlockDevice;
@@ -154,7 +156,7 @@ pub enum ControllerError {
     },
     #[error("cannot create the shared doorbell page")]
     Doorbells(#[source] std::io::Error),
-    #[error("cannot start the admin thread")]
+    #[error("cannot start the admin service thread")]
     AdminThread(#[source] std::io::Error),
 }
 
@@ -211,19 +213,12 @@ impl Controller {
             idle: cfg.adaptive_idle,
             mapped: AtomicBool::new(false),
             db_targets: Mutex::new(vec![None; 2 * (usize::from(cfg.max_io_queues) + 1)]),
-            admin_thread: OnceLock::new(),
         });
         shared.set_poll_mode(cfg.poll);
         let inner = Arc::new(ctrl::Inner::new(
             cfg, shared, engine, placer, mem, namespaces,
         ));
-        let weak = Arc::downgrade(&inner);
-        let t = std::thread::Builder::new()
-            .name("nvme-admin".into())
-            .spawn(move || ctrl::admin_thread(weak))
-            .map_err(ControllerError::AdminThread)?;
-        let _ = inner.shared.admin_thread.set(t.thread().clone());
-        *inner.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        service::register(&inner).map_err(ControllerError::AdminThread)?;
         Ok(Controller { inner })
     }
 
@@ -293,7 +288,7 @@ impl Controller {
             || self.inner.shared.poll_mode() == PollMode::Busy;
         if offer {
             self.inner.shared.mapped.store(true, Ordering::Release);
-            self.inner.shared.kick_admin();
+            service::kick();
         }
         offer
     }
@@ -313,12 +308,12 @@ impl Controller {
     pub fn set_poll_mode(&self, mode: PollMode) {
         self.inner.shared.set_poll_mode(mode);
         self.inner.shared.wake_all();
-        self.inner.shared.kick_admin();
+        service::kick();
     }
 
-    /// Stops the admin thread and takes every queue off the reactors.
+    /// Leaves the admin service and takes every queue off the reactors.
     pub fn shutdown(&self) {
-        self.inner.stop_admin_thread();
+        self.inner.stop_admin();
         let mut st = self.inner.lock();
         self.inner.disable(&mut st);
     }

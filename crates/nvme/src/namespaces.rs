@@ -122,7 +122,9 @@ impl Inner {
         if st.features.async_events & AEC_NS_ATTR != 0 && !st.ns_event_masked {
             st.ns_event_masked = true;
             st.events.push_back(EVENT_NS_CHANGED);
-            self.shared.kick_admin();
+            // Posted now if the host has an AER outstanding (its doorbells may come
+            // by message only when it sends something).
+            self.admin_poll(st);
         }
     }
 
