@@ -387,19 +387,18 @@ impl VfioUserClient {
         Ok(())
     }
 
-    /// 4-byte register write with a reply, without heap use (doorbell fallback path).
+    /// 4-byte register write with a reply, without heap use.
     pub fn region_write_u32(&mut self, region: u32, offset: u64, v: u32) -> Result<()> {
-        let mut p = [0u8; 20];
-        p[..16].copy_from_slice(
-            proto::RegionAccess {
-                offset,
-                region,
-                count: 4,
-            }
-            .as_bytes(),
-        );
-        p[16..].copy_from_slice(&v.to_le_bytes());
+        let p = u32_write(region, offset, v);
         self.request(Command::RegionWrite, &p, &[])?;
+        Ok(())
+    }
+
+    /// 4-byte posted register write (no reply asked, none awaited), as QEMU sends
+    /// trapped BAR writes: the doorbell path when the page is not mapped.
+    pub fn region_write_u32_posted(&mut self, region: u32, offset: u64, v: u32) -> Result<()> {
+        let p = u32_write(region, offset, v);
+        self.send(Command::RegionWrite as u16, proto::FLAG_NO_REPLY, &p, &[])?;
         Ok(())
     }
 
@@ -621,4 +620,19 @@ mod tests {
         // Out of bounds first cap.
         assert!(parse_caps(&buf, 4000).is_err());
     }
+}
+
+/// REGION_WRITE payload of one u32.
+fn u32_write(region: u32, offset: u64, v: u32) -> [u8; 20] {
+    let mut p = [0u8; 20];
+    p[..16].copy_from_slice(
+        proto::RegionAccess {
+            offset,
+            region,
+            count: 4,
+        }
+        .as_bytes(),
+    );
+    p[16..].copy_from_slice(&v.to_le_bytes());
+    p
 }

@@ -81,10 +81,12 @@ impl Doorbells {
             }
         }
         self.messages.fetch_add(1, Ordering::Relaxed);
+        // Posted, like QEMU's trapped BAR writes: the controller applies messages in
+        // order, so a later request (a register read) sees this doorbell.
         self.client
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .region_write_u32(PCI_BAR0_REGION, bar_off, v)
+            .region_write_u32_posted(PCI_BAR0_REGION, bar_off, v)
     }
 
     pub fn is_mmap(&self) -> bool {

@@ -2,7 +2,7 @@
 //! registry) and the pieces reactors read (doorbell page, fatal flag, error log).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -41,6 +41,11 @@ pub(crate) struct Shared {
     /// writes land silently, so nothing can wake a sleeping group and every mode
     /// polls busily until it reconnects.
     pub mapped: AtomicBool,
+    /// Interrupt Coalescing (Feature 08h) as the host set it: threshold (0's based)
+    /// in bits 0-7, time in 100 µs units in bits 8-15; 0: off.
+    pub coalescing: AtomicU32,
+    /// Interrupt Vector Configuration (Feature 09h): Coalescing Disable per vector.
+    pub no_coalesce: Vec<AtomicBool>,
     /// Each existing I/O queue's doorbell by index (`2 * qid + is_cq`): its size,
     /// and for SQs the reactor of the owning group, which a doorbell written by
     /// message wakes.
@@ -55,6 +60,29 @@ pub(crate) struct DbTarget {
 }
 
 impl Shared {
+    /// Publishes the interrupt features to the queue groups.
+    pub fn publish_interrupt_features(&self, f: &Features) {
+        self.coalescing
+            .store(f.coalescing & 0xffff, Ordering::Relaxed);
+        for (a, cd) in self.no_coalesce.iter().zip(&f.no_coalesce) {
+            a.store(*cd, Ordering::Relaxed);
+        }
+    }
+
+    /// Coalescing for `vector`: (completions per interrupt, longest delay), or
+    /// `None` when every batch signals.
+    pub fn coalescing_for(&self, vector: u16) -> Option<(u32, Duration)> {
+        let c = self.coalescing.load(Ordering::Relaxed);
+        let (thr, time) = (c & 0xff, (c >> 8) & 0xff);
+        let off = self
+            .no_coalesce
+            .get(usize::from(vector))
+            .is_none_or(|cd| cd.load(Ordering::Relaxed));
+        // Vector 0 is the admin queue's, which is never coalesced (NVMe 1.4 §5.21.1.8).
+        (c != 0 && time != 0 && vector != 0 && !off)
+            .then(|| (thr + 1, Duration::from_micros(100 * u64::from(time))))
+    }
+
     pub fn poll_mode(&self) -> PollMode {
         match self.poll.load(Ordering::Relaxed) {
             1 => PollMode::Adaptive,
@@ -397,6 +425,7 @@ impl Inner {
         st.keep_alive = None;
         st.features = Features::new(&self.cfg, Self::any_write_cache(&st.ns));
         self.shared.wce.store(st.features.wce, Ordering::Relaxed);
+        self.shared.publish_interrupt_features(&st.features);
         st.regs.rdy = false;
         st.regs.cfs = false;
         st.regs.shst = 0;

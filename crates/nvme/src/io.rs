@@ -109,6 +109,10 @@ pub(crate) struct QueueGroup {
     pub shadow: Option<Shadow>,
     /// The CQ's EventIdx as last written (see `IoSq::ei`).
     cq_ei: u16,
+    /// Completions posted but not yet signalled (Interrupt Coalescing), and when
+    /// the first of them was.
+    irq_held: u32,
+    irq_since: Option<Instant>,
     pub counters: Arc<Counters>,
     inflight: u32,
     /// The memory snapshots commands in flight were translated against.
@@ -231,6 +235,8 @@ impl QueueGroup {
             retiring: Vec::new(),
             shadow,
             cq_ei: NO_EI,
+            irq_held: 0,
+            irq_since: None,
             counters: Arc::new(Counters::default()),
             inflight: 0,
             pins: MemPins::with_capacity(4),
@@ -378,8 +384,14 @@ impl QueueGroup {
                 return false;
             }
         }
-        // Asleep we hold no snapshot: an unmap need not wait for us.
+        // Asleep we hold no snapshot: an unmap need not wait for us; nor an
+        // interrupt held back for coalescing.
         self.view.park();
+        if self.irq_held > 0 {
+            self.irq_held = 0;
+            self.irq_since = None;
+            self.shared.irqs.signal(self.cq.vector);
+        }
         true
     }
 
@@ -408,6 +420,8 @@ impl QueueGroup {
             retiring,
             shadow,
             cq_ei,
+            irq_held,
+            irq_since,
             counters,
             inflight,
             pins,
@@ -601,7 +615,7 @@ impl QueueGroup {
         } else {
             0
         };
-        let signalled = posted > 0 && cq.ien;
+        let signalled = cq.ien && interrupt_due(shared, cq, posted, irq_held, irq_since);
         if signalled {
             shared.irqs.signal(cq.vector);
         }
@@ -614,6 +628,37 @@ impl QueueGroup {
         rec.end_poll(posted_at, signalled_at);
         work + posted
     }
+}
+
+/// Whether this poll signals the CQ's interrupt: at once for every batch that
+/// posted, or with Interrupt Coalescing once `threshold` completions are held or
+/// the oldest held one waited the aggregation time (the clock is read only while
+/// completions are held).
+fn interrupt_due(
+    shared: &Shared,
+    cq: &CqRing,
+    posted: usize,
+    held: &mut u32,
+    since: &mut Option<Instant>,
+) -> bool {
+    let Some((threshold, time)) = shared.coalescing_for(cq.vector) else {
+        let due = posted > 0 || *held > 0;
+        *held = 0;
+        *since = None;
+        return due;
+    };
+    if posted == 0 && *held == 0 {
+        return false;
+    }
+    *held += posted as u32;
+    let now = Instant::now();
+    let first = *since.get_or_insert(now);
+    if *held >= threshold || now.duration_since(first) >= time {
+        *held = 0;
+        *since = None;
+        return true;
+    }
+    false
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -12,8 +12,7 @@
 //! submission queues form one poller owned by one engine reactor, which may sleep
 //! in `adaptive` and `event` modes (docs/decisions/0014-nvme-poll-modes.md).
 //!
-//! Not implemented: interrupt coalescing (stored, not applied: every poll batch that
-//! posts completions signals), namespace management/attach, Format NVM, firmware
+//! Not implemented: namespace management/attach, Format NVM, firmware
 //! commands, SGL Bit Bucket descriptors.
 
 #![forbid(unsafe_code)]
@@ -36,7 +35,7 @@ mod sgl;
 mod stats;
 mod status;
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -213,6 +212,10 @@ impl Controller {
             idle: cfg.adaptive_idle,
             mapped: AtomicBool::new(false),
             db_targets: Mutex::new(vec![None; 2 * (usize::from(cfg.max_io_queues) + 1)]),
+            coalescing: AtomicU32::new(0),
+            no_coalesce: (0..cfg.msix_vectors)
+                .map(|_| AtomicBool::new(false))
+                .collect(),
         });
         shared.set_poll_mode(cfg.poll);
         let inner = Arc::new(ctrl::Inner::new(

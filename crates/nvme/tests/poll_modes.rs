@@ -211,3 +211,65 @@ fn mapped_doorbells_keep_every_mode_busy() {
     h.ctrl.client_gone();
     assert!(!h.ctrl.offer_doorbell_mmap());
 }
+
+fn set_feature(h: &mut Host, fid: u32, cdw11: u32) {
+    let mut s = sqe(0x09, 0);
+    s[10] = fid;
+    s[11] = cdw11;
+    assert!(h.admin(s).ok(), "Set Features {fid:#x}");
+}
+
+#[test]
+fn interrupt_coalescing_holds_interrupts_until_threshold_or_time() {
+    let cfg = nvme::ControllerConfig {
+        poll: PollMode::Busy,
+        ..Default::default()
+    };
+    let disk = std::sync::Arc::new(bdev::RamDisk::new(1 << 20, 512).unwrap());
+    let mut h = Host::with(cfg, vec![disk]);
+    h.enable();
+    assert!(h.create_cq(1, 64, true, 1).ok());
+    assert!(h.create_sq(1, 64, 1).ok());
+    let a = h.alloc(1);
+    let batch = |h: &mut Host, n: u64| {
+        let cmds: Vec<[u32; 16]> = (0..n).map(|i| rw(2, 1, i, 1, a, 0)).collect();
+        let cids = h.submit_batch(1, &cmds);
+        for _ in &cids {
+            assert!(h.reap(1).ok());
+        }
+    };
+    // Off: every poll that posts signals.
+    let before = h.irq_count(1);
+    for _ in 0..4 {
+        batch(&mut h, 1);
+    }
+    assert_eq!(h.irq_count(1) - before, 4);
+    // 8 completions per interrupt (threshold is 0's based), at most 25.5 ms late.
+    set_feature(&mut h, 0x08, 7 | (255 << 8));
+    let before = h.irq_count(1);
+    batch(&mut h, 8);
+    wait_until("a full batch signals", || h.irq_count(1) > before);
+    assert_eq!(h.irq_count(1) - before, 1);
+    // Three commands one after the other (each completion in its own poll): posted
+    // at once, signalled together when the aggregation time runs out.
+    let before = h.irq_count(1);
+    for _ in 0..3 {
+        batch(&mut h, 1);
+    }
+    wait_until("the aggregation time ends the wait", || {
+        h.irq_count(1) > before
+    });
+    std::thread::sleep(Duration::from_millis(30));
+    // One interrupt; two if the machine stalled this thread past 25.5 ms.
+    assert!(
+        h.irq_count(1) - before < 3,
+        "three completions, three interrupts"
+    );
+    // Coalescing Disable for vector 1 (Feature 09h): every batch signals again.
+    set_feature(&mut h, 0x09, 1 | (1 << 16));
+    let before = h.irq_count(1);
+    for _ in 0..3 {
+        batch(&mut h, 1);
+    }
+    assert_eq!(h.irq_count(1) - before, 3);
+}

@@ -195,8 +195,11 @@ impl Poller for VirtqPoller {
     }
 
     fn prepare_sleep(&mut self) -> bool {
-        // Switched to busy since the reactor last asked: stay awake.
-        if self.worker.in_flight() != 0 || self.shared.poll_mode().sleep_after().is_none() {
+        // Switched to busy since the reactor last asked: stay awake. Requests in
+        // flight need a backend that wakes us when they complete.
+        if self.shared.poll_mode().sleep_after().is_none()
+            || (self.worker.in_flight() != 0 && !self.worker.arm_notifier())
+        {
             return false;
         }
         let ctl = &self.shared.queues[self.index];
@@ -216,5 +219,13 @@ impl Poller for VirtqPoller {
         !st.get_queue_mut()
             .enable_notification(&*self.mem)
             .unwrap_or(true)
+    }
+
+    fn wake_fds<'a>(&'a self, add: &mut dyn FnMut(std::os::fd::BorrowedFd<'a>)) {
+        if self.worker.in_flight() != 0 {
+            if let Some(fd) = self.worker.notifier() {
+                add(fd);
+            }
+        }
     }
 }

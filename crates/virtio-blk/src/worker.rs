@@ -138,6 +138,17 @@ impl QueueWorker {
     }
 
     /// Requests handed to the backend and not yet completed.
+    /// Before the reactor sleeps with requests in flight: whether the backend will
+    /// wake it on completion ([`Worker::notifier`]); `false`: keep polling.
+    pub fn arm_notifier(&mut self) -> bool {
+        self.chan.arm_notifier() == bdev::Armed::Fd
+    }
+
+    /// The backend's completion notifier (after [`Worker::arm_notifier`]).
+    pub fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.chan.notifier()
+    }
+
     pub fn in_flight(&self) -> usize {
         self.slots.len() - self.free.len()
     }

@@ -46,7 +46,7 @@ pub(crate) struct Features {
     pub vwc_present: bool,
     pub wce: bool,
     pub queues: u32,
-    /// Stored and reported; coalescing is not applied (every batch signals).
+    /// Interrupt Coalescing: applied by the queue groups (`Shared::coalescing_for`).
     pub coalescing: u32,
     pub no_coalesce: Vec<bool>,
     pub async_events: u32,

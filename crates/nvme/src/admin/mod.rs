@@ -125,6 +125,7 @@ impl Inner {
         match res {
             Ok(dw0) => {
                 self.shared.wce.store(st.features.wce, Ordering::Relaxed);
+                self.shared.publish_interrupt_features(&st.features);
                 if fid == FID_KEEP_ALIVE {
                     st.restart_keep_alive();
                 }
