@@ -572,6 +572,21 @@ fn parse_caps(buf: &[u8], first: u32) -> Result<Vec<proto::SparseArea>> {
     Ok(areas)
 }
 
+/// REGION_WRITE payload of one u32.
+fn u32_write(region: u32, offset: u64, v: u32) -> [u8; 20] {
+    let mut p = [0u8; 20];
+    p[..16].copy_from_slice(
+        proto::RegionAccess {
+            offset,
+            region,
+            count: 4,
+        }
+        .as_bytes(),
+    );
+    p[16..].copy_from_slice(&v.to_le_bytes());
+    p
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -620,19 +635,4 @@ mod tests {
         // Out of bounds first cap.
         assert!(parse_caps(&buf, 4000).is_err());
     }
-}
-
-/// REGION_WRITE payload of one u32.
-fn u32_write(region: u32, offset: u64, v: u32) -> [u8; 20] {
-    let mut p = [0u8; 20];
-    p[..16].copy_from_slice(
-        proto::RegionAccess {
-            offset,
-            region,
-            count: 4,
-        }
-        .as_bytes(),
-    );
-    p[16..].copy_from_slice(&v.to_le_bytes());
-    p
 }
