@@ -76,6 +76,14 @@ pub struct PerfArgs {
     /// else by message) or messages (always REGION_WRITE)
     #[arg(long, default_value = "auto", value_parser = ["auto", "messages"])]
     pub doorbells: String,
+    /// NVMe: create completion queues with interrupts (an eventfd each, as a VM's
+    /// driver does), so the controller signals them; the jobs still poll
+    #[arg(long)]
+    pub irq: bool,
+    /// NVMe Interrupt Coalescing to set first (Feature 08h): THRESHOLD:TIME, i.e.
+    /// completions per interrupt and the longest delay in 100 µs units (e.g. 7:1)
+    #[arg(long, value_name = "THR:TIME", requires = "irq", value_parser = parse_coalescing)]
+    pub coalescing: Option<(u8, u8)>,
     /// NVMe shadow doorbells (Doorbell Buffer Config): auto (when doorbells go by
     /// message), on or off
     #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
@@ -198,8 +206,22 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
     let driver = NvmeDriver::connect(sock, opts)
         .with_context(|| format!("cannot bring up the NVMe controller at {}", sock.display()))?;
     let mode = if a.sgl { DataMode::Sgl } else { DataMode::Prp };
+    if let Some((thr, time)) = a.coalescing {
+        let c = driver
+            .admin(initiator::Sqe::set_features(
+                0x08,
+                u32::from(thr) | (u32::from(time) << 8),
+            ))
+            .context("Set Features (Interrupt Coalescing)")?;
+        anyhow::ensure!(
+            c.status.is_ok(),
+            "Set Features (Interrupt Coalescing): {}",
+            c.status
+        );
+    }
     let target = NvmeTarget::new(&driver, a.nsid, mode)
-        .with_context(|| format!("namespace {} of {}", a.nsid, sock.display()))?;
+        .with_context(|| format!("namespace {} of {}", a.nsid, sock.display()))?
+        .with_interrupts(a.irq);
     if !a.json {
         let on = format!(
             "nsid {} ({}; doorbells {}{})",
@@ -291,4 +313,17 @@ fn pin_process(list: &str) -> Result<()> {
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
         .with_context(|| format!("cannot run on CPUs {list}"))?;
     Ok(())
+}
+
+/// `THR:TIME` of `--coalescing`.
+fn parse_coalescing(s: &str) -> Result<(u8, u8), String> {
+    let (a, b) = s
+        .split_once(':')
+        .ok_or_else(|| format!("`{s}`: expected THRESHOLD:TIME, e.g. 7:1"))?;
+    let n = |x: &str| {
+        x.trim()
+            .parse::<u8>()
+            .map_err(|_| format!("`{x}` is not 0..=255"))
+    };
+    Ok((n(a)?, n(b)?))
 }

@@ -30,6 +30,13 @@ impl<'a> NvmeTarget<'a> {
             interrupts: false,
         })
     }
+
+    /// Creates the jobs' completion queues with interrupts enabled (an eventfd per
+    /// queue, as a VM's driver has), so the controller signals; jobs still poll.
+    pub fn with_interrupts(mut self, on: bool) -> Self {
+        self.interrupts = on;
+        self
+    }
 }
 
 impl IoTarget for NvmeTarget<'_> {
