@@ -24,7 +24,7 @@ enum Cmd {
     Serve(Box<serve::ServeArgs>),
     /// Drive a controller with udrive's userspace initiator and report IOPS and latency
     #[cfg(feature = "tools")]
-    Perf(perf::PerfArgs),
+    Perf(Box<perf::PerfArgs>),
     /// Call a method on a running server's control socket (JSON-RPC 2.0, docs/rpc.md)
     Rpc(rpc::client::RpcArgs),
     /// Print a running server's counters in Prometheus text format
@@ -67,9 +67,9 @@ fn main() {
                     rpc,
                     device: a.vfio_user.clone(),
                 };
-                perf::run_with(a, Some(&server))
+                perf::run_with(*a, Some(&server))
             }
-            None => perf::run(a),
+            None => perf::run(*a),
         },
         Cmd::Rpc(a) => rpc::client::run(a),
         Cmd::Metrics(a) => rpc::client::run_metrics(a),
