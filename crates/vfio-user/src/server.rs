@@ -1,15 +1,25 @@
-//! The per-device server: one listening socket and one thread that multiplexes the
-//! listener, the active connection and a stop signal with `poll`. One client at a
-//! time (the protocol is 1:1): while a client is connected the listener is not
-//! polled, so a second client waits in the backlog (its VERSION unanswered) and is
-//! served once the first leaves. Refusing it instead would also refuse a client that
-//! reconnects while we still drain its old connection's queued messages.
+//! Device servers: one listening socket per device, one client at a time (the
+//! protocol is 1:1). While a client is connected the listener is not watched, so a
+//! second client waits in the backlog (its VERSION unanswered) and is served once
+//! the first leaves; refusing it would also refuse a client that reconnects while we
+//! still drain its old connection's queued messages.
+//!
+//! Threads: one `vfu-hub` thread per process watches every listener and every
+//! *idle* connection. A connection that has a message gets a thread of its own
+//! (`vfu-<name>`) that serves it as long as messages keep coming, and hands it back
+//! to the hub after `HANDBACK` without one. So an idle VM costs no thread, while an
+//! active one never waits behind another tenant's slow message or slow device
+//! operation: in `adaptive`/`event` poll modes doorbell messages are on the data
+//! path (docs/decisions/0014-nvme-poll-modes.md).
 
-use std::io;
-use std::os::fd::AsFd;
+use std::collections::BTreeMap;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -24,6 +34,9 @@ use crate::pci::ConfigSpace;
 /// these, so it cannot wedge the device's thread.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection's thread hands it back to the hub after this long without a
+/// message; the next message then costs a thread start (~50 µs).
+const HANDBACK: Duration = Duration::from_secs(2);
 
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -36,9 +49,8 @@ pub struct ServerConfig {
 
 pub struct VfioUserServer {
     path: PathBuf,
-    stop_tx: Option<UnixStream>,
+    id: u64,
     active: Arc<Mutex<Option<UnixStream>>>,
-    thread: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for VfioUserServer {
@@ -57,7 +69,7 @@ impl VfioUserServer {
     }
 
     /// Binds the socket (refusing a path served by a live process, replacing a stale
-    /// socket) and starts the device's thread.
+    /// socket) and hands it to the hub.
     pub fn start(
         cfg: ServerConfig,
         spec: PciDeviceSpec,
@@ -66,9 +78,17 @@ impl VfioUserServer {
         irqs: Arc<Irqs>,
     ) -> io::Result<VfioUserServer> {
         device::validate(&spec, &irqs)?;
+        let hub = match hub() {
+            Ok(h) => h,
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("vfio-user hub thread: {e}"),
+                ))
+            }
+        };
         let listener = sockfile::bind(&cfg.socket, cfg.access)?;
         listener.set_nonblocking(true)?;
-        let (stop_tx, stop_rx) = UnixStream::pair()?;
         let dev = Device {
             config: ConfigSpace::new(&spec.ids, spec.bar0.size, &spec.msix),
             spec,
@@ -78,23 +98,20 @@ impl VfioUserServer {
             log: trace::LogLimiter::new(),
         };
         let active = Arc::new(Mutex::new(None));
-        let act = active.clone();
-        let name = cfg.name.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("vfu-{}", cfg.name))
-            .spawn(move || run(name, listener, stop_rx, dev, act));
-        let thread = match thread {
-            Ok(t) => t,
-            Err(e) => {
-                let _ = std::fs::remove_file(&cfg.socket);
-                return Err(e);
-            }
+        let id = hub.next_id.fetch_add(1, Ordering::Relaxed);
+        let ep = Endpoint {
+            name: cfg.name.clone(),
+            listener,
+            fault: dev.mem.fault_signal().clone(),
+            dev: Arc::new(Mutex::new(dev)),
+            active: active.clone(),
+            state: State::Listening,
         };
+        hub.send(Cmd::Add(id, Box::new(ep)));
         Ok(VfioUserServer {
             path: cfg.socket,
-            stop_tx: Some(stop_tx),
+            id,
             active,
-            thread: Some(thread),
         })
     }
 
@@ -110,117 +127,356 @@ impl VfioUserServer {
 
     /// Whether a client is connected right now.
     pub fn client_connected(&self) -> bool {
-        self.active
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        lock(&self.active).is_some()
     }
 }
 
 impl Drop for VfioUserServer {
     fn drop(&mut self) {
-        // Closing our end makes the thread's stop socket readable (EOF).
-        drop(self.stop_tx.take());
-        if let Some(s) = self
-            .active
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
-            // Wakes the thread if it is blocked inside a read or write.
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        if let Ok(hub) = hub() {
+            let (tx, rx) = channel();
+            hub.send(Cmd::Remove(self.id, tx));
+            let _ = rx.recv();
         }
         let _ = std::fs::remove_file(&self.path);
     }
 }
 
-fn run(
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+enum State {
+    /// No client: the hub watches the listener.
+    Listening,
+    /// A client with nothing to say: the hub watches its socket.
+    Idle(Conn),
+    /// A thread of its own serves the client.
+    Served {
+        thread: JoinHandle<()>,
+        stop: Arc<AtomicBool>,
+    },
+}
+
+struct Endpoint {
     name: String,
     listener: UnixListener,
-    stop_rx: UnixStream,
-    mut dev: Device,
+    /// Used by whichever thread serves the endpoint: the hub, or the connection's
+    /// thread while it is `Served`.
+    dev: Arc<Mutex<Device>>,
+    /// The device's memory fault signal (watched by the hub unless `Served`).
+    fault: Arc<guest_mem::FaultSignal>,
     active: Arc<Mutex<Option<UnixStream>>>,
-) {
-    let mut conn: Option<Conn> = None;
-    let set_active = |s: Option<UnixStream>| {
-        *active.lock().unwrap_or_else(|e| e.into_inner()) = s;
-    };
+    state: State,
+}
+
+enum Cmd {
+    Add(u64, Box<Endpoint>),
+    Remove(u64, Sender<()>),
+    /// A connection's thread finished: the connection back (idle) or `None` (the
+    /// client left or was dropped).
+    Back(u64, Option<Conn>),
+}
+
+struct Hub {
+    tx: Mutex<Sender<Cmd>>,
+    /// Written to wake the hub's `poll`.
+    bell: UnixStream,
+    next_id: AtomicU64,
+}
+
+impl Hub {
+    fn send(&self, cmd: Cmd) {
+        let _ = lock(&self.tx).send(cmd);
+        let _ = (&self.bell).write(&[1]);
+    }
+}
+
+static HUB: OnceLock<Hub> = OnceLock::new();
+static HUB_START: Mutex<()> = Mutex::new(());
+
+fn hub() -> io::Result<&'static Hub> {
+    if let Some(h) = HUB.get() {
+        return Ok(h);
+    }
+    let _one = lock(&HUB_START);
+    if let Some(h) = HUB.get() {
+        return Ok(h);
+    }
+    let (bell, bell_rx) = UnixStream::pair()?;
+    bell.set_nonblocking(true)?;
+    bell_rx.set_nonblocking(true)?;
+    let (tx, rx) = channel();
+    std::thread::Builder::new()
+        .name("vfu-hub".into())
+        .spawn(move || run_hub(rx, bell_rx))?;
+    let _ = HUB.set(Hub {
+        tx: Mutex::new(tx),
+        bell,
+        next_id: AtomicU64::new(1),
+    });
+    HUB.get()
+        .ok_or_else(|| io::Error::other("vfio-user hub missing"))
+}
+
+/// What the hub watches for one endpoint.
+#[derive(Clone, Copy)]
+enum Watch {
+    Listener(u64),
+    Conn(u64),
+    Fault(u64),
+}
+
+fn run_hub(rx: Receiver<Cmd>, bell: UnixStream) {
+    let mut eps: BTreeMap<u64, Endpoint> = BTreeMap::new();
     loop {
+        let mut watch: Vec<Watch> = Vec::with_capacity(eps.len() * 2);
         let ready = {
-            let second = match &conn {
-                Some(c) => c.stream.as_fd(),
-                None => listener.as_fd(),
-            };
-            let fds = [stop_rx.as_fd(), second, dev.mem.fault_signal().wake_fd()];
+            let mut fds: Vec<BorrowedFd<'_>> = vec![bell.as_fd()];
+            for (id, ep) in &eps {
+                match &ep.state {
+                    State::Listening => {
+                        fds.push(ep.listener.as_fd());
+                        watch.push(Watch::Listener(*id));
+                    }
+                    State::Idle(c) => {
+                        fds.push(c.stream.as_fd());
+                        watch.push(Watch::Conn(*id));
+                    }
+                    State::Served { .. } => continue,
+                }
+                // The fault signal belongs to whoever serves the endpoint.
+                fds.push(ep.fault.wake_fd());
+                watch.push(Watch::Fault(*id));
+            }
             match crate::sock::poll_in(&fds, -1) {
                 Ok(r) => r,
                 Err(e) => {
-                    tracing::error!("vfio-user {name}: poll failed: {e}");
+                    tracing::error!("vfio-user hub: poll failed: {e}");
                     std::thread::sleep(Duration::from_millis(100));
                     continue;
                 }
             }
         };
         if ready[0] {
+            let mut buf = [0u8; 64];
+            while matches!((&bell).read(&mut buf), Ok(n) if n > 0) {}
+            for cmd in rx.try_iter() {
+                hub_cmd(&mut eps, cmd);
+            }
+        }
+        for (w, r) in watch.iter().zip(&ready[1..]) {
+            if *r {
+                hub_event(&mut eps, *w);
+            }
+        }
+    }
+}
+
+fn hub_cmd(eps: &mut BTreeMap<u64, Endpoint>, cmd: Cmd) {
+    match cmd {
+        Cmd::Add(id, ep) => {
+            eps.insert(id, *ep);
+        }
+        Cmd::Remove(id, ack) => {
+            let Some(ep) = eps.remove(&id) else {
+                let _ = ack.send(());
+                return;
+            };
+            // Stopping a served connection waits for its thread, which may be in a
+            // slow device operation: not on the hub, which serves everyone else.
+            let stopper = move || {
+                let mut ep = ep;
+                match std::mem::replace(&mut ep.state, State::Listening) {
+                    State::Served { thread, stop } => {
+                        stop.store(true, Ordering::Release);
+                        if let Some(s) = lock(&ep.active).as_ref() {
+                            // Wakes the thread if it is blocked in a read or write.
+                            let _ = s.shutdown(std::net::Shutdown::Both);
+                        }
+                        let _ = thread.join();
+                    }
+                    State::Idle(c) => end_client(&ep, Some(c)),
+                    State::Listening => {}
+                }
+                *lock(&ep.active) = None;
+                drop(ep);
+                let _ = ack.send(());
+            };
+            if let Err(e) = std::thread::Builder::new()
+                .name("vfu-stop".into())
+                .spawn(stopper)
+            {
+                tracing::error!("vfio-user: cannot start a thread to stop a device ({e})");
+            }
+        }
+        Cmd::Back(id, conn) => {
+            let Some(ep) = eps.get_mut(&id) else { return };
+            if let State::Served { thread, .. } = std::mem::replace(&mut ep.state, State::Listening)
+            {
+                let _ = thread.join();
+            }
+            ep.state = match conn {
+                Some(c) => State::Idle(c),
+                None => State::Listening,
+            };
+        }
+    }
+}
+
+fn hub_event(eps: &mut BTreeMap<u64, Endpoint>, w: Watch) {
+    match w {
+        Watch::Fault(id) => {
+            let Some(ep) = eps.get_mut(&id) else { return };
+            if matches!(ep.state, State::Served { .. }) {
+                return;
+            }
+            if !ep.fault.take() {
+                return;
+            }
+            trace::limited!(
+                lock(&ep.dev).log,
+                error,
+                "vfio-user {}: the client truncated memory it shared with DMA_MAP \
+                 while it was in use; disconnecting it and resetting the device",
+                ep.name
+            );
+            if let State::Idle(c) = std::mem::replace(&mut ep.state, State::Listening) {
+                end_client(ep, Some(c));
+            }
+            lock(&ep.dev).reset();
+        }
+        Watch::Listener(id) => {
+            let Some(ep) = eps.get_mut(&id) else { return };
+            match ep.listener.accept() {
+                Ok((s, _)) => {
+                    let _ = s.set_read_timeout(Some(READ_TIMEOUT));
+                    let _ = s.set_write_timeout(Some(WRITE_TIMEOUT));
+                    *lock(&ep.active) = s.try_clone().ok();
+                    trace::limited!(
+                        lock(&ep.dev).log,
+                        info,
+                        "vfio-user {}: client connected",
+                        ep.name
+                    );
+                    serve(id, ep, Conn::new(s));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => {
+                    trace::limited!(
+                        lock(&ep.dev).log,
+                        warn,
+                        "vfio-user {}: accept failed: {e}",
+                        ep.name
+                    );
+                }
+            }
+        }
+        Watch::Conn(id) => {
+            let Some(ep) = eps.get_mut(&id) else { return };
+            if let State::Idle(c) = std::mem::replace(&mut ep.state, State::Listening) {
+                serve(id, ep, c);
+            }
+        }
+    }
+}
+
+/// Gives the connection a thread of its own until it goes idle or away.
+fn serve(id: u64, ep: &mut Endpoint, conn: Conn) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let (dev, active, name, st) = (
+        ep.dev.clone(),
+        ep.active.clone(),
+        ep.name.clone(),
+        stop.clone(),
+    );
+    let spawned = std::thread::Builder::new()
+        .name(format!("vfu-{}", ep.name))
+        .spawn(move || {
+            let back = serve_conn(&name, conn, &dev, &active, &st);
+            if let Ok(h) = hub() {
+                h.send(Cmd::Back(id, back));
+            }
+        });
+    ep.state = match spawned {
+        Ok(thread) => State::Served { thread, stop },
+        Err(e) => {
+            // The connection went with the closure: the client is dropped.
+            trace::limited!(
+                lock(&ep.dev).log,
+                error,
+                "vfio-user {}: cannot start a thread for the client ({e}); disconnecting it",
+                ep.name
+            );
+            lock(&ep.dev).client_gone();
+            *lock(&ep.active) = None;
+            State::Listening
+        }
+    };
+}
+
+/// Serves one connection: messages as they come, the client's memory faults. Returns
+/// the connection when it stayed quiet for `HANDBACK`, `None` once the client is gone.
+fn serve_conn(
+    name: &str,
+    mut conn: Conn,
+    dev: &Mutex<Device>,
+    active: &Mutex<Option<UnixStream>>,
+    stop: &AtomicBool,
+) -> Option<Conn> {
+    let mut dev = lock(dev);
+    let wait = i32::try_from(HANDBACK.as_millis()).unwrap_or(i32::MAX);
+    loop {
+        if stop.load(Ordering::Acquire) {
             break;
         }
-        if ready[2] && dev.mem.fault_signal().take() {
-            // The client shrank a file it had mapped to us; its pages now read as
-            // zeroes. Its session cannot continue: drop it and reset the device for
-            // the next client.
+        let ready = {
+            let fds = [conn.stream.as_fd(), dev.mem.fault_signal().wake_fd()];
+            match crate::sock::poll_in(&fds, wait) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!("vfio-user {name}: poll failed: {e}");
+                    break;
+                }
+            }
+        };
+        if ready[1] && dev.mem.fault_signal().take() {
             trace::limited!(
                 dev.log,
                 error,
                 "vfio-user {name}: the client truncated memory it shared with DMA_MAP \
                  while it was in use; disconnecting it and resetting the device"
             );
-            if conn.is_some() {
-                end_client(&mut dev, conn.take());
-                set_active(None);
-            }
+            finish(&mut dev, conn, active);
             dev.reset();
+            return None;
+        }
+        if !ready[0] {
+            if ready.iter().all(|r| !r) {
+                return Some(conn);
+            }
             continue;
         }
-        if !ready[1] {
-            continue;
-        }
-        if let Some(c) = conn.as_mut() {
-            if let Flow::Disconnect = c.handle_next(&mut dev) {
-                trace::limited!(dev.log, info, "vfio-user {name}: client disconnected");
-                end_client(&mut dev, conn.take());
-                set_active(None);
-            }
-        } else {
-            match listener.accept() {
-                Ok((s, _)) => {
-                    let _ = s.set_read_timeout(Some(READ_TIMEOUT));
-                    let _ = s.set_write_timeout(Some(WRITE_TIMEOUT));
-                    set_active(s.try_clone().ok());
-                    trace::limited!(dev.log, info, "vfio-user {name}: client connected");
-                    conn = Some(Conn::new(s));
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => {
-                    trace::limited!(dev.log, warn, "vfio-user {name}: accept failed: {e}");
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            }
+        if let Flow::Disconnect = conn.handle_next(&mut dev) {
+            trace::limited!(dev.log, info, "vfio-user {name}: client disconnected");
+            break;
         }
     }
-    end_client(&mut dev, conn.take());
-    set_active(None);
+    finish(&mut dev, conn, active);
+    None
 }
 
-fn end_client(dev: &mut Device, conn: Option<Conn>) {
-    // A client that never negotiated cannot have touched the device.
+fn finish(dev: &mut Device, conn: Conn, active: &Mutex<Option<UnixStream>>) {
+    let negotiated = conn.negotiated();
+    drop(conn);
+    *lock(active) = None;
+    if negotiated {
+        dev.client_gone();
+    }
+}
+
+fn end_client(ep: &Endpoint, conn: Option<Conn>) {
     if let Some(c) = conn {
-        let negotiated = c.negotiated();
-        drop(c);
-        if negotiated {
-            dev.client_gone();
-        }
+        finish(&mut lock(&ep.dev), c, &ep.active);
     }
 }
