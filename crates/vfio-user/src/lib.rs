@@ -1,7 +1,8 @@
 //! vfio-user: the wire format ([`proto`]) and a server that exposes one emulated PCI
 //! device per socket ([`VfioUserServer`]).
 //!
-//! Server layout: `server` (socket, thread, accept policy) → `conn` (framing checks
+//! Server layout: `server` (sockets, the hub thread, per-connection threads, accept
+//! policy) → `conn` (framing checks
 //! and command dispatch, via `msg`/`sock`) → `device` (regions, reset, disconnect)
 //! → `pci` (config space), `irqs` (eventfds, MSI-X table/PBA), `dma` (memory map).
 //! DMA_READ/DMA_WRITE, GET_REGION_IO_FDS, dirty-page tracking and migration are not
