@@ -23,6 +23,19 @@ pub struct IoRequest<'a> {
     pub fua: bool,
 }
 
+impl IoRequest<'static> {
+    /// A request that moves no data: flush, write zeroes, discard.
+    pub fn without_data(op: IoOp, offset: u64, len: u64, fua: bool) -> IoRequest<'static> {
+        IoRequest {
+            op,
+            offset,
+            len,
+            iov: &[],
+            fua,
+        }
+    }
+}
+
 /// How a request ended; device models map these to their protocol's statuses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IoStatus {

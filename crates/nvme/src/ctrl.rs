@@ -154,10 +154,10 @@ impl Shared {
             }
         };
         put(
-            g.cq.qid,
+            g.out.cq.qid,
             true,
             DbTarget {
-                size: g.cq.size,
+                size: g.out.cq.size,
                 waker: None,
             },
         );
@@ -478,9 +478,9 @@ impl Inner {
 
     /// Parks a group without SQs (nothing to poll) or hands it to its reactor.
     pub fn place_group(&self, st: &mut State, g: Box<QueueGroup>) -> Result<(), Status> {
-        let cqid = g.cq.qid;
-        let counters = g.counters.clone();
-        let mailbox = g.rec.mailbox();
+        let cqid = g.out.cq.qid;
+        let counters = g.out.counters.clone();
+        let mailbox = g.out.rec.mailbox();
         let place = if g.sqs.is_empty() {
             let mut g = g;
             g.park();
@@ -583,7 +583,7 @@ impl Inner {
             };
             q.sq.advance();
             st.admin_commands = st.admin_commands.wrapping_add(1);
-            if let Some((dw0, status)) = self.exec_admin(st, &map, &sqe) {
+            if let Some((dw0, status)) = self.exec_admin_pcie(st, &map, &sqe) {
                 if !status.is_ok() {
                     tracing::debug!(
                         opcode = sqe.opcode(),

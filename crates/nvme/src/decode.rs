@@ -1,6 +1,6 @@
 //! NVM command set decoding: from a submission queue entry and the facts of its
 //! namespace to the I/O the command asks for, or the status that refuses it. Pure —
-//! no guest memory, no backend, no queue: the transport (PCIe queues in `io.rs`)
+//! no guest memory, no backend, no queue: the transport (PCIe queues in `io/`)
 //! resolves data pointers and submits. Checks run in the order the statuses are
 //! reported: opcode, fused operation, namespace, then the command's own fields.
 

@@ -137,6 +137,6 @@ pub fn admin_commands(data: &[u8]) {
         for (k, dw) in sqe.dw.iter_mut().enumerate() {
             *dw = u32::from_le_bytes(le(sqes, i * 64 + k * 4));
         }
-        let _ = inner.exec_admin(&mut st, &rig.map, &sqe);
+        let _ = inner.exec_admin_pcie(&mut st, &rig.map, &sqe);
     }
 }

@@ -1,6 +1,6 @@
 //! A fixed-capacity iovec of guest memory slices built without heap allocation.
 //! One [`Iov`] can also hold the iovecs of several commands one after the other (a
-//! batch is parsed before it is submitted, see `io.rs`); each command still gets
+//! batch is parsed before it is submitted, see `io/poll.rs`); each command still gets
 //! at most [`MAX_IOV`] segments.
 
 use guest_mem::{Access, DmaSlice, MemoryMap};

@@ -1,4 +1,11 @@
-//! Transport-agnostic NVMe 1.4 controller.
+//! NVMe 1.4 controller over a memory-based (PCIe) transport.
+//!
+//! Command semantics are apart from the PCIe queue transport as far as
+//! docs/decisions/0013-nvme-command-decoding.md takes them: I/O commands decode to
+//! an `IoCmd` or a status without touching memory (`decode.rs`), admin commands move
+//! their data through a transport-supplied buffer (`admin/data.rs`); rings,
+//! doorbells and PRP/SGL walks are the PCIe side (`io/`, `queue.rs`, `prp.rs`,
+//! `sgl.rs`).
 //!
 //! The transport (vfio-user) forwards BAR0 accesses to [`Controller::bar0_read`] /
 //! [`Controller::bar0_write`], shares the doorbell page ([`Controller::doorbells`])

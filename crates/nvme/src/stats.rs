@@ -12,8 +12,8 @@ use crate::Controller;
 impl State {
     /// Keeps the totals, metrics and trace data of a group being deleted.
     pub(crate) fn retire(&mut self, g: &QueueGroup) {
-        self.retired.add(&g.counters);
-        let snap = g.rec.snapshot();
+        self.retired.add(&g.out.counters);
+        let snap = g.out.rec.snapshot();
         let epoch = snap.trace.epoch;
         match self.retired_queues.get_mut(&snap.queue) {
             Some(old) => old.absorb(&snap, epoch),
@@ -55,7 +55,7 @@ impl Controller {
             let st = self.inner.lock();
             for e in st.groups.values() {
                 match &e.place {
-                    Place::Parked(g) => live.push(g.rec.snapshot()),
+                    Place::Parked(g) => live.push(g.out.rec.snapshot()),
                     Place::Running { .. } => boxes.push(e.mailbox.clone()),
                     Place::Out => {}
                 }

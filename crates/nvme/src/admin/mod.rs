@@ -1,5 +1,6 @@
 //! Admin command set, executed on the controller's control thread.
 
+mod data;
 pub(crate) mod features;
 mod queues;
 
@@ -10,10 +11,11 @@ use guest_mem::{Access, MemoryMap};
 use crate::ctrl::{Inner, State};
 use crate::identify;
 use crate::io::{write_event_idx, write_shadow_db, Shadow};
-use crate::iov::{Iov, PAGE};
+use crate::iov::PAGE;
 use crate::log::smart_page;
 use crate::queue::Sqe;
 use crate::status::Status;
+use data::{HostData, PrpData};
 use features::{FID_HOST_BEHAVIOR, FID_KEEP_ALIVE, FID_QUEUES, HOST_BEHAVIOR_LEN};
 
 const DELETE_SQ: u8 = 0x00;
@@ -45,10 +47,16 @@ fn ok(dw0: u32) -> Done {
 fn err(s: Status) -> Done {
     Some((0, s))
 }
+fn done(r: Result<(), Status>) -> Done {
+    err(r.err().unwrap_or(Status::SUCCESS))
+}
 
 impl Inner {
-    /// Executes one admin command; `None` means it stays outstanding (AER).
-    pub(crate) fn exec_admin(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
+    /// Executes one admin command from the PCIe admin queue: the queue commands of
+    /// the memory-based transport here, the rest through [`Inner::exec_admin`] with
+    /// the command's PRPs as its data buffer. `None` means it stays outstanding
+    /// (AER).
+    pub(crate) fn exec_admin_pcie(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
         if sqe.fuse() != 0 {
             return err(Status::INVALID_FIELD);
         }
@@ -57,10 +65,22 @@ impl Inner {
             CREATE_SQ => self.create_sq(st, map, sqe),
             DELETE_CQ => self.delete_cq(st, sqe),
             CREATE_CQ => self.create_cq(st, map, sqe),
-            IDENTIFY => self.identify(st, map, sqe),
-            GET_LOG_PAGE => self.get_log_page(st, map, sqe),
-            SET_FEATURES => self.set_features(st, map, sqe),
-            GET_FEATURES => self.get_features(st, map, sqe),
+            DOORBELL_BUFFER_CONFIG => self.doorbell_buffer_config(st, map, sqe),
+            _ => self.exec_admin(st, sqe, &mut PrpData::new(map, sqe)),
+        }
+    }
+
+    /// Executes one admin command that does not depend on the transport; its data
+    /// moves through `data`. `None` means it stays outstanding (AER).
+    pub(crate) fn exec_admin(&self, st: &mut State, sqe: &Sqe, data: &mut dyn HostData) -> Done {
+        if sqe.fuse() != 0 {
+            return err(Status::INVALID_FIELD);
+        }
+        match sqe.opcode() {
+            IDENTIFY => self.identify(st, sqe, data),
+            GET_LOG_PAGE => self.get_log_page(st, sqe, data),
+            SET_FEATURES => self.set_features(st, sqe, data),
+            GET_FEATURES => self.get_features(st, sqe, data),
             ASYNC_EVENT => {
                 if st.aer.len() > usize::from(identify::AERL) {
                     return err(Status::AER_LIMIT_EXCEEDED);
@@ -74,38 +94,11 @@ impl Inner {
                 st.restart_keep_alive();
                 ok(0)
             }
-            DOORBELL_BUFFER_CONFIG => self.doorbell_buffer_config(st, map, sqe),
             _ => err(Status::INVALID_OPCODE),
         }
     }
 
-    /// The host buffer of an admin command (PRPs only), `len` bytes of it.
-    fn host_buffer<'m>(
-        map: &'m MemoryMap,
-        sqe: &Sqe,
-        len: usize,
-        access: Access,
-    ) -> Result<Iov<'m>, Status> {
-        if sqe.psdt() != 0 {
-            return Err(Status::INVALID_FIELD);
-        }
-        let mut iov = Iov::new();
-        crate::prp::walk(map, sqe.prp1(), sqe.prp2(), len as u64, access, &mut iov)?;
-        Ok(iov)
-    }
-
-    /// Copies `data` to the host buffer of an admin command.
-    fn data_out(&self, map: &MemoryMap, sqe: &Sqe, data: &[u8]) -> Status {
-        match Self::host_buffer(map, sqe, data.len(), Access::Write) {
-            Ok(iov) => {
-                iov.copy_out(data);
-                Status::SUCCESS
-            }
-            Err(s) => s,
-        }
-    }
-
-    fn set_features(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
+    fn set_features(&self, st: &mut State, sqe: &Sqe, data: &mut dyn HostData) -> Done {
         let fid = sqe.cdw(10) as u8;
         let save = sqe.cdw(10) & (1 << 31) != 0;
         let res = match fid {
@@ -114,11 +107,9 @@ impl Inner {
                 Err(Status::COMMAND_SEQUENCE_ERROR)
             }
             FID_HOST_BEHAVIOR => {
-                let mut data = [0u8; HOST_BEHAVIOR_LEN];
-                Self::host_buffer(map, sqe, data.len(), Access::Read).and_then(|iov| {
-                    iov.copy_in(&mut data);
-                    st.features.set_host_behavior(save, &data)
-                })
+                let mut buf = [0u8; HOST_BEHAVIOR_LEN];
+                data.read_host(&mut buf)
+                    .and_then(|()| st.features.set_host_behavior(save, &buf))
             }
             _ => st.features.set(fid, save, sqe.cdw(11)),
         };
@@ -135,14 +126,14 @@ impl Inner {
         }
     }
 
-    fn get_features(&self, st: &State, map: &MemoryMap, sqe: &Sqe) -> Done {
+    fn get_features(&self, st: &State, sqe: &Sqe, data: &mut dyn HostData) -> Done {
         let fid = sqe.cdw(10) as u8;
         let sel = (sqe.cdw(10) >> 8) & 7;
         match st.features.get(fid, sel, sqe.cdw(11)) {
             Ok(v) if fid == FID_HOST_BEHAVIOR && sel != 3 => {
-                match self.data_out(map, sqe, &st.features.host_behavior()) {
-                    Status::SUCCESS => ok(v),
-                    s => err(s),
+                match data.write_host(&st.features.host_behavior()) {
+                    Ok(()) => ok(v),
+                    Err(s) => err(s),
                 }
             }
             Ok(v) => ok(v),
@@ -156,7 +147,7 @@ impl Inner {
         st.ns.get(i)?.as_ref()
     }
 
-    fn identify(&self, st: &State, map: &MemoryMap, sqe: &Sqe) -> Done {
+    fn identify(&self, st: &State, sqe: &Sqe, out: &mut dyn HostData) -> Done {
         let cns = sqe.cdw(10) as u8;
         let nsid = sqe.nsid();
         let in_range = nsid != 0 && nsid <= self.cfg.max_namespaces;
@@ -190,14 +181,14 @@ impl Inner {
             0x06 => vec![0u8; 4096],
             _ => return err(Status::INVALID_FIELD),
         };
-        err(self.data_out(map, sqe, &data))
+        done(out.write_host(&data))
     }
 
     pub(crate) fn mdts(&self) -> u8 {
         crate::iov::effective_mdts(self.cfg.mdts)
     }
 
-    fn get_log_page(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
+    fn get_log_page(&self, st: &mut State, sqe: &Sqe, data: &mut dyn HostData) -> Done {
         let lid = sqe.cdw(10) as u8;
         let numd = (sqe.cdw(10) >> 16) | ((sqe.cdw(11) & 0xffff) << 16);
         let len = (u64::from(numd) + 1) * 4;
@@ -246,7 +237,7 @@ impl Inner {
         } else {
             return err(Status::INVALID_FIELD);
         }
-        err(self.data_out(map, sqe, &out))
+        done(data.write_host(&out))
     }
 
     pub(crate) fn totals(&self, st: &State) -> crate::log::Totals {
@@ -284,8 +275,8 @@ impl Inner {
                 continue;
             };
             g.set_shadow(shadow);
-            write_shadow_db(map, shadow, g.cq.qid, true, g.cq.head);
-            write_event_idx(map, shadow, g.cq.qid, true, g.cq.head);
+            write_shadow_db(map, shadow, g.out.cq.qid, true, g.out.cq.head);
+            write_event_idx(map, shadow, g.out.cq.qid, true, g.out.cq.head);
             for sq in &g.sqs {
                 write_shadow_db(map, shadow, sq.ring.qid, false, sq.ring.head);
                 write_event_idx(map, shadow, sq.ring.qid, false, sq.ring.head);
@@ -295,5 +286,96 @@ impl Inner {
             }
         }
         ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// A transport that carries data in the command capsule (as NVMe-oF does), not
+    /// through PRPs in guest memory.
+    struct Capsule(Vec<u8>);
+
+    impl HostData for Capsule {
+        fn write_host(&mut self, data: &[u8]) -> Result<(), Status> {
+            self.0 = data.to_vec();
+            Ok(())
+        }
+
+        fn read_host(&mut self, buf: &mut [u8]) -> Result<(), Status> {
+            let src = self.0.get(..buf.len()).ok_or(Status::DATA_TRANSFER_ERROR)?;
+            buf.copy_from_slice(src);
+            Ok(())
+        }
+    }
+
+    struct NoIrqs;
+
+    impl crate::InterruptSink for NoIrqs {
+        fn signal(&self, _vector: u16) {}
+    }
+
+    fn controller() -> crate::Controller {
+        let engine = engine::Engine::start(&[None]).unwrap();
+        let placer = engine::Placer::new(engine::Placement::RoundRobin, 0, 1);
+        let disk: Arc<dyn bdev::BlockDevice> = Arc::new(bdev::RamDisk::new(1 << 20, 512).unwrap());
+        crate::Controller::new(
+            crate::ControllerConfig::default(),
+            vec![Some(disk)],
+            engine,
+            placer,
+            guest_mem::DmaSpace::try_new().unwrap(),
+            Arc::new(NoIrqs),
+        )
+        .unwrap()
+    }
+
+    fn sqe(opcode: u8, nsid: u32, cdw10: u32) -> Sqe {
+        let mut s = Sqe::default();
+        s.dw[0] = u32::from(opcode);
+        s.dw[1] = nsid;
+        s.dw[10] = cdw10;
+        s
+    }
+
+    #[test]
+    fn admin_commands_move_their_data_through_the_transport() {
+        let ctrl = controller();
+        let inner = &ctrl.inner;
+        let mut st = inner.lock();
+        let mut data = Capsule(Vec::new());
+
+        let done = inner.exec_admin(&mut st, &sqe(IDENTIFY, 0, 1), &mut data);
+        assert_eq!(done, ok(0));
+        assert_eq!(data.0.len(), 4096);
+        assert_eq!(&data.0[24..35], b"udrive NVMe");
+
+        let done = inner.exec_admin(&mut st, &sqe(IDENTIFY, 1, 0), &mut data);
+        assert_eq!(done, ok(0));
+        let nsze = u64::from_le_bytes(data.0[..8].try_into().unwrap());
+        assert_eq!(nsze, (1 << 20) / 512);
+
+        // Host Behavior Support in from the capsule, and back out.
+        let mut hbs = vec![0u8; HOST_BEHAVIOR_LEN];
+        hbs[0] = 1;
+        let mut data = Capsule(hbs);
+        let set = sqe(SET_FEATURES, 0, u32::from(FID_HOST_BEHAVIOR));
+        assert_eq!(inner.exec_admin(&mut st, &set, &mut data), ok(0));
+        let mut data = Capsule(Vec::new());
+        let get = sqe(GET_FEATURES, 0, u32::from(FID_HOST_BEHAVIOR));
+        assert_eq!(inner.exec_admin(&mut st, &get, &mut data), ok(0));
+        assert_eq!(data.0.first(), Some(&1));
+
+        // A buffer the transport cannot fill fails with its status.
+        let mut short = Capsule(vec![0; 4]);
+        let done = inner.exec_admin(&mut st, &set, &mut short);
+        assert_eq!(done, err(Status::DATA_TRANSFER_ERROR));
+
+        // Queue creation belongs to the memory-based (PCIe) transport.
+        let done = inner.exec_admin(&mut st, &sqe(CREATE_CQ, 0, 1), &mut data);
+        assert_eq!(done, err(Status::INVALID_OPCODE));
     }
 }

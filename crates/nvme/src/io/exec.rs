@@ -1,0 +1,251 @@
+//! From a fetched command to backend requests: data pointers resolved into iovecs,
+//! what `decode` asks for submitted to the namespace's channel. Reads and writes are
+//! prepared here and submitted in batches by the poll (`poll.rs`); every other
+//! command is executed at once.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bdev::{BlockDevice, IoChannel, IoOp, IoRequest};
+use guest_mem::{Access, MemoryMap};
+use trace::{QueueRecorder, Stamps};
+
+use super::{NsChan, Slot};
+use crate::ctrl::Shared;
+use crate::decode::{decode, Facts, IoCmd};
+use crate::decode::{OP_DSM, OP_WRITE, OP_WRITE_ZEROES};
+use crate::iov::Iov;
+use crate::queue::Sqe;
+use crate::status::Status;
+
+const MAX_DSM_RANGES: usize = 256;
+
+/// What executing a command gave: its status, or the number of backend requests it
+/// now waits for.
+pub(super) enum Exec {
+    Done(Status),
+    Pending(u16),
+}
+
+/// Resolves a command's data pointer (PRP or SGL per PSDT) into `iov`.
+pub(crate) fn data_ptr<'a>(
+    map: &'a MemoryMap,
+    sqe: &Sqe,
+    len: u64,
+    access: Access,
+    iov: &mut Iov<'a>,
+) -> Result<(), Status> {
+    match sqe.psdt() {
+        0 => crate::prp::walk(map, sqe.prp1(), sqe.prp2(), len, access, iov),
+        1 | 2 => crate::sgl::walk(map, sqe.sgl1(), len, access, iov),
+        _ => Err(Status::INVALID_FIELD),
+    }
+}
+
+pub(super) fn is_write(op: u8) -> bool {
+    matches!(op, OP_WRITE | OP_WRITE_ZEROES | OP_DSM)
+}
+
+fn facts<'a>(shared: &Shared, info: &'a bdev::BlockInfo) -> Facts<'a> {
+    Facts {
+        info,
+        wce: shared.wce.load(Ordering::Relaxed),
+        mdts_bytes: shared.mdts_bytes,
+    }
+}
+
+/// A fresh slot for `sqe`, keeping the trace stamps the fetch already set.
+fn reset_slot(slot: &mut Slot, sqe: &Sqe) {
+    *slot = Slot {
+        cid: sqe.cid(),
+        opcode: sqe.opcode(),
+        nsid: sqe.nsid(),
+        stamps: slot.stamps,
+        ..Slot::default()
+    };
+}
+
+/// Checks a Read or Write and resolves its data pointer into `iov` (as the iovec's
+/// current command), leaving what the submit needs in `slot`.
+pub(super) fn prepare_rw<'a>(
+    map: &'a MemoryMap,
+    shared: &Shared,
+    dev: Option<&Arc<dyn BlockDevice>>,
+    sqe: &Sqe,
+    slot: &mut Slot,
+    iov: &mut Iov<'a>,
+) -> Result<(), Status> {
+    reset_slot(slot, sqe);
+    let facts = dev.map(|d| facts(shared, d.info()));
+    let IoCmd::Rw {
+        write,
+        slba,
+        offset,
+        bytes,
+        fua,
+    } = decode(sqe, facts)?
+    else {
+        return Err(Status::INVALID_OPCODE);
+    };
+    slot.slba = slba;
+    slot.bytes = bytes;
+    slot.offset = offset;
+    let access = if write { Access::Read } else { Access::Write };
+    data_ptr(map, sqe, bytes, access, iov)?;
+    slot.segs = iov.range();
+    slot.fua = fua;
+    Ok(())
+}
+
+/// Executes any command but a batched Read or Write on namespace `nc` (None: no
+/// such namespace), counting what it leaves in flight on the namespace's channel.
+pub(super) fn exec(
+    map: &MemoryMap,
+    shared: &Shared,
+    nc: Option<&mut NsChan>,
+    sqe: &Sqe,
+    tag: u64,
+    slot: &mut Slot,
+) -> Exec {
+    reset_slot(slot, sqe);
+    let cmd = decode(sqe, nc.as_ref().map(|c| facts(shared, c.dev.info())));
+    let cmd = match cmd {
+        Ok(c) => c,
+        Err(s) => return Exec::Done(s),
+    };
+    let Some(nc) = nc else {
+        return Exec::Done(Status::INVALID_NAMESPACE);
+    };
+    let r = exec_on(map, shared, nc, cmd, sqe, tag, slot);
+    if let Exec::Pending(n) = r {
+        nc.inflight += u32::from(n);
+    }
+    r
+}
+
+fn exec_on(
+    map: &MemoryMap,
+    shared: &Shared,
+    nc: &mut NsChan,
+    cmd: IoCmd,
+    sqe: &Sqe,
+    tag: u64,
+    slot: &mut Slot,
+) -> Exec {
+    let NsChan { dev, chan, .. } = nc;
+    let chan: &mut dyn IoChannel = chan.as_mut();
+    let (req, write) = match cmd {
+        IoCmd::Flush => (IoRequest::without_data(IoOp::Flush, 0, 0, false), true),
+        IoCmd::Rw { write, .. } => {
+            let mut iov = Iov::new();
+            if let Err(s) = prepare_rw(map, shared, Some(dev), sqe, slot, &mut iov) {
+                return Exec::Done(s);
+            }
+            let req = IoRequest {
+                op: if write { IoOp::Write } else { IoOp::Read },
+                offset: slot.offset,
+                len: slot.bytes,
+                iov: iov.slices(),
+                fua: slot.fua,
+            };
+            return submit(chan, tag, &req, write, &mut slot.stamps);
+        }
+        IoCmd::WriteZeroes {
+            slba,
+            offset,
+            len,
+            fua,
+        } => {
+            slot.slba = slba;
+            (
+                IoRequest::without_data(IoOp::WriteZeroes, offset, len, fua),
+                true,
+            )
+        }
+        IoCmd::Dsm { ranges, deallocate } => {
+            return dsm(map, dev.info(), chan, sqe, (ranges, deallocate), tag, slot);
+        }
+    };
+    submit(chan, tag, &req, write, &mut slot.stamps)
+}
+
+fn submit(
+    chan: &mut dyn IoChannel,
+    tag: u64,
+    req: &IoRequest<'_>,
+    write: bool,
+    stamps: &mut Stamps,
+) -> Exec {
+    stamps.submitted = QueueRecorder::stamp(stamps.kick);
+    match chan.submit(tag, req) {
+        Some(st) => {
+            stamps.completed = QueueRecorder::stamp(stamps.kick);
+            Exec::Done(Status::from_io(st, write))
+        }
+        None => Exec::Pending(1),
+    }
+}
+
+/// Dataset Management: the range list is read into private memory, checked whole,
+/// then each deallocated range becomes a discard.
+fn dsm(
+    map: &MemoryMap,
+    info: &bdev::BlockInfo,
+    chan: &mut dyn IoChannel,
+    sqe: &Sqe,
+    (nr, deallocate): (usize, bool),
+    tag: u64,
+    slot: &mut Slot,
+) -> Exec {
+    let mut buf = [0u8; MAX_DSM_RANGES * 16];
+    let Some(ranges) = buf.get_mut(..nr * 16) else {
+        return Exec::Done(Status::INVALID_FIELD);
+    };
+    let mut iov = Iov::new();
+    if let Err(s) = data_ptr(map, sqe, (nr * 16) as u64, Access::Read, &mut iov) {
+        return Exec::Done(s);
+    }
+    iov.copy_in(ranges);
+    let bs = u64::from(info.block_size);
+    let parse = |r: &[u8]| {
+        let mut len = [0u8; 4];
+        let mut lba = [0u8; 8];
+        len.copy_from_slice(r.get(4..8).unwrap_or(&[0; 4]));
+        lba.copy_from_slice(r.get(8..16).unwrap_or(&[0; 8]));
+        (u64::from_le_bytes(lba), u64::from(u32::from_le_bytes(len)))
+    };
+    for r in ranges.chunks_exact(16) {
+        let (slba, nlb) = parse(r);
+        if slba.checked_add(nlb).is_none_or(|e| e > info.num_blocks) {
+            slot.slba = slba;
+            return Exec::Done(Status::LBA_OUT_OF_RANGE);
+        }
+    }
+    // Deallocation is advisory: without backend support it is a successful no-op.
+    if !deallocate || !info.discard {
+        return Exec::Done(Status::SUCCESS);
+    }
+    let mut pending = 0u16;
+    let mut status = Status::SUCCESS;
+    for r in ranges.chunks_exact(16) {
+        let (slba, nlb) = parse(r);
+        let (Some(offset), Some(len)) = (slba.checked_mul(bs), nlb.checked_mul(bs)) else {
+            continue;
+        };
+        if len == 0 {
+            continue;
+        }
+        let req = IoRequest::without_data(IoOp::Discard, offset, len, false);
+        match chan.submit(tag, &req) {
+            Some(st) if status.is_ok() => status = Status::from_io(st, true),
+            Some(_) => {}
+            None => pending += 1,
+        }
+    }
+    if pending > 0 {
+        slot.status = status;
+        Exec::Pending(pending)
+    } else {
+        Exec::Done(status)
+    }
+}

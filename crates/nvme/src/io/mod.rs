@@ -1,0 +1,381 @@
+//! I/O queue groups: one completion queue plus the submission queues that post to
+//! it, polled as one [`engine::Poller`] on one reactor. No locks, no allocation per
+//! command: slots are preallocated per SQ and iovecs live on the stack.
+//!
+//! `poll.rs` runs the stages of one poll, `exec.rs` turns commands into backend
+//! requests, `completions.rs` posts and signals, `shadow.rs` reads doorbells and
+//! writes EventIdx.
+
+mod completions;
+mod exec;
+mod poll;
+mod shadow;
+
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bdev::{Armed, BlockDevice, IoChannel};
+use crossbeam_channel::Sender;
+use guest_mem::{DmaSpace, MemView, Pin};
+use trace::{QueueRecorder, Stamps};
+
+use crate::ctrl::Shared;
+use crate::queue::{CqRing, SqRing};
+use crate::status::Status;
+
+pub(crate) use completions::Completions;
+
+use shadow::{read_db, shadow_page, NO_EI};
+pub(crate) use shadow::{write_event_idx, write_shadow_db, Shadow};
+
+/// One command's state from fetch to completion, preallocated per SQ entry.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Slot {
+    cid: u16,
+    opcode: u8,
+    /// Backend requests still outstanding (DSM may issue several).
+    pending: u16,
+    status: Status,
+    nsid: u32,
+    slba: u64,
+    bytes: u64,
+    /// Read/Write, parsed and waiting in a batch: byte offset, FUA and where its
+    /// iovec is in the batch's `Iov`.
+    offset: u64,
+    fua: bool,
+    segs: (u16, u16),
+    /// Trace stamps; `kick == 0` when this command is not traced.
+    stamps: Stamps,
+    /// Keeps the memory map this command was translated against while the backend
+    /// has it.
+    pin: Pin,
+}
+
+pub(crate) struct IoSq {
+    pub ring: SqRing,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    /// EventIdx we last wrote (`NO_EI`: unknown). Written only when it changes: the
+    /// driver reads it after every command, and a store per poll would keep its
+    /// cache line bouncing between the driver's CPU and ours.
+    ei: u16,
+}
+
+/// One namespace as a queue group sees it: its backend and this group's channel.
+/// `inflight` counts backend requests this channel still owes a completion.
+pub(crate) struct NsChan {
+    dev: Arc<dyn BlockDevice>,
+    chan: Box<dyn IoChannel>,
+    inflight: u32,
+}
+
+impl NsChan {
+    pub fn open(dev: &Arc<dyn BlockDevice>) -> std::io::Result<NsChan> {
+        Ok(NsChan {
+            dev: dev.clone(),
+            chan: dev.channel()?,
+            inflight: 0,
+        })
+    }
+}
+
+/// A change of the namespace table, applied to each group while it is off its
+/// reactor (see `Inner::change_namespaces`).
+pub(crate) enum NsChange {
+    Add(u32, NsChan),
+    Remove(u32),
+}
+
+/// The namespaces a group submits to.
+struct NsTable {
+    /// Active namespaces by `nsid - 1`.
+    live: Vec<Option<NsChan>>,
+    /// Removed namespaces whose channels still have requests in flight: polled until
+    /// those complete, then dropped. New commands never reach them.
+    retiring: Vec<NsChan>,
+}
+
+impl NsTable {
+    fn get(&self, nsid: u32) -> Option<&NsChan> {
+        self.live
+            .get((nsid as usize).wrapping_sub(1))
+            .and_then(Option::as_ref)
+    }
+
+    fn get_mut(&mut self, nsid: u32) -> Option<&mut NsChan> {
+        self.live
+            .get_mut((nsid as usize).wrapping_sub(1))
+            .and_then(Option::as_mut)
+    }
+
+    /// Every channel that may owe completions.
+    fn all_mut(&mut self) -> impl Iterator<Item = &mut NsChan> {
+        self.live
+            .iter_mut()
+            .flatten()
+            .chain(self.retiring.iter_mut())
+    }
+
+    fn all(&self) -> impl Iterator<Item = &NsChan> {
+        self.live.iter().flatten().chain(self.retiring.iter())
+    }
+
+    fn flush(&mut self) {
+        for c in self.live.iter_mut().flatten() {
+            c.chan.flush();
+        }
+    }
+
+    fn drop_retired(&mut self) {
+        if !self.retiring.is_empty() {
+            self.retiring.retain(|c| c.inflight > 0);
+        }
+    }
+
+    fn retire(&mut self, c: NsChan) {
+        if c.inflight > 0 {
+            self.retiring.push(c);
+        }
+    }
+
+    fn apply(&mut self, change: NsChange) {
+        match change {
+            NsChange::Add(nsid, chan) => {
+                let i = (nsid as usize).saturating_sub(1);
+                if self.live.len() <= i {
+                    self.live.resize_with(i + 1, || None);
+                }
+                if let Some(old) = self.live[i].replace(chan) {
+                    self.retire(old);
+                }
+            }
+            NsChange::Remove(nsid) => {
+                let i = (nsid as usize).wrapping_sub(1);
+                if let Some(old) = self.live.get_mut(i).and_then(Option::take) {
+                    self.retire(old);
+                }
+                while self.live.last().is_some_and(Option::is_none) {
+                    self.live.pop();
+                }
+            }
+        }
+    }
+}
+
+pub(crate) struct QueueGroup {
+    shared: Arc<Shared>,
+    view: MemView,
+    pub sqs: Vec<IoSq>,
+    ns: NsTable,
+    pub shadow: Option<Shadow>,
+    /// The CQ and everything completions need.
+    pub out: Completions,
+}
+
+impl QueueGroup {
+    pub fn new(
+        shared: Arc<Shared>,
+        mem: Arc<DmaSpace>,
+        cq: CqRing,
+        shadow: Option<Shadow>,
+        namespaces: &[Option<Arc<dyn BlockDevice>>],
+    ) -> std::io::Result<Box<QueueGroup>> {
+        let live = namespaces
+            .iter()
+            .map(|d| d.as_ref().map(NsChan::open).transpose())
+            .collect::<std::io::Result<Vec<_>>>()?;
+        // At most one completion per CQ entry is posted per poll.
+        let rec = QueueRecorder::new(
+            cq.qid,
+            u32::try_from(namespaces.len()).unwrap_or(u32::MAX),
+            usize::from(cq.size),
+            shared.trace.clone(),
+        );
+        Ok(Box::new(QueueGroup {
+            shared,
+            view: MemView::new(mem),
+            sqs: Vec::new(),
+            ns: NsTable {
+                live,
+                retiring: Vec::new(),
+            },
+            shadow,
+            out: Completions::new(cq, rec),
+        }))
+    }
+
+    pub fn add_sq(&mut self, ring: SqRing) {
+        let n = u32::from(ring.size);
+        self.sqs.push(IoSq {
+            ring,
+            slots: vec![Slot::default(); n as usize],
+            free: (0..n).rev().collect(),
+            ei: NO_EI,
+        });
+    }
+
+    /// Applies a namespace change. Called on the control path while the group is off
+    /// its reactor; a removed namespace's channel keeps being polled until the
+    /// requests it holds complete.
+    pub fn apply(&mut self, change: NsChange) {
+        if let NsChange::Add(nsid, _) = &change {
+            self.out.rec.ensure_namespaces(*nsid);
+        }
+        self.ns.apply(change);
+    }
+
+    /// Detaches SQ `qid` after letting its in-flight commands finish.
+    pub fn remove_sq(&mut self, qid: u16) {
+        self.drain();
+        self.sqs.retain(|s| s.ring.qid != qid);
+    }
+
+    /// Waits (bounded) for asynchronous backend requests; their completions are
+    /// dropped because the queue is going away.
+    pub fn drain(&mut self) {
+        let start = Instant::now();
+        while self.out.inflight > 0 && start.elapsed() < Duration::from_secs(5) {
+            let mut n = 0u32;
+            for c in self.ns.all_mut() {
+                c.chan.flush();
+                let mut k = 0u32;
+                c.chan.poll(&mut |_, _| k += 1);
+                c.inflight = c.inflight.saturating_sub(k);
+                n += k;
+            }
+            self.out.inflight = self.out.inflight.saturating_sub(n);
+            if n == 0 {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        if self.out.inflight > 0 {
+            // Their memory stays mapped: a late completion must not write into
+            // memory the client was told it got back.
+            tracing::warn!(
+                requests = self.out.inflight,
+                "backend requests did not complete within 5 s; dropping them"
+            );
+        }
+        self.out.forget_inflight(self.out.inflight == 0);
+        self.ns.retiring.clear();
+        for c in self.ns.live.iter_mut().flatten() {
+            c.inflight = 0;
+        }
+        for sq in self.sqs.iter_mut() {
+            let n = sq.slots.len() as u32;
+            sq.free.clear();
+            sq.free.extend((0..n).rev());
+        }
+    }
+
+    /// Off the reactors: hold no memory snapshot, so unmaps need not wait for us.
+    pub fn park(&mut self) {
+        self.view.park();
+    }
+
+    /// Doorbell Buffer Config while the group exists: EventIdx values we remember
+    /// are for no buffer.
+    pub fn set_shadow(&mut self, shadow: Shadow) {
+        self.shadow = Some(shadow);
+        self.out.forget_event_idx();
+        for sq in &mut self.sqs {
+            sq.ei = NO_EI;
+        }
+    }
+
+    /// Before the reactor sleeps: arm the backends' completion notifiers, publish
+    /// EventIdx at each SQ's head so the driver rings on its next command, then look
+    /// at the tails once more (a command written before the driver could see the
+    /// new EventIdx would otherwise wait for the next one). `false`: stay awake.
+    pub fn prepare_sleep(&mut self) -> bool {
+        if self.shared.sleep_after().is_none() {
+            return false;
+        }
+        if self.shared.fatal.load(Ordering::Relaxed) {
+            self.view.park();
+            return true;
+        }
+        if self.out.inflight > 0 {
+            for c in self.ns.all_mut() {
+                if c.inflight > 0 && c.chan.arm_notifier() != Armed::Fd {
+                    return false;
+                }
+            }
+        }
+        let map = self.view.refresh();
+        let page = self.shared.doorbells.all();
+        if let Some(s) = self.shadow {
+            for sq in &mut self.sqs {
+                write_event_idx(map, s, sq.ring.qid, false, sq.ring.head);
+                sq.ei = sq.ring.head;
+            }
+            // Pairs with the driver's barrier between its shadow write and its
+            // EventIdx read (Dekker): one of us sees the other's store.
+            std::sync::atomic::fence(Ordering::SeqCst);
+        }
+        let shadow = shadow_page(map, self.shadow);
+        for sq in &self.sqs {
+            if read_db(&page, shadow.as_ref(), sq.ring.qid, false) != u32::from(sq.ring.head) {
+                return false;
+            }
+        }
+        // Asleep we hold no snapshot: an unmap need not wait for us; nor an
+        // interrupt held back for coalescing.
+        self.view.park();
+        self.out.release_held_irq(&self.shared);
+        true
+    }
+
+    /// What wakes the group besides doorbell messages: completion notifiers of
+    /// channels with requests in flight (armed by `prepare_sleep`).
+    pub fn wake_fds<'a>(&'a self, add: &mut dyn FnMut(BorrowedFd<'a>)) {
+        if self.out.inflight == 0 {
+            return;
+        }
+        for c in self.ns.all() {
+            if c.inflight > 0 {
+                if let Some(fd) = c.chan.notifier() {
+                    add(fd);
+                }
+            }
+        }
+    }
+}
+
+/// What the engine polls. When the reactor drops it (after `remove_poller`), the
+/// group is sent back to the control path, which gets its concrete state back
+/// without any lock on the hot path.
+pub(crate) struct GroupPoller {
+    pub group: Option<Box<QueueGroup>>,
+    pub back: Sender<Box<QueueGroup>>,
+}
+
+impl engine::Poller for GroupPoller {
+    fn poll(&mut self) -> usize {
+        self.group.as_mut().map_or(0, |g| g.poll())
+    }
+
+    fn sleep_after(&self) -> Option<Duration> {
+        self.group.as_ref().and_then(|g| g.shared.sleep_after())
+    }
+
+    fn prepare_sleep(&mut self) -> bool {
+        self.group.as_mut().is_none_or(|g| g.prepare_sleep())
+    }
+
+    fn wake_fds<'a>(&'a self, add: &mut dyn FnMut(BorrowedFd<'a>)) {
+        if let Some(g) = &self.group {
+            g.wake_fds(add);
+        }
+    }
+}
+
+impl Drop for GroupPoller {
+    fn drop(&mut self) {
+        if let Some(g) = self.group.take() {
+            let _ = self.back.try_send(g);
+        }
+    }
+}
