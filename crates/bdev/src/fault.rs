@@ -95,6 +95,13 @@ impl BlockDevice for FaultDisk {
     fn describe(&self) -> String {
         format!("fault:{}", self.inner.describe())
     }
+    fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
+        Ok(Arc::new(FaultDisk {
+            inner: self.inner.resize(bytes)?,
+            config: self.config.clone(),
+            channels: AtomicU64::new(self.channels.load(Ordering::Relaxed)),
+        }))
+    }
     fn info(&self) -> &BlockInfo {
         self.inner.info()
     }
@@ -222,6 +229,10 @@ impl IoChannel for FaultChannel {
 
     fn flush(&mut self) {
         self.inner.flush()
+    }
+
+    fn room(&self) -> usize {
+        self.inner.room()
     }
 
     /// Delayed completions wait for a deadline, which no descriptor signals.

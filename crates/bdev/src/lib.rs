@@ -20,17 +20,65 @@ pub use uring::{FileDisk, FileEngine, FileOptions};
 
 use std::io;
 use std::os::fd::BorrowedFd;
+use std::sync::Arc;
 
 /// A block backend: describes itself and opens per-thread channels.
+///
+/// # The backend contract
+///
+/// What front ends (NVMe queue groups, virtio-blk queues) and wrappers (slice, QoS,
+/// fault injection) rely on, and what a new backend kind must provide:
+///
+/// - **One device, many channels.** The device is shared by every queue that uses it
+///   (`Send + Sync`, behind an `Arc`); each reactor opens its own [`IoChannel`] and
+///   uses it from that thread only, so the I/O path takes no locks. A backend whose
+///   native handle must be shared (one image handle per device, e.g. a remote
+///   volume's exclusive lock) keeps it in the device and gives channels a reference.
+/// - **Buffers.** The memory behind a request's buffers belongs to the caller, who
+///   keeps it valid and mapped until the request's completion is reported (front
+///   ends pin the guest memory snapshot per request, see `guest_mem::MemPins`).
+/// - **Borrowed for the call only.** `submit` may keep nothing it borrows past its
+///   return: the [`IoRequest`] and its iovec array live on the caller's stack. A
+///   channel that needs the buffer list later copies it (into preallocated slots:
+///   `guest_mem::HeldIov` keeps a copy together with the promise above).
+/// - **Completions** of asynchronous requests are handed out by [`IoChannel::poll`]
+///   on the channel's own thread, exactly once per request that `submit` did not
+///   finish inline, in any order. Backends that complete on threads of their own
+///   queue completions to the channel and wake a sleeping reactor through the
+///   notifier ([`IoChannel::arm_notifier`]).
+/// - **Back-pressure.** [`IoChannel::room`] says how many more requests the channel
+///   takes now without queueing them internally; front ends stop fetching new
+///   commands while it is 0 and the commands wait in the guest's own ring. `submit`
+///   never refuses for lack of room (a command already fetched, or one that needs
+///   several requests, still goes in: the backend queues it).
+/// - **Dropping a channel** with requests in flight must not return while the
+///   backend may still touch their buffers (wait for or cancel them); their
+///   completions are never reported. Front ends drain their channels (bounded)
+///   before dropping them.
+/// - **Size.** [`BlockDevice::info`] does not change for one device handle. A new
+///   size (online resize) is a new handle over the same data
+///   ([`BlockDevice::resize`]); front ends switch queues to it the way they add a
+///   namespace, and the old handle's channels finish what they hold.
 pub trait BlockDevice: Send + Sync {
     /// Short kind and parameters, e.g. `ram:1GiB`.
     fn describe(&self) -> String;
     fn info(&self) -> &BlockInfo;
     /// A channel for the calling thread. Cheap for inline backends.
     fn channel(&self) -> io::Result<Box<dyn IoChannel>>;
+
+    /// The same data seen with a size of `bytes` (a multiple of the block size): a
+    /// new handle, sharing this one's storage. Backends that cannot change size say
+    /// why ([`io::ErrorKind::Unsupported`]).
+    fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
+        let _ = bytes;
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("{} cannot change size", self.describe()),
+        ))
+    }
 }
 
-/// Per-thread submission path to a backend.
+/// Per-thread submission path to a backend (see [`BlockDevice`] for the contract).
 pub trait IoChannel: Send {
     /// Starts `req`. Inline backends finish at once and return `Some(status)`;
     /// asynchronous ones return `None` and report `tag` from [`IoChannel::poll`] later.
@@ -44,6 +92,12 @@ pub trait IoChannel: Send {
 
     /// Pushes queued submissions to the kernel (once per poll iteration).
     fn flush(&mut self) {}
+
+    /// How many more requests the channel takes now without queueing them
+    /// internally (back-pressure); unbounded by default.
+    fn room(&self) -> usize {
+        usize::MAX
+    }
 
     /// Prepares the channel's completion notifier before its reactor sleeps with
     /// requests in flight. The default, [`Armed::Unsupported`], keeps the reactor

@@ -27,6 +27,11 @@ impl BlockDevice for NullDisk {
             size: self.info.size_bytes(),
         }))
     }
+    fn resize(&self, bytes: u64) -> io::Result<std::sync::Arc<dyn BlockDevice>> {
+        Ok(std::sync::Arc::new(NullDisk {
+            info: self.info.resized(bytes)?,
+        }))
+    }
 }
 
 struct NullChannel {

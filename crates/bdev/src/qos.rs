@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use guest_mem::DmaSlice;
+use guest_mem::HeldIov;
 
 use crate::{BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
 
@@ -224,6 +224,16 @@ impl QosDisk {
         self.buckets.limits()
     }
 
+    /// The same namespace with its backend resized ([`BlockDevice::resize`]); the
+    /// limits and their buckets are shared with this handle.
+    pub fn resized(&self, bytes: u64) -> io::Result<QosDisk> {
+        Ok(QosDisk {
+            inner: self.inner.resize(bytes)?,
+            buckets: self.buckets.clone(),
+            clock: self.clock.clone(),
+        })
+    }
+
     /// Changes the limits at run time; every channel sees them at its next request.
     /// `QosLimits::default()` removes all limits. Requests already held back are
     /// admitted under the new limits.
@@ -256,6 +266,9 @@ impl BlockDevice for QosDisk {
     fn describe(&self) -> String {
         format!("qos:{}", self.inner.describe())
     }
+    fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
+        Ok(Arc::new(self.resized(bytes)?))
+    }
     fn info(&self) -> &BlockInfo {
         self.inner.info()
     }
@@ -278,10 +291,9 @@ struct Slot {
     offset: u64,
     len: u64,
     fua: bool,
-    /// Valid until the request completes (the caller's promise on `submit`); the
-    /// `'static` is a lie confined to this module: the slices are only handed to the
-    /// inner channel's `submit` and cleared right after.
-    iov: Vec<DmaSlice<'static>>,
+    /// The request's buffers while it waits (handed to the inner channel's
+    /// `submit` and cleared right after).
+    iov: HeldIov,
 }
 
 struct QosChannel {
@@ -305,7 +317,7 @@ impl QosChannel {
                     offset: 0,
                     len: 0,
                     fua: false,
-                    iov: Vec::new(),
+                    iov: HeldIov::default(),
                 });
                 self.slots.len() - 1
             }
@@ -317,13 +329,10 @@ impl QosChannel {
         slot.offset = req.offset;
         slot.len = req.len;
         slot.fua = req.fua;
-        slot.iov.clear();
-        slot.iov.extend(req.iov.iter().map(|s| {
-            // SAFETY: the memory behind the request's buffers stays valid until the
-            // request completes (IoChannel::submit contract); the rebuilt slices are
-            // used only to forward this request and dropped before it completes.
-            unsafe { DmaSlice::from_raw_parts(s.as_ptr(), s.len()) }
-        }));
+        // SAFETY: the memory behind the request's buffers stays valid until the
+        // request completes (IoChannel::submit contract); the held slices are used
+        // only to forward this request in `poll` and cleared right after.
+        unsafe { slot.iov.hold(req.iov) };
         self.queue.push_back(idx);
         true
     }
@@ -360,7 +369,7 @@ impl IoChannel for QosChannel {
                 op: slot.op,
                 offset: slot.offset,
                 len: slot.len,
-                iov: &slot.iov,
+                iov: slot.iov.slices(),
                 fua: slot.fua,
             };
             let res = self.inner.submit(slot.tag, &req);
@@ -376,6 +385,12 @@ impl IoChannel for QosChannel {
 
     fn flush(&mut self) {
         self.inner.flush()
+    }
+
+    fn room(&self) -> usize {
+        self.inner
+            .room()
+            .min(QOS_QUEUE_DEPTH.saturating_sub(self.queue.len()))
     }
 
     /// Held requests wait for tokens, that is for time to pass: nothing would wake

@@ -55,12 +55,33 @@ impl BlockDevice for RamDisk {
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
         Ok(Box::new(RamChannel {
             mem: self.mem.clone(),
+            size: self.info.size_bytes(),
+        }))
+    }
+    /// Shrinks or grows back within the memory reserved at creation (growing beyond
+    /// it would mean a new mapping and a copy under I/O).
+    fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
+        let info = self.info.resized(bytes)?;
+        if bytes > self.mem.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!(
+                    "a ram disk cannot grow beyond the {} bytes it was created with",
+                    self.mem.len()
+                ),
+            ));
+        }
+        Ok(Arc::new(RamDisk {
+            info,
+            mem: self.mem.clone(),
         }))
     }
 }
 
 struct RamChannel {
     mem: Arc<MappedRegion>,
+    /// The device's size (the region may be larger after a shrink).
+    size: u64,
 }
 
 impl RamChannel {
@@ -90,7 +111,7 @@ impl RamChannel {
 
 impl IoChannel for RamChannel {
     fn submit(&mut self, _tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
-        if req.op != IoOp::Flush && !in_range(req.offset, req.len, self.mem.len()) {
+        if req.op != IoOp::Flush && !in_range(req.offset, req.len, self.size) {
             return Some(IoStatus::OutOfRange);
         }
         Some(match req.op {

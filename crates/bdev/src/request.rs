@@ -77,4 +77,19 @@ impl BlockInfo {
     pub fn size_bytes(&self) -> u64 {
         self.num_blocks.saturating_mul(u64::from(self.block_size))
     }
+
+    /// The same device with a size of `bytes`: a non-zero multiple of the block size.
+    pub fn resized(&self, bytes: u64) -> std::io::Result<BlockInfo> {
+        let bs = u64::from(self.block_size);
+        if bytes == 0 || !bytes.is_multiple_of(bs) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("size {bytes} is not a non-zero multiple of the block size {bs}"),
+            ));
+        }
+        Ok(BlockInfo {
+            num_blocks: bytes / bs,
+            ..*self
+        })
+    }
 }

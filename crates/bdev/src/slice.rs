@@ -88,6 +88,14 @@ impl BlockDevice for SliceDisk {
             self.info.size_bytes()
         )
     }
+    /// A slice's extent is part of the configuration that keeps tenants apart
+    /// (checked for overlaps when it was opened): it does not change at run time.
+    fn resize(&self, _bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "a slice keeps the offset= and size= it was opened with; change them in the configuration",
+        ))
+    }
     fn info(&self) -> &BlockInfo {
         &self.info
     }
@@ -143,6 +151,10 @@ impl IoChannel for SliceChannel {
 
     fn flush(&mut self) {
         self.inner.flush()
+    }
+
+    fn room(&self) -> usize {
+        self.inner.room()
     }
 
     fn arm_notifier(&mut self) -> crate::Armed {

@@ -250,7 +250,10 @@ fn many_in_flight() {
     let s = mem.all();
     let data = pattern(4 << 20, 5);
     s.write_from(0, &data).unwrap();
-    // 1024 writes of 4 KiB: more than the ring holds, so the backlog is used.
+    // 1024 writes of 4 KiB: more than the ring holds, so the backlog is used (a front
+    // end would stop at `room`, which counts down to 0 and stays there).
+    let room = ch.room();
+    assert!(room > 0 && room < 1024, "room {room}");
     let bufs: Vec<_> = (0..1024)
         .map(|i| [s.sub(i * 4096, 4096).unwrap()])
         .collect();
@@ -265,6 +268,7 @@ fn many_in_flight() {
         };
         assert_eq!(ch.submit(i as u64, &req), None);
         pending += 1;
+        assert_eq!(ch.room(), room.saturating_sub(pending));
     }
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut seen = vec![false; 1024];
@@ -278,6 +282,7 @@ fn many_in_flight() {
             pending -= 1;
         });
     }
+    assert_eq!(ch.room(), room, "every slot is free again");
     assert_eq!(std::fs::read(&p).unwrap(), data);
 }
 
@@ -431,4 +436,36 @@ fn auto_engine_is_io_uring_on_a_disk_filesystem() {
     let mut b = vec![0u8; 4096];
     s.read_into(4096, &mut b).unwrap();
     assert_eq!(b, pattern(4096, 4));
+}
+
+#[test]
+fn resize_grows_a_file_and_never_truncates_it() {
+    let dir = disk_dir();
+    let p = make_file(&dir, "r.img", SIZE);
+    let d = open(&p, false, false);
+    let big = d.resize(4 * SIZE).unwrap();
+    assert_eq!(big.info().size_bytes(), 4 * SIZE);
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), 4 * SIZE);
+    let mut ch = big.channel().unwrap();
+    let mem = SharedMem::new("g", 4096).unwrap();
+    let s = mem.all();
+    s.write_from(0, &pattern(4096, 3)).unwrap();
+    let iov = [s];
+    assert_eq!(
+        run(ch.as_mut(), IoOp::Write, 4 * SIZE - 4096, &iov, false),
+        IoStatus::Ok
+    );
+    // A smaller namespace leaves the file as it is.
+    let small = big.resize(SIZE).unwrap();
+    assert_eq!(small.info().size_bytes(), SIZE);
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), 4 * SIZE);
+    let mut ch = small.channel().unwrap();
+    assert_eq!(
+        run(ch.as_mut(), IoOp::Read, 4 * SIZE - 4096, &iov, false),
+        IoStatus::OutOfRange
+    );
+    // Read-only files do not grow.
+    let ro = open(&p, false, true);
+    assert!(ro.resize(8 * SIZE).is_err());
+    assert!(ro.resize(2 * SIZE).is_ok());
 }

@@ -566,3 +566,85 @@ fn fault_latency_over_async_inner() {
     assert_eq!(ch.poll(&mut |t, s| got.push((t, s))), 1);
     assert_eq!(got[2], (3, IoStatus::Ok));
 }
+
+// ---------------------------------------------------------------- resize
+
+/// Writes `byte` at `offset` through a fresh channel of `d`, then reads it back.
+fn write_read(d: &dyn BlockDevice, offset: u64, byte: u8) -> (IoStatus, u8) {
+    let mut ch = d.channel().unwrap();
+    let buf = SharedMem::new("r", 4096).unwrap();
+    let s = buf.all();
+    let one = [s.sub(0, 512).unwrap()];
+    s.fill(byte);
+    let w = ch.submit(1, &req(IoOp::Write, offset, 512, &one)).unwrap();
+    s.fill(0);
+    ch.submit(2, &req(IoOp::Read, offset, 512, &one)).unwrap();
+    let mut b = [0u8; 1];
+    s.read_into(0, &mut b).unwrap();
+    (w, b[0])
+}
+
+#[test]
+fn resize_gives_a_new_handle_over_the_same_data() {
+    let ram = RamDisk::new(4 * MIB, 512).unwrap();
+    assert_eq!(write_read(&ram, 0, 9), (IoStatus::Ok, 9));
+    let small = ram.resize(MIB).unwrap();
+    assert_eq!(small.info().size_bytes(), MIB);
+    assert_eq!(
+        ram.info().size_bytes(),
+        4 * MIB,
+        "the old handle keeps its size"
+    );
+    // Same data; the new size is enforced by the backend itself.
+    let mut ch = small.channel().unwrap();
+    let buf = SharedMem::new("r", 4096).unwrap();
+    let one = [buf.all().sub(0, 512).unwrap()];
+    assert_eq!(
+        ch.submit(1, &req(IoOp::Read, 0, 512, &one)),
+        Some(IoStatus::Ok)
+    );
+    let mut b = [0u8; 1];
+    one[0].read_into(0, &mut b).unwrap();
+    assert_eq!(b[0], 9);
+    assert_eq!(
+        ch.submit(2, &req(IoOp::Read, MIB, 512, &one)),
+        Some(IoStatus::OutOfRange)
+    );
+    // Back up to what was reserved, not beyond.
+    assert_eq!(small.resize(4 * MIB).unwrap().info().size_bytes(), 4 * MIB);
+    let e = small.resize(8 * MIB).err().unwrap();
+    assert_eq!(e.kind(), std::io::ErrorKind::Unsupported);
+    assert!(e.to_string().contains("cannot grow"), "{e}");
+    assert!(
+        ram.resize(1000).is_err(),
+        "not a multiple of the block size"
+    );
+    assert!(ram.resize(0).is_err());
+
+    let null = NullDisk::new(MIB, 4096).unwrap();
+    assert_eq!(null.resize(64 * MIB).unwrap().info().num_blocks, 16384);
+}
+
+#[test]
+fn wrappers_resize_their_backend_and_keep_their_state() {
+    let ram: Arc<dyn BlockDevice> = Arc::new(RamDisk::new(4 * MIB, 512).unwrap());
+    let limits = QosLimits {
+        iops: Some(1000),
+        ..QosLimits::default()
+    };
+    let qos = QosDisk::new(ram.clone(), limits).unwrap();
+    let q2 = qos.resized(2 * MIB).unwrap();
+    assert_eq!(q2.info().size_bytes(), 2 * MIB);
+    assert_eq!(q2.limits(), limits);
+    // One set of buckets: a change through either handle reaches both.
+    qos.set_limits(QosLimits::default()).unwrap();
+    assert_eq!(q2.limits(), QosLimits::default());
+
+    let fault = FaultDisk::new(ram.clone(), FaultConfig::default()).unwrap();
+    assert_eq!(fault.resize(MIB).unwrap().info().size_bytes(), MIB);
+
+    let slice = SliceDisk::new(ram, 0, MIB).unwrap();
+    let e = slice.resize(2 * MIB).err().unwrap();
+    assert_eq!(e.kind(), std::io::ErrorKind::Unsupported);
+    assert!(e.to_string().contains("offset= and size="), "{e}");
+}

@@ -9,8 +9,10 @@
 //!   initiator's DMA pool) so another process can map the same pages.
 //! * [`DmaSlice`] — a bounds-checked window into any of those, with copy and atomic
 //!   accessors. Its lifetime ties it to the snapshot or mapping it came from.
+//! * [`HeldIov`] — a request's buffer list kept by a backend wrapper past `submit`.
 
 mod fault;
+mod held;
 mod map;
 mod pins;
 mod region;
@@ -19,6 +21,7 @@ mod slice;
 mod space;
 
 pub use fault::{guard_range, repaired_faults, FaultGuard, FaultSignal, MAX_GUARDED_RANGES};
+pub use held::HeldIov;
 pub use map::{Access, MemError, MemoryMap};
 pub use pins::{MemPins, Pin};
 pub use region::{MappedRegion, Prot};

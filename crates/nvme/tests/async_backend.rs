@@ -82,3 +82,78 @@ fn asynchronous_completions() {
     let st = h.ctrl.stats();
     assert_eq!(st.writes, 10);
 }
+
+/// A backend that takes at most `ROOM` requests at a time and completes them on the
+/// next poll, counting the most it ever held.
+struct Narrow(RamDisk, Arc<std::sync::atomic::AtomicUsize>);
+struct NarrowChan {
+    inner: LaterChan,
+    most: Arc<std::sync::atomic::AtomicUsize>,
+}
+const ROOM: usize = 4;
+
+impl BlockDevice for Narrow {
+    fn describe(&self) -> String {
+        "narrow".into()
+    }
+    fn info(&self) -> &BlockInfo {
+        self.0.info()
+    }
+    fn channel(&self) -> std::io::Result<Box<dyn IoChannel>> {
+        Ok(Box::new(NarrowChan {
+            inner: LaterChan {
+                inner: self.0.channel()?,
+                done: Vec::new(),
+            },
+            most: self.1.clone(),
+        }))
+    }
+}
+
+impl IoChannel for NarrowChan {
+    fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
+        let r = self.inner.submit(tag, req);
+        self.most
+            .fetch_max(self.inner.done.len(), std::sync::atomic::Ordering::Relaxed);
+        r
+    }
+    fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
+        self.inner.poll(done)
+    }
+    fn room(&self) -> usize {
+        ROOM.saturating_sub(self.inner.done.len())
+    }
+}
+
+#[test]
+fn commands_wait_in_the_sq_while_the_backend_has_no_room() {
+    let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let disk: Arc<dyn BlockDevice> =
+        Arc::new(Narrow(RamDisk::new(16 << 20, 4096).unwrap(), most.clone()));
+    let mut h = Host::with(nvme::ControllerConfig::default(), vec![disk]);
+    h.ready(true);
+    let a = h.alloc(1);
+    h.write_mem(a, &[0x3c; 4096]);
+    let cmds: Vec<[u32; 16]> = (0..32u64).map(|i| rw(1, 1, i, 1, a, 0)).collect();
+    let cids = h.submit_batch(1, &cmds);
+    let mut got: Vec<u16> = (0..32)
+        .map(|_| {
+            let c = h.reap(1);
+            assert!(c.ok(), "{c:?}");
+            c.cid
+        })
+        .collect();
+    got.sort_unstable();
+    let mut want = cids.clone();
+    want.sort_unstable();
+    assert_eq!(got, want, "every command completes once");
+    let held = most.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        held <= ROOM,
+        "backend held {held} requests, room was {ROOM}"
+    );
+    assert!(held > 0);
+    let out = h.alloc(1);
+    assert!(h.io(rw(2, 1, 31, 1, out, 0)).ok());
+    assert!(h.read_mem(out, 4096).iter().all(|x| *x == 0x3c));
+}

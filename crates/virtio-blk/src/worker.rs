@@ -311,7 +311,9 @@ impl QueueWorker {
             }
         };
         latest(mem);
-        let mut budget = avail.0.wrapping_sub(q.next_avail());
+        // Back-pressure: what the backend cannot take now stays in the avail ring.
+        let room = u16::try_from(self.chan.room()).unwrap_or(u16::MAX);
+        let mut budget = avail.0.wrapping_sub(q.next_avail()).min(room);
         if budget == 0 {
             return;
         }

@@ -495,6 +495,13 @@ impl IoChannel for UringChannel {
         n
     }
 
+    /// Requests beyond the slots the channel was made with allocate a slot each and
+    /// may wait in the backlog: the ring's size is the room.
+    fn room(&self) -> usize {
+        let in_use = self.slots.len() - self.free.len();
+        (ENTRIES as usize).saturating_sub(in_use)
+    }
+
     fn flush(&mut self) {
         self.drain_backlog();
         if self.queued {

@@ -222,4 +222,48 @@ impl BlockDevice for FileDisk {
             self.inline,
         )?))
     }
+    /// A regular file grows to `bytes` if it is shorter (never truncated: a smaller
+    /// namespace leaves the data beyond it in place); a block device must already be
+    /// that large (grow the volume first, then the namespace).
+    fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
+        let info = self.info.resized(bytes)?;
+        let path = &self.path;
+        let have = if self.blkdev {
+            sys::blkdev_geometry(&self.file)
+                .map_err(|e| err(path, e.kind(), e))?
+                .0
+        } else {
+            self.file
+                .metadata()
+                .map_err(|e| err(path, e.kind(), e))?
+                .len()
+        };
+        if bytes > have {
+            if self.blkdev || self.info.read_only {
+                return Err(err(
+                    path,
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{bytes} bytes asked, the {} has {have}",
+                        if self.blkdev {
+                            "device"
+                        } else {
+                            "read-only file"
+                        }
+                    ),
+                ));
+            }
+            self.file
+                .set_len(bytes)
+                .map_err(|e| err(path, e.kind(), e))?;
+        }
+        Ok(Arc::new(FileDisk {
+            path: path.clone(),
+            file: self.file.clone(),
+            info,
+            direct: self.direct,
+            blkdev: self.blkdev,
+            inline: self.inline,
+        }))
+    }
 }

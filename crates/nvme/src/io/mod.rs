@@ -122,6 +122,16 @@ impl NsTable {
         self.live.iter().flatten().chain(self.retiring.iter())
     }
 
+    /// Requests the group's channels take now (back-pressure): the least of them.
+    fn room(&self) -> usize {
+        self.live
+            .iter()
+            .flatten()
+            .map(|c| c.chan.room())
+            .min()
+            .unwrap_or(usize::MAX)
+    }
+
     fn flush(&mut self) {
         for c in self.live.iter_mut().flatten() {
             c.chan.flush();

@@ -204,7 +204,8 @@ impl NsTable {
 }
 
 /// Stages 2 and 3 for one SQ: fetch its new commands (at most `BUDGET`, and never
-/// more than its CQ has room for), execute them, post those that completed at once.
+/// more than its CQ or the backends have room for), execute them, post those that
+/// completed at once.
 fn fetch_and_submit<'m>(
     pass: &Pass<'m>,
     sq: &mut IoSq,
@@ -237,7 +238,8 @@ fn fetch_and_submit<'m>(
     };
     // One doorbell-seen stamp serves the whole batch.
     let kick = out.rec.kick();
-    let mut budget = BUDGET;
+    // Back-pressure: what the backends cannot take now stays in the SQ.
+    let mut budget = BUDGET.min(u32::try_from(ns.room()).unwrap_or(u32::MAX));
     batch.clear();
     while sq.ring.head != tail
         && budget > 0
