@@ -1,23 +1,28 @@
 //! Opens every namespace's backend before any socket exists, so configuration
 //! mistakes (missing file, slice past the end, overlapping slices) stop start-up
-//! cleanly. Namespaces on the same file share one opened `FileDisk`.
+//! cleanly. Namespaces on the same backing (a file) share one opened device; the
+//! kind itself (`crate::kinds`) says what its backing is and how it opens.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use bdev::{BlockDevice, FaultDisk, FileDisk, FileOptions, NullDisk, QosDisk, RamDisk, SliceDisk};
+use bdev::{BlockDevice, FaultDisk, QosDisk, SliceDisk};
 
 use crate::config::ControllerConfig;
-use crate::nsspec::{NsKind, NsSpec};
+use crate::nsspec::NsSpec;
 
 /// Backends per controller, in namespace order. Every namespace is wrapped in a
 /// [`QosDisk`] (pass-through while it has no limits) so `set_qos` can limit it later.
 pub type Backends = Vec<Vec<Arc<QosDisk>>>;
 
-struct FileUse {
-    path: PathBuf,
+/// One namespace's use of a shared backing.
+struct BackingUse {
+    /// What the data is kept in (`kinds::Backing::resource`).
+    resource: String,
+    /// Which opened device it uses.
+    open_key: String,
     range: (u64, u64),
     writable: bool,
     shared: bool,
@@ -30,8 +35,8 @@ struct FileUse {
 /// opened once, and a new namespace is checked against the ranges already in use.
 #[derive(Default)]
 pub struct BackendSet {
-    files: HashMap<(PathBuf, bool, bdev::FileEngine, bool), Arc<FileDisk>>,
-    uses: Vec<FileUse>,
+    opened: HashMap<String, Arc<dyn BlockDevice>>,
+    uses: Vec<BackingUse>,
 }
 
 impl BackendSet {
@@ -47,8 +52,8 @@ impl BackendSet {
         self.uses
             .retain(|u| !(u.owner.0 == socket && u.owner.1 == nsid));
         let uses = &self.uses;
-        self.files
-            .retain(|(p, _, _, _), _| uses.iter().any(|u| &u.path == p));
+        self.opened
+            .retain(|key, _| uses.iter().any(|u| &u.open_key == key));
     }
 
     /// Forgets every namespace of `socket`.
@@ -65,37 +70,22 @@ impl BackendSet {
     }
 
     fn open_one(&mut self, ns: &NsSpec, who: &str, owner: (PathBuf, u32)) -> Result<Arc<QosDisk>> {
-        let bs = ns.block_size.unwrap_or(512);
+        let kind = &ns.kind.0;
         let mut new_use = None;
-        let base: Arc<dyn BlockDevice> = match &ns.kind {
-            NsKind::Null { size } => Arc::new(NullDisk::new(*size, bs)?),
-            NsKind::Ram { size } => Arc::new(
-                RamDisk::new(*size, bs).with_context(|| format!("cannot reserve {size} bytes"))?,
-            ),
-            NsKind::File {
-                path,
-                direct,
-                engine,
-            } => {
-                let canon = std::fs::canonicalize(path)
-                    .with_context(|| format!("file {} does not exist", path.display()))?;
-                let key = (canon.clone(), *direct, *engine, ns.read_only);
-                let disk = match self.files.get(&key) {
+        let base = match kind.backing()? {
+            None => kind.open(ns.block_size, ns.read_only)?,
+            Some(b) => {
+                // The block size and read-only flag are part of how a device opens.
+                let open_key = format!("{}\0{:?}\0{}", b.open_key, ns.block_size, ns.read_only);
+                let disk = match self.opened.get(&open_key) {
                     Some(d) => d.clone(),
-                    None => {
-                        let opts = FileOptions {
-                            direct: *direct,
-                            read_only: ns.read_only,
-                            block_size: ns.block_size,
-                            engine: *engine,
-                        };
-                        Arc::new(FileDisk::open(&canon, opts)?)
-                    }
+                    None => kind.open(ns.block_size, ns.read_only)?,
                 };
                 let total = disk.info().size_bytes();
                 let (off, len) = slice_range(ns, total)?;
-                let u = FileUse {
-                    path: canon,
+                let u = BackingUse {
+                    resource: b.resource,
+                    open_key,
                     range: (off, len),
                     writable: !ns.read_only,
                     shared: ns.shared,
@@ -103,7 +93,7 @@ impl BackendSet {
                     owner,
                 };
                 check_overlap(&self.uses, &u)?;
-                new_use = Some((key, disk.clone(), u));
+                new_use = Some((disk.clone(), u));
                 disk
             }
         };
@@ -117,8 +107,8 @@ impl BackendSet {
             dev = Arc::new(FaultDisk::new(dev, cfg)?);
         }
         let dev = Arc::new(QosDisk::new(dev, ns.qos)?);
-        if let Some((key, disk, u)) = new_use {
-            self.files.entry(key).or_insert(disk);
+        if let Some((disk, u)) = new_use {
+            self.opened.entry(u.open_key.clone()).or_insert(disk);
             self.uses.push(u);
         }
         Ok(dev)
@@ -168,10 +158,10 @@ fn slice_range(ns: &NsSpec, total: u64) -> Result<(u64, u64)> {
     Ok((off, len))
 }
 
-fn check_overlap(uses: &[FileUse], b: &FileUse) -> Result<()> {
+fn check_overlap(uses: &[BackingUse], b: &BackingUse) -> Result<()> {
     for a in uses {
         let both_shared = a.shared && b.shared;
-        if a.path == b.path
+        if a.resource == b.resource
             && (a.writable || b.writable)
             && !both_shared
             && bdev::overlaps(a.range, b.range)
@@ -180,7 +170,7 @@ fn check_overlap(uses: &[FileUse], b: &FileUse) -> Result<()> {
                 "{} and {} overlap on {} (bytes {}+{} and {}+{}): give them disjoint offset=/size= or mark both `shared`",
                 a.who,
                 b.who,
-                a.path.display(),
+                a.resource,
                 a.range.0,
                 a.range.1,
                 b.range.0,

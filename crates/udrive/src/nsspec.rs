@@ -4,6 +4,7 @@
 //! * `ram:SIZE` — data in memory, gone when udrive exits
 //! * `file:PATH` — a file or block device through io_uring
 //!
+//! (each kind is a module of `crate::kinds`, which also parses its own options),
 //! followed by options: `bs=512|4096`, `offset=SIZE,size=SIZE` (a slice of the
 //! backend: the namespace sees only those bytes), `direct=on|off` (file; default on),
 //! `engine=auto|uring|inline` (file; default auto: inline only for memory-filesystem
@@ -18,9 +19,9 @@
 //! `fault_latency_us=N` (every completion is held back N µs). Failed reads end in
 //! Unrecovered Read Error, failed writes in Write Fault.
 
-use std::path::PathBuf;
+use crate::size::parse_size;
 
-use crate::size::{format_size, parse_size};
+pub use crate::kinds::NsKind;
 
 #[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
 #[serde(try_from = "String")]
@@ -70,21 +71,6 @@ impl FaultSpec {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum NsKind {
-    Null {
-        size: u64,
-    },
-    Ram {
-        size: u64,
-    },
-    File {
-        path: PathBuf,
-        direct: bool,
-        engine: bdev::FileEngine,
-    },
-}
-
 impl TryFrom<String> for NsSpec {
     type Error = String;
     fn try_from(s: String) -> Result<Self, String> {
@@ -101,18 +87,13 @@ impl std::str::FromStr for NsSpec {
         })?;
         let mut parts = rest.split(',');
         let arg = parts.next().unwrap_or_default();
-        let mut direct = true;
-        let mut engine = None;
-        let mut spec = NsSpec {
-            kind: NsKind::Null { size: 0 },
-            block_size: None,
-            slice: None,
-            read_only: false,
-            shared: false,
-            qos: bdev::QosLimits::default(),
-            fault: None,
-            text: s.to_string(),
-        };
+        let backend = crate::kinds::find(kind).map_err(&bad)?;
+        let mut kind_opts = Vec::new();
+        let mut block_size = None;
+        let mut read_only = false;
+        let mut shared = false;
+        let mut qos = bdev::QosLimits::default();
+        let mut fault: Option<FaultSpec> = None;
         let mut offset = None;
         let mut size = None;
         for opt in parts {
@@ -121,7 +102,7 @@ impl std::str::FromStr for NsSpec {
             let rate = || num().map(Some);
             match k {
                 "bs" => {
-                    spec.block_size = Some(
+                    block_size = Some(
                         v.parse()
                             .ok()
                             .filter(|b| *b == 512 || *b == 4096)
@@ -130,29 +111,22 @@ impl std::str::FromStr for NsSpec {
                 }
                 "offset" => offset = Some(num()?),
                 "size" => size = Some(num()?),
-                "direct" => {
-                    direct = match v {
-                        "on" => true,
-                        "off" => false,
-                        _ => return Err(bad("direct must be on or off".into())),
-                    }
-                }
-                "engine" => engine = Some(v.parse::<bdev::FileEngine>().map_err(bad)?),
-                "ro" => spec.read_only = true,
-                "shared" => spec.shared = true,
-                "iops" => spec.qos.iops = rate()?,
-                "read_iops" => spec.qos.read_iops = rate()?,
-                "write_iops" => spec.qos.write_iops = rate()?,
-                "bw" => spec.qos.bw_bytes = rate()?,
-                "read_bw" => spec.qos.read_bw = rate()?,
-                "write_bw" => spec.qos.write_bw = rate()?,
+                k if backend.options().contains(&k) => kind_opts.push((k, v)),
+                "ro" if backend.read_only_ok() => read_only = true,
+                "shared" => shared = true,
+                "iops" => qos.iops = rate()?,
+                "read_iops" => qos.read_iops = rate()?,
+                "write_iops" => qos.write_iops = rate()?,
+                "bw" => qos.bw_bytes = rate()?,
+                "read_bw" => qos.read_bw = rate()?,
+                "write_bw" => qos.write_bw = rate()?,
                 "fault_lbas" => {
                     let r = v
                         .split_once('-')
                         .and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?)))
                         .filter(|(a, b)| a <= b)
                         .ok_or_else(|| bad("fault_lbas must be FIRST-LAST, e.g. 0-7".into()))?;
-                    spec.fault.get_or_insert_with(Default::default).lbas = Some(r);
+                    fault.get_or_insert_with(Default::default).lbas = Some(r);
                 }
                 "fault_rate" => {
                     let r = v
@@ -160,8 +134,7 @@ impl std::str::FromStr for NsSpec {
                         .ok()
                         .filter(|r| (0.0..=1.0).contains(r))
                         .ok_or_else(|| bad("fault_rate must be a number from 0 to 1".into()))?;
-                    spec.fault.get_or_insert_with(Default::default).rate_ppm =
-                        (r * 1e6).round() as u32;
+                    fault.get_or_insert_with(Default::default).rate_ppm = (r * 1e6).round() as u32;
                 }
                 "fault_ops" => {
                     let ops = match v {
@@ -170,7 +143,7 @@ impl std::str::FromStr for NsSpec {
                         "all" => bdev::FaultOps::All,
                         _ => return Err(bad("fault_ops must be read, write or all".into())),
                     };
-                    spec.fault.get_or_insert_with(Default::default).ops = Some(ops);
+                    fault.get_or_insert_with(Default::default).ops = Some(ops);
                 }
                 "fault_latency_us" => {
                     let us = v
@@ -178,14 +151,11 @@ impl std::str::FromStr for NsSpec {
                         .ok()
                         .filter(|u| *u <= 60_000_000)
                         .ok_or_else(|| bad("fault_latency_us must be 0..=60000000".into()))?;
-                    spec.fault.get_or_insert_with(Default::default).latency_us = us;
+                    fault.get_or_insert_with(Default::default).latency_us = us;
                 }
-                _ => return Err(bad(format!(
-                    "unknown option `{opt}` (known: bs, offset, size, direct, engine, ro, shared, iops, read_iops, write_iops, bw, read_bw, write_bw, fault_lbas, fault_rate, fault_ops, fault_latency_us)"
-                ))),
+                _ => return Err(bad(unknown_option(opt, backend))),
             }
         }
-        let qos = &spec.qos;
         if [
             qos.iops,
             qos.read_iops,
@@ -198,66 +168,60 @@ impl std::str::FromStr for NsSpec {
         {
             return Err(bad("QoS limits must be above 0".into()));
         }
-        spec.kind = match kind {
-            "null" | "ram" => {
-                let size = parse_size(arg).map_err(bad)?;
-                let bs = u64::from(spec.block_size.unwrap_or(512));
-                if size == 0 || !size.is_multiple_of(bs) {
-                    return Err(bad(format!(
-                        "size must be a non-zero multiple of the block size {bs}"
-                    )));
-                }
-                if kind == "null" {
-                    NsKind::Null { size }
-                } else {
-                    NsKind::Ram { size }
-                }
-            }
-            "file" => {
-                if arg.is_empty() {
-                    return Err(bad("file needs a path, e.g. file:/var/lib/vm1.img".into()));
-                }
-                NsKind::File {
-                    path: PathBuf::from(arg),
-                    direct,
-                    engine: engine.unwrap_or_default(),
-                }
-            }
-            other => {
-                return Err(bad(format!(
-                    "unknown kind `{other}` (known: null, ram, file)"
-                )))
-            }
-        };
-        if (!direct || engine.is_some() || spec.read_only)
-            && !matches!(spec.kind, NsKind::File { .. })
-        {
-            return Err(bad(
-                "direct=, engine= and ro apply to file namespaces only".into()
-            ));
-        }
-        spec.slice = match (offset, size) {
-            (None, None) => None,
-            (o, s) => Some((o.unwrap_or(0), s)),
-        };
-        Ok(spec)
+        Ok(NsSpec {
+            kind: NsKind(backend.parse(arg, &kind_opts, block_size).map_err(&bad)?),
+            block_size,
+            slice: match (offset, size) {
+                (None, None) => None,
+                (o, s) => Some((o.unwrap_or(0), s)),
+            },
+            read_only,
+            shared,
+            qos,
+            fault,
+            text: s.to_string(),
+        })
     }
 }
 
 impl std::fmt::Display for NsSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.kind {
-            NsKind::Null { size } => write!(f, "null:{}", format_size(*size)),
-            NsKind::Ram { size } => write!(f, "ram:{}", format_size(*size)),
-            NsKind::File { .. } => f.write_str(&self.text),
-        }?;
-        if !matches!(self.kind, NsKind::File { .. }) {
-            if let Some(bs) = self.block_size.filter(|b| *b != 512) {
-                write!(f, ",bs={bs}")?;
-            }
+        let Some(short) = self.kind.0.canonical() else {
+            return f.write_str(&self.text);
+        };
+        f.write_str(&short)?;
+        if let Some(bs) = self.block_size.filter(|b| *b != 512) {
+            write!(f, ",bs={bs}")?;
         }
         Ok(())
     }
+}
+
+/// The options a kind accepts, for the message about one it does not.
+fn unknown_option(opt: &str, kind: &dyn crate::kinds::BackendKind) -> String {
+    let mut known = vec!["bs", "offset", "size"];
+    known.extend(kind.options());
+    if kind.read_only_ok() {
+        known.push("ro");
+    }
+    known.extend([
+        "shared",
+        "iops",
+        "read_iops",
+        "write_iops",
+        "bw",
+        "read_bw",
+        "write_bw",
+        "fault_lbas",
+        "fault_rate",
+        "fault_ops",
+        "fault_latency_us",
+    ]);
+    format!(
+        "unknown option `{opt}` for {} (known: {})",
+        kind.name(),
+        known.join(", ")
+    )
 }
 
 #[cfg(test)]
@@ -266,7 +230,8 @@ mod tests {
     #[test]
     fn specs() {
         let s: NsSpec = "ram:1G".parse().unwrap();
-        assert_eq!(s.kind, NsKind::Ram { size: 1 << 30 });
+        assert_eq!(s.kind, "ram:1024M".parse::<NsSpec>().unwrap().kind);
+        assert_eq!(s.to_string(), "ram:1G");
         let s: NsSpec = "null:8G,bs=4096".parse().unwrap();
         assert_eq!(s.block_size, Some(4096));
         assert_eq!(s.to_string(), "null:8G,bs=4096");
@@ -274,25 +239,22 @@ mod tests {
             .parse()
             .unwrap();
         assert_eq!(
-            s.kind,
-            NsKind::File {
-                path: "/x/y.img".into(),
-                direct: false,
-                engine: bdev::FileEngine::Auto,
-            }
+            format!("{:?}", s.kind),
+            r#"NsKind(FileSpec { path: "/x/y.img", direct: false, engine: Auto })"#
         );
         assert_eq!(s.slice, Some((1 << 30, Some(2 << 30))));
         assert!(s.read_only);
         assert_eq!(s.qos.iops, Some(5000));
         assert_eq!(s.qos.bw_bytes, Some(100 << 20));
         let s: NsSpec = "file:/x/y.img,engine=inline".parse().unwrap();
-        assert!(matches!(
-            s.kind,
-            NsKind::File {
-                engine: bdev::FileEngine::Inline,
-                ..
-            }
-        ));
+        assert!(format!("{:?}", s.kind).contains("engine: Inline"));
+        let e = "ram:1G,ro".parse::<NsSpec>().unwrap_err();
+        assert!(e.contains("unknown option `ro` for ram"), "{e}");
+        let e = "disk:1G".parse::<NsSpec>().unwrap_err();
+        assert!(
+            e.contains("unknown kind `disk` (known: null, ram, file)"),
+            "{e}"
+        );
         let s: NsSpec = "ram:1M,fault_lbas=8-15,fault_rate=0.25,fault_ops=read,fault_latency_us=50"
             .parse()
             .unwrap();

@@ -1,0 +1,95 @@
+//! `file:PATH` — a regular file or block device through io_uring. Options:
+//! `direct=on|off` (O_DIRECT, default on), `engine=auto|uring|inline` (default
+//! auto: inline only for memory-filesystem files that io_uring would hand to kernel
+//! workers, see `bdev::FileEngine`), and `ro`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use bdev::{BlockDevice, FileDisk, FileEngine, FileOptions};
+
+use super::{BackendKind, Backing, KindSpec};
+
+pub struct File;
+
+#[derive(Debug)]
+struct FileSpec {
+    path: PathBuf,
+    direct: bool,
+    engine: FileEngine,
+}
+
+impl BackendKind for File {
+    fn name(&self) -> &'static str {
+        "file"
+    }
+    fn example(&self) -> &'static str {
+        "file:/var/lib/vm1.img"
+    }
+    fn options(&self) -> &'static [&'static str] {
+        &["direct", "engine"]
+    }
+    fn read_only_ok(&self) -> bool {
+        true
+    }
+    fn parse(
+        &self,
+        arg: &str,
+        opts: &[(&str, &str)],
+        _block_size: Option<u32>,
+    ) -> Result<Arc<dyn KindSpec>, String> {
+        if arg.is_empty() {
+            return Err(format!("file needs a path, e.g. {}", self.example()));
+        }
+        let mut spec = FileSpec {
+            path: PathBuf::from(arg),
+            direct: true,
+            engine: FileEngine::default(),
+        };
+        for &(k, v) in opts {
+            match k {
+                "direct" => {
+                    spec.direct = match v {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err("direct must be on or off".into()),
+                    }
+                }
+                "engine" => spec.engine = v.parse()?,
+                _ => {}
+            }
+        }
+        Ok(Arc::new(spec))
+    }
+}
+
+impl FileSpec {
+    fn canonical_path(&self) -> Result<PathBuf> {
+        std::fs::canonicalize(&self.path)
+            .with_context(|| format!("file {} does not exist", self.path.display()))
+    }
+}
+
+impl KindSpec for FileSpec {
+    fn canonical(&self) -> Option<String> {
+        None
+    }
+    fn backing(&self) -> Result<Option<Backing>> {
+        let path = self.canonical_path()?;
+        let resource = path.display().to_string();
+        Ok(Some(Backing {
+            open_key: format!("{resource}\0{}\0{:?}", self.direct, self.engine),
+            resource,
+        }))
+    }
+    fn open(&self, block_size: Option<u32>, read_only: bool) -> Result<Arc<dyn BlockDevice>> {
+        let opts = FileOptions {
+            direct: self.direct,
+            read_only,
+            block_size,
+            engine: self.engine,
+        };
+        Ok(Arc::new(FileDisk::open(self.canonical_path()?, opts)?))
+    }
+}

@@ -1,0 +1,118 @@
+//! Backend kinds, the word before the colon of a namespace spec (`ram:1G`,
+//! `file:/path`). Each kind is one module here plus one line in [`KINDS`]: it parses
+//! its argument and its own options, says what it stores data in (so namespaces on
+//! the same file share one opened device and their slices are checked for
+//! overlap), and opens its `bdev` device. Options every kind takes (block size,
+//! slices, read-only, QoS, fault injection) are parsed once, in `nsspec`.
+
+mod file;
+mod null;
+mod ram;
+
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use anyhow::Result;
+use bdev::BlockDevice;
+
+use crate::size::parse_size;
+
+/// Every backend kind `--ns`, `--disk`, TOML and the RPC accept.
+pub static KINDS: &[&dyn BackendKind] = &[&null::Null, &ram::Ram, &file::File];
+
+pub trait BackendKind: Sync {
+    /// The word before the colon.
+    fn name(&self) -> &'static str;
+    /// A spec to show in error messages, e.g. `file:/var/lib/vm1.img`.
+    fn example(&self) -> &'static str;
+    /// Options of this kind only (`key` of `key=value`, or a bare `key`).
+    fn options(&self) -> &'static [&'static str] {
+        &[]
+    }
+    /// Whether `ro` applies (a kind whose data is gone on exit has no use for it).
+    fn read_only_ok(&self) -> bool {
+        false
+    }
+    /// Parses the argument after the colon and this kind's options (`block_size`:
+    /// the namespace's `bs=`, if given).
+    fn parse(
+        &self,
+        arg: &str,
+        opts: &[(&str, &str)],
+        block_size: Option<u32>,
+    ) -> Result<Arc<dyn KindSpec>, String>;
+}
+
+/// What an opened namespace keeps its data in, when other namespaces may use it
+/// too.
+pub struct Backing {
+    /// The resource: namespaces on the same one are checked for overlapping slices
+    /// (a canonical file path).
+    pub resource: String,
+    /// Namespaces with the same key share one opened device (the resource plus the
+    /// options the device is opened with).
+    pub open_key: String,
+}
+
+/// A parsed backend of one kind.
+pub trait KindSpec: Debug + Send + Sync {
+    /// The spec written back in its shortest form (`ram:1G`), or None to keep the
+    /// text the user gave.
+    fn canonical(&self) -> Option<String>;
+    /// What the data is kept in, if namespaces may share it; resolving it can fail
+    /// (a file that does not exist).
+    fn backing(&self) -> Result<Option<Backing>>;
+    /// Opens the device with the namespace's block size (None: the kind's default).
+    fn open(&self, block_size: Option<u32>, read_only: bool) -> Result<Arc<dyn BlockDevice>>;
+}
+
+/// A parsed kind in a namespace spec; two are equal when they write back the same.
+#[derive(Clone, Debug)]
+pub struct NsKind(pub Arc<dyn KindSpec>);
+
+impl PartialEq for NsKind {
+    fn eq(&self, other: &NsKind) -> bool {
+        format!("{:?}", self.0) == format!("{:?}", other.0)
+    }
+}
+impl Eq for NsKind {}
+
+/// The kind called `name`.
+pub fn find(name: &str) -> Result<&'static dyn BackendKind, String> {
+    KINDS
+        .iter()
+        .copied()
+        .find(|k| k.name() == name)
+        .ok_or_else(|| {
+            let known: Vec<&str> = KINDS.iter().map(|k| k.name()).collect();
+            format!("unknown kind `{name}` (known: {})", known.join(", "))
+        })
+}
+
+/// A size argument (`ram:SIZE`, `null:SIZE`): a non-zero multiple of the block size.
+fn parse_sized(arg: &str, block_size: Option<u32>) -> Result<u64, String> {
+    let size = parse_size(arg)?;
+    let bs = u64::from(block_size.unwrap_or(512));
+    if size == 0 || !size.is_multiple_of(bs) {
+        return Err(format!(
+            "size must be a non-zero multiple of the block size {bs}"
+        ));
+    }
+    Ok(size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_is_found_by_its_name_and_has_a_valid_example() {
+        for k in KINDS {
+            assert_eq!(find(k.name()).unwrap().name(), k.name());
+            let spec: crate::nsspec::NsSpec = k.example().parse().unwrap();
+            assert!(spec.to_string().starts_with(k.name()), "{spec}");
+        }
+        let e = find("disk").err().unwrap();
+        assert!(e.contains("known: null, ram, file"), "{e}");
+    }
+}
