@@ -27,6 +27,11 @@ impl BlockDevice for NullDisk {
             size: self.info.size_bytes(),
         }))
     }
+    fn format_support(&self) -> crate::FormatSupport {
+        crate::FormatSupport::Exclusive {
+            min_block_size: 512,
+        }
+    }
 }
 
 struct NullChannel {
