@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bdev::{Armed, BlockDevice, IoChannel, IoOp, IoRequest, IoStatus};
+use bdev::{Armed, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
 use crossbeam_channel::Sender;
 use guest_mem::{Access, DmaSlice, DmaSpace, MemPins, MemView, MemoryMap, Pin};
 use smallvec::SmallVec;
@@ -16,6 +16,7 @@ use trace::{OpClass, QueueRecorder, Stamps};
 use crate::ctrl::Shared;
 use crate::iov::Iov;
 use crate::log::{bump, Counters, ErrorEntry};
+use crate::namespaces::Ns;
 use crate::queue::{db_index, CqRing, SqRing, Sqe};
 use crate::status::Status;
 use crate::DOORBELL_OFFSET;
@@ -71,29 +72,40 @@ pub(crate) struct IoSq {
 /// No EventIdx written yet (queue indices stay below 4096).
 const NO_EI: u16 = u16::MAX;
 
-/// One namespace as a queue group sees it: its backend and this group's channel.
-/// `inflight` counts backend requests this channel still owes a completion.
+/// One namespace as a queue group sees it: its facts in the current LBA format and
+/// this group's channel on the backend. `inflight` counts backend requests this
+/// channel still owes a completion.
 pub(crate) struct NsChan {
-    dev: Arc<dyn BlockDevice>,
+    info: BlockInfo,
+    /// A Format NVM is erasing the namespace: commands get Format In Progress.
+    formatting: bool,
     chan: Box<dyn IoChannel>,
     inflight: u32,
 }
 
 impl NsChan {
-    pub fn open(dev: &Arc<dyn BlockDevice>) -> std::io::Result<NsChan> {
+    pub fn open(ns: &Ns) -> std::io::Result<NsChan> {
         Ok(NsChan {
-            dev: dev.clone(),
-            chan: dev.channel()?,
+            info: ns.info.clone(),
+            formatting: ns.formatting,
+            chan: ns.dev.channel()?,
             inflight: 0,
         })
     }
 }
 
 /// A change of the namespace table, applied to each group while it is off its
-/// reactor (see `Inner::change_namespaces`).
+/// reactor (see `Inner::change_groups`).
 pub(crate) enum NsChange {
     Add(u32, NsChan),
     Remove(u32),
+    /// Format NVM: new facts and whether the erase is still running. The channel
+    /// stays: backends address bytes, so a new block size needs no new channel.
+    Format {
+        nsid: u32,
+        info: BlockInfo,
+        formatting: bool,
+    },
 }
 
 pub(crate) struct QueueGroup {
@@ -213,7 +225,7 @@ impl QueueGroup {
         mem: Arc<DmaSpace>,
         cq: CqRing,
         shadow: Option<Shadow>,
-        namespaces: &[Option<Arc<dyn BlockDevice>>],
+        namespaces: &[Option<Ns>],
     ) -> std::io::Result<Box<QueueGroup>> {
         let ns = namespaces
             .iter()
@@ -278,7 +290,27 @@ impl QueueGroup {
                     self.ns.pop();
                 }
             }
+            NsChange::Format {
+                nsid,
+                info,
+                formatting,
+            } => {
+                let i = (nsid as usize).wrapping_sub(1);
+                if let Some(c) = self.ns.get_mut(i).and_then(Option::as_mut) {
+                    c.info = info;
+                    c.formatting = formatting;
+                }
+            }
         }
+    }
+
+    /// Whether this group's channel on namespace `nsid` has requests in flight.
+    pub fn ns_busy(&self, nsid: u32) -> bool {
+        let i = (nsid as usize).wrapping_sub(1);
+        self.ns
+            .get(i)
+            .and_then(Option::as_ref)
+            .is_some_and(|c| c.inflight > 0)
     }
 
     fn retire(&mut self, c: NsChan) {
@@ -543,11 +575,11 @@ impl QueueGroup {
                         iov.clear();
                     }
                     iov.next_command();
-                    let dev = ns
+                    let facts = ns
                         .get((sqe.nsid() as usize).wrapping_sub(1))
                         .and_then(Option::as_ref)
-                        .map(|c| &c.dev);
-                    match prepare_rw(map, shared, dev, &sqe, slot, &mut iov) {
+                        .map(|c| facts(shared, &c.info, c.formatting));
+                    match prepare_rw(map, facts, &sqe, slot, &mut iov) {
                         Ok(()) => {
                             batch.push(idx);
                             None
@@ -852,11 +884,12 @@ fn submit(
     }
 }
 
-fn facts<'a>(shared: &Shared, info: &'a bdev::BlockInfo) -> Facts<'a> {
+fn facts<'a>(shared: &Shared, info: &'a BlockInfo, formatting: bool) -> Facts<'a> {
     Facts {
         info,
         wce: shared.wce.load(Ordering::Relaxed),
         mdts_bytes: shared.mdts_bytes,
+        formatting,
     }
 }
 
@@ -864,8 +897,7 @@ fn facts<'a>(shared: &Shared, info: &'a bdev::BlockInfo) -> Facts<'a> {
 /// current command), leaving what the submit needs in `slot`.
 fn prepare_rw<'a>(
     map: &'a MemoryMap,
-    shared: &Shared,
-    dev: Option<&Arc<dyn BlockDevice>>,
+    facts: Option<Facts<'_>>,
     sqe: &Sqe,
     slot: &mut Slot,
     iov: &mut Iov<'a>,
@@ -878,7 +910,6 @@ fn prepare_rw<'a>(
         stamps: slot.stamps,
         ..Slot::default()
     };
-    let facts = dev.map(|d| facts(shared, d.info()));
     let IoCmd::Rw {
         write,
         slba,
@@ -932,14 +963,24 @@ fn exec_on(
         stamps: slot.stamps,
         ..Slot::default()
     };
-    let cmd = decode(sqe, nc.as_ref().map(|c| facts(shared, c.dev.info())));
+    let cmd = decode(
+        sqe,
+        nc.as_ref().map(|c| facts(shared, &c.info, c.formatting)),
+    );
     let cmd = match cmd {
         Ok(c) => c,
         Err(s) => return Exec::Done(s),
     };
-    let Some(NsChan { dev, chan, .. }) = nc else {
+    let Some(NsChan {
+        info,
+        formatting,
+        chan,
+        ..
+    }) = nc
+    else {
         return Exec::Done(Status::INVALID_NAMESPACE);
     };
+    let info: &BlockInfo = info;
     let chan: &mut dyn IoChannel = chan.as_mut();
     match cmd {
         IoCmd::Flush => {
@@ -954,7 +995,8 @@ fn exec_on(
         }
         IoCmd::Rw { write, .. } => {
             let mut iov = Iov::new();
-            if let Err(s) = prepare_rw(map, shared, Some(dev), sqe, slot, &mut iov) {
+            let f = facts(shared, info, *formatting);
+            if let Err(s) = prepare_rw(map, Some(f), sqe, slot, &mut iov) {
                 return Exec::Done(s);
             }
             let req = IoRequest {
@@ -983,7 +1025,7 @@ fn exec_on(
             submit(chan, tag, &req, true, &mut slot.stamps)
         }
         IoCmd::Dsm { ranges, deallocate } => {
-            dsm(map, dev.info(), chan, sqe, (ranges, deallocate), tag, slot)
+            dsm(map, info, chan, sqe, (ranges, deallocate), tag, slot)
         }
     }
 }

@@ -12,8 +12,12 @@
 //! submission queues form one poller owned by one engine reactor, which may sleep
 //! in `adaptive` and `event` modes (docs/decisions/0014-nvme-poll-modes.md).
 //!
-//! Not implemented: namespace management/attach, Format NVM, firmware
-//! commands, SGL Bit Bucket descriptors.
+//! Format NVM (`admin/format.rs`) changes a namespace between 512- and 4096-byte
+//! blocks and erases it on a thread of its own; the admin command completes when
+//! the erase is done.
+//!
+//! Not implemented: namespace management/attach, firmware commands, SGL Bit
+//! Bucket descriptors, metadata and protection information, cryptographic erase.
 
 #![forbid(unsafe_code)]
 
@@ -197,6 +201,10 @@ impl Controller {
         }
         let doorbells =
             SharedMem::new("nvme-doorbells", 0x2000).map_err(ControllerError::Doorbells)?;
+        let namespaces: Vec<Option<namespaces::Ns>> = namespaces
+            .into_iter()
+            .map(|d| d.map(namespaces::Ns::new))
+            .collect();
         let vwc = ctrl::Inner::any_write_cache(&namespaces);
         let mdts = iov::effective_mdts(cfg.mdts);
         let shared = Arc::new(ctrl::Shared {
@@ -218,9 +226,9 @@ impl Controller {
                 .collect(),
         });
         shared.set_poll_mode(cfg.poll);
-        let inner = Arc::new(ctrl::Inner::new(
-            cfg, shared, engine, placer, mem, namespaces,
-        ));
+        let inner = Arc::new_cyclic(|me| {
+            ctrl::Inner::new(me.clone(), cfg, shared, engine, placer, mem, namespaces)
+        });
         service::register(&inner).map_err(ControllerError::AdminThread)?;
         Ok(Controller { inner })
     }
@@ -314,10 +322,12 @@ impl Controller {
         service::kick();
     }
 
-    /// Leaves the admin service and takes every queue off the reactors.
+    /// Leaves the admin service and takes every queue off the reactors. A Format
+    /// NVM in progress stops erasing before this returns.
     pub fn shutdown(&self) {
         self.inner.stop_admin();
         let mut st = self.inner.lock();
+        self.inner.cancel_format(&st);
         self.inner.disable(&mut st);
     }
 
@@ -339,8 +349,20 @@ impl Controller {
         st.ns
             .iter()
             .enumerate()
-            .filter_map(|(i, d)| d.clone().map(|d| (i as u32 + 1, d)))
+            .filter_map(|(i, n)| n.as_ref().map(|n| (i as u32 + 1, n.dev.clone())))
             .collect()
+    }
+
+    /// Namespace `nsid` as the host sees it: the backend's facts in the current LBA
+    /// format (a Format NVM changes the block size and count, not the backend).
+    pub fn namespace_info(&self, nsid: u32) -> Option<bdev::BlockInfo> {
+        let i = (nsid as usize).checked_sub(1)?;
+        self.inner
+            .lock()
+            .ns
+            .get(i)?
+            .as_ref()
+            .map(|n| n.info.clone())
     }
 
     pub fn max_namespaces(&self) -> u32 {
