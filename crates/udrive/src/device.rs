@@ -297,7 +297,7 @@ impl crate::frontend::FrontEnd for NvmeDevice {
                 "io_completion_queues": st.io_completion_queues,
                 "queue_groups": groups,
             },
-            "namespaces": d.namespaces.iter().map(|(id, ns)| crate::rpc::methods::namespace_json(*id, ns)).collect::<Vec<_>>(),
+            "namespaces": d.namespaces.iter().map(|(id, ns)| crate::rpc::methods::namespace_json(*id, ns, d.ctrl.namespace_info(*id))).collect::<Vec<_>>(),
         })
     }
     fn banner(&self) -> String {
