@@ -429,3 +429,89 @@ fn format_nvm_follows_the_device_sector_size() {
     assert!(head(&mut qp, 2, 512, 3).iter().all(|b| *b == 0x12));
     d.delete_qpair(qp).expect("delete queue pair");
 }
+
+/// The PCI function a guest's firmware and driver probe (what Windows' stornvme
+/// and its PnP manager look at; no Windows image runs here): identity and class
+/// 010802h, a type-0 header whose capability list is walkable (PM, MSI-X, PCI
+/// Express, no loop), BAR0 a 64-bit non-prefetchable memory BAR of at least 16 KiB
+/// whose size probe agrees with the region, no other BARs, and the MSI-X table and
+/// PBA inside BAR0 past the registers and doorbells. With 300 I/O queues (301
+/// vectors, more than one page of table) BAR0 grows instead of overlapping.
+#[test]
+fn pci_config_space_and_bar0_layout() {
+    use vfio_user::proto::{PCI_BAR0_REGION, PCI_CONFIG_REGION};
+    for io_queues in [32u16, 300] {
+        let dev = TestDev::start_with("pci", &["ram:4M"], |c| c.io_queues = io_queues);
+        let mut c = initiator::VfioUserClient::connect(&dev.sock).expect("connect");
+        let cfg_region = c.region_info(PCI_CONFIG_REGION).expect("config region");
+        assert_eq!(cfg_region.size, 4096, "PCIe extended config space");
+        let mut cfg = vec![0u8; 4096];
+        c.region_read(PCI_CONFIG_REGION, 0, &mut cfg)
+            .expect("read config");
+        let r16 = |o: usize| u16::from_le_bytes([cfg[o], cfg[o + 1]]);
+        let r32 = |b: &[u8], o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        assert_eq!(r16(0), udrive::device::PCI_VENDOR);
+        assert_eq!(r16(2), udrive::device::PCI_DEVICE_NVME);
+        assert_eq!(&cfg[9..12], &[0x02, 0x08, 0x01], "class: NVM Express");
+        assert_eq!(cfg[0x0e] & 0x7f, 0, "type-0 header");
+        assert_ne!(r16(0x06) & 0x10, 0, "capability list");
+        assert_eq!(cfg[0x3d], 1, "INTA#");
+
+        // BAR0: memory, 64-bit, not prefetchable; its size probe.
+        let bar0 = r32(&cfg, 0x10);
+        assert_eq!(bar0 & 0xf, 0b0100, "64-bit memory BAR, not prefetchable");
+        let probe = |c: &mut initiator::VfioUserClient, off: u64| {
+            c.region_write(PCI_CONFIG_REGION, off, &[0xff; 4], false)
+                .expect("size probe");
+            let mut b = [0u8; 4];
+            c.region_read(PCI_CONFIG_REGION, off, &mut b)
+                .expect("read back");
+            u32::from_le_bytes(b)
+        };
+        let mask = u64::from(probe(&mut c, 0x10) & !0xf) | u64::from(probe(&mut c, 0x14)) << 32;
+        let size = (!mask).wrapping_add(1);
+        assert!(size.is_power_of_two() && size >= 0x4000, "BAR0 {size:#x}");
+        let region = c.region_info(PCI_BAR0_REGION).expect("BAR0 region");
+        assert_eq!(region.size, size, "BAR0 region and size probe agree");
+        for off in (0x18..0x28).step_by(4) {
+            assert_eq!(probe(&mut c, off), 0, "BAR at {off:#x} is not implemented");
+        }
+
+        // The capability chain, bounded against loops.
+        let mut caps = Vec::new();
+        let mut p = usize::from(cfg[0x34]);
+        while p != 0 {
+            assert!(
+                (0x40..0x100).contains(&p) && p % 4 == 0,
+                "capability at {p:#x}"
+            );
+            assert!(caps.len() < 48, "capability list loops");
+            caps.push((cfg[p], p));
+            p = usize::from(cfg[p + 1]);
+        }
+        let ids: Vec<u8> = caps.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, [0x01, 0x11, 0x10], "PM, MSI-X, PCI Express");
+        assert_eq!(r32(&cfg, 0x100), 0, "no extended capabilities");
+        let pcie = caps[2].1;
+        assert_eq!(cfg[pcie + 2] & 0xf, 2, "PCI Express capability version 2");
+        assert_eq!(cfg[pcie + 2] >> 4, 0, "endpoint");
+
+        // MSI-X: one vector per queue plus the admin queue, table and PBA in BAR0.
+        let msix = caps[1].1;
+        let vectors = u64::from(r16(msix + 2) & 0x7ff) + 1;
+        assert_eq!(vectors, u64::from(io_queues) + 1);
+        let (table, pba) = (r32(&cfg, msix + 4), r32(&cfg, msix + 8));
+        assert_eq!((table & 7, pba & 7), (0, 0), "both in BAR0");
+        let (table, pba) = (u64::from(table & !7), u64::from(pba & !7));
+        assert!(table >= 0x2000, "past the registers and doorbells");
+        assert!(table + vectors * 16 <= pba, "table before the PBA");
+        assert!(pba + vectors.div_ceil(64) * 8 <= size, "PBA inside BAR0");
+        let want = nvme::bar0_layout(io_queues + 1);
+        assert_eq!(
+            (size, table, pba),
+            (want.size, want.msix_table, want.msix_pba)
+        );
+        drop(c);
+        dev.check_fresh_client(9);
+    }
+}
