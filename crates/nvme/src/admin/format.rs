@@ -93,8 +93,9 @@ impl FormatCmd {
 
     /// What namespace `ns` becomes, or why it cannot be formatted so.
     fn new_info(&self, ns: &Ns) -> Result<BlockInfo, Status> {
-        // §8.22 (Namespace Write Protection) lists Format NVM among the commands a
-        // write-protected namespace refuses; NSATTR bit 0 reports ours as such.
+        // Namespace is Write Protected: "the command is prohibited while the
+        // namespace is write protected" (Namespace Write Protection, NVMe 2.0
+        // §8.12); NSATTR bit 0 reports ours as such.
         if ns.info.read_only {
             return Err(Status::NAMESPACE_WRITE_PROTECTED);
         }
