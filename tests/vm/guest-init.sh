@@ -22,6 +22,7 @@ echo 1 >/proc/sys/kernel/printk
 
 CTRL=/dev/nvme0
 DEV=/dev/nvme0n1
+FMT_DEV=/dev/nvme0n2         # second namespace: only the format check uses it
 NCPU=$(nproc)
 MIB=1048576
 # Disk layout (byte offsets; the namespace must be >= 256 MiB):
@@ -192,7 +193,9 @@ snapshot_irqs() {
     done
 }
 t_flush() {
-    nvme flush $CTRL -n 1 || return 1
+    # On the namespace's device: Linux refuses I/O commands through the controller's
+    # character device once it has more than one namespace.
+    nvme flush $DEV -n 1 || return 1
     dd if=/dev/urandom of=$DEV bs=4k count=1 seek=$((DISCARD_OFF / 4096 - 1)) conv=fsync 2>&1 || return 1
     DETAIL="nvme flush ok, fsync ok; write_cache=$(cat /sys/block/nvme0n1/queue/write_cache)"
 }
@@ -216,6 +219,44 @@ t_discard() {
             { DETAIL="$DETAIL; data next to the discarded range changed"; return 1; }
     done
     DETAIL="$DETAIL; 2 MiB discarded, reads back zeroes, neighbours intact"
+}
+# Format NVM (docs/decisions/0011): the second namespace goes to LBA format 1
+# (4096-byte blocks) with a User Data Erase and back to format 0 without one;
+# each time the kernel sees the new block size and the old data reads as zeroes.
+lbs() { cat /sys/block/nvme0n2/queue/logical_block_size; }
+wait_lbs() { # wait_lbs SIZE: the kernel rescans after the format (AEN, passthru end)
+    i=0
+    while [ "$(lbs)" != "$1" ]; do
+        i=$((i + 1))
+        [ $i -gt 100 ] && return 1
+        sleep 0.1
+    done
+}
+reads_zero() { # reads_zero BYTES: the start of the namespace is all zero
+    dd if=$FMT_DEV bs=4k count=$(($1 / 4096)) iflag=direct 2>/dev/null | cmp -s - /tmp/zero64k
+}
+t_format() {
+    [ -b $FMT_DEV ] || { DETAIL="no $FMT_DEV"; return 1; }
+    dd if=/dev/zero of=/tmp/zero64k bs=64k count=1 2>/dev/null
+    dd if=/dev/urandom of=/tmp/fmtdata bs=64k count=1 2>/dev/null
+    size=$(($(cat /sys/block/nvme0n2/size) * 512))
+    DETAIL="lbs $(lbs)"
+    dd if=/tmp/fmtdata of=$FMT_DEV bs=64k oflag=direct 2>&1 || return 1
+    nvme format $FMT_DEV --lbaf=1 --ses=1 --force || { DETAIL="$DETAIL; nvme format --lbaf=1 --ses=1 failed"; return 1; }
+    wait_lbs 4096 || { DETAIL="$DETAIL; logical_block_size stayed $(lbs)"; return 1; }
+    nvme id-ns $FMT_DEV >/tmp/idns2 || return 1
+    inuse=$(grep 'in use' /tmp/idns2 | head -n1)
+    DETAIL="$DETAIL -> $(lbs) ($(echo "$inuse" | sed -n 's/^\(lbaf *[0-9]*\).*lbads:\([0-9]*\).*/\1 lbads:\2/p'))"
+    case "$inuse" in *lbads:12*) ;; *) DETAIL="$DETAIL; id-ns: $inuse"; return 1 ;; esac
+    [ $(($(cat /sys/block/nvme0n2/size) * 512)) = "$size" ] || { DETAIL="$DETAIL; size changed"; return 1; }
+    reads_zero 65536 || { DETAIL="$DETAIL; old data still there after SES=1"; return 1; }
+    dd if=/tmp/fmtdata of=$FMT_DEV bs=64k oflag=direct 2>&1 || return 1
+    dd if=$FMT_DEV bs=64k count=1 iflag=direct 2>/dev/null | cmp - /tmp/fmtdata ||
+        { DETAIL="$DETAIL; 4096-byte blocks do not read back"; return 1; }
+    nvme format $FMT_DEV --lbaf=0 --ses=0 --force || { DETAIL="$DETAIL; nvme format --lbaf=0 failed"; return 1; }
+    wait_lbs 512 || { DETAIL="$DETAIL; logical_block_size stayed $(lbs)"; return 1; }
+    reads_zero 65536 || { DETAIL="$DETAIL; old data still there after SES=0"; return 1; }
+    DETAIL="$DETAIL -> $(lbs); erased with SES 1 and 0; $((size / MIB)) MiB throughout"
 }
 t_dmesg_clean() {
     DETAIL="$(dmesg | grep -c nvme) nvme lines in dmesg, none with errors/timeouts/resets"
@@ -266,6 +307,7 @@ if [ $PHASE = 1 ]; then
     run queue-irqs-grew t_irqs_grew
     run flush t_flush
     run discard-zeroes t_discard
+    run nvme-format t_format
     run write-before-reboot t_write_persist
     run dmesg-clean t_dmesg_clean
     finish 1 reboot

@@ -11,6 +11,8 @@ CACHE=${UDRIVE_VM_CACHE:-/var/cache/udrive-vm}
 SID=$CACHE/sid
 SID_PKGS=qemu-system-x86,busybox-static,nvme-cli,fio
 NS=${UDRIVE_VM_NS:-ram:1G}
+# A second namespace the guest reformats (nvme format) and nothing else uses.
+NS2=${UDRIVE_VM_NS2:-ram:64M}
 UDRIVE_CPUS=${UDRIVE_VM_UDRIVE_CPUS:-0}
 VCPUS=${UDRIVE_VM_VCPUS:-2}
 TIMEOUT=${UDRIVE_VM_TIMEOUT:-480}
@@ -47,9 +49,9 @@ build_initramfs() {
 
 # ------------------------------------------------------------ udrive
 start_udrive() {
-    say "$UDRIVE serve --vfio-user $TMP/nvme.sock --ns $NS --cpus $UDRIVE_CPUS --poll $POLL"
+    say "$UDRIVE serve --vfio-user $TMP/nvme.sock --ns $NS --ns $NS2 --cpus $UDRIVE_CPUS --poll $POLL"
     NO_COLOR=1 RUST_LOG=${RUST_LOG:-info} setpriv --pdeathsig KILL -- \
-        "$UDRIVE" serve --vfio-user "$TMP/nvme.sock" --ns "$NS" --cpus "$UDRIVE_CPUS" --poll "$POLL" \
+        "$UDRIVE" serve --vfio-user "$TMP/nvme.sock" --ns "$NS" --ns "$NS2" --cpus "$UDRIVE_CPUS" --poll "$POLL" \
         >"$TMP/udrive.log" 2>&1 </dev/null &
     SERVER_PID=$!
     wait_socket "$TMP/nvme.sock" "$SERVER_PID" "$TMP/udrive.log" "udrive serve"

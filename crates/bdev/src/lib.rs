@@ -76,6 +76,28 @@ pub trait BlockDevice: Send + Sync {
             format!("{} cannot change size", self.describe()),
         ))
     }
+    /// Whether a front end may reformat this backend (NVMe Format NVM): present it
+    /// with another logical block size and erase it. The default: it may not.
+    fn format_support(&self) -> FormatSupport {
+        FormatSupport::Unsupported
+    }
+}
+
+/// What a front end may do when a guest asks to reformat a backend (see
+/// [`BlockDevice::format_support`]). Channels address bytes, so a new block size
+/// needs no new channel; only the backend's I/O alignment limits it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FormatSupport {
+    /// The device is the namespace's alone: any power-of-two block size from
+    /// `min_block_size` (the backend's I/O alignment) up can be presented, and
+    /// erasing it (Write Zeroes over the whole range) touches no one else's data.
+    Exclusive { min_block_size: u32 },
+    /// A window on a backend that other namespaces or devices may use (a slice, a
+    /// `shared` namespace): its bounds were chosen for the configured block size
+    /// and the guest may not erase what lies around it.
+    Shared,
+    /// The backend cannot be reformatted.
+    Unsupported,
 }
 
 /// Per-thread submission path to a backend (see [`BlockDevice`] for the contract).

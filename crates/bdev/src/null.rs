@@ -32,6 +32,11 @@ impl BlockDevice for NullDisk {
             info: self.info.resized(bytes)?,
         }))
     }
+    fn format_support(&self) -> crate::FormatSupport {
+        crate::FormatSupport::Exclusive {
+            min_block_size: 512,
+        }
+    }
 }
 
 struct NullChannel {

@@ -272,6 +272,9 @@ impl BlockDevice for QosDisk {
     fn info(&self) -> &BlockInfo {
         self.inner.info()
     }
+    fn format_support(&self) -> crate::FormatSupport {
+        self.inner.format_support()
+    }
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
         Ok(Box::new(QosChannel {
             inner: self.inner.channel()?,

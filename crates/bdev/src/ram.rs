@@ -76,6 +76,12 @@ impl BlockDevice for RamDisk {
             mem: self.mem.clone(),
         }))
     }
+    /// Memory has no alignment: any block size, erased by discarding the pages.
+    fn format_support(&self) -> crate::FormatSupport {
+        crate::FormatSupport::Exclusive {
+            min_block_size: 512,
+        }
+    }
 }
 
 struct RamChannel {

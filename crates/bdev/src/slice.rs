@@ -106,6 +106,9 @@ impl BlockDevice for SliceDisk {
             size: self.info.size_bytes(),
         }))
     }
+    fn format_support(&self) -> crate::FormatSupport {
+        crate::FormatSupport::Shared
+    }
 }
 
 struct SliceChannel {

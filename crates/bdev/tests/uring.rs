@@ -469,3 +469,95 @@ fn resize_grows_a_file_and_never_truncates_it() {
     assert!(ro.resize(8 * SIZE).is_err());
     assert!(ro.resize(2 * SIZE).is_ok());
 }
+
+/// A disk opened with 4096-byte blocks on storage that takes 512-byte I/O can
+/// present 512-byte blocks later (Format NVM): requests need only its alignment.
+#[test]
+fn alignment_below_the_block_size() {
+    let dir = disk_dir();
+    let p = make_file(&dir, "a.img", SIZE);
+    for direct in [false, true] {
+        let d = FileDisk::open(
+            &p,
+            FileOptions {
+                direct,
+                block_size: Some(4096),
+                ..FileOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(d.info().block_size, 4096);
+        if d.direct() {
+            // Most filesystems take 512-byte direct I/O; the probe decides.
+            assert!([512, 4096].contains(&d.alignment()));
+        } else {
+            assert_eq!(d.alignment(), 512);
+        }
+        let a = d.alignment();
+        assert_eq!(
+            d.format_support(),
+            bdev::FormatSupport::Exclusive { min_block_size: a }
+        );
+        let mut ch = d.channel().unwrap();
+        let mem = SharedMem::new("g", 4096).unwrap();
+        let s = mem.all();
+        s.write_from(0, &pattern(512, 3)).unwrap();
+        let one = [s.sub(0, 512).unwrap()];
+        let want = if a == 512 {
+            IoStatus::Ok
+        } else {
+            IoStatus::Invalid
+        };
+        assert_eq!(run(&mut *ch, IoOp::Write, 512, &one, false), want);
+    }
+}
+
+/// A loop device with 4096-byte logical sectors (root only; skipped otherwise):
+/// the disk's alignment is the sector size, so 512-byte blocks are refused.
+#[test]
+fn block_device_alignment_is_its_sector_size() {
+    let dir = disk_dir();
+    let p = make_file(&dir, "loop.img", SIZE);
+    let Some(dev) = LoopDev::attach(&p, 4096) else {
+        eprintln!("skipped: cannot attach a loop device (not root?)");
+        return;
+    };
+    let d = FileDisk::open(&dev.path, FileOptions::default()).unwrap();
+    assert_eq!(d.info().block_size, 4096);
+    assert_eq!(d.alignment(), 4096);
+    assert_eq!(
+        d.format_support(),
+        bdev::FormatSupport::Exclusive {
+            min_block_size: 4096
+        }
+    );
+}
+
+/// A loop device attached for one test, detached on drop.
+struct LoopDev {
+    path: std::path::PathBuf,
+}
+
+impl LoopDev {
+    fn attach(file: &std::path::Path, sector: u32) -> Option<LoopDev> {
+        let out = std::process::Command::new("losetup")
+            .args(["--find", "--show", "--sector-size", &sector.to_string()])
+            .arg(file)
+            .output()
+            .ok()?;
+        if !out.status.success() {
+            return None;
+        }
+        let path = String::from_utf8(out.stdout).ok()?.trim().to_string();
+        Some(LoopDev { path: path.into() })
+    }
+}
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup")
+            .arg("-d")
+            .arg(&self.path)
+            .status();
+    }
+}

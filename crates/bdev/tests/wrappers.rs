@@ -648,3 +648,25 @@ fn wrappers_resize_their_backend_and_keep_their_state() {
     assert_eq!(e.kind(), std::io::ErrorKind::Unsupported);
     assert!(e.to_string().contains("offset= and size="), "{e}");
 }
+
+// ---------------------------------------------------------------- format support
+
+/// Memory backends can take any block size; a slice is a window others may share;
+/// QoS and fault wrappers answer for what they wrap.
+#[test]
+fn format_support_through_wrappers() {
+    use bdev::FormatSupport;
+    let any = FormatSupport::Exclusive {
+        min_block_size: 512,
+    };
+    let ram: Arc<dyn BlockDevice> = Arc::new(RamDisk::new(MIB, 4096).unwrap());
+    let null: Arc<dyn BlockDevice> = Arc::new(NullDisk::new(MIB, 512).unwrap());
+    assert_eq!(ram.format_support(), any);
+    assert_eq!(null.format_support(), any);
+    let slice: Arc<dyn BlockDevice> = Arc::new(SliceDisk::new(ram.clone(), 0, MIB).unwrap());
+    assert_eq!(slice.format_support(), FormatSupport::Shared);
+    let qos = QosDisk::new(ram.clone(), QosLimits::default()).unwrap();
+    assert_eq!(qos.format_support(), any);
+    let fault = FaultDisk::new(slice, FaultConfig::default()).unwrap();
+    assert_eq!(fault.format_support(), FormatSupport::Shared);
+}

@@ -16,6 +16,7 @@ pub mod opc {
     pub const ASYNC_EVENT: u8 = 0x0c;
     pub const KEEP_ALIVE: u8 = 0x18;
     pub const DOORBELL_BUFFER_CONFIG: u8 = 0x7c;
+    pub const FORMAT_NVM: u8 = 0x80;
 
     pub const FLUSH: u8 = 0x00;
     pub const WRITE: u8 = 0x01;

@@ -3,17 +3,18 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use bdev::BlockDevice;
 use crossbeam_channel::Receiver;
 use engine::{Engine, Placer, PollMode, PollerId, Waker};
 use guest_mem::{Access, DmaSpace, SharedMem};
 
 use crate::admin::features::Features;
+use crate::admin::format::FormatRun;
 use crate::io::{GroupPoller, QueueGroup, Shadow};
 use crate::log::{Counters, ErrorEntry, ErrorLog, Totals};
+use crate::namespaces::Ns;
 use crate::queue::{db_index, CqRing, SqRing, Sqe};
 use crate::regs::{self, Regs};
 use crate::status::Status;
@@ -229,7 +230,12 @@ pub(crate) struct State {
     pub retired_queues: BTreeMap<u16, trace::QueueSnapshot>,
     pub admin_commands: u64,
     /// Active namespaces by `nsid - 1` (the reactors hold their own copy per group).
-    pub ns: Vec<Option<Arc<dyn BlockDevice>>>,
+    pub ns: Vec<Option<Ns>>,
+    /// The Format NVM in progress (one at a time).
+    pub format: Option<FormatRun>,
+    /// Admin commands that finished after they left `exec_admin` (Format NVM), as
+    /// (CID, status): posted by the next `admin_poll`.
+    pub done: VecDeque<(u16, Status)>,
     /// Changed Namespace List (log page 04h) since the host last read it.
     pub changed_ns: std::collections::BTreeSet<u32>,
     /// A Namespace Attribute Changed event was queued and the host has not read the
@@ -252,6 +258,8 @@ impl State {
 }
 
 pub(crate) struct Inner {
+    /// Itself, for work that outlives a call (a Format NVM's erase thread).
+    pub me: Weak<Inner>,
     pub cfg: ControllerConfig,
     pub shared: Arc<Shared>,
     pub engine: Arc<Engine>,
@@ -262,16 +270,18 @@ pub(crate) struct Inner {
 
 impl Inner {
     pub fn new(
+        me: Weak<Inner>,
         cfg: ControllerConfig,
         shared: Arc<Shared>,
         engine: Arc<Engine>,
         placer: Placer,
         mem: Arc<DmaSpace>,
-        ns: Vec<Option<Arc<dyn BlockDevice>>>,
+        ns: Vec<Option<Ns>>,
     ) -> Inner {
         let cap = regs::capabilities(cfg.max_queue_entries.saturating_sub(1));
         let features = Features::new(&cfg, shared.wce.load(Ordering::Relaxed));
         Inner {
+            me,
             cfg,
             shared,
             engine,
@@ -289,6 +299,8 @@ impl Inner {
                 retired_queues: BTreeMap::new(),
                 admin_commands: 0,
                 ns,
+                format: None,
+                done: VecDeque::new(),
                 changed_ns: Default::default(),
                 ns_event_masked: false,
                 placer,
@@ -419,6 +431,11 @@ impl Inner {
         st.admin = None;
         st.aer.clear();
         st.events.clear();
+        // A format in progress carries on, but its command went with the queues.
+        st.done.clear();
+        if let Some(f) = &mut st.format {
+            f.cid = None;
+        }
         st.changed_ns.clear();
         st.ns_event_masked = false;
         st.shadow = None;
@@ -433,8 +450,8 @@ impl Inner {
         self.shared.fatal.store(false, Ordering::Release);
     }
 
-    pub fn any_write_cache(ns: &[Option<Arc<dyn BlockDevice>>]) -> bool {
-        ns.iter().flatten().any(|d| d.info().write_cache)
+    pub fn any_write_cache(ns: &[Option<Ns>]) -> bool {
+        ns.iter().flatten().any(|n| n.info.write_cache)
     }
 
     /// Full reset: like CC.EN 1->0 plus every register back to its reset value.
@@ -555,7 +572,7 @@ impl Inner {
         }
         q.cq.head = head as u16;
         let pending_aer = !st.events.is_empty() && !st.aer.is_empty();
-        if tail as u16 == q.sq.head && !pending_aer {
+        if tail as u16 == q.sq.head && !pending_aer && st.done.is_empty() {
             return 0;
         }
         let (_, map) = self.mem.snapshot();
@@ -567,6 +584,25 @@ impl Inner {
             return 0;
         };
         let mut posted = 0usize;
+        while q.cq.free() > 0 {
+            let Some((cid, status)) = st.done.pop_front() else {
+                break;
+            };
+            if !status.is_ok() {
+                self.shared.record_error(ErrorEntry {
+                    count: 0,
+                    sqid: 0,
+                    cid,
+                    status,
+                    lba: 0,
+                    nsid: 0,
+                });
+            }
+            if !q.cq.post(&cq_ring, 0, q.sq.head, 0, cid, status) {
+                break;
+            }
+            posted += 1;
+        }
         while q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
             let (Some(ev), cid) = (st.events.pop_front(), st.aer.remove(0)) else {
                 break;
@@ -626,6 +662,7 @@ impl Drop for Inner {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        self.cancel_format(&st);
         self.teardown_queues(&mut st);
     }
 }

@@ -26,6 +26,8 @@ pub(crate) struct Facts<'a> {
     pub wce: bool,
     /// Largest transfer (MDTS) in bytes.
     pub mdts_bytes: u64,
+    /// A Format NVM is erasing the namespace.
+    pub formatting: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,6 +86,9 @@ pub(crate) fn decode(sqe: &Sqe, ns: Option<Facts<'_>>) -> Result<IoCmd, Status> 
     let Some(ns) = ns else {
         return Err(Status::INVALID_NAMESPACE);
     };
+    if ns.formatting {
+        return Err(Status::FORMAT_IN_PROGRESS);
+    }
     let info = ns.info;
     match op {
         OP_FLUSH => Ok(IoCmd::Flush),
@@ -160,8 +165,15 @@ mod tests {
                 info,
                 wce,
                 mdts_bytes: 128 << 10,
+                formatting: false,
             })
         };
+        let formatting = Some(Facts {
+            info: &plain,
+            wce: true,
+            mdts_bytes: 128 << 10,
+            formatting: true,
+        });
         let rw = |write, slba, nlb: u64, fua| {
             Ok(IoCmd::Rw {
                 write,
@@ -269,6 +281,24 @@ mod tests {
                 sqe(OP_READ, 0, 9, [0; 3]),
                 None,
                 Err(S::INVALID_NAMESPACE),
+            ),
+            (
+                "read while formatting",
+                sqe(OP_READ, 0, 1, [0; 3]),
+                formatting,
+                Err(S::FORMAT_IN_PROGRESS),
+            ),
+            (
+                "flush while formatting",
+                sqe(OP_FLUSH, 0, 1, [0; 3]),
+                formatting,
+                Err(S::FORMAT_IN_PROGRESS),
+            ),
+            (
+                "unknown opcode while formatting",
+                sqe(0x7f, 0, 1, [0; 3]),
+                formatting,
+                Err(S::INVALID_OPCODE),
             ),
             (
                 "flush",

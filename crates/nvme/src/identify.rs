@@ -1,9 +1,7 @@
 //! Identify data structures (NVMe 1.4 §5.15).
 
-use bdev::BlockDevice;
-use std::sync::Arc;
-
 use crate::log::ERROR_LOG_ENTRIES;
+use crate::namespaces::Ns;
 use crate::ControllerConfig;
 
 /// PCI vendor id reported in Identify Controller. Placeholder: udrive has no
@@ -72,13 +70,24 @@ pub(crate) fn uuid(serial: &str, nsid: u32) -> [u8; 16] {
     u
 }
 
-pub(crate) fn controller(
-    cfg: &ControllerConfig,
-    mdts: u8,
-    ns: &[Option<Arc<dyn BlockDevice>>],
-) -> Vec<u8> {
+/// LBA data sizes every namespace lists (Identify Namespace LBAF0, LBAF1), without
+/// metadata; Format NVM's LBAF field indexes this.
+pub(crate) const LBA_FORMATS: [u32; 2] = [512, 4096];
+
+/// The LBA formats a namespace whose current block size is `current` lists, and
+/// the index of `current` among them (FLBAS): [`LBA_FORMATS`], or only its own size
+/// for a backend with another one (check_block_size allows any power of two; none
+/// of udrive's configurations makes one).
+pub(crate) fn lba_formats(current: &u32) -> (&[u32], usize) {
+    match LBA_FORMATS.iter().position(|f| f == current) {
+        Some(k) => (&LBA_FORMATS, k),
+        None => (std::slice::from_ref(current), 0),
+    }
+}
+
+pub(crate) fn controller(cfg: &ControllerConfig, mdts: u8, ns: &[Option<Ns>]) -> Vec<u8> {
     let mut b = vec![0u8; 4096];
-    let any = |f: fn(&bdev::BlockInfo) -> bool| ns.iter().flatten().any(|d| f(d.info()));
+    let any = |f: fn(&bdev::BlockInfo) -> bool| ns.iter().flatten().any(|n| f(&n.info));
     put(&mut b, 0, &VENDOR_ID.to_le_bytes());
     put(&mut b, 2, &VENDOR_ID.to_le_bytes());
     put(&mut b, 4, &padded(&cfg.serial, 20));
@@ -91,7 +100,8 @@ pub(crate) fn controller(
     // OAES: Namespace Attribute Notices.
     put(&mut b, 92, &crate::namespaces::AEC_NS_ATTR.to_le_bytes());
     b[111] = 1; // CNTRLTYPE: I/O controller
-    put(&mut b, 256, &(1u16 << 8).to_le_bytes()); // OACS: Doorbell Buffer Config
+                // OACS: Format NVM, Doorbell Buffer Config.
+    put(&mut b, 256, &(1u16 << 1 | 1u16 << 8).to_le_bytes());
     b[258] = 3; // ACL
     b[259] = AERL;
     b[260] = 0x03; // FRMW: one slot, slot 1 read-only
@@ -113,6 +123,9 @@ pub(crate) fn controller(
         oncs |= 1 << 3;
     }
     put(&mut b, 520, &oncs.to_le_bytes());
+    // FNA: formats and secure erases apply to the namespace given (bits 0 and 1
+    // clear, so NSID FFFFFFFFh formats every active one), no cryptographic erase.
+    b[524] = 0;
     // VWC: present iff some backend caches writes; Flush to the broadcast NSID is
     // not supported (bits 2:1 = 10b).
     b[525] = if any(|i| i.write_cache) { 0x05 } else { 0 };
@@ -124,26 +137,34 @@ pub(crate) fn controller(
     b
 }
 
-pub(crate) fn namespace(cfg: &ControllerConfig, nsid: u32, dev: &dyn BlockDevice) -> Vec<u8> {
-    let i = dev.info();
+pub(crate) fn namespace(cfg: &ControllerConfig, nsid: u32, ns: &Ns) -> Vec<u8> {
+    let i = &ns.info;
     let mut b = vec![0u8; 4096];
+    // NSZE, NCAP, NUSE: in blocks of the current format.
     put(&mut b, 0, &i.num_blocks.to_le_bytes());
     put(&mut b, 8, &i.num_blocks.to_le_bytes());
     put(&mut b, 16, &i.num_blocks.to_le_bytes());
     b[24] = 0; // NSFEAT
-    b[25] = 0; // NLBAF: one format
-    b[26] = 0; // FLBAS
-               // DLFEAT: deallocated blocks read as zeroes; Write Zeroes may deallocate.
+               // LBA formats (LBADS in bits 23:16, no metadata) and FLBAS, the current one.
+    let (formats, current) = lba_formats(&i.block_size);
+    b[25] = (formats.len() - 1) as u8; // NLBAF, 0's based
+    b[26] = current as u8; // FLBAS
+    for (k, f) in formats.iter().enumerate() {
+        put(
+            &mut b,
+            128 + 4 * k,
+            &(f.trailing_zeros() << 16).to_le_bytes(),
+        );
+    }
+    // DLFEAT: deallocated blocks read as zeroes; Write Zeroes may deallocate.
     b[33] = if i.discard_zeroes { 0x09 } else { 0 };
     b[99] = u8::from(i.read_only); // NSATTR: write protected
     put(&mut b, 104, &nguid(&cfg.serial, nsid));
-    let lbads = i.block_size.trailing_zeros();
-    put(&mut b, 128, &(lbads << 16).to_le_bytes());
     b
 }
 
 /// Active namespace ids greater than `after`.
-pub(crate) fn ns_list(after: u32, ns: &[Option<Arc<dyn BlockDevice>>]) -> Vec<u8> {
+pub(crate) fn ns_list(after: u32, ns: &[Option<Ns>]) -> Vec<u8> {
     let mut b = vec![0u8; 4096];
     let ids = ns
         .iter()

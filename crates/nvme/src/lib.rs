@@ -19,8 +19,12 @@
 //! submission queues form one poller owned by one engine reactor, which may sleep
 //! in `adaptive` and `event` modes (docs/decisions/0014-nvme-poll-modes.md).
 //!
-//! Not implemented: namespace management/attach, Format NVM, firmware
-//! commands, SGL Bit Bucket descriptors.
+//! Format NVM (`admin/format.rs`) changes a namespace between 512- and 4096-byte
+//! blocks and erases it on a thread of its own; the admin command completes when
+//! the erase is done.
+//!
+//! Not implemented: namespace management/attach, firmware commands, SGL Bit
+//! Bucket descriptors, metadata and protection information, cryptographic erase.
 
 #![forbid(unsafe_code)]
 
@@ -54,12 +58,40 @@ pub use identify::VENDOR_ID;
 pub use namespaces::NsError;
 pub use status::Status;
 
-/// Size of BAR0: registers, doorbells, MSI-X table, MSI-X PBA.
+/// Smallest BAR0: registers, doorbells, MSI-X table, MSI-X PBA, a page each. 16 KiB
+/// is also what Windows guests are reported to need (docs/decisions/0011).
 pub const BAR0_SIZE: u64 = 0x4000;
 /// Doorbells live at BAR0 0x1000..0x2000, i.e. the same offsets of the doorbell memfd.
 pub const DOORBELL_OFFSET: u64 = 0x1000;
 pub const MSIX_TABLE_OFFSET: u64 = 0x2000;
-pub const MSIX_PBA_OFFSET: u64 = 0x3000;
+
+/// Where the parts of BAR0 lie for a controller with a given number of MSI-X
+/// vectors ([`bar0_layout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bar0Layout {
+    /// A power of two, at least [`BAR0_SIZE`].
+    pub size: u64,
+    /// [`MSIX_TABLE_OFFSET`]: 16 bytes per vector.
+    pub msix_table: u64,
+    /// The page after the table: one bit per vector.
+    pub msix_pba: u64,
+}
+
+/// BAR0 for `msix_vectors` vectors: registers at 0, doorbells at 0x1000, the MSI-X
+/// table at 0x2000 and the PBA on the first page after it, each part page-aligned
+/// (the doorbell page is mapped by the client; the table and PBA are trapped). Up
+/// to 256 vectors the table fits one page and BAR0 is 16 KiB; 512 vectors (511 I/O
+/// queues) take 32 KiB.
+pub fn bar0_layout(msix_vectors: u16) -> Bar0Layout {
+    const PAGE: u64 = 0x1000;
+    let table_len = u64::from(msix_vectors.max(1)) * 16;
+    let msix_pba = MSIX_TABLE_OFFSET + table_len.next_multiple_of(PAGE);
+    Bar0Layout {
+        size: (msix_pba + PAGE).next_power_of_two().max(BAR0_SIZE),
+        msix_table: MSIX_TABLE_OFFSET,
+        msix_pba,
+    }
+}
 
 /// Idle time after which an `adaptive` queue group sleeps. Long enough that a
 /// guest at QD1 on a fast backend (next command ~10-30 µs after the last
@@ -204,6 +236,10 @@ impl Controller {
         }
         let doorbells =
             SharedMem::new("nvme-doorbells", 0x2000).map_err(ControllerError::Doorbells)?;
+        let namespaces: Vec<Option<namespaces::Ns>> = namespaces
+            .into_iter()
+            .map(|d| d.map(namespaces::Ns::new))
+            .collect();
         let vwc = ctrl::Inner::any_write_cache(&namespaces);
         let mdts = iov::effective_mdts(cfg.mdts);
         let shared = Arc::new(ctrl::Shared {
@@ -225,9 +261,9 @@ impl Controller {
                 .collect(),
         });
         shared.set_poll_mode(cfg.poll);
-        let inner = Arc::new(ctrl::Inner::new(
-            cfg, shared, engine, placer, mem, namespaces,
-        ));
+        let inner = Arc::new_cyclic(|me| {
+            ctrl::Inner::new(me.clone(), cfg, shared, engine, placer, mem, namespaces)
+        });
         service::register(&inner).map_err(ControllerError::AdminThread)?;
         Ok(Controller { inner })
     }
@@ -321,10 +357,12 @@ impl Controller {
         service::kick();
     }
 
-    /// Leaves the admin service and takes every queue off the reactors.
+    /// Leaves the admin service and takes every queue off the reactors. A Format
+    /// NVM in progress stops erasing before this returns.
     pub fn shutdown(&self) {
         self.inner.stop_admin();
         let mut st = self.inner.lock();
+        self.inner.cancel_format(&st);
         self.inner.disable(&mut st);
     }
 
@@ -346,8 +384,20 @@ impl Controller {
         st.ns
             .iter()
             .enumerate()
-            .filter_map(|(i, d)| d.clone().map(|d| (i as u32 + 1, d)))
+            .filter_map(|(i, n)| n.as_ref().map(|n| (i as u32 + 1, n.dev.clone())))
             .collect()
+    }
+
+    /// Namespace `nsid` as the host sees it: the backend's facts in the current LBA
+    /// format (a Format NVM changes the block size and count, not the backend).
+    pub fn namespace_info(&self, nsid: u32) -> Option<bdev::BlockInfo> {
+        let i = (nsid as usize).checked_sub(1)?;
+        self.inner
+            .lock()
+            .ns
+            .get(i)?
+            .as_ref()
+            .map(|n| n.info.clone())
     }
 
     pub fn max_namespaces(&self) -> u32 {
@@ -402,5 +452,24 @@ impl Controller {
             bytes_written: t.bytes_written,
             error_log_count,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bar0_grows_with_the_msix_table() {
+        let l = |v| {
+            let b = bar0_layout(v);
+            (b.size, b.msix_table, b.msix_pba)
+        };
+        assert_eq!(l(1), (0x4000, 0x2000, 0x3000));
+        assert_eq!(l(33), (0x4000, 0x2000, 0x3000));
+        assert_eq!(l(256), (0x4000, 0x2000, 0x3000));
+        assert_eq!(l(257), (0x8000, 0x2000, 0x4000));
+        assert_eq!(l(512), (0x8000, 0x2000, 0x4000));
+        assert_eq!(l(2048), (0x10000, 0x2000, 0xa000));
     }
 }

@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use bdev::BlockDevice;
+use bdev::{BlockDevice, BlockInfo};
 
 use crate::ctrl::{Inner, State};
 use crate::io::{NsChan, NsChange};
@@ -37,6 +37,27 @@ pub enum NsError {
     BlockSize(u32),
     #[error("cannot open an I/O channel on the backend: {0}")]
     Channel(std::io::Error),
+}
+
+/// An active namespace: its backend and what the host sees of it.
+#[derive(Clone)]
+pub(crate) struct Ns {
+    pub dev: Arc<dyn BlockDevice>,
+    /// The backend's facts in the current LBA format: after a Format NVM the block
+    /// size and count differ from `dev.info()` (the backend addresses bytes).
+    pub info: BlockInfo,
+    /// A Format NVM is erasing it: its I/O commands get Format In Progress.
+    pub formatting: bool,
+}
+
+impl Ns {
+    pub fn new(dev: Arc<dyn BlockDevice>) -> Ns {
+        Ns {
+            info: dev.info().clone(),
+            dev,
+            formatting: false,
+        }
+    }
 }
 
 pub(crate) fn check_block_size(dev: &dyn BlockDevice) -> Result<(), NsError> {
@@ -67,14 +88,15 @@ impl Inner {
             return Err(NsError::Exists(nsid));
         }
         // Channels are opened first so a failure changes nothing.
+        let ns = Ns::new(dev);
         let mut chans = Vec::new();
         for _ in 0..st.groups.len() {
-            chans.push(NsChan::open(&dev).map_err(NsError::Channel)?);
+            chans.push(NsChan::open(&ns).map_err(NsError::Channel)?);
         }
         if st.ns.len() <= i {
             st.ns.resize_with(i + 1, || None);
         }
-        st.ns[i] = Some(dev);
+        st.ns[i] = Some(ns);
         self.change_groups(&mut st, || chans.pop().map(|c| NsChange::Add(nsid, c)));
         self.namespace_changed(&mut st, nsid);
         Ok(())
@@ -83,10 +105,19 @@ impl Inner {
     pub(crate) fn remove_namespace(&self, nsid: u32) -> Result<Arc<dyn BlockDevice>, NsError> {
         let i = self.ns_range(nsid)?;
         let mut st = self.lock();
+        if st.ns.get(i).is_none_or(Option::is_none) {
+            return Err(NsError::NotFound(nsid));
+        }
+        // A format erasing it stops first: the backend may be handed to someone
+        // else as soon as this returns.
+        if st.format.as_ref().is_some_and(|f| f.nsids.contains(&nsid)) {
+            self.cancel_format(&st);
+        }
         let dev = st
             .ns
             .get_mut(i)
             .and_then(Option::take)
+            .map(|n| n.dev)
             .ok_or(NsError::NotFound(nsid))?;
         while st.ns.last().is_some_and(Option::is_none) {
             st.ns.pop();
@@ -97,7 +128,11 @@ impl Inner {
     }
 
     /// Takes every queue group off its reactor, applies the change, puts it back.
-    fn change_groups(&self, st: &mut State, mut change: impl FnMut() -> Option<NsChange>) {
+    pub(crate) fn change_groups(
+        &self,
+        st: &mut State,
+        mut change: impl FnMut() -> Option<NsChange>,
+    ) {
         let ids: Vec<u16> = st.groups.keys().copied().collect();
         for cqid in ids {
             let Some(mut g) = self.take_group(st, cqid) else {
@@ -114,7 +149,7 @@ impl Inner {
 
     /// Records `nsid` in the Changed Namespace List and queues the event unless one
     /// is already waiting for the host to read the log (or the host disabled it).
-    fn namespace_changed(&self, st: &mut State, nsid: u32) {
+    pub(crate) fn namespace_changed(&self, st: &mut State, nsid: u32) {
         if !st.regs.rdy {
             return;
         }

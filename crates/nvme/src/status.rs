@@ -29,12 +29,15 @@ impl Status {
     pub const COMMAND_SEQUENCE_ERROR: Status = generic(0x0c);
     pub const INVALID_NAMESPACE: Status = generic(0x0b);
     pub const INVALID_SGL_SEGMENT: Status = generic(0x0d);
+    pub const NAMESPACE_WRITE_PROTECTED: Status = generic(0x20);
     pub const INVALID_SGL_COUNT: Status = generic(0x0e);
     pub const DATA_SGL_LENGTH_INVALID: Status = generic(0x0f);
     pub const SGL_TYPE_INVALID: Status = generic(0x11);
     pub const PRP_OFFSET_INVALID: Status = generic(0x13);
     pub const LBA_OUT_OF_RANGE: Status = generic(0x80);
     pub const CAPACITY_EXCEEDED: Status = generic(0x81);
+    /// Transient (the format ends), so the host may retry: no DNR.
+    pub const FORMAT_IN_PROGRESS: Status = Status(0x84);
 
     pub const CQ_INVALID: Status = specific(0x00);
     pub const INVALID_QUEUE_ID: Status = specific(0x01);
@@ -42,6 +45,7 @@ impl Status {
     pub const AER_LIMIT_EXCEEDED: Status = specific(0x05);
     pub const INVALID_VECTOR: Status = specific(0x08);
     pub const INVALID_LOG_PAGE: Status = specific(0x09);
+    pub const INVALID_FORMAT: Status = specific(0x0a);
     pub const INVALID_QUEUE_DELETION: Status = specific(0x0c);
     pub const FEATURE_NOT_SAVEABLE: Status = specific(0x0d);
     pub const WRITE_TO_READ_ONLY: Status = specific(0x82);

@@ -98,7 +98,9 @@ impl BackendSet {
             }
         };
         let mut dev = base;
-        if ns.slice.is_some() {
+        // A `shared` namespace is a window on a file others may use, whatever its
+        // bounds: as a slice it refuses Format NVM (bdev::FormatSupport::Shared).
+        if ns.slice.is_some() || ns.shared {
             let (off, len) = slice_range(ns, dev.info().size_bytes())?;
             dev = Arc::new(SliceDisk::new(dev, off, len)?);
         }

@@ -119,12 +119,13 @@ impl NvmeDevice {
             adaptive_idle: std::time::Duration::from_micros(cfg.poll_idle_us),
             ..Default::default()
         };
+        let bar0 = nvme::bar0_layout(nvme_cfg.msix_vectors);
         let msix = MsixSpec {
             vectors: nvme_cfg.msix_vectors,
             table_bar: 0,
-            table_offset: nvme::MSIX_TABLE_OFFSET as u32,
+            table_offset: bar0.msix_table as u32,
             pba_bar: 0,
-            pba_offset: nvme::MSIX_PBA_OFFSET as u32,
+            pba_offset: bar0.msix_pba as u32,
         };
         let irqs = Irqs::new(msix.vectors);
         let ctrl = nvme::Controller::new(
@@ -151,7 +152,7 @@ impl NvmeDevice {
                 revision: 1,
             },
             bar0: BarSpec {
-                size: nvme::BAR0_SIZE,
+                size: bar0.size,
                 mmap_fd: Some(doorbell_fd),
                 fd_offset: 0,
                 sparse: vec![SparseArea {
@@ -297,7 +298,7 @@ impl crate::frontend::FrontEnd for NvmeDevice {
                 "io_completion_queues": st.io_completion_queues,
                 "queue_groups": groups,
             },
-            "namespaces": d.namespaces.iter().map(|(id, ns)| crate::rpc::methods::namespace_json(*id, ns)).collect::<Vec<_>>(),
+            "namespaces": d.namespaces.iter().map(|(id, ns)| crate::rpc::methods::namespace_json(*id, ns, d.ctrl.namespace_info(*id))).collect::<Vec<_>>(),
         })
     }
     fn banner(&self) -> String {

@@ -194,3 +194,324 @@ fn identify_io_command_set_specific_structures() {
     drop(d);
     dev.check_fresh_client(6);
 }
+
+/// Format NVM of `nsid` to LBA format `lbaf` (0: 512 B, 1: 4096 B) with Secure
+/// Erase Settings `ses` and Protection Information `pi`.
+fn format_nvm(nsid: u32, lbaf: u32, ses: u32, pi: u32) -> Sqe {
+    Sqe {
+        nsid,
+        cdw10: lbaf | (pi << 5) | (ses << 9),
+        ..Sqe::new(opc::FORMAT_NVM)
+    }
+}
+
+/// Identify Namespace bytes 24..34 and the first two LBA formats: (NLBAF, FLBAS,
+/// LBADS of LBAF0 and LBAF1).
+fn lba_formats(d: &NvmeDriver, nsid: u32) -> (u8, u8, [u8; 2]) {
+    let p = d
+        .admin_read_page(Sqe::identify(0, nsid))
+        .expect("identify namespace");
+    (p[25], p[26], [p[130], p[134]])
+}
+
+/// Fills LBAs `0..n` (in the namespace's current block size) with `byte`.
+fn fill(qp: &mut initiator::QueuePair, nsid: u32, lba: u32, n: u32, byte: u8) {
+    let buf = qp.alloc_buf((lba * n) as usize).expect("buffer");
+    buf.write(0, &vec![byte; (lba * n) as usize]).expect("fill");
+    let c = io(
+        qp,
+        initiator::IoOp::Write,
+        nsid,
+        0,
+        n,
+        Some(&buf),
+        initiator::DataMode::Prp,
+    );
+    assert_ok(&c, "fill");
+}
+
+/// The first `n` blocks of `nsid` read back.
+fn head(qp: &mut initiator::QueuePair, nsid: u32, lba: u32, n: u32) -> Vec<u8> {
+    let buf = qp.alloc_buf((lba * n) as usize).expect("buffer");
+    buf.write(0, &vec![0xee; (lba * n) as usize])
+        .expect("poison");
+    let c = io(
+        qp,
+        initiator::IoOp::Read,
+        nsid,
+        0,
+        n,
+        Some(&buf),
+        initiator::DataMode::Sgl,
+    );
+    assert_ok(&c, "read");
+    let mut b = vec![0u8; (lba * n) as usize];
+    buf.read(0, &mut b).expect("read back");
+    b
+}
+
+/// Format NVM on ram, null and file namespaces: to 4096-byte blocks and back,
+/// erased (with and without Secure Erase), Identify and `get_devices` updated, a
+/// Namespace Attribute Changed event, I/O in the new block size up to the new end.
+#[test]
+fn format_nvm_changes_the_block_size_and_erases() {
+    let (_dir, img) = disk_file("fmt.img", 8 << 20);
+    let file = format!("file:{}", img.display());
+    let dev = TestDev::start("format", &["ram:8M", "null:8M", &file]);
+    let mut d = dev.connect();
+    let raw = d
+        .admin_read_page(Sqe::identify(1, 0))
+        .expect("identify controller page");
+    assert_eq!(raw[256] & 0b10, 0b10, "OACS: Format NVM");
+    assert_eq!(raw[524], 0, "FNA: per namespace, no cryptographic erase");
+    d.enable_ns_events().expect("AER");
+    let mut qp = d.create_qpair(16, false).expect("queue pair");
+    for nsid in 1..=3u32 {
+        assert_eq!(lba_formats(&d, nsid), (1, 0, [9, 12]), "ns {nsid} before");
+        fill(&mut qp, nsid, 512, 16, 0xa5);
+        for (lbaf, ses, lba) in [(1u32, 1u32, 4096u32), (0, 0, 512)] {
+            let c = d.admin(format_nvm(nsid, lbaf, ses, 0)).expect("format");
+            assert_ok(&c, &format!("ns {nsid}: format to {lba} (SES {ses})"));
+            let ev = d.wait_event(T).expect("namespace event");
+            assert!(ev.is_namespace_change(), "{ev:?}");
+            assert_eq!(d.rescan_namespaces().expect("rescan"), vec![nsid]);
+            let ns = d.namespace(nsid).expect("namespace").clone();
+            assert_eq!((ns.lba_size, ns.nsze), (lba, (8 << 20) / u64::from(lba)));
+            assert_eq!(lba_formats(&d, nsid), (1, lbaf as u8, [9, 12]));
+            let info = &dev.json()["namespaces"][nsid as usize - 1];
+            assert_eq!(info["block_size"], lba, "get_devices");
+            assert_eq!(info["size_bytes"], 8 << 20);
+            if nsid != 2 {
+                // The null backend keeps no data to erase.
+                let data = head(&mut qp, nsid, lba, 8192 / lba);
+                assert!(data.iter().all(|b| *b == 0), "ns {nsid}: erased");
+            }
+            // The new last block is addressable, one past it is not.
+            let buf = qp.alloc_buf(lba as usize).expect("buffer");
+            let last = ns.nsze - 1;
+            let c = io(
+                &mut qp,
+                initiator::IoOp::Write,
+                nsid,
+                last,
+                1,
+                Some(&buf),
+                initiator::DataMode::Prp,
+            );
+            assert_ok(&c, "write the last block");
+            let c = io(
+                &mut qp,
+                initiator::IoOp::Read,
+                nsid,
+                last + 1,
+                1,
+                Some(&buf),
+                initiator::DataMode::Prp,
+            );
+            assert_status(&c, 0, 0x80, "one past the end");
+            fill(&mut qp, nsid, lba, 2, 0x3c);
+        }
+    }
+    // The file's bytes themselves were zeroed (then 1 KiB written at the start).
+    assert!(file_bytes(&img, 1024, 8192).iter().all(|b| *b == 0));
+    d.delete_qpair(qp).expect("delete queue pair");
+    drop(d);
+    dev.check_fresh_client(7);
+}
+
+/// What cannot be formatted is refused with a status that says why, and nothing
+/// changes: LBA formats beyond the two listed, protection information (no
+/// metadata), cryptographic erase, slices and `shared` namespaces (a window on a
+/// backend others use), a read-only namespace; NSID FFFFFFFFh is all or nothing.
+#[test]
+fn format_nvm_refusals() {
+    let (_dir, img) = disk_file("shared.img", 32 << 20);
+    let (_dir2, ro) = disk_file("ro.img", 4 << 20);
+    let (_dir3, whole) = disk_file("whole.img", 4 << 20);
+    let slice = format!("file:{},offset=8M,size=8M", img.display());
+    let shared = format!("file:{},shared", whole.display());
+    let ro = format!("file:{},ro", ro.display());
+    let dev = TestDev::start("fmtrefuse", &["ram:4M", &slice, &shared, &ro]);
+    let d = dev.connect();
+    let mut qp = d.create_qpair(16, false).expect("queue pair");
+    fill(&mut qp, 1, 512, 8, 0x42);
+    let cases = [
+        ("LBA format 2", format_nvm(1, 2, 0, 0), (1, 0x0a)),
+        ("LBA format 15", format_nvm(1, 15, 0, 0), (1, 0x0a)),
+        ("protection information", format_nvm(1, 1, 0, 1), (1, 0x0a)),
+        ("cryptographic erase", format_nvm(1, 1, 2, 0), (0, 0x02)),
+        ("slice", format_nvm(2, 1, 1, 0), (0, 0x0b)),
+        ("shared namespace", format_nvm(3, 1, 1, 0), (0, 0x0b)),
+        ("read-only namespace", format_nvm(4, 1, 1, 0), (0, 0x20)),
+        (
+            "every namespace",
+            format_nvm(0xffff_ffff, 1, 0, 0),
+            (0, 0x0b),
+        ),
+        ("inactive namespace", format_nvm(9, 1, 0, 0), (0, 0x0b)),
+    ];
+    for (what, sqe, (sct, sc)) in cases {
+        let c = d.admin(sqe).expect("format");
+        assert_status(&c, sct, sc, what);
+    }
+    for nsid in 1..=4 {
+        assert_eq!(lba_formats(&d, nsid), (1, 0, [9, 12]), "ns {nsid} kept");
+    }
+    assert!(
+        head(&mut qp, 1, 512, 8).iter().all(|b| *b == 0x42),
+        "data kept"
+    );
+    d.delete_qpair(qp).expect("delete queue pair");
+    drop(d);
+    dev.check_fresh_client(8);
+}
+
+/// A loop device for one test, detached on drop (needs root; `None` otherwise).
+struct LoopDev(std::path::PathBuf);
+
+impl LoopDev {
+    fn attach(file: &std::path::Path, sector: u32) -> Option<LoopDev> {
+        let out = std::process::Command::new("losetup")
+            .args(["--find", "--show", "--sector-size", &sector.to_string()])
+            .arg(file)
+            .output()
+            .ok()?;
+        let path = String::from_utf8(out.stdout).ok()?.trim().to_string();
+        (out.status.success() && !path.is_empty()).then(|| LoopDev(path.into()))
+    }
+}
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup")
+            .arg("-d")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// Block devices through O_DIRECT: one with 4096-byte sectors cannot present
+/// 512-byte blocks (Invalid Format) but can be erased in its own format; one with
+/// 512-byte sectors opened with `bs=4096` can go down to 512. Needs root for the
+/// loop devices; skipped otherwise.
+#[test]
+fn format_nvm_follows_the_device_sector_size() {
+    let (_dir, img4k) = disk_file("4k.img", 4 << 20);
+    let (_dir2, img512) = disk_file("512.img", 4 << 20);
+    let (Some(dev4k), Some(dev512)) =
+        (LoopDev::attach(&img4k, 4096), LoopDev::attach(&img512, 512))
+    else {
+        eprintln!("skipped: cannot attach loop devices (not root?)");
+        return;
+    };
+    let ns4k = format!("file:{}", dev4k.0.display());
+    let ns512 = format!("file:{},bs=4096", dev512.0.display());
+    let dev = TestDev::start("fmtsector", &[&ns4k, &ns512]);
+    let d = dev.connect();
+    assert_eq!(lba_formats(&d, 1), (1, 1, [9, 12]), "4Kn device: 4096 now");
+    let mut qp = d.create_qpair(16, false).expect("queue pair");
+    fill(&mut qp, 1, 4096, 2, 0x99);
+    let c = d.admin(format_nvm(1, 0, 1, 0)).expect("format");
+    assert_status(&c, 1, 0x0a, "512-byte blocks on a 4Kn device");
+    assert!(head(&mut qp, 1, 4096, 2).iter().all(|b| *b == 0x99));
+    assert_ok(
+        &d.admin(format_nvm(1, 1, 1, 0)).expect("format"),
+        "erase 4Kn",
+    );
+    assert!(head(&mut qp, 1, 4096, 2).iter().all(|b| *b == 0));
+
+    assert_eq!(lba_formats(&d, 2), (1, 1, [9, 12]));
+    fill(&mut qp, 2, 4096, 2, 0x77);
+    assert_ok(&d.admin(format_nvm(2, 0, 1, 0)).expect("format"), "to 512");
+    assert_eq!(lba_formats(&d, 2), (1, 0, [9, 12]));
+    assert!(head(&mut qp, 2, 512, 16).iter().all(|b| *b == 0));
+    fill(&mut qp, 2, 512, 3, 0x12);
+    assert!(head(&mut qp, 2, 512, 3).iter().all(|b| *b == 0x12));
+    d.delete_qpair(qp).expect("delete queue pair");
+}
+
+/// The PCI function a guest's firmware and driver probe (what Windows' stornvme
+/// and its PnP manager look at; no Windows image runs here): identity and class
+/// 010802h, a type-0 header whose capability list is walkable (PM, MSI-X, PCI
+/// Express, no loop), BAR0 a 64-bit non-prefetchable memory BAR of at least 16 KiB
+/// whose size probe agrees with the region, no other BARs, and the MSI-X table and
+/// PBA inside BAR0 past the registers and doorbells. With 300 I/O queues (301
+/// vectors, more than one page of table) BAR0 grows instead of overlapping.
+#[test]
+fn pci_config_space_and_bar0_layout() {
+    use vfio_user::proto::{PCI_BAR0_REGION, PCI_CONFIG_REGION};
+    for io_queues in [32u16, 300] {
+        let dev = TestDev::start_with("pci", &["ram:4M"], |c| c.io_queues = io_queues);
+        let mut c = initiator::VfioUserClient::connect(&dev.sock).expect("connect");
+        let cfg_region = c.region_info(PCI_CONFIG_REGION).expect("config region");
+        assert_eq!(cfg_region.size, 4096, "PCIe extended config space");
+        let mut cfg = vec![0u8; 4096];
+        c.region_read(PCI_CONFIG_REGION, 0, &mut cfg)
+            .expect("read config");
+        let r16 = |o: usize| u16::from_le_bytes([cfg[o], cfg[o + 1]]);
+        let r32 = |b: &[u8], o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        assert_eq!(r16(0), udrive::device::PCI_VENDOR);
+        assert_eq!(r16(2), udrive::device::PCI_DEVICE_NVME);
+        assert_eq!(&cfg[9..12], &[0x02, 0x08, 0x01], "class: NVM Express");
+        assert_eq!(cfg[0x0e] & 0x7f, 0, "type-0 header");
+        assert_ne!(r16(0x06) & 0x10, 0, "capability list");
+        assert_eq!(cfg[0x3d], 1, "INTA#");
+
+        // BAR0: memory, 64-bit, not prefetchable; its size probe.
+        let bar0 = r32(&cfg, 0x10);
+        assert_eq!(bar0 & 0xf, 0b0100, "64-bit memory BAR, not prefetchable");
+        let probe = |c: &mut initiator::VfioUserClient, off: u64| {
+            c.region_write(PCI_CONFIG_REGION, off, &[0xff; 4], false)
+                .expect("size probe");
+            let mut b = [0u8; 4];
+            c.region_read(PCI_CONFIG_REGION, off, &mut b)
+                .expect("read back");
+            u32::from_le_bytes(b)
+        };
+        let mask = u64::from(probe(&mut c, 0x10) & !0xf) | u64::from(probe(&mut c, 0x14)) << 32;
+        let size = (!mask).wrapping_add(1);
+        assert!(size.is_power_of_two() && size >= 0x4000, "BAR0 {size:#x}");
+        let region = c.region_info(PCI_BAR0_REGION).expect("BAR0 region");
+        assert_eq!(region.size, size, "BAR0 region and size probe agree");
+        for off in (0x18..0x28).step_by(4) {
+            assert_eq!(probe(&mut c, off), 0, "BAR at {off:#x} is not implemented");
+        }
+
+        // The capability chain, bounded against loops.
+        let mut caps = Vec::new();
+        let mut p = usize::from(cfg[0x34]);
+        while p != 0 {
+            assert!(
+                (0x40..0x100).contains(&p) && p % 4 == 0,
+                "capability at {p:#x}"
+            );
+            assert!(caps.len() < 48, "capability list loops");
+            caps.push((cfg[p], p));
+            p = usize::from(cfg[p + 1]);
+        }
+        let ids: Vec<u8> = caps.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, [0x01, 0x11, 0x10], "PM, MSI-X, PCI Express");
+        assert_eq!(r32(&cfg, 0x100), 0, "no extended capabilities");
+        let pcie = caps[2].1;
+        assert_eq!(cfg[pcie + 2] & 0xf, 2, "PCI Express capability version 2");
+        assert_eq!(cfg[pcie + 2] >> 4, 0, "endpoint");
+
+        // MSI-X: one vector per queue plus the admin queue, table and PBA in BAR0.
+        let msix = caps[1].1;
+        let vectors = u64::from(r16(msix + 2) & 0x7ff) + 1;
+        assert_eq!(vectors, u64::from(io_queues) + 1);
+        let (table, pba) = (r32(&cfg, msix + 4), r32(&cfg, msix + 8));
+        assert_eq!((table & 7, pba & 7), (0, 0), "both in BAR0");
+        let (table, pba) = (u64::from(table & !7), u64::from(pba & !7));
+        assert!(table >= 0x2000, "past the registers and doorbells");
+        assert!(table + vectors * 16 <= pba, "table before the PBA");
+        assert!(pba + vectors.div_ceil(64) * 8 <= size, "PBA inside BAR0");
+        let want = nvme::bar0_layout(io_queues + 1);
+        assert_eq!(
+            (size, table, pba),
+            (want.size, want.msix_table, want.msix_pba)
+        );
+        drop(c);
+        dev.check_fresh_client(9);
+    }
+}

@@ -101,7 +101,9 @@ pub(super) struct UringChannel {
     coop: bool,
     file: Arc<File>,
     size: u64,
-    block_size: u64,
+    /// Offsets and lengths must be multiples of this (the disk's I/O alignment,
+    /// which may be below the block size it presents).
+    align: u64,
     read_only: bool,
     direct: bool,
     slots: Vec<Slot>,
@@ -120,6 +122,7 @@ impl UringChannel {
     pub(super) fn new(
         file: Arc<File>,
         info: &BlockInfo,
+        align: u32,
         direct: bool,
         inline: bool,
     ) -> io::Result<Self> {
@@ -132,7 +135,7 @@ impl UringChannel {
             coop,
             file,
             size: info.size_bytes(),
-            block_size: u64::from(info.block_size),
+            align: u64::from(align),
             read_only: info.read_only,
             direct,
             slots: (0..n).map(|_| Slot::new()).collect(),
@@ -242,7 +245,7 @@ impl UringChannel {
         if total != req.len {
             return Some(IoStatus::Invalid);
         }
-        if !req.offset.is_multiple_of(self.block_size) || !req.len.is_multiple_of(self.block_size) {
+        if !req.offset.is_multiple_of(self.align) || !req.len.is_multiple_of(self.align) {
             return Some(IoStatus::Invalid);
         }
         if req.len == 0 {

@@ -82,6 +82,11 @@ pub struct FileDisk {
     path: PathBuf,
     file: Arc<File>,
     info: BlockInfo,
+    /// The smallest block size I/O works with: the device's logical sector size
+    /// for a block device, the O_DIRECT alignment for a direct file, else 512.
+    /// Requests need only be aligned to this, so the disk can present any
+    /// multiple of it (Format NVM).
+    align: u32,
     direct: bool,
     blkdev: bool,
     inline: bool,
@@ -163,6 +168,15 @@ impl FileDisk {
             direct = false;
             file = open_file(path, opts.read_only, false).map_err(|e| err(path, e.kind(), e))?;
         }
+        // A block size above what I/O needs (bs=4096 on a 512-byte device or
+        // filesystem) leaves room to present smaller blocks later.
+        let align = if blkdev {
+            dev_bs
+        } else if direct && block_size > 512 && !direct_works(&file, 512) {
+            block_size
+        } else {
+            512
+        };
         let inline = match opts.engine {
             FileEngine::Uring => false,
             FileEngine::Inline => true,
@@ -182,6 +196,7 @@ impl FileDisk {
             path: path.to_path_buf(),
             file: Arc::new(file),
             info,
+            align,
             direct,
             blkdev,
             inline,
@@ -196,6 +211,11 @@ impl FileDisk {
     /// Whether the inline engine is in effect (see [`FileEngine`]).
     pub fn inline(&self) -> bool {
         self.inline
+    }
+
+    /// The smallest block size its I/O works with (512 or 4096).
+    pub fn alignment(&self) -> u32 {
+        self.align
     }
 }
 
@@ -218,6 +238,7 @@ impl BlockDevice for FileDisk {
         Ok(Box::new(channel::UringChannel::new(
             self.file.clone(),
             &self.info,
+            self.align,
             self.direct,
             self.inline,
         )?))
@@ -264,6 +285,12 @@ impl BlockDevice for FileDisk {
             direct: self.direct,
             blkdev: self.blkdev,
             inline: self.inline,
+            align: self.align,
         }))
+    }
+    fn format_support(&self) -> crate::FormatSupport {
+        crate::FormatSupport::Exclusive {
+            min_block_size: self.align,
+        }
     }
 }

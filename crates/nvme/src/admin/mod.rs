@@ -2,6 +2,7 @@
 
 mod data;
 pub(crate) mod features;
+pub(crate) mod format;
 mod queues;
 
 use std::sync::atomic::Ordering;
@@ -94,6 +95,7 @@ impl Inner {
                 st.restart_keep_alive();
                 ok(0)
             }
+            format::FORMAT_NVM => self.format_nvm(st, sqe),
             _ => err(Status::INVALID_OPCODE),
         }
     }
@@ -141,8 +143,8 @@ impl Inner {
         }
     }
 
-    /// The backend of active namespace `nsid`.
-    fn active_ns(st: &State, nsid: u32) -> Option<&std::sync::Arc<dyn bdev::BlockDevice>> {
+    /// Active namespace `nsid`.
+    fn active_ns(st: &State, nsid: u32) -> Option<&crate::namespaces::Ns> {
         let i = (nsid as usize).checked_sub(1)?;
         st.ns.get(i)?.as_ref()
     }
@@ -153,7 +155,7 @@ impl Inner {
         let in_range = nsid != 0 && nsid <= self.cfg.max_namespaces;
         let data = match cns {
             0x00 => match Self::active_ns(st, nsid) {
-                Some(dev) => identify::namespace(&self.cfg, nsid, dev.as_ref()),
+                Some(ns) => identify::namespace(&self.cfg, nsid, ns),
                 // A valid but inactive NSID (e.g. just removed) reads as zeroes.
                 None if in_range => vec![0u8; 4096],
                 None => return err(Status::INVALID_NAMESPACE),

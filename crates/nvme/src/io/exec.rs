@@ -4,9 +4,8 @@
 //! command is executed at once.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
-use bdev::{BlockDevice, IoChannel, IoOp, IoRequest};
+use bdev::{BlockInfo, IoChannel, IoOp, IoRequest};
 use guest_mem::{Access, MemoryMap};
 use trace::{QueueRecorder, Stamps};
 
@@ -46,11 +45,17 @@ pub(super) fn is_write(op: u8) -> bool {
     matches!(op, OP_WRITE | OP_WRITE_ZEROES | OP_DSM)
 }
 
-fn facts<'a>(shared: &Shared, info: &'a bdev::BlockInfo) -> Facts<'a> {
+/// What decoding needs to know about namespace `c`.
+pub(super) fn facts<'a>(shared: &Shared, c: &'a NsChan) -> Facts<'a> {
+    facts_of(shared, &c.info, c.formatting)
+}
+
+fn facts_of<'a>(shared: &Shared, info: &'a BlockInfo, formatting: bool) -> Facts<'a> {
     Facts {
         info,
         wce: shared.wce.load(Ordering::Relaxed),
         mdts_bytes: shared.mdts_bytes,
+        formatting,
     }
 }
 
@@ -69,14 +74,12 @@ fn reset_slot(slot: &mut Slot, sqe: &Sqe) {
 /// current command), leaving what the submit needs in `slot`.
 pub(super) fn prepare_rw<'a>(
     map: &'a MemoryMap,
-    shared: &Shared,
-    dev: Option<&Arc<dyn BlockDevice>>,
+    facts: Option<Facts<'_>>,
     sqe: &Sqe,
     slot: &mut Slot,
     iov: &mut Iov<'a>,
 ) -> Result<(), Status> {
     reset_slot(slot, sqe);
-    let facts = dev.map(|d| facts(shared, d.info()));
     let IoCmd::Rw {
         write,
         slba,
@@ -108,7 +111,7 @@ pub(super) fn exec(
     slot: &mut Slot,
 ) -> Exec {
     reset_slot(slot, sqe);
-    let cmd = decode(sqe, nc.as_ref().map(|c| facts(shared, c.dev.info())));
+    let cmd = decode(sqe, nc.as_deref().map(|c| facts(shared, c)));
     let cmd = match cmd {
         Ok(c) => c,
         Err(s) => return Exec::Done(s),
@@ -132,13 +135,20 @@ fn exec_on(
     tag: u64,
     slot: &mut Slot,
 ) -> Exec {
-    let NsChan { dev, chan, .. } = nc;
+    let NsChan {
+        info,
+        formatting,
+        chan,
+        ..
+    } = nc;
+    let info: &BlockInfo = info;
     let chan: &mut dyn IoChannel = chan.as_mut();
     let (req, write) = match cmd {
         IoCmd::Flush => (IoRequest::without_data(IoOp::Flush, 0, 0, false), true),
         IoCmd::Rw { write, .. } => {
             let mut iov = Iov::new();
-            if let Err(s) = prepare_rw(map, shared, Some(dev), sqe, slot, &mut iov) {
+            let f = facts_of(shared, info, *formatting);
+            if let Err(s) = prepare_rw(map, Some(f), sqe, slot, &mut iov) {
                 return Exec::Done(s);
             }
             let req = IoRequest {
@@ -163,7 +173,7 @@ fn exec_on(
             )
         }
         IoCmd::Dsm { ranges, deallocate } => {
-            return dsm(map, dev.info(), chan, sqe, (ranges, deallocate), tag, slot);
+            return dsm(map, info, chan, sqe, (ranges, deallocate), tag, slot);
         }
     };
     submit(chan, tag, &req, write, &mut slot.stamps)

@@ -16,12 +16,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bdev::{Armed, BlockDevice, IoChannel};
+use bdev::{Armed, BlockInfo, IoChannel};
 use crossbeam_channel::Sender;
 use guest_mem::{DmaSpace, MemView, Pin};
 use trace::{QueueRecorder, Stamps};
 
 use crate::ctrl::Shared;
+use crate::namespaces::Ns;
 use crate::queue::{CqRing, SqRing};
 use crate::status::Status;
 
@@ -63,29 +64,40 @@ pub(crate) struct IoSq {
     ei: u16,
 }
 
-/// One namespace as a queue group sees it: its backend and this group's channel.
-/// `inflight` counts backend requests this channel still owes a completion.
+/// One namespace as a queue group sees it: its facts in the current LBA format and
+/// this group's channel on the backend. `inflight` counts backend requests this
+/// channel still owes a completion.
 pub(crate) struct NsChan {
-    dev: Arc<dyn BlockDevice>,
+    info: BlockInfo,
+    /// A Format NVM is erasing the namespace: commands get Format In Progress.
+    formatting: bool,
     chan: Box<dyn IoChannel>,
     inflight: u32,
 }
 
 impl NsChan {
-    pub fn open(dev: &Arc<dyn BlockDevice>) -> std::io::Result<NsChan> {
+    pub fn open(ns: &Ns) -> std::io::Result<NsChan> {
         Ok(NsChan {
-            dev: dev.clone(),
-            chan: dev.channel()?,
+            info: ns.info.clone(),
+            formatting: ns.formatting,
+            chan: ns.dev.channel()?,
             inflight: 0,
         })
     }
 }
 
 /// A change of the namespace table, applied to each group while it is off its
-/// reactor (see `Inner::change_namespaces`).
+/// reactor (see `Inner::change_groups`).
 pub(crate) enum NsChange {
     Add(u32, NsChan),
     Remove(u32),
+    /// Format NVM: new facts and whether the erase is still running. The channel
+    /// stays: backends address bytes, so a new block size needs no new channel.
+    Format {
+        nsid: u32,
+        info: BlockInfo,
+        formatting: bool,
+    },
 }
 
 /// The namespaces a group submits to.
@@ -170,6 +182,16 @@ impl NsTable {
                     self.live.pop();
                 }
             }
+            NsChange::Format {
+                nsid,
+                info,
+                formatting,
+            } => {
+                if let Some(c) = self.get_mut(nsid) {
+                    c.info = info;
+                    c.formatting = formatting;
+                }
+            }
         }
     }
 }
@@ -190,7 +212,7 @@ impl QueueGroup {
         mem: Arc<DmaSpace>,
         cq: CqRing,
         shadow: Option<Shadow>,
-        namespaces: &[Option<Arc<dyn BlockDevice>>],
+        namespaces: &[Option<Ns>],
     ) -> std::io::Result<Box<QueueGroup>> {
         let live = namespaces
             .iter()
@@ -234,6 +256,11 @@ impl QueueGroup {
             self.out.rec.ensure_namespaces(*nsid);
         }
         self.ns.apply(change);
+    }
+
+    /// Whether this group's channel on namespace `nsid` has requests in flight.
+    pub fn ns_busy(&self, nsid: u32) -> bool {
+        self.ns.get(nsid).is_some_and(|c| c.inflight > 0)
     }
 
     /// Detaches SQ `qid` after letting its in-flight commands finish.

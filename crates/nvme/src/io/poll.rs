@@ -12,7 +12,7 @@ use smallvec::SmallVec;
 use trace::Stamps;
 
 use super::completions::Completions;
-use super::exec::{exec, prepare_rw, Exec};
+use super::exec::{exec, facts, prepare_rw, Exec};
 use super::shadow::{behind, ei_stale, read_db, shadow_page, write_event_idx, Shadow};
 use super::{IoSq, NsTable, QueueGroup};
 use crate::ctrl::Shared;
@@ -273,8 +273,8 @@ fn fetch_and_submit<'m>(
                 batch.iov.clear();
             }
             batch.iov.next_command();
-            let dev = ns.get(sqe.nsid()).map(|c| &c.dev);
-            match prepare_rw(pass.map, pass.shared, dev, &sqe, slot, &mut batch.iov) {
+            let facts = ns.get(sqe.nsid()).map(|c| facts(pass.shared, c));
+            match prepare_rw(pass.map, facts, &sqe, slot, &mut batch.iov) {
                 Ok(()) => {
                     batch.cmds.push(idx);
                     None

@@ -233,9 +233,11 @@ pub(crate) fn qos_json(l: bdev::QosLimits) -> Value {
     })
 }
 
-pub(crate) fn namespace_json(nsid: u32, ns: &Namespace) -> Value {
+/// `info`: the namespace as the host sees it (after a Format NVM its block size
+/// is no longer the backend's); `None` uses the backend's.
+pub(crate) fn namespace_json(nsid: u32, ns: &Namespace, info: Option<bdev::BlockInfo>) -> Value {
     use bdev::BlockDevice;
-    let info = ns.qos.info();
+    let info = info.unwrap_or_else(|| ns.qos.info().clone());
     json!({
         "nsid": nsid,
         "spec": ns.spec.to_string(),

@@ -109,6 +109,12 @@ impl TestDev {
         &self.dev.as_ref().expect("device running").ctrl
     }
 
+    /// What `get_devices` reports for this controller.
+    pub fn json(&self) -> serde_json::Value {
+        use udrive::frontend::FrontEnd;
+        self.dev.as_ref().expect("device running").json()
+    }
+
     pub fn connect(&self) -> NvmeDriver {
         self.connect_with(opts())
     }
