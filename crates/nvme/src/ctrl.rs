@@ -1,194 +1,31 @@
-//! Controller state shared by the control path (registers, admin queue, queue
-//! registry) and the pieces reactors read (doorbell page, fatal flag, error log).
+//! The control path of a controller: registers, the admin queue, the registry of
+//! queue groups and where they run. What reactors read is in `shared.rs`.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
-use engine::{Engine, Placer, PollMode, PollerId, Waker};
-use guest_mem::{Access, DmaSpace, SharedMem};
+use engine::{Engine, Placer, PollerId, Waker};
+use guest_mem::{Access, DmaSpace};
 
 use crate::admin::features::Features;
 use crate::admin::format::FormatRun;
 use crate::io::{GroupPoller, QueueGroup, Shadow};
-use crate::log::{Counters, ErrorEntry, ErrorLog, Totals};
+use crate::log::{Counters, ErrorEntry, Totals};
 use crate::namespaces::Ns;
 use crate::queue::{db_index, CqRing, SqRing, Sqe};
 use crate::regs::{self, Regs};
+pub(crate) use crate::shared::Shared;
 use crate::status::Status;
-use crate::{ControllerConfig, InterruptSink, DOORBELL_OFFSET};
+use crate::{ControllerConfig, DOORBELL_OFFSET};
 
-/// What reactors share with the control path; read-mostly.
-pub(crate) struct Shared {
-    pub doorbells: SharedMem,
-    /// Set by a queue that saw a hostile doorbell or lost its ring: CSTS.CFS.
-    pub fatal: AtomicBool,
-    pub irqs: Arc<dyn InterruptSink>,
-    pub errors: Mutex<ErrorLog>,
-    /// Volatile Write Cache enable (Set Features 06h).
-    pub wce: AtomicBool,
-    pub mdts_bytes: u64,
-    /// Trace switch of all this controller's queues.
-    pub trace: Arc<trace::TraceControl>,
-    /// Budget of the controller's guest-triggerable log lines.
-    pub log: trace::LogLimiter,
-    /// How queue groups wait for work ([`PollMode`] as u8), switchable at run time.
-    pub poll: AtomicU8,
-    /// Spin time of an idle `adaptive` group before it sleeps.
-    pub idle: Duration,
-    /// The connected client got the doorbell page as an mmap area: its doorbell
-    /// writes land silently, so nothing can wake a sleeping group and every mode
-    /// polls busily until it reconnects.
-    pub mapped: AtomicBool,
-    /// Interrupt Coalescing (Feature 08h) as the host set it: threshold (0's based)
-    /// in bits 0-7, time in 100 µs units in bits 8-15; 0: off.
-    pub coalescing: AtomicU32,
-    /// Interrupt Vector Configuration (Feature 09h): Coalescing Disable per vector.
-    pub no_coalesce: Vec<AtomicBool>,
-    /// Each existing I/O queue's doorbell by index (`2 * qid + is_cq`): its size,
-    /// and for SQs the reactor of the owning group, which a doorbell written by
-    /// message wakes.
-    pub db_targets: Mutex<Vec<Option<DbTarget>>>,
-}
-
-/// What a doorbell written by message concerns (see `Shared::rang`).
-#[derive(Clone)]
-pub(crate) struct DbTarget {
-    pub size: u16,
-    pub waker: Option<Waker>,
-}
-
-impl Shared {
-    /// Publishes the interrupt features to the queue groups.
-    pub fn publish_interrupt_features(&self, f: &Features) {
-        self.coalescing
-            .store(f.coalescing & 0xffff, Ordering::Relaxed);
-        for (a, cd) in self.no_coalesce.iter().zip(&f.no_coalesce) {
-            a.store(*cd, Ordering::Relaxed);
-        }
-    }
-
-    /// Coalescing for `vector`: (completions per interrupt, longest delay), or
-    /// `None` when every batch signals.
-    pub fn coalescing_for(&self, vector: u16) -> Option<(u32, Duration)> {
-        let c = self.coalescing.load(Ordering::Relaxed);
-        let (thr, time) = (c & 0xff, (c >> 8) & 0xff);
-        let off = self
-            .no_coalesce
-            .get(usize::from(vector))
-            .is_none_or(|cd| cd.load(Ordering::Relaxed));
-        // Vector 0 is the admin queue's, which is never coalesced (NVMe 1.4 §5.21.1.8).
-        (c != 0 && time != 0 && vector != 0 && !off)
-            .then(|| (thr + 1, Duration::from_micros(100 * u64::from(time))))
-    }
-
-    pub fn poll_mode(&self) -> PollMode {
-        match self.poll.load(Ordering::Relaxed) {
-            1 => PollMode::Adaptive,
-            2 => PollMode::Event,
-            _ => PollMode::Busy,
-        }
-    }
-
-    pub fn set_poll_mode(&self, mode: PollMode) {
-        let v = match mode {
-            PollMode::Busy => 0,
-            PollMode::Adaptive => 1,
-            PollMode::Event => 2,
-        };
-        self.poll.store(v, Ordering::Relaxed);
-    }
-
-    /// How long an idle group spins before it may sleep; `None`: never.
-    pub fn sleep_after(&self) -> Option<Duration> {
-        if self.mapped.load(Ordering::Relaxed) {
-            return None;
-        }
-        match self.poll_mode() {
-            PollMode::Busy => None,
-            PollMode::Adaptive => Some(self.idle),
-            PollMode::Event => Some(Duration::ZERO),
-        }
-    }
-
-    /// Wakes every reactor that owns one of this controller's groups.
-    pub fn wake_all(&self) {
-        let targets = self.db_targets.lock().unwrap_or_else(|e| e.into_inner());
-        for w in targets.iter().flatten().filter_map(|t| t.waker.as_ref()) {
-            w.wake();
-        }
-    }
-
-    /// A doorbell arrived by message (it is in the page already). A value beyond
-    /// the queue is fatal at once (a sleeping group would not see it); an SQ tail
-    /// wakes the group's reactor. CQ head doorbells wake nobody: groups never wait
-    /// for CQ space while idle (they fetch only what the CQ can take).
-    fn rang(&self, off: u64, v: u32) {
-        let idx = ((off - DOORBELL_OFFSET) / 4) as usize;
-        let targets = self.db_targets.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(Some(t)) = targets.get(idx) else {
-            return;
-        };
-        if v >= u32::from(t.size) {
-            let what = if idx % 2 == 1 { "CQ head" } else { "SQ tail" };
-            self.set_fatal(&format!(
-                "{what} doorbell of queue {} beyond queue size ({v} >= {})",
-                idx / 2,
-                t.size
-            ));
-            return;
-        }
-        if let Some(w) = &t.waker {
-            w.wake();
-        }
-    }
-
-    /// Registers a group's queues (`waker`: its reactor, `None` while parked) or,
-    /// with `gone`, forgets them.
-    fn set_db_targets(&self, g: &QueueGroup, waker: Option<Waker>, gone: bool) {
-        let mut targets = self.db_targets.lock().unwrap_or_else(|e| e.into_inner());
-        let mut put = |qid: u16, cq: bool, t: DbTarget| {
-            if let Some(e) = targets.get_mut(usize::from(qid) * 2 + usize::from(cq)) {
-                *e = (!gone).then_some(t);
-            }
-        };
-        put(
-            g.out.cq.qid,
-            true,
-            DbTarget {
-                size: g.out.cq.size,
-                waker: None,
-            },
-        );
-        for sq in &g.sqs {
-            let t = DbTarget {
-                size: sq.ring.size,
-                waker: waker.clone(),
-            };
-            put(sq.ring.qid, false, t);
-        }
-    }
-
-    pub fn set_fatal(&self, why: &str) {
-        if !self.fatal.swap(true, Ordering::AcqRel) {
-            trace::limited!(self.log, warn, "nvme: controller fatal status: {why}");
-        }
-    }
-
-    pub fn record_error(&self, e: ErrorEntry) {
-        self.errors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .record(e);
-    }
-
-    fn clear_doorbells(&self) {
-        if let Some(s) = self.doorbells.slice(DOORBELL_OFFSET, 0x1000) {
-            s.fill(0);
-        }
-    }
+/// Registers (or with `gone`, forgets) the doorbells of group `g`'s queues.
+fn db_targets(shared: &Shared, g: &QueueGroup, waker: Option<Waker>, gone: bool) {
+    let cq = (g.out.cq.qid, g.out.cq.size);
+    let sqs = g.sqs.iter().map(|sq| (sq.ring.qid, sq.ring.size));
+    shared.set_db_targets(cq, sqs, waker, gone);
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -442,7 +279,8 @@ impl Inner {
         st.keep_alive = None;
         st.features = Features::new(&self.cfg, Self::any_write_cache(&st.ns));
         self.shared.wce.store(st.features.wce, Ordering::Relaxed);
-        self.shared.publish_interrupt_features(&st.features);
+        self.shared
+            .publish_interrupt_features(st.features.coalescing, &st.features.no_coalesce);
         st.regs.rdy = false;
         st.regs.cfs = false;
         st.regs.shst = 0;
@@ -480,14 +318,14 @@ impl Inner {
         match std::mem::replace(&mut entry.place, Place::Out) {
             Place::Out => None,
             Place::Parked(g) => {
-                self.shared.set_db_targets(&g, None, true);
+                db_targets(&self.shared, &g, None, true);
                 Some(g)
             }
             Place::Running { id, back } => {
                 let p = self.engine.remove_poller(id).ok().flatten();
                 drop(p);
                 let g = back.try_recv().ok()?;
-                self.shared.set_db_targets(&g, None, true);
+                db_targets(&self.shared, &g, None, true);
                 Some(g)
             }
         }
@@ -501,7 +339,7 @@ impl Inner {
         let place = if g.sqs.is_empty() {
             let mut g = g;
             g.park();
-            self.shared.set_db_targets(&g, None, false);
+            db_targets(&self.shared, &g, None, false);
             Place::Parked(g)
         } else {
             let (tx, rx) = crossbeam_channel::bounded(1);
@@ -513,8 +351,7 @@ impl Inner {
             if let Some(g) = &poller.group {
                 // Before the reactor has it: a doorbell by message from now on wakes
                 // the reactor, which polls the group first thing anyway.
-                self.shared
-                    .set_db_targets(g, self.engine.waker(reactor), false);
+                db_targets(&self.shared, g, self.engine.waker(reactor), false);
             }
             match self.engine.add_poller(reactor, Box::new(poller)) {
                 Ok(id) => Place::Running { id, back: rx },
@@ -522,7 +359,7 @@ impl Inner {
                     tracing::error!("nvme: cannot start queue group {cqid}: {e}");
                     // The poller was dropped and sent the group back.
                     if let Ok(mut g) = rx.try_recv() {
-                        self.shared.set_db_targets(&g, None, true);
+                        db_targets(&self.shared, &g, None, true);
                         g.drain();
                         st.retire(&g);
                     }

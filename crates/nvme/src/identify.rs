@@ -1,7 +1,7 @@
 //! Identify data structures (NVMe 1.4 §5.15).
 
 use crate::log::ERROR_LOG_ENTRIES;
-use crate::namespaces::Ns;
+use crate::ns::Ns;
 use crate::ControllerConfig;
 
 /// PCI vendor id reported in Identify Controller. Placeholder: udrive has no
@@ -98,7 +98,7 @@ pub(crate) fn controller(cfg: &ControllerConfig, mdts: u8, ns: &[Option<Ns>]) ->
     put(&mut b, 78, &cfg.cntlid.to_le_bytes());
     put(&mut b, 80, &crate::regs::VERSION.to_le_bytes());
     // OAES: Namespace Attribute Notices.
-    put(&mut b, 92, &crate::namespaces::AEC_NS_ATTR.to_le_bytes());
+    put(&mut b, 92, &crate::ns::AEC_NS_ATTR.to_le_bytes());
     b[111] = 1; // CNTRLTYPE: I/O controller
                 // OACS: Format NVM, Doorbell Buffer Config.
     put(&mut b, 256, &(1u16 << 1 | 1u16 << 8).to_le_bytes());

@@ -38,11 +38,13 @@ mod io;
 mod iov;
 mod log;
 mod namespaces;
+mod ns;
 mod prp;
 mod queue;
 mod regs;
 mod service;
 mod sgl;
+mod shared;
 mod stats;
 mod status;
 
@@ -55,7 +57,7 @@ use engine::{Engine, Placer, PollMode};
 use guest_mem::{DmaSpace, SharedMem};
 
 pub use identify::VENDOR_ID;
-pub use namespaces::NsError;
+pub use ns::NsError;
 pub use status::Status;
 
 /// Smallest BAR0: registers, doorbells, MSI-X table, MSI-X PBA, a page each. 16 KiB
@@ -226,23 +228,19 @@ impl Controller {
         }
         for (i, d) in namespaces.iter().enumerate() {
             if let Some(d) = d {
-                namespaces::check_block_size(d.as_ref()).map_err(|source| {
-                    ControllerError::Namespace {
-                        nsid: i as u32 + 1,
-                        source,
-                    }
+                ns::check_block_size(d.as_ref()).map_err(|source| ControllerError::Namespace {
+                    nsid: i as u32 + 1,
+                    source,
                 })?;
             }
         }
         let doorbells =
             SharedMem::new("nvme-doorbells", 0x2000).map_err(ControllerError::Doorbells)?;
-        let namespaces: Vec<Option<namespaces::Ns>> = namespaces
-            .into_iter()
-            .map(|d| d.map(namespaces::Ns::new))
-            .collect();
+        let namespaces: Vec<Option<ns::Ns>> =
+            namespaces.into_iter().map(|d| d.map(ns::Ns::new)).collect();
         let vwc = ctrl::Inner::any_write_cache(&namespaces);
         let mdts = iov::effective_mdts(cfg.mdts);
-        let shared = Arc::new(ctrl::Shared {
+        let shared = Arc::new(shared::Shared {
             doorbells,
             fatal: AtomicBool::new(false),
             irqs,

@@ -12,61 +12,14 @@
 
 use std::sync::Arc;
 
-use bdev::{BlockDevice, BlockInfo};
+use bdev::BlockDevice;
 
 use crate::ctrl::{Inner, State};
 use crate::io::{NsChan, NsChange};
+pub(crate) use crate::ns::{check_block_size, Ns, NsError, AEC_NS_ATTR, EVENT_NS_CHANGED};
 
-/// Async event: type Notice (2), info Namespace Attribute Changed (0), log page 04h.
-pub(crate) const EVENT_NS_CHANGED: u32 = 0x02 | (0x04 << 16);
-/// Asynchronous Event Configuration bit that enables namespace attribute notices.
-pub(crate) const AEC_NS_ATTR: u32 = 1 << 8;
 /// Entries the Changed Namespace List holds before it reports "more than 1024".
 const CHANGED_LIST_MAX: usize = 1024;
-
-/// Why a namespace change was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum NsError {
-    #[error("namespace ID {0} is out of range (1..={1})")]
-    OutOfRange(u32, u32),
-    #[error("namespace {0} already exists")]
-    Exists(u32),
-    #[error("namespace {0} does not exist")]
-    NotFound(u32),
-    #[error("namespace block size {0} is not a power of two in 512..=65536")]
-    BlockSize(u32),
-    #[error("cannot open an I/O channel on the backend: {0}")]
-    Channel(std::io::Error),
-}
-
-/// An active namespace: its backend and what the host sees of it.
-#[derive(Clone)]
-pub(crate) struct Ns {
-    pub dev: Arc<dyn BlockDevice>,
-    /// The backend's facts in the current LBA format: after a Format NVM the block
-    /// size and count differ from `dev.info()` (the backend addresses bytes).
-    pub info: BlockInfo,
-    /// A Format NVM is erasing it: its I/O commands get Format In Progress.
-    pub formatting: bool,
-}
-
-impl Ns {
-    pub fn new(dev: Arc<dyn BlockDevice>) -> Ns {
-        Ns {
-            info: dev.info().clone(),
-            dev,
-            formatting: false,
-        }
-    }
-}
-
-pub(crate) fn check_block_size(dev: &dyn BlockDevice) -> Result<(), NsError> {
-    let bs = dev.info().block_size;
-    if !bs.is_power_of_two() || !(512..=65536).contains(&bs) {
-        return Err(NsError::BlockSize(bs));
-    }
-    Ok(())
-}
 
 impl Inner {
     fn ns_range(&self, nsid: u32) -> Result<usize, NsError> {

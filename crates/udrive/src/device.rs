@@ -276,7 +276,7 @@ impl crate::frontend::FrontEnd for NvmeDevice {
         json!({
             "kind": "nvme",
             "socket": d.socket,
-            "socket_access": crate::rpc::methods::socket_access_json(&d.cfg.socket_perms()),
+            "socket_access": crate::json::socket_access_json(&d.cfg.socket_perms()),
             "serial": d.cfg.serial(),
             "cntlid": d.cntlid,
             "connected": d.connected(),
@@ -298,7 +298,7 @@ impl crate::frontend::FrontEnd for NvmeDevice {
                 "io_completion_queues": st.io_completion_queues,
                 "queue_groups": groups,
             },
-            "namespaces": d.namespaces.iter().map(|(id, ns)| crate::rpc::methods::namespace_json(*id, ns, d.ctrl.namespace_info(*id))).collect::<Vec<_>>(),
+            "namespaces": d.namespaces.iter().map(|(id, ns)| namespace_json(*id, ns, d.ctrl.namespace_info(*id))).collect::<Vec<_>>(),
         })
     }
     fn banner(&self) -> String {
@@ -350,4 +350,20 @@ impl crate::frontend::FrontEnd for NvmeDevice {
     fn as_nvme_mut(&mut self) -> Option<&mut NvmeDevice> {
         Some(self)
     }
+}
+
+/// `info`: the namespace as the host sees it (after a Format NVM its block size
+/// is no longer the backend's); `None` uses the backend's.
+pub(crate) fn namespace_json(nsid: u32, ns: &Namespace, info: Option<bdev::BlockInfo>) -> Value {
+    use bdev::BlockDevice;
+    let info = info.unwrap_or_else(|| ns.qos.info().clone());
+    json!({
+        "nsid": nsid,
+        "spec": ns.spec.to_string(),
+        "backend": ns.qos.describe(),
+        "size_bytes": info.size_bytes(),
+        "block_size": info.block_size,
+        "read_only": info.read_only,
+        "qos": crate::json::qos_json(ns.qos.limits()),
+    })
 }

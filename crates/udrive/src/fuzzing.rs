@@ -47,9 +47,8 @@ fn params(msg: &[u8]) {
         if let Ok(c) = serde_json::from_value::<crate::config::ControllerConfig>(p.clone()) {
             let _ = c.validate();
         }
-        if let Ok(c) = serde_json::from_value::<crate::vhost_device::VhostBlkConfig>(p.clone()) {
-            let _ =
-                crate::vhost_device::validate(std::slice::from_ref(&c), &mut Default::default());
+        if let Ok(c) = serde_json::from_value::<crate::config::VhostBlkConfig>(p.clone()) {
+            let _ = crate::config::validate(std::slice::from_ref(&c), &mut Default::default());
         }
         if let Ok(c) = serde_json::from_value::<crate::config::Config>(p) {
             let _ = c.validate();

@@ -12,6 +12,7 @@ pub mod file_target;
 pub mod frontend;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+pub mod json;
 pub mod kinds;
 pub mod metrics;
 pub mod nsspec;

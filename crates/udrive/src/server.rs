@@ -11,10 +11,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use anyhow::{anyhow, bail, Context, Result};
 
 use crate::backends::{BackendSet, Backends};
+use crate::config::VhostBlkConfig;
 use crate::config::{Config, ControllerConfig};
 use crate::device::{Namespace, NvmeDevice};
 use crate::nsspec::NsSpec;
-use crate::vhost_device::{VhostBlkConfig, VhostBlkDevice};
+use crate::vhost_device::VhostBlkDevice;
 
 pub use crate::frontend::Device;
 
@@ -166,7 +167,7 @@ impl Server {
     pub fn add_vhost_blk(&self, mut cfg: VhostBlkConfig) -> Result<()> {
         let perms = cfg.socket_perms().or(&self.socket_defaults);
         cfg.set_socket_perms(perms);
-        crate::vhost_device::validate(std::slice::from_ref(&cfg), &mut Default::default())?;
+        crate::config::validate(std::slice::from_ref(&cfg), &mut Default::default())?;
         let mut st = self.lock();
         if st.find(&cfg.socket).is_some() {
             bail!("socket {} already has a device", cfg.socket.display());

@@ -155,9 +155,11 @@ fn reconnect_completes_each_request_once() {
     }
     let Raw { fe, mem, .. } = r;
     drop(fe);
-    // QEMU restarts the ring at the used index it sees once the backend is gone.
+    // QEMU restarts the ring at the used index it sees once the backend is gone:
+    // wait until the device let go of the connection, which it does after finishing
+    // what it took (a fixed wait raced with those completions under load).
     let until = Instant::now() + Duration::from_secs(10);
-    while dev.connections() < 1 || {
+    while dev.disconnections() < 1 || {
         let mut b = [0u8; 2];
         mem.all().read_into((USED + 2) as usize, &mut b).unwrap();
         u16::from_le_bytes(b) == 0

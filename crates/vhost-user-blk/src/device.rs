@@ -35,7 +35,7 @@ pub struct VhostUserBlk {
     stop: Arc<AtomicBool>,
     conn_handle: Arc<Mutex<Option<ShutdownHandle>>>,
     thread: Option<JoinHandle<()>>,
-    connections: Arc<AtomicU64>,
+    connections: Arc<ConnCounts>,
     /// Trace switch of all the device's virtqueues.
     pub(crate) trace: Arc<TraceControl>,
     /// Per virtqueue, in queue order: where its poller leaves snapshots.
@@ -116,7 +116,7 @@ impl VhostUserBlk {
 
         let stop = Arc::new(AtomicBool::new(false));
         let conn_handle = Arc::new(Mutex::new(None));
-        let connections = Arc::new(AtomicU64::new(0));
+        let connections = Arc::new(ConnCounts::default());
         let (stop2, handle2, count2, sock2) = (
             stop.clone(),
             conn_handle.clone(),
@@ -214,7 +214,13 @@ impl VhostUserBlk {
 
     /// Front ends that have connected so far.
     pub fn connections(&self) -> u64 {
-        self.connections.load(Ordering::Relaxed)
+        self.connections.started.load(Ordering::Relaxed)
+    }
+
+    /// Front ends whose connection has ended and whose requests have finished
+    /// (what a reconnecting front end may then read from the used rings is final).
+    pub fn disconnections(&self) -> u64 {
+        self.connections.ended.load(Ordering::Relaxed)
     }
 
     /// Disconnects the front end (after in-flight requests complete), closes the
@@ -252,6 +258,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Connections accepted and connections ended (after their requests finished).
+#[derive(Default)]
+struct ConnCounts {
+    started: AtomicU64,
+    ended: AtomicU64,
+}
+
 /// Serves one front end at a time, each with a fresh vhost-user-backend daemon (its
 /// handler keeps per-connection state such as ownership that must not leak into
 /// the next connection).
@@ -260,7 +273,7 @@ fn serve(
     shared: Arc<Shared>,
     stop: &AtomicBool,
     handle: &Mutex<Option<ShutdownHandle>>,
-    count: &AtomicU64,
+    count: &ConnCounts,
     socket: &Path,
 ) {
     while !stop.load(Ordering::SeqCst) {
@@ -321,7 +334,7 @@ fn serve(
         if stop.load(Ordering::SeqCst) {
             daemon.request_shutdown();
         } else {
-            count.fetch_add(1, Ordering::Relaxed);
+            count.started.fetch_add(1, Ordering::Relaxed);
             trace::limited!(shared.log, info, socket = %socket.display(), "vhost-user front end connected");
         }
         *lock(handle) = daemon.shutdown_handle();
@@ -339,6 +352,7 @@ fn serve(
             q.drain(DISCONNECT_DRAIN);
         }
         drop(daemon);
+        count.ended.fetch_add(1, Ordering::Relaxed);
         trace::limited!(shared.log, info, socket = %socket.display(), "vhost-user front end disconnected");
     }
 }

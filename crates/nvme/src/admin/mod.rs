@@ -118,7 +118,8 @@ impl Inner {
         match res {
             Ok(dw0) => {
                 self.shared.wce.store(st.features.wce, Ordering::Relaxed);
-                self.shared.publish_interrupt_features(&st.features);
+                self.shared
+                    .publish_interrupt_features(st.features.coalescing, &st.features.no_coalesce);
                 if fid == FID_KEEP_ALIVE {
                     st.restart_keep_alive();
                 }

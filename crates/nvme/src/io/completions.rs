@@ -12,10 +12,10 @@ use super::exec::is_write;
 use super::poll::{Fatal, Pass};
 use super::shadow::{behind, ei_stale, write_event_idx, NO_EI};
 use super::{IoSq, Slot};
-use crate::ctrl::Shared;
 use crate::decode::{OP_FLUSH, OP_READ, OP_WRITE};
 use crate::log::{bump, Counters, ErrorEntry};
 use crate::queue::CqRing;
+use crate::shared::Shared;
 use crate::status::Status;
 
 pub(crate) struct Completions {

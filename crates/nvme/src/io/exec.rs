@@ -10,11 +10,11 @@ use guest_mem::{Access, MemoryMap};
 use trace::{QueueRecorder, Stamps};
 
 use super::{NsChan, Slot};
-use crate::ctrl::Shared;
 use crate::decode::{decode, Facts, IoCmd};
 use crate::decode::{OP_DSM, OP_WRITE, OP_WRITE_ZEROES};
 use crate::iov::Iov;
 use crate::queue::Sqe;
+use crate::shared::Shared;
 use crate::status::Status;
 
 const MAX_DSM_RANGES: usize = 256;

@@ -21,9 +21,9 @@ use crossbeam_channel::Sender;
 use guest_mem::{DmaSpace, MemView, Pin};
 use trace::{QueueRecorder, Stamps};
 
-use crate::ctrl::Shared;
-use crate::namespaces::Ns;
+use crate::ns::Ns;
 use crate::queue::{CqRing, SqRing};
+use crate::shared::Shared;
 use crate::status::Status;
 
 pub(crate) use completions::Completions;

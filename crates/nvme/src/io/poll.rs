@@ -15,11 +15,11 @@ use super::completions::Completions;
 use super::exec::{exec, facts, prepare_rw, Exec};
 use super::shadow::{behind, ei_stale, read_db, shadow_page, write_event_idx, Shadow};
 use super::{IoSq, NsTable, QueueGroup};
-use crate::ctrl::Shared;
 use crate::decode::{OP_READ, OP_WRITE};
 use crate::iov::Iov;
 use crate::log::bump;
 use crate::queue::{CqRing, Sqe};
+use crate::shared::Shared;
 use crate::status::Status;
 use bdev::{IoOp, IoRequest};
 

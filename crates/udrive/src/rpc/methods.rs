@@ -9,7 +9,6 @@ use serde_json::{json, Value};
 
 use super::{parse_params, Registry, Rpc, RpcError};
 use crate::config::ControllerConfig;
-use crate::device::Namespace;
 use crate::nsspec::NsSpec;
 use crate::server::Server;
 
@@ -82,7 +81,7 @@ pub fn register_all(r: &mut Registry) {
             rpc.server
                 .with_qos(&a.socket, a.nsid, |qos| {
                     qos.set_limits(bdev::QosLimits::default())?;
-                    Ok(qos_json(qos.limits()))
+                    Ok(crate::json::qos_json(qos.limits()))
                 })
                 .map_err(RpcError::from)
         },
@@ -221,40 +220,9 @@ fn set_qos(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
                 write_bw: write_bw.unwrap_or(c.write_bw),
             };
             qos.set_limits(l)?;
-            Ok(qos_json(l))
+            Ok(crate::json::qos_json(l))
         })
         .map_err(RpcError::from)
-}
-
-pub(crate) fn qos_json(l: bdev::QosLimits) -> Value {
-    json!({
-        "iops": l.iops, "read_iops": l.read_iops, "write_iops": l.write_iops,
-        "bw": l.bw_bytes, "read_bw": l.read_bw, "write_bw": l.write_bw,
-    })
-}
-
-/// `info`: the namespace as the host sees it (after a Format NVM its block size
-/// is no longer the backend's); `None` uses the backend's.
-pub(crate) fn namespace_json(nsid: u32, ns: &Namespace, info: Option<bdev::BlockInfo>) -> Value {
-    use bdev::BlockDevice;
-    let info = info.unwrap_or_else(|| ns.qos.info().clone());
-    json!({
-        "nsid": nsid,
-        "spec": ns.spec.to_string(),
-        "backend": ns.qos.describe(),
-        "size_bytes": info.size_bytes(),
-        "block_size": info.block_size,
-        "read_only": info.read_only,
-        "qos": qos_json(ns.qos.limits()),
-    })
-}
-
-/// The effective mode (octal text) and group of a device socket.
-pub(crate) fn socket_access_json(p: &crate::config::SocketPerms) -> Value {
-    match p.access() {
-        Ok(a) => json!({"mode": format!("{:04o}", a.mode), "gid": a.gid}),
-        Err(_) => Value::Null,
-    }
 }
 
 pub(super) fn device_json_by_socket(

@@ -9,8 +9,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::{parse_params, Registry, RpcError};
+use crate::config::VhostBlkConfig;
 use crate::nsspec::NsSpec;
-use crate::vhost_device::VhostBlkConfig;
 
 pub fn register(r: &mut Registry) {
     r.register(
@@ -100,7 +100,7 @@ impl AddVhostBlk {
         c.serial = self.serial;
         c.socket_mode = self.socket_mode;
         c.socket_group = self.socket_group;
-        crate::vhost_device::validate(std::slice::from_ref(&c), &mut Default::default())
+        crate::config::validate(std::slice::from_ref(&c), &mut Default::default())
             .map_err(|e| RpcError::params(format!("{e:#}")))?;
         Ok(c)
     }

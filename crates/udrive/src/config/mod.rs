@@ -22,6 +22,9 @@ use serde::Deserialize;
 
 use crate::nsspec::NsSpec;
 
+mod vhost;
+pub use vhost::{default_queues, disk_specs, validate, VhostBlkConfig};
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -36,7 +39,7 @@ pub struct Config {
     #[serde(default, rename = "controller")]
     pub controllers: Vec<ControllerConfig>,
     #[serde(default)]
-    pub vhost_user_blk: Vec<crate::vhost_device::VhostBlkConfig>,
+    pub vhost_user_blk: Vec<VhostBlkConfig>,
     /// Default mode and group of every device socket (each device may set its own).
     #[serde(default)]
     pub socket_mode: Option<String>,
@@ -194,7 +197,7 @@ impl Config {
                 bail!("socket {} is used by two controllers", c.socket.display());
             }
         }
-        crate::vhost_device::validate(&self.vhost_user_blk, &mut sockets)?;
+        validate(&self.vhost_user_blk, &mut sockets)?;
         if let Some(dir) = self
             .rpc
             .as_ref()

@@ -1,0 +1,20 @@
+//! JSON shapes that `get_devices` and the RPC answers share: QoS limits and socket
+//! access. A leaf module, so devices describe themselves without depending on the
+//! RPC layer.
+
+use serde_json::{json, Value};
+
+pub fn qos_json(l: bdev::QosLimits) -> Value {
+    json!({
+        "iops": l.iops, "read_iops": l.read_iops, "write_iops": l.write_iops,
+        "bw": l.bw_bytes, "read_bw": l.read_bw, "write_bw": l.write_bw,
+    })
+}
+
+/// The effective mode (octal text) and group of a device socket.
+pub fn socket_access_json(p: &crate::config::SocketPerms) -> Value {
+    match p.access() {
+        Ok(a) => json!({"mode": format!("{:04o}", a.mode), "gid": a.gid}),
+        Err(_) => Value::Null,
+    }
+}
