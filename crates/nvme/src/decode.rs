@@ -4,6 +4,13 @@
 //! resolves data pointers and submits. Checks run in the order the statuses are
 //! reported: opcode, fused operation, namespace, then the command's own fields.
 
+// Guest and client numbers are parsed here: no silent truncation.
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss
+)]
+
 use bdev::BlockInfo;
 
 use crate::queue::Sqe;

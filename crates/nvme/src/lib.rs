@@ -29,6 +29,7 @@
 #![forbid(unsafe_code)]
 
 mod admin;
+mod bits;
 mod ctrl;
 mod decode;
 #[cfg(feature = "fuzzing")]
@@ -65,6 +66,9 @@ pub use status::Status;
 pub const BAR0_SIZE: u64 = 0x4000;
 /// Doorbells live at BAR0 0x1000..0x2000, i.e. the same offsets of the doorbell memfd.
 pub const DOORBELL_OFFSET: u64 = 0x1000;
+/// [`DOORBELL_OFFSET`] as an index into the doorbell page.
+pub(crate) const DOORBELL_PAGE_OFFSET: usize = 0x1000;
+const _: () = assert!(DOORBELL_PAGE_OFFSET as u64 == DOORBELL_OFFSET);
 pub const MSIX_TABLE_OFFSET: u64 = 0x2000;
 
 /// Where the parts of BAR0 lie for a controller with a given number of MSI-X

@@ -1,5 +1,12 @@
 //! PRP (Physical Region Page) walking: PRP1, PRP2 and chained PRP lists.
 
+// Guest and client numbers are parsed here: no silent truncation.
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss
+)]
+
 use guest_mem::{Access, MemoryMap};
 
 use crate::iov::{Iov, PAGE};
@@ -51,12 +58,16 @@ pub(crate) fn walk<'a>(
         };
         let bytes = (data + u64::from(chained)) * 8;
         let entries = map
-            .translate(list, bytes as usize, Access::Read)
+            .translate(
+                list,
+                usize::try_from(bytes).unwrap_or(usize::MAX),
+                Access::Read,
+            )
             .map_err(|_| Status::DATA_TRANSFER_ERROR)?;
         for i in 0..data {
             let e = u64::from_le(
                 entries
-                    .read_obj::<u64>((i * 8) as usize)
+                    .read_obj::<u64>(usize::try_from(i * 8).unwrap_or(usize::MAX))
                     .map_err(|_| Status::DATA_TRANSFER_ERROR)?,
             );
             if e % PAGE != 0 {
@@ -69,7 +80,7 @@ pub(crate) fn walk<'a>(
         if chained {
             let next = u64::from_le(
                 entries
-                    .read_obj::<u64>((data * 8) as usize)
+                    .read_obj::<u64>(usize::try_from(data * 8).unwrap_or(usize::MAX))
                     .map_err(|_| Status::DATA_TRANSFER_ERROR)?,
             );
             if next % PAGE != 0 {

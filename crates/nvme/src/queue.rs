@@ -1,5 +1,12 @@
 //! Submission/completion ring bookkeeping shared by the admin and I/O paths.
 
+// Guest and client numbers are parsed here: no silent truncation.
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss
+)]
+
 use guest_mem::DmaSlice;
 
 use crate::status::Status;
@@ -20,7 +27,7 @@ pub(crate) struct Sqe {
 
 impl Sqe {
     pub fn opcode(&self) -> u8 {
-        self.dw[0] as u8
+        crate::bits::lo8(self.dw[0])
     }
     pub fn fuse(&self) -> u32 {
         (self.dw[0] >> 8) & 3
@@ -149,6 +156,6 @@ pub(crate) fn wrap_inc(v: u16, size: u16) -> u16 {
     if n >= u32::from(size) {
         0
     } else {
-        n as u16
+        crate::bits::lo16(n)
     }
 }

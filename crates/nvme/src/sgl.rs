@@ -1,6 +1,13 @@
 //! SGL (Scatter Gather List) walking: Data Block, Segment and Last Segment
 //! descriptors. Bit Bucket and keyed/transport descriptors are not supported.
 
+// Guest and client numbers are parsed here: no silent truncation.
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss
+)]
+
 use guest_mem::{Access, MemoryMap};
 
 use crate::iov::Iov;

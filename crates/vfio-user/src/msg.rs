@@ -2,6 +2,13 @@
 //! bytes, with any descriptors the client attached. Sizes are checked before any
 //! allocation, so the largest buffer is `MAX_MSG_SIZE`.
 
+// Guest and client numbers are parsed here: no silent truncation.
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss
+)]
+
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;

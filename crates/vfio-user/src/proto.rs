@@ -2,6 +2,13 @@
 //! server and by udrive's initiator. All structures are little-endian `repr(C)` plain
 //! data read with `zerocopy`, so parsing untrusted bytes never needs `unsafe`.
 
+// Guest and client numbers are parsed here: no silent truncation.
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss
+)]
+
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 /// Protocol version we speak. QEMU 10.1's client rejects any other major and any
@@ -83,7 +90,7 @@ impl Header {
         Header {
             msg_id,
             cmd: cmd as u16,
-            msg_size: (HEADER_SIZE + payload) as u32,
+            msg_size: u32::try_from(HEADER_SIZE + payload).unwrap_or(u32::MAX),
             flags: FLAG_TYPE_COMMAND,
             error: 0,
         }
@@ -92,7 +99,7 @@ impl Header {
         Header {
             msg_id: req.msg_id,
             cmd: req.cmd,
-            msg_size: (HEADER_SIZE + payload) as u32,
+            msg_size: u32::try_from(HEADER_SIZE + payload).unwrap_or(u32::MAX),
             flags: FLAG_TYPE_REPLY,
             error: 0,
         }
@@ -101,9 +108,9 @@ impl Header {
         Header {
             msg_id: req.msg_id,
             cmd: req.cmd,
-            msg_size: HEADER_SIZE as u32,
+            msg_size: u32::try_from(HEADER_SIZE).unwrap_or(u32::MAX),
             flags: FLAG_TYPE_REPLY | FLAG_ERROR,
-            error: errno as u32,
+            error: errno.unsigned_abs(),
         }
     }
     pub fn is_reply(&self) -> bool {

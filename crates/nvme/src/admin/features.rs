@@ -1,5 +1,12 @@
 //! Get/Set Features state.
 
+// Guest and client numbers are parsed here: no silent truncation.
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss
+)]
+
 use crate::identify::{TEMPERATURE, WCTEMP};
 use crate::status::Status;
 use crate::ControllerConfig;
@@ -173,7 +180,7 @@ impl Features {
                 self.power_state = cdw11 & 0xff;
             }
             FID_TEMP => {
-                let t = cdw11 as u16;
+                let t = crate::bits::lo16(cdw11);
                 if Self::temp_sel(cdw11)? {
                     self.temp_over = t;
                 } else {

@@ -23,6 +23,13 @@
 //! most [`CANCEL_WAIT`]) for the request at the backend, so no zeroes land after
 //! the backend was handed to someone else.
 
+// Guest and client numbers are parsed here: no silent truncation.
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss
+)]
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -268,7 +275,7 @@ impl Inner {
                 .iter()
                 .enumerate()
                 .filter(|(_, n)| n.is_some())
-                .map(|(i, _)| i as u32 + 1)
+                .filter_map(|(i, _)| u32::try_from(i + 1).ok())
                 .collect()
         } else if Self::active_ns(st, nsid).is_some() {
             vec![nsid]

@@ -1,5 +1,12 @@
 //! Create/Delete I/O Submission and Completion Queue.
 
+// Guest and client numbers are parsed here: no silent truncation.
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss
+)]
+
 use guest_mem::{Access, MemoryMap};
 
 use crate::ctrl::{Inner, State};
@@ -14,12 +21,12 @@ impl Inner {
     /// A new queue starts at head = tail = 0: clear what an earlier queue with this id
     /// left in the shared doorbell page, or the poller would run stale entries.
     fn reset_doorbell(&self, qid: u16, cq: bool) {
-        let off = crate::DOORBELL_OFFSET as usize + db_index(qid, cq);
+        let off = crate::DOORBELL_PAGE_OFFSET + db_index(qid, cq);
         self.shared.doorbells.all().store_u32(off, 0);
     }
 
     fn queue_id(&self, sqe: &Sqe) -> Option<u16> {
-        let qid = sqe.cdw(10) as u16;
+        let qid = crate::bits::lo16(sqe.cdw(10));
         (qid != 0 && qid <= self.cfg.max_io_queues).then_some(qid)
     }
 
@@ -29,7 +36,7 @@ impl Inner {
         if n < 2 || n > u32::from(self.cfg.max_queue_entries) {
             return Err(Status::INVALID_QUEUE_SIZE);
         }
-        Ok(n as u16)
+        u16::try_from(n).map_err(|_| Status::INVALID_QUEUE_SIZE)
     }
 
     pub(super) fn create_cq(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
@@ -126,7 +133,7 @@ impl Inner {
     }
 
     pub(super) fn delete_sq(&self, st: &mut State, sqe: &Sqe) -> Done {
-        let qid = sqe.cdw(10) as u16;
+        let qid = crate::bits::lo16(sqe.cdw(10));
         let Some(cqid) = st.sq_owner.get(&qid).copied().filter(|_| qid != 0) else {
             return err(Status::INVALID_QUEUE_ID);
         };
@@ -143,7 +150,7 @@ impl Inner {
     }
 
     pub(super) fn delete_cq(&self, st: &mut State, sqe: &Sqe) -> Done {
-        let qid = sqe.cdw(10) as u16;
+        let qid = crate::bits::lo16(sqe.cdw(10));
         if qid == 0 || !st.groups.contains_key(&qid) {
             return err(Status::INVALID_QUEUE_ID);
         }

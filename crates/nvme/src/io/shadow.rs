@@ -4,7 +4,6 @@
 use guest_mem::{Access, DmaSlice, MemoryMap};
 
 use crate::queue::db_index;
-use crate::DOORBELL_OFFSET;
 
 /// Shadow doorbell buffer and EventIdx buffer (Doorbell Buffer Config).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,7 +33,7 @@ pub(super) fn read_db(
     if let Some(v) = shadow.and_then(|s| s.load_u32(idx)) {
         return u32::from_le(v);
     }
-    page.load_u32(DOORBELL_OFFSET as usize + idx)
+    page.load_u32(crate::DOORBELL_PAGE_OFFSET + idx)
         .map(u32::from_le)
         .unwrap_or(0)
 }
