@@ -10,7 +10,7 @@ mod placement;
 mod reactor;
 
 pub use cpus::{allowed_cpus, check_allowed, format_cpu_list, parse_cpu_list};
-pub use placement::{Placement, Placer, PollMode};
+pub use placement::{AtomicPollMode, Placement, Placer, PollMode};
 pub use reactor::{Engine, EngineError, PollerId, ReactorStats, Waker};
 
 use std::os::fd::BorrowedFd;

@@ -106,6 +106,30 @@ impl PollMode {
     }
 }
 
+/// A poll mode that can change at run time, read by pollers on their idle
+/// iterations (one relaxed load).
+#[derive(Debug)]
+pub struct AtomicPollMode(std::sync::atomic::AtomicU8);
+
+impl AtomicPollMode {
+    pub fn new(mode: PollMode) -> AtomicPollMode {
+        AtomicPollMode(std::sync::atomic::AtomicU8::new(mode as u8))
+    }
+
+    pub fn load(&self) -> PollMode {
+        match self.0.load(std::sync::atomic::Ordering::Relaxed) {
+            x if x == PollMode::Adaptive as u8 => PollMode::Adaptive,
+            x if x == PollMode::Event as u8 => PollMode::Event,
+            _ => PollMode::Busy,
+        }
+    }
+
+    pub fn store(&self, mode: PollMode) {
+        self.0
+            .store(mode as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 impl PollMode {
     /// The name the CLI, the config file and the RPC use.
     pub fn as_str(self) -> &'static str {

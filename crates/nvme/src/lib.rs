@@ -49,7 +49,7 @@ mod shared;
 mod stats;
 mod status;
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -253,7 +253,7 @@ impl Controller {
             mdts_bytes: iov::PAGE << mdts,
             trace: Arc::new(trace::TraceControl::default()),
             log: trace::LogLimiter::new(),
-            poll: AtomicU8::new(0),
+            poll: engine::AtomicPollMode::new(cfg.poll),
             idle: cfg.adaptive_idle,
             mapped: AtomicBool::new(false),
             db_targets: Mutex::new(vec![None; 2 * (usize::from(cfg.max_io_queues) + 1)]),

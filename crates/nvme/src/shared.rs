@@ -3,7 +3,7 @@
 //! every poll. A leaf of the crate: the control path (`ctrl.rs`) and the queue
 //! groups (`io/`) both depend on it, it depends on neither.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,7 +28,7 @@ pub(crate) struct Shared {
     /// Budget of the controller's guest-triggerable log lines.
     pub log: trace::LogLimiter,
     /// How queue groups wait for work ([`PollMode`] as u8), switchable at run time.
-    pub poll: AtomicU8,
+    pub poll: engine::AtomicPollMode,
     /// Spin time of an idle `adaptive` group before it sleeps.
     pub idle: Duration,
     /// The connected client got the doorbell page as an mmap area: its doorbell
@@ -79,20 +79,11 @@ impl Shared {
     }
 
     pub fn poll_mode(&self) -> PollMode {
-        match self.poll.load(Ordering::Relaxed) {
-            1 => PollMode::Adaptive,
-            2 => PollMode::Event,
-            _ => PollMode::Busy,
-        }
+        self.poll.load()
     }
 
     pub fn set_poll_mode(&self, mode: PollMode) {
-        let v = match mode {
-            PollMode::Busy => 0,
-            PollMode::Adaptive => 1,
-            PollMode::Event => 2,
-        };
-        self.poll.store(v, Ordering::Relaxed);
+        self.poll.store(mode);
     }
 
     /// How long an idle group spins before it may sleep; `None`: never.

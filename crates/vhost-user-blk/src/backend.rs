@@ -4,7 +4,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -129,7 +129,7 @@ pub(crate) struct Shared {
     pub queues: Vec<QueueCtl>,
     /// The device's poll mode ([`PollMode`] as `u8`); pollers read it when their
     /// reactor asks how long to spin, so changing it takes no lock anywhere.
-    pub poll: AtomicU8,
+    pub poll: engine::AtomicPollMode,
     /// Budget of the log lines its front ends can trigger (shared by connections,
     /// so reconnecting does not refill it).
     pub log: Arc<trace::LogLimiter>,
@@ -137,20 +137,11 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub fn poll_mode(&self) -> PollMode {
-        match self.poll.load(Ordering::Relaxed) {
-            1 => PollMode::Adaptive,
-            2 => PollMode::Event,
-            _ => PollMode::Busy,
-        }
+        self.poll.load()
     }
 
     pub fn set_poll_mode(&self, mode: PollMode) {
-        let v = match mode {
-            PollMode::Busy => 0,
-            PollMode::Adaptive => 1,
-            PollMode::Event => 2,
-        };
-        self.poll.store(v, Ordering::Relaxed);
+        self.poll.store(mode);
     }
 }
 

@@ -3,7 +3,7 @@
 use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -82,7 +82,7 @@ impl VhostUserBlk {
         let shared = Arc::new(Shared {
             cfg,
             queues,
-            poll: AtomicU8::new(0),
+            poll: engine::AtomicPollMode::new(PollMode::Busy),
             log: Arc::new(trace::LogLimiter::new()),
         });
         shared.set_poll_mode(opts.poll);

@@ -10,7 +10,7 @@ use trace::{OpClass, QueueRecorder};
 
 use super::exec::is_write;
 use super::poll::{Fatal, Pass};
-use super::shadow::{behind, ei_stale, write_event_idx, NO_EI};
+use super::shadow::{keep_behind, NO_EI};
 use super::{IoSq, Slot};
 use crate::decode::{OP_FLUSH, OP_READ, OP_WRITE};
 use crate::log::{bump, Counters, ErrorEntry};
@@ -186,13 +186,16 @@ impl Completions {
     /// this poll posted.
     pub fn end_poll(&mut self, pass: &Pass<'_>, depth: u32) {
         let in_use = u32::from(self.cq.size).saturating_sub(1) - self.cq.free() + self.inflight;
-        if let Some(s) = pass
-            .shadow()
-            .filter(|_| ei_stale(self.ei, self.cq.head, self.cq.size, in_use))
-        {
-            let ei = behind(self.cq.head, self.cq.size);
-            write_event_idx(pass.map, s, self.cq.qid, true, ei);
-            self.ei = ei;
+        if let Some(s) = pass.shadow() {
+            let cq = &self.cq;
+            keep_behind(
+                pass.map,
+                s,
+                (cq.qid, true),
+                (cq.head, cq.size),
+                in_use,
+                &mut self.ei,
+            );
         }
         self.rec.depth(depth);
         // Batch stamps, read only when a traced command finished in this poll.

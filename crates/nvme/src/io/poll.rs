@@ -13,7 +13,7 @@ use trace::Stamps;
 
 use super::completions::Completions;
 use super::exec::{exec, facts, prepare_rw, Exec};
-use super::shadow::{behind, ei_stale, read_db, shadow_page, write_event_idx, Shadow};
+use super::shadow::{keep_behind, read_db, shadow_page, Shadow};
 use super::{IoSq, NsTable, QueueGroup};
 use crate::decode::{OP_READ, OP_WRITE};
 use crate::iov::Iov;
@@ -308,13 +308,9 @@ fn fetch_and_submit<'m>(
         submit_batch(pass, sq, batch, ns, out)?;
     }
     let in_use = (sq.slots.len() - sq.free.len()) as u32;
-    if let Some(s) = pass
-        .shadow()
-        .filter(|_| ei_stale(sq.ei, sq.ring.head, sq.ring.size, in_use))
-    {
-        let ei = behind(sq.ring.head, sq.ring.size);
-        write_event_idx(pass.map, s, sq.ring.qid, false, ei);
-        sq.ei = ei;
+    if let Some(s) = pass.shadow() {
+        let ring = (sq.ring.head, sq.ring.size);
+        keep_behind(pass.map, s, (sq.ring.qid, false), ring, in_use, &mut sq.ei);
     }
     Ok(Next::Sq)
 }

@@ -78,3 +78,20 @@ pub(super) fn ei_stale(ei: u16, idx: u16, size: u16, in_use: u32) -> bool {
     let slack = (size.saturating_sub(1).saturating_sub(in_use) / 2).min(size / 4);
     lag > slack
 }
+
+/// While a queue is polled: moves its EventIdx (last written `ei`) up to just behind
+/// `head` once it lags more than `ei_stale` allows, so the driver keeps not ringing.
+pub(super) fn keep_behind(
+    map: &MemoryMap,
+    shadow: Shadow,
+    (qid, cq): (u16, bool),
+    (head, size): (u16, u16),
+    in_use: u32,
+    ei: &mut u16,
+) {
+    if ei_stale(*ei, head, size, in_use) {
+        let v = behind(head, size);
+        write_event_idx(map, shadow, qid, cq, v);
+        *ei = v;
+    }
+}

@@ -6,8 +6,7 @@
 //! slices, read-only, QoS, fault injection) are parsed once, in `nsspec`.
 
 mod file;
-mod null;
-mod ram;
+mod memory;
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -18,7 +17,7 @@ use bdev::BlockDevice;
 use crate::size::parse_size;
 
 /// Every backend kind `--ns`, `--disk`, TOML and the RPC accept.
-pub static KINDS: &[&dyn BackendKind] = &[&null::Null, &ram::Ram, &file::File];
+pub static KINDS: &[&dyn BackendKind] = &[&memory::NULL, &memory::RAM, &file::File];
 
 pub trait BackendKind: Sync {
     /// The word before the colon.
