@@ -12,7 +12,7 @@ use crate::Controller;
 impl State {
     /// Keeps the totals, metrics and trace data of a group being deleted.
     pub(crate) fn retire(&mut self, g: &QueueGroup) {
-        self.retired.add(&g.out.counters);
+        self.retired.add(&g.out.counters());
         let snap = g.out.rec.snapshot();
         let epoch = snap.trace.epoch;
         match self.retired_queues.get_mut(&snap.queue) {

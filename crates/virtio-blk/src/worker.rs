@@ -40,10 +40,15 @@ pub enum QueueError {
     UsedRing,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+/// What a queue completed, read from its recorder's counters (each request is
+/// counted once, there).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerStats {
+    /// Requests completed (put on the used ring or dropped with a broken ring).
     pub requests: u64,
+    /// Completed with VIRTIO_BLK_S_IOERR.
     pub errors: u64,
+    /// Completed with VIRTIO_BLK_S_UNSUPP.
     pub unsupported: u64,
 }
 
@@ -62,7 +67,6 @@ pub struct QueueWorker {
     counter: u64,
     /// Scratch for recovery: `(counter, head)` of requests to resubmit.
     resubmit: Vec<(u64, u16)>,
-    pub stats: WorkerStats,
     /// Counters and layer times of this queue (docs/decisions/0007-tracing.md).
     rec: QueueRecorder,
 }
@@ -99,7 +103,6 @@ impl QueueWorker {
             inflight: None,
             counter: 1,
             resubmit: Vec::with_capacity(n),
-            stats: WorkerStats::default(),
         }
     }
 
@@ -107,6 +110,15 @@ impl QueueWorker {
     /// end of a poll, see [`Self::finish_poll`]).
     pub fn mailbox(&self) -> Arc<Mailbox> {
         self.rec.mailbox()
+    }
+
+    /// What the queue completed so far.
+    pub fn stats(&self) -> WorkerStats {
+        WorkerStats {
+            requests: self.rec.counters().totals().ops.total(),
+            errors: self.rec.error_count(DISK_NSID, u16::from(S_IOERR)),
+            unsupported: self.rec.error_count(DISK_NSID, u16::from(S_UNSUPP)),
+        }
     }
 
     /// The queue's counters and trace data now (for a worker nobody polls, tests).
@@ -354,7 +366,6 @@ impl QueueWorker {
         for i in 0..self.ready.len() {
             let idx = self.ready[i];
             let slot = &mut self.slots[usize::from(idx)];
-            self.stats.requests += 1;
             let status = match slot.outcome {
                 Outcome::Finish(s) => Some(s),
                 Outcome::Submit => {
@@ -383,27 +394,31 @@ impl QueueWorker {
 
     fn complete(&mut self, q: &mut Queue, mem: &Arc<Mem>, idx: u16, status: u8, p: &mut Progress) {
         let slot = &mut self.slots[usize::from(idx)];
-        match status {
-            S_OK => {}
-            S_UNSUPP => self.stats.unsupported += 1,
-            _ => {
-                self.stats.errors += 1;
-                // Rate-limited: the 1st, 2nd, 4th, 8th... error of this queue.
-                if self.stats.errors.is_power_of_two() {
-                    let cause = if slot.cause.is_empty() {
-                        "the backend failed the request"
-                    } else {
-                        slot.cause
-                    };
-                    trace::limited!(
-                        self.cfg.log,
-                        warn,
-                        errors = self.stats.errors,
-                        head = slot.head,
-                        cause,
-                        "virtio-blk request completed with IOERR"
-                    );
-                }
+        let bytes = match (slot.outcome, slot.op) {
+            (Outcome::Submit, IoOp::Read | IoOp::Write) => slot.len,
+            _ => 0,
+        };
+        // Counted once, here; its `complete` layer ends at the batch's "posted"
+        // stamp (`finish_poll`).
+        self.rec
+            .complete(DISK_NSID, slot.class, bytes, u16::from(status), slot.stamps);
+        if status != S_OK && status != S_UNSUPP {
+            let errors = self.rec.error_count(DISK_NSID, u16::from(status));
+            // Rate-limited: the 1st, 2nd, 4th, 8th... error of this queue.
+            if errors.is_power_of_two() {
+                let cause = if slot.cause.is_empty() {
+                    "the backend failed the request"
+                } else {
+                    slot.cause
+                };
+                trace::limited!(
+                    self.cfg.log,
+                    warn,
+                    errors,
+                    head = slot.head,
+                    cause,
+                    "virtio-blk request completed with IOERR"
+                );
             }
         }
         let used_len = match slot.status {
@@ -417,18 +432,9 @@ impl QueueWorker {
             }
             None => 0,
         };
-        let bytes = match (slot.outcome, slot.op) {
-            (Outcome::Submit, IoOp::Read | IoOp::Write) => slot.len,
-            _ => 0,
-        };
-        let class = slot.class;
-        let stamps = slot.stamps;
         let head = slot.head;
         slot.release();
         self.free.push(idx);
-        // Its `complete` layer ends at the batch's "posted" stamp (`finish_poll`).
-        self.rec
-            .complete(DISK_NSID, class, bytes, u16::from(status), stamps);
         if let Some(log) = &self.inflight {
             log.before_used(head);
         }

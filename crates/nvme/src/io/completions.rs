@@ -14,7 +14,7 @@ use super::shadow::{behind, ei_stale, write_event_idx, NO_EI};
 use super::{IoSq, Slot};
 use crate::ctrl::Shared;
 use crate::decode::{OP_FLUSH, OP_READ, OP_WRITE};
-use crate::log::{bump, Counters, ErrorEntry};
+use crate::log::{ErrorEntry, GroupCounters, PcieCounters};
 use crate::queue::CqRing;
 use crate::status::Status;
 
@@ -26,7 +26,8 @@ pub(crate) struct Completions {
     /// the first of them was.
     irq_held: u32,
     irq_since: Option<Instant>,
-    pub counters: Arc<Counters>,
+    /// Shadow doorbell reads; requests are counted by `rec`.
+    pub pcie: Arc<PcieCounters>,
     /// Commands waiting for the backend.
     pub inflight: u32,
     /// The memory snapshots commands in flight were translated against.
@@ -44,11 +45,19 @@ impl Completions {
             ei: NO_EI,
             irq_held: 0,
             irq_since: None,
-            counters: Arc::new(Counters::default()),
+            pcie: Arc::new(PcieCounters::default()),
             inflight: 0,
             pins: MemPins::with_capacity(4),
             rec,
             posted: 0,
+        }
+    }
+
+    /// The group's counters, for the control path.
+    pub fn counters(&self) -> GroupCounters {
+        GroupCounters {
+            io: self.rec.counters(),
+            pcie: self.pcie.clone(),
         }
     }
 
@@ -149,28 +158,11 @@ impl Completions {
             OP_FLUSH => OpClass::Flush,
             _ => OpClass::Other,
         };
+        // Counted once, here: SMART, controller stats and `get_stats` read it back.
         // SCT and SC; DNR and More are not part of the error's identity.
         self.rec
             .complete(slot.nsid, class, slot.bytes, st.0 & 0x7ff, slot.stamps);
-        let c = &self.counters;
-        match slot.opcode {
-            OP_READ => {
-                bump(&c.reads, 1);
-                if ok {
-                    bump(&c.bytes_read, slot.bytes);
-                }
-            }
-            OP_WRITE => {
-                bump(&c.writes, 1);
-                if ok {
-                    bump(&c.bytes_written, slot.bytes);
-                }
-            }
-            OP_FLUSH => bump(&c.flushes, 1),
-            _ => bump(&c.other, 1),
-        }
         if !ok {
-            bump(&c.errors, 1);
             shared.record_error(ErrorEntry {
                 count: 0,
                 sqid,

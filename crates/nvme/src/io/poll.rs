@@ -227,7 +227,7 @@ fn fetch_and_submit<'m>(
         return Ok(Next::Remap);
     }
     if pass.shadow().is_some() {
-        bump(&out.counters.shadow_reads, 1);
+        bump(&out.pcie.shadow_reads, 1);
     }
     let Ok(sq_ring) = pass
         .map
