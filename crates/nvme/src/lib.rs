@@ -52,7 +52,7 @@ use guest_mem::{DmaSpace, SharedMem};
 
 pub use identify::VENDOR_ID;
 pub use namespaces::NsError;
-pub use status::Status;
+pub use status::{Nvme, Status};
 
 /// Size of BAR0: registers, doorbells, MSI-X table, MSI-X PBA.
 pub const BAR0_SIZE: u64 = 0x4000;

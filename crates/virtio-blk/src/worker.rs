@@ -5,14 +5,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bdev::{IoChannel, IoOp, IoRequest, IoStatus};
-use trace::{Mailbox, QueueRecorder, TraceControl};
+use frontend_core::{Protocol, QueueCore};
+use trace::{Mailbox, TraceControl};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
 use crate::chain::ChainWalk;
 use crate::config::BlkConfig;
 use crate::guest::Mem;
 use crate::inflight::InflightQueue;
-use crate::request::{parse, Outcome, Seg, Slot, S_IOERR, S_OK, S_UNSUPP};
+use crate::request::{parse, Outcome, Seg, Slot, VirtioBlk, S_IOERR, S_OK, S_UNSUPP};
 
 /// The namespace id a virtio-blk disk's counters are kept under (a device has one
 /// disk; 0 would mean "no valid namespace" to the recorder).
@@ -67,8 +68,9 @@ pub struct QueueWorker {
     counter: u64,
     /// Scratch for recovery: `(counter, head)` of requests to resubmit.
     resubmit: Vec<(u64, u16)>,
-    /// Counters and layer times of this queue (docs/decisions/0007-tracing.md).
-    rec: QueueRecorder,
+    /// Counters and layer times of this queue (docs/decisions/0007-tracing.md,
+    /// 0015-front-end-core.md): the one place its requests are counted.
+    rec: QueueCore<VirtioBlk>,
 }
 
 impl QueueWorker {
@@ -91,7 +93,7 @@ impl QueueWorker {
         QueueWorker {
             // A slot can complete twice in one poll (reaped, popped again, done
             // inline), so room for two rounds of the ring.
-            rec: QueueRecorder::new(queue, DISK_NSID, 2 * n, ctl),
+            rec: QueueCore::new(queue, DISK_NSID, 2 * n, ctl),
             slots: (0..n).map(|_| Slot::new(max_segs)).collect(),
             free: (0..n as u16).rev().collect(),
             ready: Vec::with_capacity(n),
@@ -116,8 +118,8 @@ impl QueueWorker {
     pub fn stats(&self) -> WorkerStats {
         WorkerStats {
             requests: self.rec.counters().totals().ops.total(),
-            errors: self.rec.error_count(DISK_NSID, u16::from(S_IOERR)),
-            unsupported: self.rec.error_count(DISK_NSID, u16::from(S_UNSUPP)),
+            errors: self.rec.error_count(DISK_NSID, S_IOERR),
+            unsupported: self.rec.error_count(DISK_NSID, S_UNSUPP),
         }
     }
 
@@ -134,19 +136,8 @@ impl QueueWorker {
     #[inline]
     pub fn finish_poll(&mut self, signal: impl FnOnce() -> bool) {
         self.rec.begin_poll();
-        let posted = if self.rec.has_finished() {
-            trace::clock::now()
-        } else {
-            0
-        };
-        let signalled = signal();
-        let signalled_at = if signalled && posted != 0 {
-            trace::clock::now()
-        } else {
-            posted
-        };
-        self.rec.set_inflight(self.in_flight() as u32);
-        self.rec.end_poll(posted, signalled_at);
+        let inflight = self.in_flight() as u32;
+        self.rec.end_poll(inflight, signal);
     }
 
     /// Requests handed to the backend and not yet completed.
@@ -294,9 +285,10 @@ impl QueueWorker {
                 continue;
             };
             if let Some(slot) = self.slots.get_mut(usize::from(idx)) {
-                slot.stamps.completed = QueueRecorder::stamp(slot.stamps.kick);
+                slot.stamps.completed = QueueCore::<VirtioBlk>::stamp(slot.stamps.kick);
                 p.work += 1;
-                self.complete(q, mem, idx, status_byte(st), p);
+                let status = VirtioBlk::from_io(st, slot.op);
+                self.complete(q, mem, idx, status, p);
             }
         }
     }
@@ -376,11 +368,15 @@ impl QueueWorker {
                         iov: &slot.data,
                         fua: slot.fua,
                     };
-                    slot.stamps.submitted = QueueRecorder::stamp(slot.stamps.kick);
-                    let st = self.chan.submit(u64::from(idx), &req).map(status_byte);
+                    slot.stamps.submitted = QueueCore::<VirtioBlk>::stamp(slot.stamps.kick);
+                    let op = slot.op;
+                    let st = self
+                        .chan
+                        .submit(u64::from(idx), &req)
+                        .map(|st| VirtioBlk::from_io(st, op));
                     if st.is_some() {
                         // Inline backend: it completed inside the call.
-                        slot.stamps.completed = QueueRecorder::stamp(slot.stamps.kick);
+                        slot.stamps.completed = QueueCore::<VirtioBlk>::stamp(slot.stamps.kick);
                     }
                     st
                 }
@@ -401,9 +397,9 @@ impl QueueWorker {
         // Counted once, here; its `complete` layer ends at the batch's "posted"
         // stamp (`finish_poll`).
         self.rec
-            .complete(DISK_NSID, slot.class, bytes, u16::from(status), slot.stamps);
+            .complete(DISK_NSID, slot.class, bytes, status, slot.stamps);
         if status != S_OK && status != S_UNSUPP {
-            let errors = self.rec.error_count(DISK_NSID, u16::from(status));
+            let errors = self.rec.error_count(DISK_NSID, status);
             // Rate-limited: the 1st, 2nd, 4th, 8th... error of this queue.
             if errors.is_power_of_two() {
                 let cause = if slot.cause.is_empty() {
@@ -454,13 +450,5 @@ impl QueueWorker {
             log.used(head, q.next_used());
         }
         p.used += 1;
-    }
-}
-
-fn status_byte(st: IoStatus) -> u8 {
-    match st {
-        IoStatus::Ok => S_OK,
-        IoStatus::Unsupported => S_UNSUPP,
-        _ => S_IOERR,
     }
 }

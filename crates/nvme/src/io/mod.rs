@@ -18,8 +18,9 @@ use std::time::Duration;
 
 use bdev::{Armed, BlockDevice, IoChannel};
 use crossbeam_channel::Sender;
+use frontend_core::QueueCore;
 use guest_mem::{DmaSpace, MemView, Pin};
-use trace::{QueueRecorder, Stamps};
+use trace::Stamps;
 
 use crate::ctrl::Shared;
 use crate::queue::{CqRing, SqRing};
@@ -187,7 +188,7 @@ impl QueueGroup {
             .map(|d| d.as_ref().map(NsChan::open).transpose())
             .collect::<std::io::Result<Vec<_>>>()?;
         // At most one completion per CQ entry is posted per poll.
-        let rec = QueueRecorder::new(
+        let rec = QueueCore::new(
             cq.qid,
             u32::try_from(namespaces.len()).unwrap_or(u32::MAX),
             usize::from(cq.size),
