@@ -8,10 +8,12 @@
 mod cpus;
 mod placement;
 mod reactor;
+mod wait;
 
 pub use cpus::{allowed_cpus, check_allowed, format_cpu_list, parse_cpu_list};
 pub use placement::{AtomicPollMode, Placement, Placer, PollMode};
 pub use reactor::{Engine, EngineError, PollerId, ReactorStats, Waker};
+pub use wait::wait_until;
 
 use std::os::fd::BorrowedFd;
 use std::time::Duration;

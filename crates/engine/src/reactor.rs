@@ -467,11 +467,8 @@ mod tests {
     }
 
     fn wait_for(what: &str, f: impl Fn() -> bool) {
-        let until = std::time::Instant::now() + Duration::from_secs(10);
-        while !f() {
-            assert!(std::time::Instant::now() < until, "{what}");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let ok = crate::wait_until(Duration::from_secs(10), Duration::from_millis(1), f);
+        assert!(ok, "{what}");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use guest_mem::{Access, DmaSpace};
 use crate::admin::features::Features;
 use crate::admin::format::FormatRun;
 use crate::io::{GroupPoller, QueueGroup, Shadow};
-use crate::log::{Counters, ErrorEntry, Totals};
+use crate::log::{ErrorEntry, GroupCounters, Totals};
 use crate::namespaces::Ns;
 use crate::queue::{db_index, CqRing, SqRing, Sqe};
 use crate::regs::{self, Regs};
@@ -45,7 +45,7 @@ pub(crate) enum Place {
 }
 
 pub(crate) struct GroupEntry {
-    pub counters: Arc<Counters>,
+    pub counters: GroupCounters,
     pub mailbox: Arc<trace::Mailbox>,
     pub place: Place,
 }
@@ -334,7 +334,7 @@ impl Inner {
     /// Parks a group without SQs (nothing to poll) or hands it to its reactor.
     pub fn place_group(&self, st: &mut State, g: Box<QueueGroup>) -> Result<(), Status> {
         let cqid = g.out.cq.qid;
-        let counters = g.out.counters.clone();
+        let counters = g.out.counters();
         let mailbox = g.out.rec.mailbox();
         let place = if g.sqs.is_empty() {
             let mut g = g;

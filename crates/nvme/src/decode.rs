@@ -11,10 +11,11 @@
     clippy::cast_sign_loss
 )]
 
-use bdev::BlockInfo;
+use bdev::{BlockInfo, IoOp};
+use frontend_core::{Disk, Protocol};
 
 use crate::queue::Sqe;
-use crate::status::Status;
+use crate::status::{Nvme, Status};
 
 pub(crate) const OP_FLUSH: u8 = 0x00;
 pub(crate) const OP_WRITE: u8 = 0x01;
@@ -61,23 +62,23 @@ pub(crate) enum IoCmd {
     },
 }
 
-/// First LBA and block count of a Read/Write/Write Zeroes command, range-checked.
-pub(crate) fn lba_range(sqe: &Sqe, num_blocks: u64) -> Result<(u64, u64), Status> {
-    let slba = u64::from(sqe.cdw(10)) | (u64::from(sqe.cdw(11)) << 32);
-    let nlb = u64::from(sqe.cdw(12) & 0xffff) + 1;
-    match slba.checked_add(nlb) {
-        Some(end) if end <= num_blocks => Ok((slba, nlb)),
-        _ => Err(Status::LBA_OUT_OF_RANGE),
+impl<'a> Facts<'a> {
+    /// The namespace under the front-end core's policy (range, read-only, FUA).
+    pub fn disk(&self) -> Disk<'a> {
+        Disk {
+            info: self.info,
+            cache_on: self.wce,
+        }
     }
 }
 
-/// Byte offset and length of `nlb` blocks at `slba`.
-fn bytes(slba: u64, nlb: u64, block_size: u32) -> Result<(u64, u64), Status> {
-    let bs = u64::from(block_size);
-    match (slba.checked_mul(bs), nlb.checked_mul(bs)) {
-        (Some(offset), Some(len)) => Ok((offset, len)),
-        _ => Err(Status::LBA_OUT_OF_RANGE),
-    }
+/// First LBA, and byte offset and length, of a Read/Write/Write Zeroes command,
+/// range-checked (the core's block→byte check).
+fn lba_range(sqe: &Sqe, disk: &Disk<'_>) -> Result<(u64, u64, u64), Status> {
+    let slba = u64::from(sqe.cdw(10)) | (u64::from(sqe.cdw(11)) << 32);
+    let nlb = u64::from(sqe.cdw(12) & 0xffff) + 1;
+    let r = disk.blocks(slba, nlb).map_err(Nvme::refused)?;
+    Ok((slba, r.offset, r.len))
 }
 
 /// The I/O command `sqe` asks of a namespace with `ns` facts (`None`: no such
@@ -97,17 +98,20 @@ pub(crate) fn decode(sqe: &Sqe, ns: Option<Facts<'_>>) -> Result<IoCmd, Status> 
         return Err(Status::FORMAT_IN_PROGRESS);
     }
     let info = ns.info;
+    let disk = ns.disk();
+    let fua_bit = sqe.cdw(12) & FUA != 0;
     match op {
         OP_FLUSH => Ok(IoCmd::Flush),
         OP_READ | OP_WRITE => {
             let write = op == OP_WRITE;
-            let (slba, nlb) = lba_range(sqe, info.num_blocks)?;
-            let (offset, bytes) = bytes(slba, nlb, info.block_size)?;
+            let io = if write { IoOp::Write } else { IoOp::Read };
+            let (slba, offset, bytes) = lba_range(sqe, &disk)?;
             if bytes > ns.mdts_bytes {
                 return Err(Status::INVALID_FIELD);
             }
+            disk.allows(io).map_err(Nvme::refused)?;
             // With the write cache turned off by the host, every write is made durable.
-            let fua = sqe.cdw(12) & FUA != 0 || (write && info.write_cache && !ns.wce);
+            let fua = disk.fua(io, fua_bit);
             Ok(IoCmd::Rw {
                 write,
                 slba,
@@ -120,13 +124,13 @@ pub(crate) fn decode(sqe: &Sqe, ns: Option<Facts<'_>>) -> Result<IoCmd, Status> 
             if !info.write_zeroes {
                 return Err(Status::INVALID_OPCODE);
             }
-            let (slba, nlb) = lba_range(sqe, info.num_blocks)?;
-            let (offset, len) = bytes(slba, nlb, info.block_size)?;
+            let (slba, offset, len) = lba_range(sqe, &disk)?;
+            disk.allows(IoOp::WriteZeroes).map_err(Nvme::refused)?;
             Ok(IoCmd::WriteZeroes {
                 slba,
                 offset,
                 len,
-                fua: sqe.cdw(12) & FUA != 0,
+                fua: disk.fua(IoOp::WriteZeroes, fua_bit),
             })
         }
         _ => Ok(IoCmd::Dsm {
@@ -167,6 +171,10 @@ mod tests {
     fn decoding_table() {
         let plain = info(false, true);
         let cached = info(true, false);
+        let ro = BlockInfo {
+            read_only: true,
+            ..info(false, true)
+        };
         let facts = |info, wce| {
             Some(Facts {
                 info,
@@ -335,6 +343,36 @@ mod tests {
                 sqe(OP_WRITE_ZEROES, 0, 1, [0; 3]),
                 facts(&cached, true),
                 Err(S::INVALID_OPCODE),
+            ),
+            (
+                "read, read-only",
+                sqe(OP_READ, 0, 1, [0, 0, 0]),
+                facts(&ro, true),
+                rw(false, 0, 1, false),
+            ),
+            (
+                "write, read-only",
+                sqe(OP_WRITE, 0, 1, [0, 0, 0]),
+                facts(&ro, true),
+                Err(S::WRITE_TO_READ_ONLY),
+            ),
+            (
+                "write past the end, read-only",
+                sqe(OP_WRITE, 0, 1, [999, 0, 1]),
+                facts(&ro, true),
+                Err(S::LBA_OUT_OF_RANGE),
+            ),
+            (
+                "write zeroes, read-only",
+                sqe(OP_WRITE_ZEROES, 0, 1, [0, 0, 0]),
+                facts(&ro, true),
+                Err(S::WRITE_TO_READ_ONLY),
+            ),
+            (
+                "flush, read-only",
+                sqe(OP_FLUSH, 0, 1, [0; 3]),
+                facts(&ro, true),
+                Ok(IoCmd::Flush),
             ),
             (
                 "DSM deallocate",

@@ -59,7 +59,7 @@ use guest_mem::{DmaSpace, SharedMem};
 
 pub use identify::VENDOR_ID;
 pub use ns::NsError;
-pub use status::Status;
+pub use status::{Nvme, Status};
 
 /// Smallest BAR0: registers, doorbells, MSI-X table, MSI-X PBA, a page each. 16 KiB
 /// is also what Windows guests are reported to need (docs/decisions/0011).
@@ -445,13 +445,13 @@ impl Controller {
             io_queues: st.sq_owner.len(),
             io_completion_queues: st.groups.len(),
             admin_commands: st.admin_commands,
-            reads: t.reads,
-            writes: t.writes,
-            flushes: t.flushes,
-            other_io: t.other,
-            io_errors: t.errors,
-            bytes_read: t.bytes_read,
-            bytes_written: t.bytes_written,
+            reads: t.io.ops.read,
+            writes: t.io.ops.write,
+            flushes: t.io.ops.flush,
+            other_io: t.io.ops.other,
+            io_errors: t.io.errors,
+            bytes_read: t.io.bytes.read,
+            bytes_written: t.io.bytes.write,
             error_log_count,
         }
     }

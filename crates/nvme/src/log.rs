@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::status::Status;
 
@@ -51,48 +52,38 @@ impl ErrorLog {
     }
 }
 
-/// Per-queue-group counters. Each group is polled by one thread at a time, so
-/// updates are plain load+store (no locked RMW on the hot path).
+/// What a queue group counts besides requests (those are counted once, by its
+/// `trace::QueueRecorder`: see [`GroupCounters`]). Each group is polled by one
+/// thread at a time, so updates are plain load+store (no locked RMW on the hot path).
 #[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub reads: AtomicU64,
-    pub writes: AtomicU64,
-    pub flushes: AtomicU64,
-    pub other: AtomicU64,
-    pub errors: AtomicU64,
-    pub bytes_read: AtomicU64,
-    pub bytes_written: AtomicU64,
+pub(crate) struct PcieCounters {
     pub shadow_reads: AtomicU64,
+}
+
+/// A queue group's counters as the control path reads them.
+#[derive(Debug, Clone)]
+pub(crate) struct GroupCounters {
+    pub io: Arc<trace::IoCounters>,
+    pub pcie: Arc<PcieCounters>,
 }
 
 pub(crate) fn bump(a: &AtomicU64, n: u64) {
     a.store(a.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
 }
 
-/// Plain snapshot of [`Counters`], also used to keep totals of deleted groups.
+/// Plain snapshot of [`GroupCounters`], also used to keep totals of deleted groups.
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct Totals {
-    pub reads: u64,
-    pub writes: u64,
-    pub flushes: u64,
-    pub other: u64,
-    pub errors: u64,
-    pub bytes_read: u64,
-    pub bytes_written: u64,
+    pub io: trace::IoTotals,
     pub shadow_reads: u64,
 }
 
 impl Totals {
-    pub fn add(&mut self, c: &Counters) {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        self.reads = self.reads.wrapping_add(l(&c.reads));
-        self.writes = self.writes.wrapping_add(l(&c.writes));
-        self.flushes = self.flushes.wrapping_add(l(&c.flushes));
-        self.other = self.other.wrapping_add(l(&c.other));
-        self.errors = self.errors.wrapping_add(l(&c.errors));
-        self.bytes_read = self.bytes_read.wrapping_add(l(&c.bytes_read));
-        self.bytes_written = self.bytes_written.wrapping_add(l(&c.bytes_written));
-        self.shadow_reads = self.shadow_reads.wrapping_add(l(&c.shadow_reads));
+    pub fn add(&mut self, c: &GroupCounters) {
+        self.io.add(&c.io.totals());
+        self.shadow_reads = self
+            .shadow_reads
+            .wrapping_add(c.pcie.shadow_reads.load(Ordering::Relaxed));
     }
 }
 
@@ -103,10 +94,10 @@ pub(crate) fn smart_page(t: &Totals, error_count: u64, temp_k: u16) -> Vec<u8> {
     b[1..3].copy_from_slice(&temp_k.to_le_bytes());
     b[3] = 100; // available spare
     b[4] = 10; // available spare threshold
-    b[32..48].copy_from_slice(&units(t.bytes_read).to_le_bytes());
-    b[48..64].copy_from_slice(&units(t.bytes_written).to_le_bytes());
-    b[64..80].copy_from_slice(&u128::from(t.reads).to_le_bytes());
-    b[80..96].copy_from_slice(&u128::from(t.writes).to_le_bytes());
+    b[32..48].copy_from_slice(&units(t.io.bytes.read).to_le_bytes());
+    b[48..64].copy_from_slice(&units(t.io.bytes.write).to_le_bytes());
+    b[64..80].copy_from_slice(&u128::from(t.io.ops.read).to_le_bytes());
+    b[80..96].copy_from_slice(&u128::from(t.io.ops.write).to_le_bytes());
     b[112..128].copy_from_slice(&1u128.to_le_bytes()); // power cycles
     b[176..192].copy_from_slice(&u128::from(error_count).to_le_bytes());
     b[200..202].copy_from_slice(&temp_k.to_le_bytes());

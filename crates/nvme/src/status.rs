@@ -1,6 +1,8 @@
-//! NVMe completion status values (SCT/SC) and the mapping from backend results.
+//! NVMe completion status values (SCT/SC) and NVMe's status table for the front-end
+//! core: backend results and policy refusals to statuses ([`Nvme`]).
 
-use bdev::IoStatus;
+use bdev::{IoOp, IoStatus};
+use frontend_core::{Protocol, Refusal};
 
 /// A completion status: bits 7:0 SC, 10:8 SCT, 14 DNR (the CQE status field without
 /// the phase bit).
@@ -62,12 +64,22 @@ impl Status {
     pub fn sct(self) -> u8 {
         ((self.0 >> 8) & 7) as u8
     }
+}
 
-    /// Maps a backend result; `write` selects Write Fault for media errors on writes.
-    pub fn from_io(st: IoStatus, write: bool) -> Status {
+/// The NVM command set as a front-end protocol: its status table.
+pub struct Nvme;
+
+impl Protocol for Nvme {
+    type Status = Status;
+    const OK: Status = Status::SUCCESS;
+
+    /// Media errors are Write Fault on commands that change data (write, write
+    /// zeroes, deallocate) and Internal Error otherwise (read, flush).
+    fn from_io(st: IoStatus, op: IoOp) -> Status {
+        let writes = matches!(op, IoOp::Write | IoOp::WriteZeroes | IoOp::Discard);
         match st {
             IoStatus::Ok => Status::SUCCESS,
-            IoStatus::IoError if write => Status::WRITE_FAULT,
+            IoStatus::IoError if writes => Status::WRITE_FAULT,
             IoStatus::IoError => Status::INTERNAL_ERROR,
             IoStatus::ReadError => Status::UNRECOVERED_READ,
             IoStatus::OutOfRange => Status::LBA_OUT_OF_RANGE,
@@ -76,5 +88,58 @@ impl Status {
             IoStatus::Invalid => Status::INTERNAL_ERROR,
             IoStatus::NoSpace => Status::CAPACITY_EXCEEDED,
         }
+    }
+
+    fn refused(r: Refusal) -> Status {
+        match r {
+            // NVMe ranges are in blocks: they cannot be misaligned.
+            Refusal::OutOfRange | Refusal::Misaligned => Status::LBA_OUT_OF_RANGE,
+            Refusal::ReadOnly => Status::WRITE_TO_READ_ONLY,
+        }
+    }
+
+    /// SCT and SC; DNR and More are not part of the error's identity.
+    fn code(s: Status) -> u16 {
+        s.0 & 0x7ff
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_table() {
+        use IoOp::*;
+        use IoStatus as I;
+        let cases: &[(IoStatus, IoOp, Status)] = &[
+            (I::Ok, Read, Status::SUCCESS),
+            (I::Ok, Write, Status::SUCCESS),
+            (I::IoError, Write, Status::WRITE_FAULT),
+            (I::IoError, WriteZeroes, Status::WRITE_FAULT),
+            (I::IoError, Discard, Status::WRITE_FAULT),
+            (I::IoError, Read, Status::INTERNAL_ERROR),
+            (I::IoError, Flush, Status::INTERNAL_ERROR),
+            (I::ReadError, Read, Status::UNRECOVERED_READ),
+            (I::OutOfRange, Read, Status::LBA_OUT_OF_RANGE),
+            (I::ReadOnly, Write, Status::WRITE_TO_READ_ONLY),
+            (I::Unsupported, Flush, Status::INVALID_OPCODE),
+            (I::Invalid, Write, Status::INTERNAL_ERROR),
+            (I::NoSpace, Write, Status::CAPACITY_EXCEEDED),
+        ];
+        for &(st, op, want) in cases {
+            assert_eq!(Nvme::from_io(st, op), want, "{st:?} on {op:?}");
+        }
+        assert_eq!(Nvme::refused(Refusal::OutOfRange), Status::LBA_OUT_OF_RANGE);
+        assert_eq!(Nvme::refused(Refusal::Misaligned), Status::LBA_OUT_OF_RANGE);
+        assert_eq!(Nvme::refused(Refusal::ReadOnly), Status::WRITE_TO_READ_ONLY);
+        // Counted by SCT/SC: 0 is success, DNR does not split an error in two.
+        assert_eq!(Nvme::code(Nvme::OK), 0);
+        assert_eq!(Nvme::code(Status::WRITE_FAULT), 0x280);
+        assert_eq!(
+            Nvme::code(Status(Status::WRITE_FAULT.0 & !(1 << 14))),
+            0x280
+        );
+        assert_eq!(Nvme::code(Status::INTERNAL_ERROR), 0x006);
     }
 }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bdev::{BlockDevice, BlockInfo, IoChannel, IoRequest, IoStatus, RamDisk};
+use frontend_core::Observed;
 use trace::Breakdown;
 
 /// Time each submit takes.

@@ -1,10 +1,10 @@
 //! What crosses threads: the trace switch (one atomic word the poller reads once per
 //! poll) and the snapshot mailbox (a flag the poller checks once per poll; the
-//! mutex is only taken when a snapshot was asked for).
+//! mutex is only taken when a snapshot was asked for). Readers wait for mailboxes
+//! with `frontend_core::collect`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -94,29 +94,6 @@ impl Mailbox {
     /// The snapshot, once the poller left one.
     pub fn take(&self) -> Option<QueueSnapshot> {
         self.slot.lock().unwrap_or_else(|e| e.into_inner()).take()
-    }
-
-    /// Requests a snapshot from every mailbox and waits up to `timeout` for all of
-    /// them. Returns what arrived (a queue whose reactor is stuck or gone is missing).
-    pub fn collect(boxes: &[&Mailbox], timeout: Duration) -> Vec<QueueSnapshot> {
-        for b in boxes {
-            let _ = b.take();
-            b.request();
-        }
-        let start = Instant::now();
-        let mut out: Vec<Option<QueueSnapshot>> = boxes.iter().map(|_| None).collect();
-        loop {
-            for (b, o) in boxes.iter().zip(out.iter_mut()) {
-                if o.is_none() {
-                    *o = b.take();
-                }
-            }
-            if out.iter().all(Option::is_some) || start.elapsed() >= timeout {
-                break;
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        out.into_iter().flatten().collect()
     }
 }
 

@@ -27,6 +27,7 @@
 mod breakdown;
 pub mod clock;
 mod control;
+mod counters;
 mod hist;
 mod layerset;
 mod loglimit;
@@ -37,6 +38,7 @@ mod ticks;
 
 pub use breakdown::{Breakdown, LayerRow, OpBreakdown, Side, DEVICE};
 pub use control::{Mailbox, TraceControl, TraceSettings};
+pub use counters::{IoCounters, IoTotals};
 pub use hist::HistSnapshot;
 pub use layerset::LayerSet;
 pub use loglimit::{LogLimiter, LINES_PER_WINDOW, WINDOW_MS};

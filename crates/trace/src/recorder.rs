@@ -6,6 +6,7 @@ use hdrhistogram::Histogram;
 
 use crate::clock;
 use crate::control::{Mailbox, TraceControl, TraceSettings};
+use crate::counters::{bump, new_block, CountBlock, IoCounters};
 use crate::hist::{depth_hist, tick_hist, HistSnapshot};
 use crate::snapshot::{LayerHists, NsSnapshot, OpCounts, QueueSnapshot, StatusCount};
 use crate::ticks::TickBuckets;
@@ -44,9 +45,9 @@ impl TraceHists {
     }
 }
 
+/// What a namespace's counters do not hold: errors by status (touched only when a
+/// request fails) and trace data.
 struct NsRecorder {
-    ops: [u64; 4],
-    bytes: [u64; 4],
     errors: Vec<(u16, u64)>,
     trace: Option<Box<TraceHists>>,
     /// Traced reads and writes of this poll whose `notify` time (the same for the
@@ -57,8 +58,6 @@ struct NsRecorder {
 impl NsRecorder {
     fn new() -> NsRecorder {
         NsRecorder {
-            ops: [0; 4],
-            bytes: [0; 4],
             errors: Vec::with_capacity(MAX_STATUSES),
             trace: None,
             notify_due: [0; 2],
@@ -106,8 +105,11 @@ pub struct QueueRecorder {
     seen: u64,
     settings: TraceSettings,
     countdown: u32,
-    /// Index 0: requests with no valid namespace; index i: namespace i.
+    /// Index 0: requests with no valid namespace; index i: namespace i. `counts`
+    /// has the same length; `counters` is the readers' handle to it.
     ns: Vec<NsRecorder>,
+    counts: CountBlock,
+    counters: Arc<IoCounters>,
     depth: Histogram<u64>,
     inflight: u32,
     finished: Vec<Finished>,
@@ -124,6 +126,8 @@ impl QueueRecorder {
         ctl: Arc<TraceControl>,
     ) -> QueueRecorder {
         clock::init();
+        let n = (namespaces as usize).saturating_add(1);
+        let counts = new_block(n, None);
         QueueRecorder {
             queue,
             ctl,
@@ -131,7 +135,9 @@ impl QueueRecorder {
             seen: u64::MAX,
             settings: TraceSettings::default(),
             countdown: 1,
-            ns: (0..=namespaces).map(|_| NsRecorder::new()).collect(),
+            ns: (0..n).map(|_| NsRecorder::new()).collect(),
+            counters: Arc::new(IoCounters::new(counts.clone())),
+            counts,
             depth: depth_hist(),
             inflight: 0,
             finished: Vec::with_capacity(max_batch),
@@ -146,7 +152,25 @@ impl QueueRecorder {
         let want = (highest as usize).saturating_add(1);
         if self.ns.len() < want {
             self.ns.resize_with(want, NsRecorder::new);
+            self.counts = new_block(want, Some(&self.counts));
+            self.counters.replace(self.counts.clone());
         }
+    }
+
+    /// The queue's request counters, for readers on any thread. Every completion
+    /// passed to [`Self::complete`] is counted there, once.
+    pub fn counters(&self) -> Arc<IoCounters> {
+        self.counters.clone()
+    }
+
+    /// Completions of namespace `nsid` with error `status` so far (for rate-limiting
+    /// log lines and protocol-specific stats; statuses beyond the per-namespace
+    /// limit are counted under [`OVERFLOW_STATUS`]).
+    pub fn error_count(&self, nsid: u32, status: u16) -> u64 {
+        self.ns
+            .get(nsid as usize)
+            .and_then(|ns| ns.errors.iter().find(|e| e.0 == status))
+            .map_or(0, |e| e.1)
     }
 
     /// The mailbox readers use to get snapshots of this queue.
@@ -218,17 +242,20 @@ impl QueueRecorder {
     /// namespace 0; `status` 0 is success.
     #[inline]
     pub fn complete(&mut self, nsid: u32, op: OpClass, bytes: u64, status: u16, s: Stamps) {
-        let idx = if (nsid as usize) < self.ns.len() {
+        let idx = if (nsid as usize) < self.counts.len() {
             nsid as usize
         } else {
             0
         };
-        let ns = &mut self.ns[idx];
-        ns.ops[op as usize] += 1;
+        let c = &self.counts[idx];
+        bump(&c.ops[op as usize], 1);
         if status == 0 {
-            ns.bytes[op as usize] += bytes;
+            bump(&c.bytes[op as usize], bytes);
         } else {
-            ns.count_error(status);
+            bump(&c.errors, 1);
+            if let Some(ns) = self.ns.get_mut(idx) {
+                ns.count_error(status);
+            }
         }
         // Requests rejected before reaching the backend have no layer times.
         let stamped = s.kick != 0 && s.submitted != 0 && s.completed != 0;
@@ -328,12 +355,13 @@ impl QueueRecorder {
         let namespaces = self
             .ns
             .iter()
+            .zip(self.counts.iter())
             .enumerate()
-            .filter(|(i, ns)| *i > 0 || ns.ops.iter().any(|&n| n > 0))
-            .map(|(i, ns)| NsSnapshot {
+            .filter(|(i, (_, c))| *i > 0 || c.ops().iter().any(|&n| n > 0))
+            .map(|(i, (ns, c))| NsSnapshot {
                 nsid: i as u32,
-                ops: OpCounts::from_array(ns.ops),
-                bytes: OpCounts::from_array(ns.bytes),
+                ops: OpCounts::from_array(c.ops()),
+                bytes: OpCounts::from_array(c.bytes()),
                 errors: ns
                     .errors
                     .iter()
@@ -435,6 +463,40 @@ mod tests {
         let ns1 = s.namespaces.iter().find(|n| n.nsid == 1).unwrap();
         assert_eq!(ns1.ops.read, 5007);
         assert_eq!(ns1.layers[0].layers[4].1.count, 7);
+    }
+
+    #[test]
+    fn every_completion_is_counted_once_and_readable_anywhere() {
+        let ctl = Arc::new(TraceControl::default());
+        let mut rec = QueueRecorder::new(1, 1, 64, ctl);
+        let counters = rec.counters();
+        run(&mut rec, 3);
+        rec.complete(1, OpClass::Write, 512, 0, Stamps::default());
+        rec.complete(1, OpClass::Write, 512, 0x281, Stamps::default());
+        rec.complete(9, OpClass::Flush, 0, 0, Stamps::default());
+        // Read from another thread, without the poller answering.
+        let t = std::thread::spawn(move || counters.totals())
+            .join()
+            .unwrap();
+        assert_eq!(
+            (t.ops.read, t.ops.write, t.ops.flush, t.ops.other),
+            (3, 2, 1, 0)
+        );
+        assert_eq!((t.bytes.read, t.bytes.write), (3 * 4096, 512));
+        assert_eq!(t.errors, 1);
+        assert_eq!(rec.error_count(1, 0x281), 1);
+        // The snapshot shows the same numbers.
+        let s = rec.snapshot();
+        let mut sum = OpCounts::default();
+        for ns in &s.namespaces {
+            sum.add(&ns.ops);
+        }
+        assert_eq!(sum, t.ops);
+        // Growing the namespace table keeps what was counted, for old and new readers.
+        rec.ensure_namespaces(4);
+        rec.complete(4, OpClass::Read, 4096, 0, Stamps::default());
+        let t = rec.counters().totals();
+        assert_eq!((t.ops.read, t.bytes.read, t.errors), (4, 4 * 4096, 1));
     }
 
     #[test]

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use frontend_core::Observed;
 use initiator::workload::{self, NvmeTarget, Rw, WorkloadConfig};
 use initiator::{DataMode, DriverOpts, NvmeDriver};
 use trace::Breakdown;

@@ -70,8 +70,9 @@ struct FileJob {
 /// A non-zero code per failure, in NVMe terms (SCT << 8 | SC) so bare and udrive
 /// runs report errors alike.
 fn code(st: IoStatus, write: bool) -> u16 {
-    let s = nvme::Status::from_io(st, write);
-    u16::from(s.sct()) << 8 | u16::from(s.sc())
+    use frontend_core::Protocol;
+    let op = if write { IoOp::Write } else { IoOp::Read };
+    nvme::Nvme::code(nvme::Nvme::from_io(st, op))
 }
 
 impl JobQueue for FileJob {

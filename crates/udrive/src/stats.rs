@@ -6,7 +6,8 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use trace::{Breakdown, DeviceStats, QueueSnapshot, ReactorSnapshot, StatsSnapshot};
+use frontend_core::Observed;
+use trace::{Breakdown, DeviceStats, ReactorSnapshot, StatsSnapshot};
 
 use crate::device::NvmeDevice;
 use crate::vhost_device::VhostBlkDevice;
@@ -15,17 +16,13 @@ use crate::vhost_device::VhostBlkDevice;
 pub const READ_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A device whose queues keep counters and trace data (NVMe controllers,
-/// vhost-user-blk devices).
+/// vhost-user-blk devices): its name and the front-end core's view of its queues.
 pub trait Traced {
     fn socket(&self) -> &Path;
     /// `nvme` or `vhost-user-blk`.
     fn kind(&self) -> &'static str;
-    /// Every queue's snapshot; queues that do not answer within `timeout` are left out.
-    fn queue_stats(&self, timeout: Duration) -> Vec<QueueSnapshot>;
-    /// Starts a trace (dropping the previous one's layer data); returns once the
-    /// queues applied it.
-    fn trace_start(&self, sample_every: u32, timeout: Duration);
-    fn trace_stop(&self, timeout: Duration);
+    /// Queue snapshots and trace start/stop (`frontend_core::Observed`).
+    fn observed(&self) -> &dyn Observed;
 }
 
 impl Traced for NvmeDevice {
@@ -35,14 +32,8 @@ impl Traced for NvmeDevice {
     fn kind(&self) -> &'static str {
         "nvme"
     }
-    fn queue_stats(&self, timeout: Duration) -> Vec<QueueSnapshot> {
-        self.ctrl.queue_stats(timeout)
-    }
-    fn trace_start(&self, sample_every: u32, timeout: Duration) {
-        self.ctrl.trace_start(sample_every, timeout);
-    }
-    fn trace_stop(&self, timeout: Duration) {
-        self.ctrl.trace_stop(timeout);
+    fn observed(&self) -> &dyn Observed {
+        &self.ctrl
     }
 }
 
@@ -53,14 +44,8 @@ impl Traced for VhostBlkDevice {
     fn kind(&self) -> &'static str {
         "vhost-user-blk"
     }
-    fn queue_stats(&self, timeout: Duration) -> Vec<QueueSnapshot> {
-        self.dev.queue_stats(timeout)
-    }
-    fn trace_start(&self, sample_every: u32, timeout: Duration) {
-        self.dev.trace_start(sample_every, timeout);
-    }
-    fn trace_stop(&self, timeout: Duration) {
-        self.dev.trace_stop(timeout);
+    fn observed(&self) -> &dyn Observed {
+        &self.dev
     }
 }
 
@@ -92,7 +77,7 @@ pub fn device_stats<D: Traced + ?Sized>(d: &D, timeout: Duration) -> DeviceStats
     DeviceStats {
         name: device_name(d),
         kind: d.kind().into(),
-        queues: d.queue_stats(timeout),
+        queues: d.observed().queue_stats(timeout),
     }
 }
 
@@ -112,14 +97,14 @@ pub fn get_stats<D: Traced + ?Sized>(devices: &[&D], engine: &engine::Engine) ->
 /// dropping the layer data of an earlier trace. Returns once the queues apply it.
 pub fn trace_start<D: Traced + ?Sized>(devices: &[&D], sample_every: u32) {
     for d in devices {
-        d.trace_start(sample_every, READ_TIMEOUT);
+        d.observed().trace_start(sample_every, READ_TIMEOUT);
     }
 }
 
 /// `trace_stop`: stops tracing; the data stays readable.
 pub fn trace_stop<D: Traced + ?Sized>(devices: &[&D]) {
     for d in devices {
-        d.trace_stop(READ_TIMEOUT);
+        d.observed().trace_stop(READ_TIMEOUT);
     }
 }
 
@@ -127,7 +112,7 @@ pub fn trace_stop<D: Traced + ?Sized>(devices: &[&D]) {
 pub fn trace_read<D: Traced + ?Sized>(devices: &[&D]) -> Breakdown {
     let queues: Vec<_> = devices
         .iter()
-        .flat_map(|d| d.queue_stats(READ_TIMEOUT))
+        .flat_map(|d| d.observed().queue_stats(READ_TIMEOUT))
         .collect();
     Breakdown::from_queues(&queues)
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use bdev::{FaultConfig, FaultDisk, QosDisk, QosLimits};
 use common::layers::{assert_latency_in_backend_only, layer_mean};
 use common::*;
+use frontend_core::Observed;
 use initiator::workload::{self, NvmeTarget, Rw, WorkloadConfig};
 use initiator::{DataMode, IoOp, NvmeDriver};
 use trace::{Breakdown, QueueSnapshot, Side, LAYERS, TOTAL};

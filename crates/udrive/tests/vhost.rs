@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use common::layers::{assert_latency_in_backend_only, assert_layers_add_up};
+use frontend_core::Observed;
 use initiator::workload::{self, Rw, WorkloadConfig};
 use trace::{Breakdown, TOTAL};
 use udrive::blkio_target::BlkioTarget;

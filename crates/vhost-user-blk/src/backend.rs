@@ -6,7 +6,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use engine::{PollMode, Waker};
@@ -112,15 +112,13 @@ impl QueueCtl {
 
     /// Waits until the poller has no request in flight (or `limit` passes).
     pub fn drain(&self, limit: Duration) -> bool {
-        let until = Instant::now() + limit;
-        while self.in_flight.load(Ordering::Acquire) != 0 {
-            if Instant::now() > until {
-                return false;
+        engine::wait_until(limit, Duration::from_micros(200), || {
+            if self.in_flight.load(Ordering::Acquire) == 0 {
+                return true;
             }
             self.waker.load().wake();
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        true
+            false
+        })
     }
 }
 

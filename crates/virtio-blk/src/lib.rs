@@ -21,6 +21,7 @@ mod tests;
 pub use config::{features, BlkConfig, DeviceOptions};
 pub use guest::Mem;
 pub use inflight::{queue_region_size, InflightMem, InflightQueue};
+pub use request::VirtioBlk;
 pub use worker::{Progress, QueueError, QueueWorker, WorkerStats, DISK_NSID};
 
 /// Size of a virtio-blk sector: request offsets are always in these units.

@@ -8,7 +8,8 @@
 
 use std::sync::Arc;
 
-use bdev::{in_range, IoOp};
+use bdev::{IoOp, IoStatus};
+use frontend_core::{Disk, Protocol, Refusal};
 use guest_mem::DmaSlice;
 use trace::{OpClass, Stamps};
 use virtio_bindings::virtio_blk as vb;
@@ -21,6 +22,31 @@ use crate::SECTOR;
 pub(crate) const S_OK: u8 = vb::VIRTIO_BLK_S_OK as u8;
 pub(crate) const S_IOERR: u8 = vb::VIRTIO_BLK_S_IOERR as u8;
 pub(crate) const S_UNSUPP: u8 = vb::VIRTIO_BLK_S_UNSUPP as u8;
+
+/// virtio-blk as a front-end protocol: its status table (a status byte).
+pub struct VirtioBlk;
+
+impl Protocol for VirtioBlk {
+    type Status = u8;
+    const OK: u8 = S_OK;
+
+    fn from_io(st: IoStatus, _op: IoOp) -> u8 {
+        match st {
+            IoStatus::Ok => S_OK,
+            IoStatus::Unsupported => S_UNSUPP,
+            _ => S_IOERR,
+        }
+    }
+
+    /// virtio-blk has one error status for every refusal.
+    fn refused(_: Refusal) -> u8 {
+        S_IOERR
+    }
+
+    fn code(s: u8) -> u16 {
+        u16::from(s)
+    }
+}
 
 const HEADER: usize = 16;
 const ID_BYTES: usize = vb::VIRTIO_BLK_ID_BYTES as usize;
@@ -230,45 +256,40 @@ fn submit(slot: &mut Slot) {
     slot.outcome = Outcome::Submit;
 }
 
+/// The disk under the front-end core's policy (range, read-only, FUA).
+fn disk(cfg: &BlkConfig) -> Disk<'_> {
+    Disk {
+        info: &cfg.info,
+        cache_on: cfg.writeback(),
+    }
+}
+
 /// Checks an IN/OUT request; on success marks the slot for submission.
 fn rw(cfg: &BlkConfig, slot: &mut Slot, op: IoOp, sector: u64, len: u64) -> u8 {
     slot.outcome = Outcome::Finish(S_IOERR);
-    if op == IoOp::Write && cfg.info.read_only {
-        return S_IOERR;
-    }
     // With the guest's write cache off, every write must be durable on completion.
-    let fua = op == IoOp::Write && cfg.info.write_cache && !cfg.writeback();
+    let fua = disk(cfg).fua(op, false);
     queue_range(cfg, slot, op, sector, len, fua)
 }
 
-/// Checks the sector range and marks the slot for submission; an empty range
-/// completes at once.
+/// Checks the operation against a read-only disk and the sector range (whole blocks
+/// inside the disk), and marks the slot for submission; an empty range completes
+/// at once.
 fn queue_range(cfg: &BlkConfig, slot: &mut Slot, op: IoOp, sector: u64, len: u64, fua: bool) -> u8 {
-    let Some(offset) = check_range(cfg, sector, len) else {
-        return S_IOERR;
+    let d = disk(cfg);
+    let range = match d.allows(op).and_then(|()| d.units(sector, SECTOR, len)) {
+        Ok(r) => r,
+        Err(e) => return VirtioBlk::refused(e),
     };
     if len == 0 {
         return S_OK;
     }
     slot.op = op;
-    slot.offset = offset;
-    slot.len = len;
+    slot.offset = range.offset;
+    slot.len = range.len;
     slot.fua = fua;
     submit(slot);
     S_OK
-}
-
-/// Byte offset of a sector range if it is block-aligned and inside the device.
-fn check_range(cfg: &BlkConfig, sector: u64, len: u64) -> Option<u64> {
-    let bs = u64::from(cfg.info.block_size.max(1));
-    let offset = sector.checked_mul(SECTOR)?;
-    if !offset.is_multiple_of(bs)
-        || !len.is_multiple_of(bs)
-        || !in_range(offset, len, cfg.capacity_bytes())
-    {
-        return None;
-    }
-    Some(offset)
 }
 
 fn range_op(cfg: &BlkConfig, segs: &[Seg], slot: &mut Slot, readable: u64, op: IoOp) -> u8 {
@@ -294,7 +315,7 @@ fn range_op(cfg: &BlkConfig, segs: &[Seg], slot: &mut Slot, readable: u64, op: I
     if flags & !allowed_flags != 0 {
         return S_UNSUPP;
     }
-    if num > MAX_DISCARD_SECTORS || cfg.info.read_only {
+    if num > MAX_DISCARD_SECTORS {
         return S_IOERR;
     }
     queue_range(cfg, slot, op, sector, u64::from(num) * SECTOR, false)
@@ -377,4 +398,45 @@ fn scatter(segs: &[Seg], src: &[u8]) -> bool {
         at += take;
     }
     at == src.len()
+}
+
+#[cfg(test)]
+mod status_tests {
+    use super::*;
+
+    #[test]
+    fn status_table() {
+        use IoStatus as I;
+        let all = [
+            I::Ok,
+            I::IoError,
+            I::ReadError,
+            I::OutOfRange,
+            I::ReadOnly,
+            I::Unsupported,
+            I::Invalid,
+            I::NoSpace,
+        ];
+        for op in [
+            IoOp::Read,
+            IoOp::Write,
+            IoOp::Flush,
+            IoOp::WriteZeroes,
+            IoOp::Discard,
+        ] {
+            for st in all {
+                let want = match st {
+                    I::Ok => S_OK,
+                    I::Unsupported => S_UNSUPP,
+                    _ => S_IOERR,
+                };
+                assert_eq!(VirtioBlk::from_io(st, op), want, "{st:?} on {op:?}");
+            }
+        }
+        for r in [Refusal::OutOfRange, Refusal::Misaligned, Refusal::ReadOnly] {
+            assert_eq!(VirtioBlk::refused(r), S_IOERR);
+        }
+        assert_eq!(VirtioBlk::code(VirtioBlk::OK), 0);
+        assert_eq!(VirtioBlk::code(S_UNSUPP), 2);
+    }
 }

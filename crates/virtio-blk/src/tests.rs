@@ -216,7 +216,7 @@ fn get_id_and_unknown_type() {
     assert_eq!(&id[..11], b"test-serial");
     assert_eq!(id[11..], [0u8; 9]);
     assert_eq!(g.request(99, 0, None).0, UNSUPP);
-    assert_eq!(g.worker.stats.unsupported, 1);
+    assert_eq!(g.worker.stats().unsupported, 1);
 }
 
 #[test]
@@ -610,7 +610,7 @@ fn buffer_mapped_after_the_snapshot_was_loaded() {
     assert_eq!(g.used_idx(), 1);
     assert_eq!(g.used(0), (u32::from(head), 4097));
     assert_eq!(newer.read_obj::<u8>(GuestAddress(status)).unwrap(), OK);
-    assert_eq!(g.worker.stats.errors, 0);
+    assert_eq!(g.worker.stats().errors, 0);
 }
 
 /// Counters of the disk's namespace in the worker's snapshot.

@@ -5,14 +5,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bdev::{IoChannel, IoOp, IoRequest, IoStatus};
-use trace::{Mailbox, QueueRecorder, TraceControl};
+use frontend_core::{Protocol, QueueCore};
+use trace::{Mailbox, TraceControl};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
 use crate::chain::ChainWalk;
 use crate::config::BlkConfig;
 use crate::guest::Mem;
 use crate::inflight::InflightQueue;
-use crate::request::{parse, Outcome, Seg, Slot, S_IOERR, S_OK, S_UNSUPP};
+use crate::request::{parse, Outcome, Seg, Slot, VirtioBlk, S_IOERR, S_OK, S_UNSUPP};
 
 /// The namespace id a virtio-blk disk's counters are kept under (a device has one
 /// disk; 0 would mean "no valid namespace" to the recorder).
@@ -40,10 +41,15 @@ pub enum QueueError {
     UsedRing,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+/// What a queue completed, read from its recorder's counters (each request is
+/// counted once, there).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerStats {
+    /// Requests completed (put on the used ring or dropped with a broken ring).
     pub requests: u64,
+    /// Completed with VIRTIO_BLK_S_IOERR.
     pub errors: u64,
+    /// Completed with VIRTIO_BLK_S_UNSUPP.
     pub unsupported: u64,
 }
 
@@ -62,9 +68,9 @@ pub struct QueueWorker {
     counter: u64,
     /// Scratch for recovery: `(counter, head)` of requests to resubmit.
     resubmit: Vec<(u64, u16)>,
-    pub stats: WorkerStats,
-    /// Counters and layer times of this queue (docs/decisions/0007-tracing.md).
-    rec: QueueRecorder,
+    /// Counters and layer times of this queue (docs/decisions/0007-tracing.md,
+    /// 0015-front-end-core.md): the one place its requests are counted.
+    rec: QueueCore<VirtioBlk>,
 }
 
 impl QueueWorker {
@@ -87,7 +93,7 @@ impl QueueWorker {
         QueueWorker {
             // A slot can complete twice in one poll (reaped, popped again, done
             // inline), so room for two rounds of the ring.
-            rec: QueueRecorder::new(queue, DISK_NSID, 2 * n, ctl),
+            rec: QueueCore::new(queue, DISK_NSID, 2 * n, ctl),
             slots: (0..n).map(|_| Slot::new(max_segs)).collect(),
             free: (0..n as u16).rev().collect(),
             ready: Vec::with_capacity(n),
@@ -99,7 +105,6 @@ impl QueueWorker {
             inflight: None,
             counter: 1,
             resubmit: Vec::with_capacity(n),
-            stats: WorkerStats::default(),
         }
     }
 
@@ -107,6 +112,15 @@ impl QueueWorker {
     /// end of a poll, see [`Self::finish_poll`]).
     pub fn mailbox(&self) -> Arc<Mailbox> {
         self.rec.mailbox()
+    }
+
+    /// What the queue completed so far.
+    pub fn stats(&self) -> WorkerStats {
+        WorkerStats {
+            requests: self.rec.counters().totals().ops.total(),
+            errors: self.rec.error_count(DISK_NSID, S_IOERR),
+            unsupported: self.rec.error_count(DISK_NSID, S_UNSUPP),
+        }
     }
 
     /// The queue's counters and trace data now (for a worker nobody polls, tests).
@@ -122,19 +136,8 @@ impl QueueWorker {
     #[inline]
     pub fn finish_poll(&mut self, signal: impl FnOnce() -> bool) {
         self.rec.begin_poll();
-        let posted = if self.rec.has_finished() {
-            trace::clock::now()
-        } else {
-            0
-        };
-        let signalled = signal();
-        let signalled_at = if signalled && posted != 0 {
-            trace::clock::now()
-        } else {
-            posted
-        };
-        self.rec.set_inflight(self.in_flight() as u32);
-        self.rec.end_poll(posted, signalled_at);
+        let inflight = self.in_flight() as u32;
+        self.rec.end_poll(inflight, signal);
     }
 
     /// Requests handed to the backend and not yet completed.
@@ -282,9 +285,10 @@ impl QueueWorker {
                 continue;
             };
             if let Some(slot) = self.slots.get_mut(usize::from(idx)) {
-                slot.stamps.completed = QueueRecorder::stamp(slot.stamps.kick);
+                slot.stamps.completed = QueueCore::<VirtioBlk>::stamp(slot.stamps.kick);
                 p.work += 1;
-                self.complete(q, mem, idx, status_byte(st), p);
+                let status = VirtioBlk::from_io(st, slot.op);
+                self.complete(q, mem, idx, status, p);
             }
         }
     }
@@ -356,7 +360,6 @@ impl QueueWorker {
         for i in 0..self.ready.len() {
             let idx = self.ready[i];
             let slot = &mut self.slots[usize::from(idx)];
-            self.stats.requests += 1;
             let status = match slot.outcome {
                 Outcome::Finish(s) => Some(s),
                 Outcome::Submit => {
@@ -367,11 +370,15 @@ impl QueueWorker {
                         iov: &slot.data,
                         fua: slot.fua,
                     };
-                    slot.stamps.submitted = QueueRecorder::stamp(slot.stamps.kick);
-                    let st = self.chan.submit(u64::from(idx), &req).map(status_byte);
+                    slot.stamps.submitted = QueueCore::<VirtioBlk>::stamp(slot.stamps.kick);
+                    let op = slot.op;
+                    let st = self
+                        .chan
+                        .submit(u64::from(idx), &req)
+                        .map(|st| VirtioBlk::from_io(st, op));
                     if st.is_some() {
                         // Inline backend: it completed inside the call.
-                        slot.stamps.completed = QueueRecorder::stamp(slot.stamps.kick);
+                        slot.stamps.completed = QueueCore::<VirtioBlk>::stamp(slot.stamps.kick);
                     }
                     st
                 }
@@ -385,27 +392,31 @@ impl QueueWorker {
 
     fn complete(&mut self, q: &mut Queue, mem: &Arc<Mem>, idx: u16, status: u8, p: &mut Progress) {
         let slot = &mut self.slots[usize::from(idx)];
-        match status {
-            S_OK => {}
-            S_UNSUPP => self.stats.unsupported += 1,
-            _ => {
-                self.stats.errors += 1;
-                // Rate-limited: the 1st, 2nd, 4th, 8th... error of this queue.
-                if self.stats.errors.is_power_of_two() {
-                    let cause = if slot.cause.is_empty() {
-                        "the backend failed the request"
-                    } else {
-                        slot.cause
-                    };
-                    trace::limited!(
-                        self.cfg.log,
-                        warn,
-                        errors = self.stats.errors,
-                        head = slot.head,
-                        cause,
-                        "virtio-blk request completed with IOERR"
-                    );
-                }
+        let bytes = match (slot.outcome, slot.op) {
+            (Outcome::Submit, IoOp::Read | IoOp::Write) => slot.len,
+            _ => 0,
+        };
+        // Counted once, here; its `complete` layer ends at the batch's "posted"
+        // stamp (`finish_poll`).
+        self.rec
+            .complete(DISK_NSID, slot.class, bytes, status, slot.stamps);
+        if status != S_OK && status != S_UNSUPP {
+            let errors = self.rec.error_count(DISK_NSID, status);
+            // Rate-limited: the 1st, 2nd, 4th, 8th... error of this queue.
+            if errors.is_power_of_two() {
+                let cause = if slot.cause.is_empty() {
+                    "the backend failed the request"
+                } else {
+                    slot.cause
+                };
+                trace::limited!(
+                    self.cfg.log,
+                    warn,
+                    errors,
+                    head = slot.head,
+                    cause,
+                    "virtio-blk request completed with IOERR"
+                );
             }
         }
         let used_len = match slot.status {
@@ -419,18 +430,9 @@ impl QueueWorker {
             }
             None => 0,
         };
-        let bytes = match (slot.outcome, slot.op) {
-            (Outcome::Submit, IoOp::Read | IoOp::Write) => slot.len,
-            _ => 0,
-        };
-        let class = slot.class;
-        let stamps = slot.stamps;
         let head = slot.head;
         slot.release();
         self.free.push(idx);
-        // Its `complete` layer ends at the batch's "posted" stamp (`finish_poll`).
-        self.rec
-            .complete(DISK_NSID, class, bytes, u16::from(status), stamps);
         if let Some(log) = &self.inflight {
             log.before_used(head);
         }
@@ -450,13 +452,5 @@ impl QueueWorker {
             log.used(head, q.next_used());
         }
         p.used += 1;
-    }
-}
-
-fn status_byte(st: IoStatus) -> u8 {
-    match st {
-        IoStatus::Ok => S_OK,
-        IoStatus::Unsupported => S_UNSUPP,
-        _ => S_IOERR,
     }
 }

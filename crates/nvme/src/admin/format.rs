@@ -42,7 +42,7 @@ use crate::identify::lba_formats;
 use crate::io::NsChange;
 use crate::namespaces::Ns;
 use crate::queue::Sqe;
-use crate::status::Status;
+use crate::status::{Nvme, Status};
 
 pub(crate) const FORMAT_NVM: u8 = 0x80;
 
@@ -231,7 +231,10 @@ fn run(chan: &mut dyn IoChannel, op: IoOp, offset: u64, len: u64) -> Result<(), 
     match st {
         IoStatus::Ok => Ok(()),
         IoStatus::Unsupported => Err(Status::INTERNAL_ERROR),
-        st => Err(Status::from_io(st, true)),
+        st => Err(<Nvme as frontend_core::Protocol>::from_io(
+            st,
+            bdev::IoOp::WriteZeroes,
+        )),
     }
 }
 

@@ -5,50 +5,58 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bdev::IoStatus;
+use frontend_core::{Protocol, QueueCore};
 use guest_mem::{MemPins, MemView};
-use trace::{OpClass, QueueRecorder};
+use trace::OpClass;
 
-use super::exec::is_write;
+use super::exec::io_op;
 use super::poll::{Fatal, Pass};
 use super::shadow::{keep_behind, NO_EI};
 use super::{IoSq, Slot};
 use crate::decode::{OP_FLUSH, OP_READ, OP_WRITE};
-use crate::log::{bump, Counters, ErrorEntry};
+use crate::log::{ErrorEntry, GroupCounters, PcieCounters};
 use crate::queue::CqRing;
 use crate::shared::Shared;
-use crate::status::Status;
+use crate::status::{Nvme, Status};
 
 pub(crate) struct Completions {
     pub cq: CqRing,
     /// The CQ's EventIdx as last written (see `IoSq::ei`).
     ei: u16,
-    /// Completions posted but not yet signalled (Interrupt Coalescing), and when
-    /// the first of them was.
-    irq_held: u32,
-    irq_since: Option<Instant>,
-    pub counters: Arc<Counters>,
+    /// Completions posted but not yet signalled (Interrupt Coalescing).
+    irq: HeldIrq,
+    /// Shadow doorbell reads; requests are counted by `rec`.
+    pub pcie: Arc<PcieCounters>,
     /// Commands waiting for the backend.
     pub inflight: u32,
     /// The memory snapshots commands in flight were translated against.
     pins: MemPins,
-    /// Metrics and trace data of this group (owned by the polling thread).
-    pub rec: QueueRecorder,
+    /// Accounting and trace data of this group (owned by the polling thread): the
+    /// one place its completions are counted.
+    pub rec: QueueCore<Nvme>,
     /// CQEs posted in the current poll.
     posted: usize,
 }
 
 impl Completions {
-    pub fn new(cq: CqRing, rec: QueueRecorder) -> Completions {
+    pub fn new(cq: CqRing, rec: QueueCore<Nvme>) -> Completions {
         Completions {
             cq,
             ei: NO_EI,
-            irq_held: 0,
-            irq_since: None,
-            counters: Arc::new(Counters::default()),
+            irq: HeldIrq::default(),
+            pcie: Arc::new(PcieCounters::default()),
             inflight: 0,
             pins: MemPins::with_capacity(4),
             rec,
             posted: 0,
+        }
+    }
+
+    /// The group's counters, for the control path.
+    pub fn counters(&self) -> GroupCounters {
+        GroupCounters {
+            io: self.rec.counters(),
+            pcie: self.pcie.clone(),
         }
     }
 
@@ -129,12 +137,12 @@ impl Completions {
         }
         slot.pending -= 1;
         if slot.status.is_ok() {
-            slot.status = Status::from_io(st, is_write(slot.opcode));
+            slot.status = Nvme::from_io(st, io_op(slot.opcode));
         }
         if slot.pending > 0 {
             return Ok(());
         }
-        slot.stamps.completed = QueueRecorder::stamp(slot.stamps.kick);
+        slot.stamps.completed = QueueCore::<Nvme>::stamp(slot.stamps.kick);
         self.inflight = self.inflight.saturating_sub(1);
         self.pins.unpin(slot.pin);
         let status = slot.status;
@@ -149,28 +157,10 @@ impl Completions {
             OP_FLUSH => OpClass::Flush,
             _ => OpClass::Other,
         };
-        // SCT and SC; DNR and More are not part of the error's identity.
+        // Counted once, here: SMART, controller stats and `get_stats` read it back.
         self.rec
-            .complete(slot.nsid, class, slot.bytes, st.0 & 0x7ff, slot.stamps);
-        let c = &self.counters;
-        match slot.opcode {
-            OP_READ => {
-                bump(&c.reads, 1);
-                if ok {
-                    bump(&c.bytes_read, slot.bytes);
-                }
-            }
-            OP_WRITE => {
-                bump(&c.writes, 1);
-                if ok {
-                    bump(&c.bytes_written, slot.bytes);
-                }
-            }
-            OP_FLUSH => bump(&c.flushes, 1),
-            _ => bump(&c.other, 1),
-        }
+            .complete(slot.nsid, class, slot.bytes, st, slot.stamps);
         if !ok {
-            bump(&c.errors, 1);
             shared.record_error(ErrorEntry {
                 count: 0,
                 sqid,
@@ -198,56 +188,63 @@ impl Completions {
             );
         }
         self.rec.depth(depth);
-        // Batch stamps, read only when a traced command finished in this poll.
-        let posted_at = if self.rec.has_finished() {
-            trace::clock::now()
-        } else {
-            0
-        };
-        let signalled = self.cq.ien && self.interrupt_due(pass.shared);
-        if signalled {
-            pass.shared.irqs.signal(self.cq.vector);
-        }
-        let signalled_at = if signalled && posted_at != 0 {
-            trace::clock::now()
-        } else {
-            posted_at
-        };
-        self.rec.set_inflight(self.inflight);
-        self.rec.end_poll(posted_at, signalled_at);
-    }
-
-    /// Whether this poll signals the CQ's interrupt: at once for every batch that
-    /// posted, or with Interrupt Coalescing once `threshold` completions are held or
-    /// the oldest held one waited the aggregation time (the clock is read only while
-    /// completions are held).
-    fn interrupt_due(&mut self, shared: &Shared) -> bool {
-        let Some((threshold, time)) = shared.coalescing_for(self.cq.vector) else {
-            let due = self.posted > 0 || self.irq_held > 0;
-            self.irq_held = 0;
-            self.irq_since = None;
-            return due;
-        };
-        if self.posted == 0 && self.irq_held == 0 {
-            return false;
-        }
-        self.irq_held += self.posted as u32;
-        let now = Instant::now();
-        let first = *self.irq_since.get_or_insert(now);
-        if self.irq_held >= threshold || now.duration_since(first) >= time {
-            self.irq_held = 0;
-            self.irq_since = None;
-            return true;
-        }
-        false
+        // The core takes the batch stamps around the interrupt (read only when a
+        // traced command finished in this poll).
+        let Completions {
+            cq,
+            irq,
+            posted,
+            rec,
+            inflight,
+            ..
+        } = self;
+        rec.end_poll(*inflight, || {
+            let signalled = cq.ien && irq.due(pass.shared, cq.vector, *posted);
+            if signalled {
+                pass.shared.irqs.signal(cq.vector);
+            }
+            signalled
+        });
     }
 
     /// Before sleeping: an interrupt held back for coalescing fires now.
     pub fn release_held_irq(&mut self, shared: &Shared) {
-        if self.irq_held > 0 {
-            self.irq_held = 0;
-            self.irq_since = None;
+        if self.irq.held > 0 {
+            self.irq = HeldIrq::default();
             shared.irqs.signal(self.cq.vector);
         }
+    }
+}
+
+/// Completions posted but not yet signalled (Interrupt Coalescing), and when the
+/// first of them was.
+#[derive(Default)]
+struct HeldIrq {
+    held: u32,
+    since: Option<Instant>,
+}
+
+impl HeldIrq {
+    /// Whether this poll, which posted `posted` completions, signals interrupt
+    /// `vector`: at once for every batch that posted, or with Interrupt Coalescing
+    /// once `threshold` completions are held or the oldest held one waited the
+    /// aggregation time (the clock is read only while completions are held).
+    fn due(&mut self, shared: &Shared, vector: u16, posted: usize) -> bool {
+        let Some((threshold, time)) = shared.coalescing_for(vector) else {
+            let due = posted > 0 || self.held > 0;
+            *self = HeldIrq::default();
+            return due;
+        };
+        if posted == 0 && self.held == 0 {
+            return false;
+        }
+        self.held += posted as u32;
+        let now = Instant::now();
+        let first = *self.since.get_or_insert(now);
+        if self.held >= threshold || now.duration_since(first) >= time {
+            *self = HeldIrq::default();
+            return true;
+        }
+        false
     }
 }

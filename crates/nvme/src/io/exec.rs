@@ -11,11 +11,12 @@ use trace::{QueueRecorder, Stamps};
 
 use super::{NsChan, Slot};
 use crate::decode::{decode, Facts, IoCmd};
-use crate::decode::{OP_DSM, OP_WRITE, OP_WRITE_ZEROES};
+use crate::decode::{OP_DSM, OP_FLUSH, OP_WRITE, OP_WRITE_ZEROES};
 use crate::iov::Iov;
 use crate::queue::Sqe;
 use crate::shared::Shared;
-use crate::status::Status;
+use crate::status::{Nvme, Status};
+use frontend_core::{Disk, Protocol};
 
 const MAX_DSM_RANGES: usize = 256;
 
@@ -41,8 +42,16 @@ pub(crate) fn data_ptr<'a>(
     }
 }
 
-pub(super) fn is_write(op: u8) -> bool {
-    matches!(op, OP_WRITE | OP_WRITE_ZEROES | OP_DSM)
+/// The backend operation of an I/O opcode, for its status (anything else counts as
+/// a read: it moves no data to the disk).
+pub(super) fn io_op(op: u8) -> IoOp {
+    match op {
+        OP_WRITE => IoOp::Write,
+        OP_WRITE_ZEROES => IoOp::WriteZeroes,
+        OP_DSM => IoOp::Discard,
+        OP_FLUSH => IoOp::Flush,
+        _ => IoOp::Read,
+    }
 }
 
 /// What decoding needs to know about namespace `c`.
@@ -143,8 +152,8 @@ fn exec_on(
     } = nc;
     let info: &BlockInfo = info;
     let chan: &mut dyn IoChannel = chan.as_mut();
-    let (req, write) = match cmd {
-        IoCmd::Flush => (IoRequest::without_data(IoOp::Flush, 0, 0, false), true),
+    let req = match cmd {
+        IoCmd::Flush => IoRequest::without_data(IoOp::Flush, 0, 0, false),
         IoCmd::Rw { write, .. } => {
             let mut iov = Iov::new();
             let f = facts_of(shared, info, *formatting);
@@ -158,7 +167,7 @@ fn exec_on(
                 iov: iov.slices(),
                 fua: slot.fua,
             };
-            return submit(chan, tag, &req, write, &mut slot.stamps);
+            return submit(chan, tag, &req, &mut slot.stamps);
         }
         IoCmd::WriteZeroes {
             slba,
@@ -167,30 +176,22 @@ fn exec_on(
             fua,
         } => {
             slot.slba = slba;
-            (
-                IoRequest::without_data(IoOp::WriteZeroes, offset, len, fua),
-                true,
-            )
+            IoRequest::without_data(IoOp::WriteZeroes, offset, len, fua)
         }
         IoCmd::Dsm { ranges, deallocate } => {
-            return dsm(map, info, chan, sqe, (ranges, deallocate), tag, slot);
+            let disk = facts_of(shared, info, *formatting).disk();
+            return dsm(map, disk, chan, sqe, (ranges, deallocate), tag, slot);
         }
     };
-    submit(chan, tag, &req, write, &mut slot.stamps)
+    submit(chan, tag, &req, &mut slot.stamps)
 }
 
-fn submit(
-    chan: &mut dyn IoChannel,
-    tag: u64,
-    req: &IoRequest<'_>,
-    write: bool,
-    stamps: &mut Stamps,
-) -> Exec {
+fn submit(chan: &mut dyn IoChannel, tag: u64, req: &IoRequest<'_>, stamps: &mut Stamps) -> Exec {
     stamps.submitted = QueueRecorder::stamp(stamps.kick);
     match chan.submit(tag, req) {
         Some(st) => {
             stamps.completed = QueueRecorder::stamp(stamps.kick);
-            Exec::Done(Status::from_io(st, write))
+            Exec::Done(Nvme::from_io(st, req.op))
         }
         None => Exec::Pending(1),
     }
@@ -200,7 +201,7 @@ fn submit(
 /// then each deallocated range becomes a discard.
 fn dsm(
     map: &MemoryMap,
-    info: &bdev::BlockInfo,
+    disk: Disk<'_>,
     chan: &mut dyn IoChannel,
     sqe: &Sqe,
     (nr, deallocate): (usize, bool),
@@ -216,7 +217,6 @@ fn dsm(
         return Exec::Done(s);
     }
     iov.copy_in(ranges);
-    let bs = u64::from(info.block_size);
     let parse = |r: &[u8]| {
         let mut len = [0u8; 4];
         let mut lba = [0u8; 8];
@@ -226,28 +226,33 @@ fn dsm(
     };
     for r in ranges.chunks_exact(16) {
         let (slba, nlb) = parse(r);
-        if slba.checked_add(nlb).is_none_or(|e| e > info.num_blocks) {
+        if let Err(e) = disk.blocks(slba, nlb) {
             slot.slba = slba;
-            return Exec::Done(Status::LBA_OUT_OF_RANGE);
+            return Exec::Done(Nvme::refused(e));
         }
     }
     // Deallocation is advisory: without backend support it is a successful no-op.
-    if !deallocate || !info.discard {
+    if !deallocate || !disk.info.discard {
         return Exec::Done(Status::SUCCESS);
     }
     let mut pending = 0u16;
     let mut status = Status::SUCCESS;
     for r in ranges.chunks_exact(16) {
         let (slba, nlb) = parse(r);
-        let (Some(offset), Some(len)) = (slba.checked_mul(bs), nlb.checked_mul(bs)) else {
+        let Ok(range) = disk.blocks(slba, nlb) else {
             continue;
         };
-        if len == 0 {
+        if range.len == 0 {
             continue;
         }
-        let req = IoRequest::without_data(IoOp::Discard, offset, len, false);
+        // Only a range that changes data is refused on a read-only namespace.
+        // (The first such range: nothing was submitted yet.)
+        if let Err(e) = disk.allows(IoOp::Discard) {
+            return Exec::Done(Nvme::refused(e));
+        }
+        let req = IoRequest::without_data(IoOp::Discard, range.offset, range.len, false);
         match chan.submit(tag, &req) {
-            Some(st) if status.is_ok() => status = Status::from_io(st, true),
+            Some(st) if status.is_ok() => status = Nvme::from_io(st, IoOp::Discard),
             Some(_) => {}
             None => pending += 1,
         }

@@ -14,12 +14,13 @@ mod shadow;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bdev::{Armed, BlockInfo, IoChannel};
 use crossbeam_channel::Sender;
+use frontend_core::QueueCore;
 use guest_mem::{DmaSpace, MemView, Pin};
-use trace::{QueueRecorder, Stamps};
+use trace::Stamps;
 
 use crate::ns::Ns;
 use crate::queue::{CqRing, SqRing};
@@ -219,7 +220,7 @@ impl QueueGroup {
             .map(|d| d.as_ref().map(NsChan::open).transpose())
             .collect::<std::io::Result<Vec<_>>>()?;
         // At most one completion per CQ entry is posted per poll.
-        let rec = QueueRecorder::new(
+        let rec = QueueCore::new(
             cq.qid,
             u32::try_from(namespaces.len()).unwrap_or(u32::MAX),
             usize::from(cq.size),
@@ -272,8 +273,10 @@ impl QueueGroup {
     /// Waits (bounded) for asynchronous backend requests; their completions are
     /// dropped because the queue is going away.
     pub fn drain(&mut self) {
-        let start = Instant::now();
-        while self.out.inflight > 0 && start.elapsed() < Duration::from_secs(5) {
+        engine::wait_until(Duration::from_secs(5), Duration::from_micros(50), || {
+            if self.out.inflight == 0 {
+                return true;
+            }
             let mut n = 0u32;
             for c in self.ns.all_mut() {
                 c.chan.flush();
@@ -283,10 +286,8 @@ impl QueueGroup {
                 n += k;
             }
             self.out.inflight = self.out.inflight.saturating_sub(n);
-            if n == 0 {
-                std::thread::sleep(Duration::from_micros(50));
-            }
-        }
+            self.out.inflight == 0
+        });
         if self.out.inflight > 0 {
             // Their memory stays mapped: a late completion must not write into
             // memory the client was told it got back.

@@ -20,8 +20,9 @@ use crate::iov::Iov;
 use crate::log::bump;
 use crate::queue::{CqRing, Sqe};
 use crate::shared::Shared;
-use crate::status::Status;
+use crate::status::{Nvme, Status};
 use bdev::{IoOp, IoRequest};
+use frontend_core::Protocol;
 
 /// Commands taken from one SQ per poll, so one busy queue cannot starve the others.
 const BUDGET: u32 = 128;
@@ -228,7 +229,7 @@ fn fetch_and_submit<'m>(
         return Ok(Next::Remap);
     }
     if pass.shadow().is_some() {
-        bump(&out.counters.shadow_reads, 1);
+        bump(&out.pcie.shadow_reads, 1);
     }
     let Ok(sq_ring) = pass
         .map
@@ -336,7 +337,11 @@ fn submit_batch(
         let Some(slot) = sq.slots.get_mut(idx as usize) else {
             continue;
         };
-        let write = slot.opcode == OP_WRITE;
+        let op = if slot.opcode == OP_WRITE {
+            IoOp::Write
+        } else {
+            IoOp::Read
+        };
         // `prepare_rw` found the namespace, and the table only changes off the
         // reactor.
         let Some(c) = ns.get_mut(slot.nsid) else {
@@ -344,7 +349,7 @@ fn submit_batch(
             continue;
         };
         let req = IoRequest {
-            op: if write { IoOp::Write } else { IoOp::Read },
+            op,
             offset: slot.offset,
             len: slot.bytes,
             iov: batch.iov.segments(slot.segs),
@@ -358,7 +363,7 @@ fn submit_batch(
         last = traced.then(trace::clock::now);
         match r {
             Some(st) => {
-                slot.status = Status::from_io(st, write);
+                slot.status = Nvme::from_io(st, op);
                 slot.stamps.completed = last.unwrap_or(0);
             }
             None => {
