@@ -347,8 +347,11 @@ impl crate::frontend::FrontEnd for NvmeDevice {
         }
         Ok(())
     }
-    fn as_nvme_mut(&mut self) -> Option<&mut NvmeDevice> {
-        Some(self)
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
     }
 }
 
@@ -366,4 +369,23 @@ pub(crate) fn namespace_json(nsid: u32, ns: &Namespace, info: Option<bdev::Block
         "read_only": info.read_only,
         "qos": crate::json::qos_json(ns.qos.limits()),
     })
+}
+
+impl crate::stats::Traced for NvmeDevice {
+    fn socket(&self) -> &Path {
+        &self.socket
+    }
+    fn kind(&self) -> &'static str {
+        "nvme"
+    }
+    fn observed(&self) -> &dyn frontend_core::Observed {
+        &self.ctrl
+    }
+}
+
+/// What only an NVMe controller has (namespaces).
+impl dyn crate::frontend::FrontEnd {
+    pub fn as_nvme_mut(&mut self) -> Option<&mut NvmeDevice> {
+        self.as_any_mut().downcast_mut()
+    }
 }

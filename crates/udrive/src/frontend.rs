@@ -2,14 +2,13 @@
 //! over vfio-user, virtio-blk over vhost-user, the next one) implements
 //! [`FrontEnd`], and the server, the RPC methods, stats, traces and metrics work
 //! with `Box<dyn FrontEnd>` only. What one kind alone can do (NVMe namespaces,
-//! moving vhost-user-blk queues) is reached through `as_nvme_mut`/`as_vhost_mut`.
+//! moving vhost-user-blk queues) is reached through `as_nvme_mut`/`as_vhost_mut`,
+//! defined next to each device type.
 
 use anyhow::Result;
 use serde_json::Value;
 
-use crate::device::NvmeDevice;
 use crate::stats::Traced;
-use crate::vhost_device::VhostBlkDevice;
 
 pub trait FrontEnd: Traced + Send {
     /// What it is, for messages: "an NVMe controller".
@@ -31,15 +30,11 @@ pub trait FrontEnd: Traced + Send {
     /// How its queues wait for work, applied while they run.
     fn set_poll_mode(&mut self, mode: engine::PollMode) -> Result<()>;
 
-    fn as_nvme_mut(&mut self) -> Option<&mut NvmeDevice> {
-        None
-    }
-    fn as_vhost(&self) -> Option<&VhostBlkDevice> {
-        None
-    }
-    fn as_vhost_mut(&mut self) -> Option<&mut VhostBlkDevice> {
-        None
-    }
+    /// The concrete device, for what one kind alone has: `as_nvme_mut` (in
+    /// `device.rs`) and `as_vhost`/`as_vhost_mut` (in `vhost_device.rs`) downcast
+    /// through these, so this trait needs neither type.
+    fn as_any(&self) -> &dyn std::any::Any;
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
 }
 
 /// A device the server runs.

@@ -22,12 +22,7 @@ const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// Every device's and reactor's counters and histograms (`get_stats`) in Prometheus
 /// text format.
 pub fn render(server: &Server) -> String {
-    match crate::rpc::trace_methods::snapshot(server, None) {
-        Ok(s) => trace::render_prometheus(&s),
-        // Without a socket filter there is nothing to fail on; render empty rather
-        // than break a scrape.
-        Err(_) => trace::render_prometheus(&trace::StatsSnapshot::default()),
-    }
+    trace::render_prometheus(&server.stats())
 }
 
 /// The `--metrics-listen` endpoint.

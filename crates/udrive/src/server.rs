@@ -182,6 +182,14 @@ impl Server {
     }
 
     /// The control-plane lock. Never held by reactors.
+    /// Counters and histograms of every device and reactor (`get_stats`, metrics).
+    pub fn stats(&self) -> trace::StatsSnapshot {
+        let st = self.lock();
+        let devs: Vec<&dyn crate::frontend::FrontEnd> =
+            st.devices.iter().map(|d| d.as_ref()).collect();
+        crate::stats::get_stats(&devs, &self.engine)
+    }
+
     pub fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -9,9 +9,6 @@ use std::time::Duration;
 use frontend_core::Observed;
 use trace::{Breakdown, DeviceStats, ReactorSnapshot, StatsSnapshot};
 
-use crate::device::NvmeDevice;
-use crate::vhost_device::VhostBlkDevice;
-
 /// How long a stats or trace read waits for busy reactors to answer.
 pub const READ_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -23,30 +20,6 @@ pub trait Traced {
     fn kind(&self) -> &'static str;
     /// Queue snapshots and trace start/stop (`frontend_core::Observed`).
     fn observed(&self) -> &dyn Observed;
-}
-
-impl Traced for NvmeDevice {
-    fn socket(&self) -> &Path {
-        &self.socket
-    }
-    fn kind(&self) -> &'static str {
-        "nvme"
-    }
-    fn observed(&self) -> &dyn Observed {
-        &self.ctrl
-    }
-}
-
-impl Traced for VhostBlkDevice {
-    fn socket(&self) -> &Path {
-        &self.cfg.socket
-    }
-    fn kind(&self) -> &'static str {
-        "vhost-user-blk"
-    }
-    fn observed(&self) -> &dyn Observed {
-        &self.dev
-    }
 }
 
 /// The name a device has in stats and metrics: its socket's file stem.

@@ -165,11 +165,34 @@ impl crate::frontend::FrontEnd for VhostBlkDevice {
         self.cfg.poll = mode;
         Ok(())
     }
-    fn as_vhost(&self) -> Option<&VhostBlkDevice> {
-        Some(self)
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
-    fn as_vhost_mut(&mut self) -> Option<&mut VhostBlkDevice> {
-        Some(self)
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+impl crate::stats::Traced for VhostBlkDevice {
+    fn socket(&self) -> &Path {
+        &self.cfg.socket
+    }
+    fn kind(&self) -> &'static str {
+        "vhost-user-blk"
+    }
+    fn observed(&self) -> &dyn frontend_core::Observed {
+        &self.dev
+    }
+}
+
+/// What only a vhost-user-blk device has (its queues' placement).
+impl dyn crate::frontend::FrontEnd {
+    pub fn as_vhost(&self) -> Option<&VhostBlkDevice> {
+        self.as_any().downcast_ref()
+    }
+
+    pub fn as_vhost_mut(&mut self) -> Option<&mut VhostBlkDevice> {
+        self.as_any_mut().downcast_mut()
     }
 }
 
