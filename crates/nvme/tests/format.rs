@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bdev::{BlockDevice, BlockInfo, FormatSupport, IoChannel, IoRequest, IoStatus, RamDisk};
+use bdev::{BlockDevice, RamDisk};
 
 const EVENT_NS_CHANGED: u32 = 0x0004_0002;
 const FORMAT_NVM: u8 = 0x80;
@@ -176,53 +176,6 @@ fn all_namespaces_at_once() {
     assert_eq!(identify_ns(&mut h, buf, 2), (1024, 1, 1, [9, 12]));
     assert!(h.admin(format(0, 0, 0xffff_ffff)).ok());
     assert_eq!(identify_ns(&mut h, buf, 2), (8192, 1, 0, [9, 12]));
-}
-
-/// A RAM disk whose requests complete only while the gate is open, and which may
-/// be formatted.
-struct Gated {
-    ram: RamDisk,
-    open: Arc<AtomicBool>,
-}
-struct GatedChan {
-    inner: Box<dyn IoChannel>,
-    open: Arc<AtomicBool>,
-    held: Vec<(u64, IoStatus)>,
-}
-impl BlockDevice for Gated {
-    fn describe(&self) -> String {
-        "gated".into()
-    }
-    fn info(&self) -> &BlockInfo {
-        self.ram.info()
-    }
-    fn channel(&self) -> std::io::Result<Box<dyn IoChannel>> {
-        Ok(Box::new(GatedChan {
-            inner: self.ram.channel()?,
-            open: self.open.clone(),
-            held: Vec::new(),
-        }))
-    }
-    fn format_support(&self) -> FormatSupport {
-        self.ram.format_support()
-    }
-}
-impl IoChannel for GatedChan {
-    fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
-        let st = self.inner.submit(tag, req).unwrap_or(IoStatus::IoError);
-        self.held.push((tag, st));
-        None
-    }
-    fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
-        if !self.open.load(Ordering::Acquire) {
-            return 0;
-        }
-        let n = self.held.len();
-        for (t, s) in self.held.drain(..) {
-            done(t, s);
-        }
-        n
-    }
 }
 
 fn gated(open: &Arc<AtomicBool>) -> Arc<dyn BlockDevice> {

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bdev::{BlockDevice, BlockInfo, IoChannel, IoRequest, IoStatus, RamDisk};
+use bdev::{BlockDevice, RamDisk};
 
 const EVENT_NS_CHANGED: u32 = 0x0004_0002;
 
@@ -142,49 +142,6 @@ fn no_event_when_host_did_not_enable_notices() {
     std::thread::sleep(Duration::from_millis(5));
     assert!(h.try_reap(0).is_none());
     assert_eq!(changed_log(&mut h, buf, false), vec![2], "the log is kept");
-}
-
-/// Completes nothing until the gate opens.
-struct Gated {
-    ram: RamDisk,
-    open: Arc<AtomicBool>,
-}
-struct GatedChan {
-    inner: Box<dyn IoChannel>,
-    open: Arc<AtomicBool>,
-    held: Vec<(u64, IoStatus)>,
-}
-impl BlockDevice for Gated {
-    fn describe(&self) -> String {
-        "gated".into()
-    }
-    fn info(&self) -> &BlockInfo {
-        self.ram.info()
-    }
-    fn channel(&self) -> std::io::Result<Box<dyn IoChannel>> {
-        Ok(Box::new(GatedChan {
-            inner: self.ram.channel()?,
-            open: self.open.clone(),
-            held: Vec::new(),
-        }))
-    }
-}
-impl IoChannel for GatedChan {
-    fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
-        let st = self.inner.submit(tag, req).unwrap_or(IoStatus::IoError);
-        self.held.push((tag, st));
-        None
-    }
-    fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
-        if !self.open.load(Ordering::Acquire) {
-            return 0;
-        }
-        let n = self.held.len();
-        for (t, s) in self.held.drain(..) {
-            done(t, s);
-        }
-        n
-    }
 }
 
 #[test]

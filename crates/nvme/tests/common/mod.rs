@@ -433,3 +433,53 @@ impl Drop for Host {
         self.engine.shutdown();
     }
 }
+
+/// A RAM disk whose requests complete only while the gate is open (and which may
+/// be formatted like the RAM disk).
+pub struct Gated {
+    pub ram: RamDisk,
+    pub open: Arc<std::sync::atomic::AtomicBool>,
+}
+pub struct GatedChan {
+    inner: Box<dyn bdev::IoChannel>,
+    open: Arc<std::sync::atomic::AtomicBool>,
+    held: Vec<(u64, bdev::IoStatus)>,
+}
+impl BlockDevice for Gated {
+    fn describe(&self) -> String {
+        "gated".into()
+    }
+    fn info(&self) -> &bdev::BlockInfo {
+        self.ram.info()
+    }
+    fn channel(&self) -> std::io::Result<Box<dyn bdev::IoChannel>> {
+        Ok(Box::new(GatedChan {
+            inner: self.ram.channel()?,
+            open: self.open.clone(),
+            held: Vec::new(),
+        }))
+    }
+    fn format_support(&self) -> bdev::FormatSupport {
+        self.ram.format_support()
+    }
+}
+impl bdev::IoChannel for GatedChan {
+    fn submit(&mut self, tag: u64, req: &bdev::IoRequest<'_>) -> Option<bdev::IoStatus> {
+        let st = self
+            .inner
+            .submit(tag, req)
+            .unwrap_or(bdev::IoStatus::IoError);
+        self.held.push((tag, st));
+        None
+    }
+    fn poll(&mut self, done: &mut dyn FnMut(u64, bdev::IoStatus)) -> usize {
+        if !self.open.load(std::sync::atomic::Ordering::Acquire) {
+            return 0;
+        }
+        let n = self.held.len();
+        for (t, s) in self.held.drain(..) {
+            done(t, s);
+        }
+        n
+    }
+}
