@@ -216,6 +216,18 @@ fn check_range(iova: u64, len: u64) -> io::Result<usize> {
 }
 
 impl MappedRegion {
+    /// Asks the kernel to back this anonymous region with transparent huge pages
+    /// (`MADV_HUGEPAGE`; effective when THP is `always` or `madvise`). A random 4 KiB
+    /// access to a large region then costs no page walk: with 4 KiB pages a 1 GiB
+    /// RAM disk needs 2 MiB of page tables and misses the TLB on nearly every I/O.
+    /// The price: memory is reserved in 2 MiB extents as they are first written.
+    /// Best effort: the kernel may refuse (no THP), which only loses the speed-up.
+    pub fn advise_hugepages(&self) -> bool {
+        // SAFETY: the range is exactly our own mapping; MADV_HUGEPAGE changes how the
+        // kernel backs it, not its contents or validity.
+        unsafe { libc::madvise(self.host.as_ptr().cast(), self.len, libc::MADV_HUGEPAGE) == 0 }
+    }
+
     /// Drops the pages of `[off, off+len)` of a private anonymous region so they read
     /// back as zeroes and stop using memory. Partial pages at the edges are zeroed.
     pub fn discard(&self, off: u64, len: u64) -> Option<()> {

@@ -232,6 +232,11 @@ mod tests {
         let s: NsSpec = "ram:1G".parse().unwrap();
         assert_eq!(s.kind, "ram:1024M".parse::<NsSpec>().unwrap().kind);
         assert_eq!(s.to_string(), "ram:1G");
+        let h: NsSpec = "ram:1G,hugepages=on".parse().unwrap();
+        assert_ne!(h.kind, s.kind);
+        assert_eq!(h.to_string(), "ram:1G,hugepages=on");
+        assert!("ram:1G,hugepages=yes".parse::<NsSpec>().is_err());
+        assert!("null:1G,hugepages=on".parse::<NsSpec>().is_err());
         let s: NsSpec = "null:8G,bs=4096".parse().unwrap();
         assert_eq!(s.block_size, Some(4096));
         assert_eq!(s.to_string(), "null:8G,bs=4096");

@@ -1,6 +1,7 @@
 //! `null:SIZE` (completes at once, moves no data: software-path measurements) and
-//! `ram:SIZE` (data in anonymous memory, gone when udrive exits): memory backends
-//! that take a size and nothing else.
+//! `ram:SIZE` (data in anonymous memory, gone when udrive exits; `hugepages=on`
+//! backs it with transparent huge pages, decision 0017): memory backends that take a
+//! size.
 
 use std::sync::Arc;
 
@@ -10,26 +11,36 @@ use bdev::{BlockDevice, NullDisk, RamDisk};
 use super::{parse_sized, BackendKind, Backing, KindSpec};
 use crate::size::format_size;
 
-/// One memory kind: its name, an example, and how a device of `size` bytes with
-/// `block_size`-byte blocks opens.
+/// How a memory device of `size` bytes with `block_size`-byte blocks opens
+/// (`huge`: `hugepages=on`).
+type Open = fn(u64, u32, bool) -> Result<Arc<dyn BlockDevice>>;
+
+/// One memory kind: its name, an example, its options and how it opens.
 pub struct Memory {
     name: &'static str,
     example: &'static str,
-    open: fn(u64, u32) -> Result<Arc<dyn BlockDevice>>,
+    options: &'static [&'static str],
+    open: Open,
 }
 
 pub static NULL: Memory = Memory {
     name: "null",
     example: "null:8G",
-    open: |size, bs| Ok(Arc::new(NullDisk::new(size, bs)?)),
+    options: &[],
+    open: |size, bs, _| Ok(Arc::new(NullDisk::new(size, bs)?)),
 };
 
 pub static RAM: Memory = Memory {
     name: "ram",
     example: "ram:1G",
-    open: |size, bs| {
-        let disk =
-            RamDisk::new(size, bs).with_context(|| format!("cannot reserve {size} bytes"))?;
+    options: &["hugepages"],
+    open: |size, bs, huge| {
+        let disk = if huge {
+            RamDisk::with_huge_pages(size, bs)
+        } else {
+            RamDisk::new(size, bs)
+        }
+        .with_context(|| format!("cannot reserve {size} bytes"))?;
         Ok(Arc::new(disk))
     },
 };
@@ -38,7 +49,9 @@ pub static RAM: Memory = Memory {
 struct MemorySpec {
     name: &'static str,
     size: u64,
-    open: fn(u64, u32) -> Result<Arc<dyn BlockDevice>>,
+    /// `hugepages=on`: transparent huge pages (`RamDisk::with_huge_pages`).
+    huge: bool,
+    open: Open,
 }
 
 impl BackendKind for Memory {
@@ -48,15 +61,29 @@ impl BackendKind for Memory {
     fn example(&self) -> &'static str {
         self.example
     }
+    fn options(&self) -> &'static [&'static str] {
+        self.options
+    }
     fn parse(
         &self,
         arg: &str,
-        _opts: &[(&str, &str)],
+        opts: &[(&str, &str)],
         block_size: Option<u32>,
     ) -> Result<Arc<dyn KindSpec>, String> {
+        let mut huge = false;
+        for &(k, v) in opts {
+            if k == "hugepages" {
+                huge = match v {
+                    "on" => true,
+                    "off" => false,
+                    _ => return Err("hugepages must be on or off".into()),
+                }
+            }
+        }
         Ok(Arc::new(MemorySpec {
             name: self.name,
             size: parse_sized(arg, block_size)?,
+            huge,
             open: self.open,
         }))
     }
@@ -64,12 +91,13 @@ impl BackendKind for Memory {
 
 impl KindSpec for MemorySpec {
     fn canonical(&self) -> Option<String> {
-        Some(format!("{}:{}", self.name, format_size(self.size)))
+        let huge = if self.huge { ",hugepages=on" } else { "" };
+        Some(format!("{}:{}{huge}", self.name, format_size(self.size)))
     }
     fn backing(&self) -> Result<Option<Backing>> {
         Ok(None)
     }
     fn open(&self, block_size: Option<u32>, _read_only: bool) -> Result<Arc<dyn BlockDevice>> {
-        (self.open)(self.size, block_size.unwrap_or(512))
+        (self.open)(self.size, block_size.unwrap_or(512), self.huge)
     }
 }

@@ -1,0 +1,166 @@
+# Helpers for running SPDK's userspace NVMe tools (and SPDK's nvmf_tgt) against udrive;
+# sourced by scripts/spdk-client and scripts/bench (BENCH_PARTS=spdk). Not run on its own.
+#
+# SPDK is not built here: /work/shared/tools/build-spdk.sh (or any SPDK v24+ built with
+# --with-vfio-user) provides $SPDK_DIR/build/bin/{spdk_nvme_identify,spdk_nvme_perf,nvmf_tgt}.
+# CI cannot build it (its sources come from GitHub, CI has only Debian apt, crates.io and
+# PyPI), so everything using this file is opt-in.
+#
+# The caller sets `spdk_dir` (SPDK tree) and `spdk_tmp` (a private scratch directory) and
+# calls `spdk_cleanup` from its EXIT trap.
+#
+# Every SPDK process runs with `-g` (one hugetlbfs file for all segments; udrive refuses a
+# DMA map past the end of its file, README). DPDK names its files after the process id
+# (`spdk_pid<PID>`): hugetlbfs files in the hugetlbfs mount and a runtime directory in
+# /var/run/dpdk. They outlive the process, so each is removed once its process is gone.
+
+spdk_pids=()          # SPDK processes started (their DPDK files are removed at cleanup)
+spdk_hp_orig=         # nr_hugepages before we raised it ("" = unchanged)
+spdk_hugedir=/dev/hugepages
+
+spdk_check() {
+  local b
+  for b in spdk_nvme_identify spdk_nvme_perf; do
+    [ -x "$spdk_dir/build/bin/$b" ] || {
+      echo "no $spdk_dir/build/bin/$b: set SPDK_DIR to an SPDK tree built with --with-vfio-user" \
+        "(/work/shared/tools/build-spdk.sh builds one)" >&2
+      return 1
+    }
+  done
+}
+
+# Hugepages: a hugetlbfs mount and at least SPDK_HUGEPAGES (default 1024) 2 MiB pages.
+# What this changes is undone by spdk_cleanup unless SPDK_KEEP_HUGEPAGES=1.
+spdk_hugepages_setup() {
+  local want=${SPDK_HUGEPAGES:-1024} have
+  spdk_hugedir=$(awk '$3 == "hugetlbfs" { print $2; exit }' /proc/mounts)
+  if [ -z "$spdk_hugedir" ]; then
+    spdk_hugedir=/dev/hugepages
+    mkdir -p "$spdk_hugedir"
+    mount -t hugetlbfs nodev "$spdk_hugedir" || {
+      echo "cannot mount hugetlbfs on $spdk_hugedir (run as root)" >&2
+      return 1
+    }
+  fi
+  have=$(cat /proc/sys/vm/nr_hugepages)
+  if [ "$have" -lt "$want" ]; then
+    echo "$want" >/proc/sys/vm/nr_hugepages || {
+      echo "cannot reserve $want hugepages (run as root)" >&2
+      return 1
+    }
+    spdk_hp_orig=$have
+  fi
+  local free
+  free=$(awk '/HugePages_Free/ { print $2 }' /proc/meminfo)
+  [ "$free" -ge 512 ] || { echo "only $free free hugepages" >&2; return 1; }
+}
+
+# Removes the DPDK files of SPDK process PID (it must have exited).
+spdk_forget() {
+  rm -f "$spdk_hugedir/spdk_pid$1"map_* 2>/dev/null || true
+  rm -rf "/var/run/dpdk/spdk_pid$1" 2>/dev/null || true
+}
+
+# spdk_run OUT CMD ARGS...: runs an SPDK tool in the foreground with output in OUT,
+# then removes its DPDK files. Returns the tool's status.
+spdk_run() {
+  local out=$1 pid rc=0
+  shift
+  "$@" >"$out" 2>&1 &
+  pid=$!
+  spdk_pids+=("$pid")
+  wait "$pid" || rc=$?
+  spdk_forget "$pid"
+  return $rc
+}
+
+# The transport ID of a vfio-user controller whose socket is DIR/cntrl (SPDK's
+# initiator connects to `<traddr>/cntrl`; without a subnqn it treats the controller
+# as a discovery controller).
+spdk_trid() { # DIR [NSID]
+  local t="trtype:VFIOUSER traddr:$1 subnqn:nqn.2019-07.io.spdk:cnode1"
+  [ -n "${2:-}" ] && t="$t ns:$2"
+  echo "$t"
+}
+
+# spdk_perf OUT DIR NSID QD SECS CPU [extra perf args]: one spdk_nvme_perf run of 4 KiB
+# random reads (1 s warm-up not counted), prints "IOPS MEAN_US" from its Total line.
+spdk_perf() {
+  local out=$1 dir=$2 nsid=$3 qd=$4 secs=$5 cpu=$6
+  shift 6
+  spdk_run "$out" "$spdk_dir/build/bin/spdk_nvme_perf" -g -r "$(spdk_trid "$dir" "$nsid")" \
+    -q "$qd" -o 4096 -w randread -t "$secs" -a 1 -c "$(printf '0x%x' $((1 << cpu)))" "$@" || {
+    cat "$out" >&2
+    return 1
+  }
+  awk '/^Total/ { print $3, $5; found = 1 } END { exit !found }' "$out" || {
+    cat "$out" >&2
+    return 1
+  }
+}
+
+# spdk_fill OUT DIR NSID MIB CPU: writes the first MIB MiB of a namespace once,
+# sequentially in 128 KiB writes at QD8, so later reads copy written memory.
+spdk_fill() {
+  local out=$1 dir=$2 nsid=$3 mib=$4 cpu=$5
+  spdk_run "$out" "$spdk_dir/build/bin/spdk_nvme_perf" -g -r "$(spdk_trid "$dir" "$nsid")" \
+    -q 8 -o 131072 -w write -t 60 -d $((mib * 8)) -c "$(printf '0x%x' $((1 << cpu)))" || {
+    cat "$out" >&2
+    return 1
+  }
+  grep -q '^Total' "$out" || {
+    cat "$out" >&2
+    return 1
+  }
+}
+
+# SPDK's own vfio-user target: nvmf_tgt on CPU, one subsystem with a null bdev (NSID 1,
+# 16 GiB) and a malloc bdev (NSID 2, 1 GiB; reads copy its memory like udrive's `ram`),
+# both 512-byte blocks, listening in DIR (socket DIR/cntrl). Sets spdk_tgt.
+spdk_tgt=
+spdk_tgt_start() { # DIR CPU
+  local dir=$1 cpu=$2 rpc="$spdk_tmp/tgt-rpc.sock" i
+  mkdir -p "$dir"
+  rm -f "$rpc"
+  "$spdk_dir/build/bin/nvmf_tgt" -m "$(printf '0x%x' $((1 << cpu)))" -g -r "$rpc" \
+    >"$spdk_tmp/tgt.log" 2>&1 &
+  spdk_tgt=$!
+  spdk_pids+=("$spdk_tgt")
+  for i in $(seq 200); do [ -S "$rpc" ] && break; sleep 0.05; done
+  local nqn=nqn.2019-07.io.spdk:cnode1
+  local r=(python3 "$spdk_dir/scripts/rpc.py" -s "$rpc")
+  { "${r[@]}" nvmf_create_transport -t VFIOUSER &&
+    "${r[@]}" bdev_null_create Null0 16384 512 &&
+    "${r[@]}" bdev_malloc_create -b Malloc0 1024 512 &&
+    "${r[@]}" nvmf_create_subsystem "$nqn" -a -s SPDK1 &&
+    "${r[@]}" nvmf_subsystem_add_ns "$nqn" Null0 &&
+    "${r[@]}" nvmf_subsystem_add_ns "$nqn" Malloc0 &&
+    "${r[@]}" nvmf_subsystem_add_listener "$nqn" -t VFIOUSER -a "$dir" -s 0; } >/dev/null || {
+    cat "$spdk_tmp/tgt.log" >&2
+    return 1
+  }
+  for i in $(seq 200); do [ -S "$dir/cntrl" ] && return 0; sleep 0.05; done
+  echo "nvmf_tgt did not create $dir/cntrl" >&2
+  return 1
+}
+
+spdk_tgt_stop() {
+  [ -n "$spdk_tgt" ] || return 0
+  kill "$spdk_tgt" 2>/dev/null || true
+  wait "$spdk_tgt" 2>/dev/null || true
+  spdk_forget "$spdk_tgt"
+  spdk_tgt=
+}
+
+spdk_cleanup() {
+  local p
+  spdk_tgt_stop
+  for p in "${spdk_pids[@]}"; do
+    kill "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+    spdk_forget "$p"
+  done
+  if [ -n "$spdk_hp_orig" ] && [ "${SPDK_KEEP_HUGEPAGES:-0}" != 1 ]; then
+    echo "$spdk_hp_orig" >/proc/sys/vm/nr_hugepages 2>/dev/null || true
+  fi
+}
