@@ -85,6 +85,15 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// Active namespace `nsid` (None: out of range or inactive).
+    pub fn ns(&self, nsid: u32) -> Option<&Ns> {
+        self.ns.get((nsid as usize).checked_sub(1)?)?.as_ref()
+    }
+
+    pub fn ns_mut(&mut self, nsid: u32) -> Option<&mut Ns> {
+        self.ns.get_mut((nsid as usize).checked_sub(1)?)?.as_mut()
+    }
+
     /// Starts or restarts the Keep Alive Timer from the current KATO (milliseconds,
     /// rounded up to the 100 ms granularity Identify reports in KAS).
     pub fn restart_keep_alive(&mut self) {

@@ -262,7 +262,6 @@ impl Controller {
                 .map(|_| AtomicBool::new(false))
                 .collect(),
         });
-        shared.set_poll_mode(cfg.poll);
         let inner = Arc::new_cyclic(|me| {
             ctrl::Inner::new(me.clone(), cfg, shared, engine, placer, mem, namespaces)
         });

@@ -82,10 +82,9 @@ impl VhostUserBlk {
         let shared = Arc::new(Shared {
             cfg,
             queues,
-            poll: engine::AtomicPollMode::new(PollMode::Busy),
+            poll: engine::AtomicPollMode::new(opts.poll),
             log: Arc::new(trace::LogLimiter::new()),
         });
-        shared.set_poll_mode(opts.poll);
         let mut listener = Listener::from(sockfile::bind(socket, opts.access).map_err(|e| {
             io::Error::new(
                 e.kind(),

@@ -209,25 +209,17 @@ impl Job {
 
 /// One request on the erase thread's own channel, polled until it completes.
 fn run(chan: &mut dyn IoChannel, op: IoOp, offset: u64, len: u64) -> Result<(), Status> {
-    let req = IoRequest {
-        op,
-        offset,
-        len,
-        iov: &[],
-        fua: false,
-    };
-    let st = match chan.submit(0, &req) {
-        Some(st) => st,
-        None => loop {
+    let req = IoRequest::without_data(op, offset, len, false);
+    let mut done = chan.submit(0, &req);
+    // No time limit: a large erase request may take long; cancelling waits for it.
+    engine::wait_until(Duration::MAX, Duration::from_micros(100), || {
+        if done.is_none() {
             chan.flush();
-            let mut done = None;
             chan.poll(&mut |_, st| done = Some(st));
-            if let Some(st) = done {
-                break st;
-            }
-            std::thread::sleep(Duration::from_micros(100));
-        },
-    };
+        }
+        done.is_some()
+    });
+    let st = done.unwrap_or(IoStatus::IoError);
     match st {
         IoStatus::Ok => Ok(()),
         IoStatus::Unsupported => Err(Status::INTERNAL_ERROR),
@@ -280,7 +272,7 @@ impl Inner {
                 .filter(|(_, n)| n.is_some())
                 .filter_map(|(i, _)| u32::try_from(i + 1).ok())
                 .collect()
-        } else if Self::active_ns(st, nsid).is_some() {
+        } else if st.ns(nsid).is_some() {
             vec![nsid]
         } else {
             return err(Status::INVALID_NAMESPACE);
@@ -294,7 +286,7 @@ impl Inner {
         // All or nothing: every target is checked before any is touched.
         let mut targets = Vec::with_capacity(nsids.len());
         for &id in &nsids {
-            let Some(ns) = Self::active_ns(st, id) else {
+            let Some(ns) = st.ns(id) else {
                 continue;
             };
             match cmd.new_info(ns) {
@@ -352,11 +344,7 @@ impl Inner {
         let busy = taken.iter().any(|g| nsids.iter().any(|&n| g.ns_busy(n)));
         if !busy {
             for &nsid in nsids {
-                let Some(ns) = st
-                    .ns
-                    .get_mut((nsid as usize).wrapping_sub(1))
-                    .and_then(Option::as_mut)
-                else {
+                let Some(ns) = st.ns_mut(nsid) else {
                     continue;
                 };
                 ns.formatting = true;
@@ -380,11 +368,7 @@ impl Inner {
     /// Takes the formatting mark off, keeping each namespace's facts.
     fn end_formatting(&self, st: &mut State, nsids: &[u32]) {
         for &nsid in nsids {
-            let Some(ns) = st
-                .ns
-                .get_mut((nsid as usize).wrapping_sub(1))
-                .and_then(Option::as_mut)
-            else {
+            let Some(ns) = st.ns_mut(nsid) else {
                 continue;
             };
             ns.formatting = false;
@@ -414,8 +398,7 @@ impl Inner {
         for t in targets {
             // A namespace removed (or replaced) meanwhile is not touched.
             let same = |n: &&mut Ns| Arc::ptr_eq(&n.dev, &t.dev);
-            let i = (t.nsid as usize).wrapping_sub(1);
-            let Some(ns) = st.ns.get_mut(i).and_then(Option::as_mut).filter(same) else {
+            let Some(ns) = st.ns_mut(t.nsid).filter(same) else {
                 continue;
             };
             if status.is_ok() {

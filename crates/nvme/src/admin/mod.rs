@@ -144,18 +144,12 @@ impl Inner {
         }
     }
 
-    /// Active namespace `nsid`.
-    fn active_ns(st: &State, nsid: u32) -> Option<&crate::namespaces::Ns> {
-        let i = (nsid as usize).checked_sub(1)?;
-        st.ns.get(i)?.as_ref()
-    }
-
     fn identify(&self, st: &State, sqe: &Sqe, out: &mut dyn HostData) -> Done {
         let cns = sqe.cdw(10) as u8;
         let nsid = sqe.nsid();
         let in_range = nsid != 0 && nsid <= self.cfg.max_namespaces;
         let data = match cns {
-            0x00 => match Self::active_ns(st, nsid) {
+            0x00 => match st.ns(nsid) {
                 Some(ns) => identify::namespace(&self.cfg, nsid, ns),
                 // A valid but inactive NSID (e.g. just removed) reads as zeroes.
                 None if in_range => vec![0u8; 4096],
@@ -169,7 +163,7 @@ impl Inner {
                 identify::ns_list(nsid, &st.ns)
             }
             0x03 => {
-                if Self::active_ns(st, nsid).is_none() {
+                if st.ns(nsid).is_none() {
                     return err(Status::INVALID_NAMESPACE);
                 }
                 identify::ns_descriptors(&self.cfg, nsid)
