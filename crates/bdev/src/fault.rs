@@ -108,6 +108,9 @@ impl BlockDevice for FaultDisk {
     fn format_support(&self) -> crate::FormatSupport {
         self.inner.format_support()
     }
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        self.inner.as_any()
+    }
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
         let n = self.channels.fetch_add(1, Ordering::Relaxed);
         let mut state = self.config.seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);

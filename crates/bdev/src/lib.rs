@@ -6,6 +6,8 @@ mod fault;
 mod null;
 mod qos;
 mod ram;
+#[cfg(feature = "rbd")]
+pub mod rbd;
 mod request;
 mod slice;
 mod uring;
@@ -75,6 +77,11 @@ pub trait BlockDevice: Send + Sync {
             io::ErrorKind::Unsupported,
             format!("{} cannot change size", self.describe()),
         ))
+    }
+    /// The backend itself, for control operations of its kind (RBD snapshots);
+    /// wrappers that leave the backend whole (QoS, fault injection) pass it on.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
     }
     /// Whether a front end may reformat this backend (NVMe Format NVM): present it
     /// with another logical block size and erase it. The default: it may not.

@@ -275,6 +275,9 @@ impl BlockDevice for QosDisk {
     fn format_support(&self) -> crate::FormatSupport {
         self.inner.format_support()
     }
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        self.inner.as_any()
+    }
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
         Ok(Box::new(QosChannel {
             inner: self.inner.channel()?,

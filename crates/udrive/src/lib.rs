@@ -4,11 +4,11 @@
 
 pub mod backends;
 #[cfg(feature = "tools")]
+pub mod bdev_target;
+#[cfg(feature = "tools")]
 pub mod blkio_target;
 pub mod config;
 pub mod device;
-#[cfg(feature = "tools")]
-pub mod file_target;
 pub mod frontend;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;

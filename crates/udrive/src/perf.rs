@@ -1,7 +1,8 @@
 //! `udrive perf`: drive a device with udrive's own initiator and report IOPS and
 //! latency, as text or JSON. `--vfio-user SOCKET` drives an NVMe controller;
 //! `--file PATH` drives a file or block device directly through io_uring (the
-//! bare-metal baseline, see `file_target`).
+//! bare-metal baseline, see `bdev_target`); `--rbd POOL/IMAGE` drives a Ceph RBD
+//! image directly through librbd.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -11,7 +12,7 @@ use bdev::BlockDevice;
 use initiator::workload::{self, NvmeTarget, Report, Rw, WorkloadConfig};
 use initiator::{DataMode, DriverOpts, NvmeDriver};
 
-use crate::file_target::FileTarget;
+use crate::bdev_target::BdevTarget;
 
 #[derive(clap::Args, Debug)]
 pub struct PerfArgs {
@@ -19,16 +20,22 @@ pub struct PerfArgs {
     #[arg(
         long,
         value_name = "SOCKET",
-        required_unless_present_any = ["vhost_user", "file"],
-        conflicts_with_all = ["vhost_user", "file"]
+        required_unless_present_any = ["vhost_user", "file", "rbd"],
+        conflicts_with_all = ["vhost_user", "file", "rbd"]
     )]
     pub vfio_user: Option<PathBuf>,
     /// vhost-user-blk socket, driven through libblkio (jobs = virtqueues)
-    #[arg(long, value_name = "SOCKET", conflicts_with = "file")]
+    #[arg(long, value_name = "SOCKET", conflicts_with_all = ["file", "rbd"])]
     pub vhost_user: Option<PathBuf>,
     /// Drive this file or block device directly through io_uring (bare-metal baseline)
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", conflicts_with = "rbd")]
     pub file: Option<PathBuf>,
+    /// Drive this Ceph RBD image directly through librbd (the baseline of `rbd:`
+    /// namespaces): POOL/IMAGE with an `rbd:` spec's options, e.g.
+    /// `rbd/vm1,conf=/etc/ceph/ceph.conf,id=admin`
+    #[cfg(feature = "rbd")]
+    #[arg(long, value_name = "POOL/IMAGE[,OPTS]")]
+    pub rbd: Option<String>,
     /// With --file: O_DIRECT (on) or the page cache (off)
     #[arg(long, default_value = "on", value_parser = ["on", "off"], requires = "file")]
     pub direct: String,
@@ -155,11 +162,18 @@ pub fn run_with(a: PerfArgs, server: Option<&dyn ServerTrace>) -> Result<()> {
     if let Some(srv) = server.filter(|_| a.trace) {
         srv.start().context("cannot start the server's trace")?;
     }
-    let mut report = match (&a.vfio_user, &a.vhost_user, &a.file) {
-        (Some(sock), _, _) => run_nvme(&a, sock, &cfg)?,
-        (None, Some(sock), _) => run_vhost(&a, sock, &cfg)?,
-        (None, None, Some(path)) => run_file(&a, path, &cfg)?,
-        (None, None, None) => bail!("give --vfio-user SOCKET, --vhost-user SOCKET or --file PATH"),
+    #[cfg(feature = "rbd")]
+    let rbd = a.rbd.as_deref();
+    #[cfg(not(feature = "rbd"))]
+    let rbd: Option<&str> = None;
+    let mut report = match (&a.vfio_user, &a.vhost_user, &a.file, rbd) {
+        (Some(sock), ..) => run_nvme(&a, sock, &cfg)?,
+        (None, Some(sock), ..) => run_vhost(&a, sock, &cfg)?,
+        (None, None, Some(path), _) => run_file(&a, path, &cfg)?,
+        (None, None, None, Some(spec)) => run_rbd(&a, spec, &cfg)?,
+        (None, None, None, None) => {
+            bail!("give --vfio-user SOCKET, --vhost-user SOCKET, --file PATH or --rbd POOL/IMAGE")
+        }
     };
     if let Some(srv) = server.filter(|_| a.trace) {
         let srv = srv
@@ -286,7 +300,24 @@ fn run_file(a: &PerfArgs, path: &std::path::Path, cfg: &WorkloadConfig) -> Resul
     if !a.json {
         announce(&path.display().to_string(), cfg, &disk.describe());
     }
-    let target = FileTarget::new(std::sync::Arc::new(disk));
+    let target = BdevTarget::new(std::sync::Arc::new(disk));
+    workload::run(&target, cfg).context("workload failed")
+}
+
+fn run_rbd(a: &PerfArgs, spec: &str, cfg: &WorkloadConfig) -> Result<Report> {
+    let ns: crate::nsspec::NsSpec = format!("rbd:{spec}")
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--rbd {spec}: {e}"))?;
+    let read_only = !cfg.verify && matches!(cfg.rw, Rw::RandRead | Rw::Read);
+    let disk = ns
+        .kind
+        .0
+        .open(ns.block_size, read_only || ns.read_only)
+        .with_context(|| format!("cannot open rbd:{spec}"))?;
+    if !a.json {
+        announce(&format!("rbd:{spec}"), cfg, &disk.describe());
+    }
+    let target = BdevTarget::new(disk);
     workload::run(&target, cfg).context("workload failed")
 }
 

@@ -149,6 +149,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let cfg = args.into_config()?;
     let cpus = engine::parse_cpu_list(&cfg.cpus).map_err(anyhow::Error::msg)?;
     engine::check_allowed(&cpus).map_err(|e| anyhow::anyhow!("--cpus {}: {e}", cfg.cpus))?;
+    #[cfg(feature = "rbd")]
+    crate::kinds::rbd::set_reactor_cpus(&cpus);
     let disks = crate::config::disk_specs(&cfg);
     let (backend_set, backends, disk_devs) =
         crate::backends::open_all_set(&cfg.controllers, &disks)?;

@@ -7,6 +7,8 @@
 
 mod file;
 mod memory;
+#[cfg(feature = "rbd")]
+pub mod rbd;
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -17,7 +19,13 @@ use bdev::BlockDevice;
 use crate::size::parse_size;
 
 /// Every backend kind `--ns`, `--disk`, TOML and the RPC accept.
-pub static KINDS: &[&dyn BackendKind] = &[&memory::NULL, &memory::RAM, &file::File];
+pub static KINDS: &[&dyn BackendKind] = &[
+    &memory::NULL,
+    &memory::RAM,
+    &file::File,
+    #[cfg(feature = "rbd")]
+    &rbd::Rbd,
+];
 
 pub trait BackendKind: Sync {
     /// The word before the colon.

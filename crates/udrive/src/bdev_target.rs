@@ -1,8 +1,8 @@
-//! The bare-metal baseline of `udrive perf --file`: the workload generator drives a
-//! file or block device through a [`bdev::FileDisk`] channel, i.e. the very io_uring
-//! code a `file:` namespace uses behind the NVMe controller, with no vfio-user, no
-//! controller and no reactor in between. The difference between the two runs is
-//! udrive's overhead.
+//! The bare baselines of `udrive perf --file` and `--rbd`: the workload generator
+//! drives a backend through its own `bdev` channel, i.e. the very io_uring (or
+//! librbd) code a `file:` (`rbd:`) namespace uses behind the NVMe controller, with
+//! no vfio-user, no controller and no reactor in between. The difference between
+//! the two runs is udrive's overhead.
 //!
 //! Each job opens its own channel (its own ring) and keeps its buffers in one
 //! page-aligned anonymous mapping, so O_DIRECT never needs a bounce buffer.
@@ -10,18 +10,18 @@
 use std::io;
 use std::sync::Arc;
 
-use bdev::{BlockDevice, FileDisk, IoChannel, IoOp, IoRequest, IoStatus};
+use bdev::{BlockDevice, IoChannel, IoOp, IoRequest, IoStatus};
 use guest_mem::MappedRegion;
 use initiator::workload::{IoDone, IoTarget, JobQueue, Op};
 use initiator::{Error, Result};
 
-pub struct FileTarget {
-    disk: Arc<FileDisk>,
+pub struct BdevTarget {
+    disk: Arc<dyn BlockDevice>,
 }
 
-impl FileTarget {
-    pub fn new(disk: Arc<FileDisk>) -> FileTarget {
-        FileTarget { disk }
+impl BdevTarget {
+    pub fn new(disk: Arc<dyn BlockDevice>) -> BdevTarget {
+        BdevTarget { disk }
     }
 }
 
@@ -29,7 +29,7 @@ fn io_err(what: &str, e: io::Error) -> Error {
     Error::Invalid(format!("{what}: {e}"))
 }
 
-impl IoTarget for FileTarget {
+impl IoTarget for BdevTarget {
     fn block_size(&self) -> u32 {
         self.disk.info().block_size
     }
@@ -43,8 +43,8 @@ impl IoTarget for FileTarget {
             .filter(|t| *t > 0)
             .ok_or_else(|| Error::Invalid("no buffers requested".into()))?;
         let bufs = MappedRegion::anonymous(0, total).map_err(|e| io_err("buffers", e))?;
-        let chan = self.disk.channel().map_err(|e| io_err("io_uring", e))?;
-        Ok(Box::new(FileJob {
+        let chan = self.disk.channel().map_err(|e| io_err("channel", e))?;
+        Ok(Box::new(BdevJob {
             chan,
             bufs,
             stride,
@@ -57,7 +57,7 @@ impl IoTarget for FileTarget {
 /// One job's ring and buffers. Field order matters: the channel (which may still
 /// hold pointers into `bufs` for in-flight I/O and waits for them on drop) is
 /// dropped before the buffers are unmapped.
-struct FileJob {
+struct BdevJob {
     chan: Box<dyn IoChannel>,
     bufs: MappedRegion,
     stride: u64,
@@ -75,7 +75,7 @@ fn code(st: IoStatus, write: bool) -> u16 {
     nvme::Nvme::code(nvme::Nvme::from_io(st, op))
 }
 
-impl JobQueue for FileJob {
+impl JobQueue for BdevJob {
     fn submit(&mut self, op: Op, offset: u64, len: u32, slot: u32) -> Result<()> {
         if len > self.buf_len {
             return Err(Error::Invalid(format!(
@@ -135,7 +135,7 @@ impl JobQueue for FileJob {
     }
 }
 
-impl FileJob {
+impl BdevJob {
     fn buf(&self, slot: u32) -> Result<guest_mem::DmaSlice<'_>> {
         self.bufs
             .slice(u64::from(slot) * self.stride, self.buf_len as usize)
