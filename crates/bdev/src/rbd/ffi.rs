@@ -205,22 +205,18 @@ impl Rados {
         let r = Rados { raw };
         let conf_c = conf.map(cstr).transpose()?;
         // SAFETY: `r.raw` is a live handle, the path NUL-terminated or null.
-        check(
-            unsafe { rados_conf_read_file(r.raw, opt_ptr(&conf_c)) },
-            || {
-                format!(
-                    "cannot read the Ceph configuration {}",
-                    conf.unwrap_or("(default: /etc/ceph/ceph.conf)")
-                )
-            },
-        )?;
+        let ret = unsafe { rados_conf_read_file(r.raw, opt_ptr(&conf_c)) };
+        check(ret, || {
+            format!(
+                "cannot read the Ceph configuration {}",
+                conf.unwrap_or("(default: /etc/ceph/ceph.conf)")
+            )
+        })?;
         for (k, v) in settings {
             let (kc, vc) = (cstr(k)?, cstr(v)?);
             // SAFETY: live handle, NUL-terminated strings.
-            check(
-                unsafe { rados_conf_set(r.raw, kc.as_ptr(), vc.as_ptr()) },
-                || format!("cannot set Ceph option {k}={v}"),
-            )?;
+            let ret = unsafe { rados_conf_set(r.raw, kc.as_ptr(), vc.as_ptr()) };
+            check(ret, || format!("cannot set Ceph option {k}={v}"))?;
         }
         // SAFETY: live, configured handle.
         check(unsafe { rados_connect(r.raw) }, || {
@@ -435,10 +431,8 @@ impl Image {
     /// trading the lock back and forth with this one.
     pub fn lock_exclusive(&self) -> io::Result<()> {
         // SAFETY: live image.
-        check(
-            unsafe { rbd_lock_acquire(self.raw, RBD_LOCK_MODE_EXCLUSIVE) },
-            || "cannot take the image's exclusive lock".into(),
-        )?;
+        let ret = unsafe { rbd_lock_acquire(self.raw, RBD_LOCK_MODE_EXCLUSIVE) };
+        check(ret, || "cannot take the image's exclusive lock".into())?;
         self.locked.store(true, Ordering::Relaxed);
         Ok(())
     }
