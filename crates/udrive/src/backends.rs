@@ -56,6 +56,15 @@ impl BackendSet {
             .retain(|key, _| uses.iter().any(|u| &u.open_key == key));
     }
 
+    /// Who uses backing `resource` (`kinds::Backing::resource`), for refusals.
+    pub fn users_of(&self, resource: &str) -> Vec<String> {
+        self.uses
+            .iter()
+            .filter(|u| u.resource == resource)
+            .map(|u| u.who.clone())
+            .collect()
+    }
+
     /// Forgets every namespace of `socket`.
     pub fn release_all(&mut self, socket: &Path) {
         let ids: Vec<u32> = self

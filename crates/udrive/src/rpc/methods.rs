@@ -97,6 +97,8 @@ pub fn register_all(r: &mut Registry) {
     );
     super::trace_methods::register(r);
     super::vhost_methods::register(r);
+    #[cfg(feature = "rbd")]
+    super::rbd_methods::register(r);
 }
 
 #[derive(Deserialize)]
@@ -154,13 +156,13 @@ struct SetPlacement {
 /// A rate: a number, or a string with a K/M/G suffix ("100M").
 #[derive(Deserialize)]
 #[serde(untagged)]
-enum Rate {
+pub(super) enum Rate {
     N(u64),
     S(String),
 }
 
 impl Rate {
-    fn value(&self, name: &str) -> Result<Option<u64>, RpcError> {
+    pub(super) fn value(&self, name: &str) -> Result<Option<u64>, RpcError> {
         let v = match self {
             Rate::N(n) => *n,
             Rate::S(s) => {

@@ -18,6 +18,8 @@
 pub mod client;
 pub(crate) mod framing;
 pub mod methods;
+#[cfg(feature = "rbd")]
+mod rbd_methods;
 pub mod trace_methods;
 mod vhost_methods;
 
