@@ -491,6 +491,23 @@ impl QueuePair {
         self.irq.as_ref()
     }
 
+    /// Sleeps until this pair's interrupt fires or `timeout` passes, consuming the
+    /// interrupt (`Ok(false)` on timeout). Unlike [`QueuePair::wait_irq`] it blocks
+    /// in the kernel (no polling interval).
+    pub fn block_on_irq(&self, timeout: Duration) -> Result<bool> {
+        let Some(fd) = &self.irq else {
+            return Err(Error::Invalid("queue pair has no interrupt".into()));
+        };
+        if !crate::scm::wait_readable(crate::scm::borrow_eventfd(fd), timeout)? {
+            return Ok(false);
+        }
+        match fd.read() {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Waits for this pair's interrupt eventfd to fire (`Ok(false)` on timeout).
     pub fn wait_irq(&self, timeout: Duration) -> Result<bool> {
         let Some(fd) = &self.irq else {

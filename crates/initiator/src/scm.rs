@@ -21,3 +21,18 @@ pub(crate) fn borrow_eventfd(e: &vmm_sys_util::eventfd::EventFd) -> std::os::fd:
     // SAFETY: the fd is owned by `e`, which the returned borrow cannot outlive.
     unsafe { std::os::fd::BorrowedFd::borrow_raw(e.as_raw_fd()) }
 }
+
+/// Blocks until `fd` is readable or `timeout` passes; true if readable.
+pub(crate) fn wait_readable(
+    fd: std::os::fd::BorrowedFd<'_>,
+    timeout: std::time::Duration,
+) -> io::Result<bool> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    match poll(&mut fds, PollTimeout::from(ms)) {
+        Ok(n) => Ok(n > 0),
+        Err(nix::errno::Errno::EINTR) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}

@@ -122,6 +122,24 @@ impl JobQueue for BdevJob {
         Ok(n)
     }
 
+    /// Sleeps on the channel's completion notifier (io_uring's ring fd, librbd's
+    /// eventfd) when nothing has completed.
+    fn poll_wait(&mut self, out: &mut Vec<IoDone>, timeout: std::time::Duration) -> Result<usize> {
+        let n = self.poll(out)?;
+        if n > 0 || self.chan.arm_notifier() != bdev::Armed::Fd {
+            return Ok(n);
+        }
+        if let Some(fd) = self.chan.notifier() {
+            use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+            let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+            let _ = poll(
+                &mut [PollFd::new(fd, PollFlags::POLLIN)],
+                PollTimeout::from(ms),
+            );
+        }
+        self.poll(out)
+    }
+
     fn write_buf(&mut self, slot: u32, off: usize, data: &[u8]) -> Result<()> {
         self.buf(slot)?
             .write_from(off, data)

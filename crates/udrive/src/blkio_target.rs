@@ -174,10 +174,47 @@ impl JobQueue for BlkioJob<'_> {
     }
 
     fn poll(&mut self, out: &mut Vec<IoDone>) -> Result<usize, Error> {
-        let n = self
-            .q
-            .do_io(&mut self.comps, 0, None, None)
-            .map_err(|e| err("do_io", e))?;
+        self.reap(out, 0, None)
+    }
+
+    /// libblkio sleeps on the queue's completion fd until one request completes.
+    fn poll_wait(
+        &mut self,
+        out: &mut Vec<IoDone>,
+        timeout: std::time::Duration,
+    ) -> Result<usize, Error> {
+        let mut t = timeout;
+        self.reap(out, 1, Some(&mut t))
+    }
+
+    fn write_buf(&mut self, slot: u32, off: usize, data: &[u8]) -> Result<(), Error> {
+        self.buf(slot)?
+            .write_from(off, data)
+            .map_err(|_| Error::Invalid("write beyond buffer".into()))
+    }
+
+    fn read_buf(&mut self, slot: u32, off: usize, out: &mut [u8]) -> Result<(), Error> {
+        self.buf(slot)?
+            .read_into(off, out)
+            .map_err(|_| Error::Invalid("read beyond buffer".into()))
+    }
+}
+
+impl BlkioJob<'_> {
+    /// Submits what is queued and collects completions: at least `min` of them,
+    /// waiting up to `timeout` (libblkio's `do_io`).
+    fn reap(
+        &mut self,
+        out: &mut Vec<IoDone>,
+        min: usize,
+        timeout: Option<&mut std::time::Duration>,
+    ) -> Result<usize, Error> {
+        let n = match self.q.do_io(&mut self.comps, min, timeout, None) {
+            Ok(n) => n,
+            // The timeout passed with nothing completed.
+            Err(e) if min > 0 && e.errno() == blkio::Errno::TIME => 0,
+            Err(e) => return Err(err("do_io", e)),
+        };
         for c in &self.comps[..n.min(self.comps.len())] {
             // SAFETY: do_io initialised the first `n` completions.
             let c = unsafe { c.assume_init_ref() };
@@ -191,17 +228,5 @@ impl JobQueue for BlkioJob<'_> {
             });
         }
         Ok(n)
-    }
-
-    fn write_buf(&mut self, slot: u32, off: usize, data: &[u8]) -> Result<(), Error> {
-        self.buf(slot)?
-            .write_from(off, data)
-            .map_err(|_| Error::Invalid("write beyond buffer".into()))
-    }
-
-    fn read_buf(&mut self, slot: u32, off: usize, out: &mut [u8]) -> Result<(), Error> {
-        self.buf(slot)?
-            .read_into(off, out)
-            .map_err(|_| Error::Invalid("read beyond buffer".into()))
     }
 }

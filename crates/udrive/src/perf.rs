@@ -87,6 +87,12 @@ pub struct PerfArgs {
     /// driver does), so the controller signals them; the jobs still poll
     #[arg(long)]
     pub irq: bool,
+    /// Sleep on the target's completion notification when nothing has completed
+    /// (NVMe: the CQ interrupt, needs --irq; vhost: libblkio's completion fd;
+    /// --file/--rbd: the channel's notifier) instead of spinning: leaves the CPUs to
+    /// the server and backend (measure Ceph RBD this way on a small machine)
+    #[arg(long)]
+    pub wait: bool,
     /// NVMe Interrupt Coalescing to set first (Feature 08h): THRESHOLD:TIME, i.e.
     /// completions per interrupt and the longest delay in 100 µs units (e.g. 7:1)
     #[arg(long, value_name = "THR:TIME", requires = "irq", value_parser = parse_coalescing)]
@@ -149,12 +155,16 @@ pub fn run_with(a: PerfArgs, server: Option<&dyn ServerTrace>) -> Result<()> {
         ramp: seconds("ramp", a.ramp)?,
         verify: a.verify,
         think: Duration::from_micros(a.think_us),
+        wait: a.wait,
         nsid: a.nsid,
         trace: a.trace,
         ..Default::default()
     };
     if cfg.qd == 0 || cfg.qd > 4096 || cfg.jobs == 0 || cfg.jobs > 256 {
         bail!("--qd must be 1..=4096 and --jobs 1..=256");
+    }
+    if a.wait && a.vfio_user.is_some() && !a.irq {
+        bail!("--wait on an NVMe controller sleeps on CQ interrupts: add --irq");
     }
     if let Some(list) = &a.cpus {
         pin_process(list)?;

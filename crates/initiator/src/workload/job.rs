@@ -1,6 +1,6 @@
 //! One job's loop: keep `qd` I/Os in flight, time each, verify if asked.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use rand::rngs::SmallRng;
@@ -285,6 +285,15 @@ impl Job<'_> {
         Ok(lat)
     }
 
+    /// Collects completions, blocking briefly when the workload waits for them.
+    fn poll(&mut self, done: &mut Vec<IoDone>) -> Result<usize> {
+        if self.cfg.wait {
+            self.q.poll_wait(done, Duration::from_millis(100))
+        } else {
+            self.q.poll(done)
+        }
+    }
+
     /// Writes every block of the region once so reads have something to check.
     fn prefill(&mut self, qd: u32) -> Result<()> {
         let mut done = Vec::with_capacity(qd as usize);
@@ -301,7 +310,7 @@ impl Job<'_> {
             }
             self.commit()?;
             done.clear();
-            self.q.poll(&mut done)?;
+            self.poll(&mut done)?;
             for d in done.iter().copied() {
                 self.complete(d)?;
                 inflight -= 1;
@@ -334,7 +343,7 @@ impl Job<'_> {
         let mut last_progress = Instant::now();
         while inflight > 0 {
             done.clear();
-            self.q.poll(&mut done)?;
+            self.poll(&mut done)?;
             if done.is_empty() {
                 if last_progress.elapsed() > STALL_TIMEOUT {
                     return Err(Error::Timeout("no I/O completed for 30 s"));

@@ -100,6 +100,10 @@ pub struct WorkloadConfig {
     /// issued: at QD1 with a think time longer than a server's idle threshold,
     /// every I/O is the first after the server went to sleep. Not part of latency.
     pub think: Duration,
+    /// Block on the target's completion notification when nothing has completed
+    /// ([`JobQueue::poll_wait`]) instead of spinning: leaves the CPUs to the server
+    /// and the backend, which matters when they need them (a Ceph OSD).
+    pub wait: bool,
 }
 
 impl Default for WorkloadConfig {
@@ -116,6 +120,7 @@ impl Default for WorkloadConfig {
             trace: false,
             seed: 0x5eed,
             think: Duration::ZERO,
+            wait: false,
         }
     }
 }
@@ -150,6 +155,13 @@ pub trait JobQueue: Send {
     fn commit(&mut self) -> Result<()>;
     /// Appends finished I/Os to `out`.
     fn poll(&mut self, out: &mut Vec<IoDone>) -> Result<usize>;
+    /// As [`JobQueue::poll`], but when nothing has completed blocks up to
+    /// `timeout` on the target's completion notification ([`WorkloadConfig::wait`]).
+    /// Targets without one do not block.
+    fn poll_wait(&mut self, out: &mut Vec<IoDone>, timeout: Duration) -> Result<usize> {
+        let _ = timeout;
+        self.poll(out)
+    }
     fn write_buf(&mut self, slot: u32, off: usize, data: &[u8]) -> Result<()>;
     fn read_buf(&mut self, slot: u32, off: usize, out: &mut [u8]) -> Result<()>;
 }

@@ -159,6 +159,19 @@ impl JobQueue for NvmeJob {
         Ok(n)
     }
 
+    /// Sleeps on the completion queue's interrupt (queues created with
+    /// interrupts, `--irq`); without one it polls like `poll`.
+    fn poll_wait(&mut self, out: &mut Vec<IoDone>, timeout: std::time::Duration) -> Result<usize> {
+        let n = self.poll(out)?;
+        if n > 0 || self.qp.irq_fd().is_none() {
+            return Ok(n);
+        }
+        // The controller posts the entry before it signals: one more poll after
+        // the interrupt finds it.
+        self.qp.block_on_irq(timeout)?;
+        self.poll(out)
+    }
+
     fn write_buf(&mut self, slot: u32, off: usize, data: &[u8]) -> Result<()> {
         self.buf(slot)?.write(off, data)
     }
