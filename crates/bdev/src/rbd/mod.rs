@@ -442,8 +442,8 @@ impl BlockDevice for RbdDisk {
             &self.info,
         )?))
     }
-    /// Grows the image when `bytes` is larger than it; a smaller size only narrows
-    /// the device's view, like a file's (the image keeps its data beyond it).
+    /// Resizes the image to `bytes` (`rbd_resize2`; shrinking discards the data
+    /// beyond, like a file's truncate: front ends ask for a shrink explicitly).
     fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
         let info = self.info.resized(bytes)?;
         if self.info.read_only {
@@ -452,8 +452,8 @@ impl BlockDevice for RbdDisk {
                 format!("{} is read-only", self.describe()),
             ));
         }
-        if bytes > self.handle.image.size()? {
-            self.handle.image.resize(bytes, false)?;
+        if bytes != self.handle.image.size()? {
+            self.handle.image.resize(bytes, true)?;
         }
         Ok(Arc::new(RbdDisk {
             info,
