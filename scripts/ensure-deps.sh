@@ -7,6 +7,9 @@ command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 # The font of `udrive trace --plot` / `perf --plot` charts (and their test).
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need_apt+=(fonts-dejavu-core)
+# The rbd backend links -lrbd -lrados (Ceph's C API; no pkg-config files).
+[ -f /usr/include/rbd/librbd.h ] || need_apt+=(librbd-dev)
+[ -f /usr/include/rados/librados.h ] || need_apt+=(librados-dev)
 if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
   export PATH="$HOME/.cargo/bin:$PATH"
 fi
