@@ -43,6 +43,9 @@ fn verified(d: &NvmeDriver, rw: Rw, qd: u32, time: Duration) -> workload::Report
 
 #[test]
 fn verified_io_through_the_nvme_initiator_and_back_with_rbd_export() {
+    if !common::ceph::available() {
+        return;
+    }
     let c = Cluster::start();
     c.create_image("vm1", 32 * MIB);
     let dev = TestDev::start("rbd1", &[&rbd_ns(&c, "vm1", "")]);
@@ -77,6 +80,9 @@ fn verified_io_through_the_nvme_initiator_and_back_with_rbd_export() {
 
 #[test]
 fn write_zeroes_and_reads_past_the_end() {
+    if !common::ceph::available() {
+        return;
+    }
     let c = Cluster::start();
     c.create_image("z", 8 * MIB);
     let dev = TestDev::start("rbdz", &[&rbd_ns(&c, "z", "")]);
@@ -102,6 +108,9 @@ fn write_zeroes_and_reads_past_the_end() {
 
 #[test]
 fn a_snapshot_is_read_only_and_a_vhost_disk_works_through_libblkio() {
+    if !common::ceph::available() {
+        return;
+    }
     let c = Cluster::start();
     c.create_image("base", 16 * MIB);
     c.rbd(&["snap", "create", &format!("{}@empty", c.image_spec("base"))]);
@@ -224,6 +233,9 @@ impl Drop for Serve {
 
 #[test]
 fn snapshots_rollback_and_clones_over_rpc() {
+    if !common::ceph::available() {
+        return;
+    }
     let c = Cluster::start();
     let conf = c.conf().display().to_string();
     let dir = tempfile::tempdir().unwrap();
@@ -319,6 +331,9 @@ fn read_ns(qp: &mut initiator::QueuePair, buf: &initiator::DmaBuf, ns: u32, slba
 
 #[test]
 fn an_osd_killed_and_restarted_during_verified_io_gives_no_errors() {
+    if !common::ceph::available() {
+        return;
+    }
     let c = Cluster::start_bluestore();
     c.create_image("f", 32 * MIB);
     let dev = TestDev::start("rbdosd", &[&rbd_ns(&c, "f", "")]);
@@ -339,6 +354,9 @@ fn an_osd_killed_and_restarted_during_verified_io_gives_no_errors() {
 
 #[test]
 fn an_unreachable_cluster_fails_requests_after_the_timeout_then_recovers() {
+    if !common::ceph::available() {
+        return;
+    }
     let c = Cluster::start();
     c.create_image("t", 8 * MIB);
     let dev = TestDev::start("rbdto", &[&rbd_ns(&c, "t", ",timeout=2")]);
@@ -389,6 +407,9 @@ fn refused(spec: &str, want: &str) {
 
 #[test]
 fn cluster_configuration_errors_are_clear() {
+    if !common::ceph::available() {
+        return;
+    }
     let c = Cluster::start();
     c.create_image("held", 8 * MIB);
     let conf = c.conf().display().to_string();
