@@ -19,7 +19,11 @@ use serde_json::{json, Value};
 const MIB: u64 = 1 << 20;
 
 fn rbd_ns(c: &Cluster, image: &str, extra: &str) -> String {
-    format!("rbd:{},conf={}{extra}", c.image_spec(image), c.conf().display())
+    format!(
+        "rbd:{},conf={}{extra}",
+        c.image_spec(image),
+        c.conf().display()
+    )
 }
 
 fn ns_bytes(d: &NvmeDriver) -> u64 {
@@ -51,7 +55,12 @@ fn verified_io_through_the_nvme_initiator_and_back_with_rbd_export() {
     let dev = TestDev::start("rbd1", &[&rbd_ns(&c, "vm1", "")]);
     let d = dev.connect();
     assert_eq!(ns_bytes(&d), 32 * MIB);
-    let r = verified(&d, Rw::RandRw { read_pct: 50 }, 16, Duration::from_millis(1500));
+    let r = verified(
+        &d,
+        Rw::RandRw { read_pct: 50 },
+        16,
+        Duration::from_millis(1500),
+    );
     assert!(r.ios > 100, "{r:?}");
     assert_eq!((r.errors, r.verify_errors), (0, 0), "{r:?}");
 
@@ -60,13 +69,25 @@ fn verified_io_through_the_nvme_initiator_and_back_with_rbd_export() {
     let buf = qp.alloc_buf(64 << 10).unwrap();
     let mut rng = Rng::new(13);
     let writes: Vec<(u64, Vec<u8>)> = (0..4u64)
-        .map(|i| (i * 10_000 + rng.below(1000), rng.bytes(((i + 1) * 4096) as usize)))
+        .map(|i| {
+            (
+                i * 10_000 + rng.below(1000),
+                rng.bytes(((i + 1) * 4096) as usize),
+            )
+        })
         .collect();
     for (i, (slba, data)) in writes.iter().enumerate() {
-        let mode = if i % 2 == 0 { DataMode::Prp } else { DataMode::Sgl };
+        let mode = if i % 2 == 0 {
+            DataMode::Prp
+        } else {
+            DataMode::Sgl
+        };
         write_read(&mut qp, &buf, *slba, data, mode);
     }
-    assert_ok(&io(&mut qp, IoOp::Flush, 1, 0, 0, None, DataMode::Prp), "flush");
+    assert_ok(
+        &io(&mut qp, IoOp::Flush, 1, 0, 0, None, DataMode::Prp),
+        "flush",
+    );
     drop(qp);
     drop(d);
     drop(dev);
@@ -74,7 +95,10 @@ fn verified_io_through_the_nvme_initiator_and_back_with_rbd_export() {
     assert_eq!(image.len() as u64, 32 * MIB);
     for (slba, data) in &writes {
         let at = (*slba * 512) as usize;
-        assert!(image[at..at + data.len()] == data[..], "export differs at LBA {slba}");
+        assert!(
+            image[at..at + data.len()] == data[..],
+            "export differs at LBA {slba}"
+        );
     }
 }
 
@@ -97,11 +121,17 @@ fn write_zeroes_and_reads_past_the_end() {
     assert_ok(&c2, "read");
     let mut back = vec![0u8; 8192];
     buf.read(0, &mut back).unwrap();
-    assert!(back[..4096].iter().all(|&b| b == 0), "write zeroes left data");
+    assert!(
+        back[..4096].iter().all(|&b| b == 0),
+        "write zeroes left data"
+    );
     assert_eq!(back[4096..], data[4096..]);
     // The last block is fine, one past it is LBA Out of Range.
     let last = 8 * MIB / 512 - 1;
-    assert_ok(&io(&mut qp, IoOp::Read, 1, last, 1, Some(&buf), DataMode::Prp), "last");
+    assert_ok(
+        &io(&mut qp, IoOp::Read, 1, last, 1, Some(&buf), DataMode::Prp),
+        "last",
+    );
     let c4 = io(&mut qp, IoOp::Read, 1, last, 2, Some(&buf), DataMode::Prp);
     assert_status(&c4, 0, 0x80, "past the end");
 }
@@ -244,7 +274,10 @@ fn snapshots_rollback_and_clones_over_rpc() {
     s.wait_socket(&sock);
     let at = |image: &str| json!({"image": image, "conf": conf});
 
-    s.ok("rbd_create_image", json!({"image": "rbd/gold", "size": "16M", "conf": conf}));
+    s.ok(
+        "rbd_create_image",
+        json!({"image": "rbd/gold", "size": "16M", "conf": conf}),
+    );
     s.err(
         "rbd_create_image",
         json!({"image": "rbd/gold", "size": "16M", "conf": conf}),
@@ -273,11 +306,23 @@ fn snapshots_rollback_and_clones_over_rpc() {
     assert_eq!(list[0]["protected"], false);
 
     // Rollback is refused while attached, by device and by image.
-    s.err("rbd_snapshot_rollback", snap.clone(), "refused while a device has the image open");
+    s.err(
+        "rbd_snapshot_rollback",
+        snap.clone(),
+        "refused while a device has the image open",
+    );
     let mut by_image = at("rbd/gold");
     by_image["snap"] = json!("v1");
-    s.err("rbd_snapshot_rollback", by_image.clone(), "it is open by namespace");
-    s.err("rbd_remove_image", at("rbd/gold"), "it is open by namespace");
+    s.err(
+        "rbd_snapshot_rollback",
+        by_image.clone(),
+        "it is open by namespace",
+    );
+    s.err(
+        "rbd_remove_image",
+        at("rbd/gold"),
+        "it is open by namespace",
+    );
 
     // Clone the protected snapshot and attach the clone: it holds v1.
     s.ok("rbd_snapshot_protect", snap.clone());
@@ -291,7 +336,11 @@ fn snapshots_rollback_and_clones_over_rpc() {
         .as_u64()
         .unwrap() as u32;
     assert_eq!(read_ns(&mut qp, &buf, ns2, 64), v1);
-    s.err("rbd_snapshot_remove", snap.clone(), "clones of it still exist");
+    s.err(
+        "rbd_snapshot_remove",
+        snap.clone(),
+        "clones of it still exist",
+    );
 
     // Detach the original, roll it back, attach again: v1 is back.
     drop(qp);
@@ -315,9 +364,23 @@ fn snapshots_rollback_and_clones_over_rpc() {
     assert_eq!(c.export("vm2")[64 * 512..65 * 512], v1[..512]);
 }
 
-fn write_ns(qp: &mut initiator::QueuePair, buf: &initiator::DmaBuf, ns: u32, slba: u64, data: &[u8]) {
+fn write_ns(
+    qp: &mut initiator::QueuePair,
+    buf: &initiator::DmaBuf,
+    ns: u32,
+    slba: u64,
+    data: &[u8],
+) {
     buf.write(0, data).unwrap();
-    let c = io(qp, IoOp::Write, ns, slba, (data.len() / 512) as u32, Some(buf), DataMode::Prp);
+    let c = io(
+        qp,
+        IoOp::Write,
+        ns,
+        slba,
+        (data.len() / 512) as u32,
+        Some(buf),
+        DataMode::Prp,
+    );
     assert_ok(&c, "write");
 }
 
@@ -370,7 +433,10 @@ fn an_unreachable_cluster_fails_requests_after_the_timeout_then_recovers() {
     let w = io(&mut qp, IoOp::Write, 1, 16, 8, Some(&buf), DataMode::Prp);
     let took = start.elapsed();
     assert!(!w.status.is_ok(), "a write with the OSD down succeeded");
-    assert!(took >= Duration::from_millis(1500), "failed before the timeout: {took:?}");
+    assert!(
+        took >= Duration::from_millis(1500),
+        "failed before the timeout: {took:?}"
+    );
     c.osd_start();
     // Recovers: the same queue pair, the old data, new writes.
     let start = Instant::now();
@@ -395,7 +461,15 @@ fn refused(spec: &str, want: &str) {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("x.sock");
     let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args(["serve", "--cpus", "0", "--vfio-user", sock.to_str().unwrap(), "--ns", spec])
+        .args([
+            "serve",
+            "--cpus",
+            "0",
+            "--vfio-user",
+            sock.to_str().unwrap(),
+            "--ns",
+            spec,
+        ])
         .stdin(Stdio::null())
         .output()
         .expect("run udrive serve");
@@ -413,20 +487,33 @@ fn cluster_configuration_errors_are_clear() {
     let c = Cluster::start();
     c.create_image("held", 8 * MIB);
     let conf = c.conf().display().to_string();
-    refused(&format!("rbd:nopool/x,conf={conf}"), "pool \"nopool\" does not exist");
+    refused(
+        &format!("rbd:nopool/x,conf={conf}"),
+        "pool \"nopool\" does not exist",
+    );
     refused(&format!("rbd:rbd/missing,conf={conf}"), "does not exist");
-    refused(&format!("rbd:rbd/held,conf={conf},snap=nope"), "does not exist");
+    refused(
+        &format!("rbd:rbd/held,conf={conf},snap=nope"),
+        "does not exist",
+    );
     refused("rbd:rbd/x,conf=/nonexistent/ceph.conf", "does not exist");
     // Authentication refused: a keyring with another key for client.admin.
     let bad = c.dir().join("bad.keyring");
-    std::fs::write(&bad, "[client.admin]\n\tkey = AQBXZ2xnAAAAABAAWHp3aJHhbmK6q3C1bxlHmQ==\n").unwrap();
+    std::fs::write(
+        &bad,
+        "[client.admin]\n\tkey = AQBXZ2xnAAAAABAAWHp3aJHhbmK6q3C1bxlHmQ==\n",
+    )
+    .unwrap();
     refused(
         &format!("rbd:rbd/held,conf={conf},keyring={}", bad.display()),
         "authentication refused",
     );
     // Locked by another client: this test process holds the image open.
     let dev = TestDev::start("rbdheld", &[&rbd_ns(&c, "held", "")]);
-    refused(&format!("rbd:rbd/held,conf={conf}"), "in use by another client");
+    refused(
+        &format!("rbd:rbd/held,conf={conf}"),
+        "in use by another client",
+    );
     drop(dev);
     // A cluster nobody answers for: a conf pointing at a dead port, 2 s timeout.
     let dead = c.dir().join("dead.conf");
@@ -434,7 +521,10 @@ fn cluster_configuration_errors_are_clear() {
     let port = c.mon_addr().rsplit(':').next().unwrap().to_string();
     std::fs::write(&dead, text.replace(&port, "9")).unwrap();
     let start = Instant::now();
-    refused(&format!("rbd:rbd/held,conf={},timeout=2", dead.display()), "no monitor answered");
+    refused(
+        &format!("rbd:rbd/held,conf={},timeout=2", dead.display()),
+        "no monitor answered",
+    );
     assert!(start.elapsed() < Duration::from_secs(20));
     // create= makes a missing image.
     let dev = TestDev::start("rbdnew", &[&rbd_ns(&c, "fresh", ",create=4M")]);
