@@ -395,6 +395,12 @@ impl crate::frontend::FrontEnd for NvmeDevice {
                     bytes,
                     block_size,
                 },
+                // Only the channels come after the backend's resize.
+                e @ nvme::NsError::Channel(_) => anyhow::Error::new(e)
+                    .context(format!(
+                        "{who}: the backend has the new size, the namespace keeps the old one"
+                    ))
+                    .into(),
                 e => anyhow::Error::new(e).context(who.clone()).into(),
             })?;
         let spec = ns.spec.resized(req.bytes);

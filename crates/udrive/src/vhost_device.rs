@@ -195,10 +195,11 @@ impl crate::frontend::FrontEnd for VhostBlkDevice {
                 .resized(req.bytes)
                 .map_err(|e| anyhow::Error::new(e).context(who.clone()))?,
         );
-        let notice = self
-            .dev
-            .resize(disk.clone())
-            .map_err(|e| anyhow::Error::new(e).context(who.clone()))?;
+        let notice = self.dev.resize(disk.clone()).map_err(|e| {
+            anyhow::Error::new(e).context(format!(
+                "{who}: the backend has the new size, the device keeps the old one"
+            ))
+        })?;
         self.disk = disk;
         self.cfg.disk = self.cfg.disk.resized(req.bytes);
         let (notified, notice) = match notice {
