@@ -127,6 +127,8 @@ impl crate::frontend::FrontEnd for VhostBlkDevice {
                 "poll": v.cfg.poll.as_str(),
                 "read_only": v.cfg.disk.read_only,
             },
+            // What the config space reports (a resize changes it).
+            "size_bytes": v.dev.capacity_bytes(),
             "qos": crate::json::qos_json(v.disk.limits()),
             "state": {
                 "poll_mode": v.dev.poll_mode().as_str(),

@@ -429,6 +429,7 @@ fn refusals_name_the_cause_and_change_nothing() {
         "{r}"
     );
     assert_eq!(s.device("v.sock")["config"]["disk"], "ram:32M");
+    assert_eq!(s.device("v.sock")["size_bytes"], 32 * MIB);
     // A host that connects now sees the new size.
     let d = NvmeDriver::connect(&n, opts()).unwrap();
     assert_eq!(ns_bytes(&d, 4), 1 << 30);
@@ -564,6 +565,7 @@ fn vhost_user_blk_front_end_gets_the_config_change() {
     r.put(DATA, &[0x24; 4096]);
     assert_eq!(vio(&mut r, T_OUT, 32 * MIB - 4096), 0, "the new space");
     assert_eq!(vio(&mut r, T_IN, 32 * MIB), 1);
+    assert_eq!(s.device("v.sock")["size_bytes"], 32 * MIB);
     assert_eq!(
         s.device("v.sock")["config"]["disk"],
         format!("file:{}/v.img", s.dir.path().display())
