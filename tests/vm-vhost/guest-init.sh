@@ -4,9 +4,11 @@
 # Boots twice without QEMU exiting:
 #   phase 1: loads the stock virtio modules, checks the disk (size, queues,
 #            write cache, discard), writes known data from both vCPUs (so both
-#            virtqueues carry I/O), reads it back, flushes, then lets the host
-#            compare the backing file (handshake on ttyS1) and does `reboot -f`.
-#   phase 2: checks the data survived the reboot, I/O on both queues again, and
+#            virtqueues carry I/O), reads it back, flushes, (udrive.resize=1) has
+#            the host resize the disk, grow then shrink, and follows its size,
+#            then lets the host compare the backing file (handshake on ttyS1) and
+#            does `reboot -f`.
+#   phase 2: checks the size and the data survived the reboot, I/O on both queues again, and
 #            (udrive.reconnect=1) keeps writing while the host kills and restarts
 #            the backend: every acknowledged write must read back intact.
 # Known data: /data/a.bin and /data/b.bin, random files the host put into this
@@ -15,9 +17,10 @@
 #   UDRIVE-RESULT name=NAME status=PASS|FAIL detail=TEXT   one per check
 #   UDRIVE-BOOT phase=N, UDRIVE-DONE phase=N                progress
 #   UDRIVE-HOSTCHECK phase=1                                waits for the host's "go" on ttyS1
+#   UDRIVE-RESIZE bytes=B shrink=0|1                        waits for the host's "resized" on ttyS1
 #   UDRIVE-RECONNECT-READY / UDRIVE-ACK seq=N off=BYTES sha=SHA256 / UDRIVE-RECONNECT-END
 # Parameters on the kernel command line: udrive.queues=N udrive.size=BYTES udrive.reconnect=0|1
-# udrive.writers=N
+# udrive.writers=N udrive.resize=0|1
 
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin
 mount -t proc proc /proc
@@ -36,6 +39,7 @@ QUEUES=$(arg queues)
 SIZE=$(arg size)
 RECONNECT=$(arg reconnect)
 WRITERS=$(arg writers)
+RESIZE=$(arg resize)
 # Disk layout (byte offsets; the disk must be >= 256 MiB):
 A_OFF=0                     # /data/a.bin, written from vCPU 0 with 1 MiB requests
 B_OFF=$((16 * MIB))         # /data/b.bin, written from vCPU 1 with 4 KiB requests
@@ -170,13 +174,68 @@ t_discard() {
     DETAIL="$DETAIL; 2 MiB discarded (reads back $z), neighbours intact"
     rm -f /tmp/pattern /tmp/back /tmp/x /tmp/zero
 }
+# Online resize (docs/decisions/0018-online-resize.md): the host resizes the disk
+# over udrive's control socket; udrive tells QEMU (config change message), QEMU
+# injects a config interrupt and virtio_blk updates the disk's size.
+disk_bytes() { echo $(($(cat /sys/block/vda/size) * 512)); }
+wait_size() { # wait_size BYTES: until the kernel shows that size (60 s at most)
+    i=0
+    while [ "$(disk_bytes)" != "$1" ]; do
+        i=$((i + 1))
+        [ $i -gt 600 ] && return 1
+        sleep 0.1
+    done
+    WAITED="$((i / 10)).$((i % 10)) s"
+}
+ask_resize() { # ask_resize BYTES SHRINK: the host's answer in $REPLY_LINE
+    echo "UDRIVE-RESIZE bytes=$1 shrink=$2" >&4
+    read -r -t 120 REPLY_LINE <&3 || { REPLY_LINE="no reply from the host on ttyS1 in 120 s"; return 1; }
+    case "$REPLY_LINE" in resized*) ;; *) return 1 ;; esac
+}
+t_resize_grow() {
+    old=$(disk_bytes)
+    new=$((old + 64 * MIB))
+    DETAIL="$((old / MIB)) MiB"
+    dd if=/dev/urandom of=/tmp/edge bs=4k count=1 2>/dev/null
+    wr /tmp/edge $((old - 4096)) 4096 0 || return 1
+    ask_resize $new 0 || { DETAIL="$DETAIL; host: $REPLY_LINE"; return 1; }
+    wait_size $new || { DETAIL="$DETAIL; size stayed $(($(disk_bytes) / MIB)) MiB, want $((new / MIB))"; return 1; }
+    DETAIL="$DETAIL -> $((new / MIB)) MiB after $WAITED"
+    # 1 MiB past the old end from vCPU 1, read back from vCPU 0.
+    dd if=/dev/urandom of=/tmp/grown bs=1M count=1 2>/dev/null
+    wr /tmp/grown "$old" 1048576 1 || return 1
+    rd "$old" $MIB 65536 0 /tmp/back || return 1
+    cmp /tmp/grown /tmp/back || { DETAIL="$DETAIL; the new space does not read back"; return 1; }
+    rd $((old - 4096)) 4096 4096 1 /tmp/back || return 1
+    cmp /tmp/edge /tmp/back || { DETAIL="$DETAIL; the block before the old end changed"; return 1; }
+    DETAIL="$DETAIL; 1 MiB past the old end reads back, the block before it intact"
+    GROWN_AT=$old
+}
+t_resize_shrink() {
+    old=$(disk_bytes)
+    new=$((old - 32 * MIB))
+    DETAIL="$((old / MIB)) MiB"
+    ask_resize $new 1 || { DETAIL="$DETAIL; host: $REPLY_LINE"; return 1; }
+    wait_size $new || { DETAIL="$DETAIL; size stayed $(($(disk_bytes) / MIB)) MiB, want $((new / MIB))"; return 1; }
+    DETAIL="$DETAIL -> $((new / MIB)) MiB after $WAITED"
+    rd "$GROWN_AT" $MIB 65536 1 /tmp/back || return 1
+    cmp /tmp/grown /tmp/back || { DETAIL="$DETAIL; data below the new end changed"; return 1; }
+    got=$(dd if=$DEV bs=4k skip=$((new / 4096)) count=1 iflag=direct 2>/dev/null | wc -c)
+    [ "$got" = 0 ] || { DETAIL="$DETAIL; $got bytes read past the new end"; return 1; }
+    DETAIL="$DETAIL; data below the new end intact, nothing readable past it"
+}
+t_size_after_reboot() {
+    want=$(echo "$MAGIC" | sed -n 's/.*size=\([0-9]*\).*/\1/p')
+    DETAIL="size before the reboot $((${want:-0} / MIB)) MiB, now $(($(disk_bytes) / MIB)) MiB"
+    [ -n "$want" ] && [ "$(disk_bytes)" = "$want" ]
+}
 t_dmesg_clean() {
     DETAIL="$(dmesg | grep -c virtio) virtio lines in dmesg, none with errors"
     ! dmesg | grep -iE 'virtio.*(error|fail|timeout|reset)|I/O error|Buffer I/O|blk_update_request|critical'
 }
 t_write_marker() {
     sum=$(cat /data/a.bin /data/b.bin | sha256sum | cut -d' ' -f1)
-    { echo "UDRIVE-VM-MAGIC phase=1 sha256=$sum"; dd if=/dev/zero bs=4k count=1 2>/dev/null; } |
+    { echo "UDRIVE-VM-MAGIC phase=1 sha256=$sum size=$(disk_bytes)"; dd if=/dev/zero bs=4k count=1 2>/dev/null; } |
         dd of=$DEV bs=4k count=1 iflag=fullblock seek=$((MAGIC_OFF / 4096)) oflag=direct conv=fsync,notrunc 2>&1 || return 1
     DETAIL="marker at $((MAGIC_OFF / MIB)) MiB"
 }
@@ -295,6 +354,10 @@ if [ $PHASE = 1 ]; then
     run queue-irqs-grew t_irqs_grew
     run flush t_flush
     run discard t_discard
+    if [ "$RESIZE" = 1 ]; then
+        run resize-grow t_resize_grow
+        run resize-shrink t_resize_shrink
+    fi
     run write-marker t_write_marker
     run dmesg-clean t_dmesg_clean
     run host-check-handshake t_host_check
@@ -302,6 +365,7 @@ if [ $PHASE = 1 ]; then
 elif [ $PHASE = 2 ]; then
     { echo "UDRIVE-VM-MAGIC phase=2"; dd if=/dev/zero bs=4k count=1 2>/dev/null; } >/tmp/magic2
     result enumerate-after-reboot PASS "$DETAIL"
+    run size-after-reboot t_size_after_reboot
     run data-survived-reboot t_data_survived
     dd if=/tmp/magic2 of=$DEV bs=4k count=1 seek=$((MAGIC_OFF / 4096)) oflag=direct conv=fsync,notrunc 2>/dev/null
     run queues-after-reboot t_queues

@@ -26,6 +26,9 @@ DOWN_SECS=${UDRIVE_VHOST_DOWN_SECS:-1}     # backend down time
 STALL_SECS=${UDRIVE_VHOST_STALL_SECS:-60}  # no guest progress after the restart = failure
 TIMEOUT=${UDRIVE_VM_TIMEOUT:-240}
 UDRIVE_ARGS=${UDRIVE_VHOST_ARGS:-} # more `udrive serve` options, e.g. "--placement single"
+# Online resize (udrive only: qemu-storage-daemon has no control socket here).
+RESIZE=0
+[ "$BACKEND" != udrive ] || RESIZE=${UDRIVE_VHOST_RESIZE:-1}
 DATA_MIB=8
 MIB=1048576
 A_OFF=0 B_OFF=$((16 * MIB)) # as in guest-init.sh
@@ -64,7 +67,8 @@ start_backend() {
     echo "---- $(date +%T.%N) start" >>"$TMP/backend.log"
     if [ "$BACKEND" = udrive ]; then
         # shellcheck disable=SC2086 # UDRIVE_ARGS is a list of options
-        set -- "$UDRIVE" serve --vhost-user-blk "$TMP/vblk.sock" --disk "file:$TMP/disk.img" --queues "$QUEUES" $UDRIVE_ARGS
+        set -- "$UDRIVE" serve --vhost-user-blk "$TMP/vblk.sock" --disk "file:$TMP/disk.img" --queues "$QUEUES" \
+            --rpc "$TMP/rpc.sock" $UDRIVE_ARGS
         echo "$*" >>"$TMP/backend.log"
         NO_COLOR=1 RUST_LOG=${RUST_LOG:-info} setpriv --pdeathsig KILL -- "$@" >>"$TMP/backend.log" 2>&1 </dev/null &
     else
@@ -97,7 +101,7 @@ start_qemu() {
         -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
         -serial "file:$d/console.log" -chardev "pipe,id=ctl,path=$d/ctl" -serial chardev:ctl
         -kernel "$d/vmlinuz" -initrd "$d/initramfs.cpio"
-        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.queues=$QUEUES udrive.size=$((DISK_MIB * MIB)) udrive.reconnect=$RECONNECT udrive.writers=$WRITERS"
+        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.queues=$QUEUES udrive.size=$((DISK_MIB * MIB)) udrive.reconnect=$RECONNECT udrive.writers=$WRITERS udrive.resize=$RESIZE"
         -chardev "socket,id=c0,path=$d/vblk.sock${RECONNECT_OPT}"
         -device "vhost-user-blk-pci,chardev=c0,num-queues=$QUEUES"
     )
@@ -123,6 +127,25 @@ host_check_file() {
     else
         host_result backing-file-matches FAIL "disk.img differs from$bad"
         tell_guest "go: backing file DIFFERS ($bad)"
+    fi
+}
+
+# The guest asks for a resize: the resize RPC; its answer is a host result, and the
+# guest hears "resized" (or "failed") on ttyS1, then checks that its disk follows.
+RESIZES=0
+host_resize() {
+    local re='^UDRIVE-RESIZE bytes=([0-9]+) shrink=([01])' shrink=false out
+    [[ $1 =~ $re ]] || return 0
+    local bytes=${BASH_REMATCH[1]}
+    [ "${BASH_REMATCH[2]}" = 0 ] || shrink=true
+    RESIZES=$((RESIZES + 1))
+    local params="{\"socket\":\"$TMP/vblk.sock\",\"size\":$bytes,\"shrink\":$shrink}"
+    if out=$("$UDRIVE" rpc --rpc "$TMP/rpc.sock" resize "$params" 2>&1) && grep -q '"notified": true' <<<"$out"; then
+        host_result "resize-rpc-$RESIZES" PASS "disk to $((bytes / MIB)) MiB (shrink $shrink), disk.img $(($(stat -c %s "$TMP/disk.img") / MIB)) MiB, front end notified: $(grep -o '"notice": "[^"]*"' <<<"$out" | cut -c1-120)"
+        tell_guest "resized: $((bytes / MIB)) MiB"
+    else
+        host_result "resize-rpc-$RESIZES" FAIL "disk to $bytes bytes (shrink $shrink): $(tr '\n' ' ' <<<"$out" | cut -c1-240)"
+        tell_guest "failed: $(tr '\n' ' ' <<<"$out" | cut -c1-120)"
     fi
 }
 
@@ -154,6 +177,7 @@ on_guest() {
     fi
     case "$1" in
     UDRIVE-HOSTCHECK*) host_check_file ;;
+    UDRIVE-RESIZE*) host_resize "$1" ;;
     UDRIVE-RECONNECT-READY*) RECON_STATE=armed ;;
     UDRIVE-ACK*)
         RECON_ACKS=$((RECON_ACKS + 1))

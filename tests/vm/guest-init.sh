@@ -3,13 +3,16 @@
 #
 # Boots twice without QEMU exiting:
 #   phase 1: checks the NVMe controller (identify, logs, queues, interrupts,
-#            fio with verify, flush, discard), leaves data and a marker block on
-#            the disk, then `reboot -f` (a warm reboot: the controller is reset).
-#   phase 2: finds the marker, checks the controller came back and the data is
-#            intact, then `poweroff -f` (QEMU exits).
+#            fio with verify, flush, discard, format), has the host resize the
+#            namespace (grow, then shrink) and follows its size, leaves data and a
+#            marker block on the disk, then `reboot -f` (a warm reboot: the
+#            controller is reset).
+#   phase 2: finds the marker, checks the controller came back, the size and the
+#            data are intact, then `poweroff -f` (QEMU exits).
 # Each check prints one line on the serial console, parsed by tests/vm/run.sh:
 #   UDRIVE-RESULT name=NAME status=PASS|FAIL detail=TEXT
-# Other markers: UDRIVE-BOOT phase=N, UDRIVE-DONE phase=N.
+# Other markers: UDRIVE-BOOT phase=N, UDRIVE-DONE phase=N, and
+#   UDRIVE-RESIZE nsid=N bytes=B shrink=0|1   asks the host to resize (the `resize` RPC)
 
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin
 mount -t proc proc /proc
@@ -262,11 +265,67 @@ t_dmesg_clean() {
     DETAIL="$(dmesg | grep -c nvme) nvme lines in dmesg, none with errors/timeouts/resets"
     fail_on_dmesg
 }
+# Online resize (docs/decisions/0018-online-resize.md): the host resizes namespace
+# 1 over udrive's control socket when it sees UDRIVE-RESIZE; the controller sends a
+# Namespace Attribute Changed event and the kernel's rescan updates the disk size.
+ns_bytes() { echo $(($(cat /sys/block/nvme0n1/size) * 512)); }
+wait_size() { # wait_size BYTES: until the kernel shows that size (60 s at most)
+    i=0
+    while [ "$(ns_bytes)" != "$1" ]; do
+        i=$((i + 1))
+        [ $i -gt 600 ] && return 1
+        sleep 0.1
+    done
+    WAITED="$((i / 10)).$((i % 10)) s"
+}
+ask_resize() { # ask_resize BYTES SHRINK
+    echo "UDRIVE-RESIZE nsid=1 bytes=$1 shrink=$2" >&4
+}
+t_resize_grow() {
+    old=$(ns_bytes)
+    new=$((old + 256 * MIB))
+    DETAIL="$((old / MIB)) MiB"
+    # The last block before the old end, and 1 MiB right after it once grown.
+    dd if=/dev/urandom of=/tmp/edge bs=4k count=1 2>/dev/null
+    dd if=/tmp/edge of=$DEV bs=4k seek=$((old / 4096 - 1)) oflag=direct 2>&1 || return 1
+    ask_resize $new 0
+    wait_size $new || { DETAIL="$DETAIL; size stayed $(($(ns_bytes) / MIB)) MiB, want $((new / MIB))"; return 1; }
+    nsze=$(nvme id-ns $DEV | field nsze)
+    DETAIL="$DETAIL -> $((new / MIB)) MiB after $WAITED, id-ns nsze=$nsze"
+    [ $((nsze * 512)) = $new ] || return 1
+    dd if=/dev/urandom of=/tmp/grown bs=1M count=1 2>/dev/null
+    dd if=/tmp/grown of=$DEV bs=1M seek=$((old / MIB)) oflag=direct 2>&1 || return 1
+    dd if=$DEV of=/tmp/back bs=1M skip=$((old / MIB)) count=1 iflag=direct 2>&1 || return 1
+    cmp /tmp/grown /tmp/back || { DETAIL="$DETAIL; the new space does not read back"; return 1; }
+    dd if=$DEV bs=4k skip=$((old / 4096 - 1)) count=1 iflag=direct 2>/dev/null | cmp - /tmp/edge ||
+        { DETAIL="$DETAIL; the block before the old end changed"; return 1; }
+    DETAIL="$DETAIL; 1 MiB past the old end reads back, the block before it intact"
+    GROWN_AT=$old
+}
+t_resize_shrink() {
+    old=$(ns_bytes)
+    new=$((old - 128 * MIB))
+    DETAIL="$((old / MIB)) MiB"
+    ask_resize $new 1
+    wait_size $new || { DETAIL="$DETAIL; size stayed $(($(ns_bytes) / MIB)) MiB, want $((new / MIB))"; return 1; }
+    DETAIL="$DETAIL -> $((new / MIB)) MiB after $WAITED"
+    dd if=$DEV of=/tmp/back bs=1M skip=$((GROWN_AT / MIB)) count=1 iflag=direct 2>&1 || return 1
+    cmp /tmp/grown /tmp/back || { DETAIL="$DETAIL; data below the new end changed"; return 1; }
+    # The kernel keeps I/O within the disk: a read at the new end returns nothing.
+    got=$(dd if=$DEV bs=4k skip=$((new / 4096)) count=1 iflag=direct 2>/dev/null | wc -c)
+    [ "$got" = 0 ] || { DETAIL="$DETAIL; $got bytes read past the new end"; return 1; }
+    DETAIL="$DETAIL; data below the new end intact, nothing readable past it"
+}
+t_size_after_reboot() {
+    want=$(echo "$MAGIC" | sed -n 's/.*size=\([0-9]*\).*/\1/p')
+    DETAIL="size before the reboot $((${want:-0} / MIB)) MiB, now $(($(ns_bytes) / MIB)) MiB"
+    [ -n "$want" ] && [ "$(ns_bytes)" = "$want" ]
+}
 t_write_persist() {
     dd if=/dev/urandom of=/tmp/persist bs=1M count=$PERSIST_MIB 2>/dev/null
     sum=$(sha256sum </tmp/persist | cut -d' ' -f1)
     dd if=/tmp/persist of=$DEV bs=1M seek=$((PERSIST_OFF / MIB)) oflag=direct 2>&1 || return 1
-    { echo "UDRIVE-VM-MAGIC phase=1 sha256=$sum"; dd if=/dev/zero bs=4k count=1 2>/dev/null; } |
+    { echo "UDRIVE-VM-MAGIC phase=1 sha256=$sum size=$(ns_bytes)"; dd if=/dev/zero bs=4k count=1 2>/dev/null; } |
         dd of=$DEV bs=4k count=1 iflag=fullblock seek=$((MAGIC_OFF / 4096)) oflag=direct 2>&1 || return 1
     DETAIL="$PERSIST_MIB MiB at $((PERSIST_OFF / MIB)) MiB, sha256 $(short "$sum")..."
 }
@@ -287,6 +346,9 @@ t_data_persisted() {
 }
 
 # ---------------------------------------------------------------- main
+# Fd 4 is the console, for markers the host must see while a check's own output
+# goes to /tmp/out.
+exec 4>&1
 wait_for_disk >/tmp/out 2>&1
 boot_phase
 [ $PHASE = 1 ] && result enumerate PASS "$DETAIL"
@@ -308,6 +370,8 @@ if [ $PHASE = 1 ]; then
     run flush t_flush
     run discard-zeroes t_discard
     run nvme-format t_format
+    run resize-grow t_resize_grow
+    run resize-shrink t_resize_shrink
     run write-before-reboot t_write_persist
     run dmesg-clean t_dmesg_clean
     finish 1 reboot
@@ -316,6 +380,7 @@ elif [ $PHASE = 2 ]; then
     { echo "UDRIVE-VM-MAGIC phase=2"; dd if=/dev/zero bs=4k count=1 2>/dev/null; } >/tmp/magic2
     result enumerate-after-reboot PASS "$DETAIL"
     run reinit t_reinit
+    run size-after-reboot t_size_after_reboot
     run data-survived-reboot t_data_persisted
     run fio-verify-after-reboot t_fio_verify_again
     dd if=/tmp/magic2 of=$DEV bs=4k count=1 seek=$((MAGIC_OFF / 4096)) oflag=direct 2>/dev/null

@@ -49,10 +49,10 @@ build_initramfs() {
 
 # ------------------------------------------------------------ udrive
 start_udrive() {
-    say "$UDRIVE serve --vfio-user $TMP/nvme.sock --ns $NS --ns $NS2 --cpus $UDRIVE_CPUS --poll $POLL"
+    say "$UDRIVE serve --vfio-user $TMP/nvme.sock --ns $NS --ns $NS2 --cpus $UDRIVE_CPUS --poll $POLL --rpc $TMP/rpc.sock"
     NO_COLOR=1 RUST_LOG=${RUST_LOG:-info} setpriv --pdeathsig KILL -- \
         "$UDRIVE" serve --vfio-user "$TMP/nvme.sock" --ns "$NS" --ns "$NS2" --cpus "$UDRIVE_CPUS" --poll "$POLL" \
-        >"$TMP/udrive.log" 2>&1 </dev/null &
+        --rpc "$TMP/rpc.sock" >"$TMP/udrive.log" 2>&1 </dev/null &
     SERVER_PID=$!
     wait_socket "$TMP/nvme.sock" "$SERVER_PID" "$TMP/udrive.log" "udrive serve"
 }
@@ -119,7 +119,27 @@ idle_hook() {
             'BEGIN { printf "%.2f %.1f", t / hz / s * 100, s }') ;;
     esac
 }
-watch_guest "$TMP/console.log" "$TIMEOUT" idle_hook
+# On the guest's UDRIVE-RESIZE lines: the resize RPC; its answer is a host result
+# (the guest checks that its disk follows).
+RESIZES=0
+resize_hook() {
+    local re='^UDRIVE-RESIZE nsid=([0-9]+) bytes=([0-9]+) shrink=([01])' shrink=false out
+    [[ ${1:-} =~ $re ]] || return 0
+    local nsid=${BASH_REMATCH[1]} bytes=${BASH_REMATCH[2]}
+    [ "${BASH_REMATCH[3]}" = 0 ] || shrink=true
+    RESIZES=$((RESIZES + 1))
+    local params="{\"socket\":\"$TMP/nvme.sock\",\"nsid\":$nsid,\"size\":$bytes,\"shrink\":$shrink}"
+    if out=$("$UDRIVE" rpc --rpc "$TMP/rpc.sock" resize "$params" 2>&1) && grep -q '"notified": true' <<<"$out"; then
+        host_result "resize-rpc-$RESIZES" PASS "namespace $nsid to $((bytes / 1048576)) MiB (shrink $shrink), host notified: $(grep -o '"notice": "[^"]*"' <<<"$out" | cut -c1-120)"
+    else
+        host_result "resize-rpc-$RESIZES" FAIL "namespace $nsid to $bytes bytes (shrink $shrink): $(tr '\n' ' ' <<<"$out" | cut -c1-240)"
+    fi
+}
+guest_hook() {
+    idle_hook "$@"
+    resize_hook "$@"
+}
+watch_guest "$TMP/console.log" "$TIMEOUT" guest_hook
 [ "$DEVICE" = udrive ] && stop_udrive
 phase ""
 

@@ -7,9 +7,35 @@ use crate::{in_range, BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStat
 
 /// Data kept in anonymous memory (reserved lazily, so a big disk costs only what is
 /// written). Volatile: gone when udrive exits.
+///
+/// The memory is one mapping per extent: the one made at creation, plus one for
+/// each growth beyond what the mappings cover ([`BlockDevice::resize`]). Growing
+/// maps only the new bytes, so the data stays where it is (no copy under I/O) and
+/// every handle of the disk shares it.
 pub struct RamDisk {
     info: BlockInfo,
+    extents: Arc<[Extent]>,
+    /// `hugepages=on`: extents added later are advised too.
+    huge: bool,
+}
+
+/// Bytes `[start, start + mem.len())` of the disk. Extents are in disk order and
+/// adjacent; the last may reach past the disk's size (after a shrink).
+#[derive(Clone)]
+struct Extent {
+    start: u64,
     mem: Arc<MappedRegion>,
+}
+
+impl Extent {
+    fn end(&self) -> u64 {
+        self.start + self.mem.len()
+    }
+}
+
+/// The extent holding disk byte `at`.
+fn extent_at(extents: &[Extent], at: u64) -> Option<&Extent> {
+    extents.iter().find(|e| e.start <= at && at < e.end())
 }
 
 pub(crate) fn sized_info(size: u64, block_size: u32) -> io::Result<BlockInfo> {
@@ -41,7 +67,11 @@ impl RamDisk {
     pub fn new(size: u64, block_size: u32) -> io::Result<Self> {
         let info = sized_info(size, block_size)?;
         let mem = Arc::new(MappedRegion::anonymous(0, size)?);
-        Ok(RamDisk { info, mem })
+        Ok(RamDisk {
+            info,
+            extents: Arc::new([Extent { start: 0, mem }]),
+            huge: false,
+        })
     }
 
     /// A RAM disk in transparent huge pages where the kernel has them (`hugepages=on`):
@@ -50,8 +80,11 @@ impl RamDisk {
     /// 2 MiB extents, and the first write to each extent zeroes 2 MiB, possibly after
     /// compacting memory (milliseconds), see docs/decisions/0017-spdk-client.md.
     pub fn with_huge_pages(size: u64, block_size: u32) -> io::Result<Self> {
-        let disk = RamDisk::new(size, block_size)?;
-        disk.mem.advise_hugepages();
+        let mut disk = RamDisk::new(size, block_size)?;
+        disk.huge = true;
+        for e in disk.extents.iter() {
+            e.mem.advise_hugepages();
+        }
         Ok(disk)
     }
 }
@@ -65,26 +98,51 @@ impl BlockDevice for RamDisk {
     }
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
         Ok(Box::new(RamChannel {
-            mem: self.mem.clone(),
+            extents: self.extents.clone(),
             size: self.info.size_bytes(),
         }))
     }
-    /// Shrinks or grows back within the memory reserved at creation (growing beyond
-    /// it would mean a new mapping and a copy under I/O).
+    /// Shrinking returns the memory past the new end (it reads back as zeroes if
+    /// the disk grows again); growing maps only the bytes beyond the existing
+    /// mappings. The data below the smaller of the two sizes is kept.
     fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
         let info = self.info.resized(bytes)?;
-        if bytes > self.mem.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                format!(
-                    "a ram disk cannot grow beyond the {} bytes it was created with",
-                    self.mem.len()
-                ),
-            ));
+        let size = self.info.size_bytes();
+        let mut extents: Vec<Extent> = self
+            .extents
+            .iter()
+            .filter(|e| e.start < bytes)
+            .cloned()
+            .collect();
+        let Some(last) = extents.last().cloned() else {
+            return Err(io::Error::other("a ram disk without memory"));
+        };
+        // Bytes of the last mapping that the new size leaves out (a shrink), or that
+        // it shows again after an earlier shrink: zero pages either way.
+        let (from, to) = if bytes < size {
+            (bytes, last.end())
+        } else {
+            (size, bytes.min(last.end()))
+        };
+        if to > from {
+            last.mem
+                .discard(from - last.start, to - from)
+                .ok_or_else(|| io::Error::other("ram disk extent out of range"))?;
+        }
+        if bytes > last.end() {
+            let mem = MappedRegion::anonymous(0, bytes - last.end())?;
+            if self.huge {
+                mem.advise_hugepages();
+            }
+            extents.push(Extent {
+                start: last.end(),
+                mem: Arc::new(mem),
+            });
         }
         Ok(Arc::new(RamDisk {
             info,
-            mem: self.mem.clone(),
+            extents: extents.into(),
+            huge: self.huge,
         }))
     }
     /// Memory has no alignment: any block size, erased by discarding the pages.
@@ -96,12 +154,37 @@ impl BlockDevice for RamDisk {
 }
 
 struct RamChannel {
-    mem: Arc<MappedRegion>,
-    /// The device's size (the region may be larger after a shrink).
+    extents: Arc<[Extent]>,
+    /// The device's size (the mappings may reach past it after a shrink).
     size: u64,
 }
 
 impl RamChannel {
+    /// Calls `f(mapping, offset in it, offset in the range, length)` for each piece
+    /// of `[off, off + len)` that one extent holds (one piece unless the disk grew
+    /// and the range straddles two mappings). `false` if a piece is missing or `f`
+    /// refused it.
+    fn pieces(
+        &self,
+        off: u64,
+        len: u64,
+        mut f: impl FnMut(&MappedRegion, u64, u64, u64) -> bool,
+    ) -> bool {
+        let mut done = 0u64;
+        while done < len {
+            let at = off + done;
+            let Some(e) = extent_at(&self.extents, at) else {
+                return false;
+            };
+            let n = (len - done).min(e.end() - at);
+            if !f(&e.mem, at - e.start, done, n) {
+                return false;
+            }
+            done += n;
+        }
+        true
+    }
+
     fn transfer(&self, req: &IoRequest<'_>) -> IoStatus {
         // Checked before copying: buffers longer than `len` must not reach past the range.
         let total: u64 = req.iov.iter().map(|b| b.len() as u64).sum();
@@ -110,15 +193,26 @@ impl RamChannel {
         }
         let mut off = req.offset;
         for buf in req.iov {
-            let Some(disk) = self.mem.slice(off, buf.len()) else {
-                return IoStatus::OutOfRange;
-            };
-            let copied = match req.op {
-                IoOp::Read => disk.copy_to(buf),
-                _ => buf.copy_to(&disk),
-            };
-            if copied.is_err() {
-                return IoStatus::Invalid;
+            let mut bad = IoStatus::OutOfRange;
+            let copied = self.pieces(off, buf.len() as u64, |mem, at, from, n| {
+                let (Ok(from), Ok(n)) = (usize::try_from(from), usize::try_from(n)) else {
+                    return false;
+                };
+                let Some(disk) = mem.slice(at, n) else {
+                    return false;
+                };
+                bad = IoStatus::Invalid;
+                let Some(part) = buf.sub(from, n) else {
+                    return false;
+                };
+                match req.op {
+                    IoOp::Read => disk.copy_to(&part),
+                    _ => part.copy_to(&disk),
+                }
+                .is_ok()
+            });
+            if !copied {
+                return bad;
             }
             off += buf.len() as u64;
         }
@@ -134,10 +228,15 @@ impl IoChannel for RamChannel {
         Some(match req.op {
             IoOp::Read | IoOp::Write => self.transfer(req),
             IoOp::Flush => IoStatus::Ok,
-            IoOp::WriteZeroes | IoOp::Discard => match self.mem.discard(req.offset, req.len) {
-                Some(()) => IoStatus::Ok,
-                None => IoStatus::OutOfRange,
-            },
+            IoOp::WriteZeroes | IoOp::Discard => {
+                if self.pieces(req.offset, req.len, |mem, at, _, n| {
+                    mem.discard(at, n).is_some()
+                }) {
+                    IoStatus::Ok
+                } else {
+                    IoStatus::OutOfRange
+                }
+            }
         })
     }
 }
@@ -222,6 +321,108 @@ mod tests {
         let mut b = vec![0u8; 4096];
         s.read_into(0, &mut b).unwrap();
         assert!(b.iter().all(|x| *x == 9));
+    }
+
+    /// Reads `len` bytes at `off` through a fresh channel of `d`.
+    fn read(d: &dyn BlockDevice, off: u64, len: usize) -> (IoStatus, Vec<u8>) {
+        let buf = SharedMem::new("r", len as u64).unwrap();
+        let iov = [buf.all().sub(0, len).unwrap()];
+        let r = IoRequest {
+            op: IoOp::Read,
+            offset: off,
+            len: len as u64,
+            iov: &iov,
+            fua: false,
+        };
+        let st = d.channel().unwrap().submit(1, &r).unwrap();
+        let mut b = vec![0u8; len];
+        buf.all().read_into(0, &mut b).unwrap();
+        (st, b)
+    }
+
+    fn write(d: &dyn BlockDevice, off: u64, data: &[u8]) -> IoStatus {
+        let buf = SharedMem::new("w", data.len() as u64).unwrap();
+        buf.all().write_from(0, data).unwrap();
+        let iov = [buf.all().sub(0, data.len()).unwrap()];
+        let w = IoRequest {
+            op: IoOp::Write,
+            offset: off,
+            len: data.len() as u64,
+            iov: &iov,
+            fua: false,
+        };
+        d.channel().unwrap().submit(1, &w).unwrap()
+    }
+
+    #[test]
+    fn grows_beyond_its_first_mapping_and_keeps_the_data() {
+        const MIB: u64 = 1 << 20;
+        let d = RamDisk::new(MIB, 512).unwrap();
+        let pattern: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+        assert_eq!(write(&d, MIB - 4096, &pattern[..4096]), IoStatus::Ok);
+        let big = d.resize(3 * MIB).unwrap();
+        assert_eq!(big.info().size_bytes(), 3 * MIB);
+        assert_eq!(
+            read(&*big, MIB - 4096, 4096),
+            (IoStatus::Ok, pattern[..4096].to_vec())
+        );
+        // New space reads as zeroes; a request across the old end spans two mappings.
+        assert_eq!(read(&*big, MIB, 4096), (IoStatus::Ok, vec![0; 4096]));
+        assert_eq!(write(&*big, MIB - 2048, &pattern), IoStatus::Ok);
+        assert_eq!(
+            read(&*big, MIB - 2048, 8192),
+            (IoStatus::Ok, pattern.clone())
+        );
+        let zero = IoRequest::without_data(IoOp::WriteZeroes, MIB - 1024, 2048, false);
+        assert_eq!(big.channel().unwrap().submit(2, &zero), Some(IoStatus::Ok));
+        let (_, b) = read(&*big, MIB - 2048, 8192);
+        assert_eq!(&b[..1024], &pattern[..1024]);
+        assert!(b[1024..3072].iter().all(|x| *x == 0));
+        assert_eq!(&b[3072..], &pattern[3072..]);
+        // The old handle still ends where it did.
+        assert_eq!(read(&d, MIB, 512).0, IoStatus::OutOfRange);
+        // Twice more: a third mapping.
+        let bigger = big.resize(5 * MIB).unwrap();
+        assert_eq!(
+            write(&*bigger, 3 * MIB - 512, &pattern[..1024]),
+            IoStatus::Ok
+        );
+        assert_eq!(
+            read(&*bigger, 3 * MIB - 512, 1024),
+            (IoStatus::Ok, pattern[..1024].to_vec())
+        );
+        assert_eq!(read(&*bigger, 5 * MIB - 512, 1024).0, IoStatus::OutOfRange);
+    }
+
+    #[test]
+    fn a_shrink_drops_the_tail_and_growing_again_shows_zeroes() {
+        const MIB: u64 = 1 << 20;
+        let d = RamDisk::new(4 * MIB, 512).unwrap();
+        assert_eq!(write(&d, 2 * MIB, &[7u8; 4096]), IoStatus::Ok);
+        assert_eq!(write(&d, MIB - 4096, &[5u8; 4096]), IoStatus::Ok);
+        let small = d.resize(MIB).unwrap();
+        assert_eq!(
+            read(&*small, MIB - 4096, 4096),
+            (IoStatus::Ok, vec![5; 4096])
+        );
+        assert_eq!(read(&*small, MIB, 512).0, IoStatus::OutOfRange);
+        let again = small.resize(6 * MIB).unwrap();
+        assert_eq!(read(&*again, 2 * MIB, 4096), (IoStatus::Ok, vec![0; 4096]));
+        assert_eq!(
+            read(&*again, MIB - 4096, 4096),
+            (IoStatus::Ok, vec![5; 4096])
+        );
+        assert_eq!(write(&*again, 6 * MIB - 4096, &[3u8; 4096]), IoStatus::Ok);
+        assert_eq!(
+            read(&*again, 6 * MIB - 4096, 4096),
+            (IoStatus::Ok, vec![3; 4096])
+        );
+        // A shrink below the second mapping drops it from the new handle.
+        let tiny = again.resize(512).unwrap();
+        assert_eq!(tiny.info().num_blocks, 1);
+        assert_eq!(read(&*tiny, 0, 512), (IoStatus::Ok, vec![0; 512]));
+        let huge = RamDisk::with_huge_pages(2 * MIB, 4096).unwrap();
+        assert_eq!(huge.resize(8 * MIB).unwrap().info().num_blocks, 2048);
     }
 
     #[test]

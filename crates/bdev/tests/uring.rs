@@ -439,7 +439,7 @@ fn auto_engine_is_io_uring_on_a_disk_filesystem() {
 }
 
 #[test]
-fn resize_grows_a_file_and_never_truncates_it() {
+fn resize_sets_the_file_length() {
     let dir = disk_dir();
     let p = make_file(&dir, "r.img", SIZE);
     let d = open(&p, false, false);
@@ -455,19 +455,41 @@ fn resize_grows_a_file_and_never_truncates_it() {
         run(ch.as_mut(), IoOp::Write, 4 * SIZE - 4096, &iov, false),
         IoStatus::Ok
     );
-    // A smaller namespace leaves the file as it is.
+    assert_eq!(
+        run(ch.as_mut(), IoOp::Write, SIZE - 4096, &iov, false),
+        IoStatus::Ok
+    );
+    // A shrink truncates the file: what lay past the new end is gone.
     let small = big.resize(SIZE).unwrap();
     assert_eq!(small.info().size_bytes(), SIZE);
-    assert_eq!(std::fs::metadata(&p).unwrap().len(), 4 * SIZE);
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), SIZE);
     let mut ch = small.channel().unwrap();
     assert_eq!(
         run(ch.as_mut(), IoOp::Read, 4 * SIZE - 4096, &iov, false),
         IoStatus::OutOfRange
     );
-    // Read-only files do not grow.
+    s.fill(0);
+    assert_eq!(
+        run(ch.as_mut(), IoOp::Read, SIZE - 4096, &iov, false),
+        IoStatus::Ok
+    );
+    let mut b = vec![0u8; 4096];
+    s.read_into(0, &mut b).unwrap();
+    assert_eq!(b, pattern(4096, 3), "data below the new end is kept");
+    let again = small.resize(2 * SIZE).unwrap();
+    let mut ch = again.channel().unwrap();
+    assert_eq!(
+        run(ch.as_mut(), IoOp::Read, 2 * SIZE - 4096, &iov, false),
+        IoStatus::Ok
+    );
+    s.read_into(0, &mut b).unwrap();
+    assert!(b.iter().all(|x| *x == 0), "grown again: zeroes");
+    // Read-only files keep their length: only the size they have is taken.
     let ro = open(&p, false, true);
     assert!(ro.resize(8 * SIZE).is_err());
-    assert!(ro.resize(2 * SIZE).is_ok());
+    assert!(ro.resize(SIZE).is_err());
+    assert_eq!(ro.resize(2 * SIZE).unwrap().info().size_bytes(), 2 * SIZE);
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), 2 * SIZE);
 }
 
 /// A disk opened with 4096-byte blocks on storage that takes 512-byte I/O can
@@ -530,6 +552,48 @@ fn block_device_alignment_is_its_sector_size() {
         bdev::FormatSupport::Exclusive {
             min_block_size: 4096
         }
+    );
+}
+
+/// A block device takes only the size it has: after the volume grows (here the
+/// loop device's file, then `losetup --set-capacity`), the disk can follow it.
+#[test]
+fn block_device_resizes_only_to_its_own_size() {
+    let dir = disk_dir();
+    let p = make_file(&dir, "grow.img", SIZE);
+    let Some(dev) = LoopDev::attach(&p, 512) else {
+        eprintln!("skipped: cannot attach a loop device (not root?)");
+        return;
+    };
+    let d = FileDisk::open(&dev.path, FileOptions::default()).unwrap();
+    assert_eq!(d.info().size_bytes(), SIZE);
+    let e = d
+        .resize(2 * SIZE)
+        .err()
+        .expect("a device does not grow from here");
+    assert!(e.to_string().contains("the block device has"), "{e}");
+    assert!(d.resize(SIZE / 2).is_err(), "nor shrink");
+    assert_eq!(d.resize(SIZE).unwrap().info().size_bytes(), SIZE);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(2 * SIZE)
+        .unwrap();
+    let ok = std::process::Command::new("losetup")
+        .arg("--set-capacity")
+        .arg(&dev.path)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "losetup --set-capacity");
+    let big = d.resize(2 * SIZE).unwrap();
+    assert_eq!(big.info().size_bytes(), 2 * SIZE);
+    let mut ch = big.channel().unwrap();
+    let mem = SharedMem::new("g", 4096).unwrap();
+    let iov = [mem.all()];
+    assert_eq!(
+        run(ch.as_mut(), IoOp::Write, 2 * SIZE - 4096, &iov, false),
+        IoStatus::Ok
     );
 }
 

@@ -449,15 +449,6 @@ impl Inner {
             }
             posted += 1;
         }
-        while q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
-            let (Some(ev), cid) = (st.events.pop_front(), st.aer.remove(0)) else {
-                break;
-            };
-            if !q.cq.post(&cq_ring, ev, q.sq.head, 0, cid, Status::SUCCESS) {
-                break;
-            }
-            posted += 1;
-        }
         while q.sq.head != tail as u16 && q.cq.free() > 0 {
             let Some(sqe) = Sqe::fetch(&sq_ring, q.sq.head) else {
                 self.shared.set_fatal("cannot read admin SQ entry");
@@ -488,6 +479,17 @@ impl Inner {
                 }
                 posted += 1;
             }
+        }
+        // After the commands: an Asynchronous Event Request fetched just now takes
+        // an event that was queued while none was outstanding.
+        while q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
+            let (Some(ev), cid) = (st.events.pop_front(), st.aer.remove(0)) else {
+                break;
+            };
+            if !q.cq.post(&cq_ring, ev, q.sq.head, 0, cid, Status::SUCCESS) {
+                break;
+            }
+            posted += 1;
         }
         if st.admin.is_some() {
             st.admin = Some(q);

@@ -58,7 +58,7 @@ use engine::{Engine, Placer, PollMode};
 use guest_mem::{DmaSpace, SharedMem};
 
 pub use identify::VENDOR_ID;
-pub use ns::NsError;
+pub use ns::{NsError, NsNotice};
 pub use status::{Nvme, Status};
 
 /// Smallest BAR0: registers, doorbells, MSI-X table, MSI-X PBA, a page each. 16 KiB
@@ -377,6 +377,22 @@ impl Controller {
     /// Namespace. Returns its backend.
     pub fn remove_namespace(&self, nsid: u32) -> Result<Arc<dyn BlockDevice>, NsError> {
         self.inner.remove_namespace(nsid)
+    }
+
+    /// Gives namespace `nsid` a size of `bytes` (a non-zero multiple of its current
+    /// LBA size) while I/O runs: `resize` makes the backend's new handle (for
+    /// example `|b| disk.resize(b)`); it is called with the controller's lock held,
+    /// after the checks, so no Format NVM starts in between. Queue groups switch to
+    /// the new handle (commands in flight finish on the old one), Identify reports
+    /// the new NSZE/NCAP/NUSE and the host is told with a Namespace Attribute
+    /// Changed event; the answer says how. Refused while a Format NVM erases it.
+    pub fn resize_namespace(
+        &self,
+        nsid: u32,
+        bytes: u64,
+        resize: impl FnOnce(u64) -> std::io::Result<Arc<dyn BlockDevice>>,
+    ) -> Result<NsNotice, NsError> {
+        self.inner.resize_namespace(nsid, bytes, resize)
     }
 
     /// Active namespaces as (nsid, backend).

@@ -9,14 +9,21 @@
 //! list and is polled until its requests complete; new commands for that NSID get
 //! Invalid Namespace. Then the host is told with a Namespace Attribute Changed event
 //! and the Changed Namespace List log page.
+//!
+//! A resize (docs/decisions/0018-online-resize.md) replaces the namespace's backend
+//! handle the same way: each group gets a channel on the new handle, the old one
+//! retires with the requests it holds, and commands from then on are checked
+//! against the new size (beyond it: LBA Out of Range).
 
 use std::sync::Arc;
 
-use bdev::BlockDevice;
+use bdev::{BlockDevice, BlockInfo};
 
 use crate::ctrl::{Inner, State};
 use crate::io::{NsChan, NsChange};
-pub(crate) use crate::ns::{check_block_size, Ns, NsError, AEC_NS_ATTR, EVENT_NS_CHANGED};
+pub(crate) use crate::ns::{
+    check_block_size, Ns, NsError, NsNotice, AEC_NS_ATTR, EVENT_NS_CHANGED,
+};
 
 /// Entries the Changed Namespace List holds before it reports "more than 1024".
 const CHANGED_LIST_MAX: usize = 1024;
@@ -80,6 +87,51 @@ impl Inner {
         Ok(dev)
     }
 
+    /// Gives namespace `nsid` `bytes` bytes: `resize` makes the backend's new handle
+    /// (called under the controller's lock after the checks, so no Format NVM can
+    /// start in between), every queue group switches to a channel on it, and the
+    /// host is told. The LBA size stays the one the host formatted.
+    pub(crate) fn resize_namespace(
+        &self,
+        nsid: u32,
+        bytes: u64,
+        resize: impl FnOnce(u64) -> std::io::Result<Arc<dyn BlockDevice>>,
+    ) -> Result<NsNotice, NsError> {
+        let i = self.ns_range(nsid)?;
+        let mut st = self.lock();
+        let Some(ns) = st.ns(nsid) else {
+            return Err(NsError::NotFound(nsid));
+        };
+        if ns.formatting || st.format.as_ref().is_some_and(|f| f.nsids.contains(&nsid)) {
+            return Err(NsError::Formatting(nsid));
+        }
+        let bs = ns.info.block_size;
+        if bytes == 0 || !bytes.is_multiple_of(u64::from(bs)) {
+            return Err(NsError::Size {
+                bytes,
+                block_size: bs,
+            });
+        }
+        let old = ns.info.clone();
+        let dev = resize(bytes).map_err(NsError::Backend)?;
+        check_block_size(dev.as_ref())?;
+        let ns = Ns {
+            info: BlockInfo {
+                num_blocks: dev.info().size_bytes() / u64::from(bs),
+                ..old
+            },
+            dev,
+            formatting: false,
+        };
+        let mut chans = Vec::new();
+        for _ in 0..st.groups.len() {
+            chans.push(NsChan::open(&ns).map_err(NsError::Channel)?);
+        }
+        st.ns[i] = Some(ns);
+        self.change_groups(&mut st, || chans.pop().map(|c| NsChange::Add(nsid, c)));
+        Ok(self.namespace_changed(&mut st, nsid))
+    }
+
     /// Takes every queue group off its reactor, applies the change, puts it back.
     pub(crate) fn change_groups(
         &self,
@@ -102,18 +154,23 @@ impl Inner {
 
     /// Records `nsid` in the Changed Namespace List and queues the event unless one
     /// is already waiting for the host to read the log (or the host disabled it).
-    pub(crate) fn namespace_changed(&self, st: &mut State, nsid: u32) {
+    pub(crate) fn namespace_changed(&self, st: &mut State, nsid: u32) -> NsNotice {
         if !st.regs.rdy {
-            return;
+            return NsNotice::NotReady;
         }
         st.changed_ns.insert(nsid);
-        if st.features.async_events & AEC_NS_ATTR != 0 && !st.ns_event_masked {
-            st.ns_event_masked = true;
-            st.events.push_back(EVENT_NS_CHANGED);
-            // Posted now if the host has an AER outstanding (its doorbells may come
-            // by message only when it sends something).
-            self.admin_poll(st);
+        if st.features.async_events & AEC_NS_ATTR == 0 {
+            return NsNotice::Disabled;
         }
+        if st.ns_event_masked {
+            return NsNotice::Pending;
+        }
+        st.ns_event_masked = true;
+        st.events.push_back(EVENT_NS_CHANGED);
+        // Posted now if the host has an AER outstanding (its doorbells may come by
+        // message only when it sends something).
+        self.admin_poll(st);
+        NsNotice::Event
     }
 
     /// Log page 04h; reading it without Retain Asynchronous Event clears the list

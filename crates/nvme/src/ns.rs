@@ -24,6 +24,29 @@ pub enum NsError {
     BlockSize(u32),
     #[error("cannot open an I/O channel on the backend: {0}")]
     Channel(std::io::Error),
+    #[error("a Format NVM is erasing namespace {0}; change its size when the format has ended")]
+    Formatting(u32),
+    #[error("size {bytes} is not a non-zero multiple of the namespace's LBA size {block_size}")]
+    Size { bytes: u64, block_size: u32 },
+    #[error("the backend cannot take the new size: {0}")]
+    Backend(std::io::Error),
+}
+
+/// What the host was told of a namespace change ([`crate::Controller::resize_namespace`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NsNotice {
+    /// A Namespace Attribute Changed event is posted (or queued for the host's next
+    /// Asynchronous Event Request); the NSID is in the Changed Namespace List.
+    Event,
+    /// An earlier event is not acknowledged yet: the host has still to read the
+    /// Changed Namespace List, which now lists this NSID too.
+    Pending,
+    /// The host did not enable Namespace Attribute Notices: it sees the change
+    /// when it identifies the namespace again.
+    Disabled,
+    /// The controller is not enabled (no host, or one that reset it): the host
+    /// identifies the namespaces when it enables it.
+    NotReady,
 }
 
 /// An active namespace: its backend and what the host sees of it.

@@ -65,6 +65,25 @@ impl BackendSet {
             .collect()
     }
 
+    /// Namespace `nsid` of `socket` (a whole backend: slices keep their size) now
+    /// has `bytes` bytes: its range for overlap checks follows, and its opened
+    /// device is no longer handed to new namespaces (they open the backend anew,
+    /// at its new size).
+    pub fn resized(&mut self, socket: &Path, nsid: u32, bytes: u64) {
+        let mut keys = Vec::new();
+        for u in self
+            .uses
+            .iter_mut()
+            .filter(|u| u.owner.0 == socket && u.owner.1 == nsid)
+        {
+            u.range = (u.range.0, bytes);
+            keys.push(u.open_key.clone());
+        }
+        for k in keys {
+            self.opened.remove(&k);
+        }
+    }
+
     /// Forgets every namespace of `socket`.
     pub fn release_all(&mut self, socket: &Path) {
         let ids: Vec<u32> = self

@@ -14,6 +14,7 @@ use bdev::{BlockDevice, QosDisk};
 
 use crate::config::ControllerConfig;
 use crate::nsspec::NsSpec;
+use crate::resize::{ResizeError, ResizeRequest, Resized};
 
 /// PCI identity of udrive's NVMe function; the vendor ID is the one Identify
 /// Controller reports (a placeholder until the project registers IDs).
@@ -346,6 +347,93 @@ impl crate::frontend::FrontEnd for NvmeDevice {
             );
         }
         Ok(())
+    }
+    fn resize(&mut self, nsid: Option<u32>, req: &ResizeRequest) -> Result<Resized, ResizeError> {
+        use bdev::BlockDevice;
+        let Some(nsid) = nsid else {
+            return Err(anyhow::anyhow!(
+                "give the nsid of the namespace of NVMe controller {} to resize",
+                self.socket.display()
+            )
+            .into());
+        };
+        let Some(ns) = self.namespaces.get(&nsid) else {
+            return Err(anyhow::anyhow!(
+                "controller {} has no namespace {nsid} (namespaces: {})",
+                self.socket.display(),
+                self.namespace_specs().join(", ")
+            )
+            .into());
+        };
+        let who = format!(
+            "namespace {nsid} ({}) of {}",
+            ns.spec,
+            self.socket.display()
+        );
+        // The host addresses it in its current LBA size (Format NVM may have
+        // changed it); the backend's size is what grows or shrinks.
+        let block_size = self
+            .ctrl
+            .namespace_info(nsid)
+            .map_or(ns.qos.info().block_size, |i| i.block_size);
+        let old_bytes = ns.qos.info().size_bytes();
+        crate::resize::check(&who, &ns.spec, old_bytes, block_size, req)?;
+        if req.bytes == old_bytes {
+            return Ok(crate::resize::unchanged(old_bytes, block_size));
+        }
+        let mut made = None;
+        let notice = self
+            .ctrl
+            .resize_namespace(nsid, req.bytes, |b| {
+                let q = Arc::new(ns.qos.resized(b)?);
+                made = Some(q.clone());
+                Ok(q)
+            })
+            .map_err(|e| match e {
+                nvme::NsError::Size { bytes, block_size } => ResizeError::BadSize {
+                    who: who.clone(),
+                    bytes,
+                    block_size,
+                },
+                // Only the channels come after the backend's resize.
+                e @ nvme::NsError::Channel(_) => anyhow::Error::new(e)
+                    .context(format!(
+                        "{who}: the backend has the new size, the namespace keeps the old one"
+                    ))
+                    .into(),
+                e => anyhow::Error::new(e).context(who.clone()).into(),
+            })?;
+        let spec = ns.spec.resized(req.bytes);
+        if let (Some(qos), Some(ns)) = (made, self.namespaces.get_mut(&nsid)) {
+            ns.qos = qos;
+            ns.spec = spec;
+        }
+        let (notified, notice) = match notice {
+            nvme::NsNotice::Event => (
+                true,
+                "Namespace Attribute Changed event sent; the host reads the Changed Namespace List",
+            ),
+            nvme::NsNotice::Pending => (
+                true,
+                "added to the Changed Namespace List of the event the host has not acknowledged yet",
+            ),
+            nvme::NsNotice::Disabled => (
+                false,
+                "the host did not enable Namespace Attribute Notices: it sees the new size when it \
+                 identifies the namespace again (e.g. nvme ns-rescan)",
+            ),
+            nvme::NsNotice::NotReady => (
+                false,
+                "the controller is not enabled: the host sees the new size when it identifies the namespace",
+            ),
+        };
+        Ok(Resized {
+            old_bytes,
+            new_bytes: req.bytes,
+            block_size,
+            notified,
+            notice: notice.into(),
+        })
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self

@@ -29,6 +29,15 @@ pub trait FrontEnd: Traced + Send {
     fn qos(&self, nsid: Option<u32>) -> Result<&bdev::QosDisk>;
     /// How its queues wait for work, applied while they run.
     fn set_poll_mode(&mut self, mode: engine::PollMode) -> Result<()>;
+    /// Gives disk `nsid` (`None`: the device's only disk) a new size while the
+    /// guest uses it (decision 0018): `crate::resize::check`, the backend's resized
+    /// handle through the disk's QoS wrapper, the queues switched to it, the guest
+    /// told, and the configuration (`json`) updated.
+    fn resize(
+        &mut self,
+        nsid: Option<u32>,
+        req: &crate::resize::ResizeRequest,
+    ) -> std::result::Result<crate::resize::Resized, crate::resize::ResizeError>;
 
     /// The concrete device, for what one kind alone has: `as_nvme_mut` (in
     /// `device.rs`) and `as_vhost`/`as_vhost_mut` (in `vhost_device.rs`) downcast

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod nsspec;
 #[cfg(feature = "tools")]
 pub mod perf;
+pub mod resize;
 pub mod rpc;
 pub mod serde_str;
 pub mod serve;

@@ -184,6 +184,18 @@ impl std::str::FromStr for NsSpec {
     }
 }
 
+impl NsSpec {
+    /// The spec of this disk after an online resize to `bytes` (`ram:1G` becomes
+    /// `ram:2G`; a file's spec stays: its size is the file's).
+    pub fn resized(&self, bytes: u64) -> NsSpec {
+        let mut s = self.clone();
+        if let Some(k) = self.kind.0.resized(bytes) {
+            s.kind = NsKind(k);
+        }
+        s
+    }
+}
+
 impl std::fmt::Display for NsSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let Some(short) = self.kind.0.canonical() else {
@@ -240,6 +252,9 @@ mod tests {
         let s: NsSpec = "null:8G,bs=4096".parse().unwrap();
         assert_eq!(s.block_size, Some(4096));
         assert_eq!(s.to_string(), "null:8G,bs=4096");
+        assert_eq!(s.resized(12 << 30).to_string(), "null:12G,bs=4096");
+        let h: NsSpec = "ram:1G,hugepages=on".parse().unwrap();
+        assert_eq!(h.resized(1536 << 20).to_string(), "ram:1536M,hugepages=on");
         let s: NsSpec = "file:/x/y.img,offset=1G,size=2G,direct=off,ro,iops=5000,bw=100M"
             .parse()
             .unwrap();
@@ -253,6 +268,7 @@ mod tests {
         assert_eq!(s.qos.bw_bytes, Some(100 << 20));
         let s: NsSpec = "file:/x/y.img,engine=inline".parse().unwrap();
         assert!(format!("{:?}", s.kind).contains("engine: Inline"));
+        assert_eq!(s.resized(1 << 30), s, "a file's spec has no size");
         let e = "ram:1G,ro".parse::<NsSpec>().unwrap_err();
         assert!(e.contains("unknown option `ro` for ram"), "{e}");
         let e = "disk:1G".parse::<NsSpec>().unwrap_err();

@@ -332,6 +332,34 @@ impl Server {
         f(d.qos(nsid)?)
     }
 
+    /// Gives disk `nsid` of the device on `socket` (NVMe: a namespace;
+    /// vhost-user-blk: its disk, `nsid` absent or 1) a new size while the guest
+    /// uses it (decision 0018).
+    pub fn resize(
+        &self,
+        socket: &Path,
+        nsid: Option<u32>,
+        req: crate::resize::ResizeRequest,
+    ) -> Result<crate::resize::Resized, crate::resize::ResizeError> {
+        let mut st = self.lock();
+        let Some(at) = st.position(socket) else {
+            return Err(st.not_found(socket).into());
+        };
+        let r = st.devices[at].resize(nsid, &req)?;
+        let sock = st.devices[at].socket().to_path_buf();
+        st.backends.resized(&sock, nsid.unwrap_or(1), r.new_bytes);
+        tracing::info!(
+            socket = %sock.display(),
+            nsid = nsid.unwrap_or(1),
+            old_bytes = r.old_bytes,
+            new_bytes = r.new_bytes,
+            notified = r.notified,
+            "disk resized: {}",
+            r.notice
+        );
+        Ok(r)
+    }
+
     /// How the queues of the vhost-user-blk device on `socket` wait for work
     /// (`busy`, `adaptive`, `event`), applied while they run.
     pub fn set_poll_mode(&self, socket: &Path, mode: engine::PollMode) -> Result<()> {

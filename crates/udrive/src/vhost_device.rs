@@ -127,6 +127,8 @@ impl crate::frontend::FrontEnd for VhostBlkDevice {
                 "poll": v.cfg.poll.as_str(),
                 "read_only": v.cfg.disk.read_only,
             },
+            // What the config space reports (a resize changes it).
+            "size_bytes": v.dev.capacity_bytes(),
             "qos": crate::json::qos_json(v.disk.limits()),
             "state": {
                 "poll_mode": v.dev.poll_mode().as_str(),
@@ -164,6 +166,73 @@ impl crate::frontend::FrontEnd for VhostBlkDevice {
         self.dev.set_poll_mode(mode);
         self.cfg.poll = mode;
         Ok(())
+    }
+    fn resize(
+        &mut self,
+        nsid: Option<u32>,
+        req: &crate::resize::ResizeRequest,
+    ) -> std::result::Result<crate::resize::Resized, crate::resize::ResizeError> {
+        use bdev::BlockDevice;
+        use vhost_user_blk::ConfigNotice;
+        if nsid.is_some_and(|n| n != 1) {
+            return Err(anyhow::anyhow!(
+                "{} is a vhost-user-blk device: its one disk is nsid 1 (or leave nsid out)",
+                self.cfg.socket.display()
+            )
+            .into());
+        }
+        let who = format!(
+            "the disk ({}) of {}",
+            self.cfg.disk,
+            self.cfg.socket.display()
+        );
+        let info = self.disk.info().clone();
+        let old_bytes = info.size_bytes();
+        crate::resize::check(&who, &self.cfg.disk, old_bytes, info.block_size, req)?;
+        if req.bytes == old_bytes {
+            return Ok(crate::resize::unchanged(old_bytes, info.block_size));
+        }
+        let disk = Arc::new(
+            self.disk
+                .resized(req.bytes)
+                .map_err(|e| anyhow::Error::new(e).context(who.clone()))?,
+        );
+        let notice = self.dev.resize(disk.clone()).map_err(|e| {
+            anyhow::Error::new(e).context(format!(
+                "{who}: the backend has the new size, the device keeps the old one"
+            ))
+        })?;
+        self.disk = disk;
+        self.cfg.disk = self.cfg.disk.resized(req.bytes);
+        let (notified, notice) = match notice {
+            ConfigNotice::Sent => (
+                true,
+                "configuration change sent to the front end (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG)"
+                    .to_string(),
+            ),
+            ConfigNotice::NoFrontEnd => (
+                false,
+                "no front end is connected: the next one reads the new capacity".into(),
+            ),
+            ConfigNotice::NotNegotiated => (
+                false,
+                "the front end was not notified: it did not negotiate VHOST_USER_PROTOCOL_F_CONFIG \
+                 and F_BACKEND_REQ (or gave no channel); it sees the new capacity when it reads \
+                 the config space again"
+                    .into(),
+            ),
+            ConfigNotice::Failed(e) => (
+                false,
+                format!("the front end was not notified: sending the configuration change failed: {e}"),
+            ),
+        };
+        Ok(crate::resize::Resized {
+            old_bytes,
+            new_bytes: req.bytes,
+            block_size: info.block_size,
+            notified,
+            notice,
+        })
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self

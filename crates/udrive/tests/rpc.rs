@@ -240,6 +240,7 @@ fn every_method_over_the_socket() {
         "nvme_remove_namespace",
         "set_qos",
         "clear_qos",
+        "resize",
         "set_placement",
         "set_poll_mode",
         "vhost_user_blk_add",

@@ -40,6 +40,12 @@ pub(crate) struct Conn {
     /// Exit eventfds whose ownership vhost-user-backend took and dropped (see
     /// `exit_event`).
     exit_consumers: Mutex<Vec<RawFd>>,
+    /// Protocol features the front end acknowledged (SET_PROTOCOL_FEATURES, seen by
+    /// the relay).
+    pub protocol: AtomicU64,
+    /// The backend request channel (SET_BACKEND_REQ_FD, answered by the relay):
+    /// where a configuration change is announced.
+    pub backend_req: Mutex<Option<UnixStream>>,
 }
 
 impl Drop for Conn {
@@ -72,7 +78,42 @@ impl Conn {
             front: Mutex::new(None),
             log,
             exit_consumers: Mutex::new(Vec::new()),
+            protocol: AtomicU64::new(0),
+            backend_req: Mutex::new(None),
         })
+    }
+
+    /// Tells the front end that the config space changed
+    /// (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG on the backend request channel); it
+    /// then reads the config again (QEMU: GET_CONFIG, then a config interrupt to
+    /// the guest). Needs CONFIG and BACKEND_REQ negotiated and the channel handed
+    /// over. No reply is asked for, so a front end that does not read its end
+    /// cannot hold the caller: the write is bounded by a timeout.
+    pub fn config_changed(&self) -> ConfigNotice {
+        let need = VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::BACKEND_REQ;
+        let acked =
+            VhostUserProtocolFeatures::from_bits_truncate(self.protocol.load(Ordering::Acquire));
+        if !acked.contains(need) {
+            return ConfigNotice::NotNegotiated;
+        }
+        let mut slot = self.backend_req.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(s) = slot.as_ref() else {
+            return ConfigNotice::NotNegotiated;
+        };
+        let mut msg = [0u8; 12];
+        msg[0..4].copy_from_slice(&BACKEND_CONFIG_CHANGE_MSG.to_le_bytes());
+        msg[4..8].copy_from_slice(&1u32.to_le_bytes()); // version 1, no reply asked
+        let sent = s
+            .set_write_timeout(Some(Duration::from_secs(1)))
+            .and_then(|()| std::io::Write::write_all(&mut &*s, &msg));
+        match sent {
+            Ok(()) => ConfigNotice::Sent,
+            Err(e) => {
+                // The channel is of no further use.
+                *slot = None;
+                ConfigNotice::Failed(e.to_string())
+            }
+        }
     }
 
     /// Ends the connection (the relay sees the socket shut down and the daemon
@@ -89,6 +130,27 @@ impl Conn {
     }
 }
 
+/// VHOST_USER_BACKEND_CONFIG_CHANGE_MSG (SLAVE_CONFIG_CHANGE_MSG before QEMU 8.1).
+const BACKEND_CONFIG_CHANGE_MSG: u32 = 2;
+
+/// What the front end was told of a new capacity ([`crate::VhostUserBlk::resize`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConfigNotice {
+    /// The configuration change message went out on the backend request channel.
+    Sent,
+    /// No front end is connected: the next one reads the new capacity.
+    NoFrontEnd,
+    /// The front end did not negotiate CONFIG and BACKEND_REQ (or gave no
+    /// channel): it sees the new capacity when it reads the config space again
+    /// (QEMU on reconnect; the guest after a reset, if the VMM re-reads it).
+    NotNegotiated,
+    /// Writing to the channel failed (the front end closed its end).
+    Failed(String),
+}
+
+/// A disk handle waiting for a queue's poller ([`QueueCtl::next_disk`]).
+pub(crate) type NextDisk = (Box<dyn bdev::IoChannel>, bdev::BlockInfo);
+
 /// Per-queue state shared between the vhost-user threads and the queue's poller.
 pub(crate) struct QueueCtl {
     /// The connection the poller should serve; bumping `gen` tells it to look.
@@ -101,6 +163,11 @@ pub(crate) struct QueueCtl {
     /// Wakes the reactor that polls this queue; replaced when the queue moves to
     /// another reactor (`set_placement`). Read by the kick thread with one load.
     pub waker: ArcSwap<Waker>,
+    /// A channel on the disk's resized handle for the poller to take (an online
+    /// resize); bumping `disk_gen` tells it to look. Until it has taken it the
+    /// poller takes no new chains; it switches once nothing is in flight.
+    pub next_disk: Mutex<Option<NextDisk>>,
+    pub disk_gen: AtomicU64,
 }
 
 impl QueueCtl {
@@ -125,6 +192,8 @@ impl QueueCtl {
 pub(crate) struct Shared {
     pub cfg: Arc<BlkConfig>,
     pub queues: Vec<QueueCtl>,
+    /// The connected front end, if any (to announce a config change).
+    pub front: Mutex<Option<Arc<Conn>>>,
     /// The device's poll mode ([`PollMode`] as `u8`); pollers read it when their
     /// reactor asks how long to spin, so changing it takes no lock anywhere.
     pub poll: engine::AtomicPollMode,
@@ -188,6 +257,9 @@ impl VhostUserBackend for BlkBackend {
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             // Answered by `proxy` in front of vhost-user-backend's handler.
             | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            // SET_BACKEND_REQ_FD is answered by `proxy` too: vhost-user-backend's
+            // `Backend` cannot send the config change message (vhost 0.18).
+            | VhostUserProtocolFeatures::BACKEND_REQ
     }
 
     fn set_event_idx(&self, _enabled: bool) {

@@ -16,7 +16,7 @@ use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use virtio_blk::{BlkConfig, DeviceOptions, QueueWorker};
 
-use crate::backend::{BlkBackend, Conn, QueueCtl, Shared};
+use crate::backend::{BlkBackend, ConfigNotice, Conn, QueueCtl, Shared};
 use crate::poller::VirtqPoller;
 
 /// How a device is set up.
@@ -46,6 +46,9 @@ pub struct VhostUserBlk {
 /// How long a disconnect waits for in-flight requests before letting a new front
 /// end in.
 const DISCONNECT_DRAIN: Duration = Duration::from_secs(30);
+
+/// How long a resize waits for the queues to switch to the new disk handle.
+const SWITCH_LIMIT: Duration = Duration::from_secs(10);
 
 impl VhostUserBlk {
     /// Listens on `socket` and serves `disk`; queue `i` is polled by reactor
@@ -77,11 +80,14 @@ impl VhostUserBlk {
                 in_flight: AtomicUsize::new(0),
                 stops: AtomicU64::new(0),
                 waker: ArcSwap::from_pointee(waker),
+                next_disk: Mutex::new(None),
+                disk_gen: AtomicU64::new(0),
             });
         }
         let shared = Arc::new(Shared {
             cfg,
             queues,
+            front: Mutex::new(None),
             poll: engine::AtomicPollMode::new(opts.poll),
             log: Arc::new(trace::LogLimiter::new()),
         });
@@ -201,6 +207,64 @@ impl VhostUserBlk {
         Ok(())
     }
 
+    /// Serves `disk`, a resized handle of the device's disk (the same data at
+    /// another size, same block size), while the front end runs
+    /// (docs/decisions/0018-online-resize.md): each queue's poller switches to a
+    /// channel on it once nothing is in flight on the old one (taking no new chain
+    /// meanwhile), then the config space reports the new capacity and the front
+    /// end is told (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG). The answer says whether
+    /// it was. Fails, changing nothing, if a channel cannot be opened or the block
+    /// size differs.
+    pub fn resize(&self, disk: Arc<dyn BlockDevice>) -> io::Result<ConfigNotice> {
+        let info = disk.info().clone();
+        if info.block_size != self.shared.cfg.info.block_size {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "the resized disk has {}-byte blocks, the device {}",
+                    info.block_size, self.shared.cfg.info.block_size
+                ),
+            ));
+        }
+        let mut chans = Vec::with_capacity(self.shared.queues.len());
+        for _ in &self.shared.queues {
+            chans.push(disk.channel()?);
+        }
+        for (q, chan) in self.shared.queues.iter().zip(chans) {
+            *lock(&q.next_disk) = Some((chan, info.clone()));
+            q.disk_gen.fetch_add(1, Ordering::AcqRel);
+            q.waker.load().wake();
+        }
+        let switched = engine::wait_until(SWITCH_LIMIT, Duration::from_micros(200), || {
+            let mut all = true;
+            for q in &self.shared.queues {
+                if lock(&q.next_disk).is_some() {
+                    all = false;
+                    q.waker.load().wake();
+                }
+            }
+            all
+        });
+        if !switched {
+            // They take no new chain until they switch: no request sees the old size.
+            tracing::warn!(
+                socket = %self.socket.display(),
+                "queues still finishing requests on the old disk after {SWITCH_LIMIT:?}; they switch when those complete"
+            );
+        }
+        self.shared.cfg.set_capacity(info.size_bytes());
+        let front = lock(&self.shared.front).clone();
+        Ok(match front {
+            Some(conn) => conn.config_changed(),
+            None => ConfigNotice::NoFrontEnd,
+        })
+    }
+
+    /// The capacity the config space reports, in bytes.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.shared.cfg.capacity_bytes()
+    }
+
     /// The reactor of each virtqueue's poller, in queue order.
     pub fn queue_reactors(&self) -> Vec<usize> {
         self.pollers.iter().map(|p| p.reactor).collect()
@@ -310,6 +374,7 @@ fn serve(
             }
         };
         *lock(&conn.front) = front.try_clone().ok();
+        *lock(&shared.front) = Some(conn.clone());
         // vhost-user-backend's handler sits behind our relay (see proxy.rs), reached
         // over a private socket.
         let relay = match inner_pair().and_then(|(mut inner, back, dir)| {
@@ -341,6 +406,7 @@ fn serve(
             trace::limited!(shared.log, info, socket = %socket.display(), error = ?e, "vhost-user connection ended with an error");
         }
         *lock(handle) = None;
+        *lock(&shared.front) = None;
         let _ = relay.join();
         // Requests taken from this connection's rings finish (their memory stays
         // mapped while they do) before the pollers let go of the vrings.

@@ -16,6 +16,7 @@ mod poller;
 mod proxy;
 mod stats;
 
+pub use backend::ConfigNotice;
 pub use device::{BlkDeviceOptions, VhostUserBlk};
 pub use engine::PollMode;
 pub use virtio_blk::{DeviceOptions, DISK_NSID};

@@ -28,6 +28,8 @@ pub(crate) struct VirtqPoller {
     recover: bool,
     /// The current connection's memory faulted and it is being disconnected.
     faulted: bool,
+    /// `QueueCtl::disk_gen` of the disk handle the worker uses.
+    disk_gen: u64,
 }
 
 impl VirtqPoller {
@@ -43,7 +45,42 @@ impl VirtqPoller {
             stops: 0,
             recover: true,
             faulted: false,
+            disk_gen: 0,
         }
+    }
+
+    /// Whether the worker serves the newest disk handle (an online resize hands a
+    /// new one over): it switches once nothing is in flight on the old one; until
+    /// then no new chain is taken, so none is checked against the old size.
+    #[inline]
+    fn disk_current(&mut self) -> bool {
+        let gen = self.shared.queues[self.index]
+            .disk_gen
+            .load(Ordering::Acquire);
+        gen == self.disk_gen || self.take_disk(gen)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn take_disk(&mut self, gen: u64) -> bool {
+        if self.worker.in_flight() != 0 {
+            return false;
+        }
+        let ctl = &self.shared.queues[self.index];
+        let next = ctl
+            .next_disk
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some((chan, info)) = next {
+            if let Err(chan) = self.worker.set_disk(chan, info.clone()) {
+                // Cannot happen with nothing in flight; keep it for the next poll.
+                *ctl.next_disk.lock().unwrap_or_else(|e| e.into_inner()) = Some((chan, info));
+                return false;
+            }
+        }
+        self.disk_gen = gen;
+        true
     }
 
     /// Picks up a new connection (or its loss) once nothing is in flight on the old one.
@@ -102,6 +139,7 @@ impl VirtqPoller {
 impl Poller for VirtqPoller {
     fn poll(&mut self) -> usize {
         self.refresh();
+        let disk_current = self.disk_current();
         let Some((conn, vring)) = &self.conn else {
             // Still answer stats readers and pick up trace start/stop.
             self.worker.finish_poll(|| false);
@@ -140,7 +178,7 @@ impl Poller for VirtqPoller {
             self.quiet = false;
             self.recover = true;
         }
-        let pop = current && st.get_queue().ready() && st.is_enabled();
+        let pop = current && disk_current && st.get_queue().ready() && st.is_enabled();
         if pop && self.recover && self.worker.in_flight() == 0 {
             // SET_INFLIGHT_FD comes before the rings are started, so the log of
             // this start is in place now.
@@ -203,7 +241,9 @@ impl Poller for VirtqPoller {
             return false;
         }
         let ctl = &self.shared.queues[self.index];
-        if ctl.gen.load(Ordering::Acquire) != self.gen {
+        if ctl.gen.load(Ordering::Acquire) != self.gen
+            || ctl.disk_gen.load(Ordering::Acquire) != self.disk_gen
+        {
             return false;
         }
         let Some((_, vring)) = &self.conn else {

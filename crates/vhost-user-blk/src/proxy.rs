@@ -1,7 +1,10 @@
 //! A message relay between the front end and vhost-user-backend's handler that
-//! answers GET_INFLIGHT_FD and SET_INFLIGHT_FD itself.
+//! answers GET_INFLIGHT_FD, SET_INFLIGHT_FD and SET_BACKEND_REQ_FD itself, and
+//! notes the protocol features the front end acknowledges.
 //!
-//! Why: vhost-user-backend 0.24 replies "not supported" to both, and its handler
+//! Why: vhost-user-backend 0.24 replies "not supported" to the inflight messages,
+//! and the backend request channel it keeps (vhost 0.18's `Backend`) has no way to
+//! send the configuration change message an online resize needs. Its handler
 //! type is crate-private (neither constructible nor wrappable), so the only ways to
 //! add them are forking the crate, reimplementing its whole handler, or standing in
 //! front of it. Relaying keeps every other message on the crate's code; it costs a
@@ -27,6 +30,8 @@ const HDR: usize = 12;
 const MAX_BODY: usize = 64 * 1024;
 const MAX_FDS: usize = 32;
 const SET_MEM_TABLE: u32 = 5;
+const SET_PROTOCOL_FEATURES: u32 = 16;
+const SET_BACKEND_REQ_FD: u32 = 21;
 const GET_INFLIGHT_FD: u32 = 31;
 const ADD_MEM_REG: u32 = 37;
 const SET_INFLIGHT_FD: u32 = 32;
@@ -244,6 +249,31 @@ fn handle(msg: Msg, front: &Mutex<UnixStream>, conn: &Conn) -> io::Result<Option
             }
             Ok(None)
         }
+        SET_PROTOCOL_FEATURES => {
+            // Relayed; the handler checks them against what we offer. Only bits we
+            // offer count for us too.
+            if let Some(b) = msg.body.get(0..8) {
+                let v = u64::from_le_bytes(b.try_into().unwrap_or_default());
+                conn.protocol.store(v, std::sync::atomic::Ordering::Release);
+            }
+            Ok(Some(msg))
+        }
+        SET_BACKEND_REQ_FD => {
+            let res = backend_channel(&msg, conn);
+            if let Err(e) = &res {
+                trace::limited!(conn.log, warn, error = %e, "SET_BACKEND_REQ_FD refused; a resize will not be announced to this front end");
+            }
+            if msg.flags() & F_NEED_REPLY != 0 {
+                let v: u64 = if res.is_ok() { 0 } else { 1 };
+                send(
+                    front,
+                    &reply_hdr(SET_BACKEND_REQ_FD, 8),
+                    &v.to_le_bytes(),
+                    &[],
+                )?;
+            }
+            Ok(None)
+        }
         SET_MEM_TABLE | ADD_MEM_REG => match check_mem_files(&msg) {
             Ok(()) => Ok(Some(msg)),
             Err(e) => {
@@ -260,6 +290,26 @@ fn handle(msg: Msg, front: &Mutex<UnixStream>, conn: &Conn) -> io::Result<Option
         },
         _ => Ok(Some(msg)),
     }
+}
+
+/// Keeps the backend request channel the front end hands over: a socket, after
+/// BACKEND_REQ was negotiated. Anything else (a pipe, a file) is refused: we would
+/// write into it.
+fn backend_channel(msg: &Msg, conn: &Conn) -> io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let acked = conn.protocol.load(std::sync::atomic::Ordering::Acquire);
+    if acked & vhost::vhost_user::message::VhostUserProtocolFeatures::BACKEND_REQ.bits() == 0 {
+        return Err(bad("BACKEND_REQ was not negotiated"));
+    }
+    let [f] = msg.files.as_slice() else {
+        return Err(bad("SET_BACKEND_REQ_FD needs exactly one file descriptor"));
+    };
+    if !f.metadata()?.file_type().is_socket() {
+        return Err(bad("the backend request channel is not a socket"));
+    }
+    let s = UnixStream::from(std::os::fd::OwnedFd::from(f.try_clone()?));
+    *conn.backend_req.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
+    Ok(())
 }
 
 /// A memory region descriptor: guest address, size, user address, mmap offset.

@@ -1,4 +1,4 @@
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bdev::BlockInfo;
 use virtio_bindings::virtio_blk as vb;
@@ -55,11 +55,17 @@ impl Default for DeviceOptions {
 /// backend work bounded.
 pub const MAX_DISCARD_SECTORS: u32 = 1 << 21;
 
-/// The device's fixed facts plus the one guest-writable field (write cache enable).
+/// The device's facts, the one guest-writable field (write cache enable) and its
+/// capacity, which an online resize changes (docs/decisions/0018-online-resize.md).
 #[derive(Debug)]
 pub struct BlkConfig {
     pub opts: DeviceOptions,
+    /// The disk's facts when the device started. Its size is the capacity at
+    /// start: the config space shows [`BlkConfig::capacity_bytes`], and each queue
+    /// checks requests against the disk it serves now (`QueueWorker::set_disk`).
     pub info: BlockInfo,
+    /// Capacity in bytes, as the config space reports it.
+    capacity: AtomicU64,
     /// Offered feature bits.
     pub features: u64,
     /// `writeback` config field: 1 while the guest lets us cache writes.
@@ -111,6 +117,7 @@ impl BlkConfig {
         let writeback = AtomicBool::new(info.write_cache);
         BlkConfig {
             opts,
+            capacity: AtomicU64::new(info.size_bytes()),
             info,
             features: f,
             writeback,
@@ -119,7 +126,13 @@ impl BlkConfig {
     }
 
     pub fn capacity_bytes(&self) -> u64 {
-        self.info.size_bytes()
+        self.capacity.load(Ordering::Acquire)
+    }
+
+    /// The capacity the config space reports from now on (after the queues serve
+    /// a disk of that size; the transport then tells the driver the config changed).
+    pub fn set_capacity(&self, bytes: u64) {
+        self.capacity.store(bytes, Ordering::Release);
     }
 
     /// Whether completed writes may still sit in a volatile cache.
@@ -220,6 +233,9 @@ mod tests {
         assert!(c.write(0, &[0; 8]).is_err());
         assert_eq!(c.read(100, 4), vec![0; 4]);
         assert_eq!(c.read(58, 4), vec![0; 4]);
+        c.set_capacity(3 << 20);
+        let b = c.read(0, 8);
+        assert_eq!(u64::from_le_bytes(b[..8].try_into().unwrap()), 6144);
 
         let nc = BlkConfig::new(DeviceOptions::default(), info(false));
         assert_eq!(nc.features & (features::FLUSH | features::CONFIG_WCE), 0);

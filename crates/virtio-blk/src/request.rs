@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use bdev::{IoOp, IoStatus};
+use bdev::{BlockInfo, IoOp, IoStatus};
 use frontend_core::{Disk, Protocol, Refusal};
 use guest_mem::DmaSlice;
 use trace::{OpClass, Stamps};
@@ -118,13 +118,14 @@ impl Slot {
     }
 }
 
-/// Reads the chain with head `head` (its descriptors in `chain`) into `slot`. `segs`
-/// is scratch space whose capacity bounds the number of descriptors accepted.
+/// Reads the chain with head `head` (its descriptors in `chain`) into `slot`,
+/// checking it against the disk `info` the queue serves. `segs` is scratch space
+/// whose capacity bounds the number of descriptors accepted.
 pub(crate) fn parse(
     head: u16,
     chain: impl Iterator<Item = Descriptor>,
     mem: &Arc<Mem>,
-    cfg: &BlkConfig,
+    (cfg, info): (&BlkConfig, &BlockInfo),
     segs: &mut Vec<Seg>,
     slot: &mut Slot,
 ) {
@@ -211,11 +212,11 @@ pub(crate) fn parse(
         vb::VIRTIO_BLK_T_IN => {
             let len = collect(segs, true, 0, writable_data, &mut slot.data);
             slot.used_len = u32::try_from(len + 1).unwrap_or(u32::MAX);
-            rw(cfg, slot, IoOp::Read, sector, len)
+            rw((cfg, info), slot, IoOp::Read, sector, len)
         }
         vb::VIRTIO_BLK_T_OUT => {
             let len = collect(segs, false, HEADER as u64, readable_data, &mut slot.data);
-            rw(cfg, slot, IoOp::Write, sector, len)
+            rw((cfg, info), slot, IoOp::Write, sector, len)
         }
         vb::VIRTIO_BLK_T_FLUSH => {
             if cfg.features & features::FLUSH == 0 {
@@ -238,9 +239,9 @@ pub(crate) fn parse(
                 S_IOERR
             }
         }
-        vb::VIRTIO_BLK_T_DISCARD => range_op(cfg, segs, slot, readable_data, IoOp::Discard),
+        vb::VIRTIO_BLK_T_DISCARD => range_op((cfg, info), segs, slot, readable_data, IoOp::Discard),
         vb::VIRTIO_BLK_T_WRITE_ZEROES => {
-            range_op(cfg, segs, slot, readable_data, IoOp::WriteZeroes)
+            range_op((cfg, info), segs, slot, readable_data, IoOp::WriteZeroes)
         }
         _ => S_UNSUPP,
     };
@@ -256,27 +257,30 @@ fn submit(slot: &mut Slot) {
     slot.outcome = Outcome::Submit;
 }
 
+/// The device's config and the disk its queue serves now.
+type Facts<'a> = (&'a BlkConfig, &'a BlockInfo);
+
 /// The disk under the front-end core's policy (range, read-only, FUA).
-fn disk(cfg: &BlkConfig) -> Disk<'_> {
+fn disk<'a>((cfg, info): Facts<'a>) -> Disk<'a> {
     Disk {
-        info: &cfg.info,
+        info,
         cache_on: cfg.writeback(),
     }
 }
 
 /// Checks an IN/OUT request; on success marks the slot for submission.
-fn rw(cfg: &BlkConfig, slot: &mut Slot, op: IoOp, sector: u64, len: u64) -> u8 {
+fn rw(f: Facts<'_>, slot: &mut Slot, op: IoOp, sector: u64, len: u64) -> u8 {
     slot.outcome = Outcome::Finish(S_IOERR);
     // With the guest's write cache off, every write must be durable on completion.
-    let fua = disk(cfg).fua(op, false);
-    queue_range(cfg, slot, op, sector, len, fua)
+    let fua = disk(f).fua(op, false);
+    queue_range(f, slot, op, sector, len, fua)
 }
 
 /// Checks the operation against a read-only disk and the sector range (whole blocks
 /// inside the disk), and marks the slot for submission; an empty range completes
 /// at once.
-fn queue_range(cfg: &BlkConfig, slot: &mut Slot, op: IoOp, sector: u64, len: u64, fua: bool) -> u8 {
-    let d = disk(cfg);
+fn queue_range(f: Facts<'_>, slot: &mut Slot, op: IoOp, sector: u64, len: u64, fua: bool) -> u8 {
+    let d = disk(f);
     let range = match d.allows(op).and_then(|()| d.units(sector, SECTOR, len)) {
         Ok(r) => r,
         Err(e) => return VirtioBlk::refused(e),
@@ -292,7 +296,8 @@ fn queue_range(cfg: &BlkConfig, slot: &mut Slot, op: IoOp, sector: u64, len: u64
     S_OK
 }
 
-fn range_op(cfg: &BlkConfig, segs: &[Seg], slot: &mut Slot, readable: u64, op: IoOp) -> u8 {
+fn range_op(f: Facts<'_>, segs: &[Seg], slot: &mut Slot, readable: u64, op: IoOp) -> u8 {
+    let cfg = f.0;
     slot.outcome = Outcome::Finish(S_IOERR);
     let (feature, allowed_flags) = match op {
         IoOp::Discard => (features::DISCARD, 0),
@@ -318,7 +323,7 @@ fn range_op(cfg: &BlkConfig, segs: &[Seg], slot: &mut Slot, readable: u64, op: I
     if num > MAX_DISCARD_SECTORS {
         return S_IOERR;
     }
-    queue_range(cfg, slot, op, sector, u64::from(num) * SECTOR, false)
+    queue_range(f, slot, op, sector, u64::from(num) * SECTOR, false)
 }
 
 fn total(segs: &[Seg], writable: bool) -> u64 {

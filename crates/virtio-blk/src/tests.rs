@@ -712,3 +712,54 @@ fn traced_requests_have_layers_that_add_up() {
         assert_eq!(l.layers[3].1.max, 0);
     }
 }
+
+/// An online resize: the queue switches to the resized handle and checks requests
+/// against the new end; the data below stays.
+#[test]
+fn set_disk_moves_the_end() {
+    let mut g = guest();
+    let disk = RamDisk::new(DISK, 512).unwrap();
+    let (chan, info) = (disk.channel().unwrap(), disk.info().clone());
+    assert!(g.worker.set_disk(chan, info).is_ok());
+    let end = DISK / 512;
+    g.mem
+        .write_slice(&[0x3cu8; 4096], GuestAddress(DATA))
+        .unwrap();
+    assert_eq!(
+        g.request(vb::VIRTIO_BLK_T_OUT, end - 8, Some((4096, R))).0,
+        OK
+    );
+    assert_eq!(
+        g.request(vb::VIRTIO_BLK_T_OUT, end, Some((4096, R))).0,
+        IOERR
+    );
+    let big = disk.resize(2 * DISK).unwrap();
+    assert!(g
+        .worker
+        .set_disk(big.channel().unwrap(), big.info().clone())
+        .is_ok());
+    assert_eq!(g.worker.disk_bytes(), 2 * DISK);
+    assert_eq!(g.request(vb::VIRTIO_BLK_T_OUT, end, Some((4096, R))).0, OK);
+    g.mem.write_slice(&[0u8; 4096], GuestAddress(DATA)).unwrap();
+    assert_eq!(
+        g.request(vb::VIRTIO_BLK_T_IN, end - 8, Some((4096, W))).0,
+        OK
+    );
+    let mut back = vec![0u8; 4096];
+    g.mem.read_slice(&mut back, GuestAddress(DATA)).unwrap();
+    assert_eq!(back, vec![0x3c; 4096]);
+    assert_eq!(
+        g.request(vb::VIRTIO_BLK_T_IN, 2 * end - 7, Some((4096, W)))
+            .0,
+        IOERR
+    );
+    let small = big.resize(DISK / 2).unwrap();
+    assert!(g
+        .worker
+        .set_disk(small.channel().unwrap(), small.info().clone())
+        .is_ok());
+    assert_eq!(
+        g.request(vb::VIRTIO_BLK_T_IN, end / 2, Some((512, W))).0,
+        IOERR
+    );
+}

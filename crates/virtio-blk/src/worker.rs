@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bdev::{IoChannel, IoOp, IoRequest, IoStatus};
+use bdev::{BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
 use frontend_core::{Protocol, QueueCore};
 use trace::{Mailbox, TraceControl};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -55,6 +55,8 @@ pub struct WorkerStats {
 
 pub struct QueueWorker {
     cfg: Arc<BlkConfig>,
+    /// The disk `chan` is on: requests are checked against its size.
+    info: BlockInfo,
     chan: Box<dyn IoChannel>,
     slots: Vec<Slot>,
     free: Vec<u16>,
@@ -99,6 +101,7 @@ impl QueueWorker {
             ready: Vec::with_capacity(n),
             done: Vec::with_capacity(n),
             segs: Vec::with_capacity(max_segs),
+            info: cfg.info.clone(),
             cfg,
             chan,
             broken: None,
@@ -140,7 +143,28 @@ impl QueueWorker {
         self.rec.end_poll(inflight, signal);
     }
 
-    /// Requests handed to the backend and not yet completed.
+    /// Switches to another handle of the disk (an online resize: the same data at
+    /// another size, `info`), whose requests are checked against the new size from
+    /// the next chain on. Only with nothing in flight, so no completion is owed by
+    /// the old channel; otherwise the channel is handed back.
+    pub fn set_disk(
+        &mut self,
+        chan: Box<dyn IoChannel>,
+        info: BlockInfo,
+    ) -> Result<(), Box<dyn IoChannel>> {
+        if self.in_flight() != 0 {
+            return Err(chan);
+        }
+        self.chan = chan;
+        self.info = info;
+        Ok(())
+    }
+
+    /// The size requests are checked against now.
+    pub fn disk_bytes(&self) -> u64 {
+        self.info.size_bytes()
+    }
+
     /// Before the reactor sleeps with requests in flight: whether the backend will
     /// wake it on completion ([`Worker::notifier`]); `false`: keep polling.
     pub fn arm_notifier(&mut self) -> bool {
@@ -152,6 +176,7 @@ impl QueueWorker {
         self.chan.notifier()
     }
 
+    /// Requests handed to the backend and not yet completed.
     pub fn in_flight(&self) -> usize {
         self.slots.len() - self.free.len()
     }
@@ -203,7 +228,14 @@ impl QueueWorker {
             let Some(idx) = self.free.pop() else { break };
             let slot = &mut self.slots[usize::from(idx)];
             let walk = ChainWalk::new(mem, table, size, head);
-            parse(head, walk, mem, &self.cfg, &mut self.segs, slot);
+            parse(
+                head,
+                walk,
+                mem,
+                (&self.cfg, &self.info),
+                &mut self.segs,
+                slot,
+            );
             self.ready.push(idx);
         }
         if n > 0 {
@@ -344,7 +376,14 @@ impl QueueWorker {
                 log.take(head, self.counter);
                 self.counter += 1;
             }
-            parse(head, chain, mem, &self.cfg, &mut self.segs, slot);
+            parse(
+                head,
+                chain,
+                mem,
+                (&self.cfg, &self.info),
+                &mut self.segs,
+                slot,
+            );
             slot.stamps.kick = self.rec.sample(kick);
             self.ready.push(idx);
             p.work += 1;

@@ -243,9 +243,11 @@ impl BlockDevice for FileDisk {
             self.inline,
         )?))
     }
-    /// A regular file grows to `bytes` if it is shorter (never truncated: a smaller
-    /// namespace leaves the data beyond it in place); a block device must already be
-    /// that large (grow the volume first, then the namespace).
+    /// A regular file is set to `bytes` (`set_len`: it grows, or is truncated,
+    /// which drops the data past the new end; a read-only one only takes the size
+    /// it has). A block device cannot change its size from here: it takes only the
+    /// size the device has now (grow the volume first, e.g. `lvextend`, then the
+    /// disk).
     fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
         let info = self.info.resized(bytes)?;
         let path = &self.path;
@@ -259,19 +261,17 @@ impl BlockDevice for FileDisk {
                 .map_err(|e| err(path, e.kind(), e))?
                 .len()
         };
-        if bytes > have {
+        if bytes != have {
             if self.blkdev || self.info.read_only {
+                let what = if self.blkdev {
+                    "the block device has"
+                } else {
+                    "the read-only file has"
+                };
                 return Err(err(
                     path,
                     io::ErrorKind::InvalidInput,
-                    format!(
-                        "{bytes} bytes asked, the {} has {have}",
-                        if self.blkdev {
-                            "device"
-                        } else {
-                            "read-only file"
-                        }
-                    ),
+                    format!("{bytes} bytes asked, {what} {have} and keeps that size"),
                 ));
             }
             self.file

@@ -105,9 +105,10 @@ pub(crate) enum NsChange {
 struct NsTable {
     /// Active namespaces by `nsid - 1`.
     live: Vec<Option<NsChan>>,
-    /// Removed namespaces whose channels still have requests in flight: polled until
-    /// those complete, then dropped. New commands never reach them.
-    retiring: Vec<NsChan>,
+    /// Channels of removed (or replaced: resized) namespaces that still have
+    /// requests in flight, by NSID: polled until those complete, then dropped. New
+    /// commands never reach them.
+    retiring: Vec<(u32, NsChan)>,
 }
 
 impl NsTable {
@@ -128,11 +129,14 @@ impl NsTable {
         self.live
             .iter_mut()
             .flatten()
-            .chain(self.retiring.iter_mut())
+            .chain(self.retiring.iter_mut().map(|(_, c)| c))
     }
 
     fn all(&self) -> impl Iterator<Item = &NsChan> {
-        self.live.iter().flatten().chain(self.retiring.iter())
+        self.live
+            .iter()
+            .flatten()
+            .chain(self.retiring.iter().map(|(_, c)| c))
     }
 
     /// Requests the group's channels take now (back-pressure): the least of them.
@@ -153,13 +157,13 @@ impl NsTable {
 
     fn drop_retired(&mut self) {
         if !self.retiring.is_empty() {
-            self.retiring.retain(|c| c.inflight > 0);
+            self.retiring.retain(|(_, c)| c.inflight > 0);
         }
     }
 
-    fn retire(&mut self, c: NsChan) {
+    fn retire(&mut self, nsid: u32, c: NsChan) {
         if c.inflight > 0 {
-            self.retiring.push(c);
+            self.retiring.push((nsid, c));
         }
     }
 
@@ -170,14 +174,15 @@ impl NsTable {
                 if self.live.len() <= i {
                     self.live.resize_with(i + 1, || None);
                 }
+                // A replaced channel (the namespace was resized) finishes what it holds.
                 if let Some(old) = self.live[i].replace(chan) {
-                    self.retire(old);
+                    self.retire(nsid, old);
                 }
             }
             NsChange::Remove(nsid) => {
                 let i = (nsid as usize).wrapping_sub(1);
                 if let Some(old) = self.live.get_mut(i).and_then(Option::take) {
-                    self.retire(old);
+                    self.retire(nsid, old);
                 }
                 while self.live.last().is_some_and(Option::is_none) {
                     self.live.pop();
@@ -259,9 +264,15 @@ impl QueueGroup {
         self.ns.apply(change);
     }
 
-    /// Whether this group's channel on namespace `nsid` has requests in flight.
+    /// Whether this group has requests in flight on namespace `nsid` (on its
+    /// channel, or on one it replaced when the namespace was resized).
     pub fn ns_busy(&self, nsid: u32) -> bool {
         self.ns.get(nsid).is_some_and(|c| c.inflight > 0)
+            || self
+                .ns
+                .retiring
+                .iter()
+                .any(|(id, c)| *id == nsid && c.inflight > 0)
     }
 
     /// Detaches SQ `qid` after letting its in-flight commands finish.

@@ -45,7 +45,7 @@ pub static RAM: Memory = Memory {
     },
 };
 
-#[derive(Debug)]
+#[derive(Clone, Copy, Debug)]
 struct MemorySpec {
     name: &'static str,
     size: u64,
@@ -99,5 +99,11 @@ impl KindSpec for MemorySpec {
     }
     fn open(&self, block_size: Option<u32>, _read_only: bool) -> Result<Arc<dyn BlockDevice>> {
         (self.open)(self.size, block_size.unwrap_or(512), self.huge)
+    }
+    fn resized(&self, bytes: u64) -> Option<Arc<dyn KindSpec>> {
+        Some(Arc::new(MemorySpec {
+            size: bytes,
+            ..*self
+        }))
     }
 }

@@ -71,6 +71,13 @@ pub trait KindSpec: Debug + Send + Sync {
     fn backing(&self) -> Result<Option<Backing>>;
     /// Opens the device with the namespace's block size (None: the kind's default).
     fn open(&self, block_size: Option<u32>, read_only: bool) -> Result<Arc<dyn BlockDevice>>;
+    /// The spec after an online resize to `bytes`, when the size is part of it
+    /// (`ram:SIZE`); `None`: the spec stays (the size is the backend's own, e.g. a
+    /// file's length).
+    fn resized(&self, bytes: u64) -> Option<Arc<dyn KindSpec>> {
+        let _ = bytes;
+        None
+    }
 }
 
 /// A parsed kind in a namespace spec; two are equal when they write back the same.

@@ -87,6 +87,11 @@ pub fn register_all(r: &mut Registry) {
         },
     );
     r.register(
+        "resize",
+        "change the size of an NVMe namespace or vhost-user-blk disk while in use (the guest is told; shrinking needs \"shrink\": true)",
+        resize,
+    );
+    r.register(
         "set_placement",
         "queue placement of a device: NVMe round-robin or single (queues created afterwards); vhost-user-blk also dedicated (moves its queues now)",
         |rpc, p| {
@@ -153,7 +158,7 @@ struct SetPlacement {
     placement: engine::Placement,
 }
 
-/// A rate: a number, or a string with a K/M/G suffix ("100M").
+/// A rate or a size: a number, or a string with a K/M/G suffix ("100M").
 #[derive(Deserialize)]
 #[serde(untagged)]
 pub(super) enum Rate {
@@ -225,6 +230,46 @@ fn set_qos(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
             Ok(crate::json::qos_json(l))
         })
         .map_err(RpcError::from)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Resize {
+    socket: PathBuf,
+    /// NVMe: the namespace; vhost-user-blk: absent (or 1).
+    nsid: Option<u32>,
+    size: Rate,
+    #[serde(default)]
+    shrink: bool,
+}
+
+fn resize(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    use crate::resize::{ResizeError, ResizeRequest};
+    let a: Resize = parse_params(p)?;
+    let bytes = match &a.size {
+        Rate::N(n) => *n,
+        Rate::S(s) => {
+            crate::size::parse_size(s).map_err(|e| RpcError::params(format!("size: {e}")))?
+        }
+    };
+    if bytes == 0 {
+        return Err(RpcError::params("size must be above 0"));
+    }
+    let req = ResizeRequest {
+        bytes,
+        shrink: a.shrink,
+    };
+    match rpc.server.resize(&a.socket, a.nsid, req) {
+        Ok(r) => Ok(json!({
+            "old_size_bytes": r.old_bytes,
+            "size_bytes": r.new_bytes,
+            "block_size": r.block_size,
+            "notified": r.notified,
+            "notice": r.notice,
+        })),
+        Err(e @ ResizeError::BadSize { .. }) => Err(RpcError::params(e.to_string())),
+        Err(e) => Err(RpcError::new(super::SERVER_ERROR, e.to_string())),
+    }
 }
 
 pub(super) fn device_json_by_socket(

@@ -100,8 +100,19 @@ impl Raw {
         resume: Option<(u16, u16)>,
         log: Option<&std::fs::File>,
     ) -> Raw {
+        Self::connect_features(sock, mem, resume, log, VhostUserProtocolFeatures::CONFIG)
+    }
+
+    /// As `connect_log`, negotiating the protocol features `want_pf` (plus
+    /// INFLIGHT_SHMFD with `log`).
+    pub fn connect_features(
+        sock: &Path,
+        mem: impl Into<GuestRam>,
+        resume: Option<(u16, u16)>,
+        log: Option<&std::fs::File>,
+        mut want_pf: VhostUserProtocolFeatures,
+    ) -> Raw {
         let mem = mem.into();
-        let mut want_pf = VhostUserProtocolFeatures::CONFIG;
         if log.is_some() {
             want_pf |= VhostUserProtocolFeatures::INFLIGHT_SHMFD;
         }
