@@ -227,9 +227,11 @@ impl Serve {
     }
 
     #[track_caller]
-    fn ok(&self, method: &str, params: Value) -> Value {
-        self.call(method, params)
-            .unwrap_or_else(|e| panic!("{method}: {e}"))
+    fn ok(&mut self, method: &str, params: Value) -> Value {
+        match self.call(method, params) {
+            Ok(v) => v,
+            Err(e) => panic!("{method}: {e} (server: {:?})", self.child.try_wait()),
+        }
     }
 
     #[track_caller]
@@ -262,7 +264,7 @@ impl Drop for Serve {
 }
 
 #[test]
-fn snapshots_rollback_and_clones_over_rpc() {
+fn snapshots_rollback_clones_and_online_resize_over_rpc() {
     if !common::ceph::available() {
         return;
     }
@@ -353,10 +355,38 @@ fn snapshots_rollback_and_clones_over_rpc() {
     )["nsid"]
         .as_u64()
         .unwrap() as u32;
-    let d = NvmeDriver::connect(&sock, opts()).unwrap();
+    let mut d = NvmeDriver::connect(&sock, opts()).unwrap();
+    d.enable_ns_events().unwrap();
     let mut qp = d.create_qpair(8, false).unwrap();
     let buf = qp.alloc_buf(4096).unwrap();
     assert_eq!(read_ns(&mut qp, &buf, ns, 64), v1);
+
+    // Online resize: the image grows, the host is told, the new space works.
+    let r = s.ok("resize", json!({"socket": sock, "nsid": ns, "size": "24M"}));
+    assert_eq!(r["notified"], true, "{r}");
+    let ev = d.wait_event(T).unwrap();
+    assert!(ev.is_namespace_change(), "{ev:?}");
+    assert!(d.rescan_namespaces().unwrap().contains(&ns));
+    let n = d.namespace(ns).unwrap();
+    assert_eq!(n.nsze * u64::from(n.lba_size), 24 * MIB);
+    let info = c.rbd(&["info", "--format", "json", "rbd/gold"]);
+    assert!(info.contains(&format!("\"size\":{}", 24 * MIB)), "{info}");
+    let last = 24 * MIB / 512 - 8;
+    write_ns(&mut qp, &buf, ns, last, &v2);
+    assert_eq!(read_ns(&mut qp, &buf, ns, last), v2);
+    assert_eq!(read_ns(&mut qp, &buf, ns, 64), v1);
+    // Shrinking needs the flag; with it the image shrinks too.
+    s.err(
+        "resize",
+        json!({"socket": sock, "nsid": ns, "size": "8M"}),
+        "shrink",
+    );
+    s.ok(
+        "resize",
+        json!({"socket": sock, "nsid": ns, "size": "8M", "shrink": true}),
+    );
+    let info = c.rbd(&["info", "--format", "json", "rbd/gold"]);
+    assert!(info.contains(&format!("\"size\":{}", 8 * MIB)), "{info}");
     drop(qp);
     drop(d);
     s.stop();

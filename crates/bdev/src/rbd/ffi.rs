@@ -28,6 +28,13 @@ type rbd_image_t = *mut c_void;
 type rbd_completion_t = *mut c_void;
 type rbd_image_options_t = *mut c_void;
 type rbd_callback_t = extern "C" fn(rbd_completion_t, *mut c_void);
+type librbd_progress_fn_t = extern "C" fn(u64, u64, *mut c_void) -> c_int;
+
+/// librbd calls a resize's progress function unconditionally (a null one crashes
+/// it); we have no progress to show.
+extern "C" fn no_progress(_offset: u64, _total: u64, _arg: *mut c_void) -> c_int {
+    0
+}
 
 #[repr(C)]
 struct rbd_snap_info_t {
@@ -82,7 +89,7 @@ extern "C" {
         image: rbd_image_t,
         size: u64,
         allow_shrink: bool,
-        cb: *const c_void,
+        cb: librbd_progress_fn_t,
         cbdata: *mut c_void,
     ) -> c_int;
     fn rbd_lock_acquire(image: rbd_image_t, mode: c_int) -> c_int;
@@ -438,9 +445,9 @@ impl Image {
     }
 
     pub fn resize(&self, size: u64, allow_shrink: bool) -> io::Result<()> {
-        // SAFETY: live image; no progress callback.
+        // SAFETY: live image; `no_progress` matches librbd_progress_fn_t.
         let ret =
-            unsafe { rbd_resize2(self.raw, size, allow_shrink, ptr::null(), ptr::null_mut()) };
+            unsafe { rbd_resize2(self.raw, size, allow_shrink, no_progress, ptr::null_mut()) };
         check(ret, || format!("cannot resize the image to {size} bytes"))
     }
 
