@@ -13,6 +13,9 @@
 #   UDRIVE-RESULT name=NAME status=PASS|FAIL detail=TEXT
 # Other markers: UDRIVE-BOOT phase=N, UDRIVE-DONE phase=N, and
 #   UDRIVE-RESIZE nsid=N bytes=B shrink=0|1   asks the host to resize (the `resize` RPC)
+#   UDRIVE-RBD-CLONE                           asks the host to clone rbd/gold@base and
+#                                              hot-add it as namespace 3 (udrive.rbd=1)
+#   UDRIVE-RBD-DATA off=O len=L sha256=S       the host checks the image with rbd export
 
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin
 mount -t proc proc /proc
@@ -316,6 +319,47 @@ t_resize_shrink() {
     [ "$got" = 0 ] || { DETAIL="$DETAIL; $got bytes read past the new end"; return 1; }
     DETAIL="$DETAIL; data below the new end intact, nothing readable past it"
 }
+# Ceph RBD (udrive.rbd=1 on the command line): namespace 3 is a clone of a
+# protected snapshot the host hot-adds on request; the guest reads the gold data,
+# writes, and has the host grow it.
+RBD_DEV=/dev/nvme0n3
+blk_bytes() { echo $(($(cat /sys/block/$1/size) * 512)); }
+t_rbd_clone() {
+    echo "UDRIVE-RBD-CLONE" >&4
+    i=0
+    while [ ! -b $RBD_DEV ]; do
+        i=$((i + 1))
+        [ $i -gt 600 ] && { DETAIL="no $RBD_DEV 60 s after asking; dmesg: $(dmesg | grep -i nvme | tail -n 2)"; return 1; }
+        sleep 0.1
+    done
+    want=$(yes UDRIVE-RBD-GOLD | head -c $MIB | sha256sum | cut -d' ' -f1)
+    got=$(dd if=$RBD_DEV bs=1M count=1 iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)
+    DETAIL="$RBD_DEV after $((i / 10)).$((i % 10)) s, $(($(blk_bytes nvme0n3) / MIB)) MiB; first MiB sha256 $(short "$got")... (gold $(short "$want")...)"
+    [ "$got" = "$want" ]
+}
+t_rbd_write() {
+    dd if=/dev/urandom of=/tmp/rbdw bs=1M count=1 2>/dev/null
+    dd if=/tmp/rbdw of=$RBD_DEV bs=1M seek=2 oflag=direct 2>&1 || return 1
+    dd if=$RBD_DEV of=/tmp/rbdr bs=1M skip=2 count=1 iflag=direct 2>&1 || return 1
+    cmp /tmp/rbdw /tmp/rbdr || { DETAIL="1 MiB at 2 MiB does not read back"; return 1; }
+    sum=$(sha256sum </tmp/rbdw | cut -d' ' -f1)
+    echo "UDRIVE-RBD-DATA off=$((2 * MIB)) len=$MIB sha256=$sum" >&4
+    DETAIL="1 MiB at 2 MiB written and read back, sha256 $(short "$sum")..."
+}
+t_rbd_resize() {
+    old=$(blk_bytes nvme0n3)
+    new=$((old + 64 * MIB))
+    echo "UDRIVE-RESIZE nsid=3 bytes=$new shrink=0" >&4
+    i=0
+    while [ "$(blk_bytes nvme0n3)" != $new ]; do
+        i=$((i + 1))
+        [ $i -gt 600 ] && { DETAIL="size stayed $(($(blk_bytes nvme0n3) / MIB)) MiB, want $((new / MIB))"; return 1; }
+        sleep 0.1
+    done
+    dd if=$RBD_DEV of=/tmp/rbdr bs=1M skip=2 count=1 iflag=direct 2>&1 || return 1
+    cmp /tmp/rbdw /tmp/rbdr || { DETAIL="data changed by the resize"; return 1; }
+    DETAIL="$((old / MIB)) -> $((new / MIB)) MiB after $((i / 10)).$((i % 10)) s, data intact"
+}
 t_size_after_reboot() {
     want=$(echo "$MAGIC" | sed -n 's/.*size=\([0-9]*\).*/\1/p')
     DETAIL="size before the reboot $((${want:-0} / MIB)) MiB, now $(($(ns_bytes) / MIB)) MiB"
@@ -372,6 +416,11 @@ if [ $PHASE = 1 ]; then
     run nvme-format t_format
     run resize-grow t_resize_grow
     run resize-shrink t_resize_shrink
+    if grep -q 'udrive\.rbd=1' /proc/cmdline; then
+        run rbd-clone-hot-added t_rbd_clone
+        run rbd-clone-write t_rbd_write
+        run rbd-clone-resize t_rbd_resize
+    fi
     run write-before-reboot t_write_persist
     run dmesg-clean t_dmesg_clean
     finish 1 reboot

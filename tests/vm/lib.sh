@@ -55,6 +55,8 @@ vm_cleanup() {
     set +e
     [ -n "$QEMU_PID" ] && kill -KILL "$QEMU_PID" 2>/dev/null && wait "$QEMU_PID" 2>/dev/null
     [ -n "$SERVER_PID" ] && kill -KILL "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
+    # A Ceph cluster the run started (tests/vm/run.sh, UDRIVE_VM_RBD=1).
+    [ -n "${VM_CEPH_DIR:-}" ] && "$root/scripts/ceph-cluster" stop "$VM_CEPH_DIR" --purge >/dev/null 2>&1
     # QEMU's bind mounts live in its own mount namespace and vanish with it;
     # this only catches a namespace-less leftover.
     mountpoint -q "$VM_CHROOT$IN_CHROOT" 2>/dev/null && umount -l "$VM_CHROOT$IN_CHROOT"

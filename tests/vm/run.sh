@@ -24,6 +24,9 @@ IDLE_SECS=${UDRIVE_VM_IDLE_SECS:-4}
 # udrive (default) or qemu-nvme: QEMU's own emulated NVMe instead of udrive, to
 # check the harness and guest script themselves (udrive-specific checks then fail).
 DEVICE=${UDRIVE_VM_DEVICE:-udrive}
+# 1: also a throwaway Ceph cluster; the guest has the host clone a protected RBD
+# snapshot and hot-add the clone as namespace 3, writes it and resizes it (issue 13).
+RBD=${UDRIVE_VM_RBD:-0}
 
 TAG=vm-test
 # shellcheck source=tests/vm/lib.sh
@@ -57,6 +60,24 @@ start_udrive() {
     wait_socket "$TMP/nvme.sock" "$SERVER_PID" "$TMP/udrive.log" "udrive serve"
 }
 
+# ------------------------------------------------------------ Ceph
+# A cluster in TMP (stopped by vm_cleanup) with image rbd/gold: 64 MiB whose first
+# MiB is `yes UDRIVE-RBD-GOLD`, snapshot @base protected for cloning.
+start_ceph() {
+    # shellcheck source=scripts/ensure-ceph.sh
+    source "$root/scripts/ensure-ceph.sh"
+    VM_CEPH_DIR=$TMP/ceph
+    "$root/scripts/ceph-cluster" start "$VM_CEPH_DIR" >"$TMP/ceph.log" 2>&1 ||
+        { tail -n 20 "$TMP/ceph.log"; die "cannot start a Ceph cluster (log above)"; }
+    CEPH_CONF=$VM_CEPH_DIR/ceph.conf
+    yes UDRIVE-RBD-GOLD | head -c $((1 << 20)) >"$TMP/gold.bin" || true
+    truncate -s 64M "$TMP/gold.bin"
+    rbd --conf "$CEPH_CONF" import --no-progress "$TMP/gold.bin" rbd/gold
+    rbd --conf "$CEPH_CONF" snap create rbd/gold@base
+    rbd --conf "$CEPH_CONF" snap protect rbd/gold@base
+    say "ceph: $(tail -n 2 "$TMP/ceph.log" | head -n 1 | cut -c1-120); rbd/gold@base protected"
+}
+
 # ------------------------------------------------------------ QEMU in the chroot
 start_qemu() {
     local mem=1G d=$IN_CHROOT
@@ -67,7 +88,7 @@ start_qemu() {
         -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
         -serial "file:$d/console.log"
         -kernel "$d/vmlinuz" -initrd "$d/initramfs.cpio"
-        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.idle=$IDLE_SECS"
+        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.idle=$IDLE_SECS udrive.rbd=$RBD"
     )
     if [ "$DEVICE" = qemu-nvme ]; then
         truncate -s "${NS#*:}" "$TMP/disk.img"
@@ -100,6 +121,7 @@ if [ "$DEVICE" = udrive ]; then
     build_udrive
 fi
 phase "guest run (2 boots)"
+if [ "$DEVICE" = udrive ] && [ "$RBD" = 1 ]; then start_ceph; fi
 if [ "$DEVICE" = udrive ]; then start_udrive; else say "self-test: QEMU's emulated NVMe, no udrive"; fi
 start_qemu
 IDLE_T0= IDLE_TICKS0= IDLE_RESULT=
@@ -135,9 +157,36 @@ resize_hook() {
         host_result "resize-rpc-$RESIZES" FAIL "namespace $nsid to $bytes bytes (shrink $shrink): $(tr '\n' ' ' <<<"$out" | cut -c1-240)"
     fi
 }
+# On UDRIVE-RBD-CLONE: clone rbd/gold@base and hot-add it as namespace 3 (RPC);
+# on UDRIVE-RBD-DATA: what the guest wrote must be in the image (`rbd export`).
+rpc() { "$UDRIVE" rpc --rpc "$TMP/rpc.sock" "$@" 2>&1; }
+rbd_hook() {
+    local out re='^UDRIVE-RBD-DATA off=([0-9]+) len=([0-9]+) sha256=([0-9a-f]+)'
+    case ${1:-} in
+    UDRIVE-RBD-CLONE*)
+        if out=$(rpc rbd_clone_image "{\"image\":\"rbd/gold\",\"snap\":\"base\",\"clone\":\"rbd/vmclone\",\"conf\":\"$CEPH_CONF\"}") &&
+            out=$(rpc nvme_add_namespace "{\"socket\":\"$TMP/nvme.sock\",\"nsid\":3,\"spec\":\"rbd:rbd/vmclone,conf=$CEPH_CONF\"}"); then
+            host_result rbd-clone-rpc PASS "rbd/gold@base cloned into rbd/vmclone, hot-added: $(tr -d ' \n' <<<"$out")"
+        else
+            host_result rbd-clone-rpc FAIL "$(tr '\n' ' ' <<<"$out" | cut -c1-240)"
+        fi ;;
+    UDRIVE-RBD-DATA*)
+        [[ $1 =~ $re ]] || return 0
+        local got
+        got=$(rbd --conf "$CEPH_CONF" export --no-progress rbd/vmclone - 2>/dev/null |
+            tail -c +$((BASH_REMATCH[1] + 1)) | head -c "${BASH_REMATCH[2]}" | sha256sum | cut -d' ' -f1) || true
+        if [ "$got" = "${BASH_REMATCH[3]}" ]; then
+            host_result rbd-export PASS "the guest's ${BASH_REMATCH[2]} bytes at ${BASH_REMATCH[1]} are in rbd/vmclone (rbd export sha256 ${got:0:16}...)"
+        else
+            host_result rbd-export FAIL "rbd export sha256 ${got:0:16}..., the guest wrote ${BASH_REMATCH[3]:0:16}..."
+        fi ;;
+    esac
+}
 guest_hook() {
     idle_hook "$@"
     resize_hook "$@"
+    [ "$RBD" = 1 ] && rbd_hook "$@"
+    return 0
 }
 watch_guest "$TMP/console.log" "$TIMEOUT" guest_hook
 [ "$DEVICE" = udrive ] && stop_udrive
