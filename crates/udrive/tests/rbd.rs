@@ -560,3 +560,47 @@ fn cluster_configuration_errors_are_clear() {
     let dev = TestDev::start("rbdnew", &[&rbd_ns(&c, "fresh", ",create=4M")]);
     assert_eq!(ns_bytes(&dev.connect()), 4 * MIB);
 }
+
+/// librados/librbd start their threads while udrive opens the image; they inherit
+/// a CPU mask without the reactors' CPUs. Also: an image in a RADOS namespace.
+#[test]
+fn librbd_threads_stay_off_the_reactor_cpu() {
+    if !common::ceph::available() {
+        return;
+    }
+    if engine::allowed_cpus().len() < 2 {
+        return; // one CPU: nothing to keep apart
+    }
+    let c = Cluster::start();
+    c.rbd(&["namespace", "create", "rbd/tenant"]);
+    c.rbd(&["create", "--size", "8M", "rbd/tenant/img"]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("aff.sock");
+    let spec = format!("rbd:rbd/tenant/img,conf={}", c.conf().display());
+    let mut s = Serve::spawn(&["--vfio-user", sock.to_str().unwrap(), "--ns", &spec]);
+    s.wait_socket(&sock);
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", s.child.id())).unwrap();
+    let mut librbd = 0;
+    for t in tasks.flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        let cpus = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .map(|l| l.trim().to_string())
+            .unwrap_or_default();
+        let comm = comm.trim();
+        let allowed = engine::parse_cpu_list(&cpus).unwrap();
+        if comm.starts_with("reactor") {
+            assert_eq!(allowed, [0], "{comm}");
+        } else if !["udrive", "nvme-admin", "vfu-hub", "rpc-accept"].contains(&comm) {
+            librbd += 1;
+            assert!(
+                !allowed.contains(&0),
+                "{comm} may run on the reactor's CPU 0: {cpus}"
+            );
+        }
+    }
+    assert!(librbd >= 5, "only {librbd} librados/librbd threads found");
+    s.stop();
+}
