@@ -273,7 +273,7 @@ mod tests {
         assert!(e.contains("unknown option `ro` for ram"), "{e}");
         let e = "disk:1G".parse::<NsSpec>().unwrap_err();
         assert!(
-            e.contains("unknown kind `disk` (known: null, ram, file)"),
+            e.contains("unknown kind `disk` (known: null, ram, file"),
             "{e}"
         );
         let s: NsSpec = "ram:1M,fault_lbas=8-15,fault_rate=0.25,fault_ops=read,fault_latency_us=50"
