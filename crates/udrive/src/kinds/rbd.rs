@@ -16,7 +16,6 @@ use bdev::rbd::{ClusterOptions, ImageSpec, RbdDisk, RbdOptions, DEFAULT_TIMEOUT}
 use bdev::BlockDevice;
 
 use super::{BackendKind, Backing, KindSpec};
-use crate::size::parse_size;
 
 pub struct Rbd;
 
@@ -48,11 +47,10 @@ fn thread_cpus() -> Vec<usize> {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .clone();
-    let rest: Vec<usize> = engine::allowed_cpus()
+    engine::allowed_cpus()
         .into_iter()
         .filter(|c| !reactors.contains(c))
-        .collect();
-    rest
+        .collect()
 }
 
 impl BackendKind for Rbd {
@@ -97,11 +95,8 @@ impl BackendKind for Rbd {
                 "keyring" => spec.keyring = nonempty(k, v)?,
                 "snap" => spec.snap = nonempty(k, v)?,
                 "create" => {
-                    let size = parse_size(v)?;
-                    if size == 0 || size % 512 != 0 {
-                        return Err("create= needs a non-zero multiple of 512 bytes".into());
-                    }
-                    spec.create = Some(size);
+                    spec.create =
+                        Some(super::parse_sized(v, None).map_err(|e| format!("create={v}: {e}"))?);
                 }
                 "timeout" => {
                     let secs: u64 = v
