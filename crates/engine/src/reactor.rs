@@ -244,6 +244,24 @@ impl Engine {
         rx.recv().map_err(|_| EngineError::Stopped(reactor))
     }
 
+    /// Stops reactor `i` and joins it; its pollers are dropped. Its index stays
+    /// taken (messages to it fail with [`EngineError::Stopped`]). For a device that
+    /// had a reactor of its own and goes away.
+    pub fn stop_reactor(&self, i: usize) {
+        if ON_REACTOR.with(Cell::get) {
+            return;
+        }
+        let reactors = self.reactors.read().unwrap_or_else(|e| e.into_inner());
+        let Some(r) = reactors.get(i) else { return };
+        let mut r = lock(r);
+        let _ = r.tx.send(Msg::Stop);
+        r.pending.store(true, Ordering::Release);
+        ring(&r.bell);
+        if let Some(t) = r.thread.take() {
+            let _ = t.join();
+        }
+    }
+
     /// Stops all reactors and joins them; their pollers are dropped.
     pub fn shutdown(&self) {
         let reactors = self.reactors.read().unwrap_or_else(|e| e.into_inner());

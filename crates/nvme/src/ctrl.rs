@@ -15,7 +15,7 @@ use crate::admin::format::FormatRun;
 use crate::io::{GroupPoller, QueueGroup, Shadow};
 use crate::log::{ErrorEntry, GroupCounters, Totals};
 use crate::namespaces::Ns;
-use crate::queue::{db_index, CqRing, SqRing, Sqe};
+use crate::queue::{db_index, ring_ranges, CqRing, SqRing, Sqe, CQE_SIZE, SQE_SIZE};
 use crate::regs::{self, Regs};
 pub(crate) use crate::shared::Shared;
 use crate::status::Status;
@@ -112,6 +112,16 @@ pub(crate) struct Inner {
     pub mem: Arc<DmaSpace>,
     pub state: Mutex<State>,
     pub stop: AtomicBool,
+    /// The client's memory (some of it) moves by messages: queue groups wait for
+    /// the client, so they run on `own_reactor`, not on reactors other
+    /// controllers share (docs/decisions/0020-dma-messages.md). Until it goes.
+    pub messages: AtomicBool,
+    /// This controller's own reactor, started the first time it needed one and
+    /// stopped with the controller.
+    pub own_reactor: Mutex<Option<usize>>,
+    /// An admin pass runs on a thread of its own (mapped admin doorbells with
+    /// memory that moves by messages, see `service.rs`).
+    pub admin_running: AtomicBool,
 }
 
 impl Inner {
@@ -153,6 +163,54 @@ impl Inner {
                 keep_alive: None,
             }),
             stop: AtomicBool::new(false),
+            messages: AtomicBool::new(false),
+            own_reactor: Mutex::new(None),
+            admin_running: AtomicBool::new(false),
+        }
+    }
+
+    /// The reactor this controller's queue groups run on while its client's
+    /// memory moves by messages (started on first use).
+    fn own_reactor(&self) -> Result<usize, engine::EngineError> {
+        let mut r = self.own_reactor.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = *r {
+            return Ok(i);
+        }
+        let i = self.engine.add_reactor(None)?;
+        *r = Some(i);
+        Ok(i)
+    }
+
+    /// The client maps memory without a file descriptor: from now on queue groups
+    /// run on this controller's own reactor (those running move there now, before
+    /// that memory can be used), since they wait for the client.
+    pub fn use_messages(&self) -> Result<(), i32> {
+        let mut st = self.lock();
+        self.own_reactor().map_err(|e| {
+            tracing::error!("nvme: cannot start a reactor for DMA by messages: {e}");
+            libc::EAGAIN
+        })?;
+        if self.messages.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let ids: Vec<u16> = st.groups.keys().copied().collect();
+        for cqid in ids {
+            if let Some(g) = self.take_group(&mut st, cqid) {
+                self.place_group(&mut st, g).map_err(|_| libc::EAGAIN)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops this controller's own reactor (with the controller).
+    pub fn stop_own_reactor(&self) {
+        let r = self
+            .own_reactor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(i) = r {
+            self.engine.stop_reactor(i);
         }
     }
 
@@ -309,6 +367,9 @@ impl Inner {
     }
 
     pub fn teardown_queues(&self, st: &mut State) {
+        // Groups waiting for the client's replies give up: we wait for them here,
+        // and the client may be waiting for us.
+        let _paused = self.mem.pause_remote();
         let ids: Vec<u16> = st.groups.keys().copied().collect();
         for cqid in ids {
             if let Some(mut g) = self.take_group(st, cqid) {
@@ -352,11 +413,18 @@ impl Inner {
             Place::Parked(g)
         } else {
             let (tx, rx) = crossbeam_channel::bounded(1);
+            let mut g = g;
+            g.resync();
             let poller = GroupPoller {
                 group: Some(g),
                 back: tx,
             };
-            let reactor = st.placer.reactor_for(usize::from(cqid));
+            let own = if self.messages.load(Ordering::Acquire) {
+                self.own_reactor().ok()
+            } else {
+                None
+            };
+            let reactor = own.unwrap_or_else(|| st.placer.reactor_for(usize::from(cqid)));
             if let Some(g) = &poller.group {
                 // Before the reactor has it: a doorbell by message from now on wakes
                 // the reactor, which polls the group first thing anyway.
@@ -387,6 +455,25 @@ impl Inner {
             },
         );
         Ok(())
+    }
+
+    /// Whether [`Inner::admin_poll`] has something to do: commands, events or
+    /// finished commands to post, or an expired Keep Alive Timer.
+    pub fn admin_pending(&self, st: &State) -> bool {
+        let Some(q) = st.admin else { return false };
+        if st.keep_alive.is_some_and(|t| Instant::now() > t) {
+            return true;
+        }
+        let tail = self
+            .shared
+            .doorbells
+            .all()
+            .load_u32(DOORBELL_OFFSET as usize + db_index(0, false))
+            .map(u32::from_le)
+            .unwrap_or(0);
+        tail != u32::from(q.sq.head)
+            || (!st.events.is_empty() && !st.aer.is_empty())
+            || !st.done.is_empty()
     }
 
     /// One pass over the admin queue. Returns the number of commands handled.
@@ -429,6 +516,17 @@ impl Inner {
             self.shared.set_fatal("admin queue memory unmapped");
             return 0;
         };
+        // Unshared client memory (docs/decisions/0020-dma-messages.md): the new
+        // entries come over first; what we post goes over before the interrupt.
+        if tail as u16 != q.sq.head {
+            let new = ring_ranges(q.sq.base, q.sq.head, tail as u16, q.sq.size, SQE_SIZE);
+            if map.fetch(&new).is_err() {
+                self.shared
+                    .set_fatal("cannot fetch admin SQ entries from the client");
+                return 0;
+            }
+        }
+        let first = q.cq.tail;
         let mut posted = 0usize;
         while q.cq.free() > 0 {
             let Some((cid, status)) = st.done.pop_front() else {
@@ -493,6 +591,12 @@ impl Inner {
             st.admin = Some(q);
         }
         if posted > 0 {
+            let written = ring_ranges(q.cq.base, first, q.cq.tail, q.cq.size, CQE_SIZE);
+            if map.push(&written).is_err() {
+                self.shared
+                    .set_fatal("cannot send admin CQ entries to the client");
+                return posted;
+            }
             self.shared.irqs.signal(0);
         }
         posted.max(1)
@@ -510,5 +614,7 @@ impl Drop for Inner {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         self.cancel_format(&st);
         self.teardown_queues(&mut st);
+        drop(st);
+        self.stop_own_reactor();
     }
 }

@@ -324,6 +324,21 @@ impl Controller {
     pub fn client_gone(&self) {
         self.inner.reset();
         self.inner.shared.mapped.store(false, Ordering::Release);
+        self.inner.messages.store(false, Ordering::Release);
+    }
+
+    /// The transport mirrors client memory that was mapped without a file
+    /// descriptor and moves it by messages when the controller fetches and pushes
+    /// (docs/decisions/0020-dma-messages.md). From now until the client goes, queue
+    /// groups run on a reactor of this controller's own, since they wait for the
+    /// client's replies. Errors are errnos for the transport's reply.
+    pub fn use_dma_messages(&self) -> Result<(), i32> {
+        self.inner.use_messages()
+    }
+
+    /// Whether the current client's memory (some of it) moves by messages.
+    pub fn dma_messages(&self) -> bool {
+        self.inner.messages.load(Ordering::Acquire)
     }
 
     /// Asked by the transport when a client queries BAR0: whether to offer it the
@@ -365,6 +380,8 @@ impl Controller {
         let mut st = self.inner.lock();
         self.inner.cancel_format(&st);
         self.inner.disable(&mut st);
+        drop(st);
+        self.inner.stop_own_reactor();
     }
 
     /// Activates namespace `nsid` at run time. Queue groups get a channel on their

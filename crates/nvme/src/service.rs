@@ -67,6 +67,32 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// For a controller whose client's memory moves by messages: runs its admin pass on
+/// a short-lived thread if it has work and none runs yet. Returns 1 if it started
+/// one.
+fn spawn_admin_pass(inner: &Arc<Inner>) -> usize {
+    if !inner.admin_pending(&inner.lock()) || inner.admin_running.swap(true, Ordering::AcqRel) {
+        return 0;
+    }
+    let me = inner.clone();
+    let spawned = std::thread::Builder::new()
+        .name("nvme-admin-dma".into())
+        .spawn(move || {
+            let mut st = me.lock();
+            me.admin_poll(&mut st);
+            drop(st);
+            me.admin_running.store(false, Ordering::Release);
+        });
+    match spawned {
+        Ok(_) => 1,
+        Err(e) => {
+            tracing::warn!("nvme: cannot start an admin thread ({e}); retrying");
+            inner.admin_running.store(false, Ordering::Release);
+            0
+        }
+    }
+}
+
 fn run() {
     // Wait until `register` published the service (a loser of a start race exits).
     let me = std::thread::current().id();
@@ -92,6 +118,16 @@ fn run() {
                 continue;
             }
             let m = inner.shared.mapped.load(Ordering::Acquire);
+            if m && inner.messages.load(Ordering::Acquire) {
+                // Its admin pass may wait for the client's replies: never here,
+                // where every controller's admin work runs.
+                work += spawn_admin_pass(inner);
+                if let Some(t) = inner.lock().keep_alive {
+                    timer = Some(timer.map_or(t, |x| x.min(t)));
+                }
+                mapped = true;
+                continue;
+            }
             let mut st = inner.lock();
             if m || st.keep_alive.is_some_and(|t| now > t) {
                 work += inner.admin_poll(&mut st);

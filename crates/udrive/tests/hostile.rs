@@ -655,7 +655,7 @@ fn dma_map_payload(argsz: u32, iova: u64, size: u64) -> Vec<u8> {
 
 /// A negotiated client for raw messages.
 fn client(dev: &TestDev) -> VfioUserClient {
-    let c = VfioUserClient::connect(&dev.sock).unwrap();
+    let mut c = VfioUserClient::connect(&dev.sock).unwrap();
     c.set_timeout(Some(T)).unwrap();
     c
 }

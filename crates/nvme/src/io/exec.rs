@@ -105,6 +105,7 @@ pub(super) fn prepare_rw<'a>(
     let access = if write { Access::Read } else { Access::Write };
     data_ptr(map, sqe, bytes, access, iov)?;
     slot.segs = iov.range();
+    slot.runs = iov.run_range();
     slot.fua = fua;
     Ok(())
 }
@@ -154,6 +155,10 @@ fn exec_on(
     let chan: &mut dyn IoChannel = chan.as_mut();
     let req = match cmd {
         IoCmd::Flush => IoRequest::without_data(IoOp::Flush, 0, 0, false),
+        // Reads and writes are batched by the poll, which also moves their data
+        // for unshared client memory; this path has nowhere to keep a read's
+        // ranges until it completes, so it serves shared memory only.
+        IoCmd::Rw { .. } if map.has_remote() => return Exec::Done(Status::DATA_TRANSFER_ERROR),
         IoCmd::Rw { write, .. } => {
             let mut iov = Iov::new();
             let f = facts_of(shared, info, *formatting);
@@ -215,6 +220,9 @@ fn dsm(
     let mut iov = Iov::new();
     if let Err(s) = data_ptr(map, sqe, (nr * 16) as u64, Access::Read, &mut iov) {
         return Exec::Done(s);
+    }
+    if map.fetch(iov.runs()).is_err() {
+        return Exec::Done(Status::DATA_TRANSFER_ERROR);
     }
     iov.copy_in(ranges);
     let parse = |r: &[u8]| {
