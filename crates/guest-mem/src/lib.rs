@@ -29,7 +29,9 @@ pub use held::HeldIov;
 pub use map::{Access, MemError, MemoryMap};
 pub use pins::{MemPins, Pin};
 pub use region::{MappedRegion, Prot};
-pub use remote::{RemoteDir, RemoteDma, RemoteError, RemoteOp, RemotePause};
+pub use remote::{
+    no_remote_waits, NoRemoteWaits, RemoteDir, RemoteDma, RemoteError, RemoteOp, RemotePause,
+};
 pub use shared::SharedMem;
 pub use slice::{DmaSlice, OutOfBounds};
 pub use space::{DmaSpace, MemView};

@@ -34,8 +34,12 @@ pub enum Access {
 #[derive(Debug, Default, Clone)]
 pub struct MemoryMap {
     regions: Vec<Arc<MappedRegion>>,
-    /// Some region is a mirror (`remote.rs`): fetch/push have work to do.
+    /// Some region is a mirror (`remote.rs`): fetch/push may have work to do.
     remote: bool,
+    /// The mirrors' IOVA spans (first, last), for a quick "not mirrored" answer:
+    /// a client that shares its RAM may still map small regions without an fd
+    /// (QEMU's ROMs), and the ranges readers touch must not pay for those.
+    remote_spans: Vec<(u64, u64)>,
 }
 
 impl MemoryMap {
@@ -66,8 +70,16 @@ impl MemoryMap {
     }
 
     fn from_regions(regions: Vec<Arc<MappedRegion>>) -> MemoryMap {
-        let remote = regions.iter().any(|r| r.is_remote());
-        MemoryMap { regions, remote }
+        let remote_spans: Vec<(u64, u64)> = regions
+            .iter()
+            .filter(|r| r.is_remote())
+            .map(|r| (r.iova(), r.last()))
+            .collect();
+        MemoryMap {
+            regions,
+            remote: !remote_spans.is_empty(),
+            remote_spans,
+        }
     }
 
     /// A new snapshot without the regions that lie entirely inside `[iova, iova+len)`;
@@ -100,7 +112,25 @@ impl MemoryMap {
 
     /// Whether `addr` lies in a mirror region.
     pub fn is_remote(&self, addr: u64) -> bool {
-        self.remote && self.region_for(addr).is_some_and(MappedRegion::is_remote)
+        self.touches_remote(addr, 1)
+    }
+
+    /// Whether `[addr, addr+len)` overlaps a mirror region (a few compares).
+    #[inline]
+    pub fn touches_remote(&self, addr: u64, len: u64) -> bool {
+        if !self.remote || len == 0 {
+            return false;
+        }
+        let last = addr.saturating_add(len - 1);
+        self.remote_spans
+            .iter()
+            .any(|&(first, end)| first <= last && addr <= end)
+    }
+
+    /// Whether any of `ranges` overlaps a mirror region.
+    #[inline]
+    pub fn any_remote(&self, ranges: &[(u64, u64)]) -> bool {
+        self.remote && ranges.iter().any(|&(a, l)| self.touches_remote(a, l))
     }
 
     /// Brings the mirror copies of `ranges` (IOVA, length) up to date with the
@@ -108,7 +138,7 @@ impl MemoryMap {
     /// need nothing. All ranges travel in one batch (one round trip).
     #[inline]
     pub fn fetch(&self, ranges: &[(u64, u64)]) -> Result<(), MemError> {
-        if !self.remote {
+        if !self.any_remote(ranges) {
             return Ok(());
         }
         self.sync(RemoteDir::FromClient, ranges)
@@ -119,7 +149,7 @@ impl MemoryMap {
     /// its interrupt). Parts in shared regions need nothing.
     #[inline]
     pub fn push(&self, ranges: &[(u64, u64)]) -> Result<(), MemError> {
-        if !self.remote {
+        if !self.any_remote(ranges) {
             return Ok(());
         }
         self.sync(RemoteDir::ToClient, ranges)

@@ -41,6 +41,8 @@ pub enum RemoteError {
     Paused,
     #[error("the region was unmapped")]
     Unmapped,
+    #[error("this thread serves other clients and does not wait for this one")]
+    NotHere,
 }
 
 /// One transfer between client memory at `iova` and the local window `buf`.
@@ -67,8 +69,37 @@ pub trait RemoteDma: Send + Sync + fmt::Debug {
     fn set_paused(&self, paused: bool);
 }
 
+thread_local! {
+    static NO_WAITS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// While the guard lives, transfers on this thread fail at once with
+/// [`RemoteError::NotHere`] instead of waiting for a client: for threads that serve
+/// several clients (shared reactors), where one client's silence must not stall
+/// the others. Nests.
+#[must_use]
+pub struct NoRemoteWaits(());
+
+/// See [`NoRemoteWaits`].
+pub fn no_remote_waits() -> NoRemoteWaits {
+    NO_WAITS.with(|c| c.set(c.get() + 1));
+    NoRemoteWaits(())
+}
+
+impl Drop for NoRemoteWaits {
+    fn drop(&mut self) {
+        NO_WAITS.with(|c| c.set(c.get().saturating_sub(1)));
+    }
+}
+
 /// Runs `ops` on their ports, grouping ops of the same port into one batch.
 pub(crate) fn run(ops: &mut [(Arc<dyn RemoteDma>, RemoteOp<'_>)]) {
+    if NO_WAITS.with(|c| c.get()) > 0 {
+        for (_, op) in ops.iter_mut() {
+            op.result = Err(RemoteError::NotHere);
+        }
+        return;
+    }
     let mut start = 0;
     while start < ops.len() {
         let port = ops[start].0.clone();

@@ -181,9 +181,10 @@ impl Inner {
         Ok(i)
     }
 
-    /// The client maps memory without a file descriptor: from now on queue groups
-    /// run on this controller's own reactor (those running move there now, before
-    /// that memory can be used), since they wait for the client.
+    /// The client maps writable memory without a file descriptor: from now on
+    /// queue groups run on this controller's own reactor (those running move there
+    /// now, before that memory can be used), since they wait for the client; admin
+    /// passes that may wait leave the shared admin thread (`service.rs`).
     pub fn use_messages(&self) -> Result<(), i32> {
         let mut st = self.lock();
         self.own_reactor().map_err(|e| {
@@ -415,14 +416,17 @@ impl Inner {
             let (tx, rx) = crossbeam_channel::bounded(1);
             let mut g = g;
             g.resync();
-            let poller = GroupPoller {
-                group: Some(g),
-                back: tx,
-            };
+            // Guest RAM that moves by messages: the group waits for the client, on
+            // a reactor of this controller's own.
             let own = if self.messages.load(Ordering::Acquire) {
                 self.own_reactor().ok()
             } else {
                 None
+            };
+            g.own = own.is_some();
+            let poller = GroupPoller {
+                group: Some(g),
+                back: tx,
             };
             let reactor = own.unwrap_or_else(|| st.placer.reactor_for(usize::from(cqid)));
             if let Some(g) = &poller.group {
@@ -547,15 +551,21 @@ impl Inner {
             }
             posted += 1;
         }
-        while q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
-            let (Some(ev), cid) = (st.events.pop_front(), st.aer.remove(0)) else {
-                break;
-            };
-            if !q.cq.post(&cq_ring, ev, q.sq.head, 0, cid, Status::SUCCESS) {
-                break;
+        // Events wait for an Asynchronous Event Request: those outstanding now, and
+        // (below) those this pass fetches, or an event queued while that request's
+        // doorbell was on its way would wait for the next admin command.
+        let post_events = |st: &mut State, q: &mut AdminQueues, posted: &mut usize| {
+            while q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
+                let (Some(ev), cid) = (st.events.pop_front(), st.aer.remove(0)) else {
+                    break;
+                };
+                if !q.cq.post(&cq_ring, ev, q.sq.head, 0, cid, Status::SUCCESS) {
+                    break;
+                }
+                *posted += 1;
             }
-            posted += 1;
-        }
+        };
+        post_events(st, &mut q, &mut posted);
         while q.sq.head != tail as u16 && q.cq.free() > 0 {
             let Some(sqe) = Sqe::fetch(&sq_ring, q.sq.head) else {
                 self.shared.set_fatal("cannot read admin SQ entry");
@@ -587,6 +597,7 @@ impl Inner {
                 posted += 1;
             }
         }
+        post_events(st, &mut q, &mut posted);
         if st.admin.is_some() {
             st.admin = Some(q);
         }

@@ -329,11 +329,18 @@ impl Controller {
 
     /// The transport mirrors client memory that was mapped without a file
     /// descriptor and moves it by messages when the controller fetches and pushes
-    /// (docs/decisions/0020-dma-messages.md). From now until the client goes, queue
-    /// groups run on a reactor of this controller's own, since they wait for the
-    /// client's replies. Errors are errnos for the transport's reply.
-    pub fn use_dma_messages(&self) -> Result<(), i32> {
-        self.inner.use_messages()
+    /// (docs/decisions/0020-dma-messages.md). For `writable` memory (guest RAM),
+    /// from now until the client goes, queue groups run on a reactor of this
+    /// controller's own, since they wait for the client's replies; read-only
+    /// memory alone (QEMU's ROMs) changes nothing: nobody does I/O from it, and a
+    /// transfer from it on a shared reactor fails at once instead of waiting.
+    /// Errors are errnos for the transport's reply.
+    pub fn use_dma_messages(&self, writable: bool) -> Result<(), i32> {
+        if writable {
+            self.inner.use_messages()
+        } else {
+            Ok(())
+        }
     }
 
     /// Whether the current client's memory (some of it) moves by messages.

@@ -48,8 +48,8 @@ impl PciBackend for NvmeFunction {
     fn offer_mmap(&self, bar: u32) -> bool {
         bar == 0 && self.ctrl.offer_doorbell_mmap()
     }
-    fn dma_messages(&self) -> Result<(), i32> {
-        self.ctrl.use_dma_messages()
+    fn dma_messages(&self, writable: bool) -> Result<(), i32> {
+        self.ctrl.use_dma_messages(writable)
     }
 }
 

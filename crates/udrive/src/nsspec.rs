@@ -256,8 +256,9 @@ mod tests {
         let e = "ram:1G,ro".parse::<NsSpec>().unwrap_err();
         assert!(e.contains("unknown option `ro` for ram"), "{e}");
         let e = "disk:1G".parse::<NsSpec>().unwrap_err();
+        // (`rbd` follows when the feature is on.)
         assert!(
-            e.contains("unknown kind `disk` (known: null, ram, file)"),
+            e.contains("unknown kind `disk` (known: null, ram, file"),
             "{e}"
         );
         let s: NsSpec = "ram:1M,fault_lbas=8-15,fault_rate=0.25,fault_ops=read,fault_latency_us=50"

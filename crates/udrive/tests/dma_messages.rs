@@ -310,19 +310,29 @@ fn the_next_client_starts_clean() {
     );
 }
 
-/// A device model that cannot work by messages refuses such memory cleanly.
 #[test]
 fn a_client_mixing_shared_and_unshared_memory_works() {
     let dev = TestDev::start("msgs-mixed", &["ram:16M"]);
-    // The driver's pool is shared; one extra region is not.
+    // The driver's pool is shared; one extra region, mapped while a queue pair is
+    // running (memory hot-plugged into a guest), is not: the running queues move
+    // to the controller's own reactor before that memory can be used.
     let d: NvmeDriver = dev.connect();
+    let mut qp = d.create_qpair(16, false).expect("queue pair");
+    let on = |r: u64| {
+        dev.json()["state"]["queue_groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|g| g["reactor"].as_u64() == Some(r))
+    };
+    assert!(on(0), "shared reactor first");
     let extra = Arc::new(guest_mem::SharedMem::new("extra", 1 << 20).unwrap());
     let iova = 0x3_0000_0000;
     d.client()
         .dma_map_unshared(extra.clone(), iova, guest_mem::Prot::RW)
         .expect("map");
     assert_eq!(dev.json()["state"]["dma_messages"], true);
-    let mut qp = d.create_qpair(16, false).expect("queue pair");
+    assert!(!on(0), "moved to the controller's own reactor");
     let data = Rng::new(12).bytes(4096);
     extra.slice(0, 4096).unwrap().write_from(0, &data).unwrap();
     assert_ok(&raw(&mut qp, rw_prp(WRITE, 1, 40, 8, iova, 0)), "write");
@@ -349,4 +359,40 @@ fn a_client_mixing_shared_and_unshared_memory_works() {
     assert!(back2 == data, "data read into unshared memory");
     qp_still_works(&mut qp, 300, 13);
     let _ = (Command::DmaRead, Sqe::new(0));
+}
+
+/// Read-only memory without an fd next to shared RAM (what QEMU maps for its ROMs
+/// when guest RAM is a memfd) keeps the fast path: queues stay on the shared
+/// reactor, and I/O from that memory fails at once rather than waiting there.
+#[test]
+fn read_only_unshared_memory_alone_keeps_the_fast_path() {
+    let dev = TestDev::start("msgs-rom", &["ram:16M"]);
+    let d: NvmeDriver = dev.connect();
+    let rom = Arc::new(guest_mem::SharedMem::new("rom", 1 << 20).unwrap());
+    let iova = 0x3_0000_0000;
+    d.client()
+        .dma_map_unshared(
+            rom,
+            iova,
+            guest_mem::Prot {
+                read: true,
+                write: false,
+            },
+        )
+        .expect("map");
+    assert_eq!(dev.json()["state"]["dma_messages"], false);
+    let mut qp = d.create_qpair(16, false).expect("queue pair");
+    let groups = dev.json()["state"]["queue_groups"].clone();
+    assert!(
+        groups
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|g| g["reactor"].as_u64() == Some(0)),
+        "{groups}"
+    );
+    let c = raw(&mut qp, rw_prp(WRITE, 1, 0, 8, iova, 0));
+    assert_status(&c, 0, DTE, "I/O from read-only unshared memory");
+    qp_still_works(&mut qp, 400, 14);
+    assert_eq!(counts(&dev, "reads"), 0, "no message");
 }

@@ -321,7 +321,7 @@ impl Conn {
     fn dma_map_mirror(&mut self, dev: &Device, req: &DmaMap) -> Res {
         // The device must be able to work this way (and moves its readers off
         // threads it shares with other clients before the memory is usable).
-        dev.backend.dma_messages()?;
+        dev.backend.dma_messages(req.flags & DMA_WRITE != 0)?;
         let port = match &self.port {
             Some(p) => p.clone(),
             None => {

@@ -119,7 +119,7 @@ impl Completions {
         idx: u32,
         status: Status,
     ) -> Result<(), Fatal> {
-        if pass.map.has_remote() {
+        if pass.cq_remote || sq.slots.get(idx as usize).is_some_and(|s| s.push) {
             self.deferred.push((sq.ring.qid, idx, status));
             return Ok(());
         }
@@ -216,6 +216,7 @@ impl Completions {
         let data = |sqs: &[IoSq], qid: u16, idx: u32| -> Vec<Run> {
             sqs.iter()
                 .find(|s| s.ring.qid == qid)
+                .filter(|s| s.slots.get(idx as usize).is_some_and(|sl| sl.push))
                 .and_then(|s| s.runs.get(idx as usize))
                 .cloned()
                 .unwrap_or_default()

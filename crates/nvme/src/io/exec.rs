@@ -155,15 +155,17 @@ fn exec_on(
     let chan: &mut dyn IoChannel = chan.as_mut();
     let req = match cmd {
         IoCmd::Flush => IoRequest::without_data(IoOp::Flush, 0, 0, false),
-        // Reads and writes are batched by the poll, which also moves their data
-        // for unshared client memory; this path has nowhere to keep a read's
-        // ranges until it completes, so it serves shared memory only.
-        IoCmd::Rw { .. } if map.has_remote() => return Exec::Done(Status::DATA_TRANSFER_ERROR),
         IoCmd::Rw { write, .. } => {
             let mut iov = Iov::new();
             let f = facts_of(shared, info, *formatting);
             if let Err(s) = prepare_rw(map, Some(f), sqe, slot, &mut iov) {
                 return Exec::Done(s);
+            }
+            // Reads and writes are batched by the poll, which also moves their
+            // data for unshared client memory; this path has nowhere to keep a
+            // read's ranges until it completes, so it serves shared memory only.
+            if map.any_remote(iov.runs()) {
+                return Exec::Done(Status::DATA_TRANSFER_ERROR);
             }
             let req = IoRequest {
                 op: if write { IoOp::Write } else { IoOp::Read },

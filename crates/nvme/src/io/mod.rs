@@ -50,6 +50,8 @@ pub(crate) struct Slot {
     segs: (u16, u16),
     /// Its guest ranges in the batch's `Iov` (with mirrors of unshared memory).
     runs: (u16, u16),
+    /// Its data lies in unshared client memory: pushed before its completion.
+    push: bool,
     /// Trace stamps; `kick == 0` when this command is not traced.
     stamps: Stamps,
     /// Keeps the memory map this command was translated against while the backend
@@ -228,6 +230,10 @@ pub(crate) struct QueueGroup {
     pub shadow: Option<Shadow>,
     /// The CQ and everything completions need.
     pub out: Completions,
+    /// Runs on its controller's own reactor, where it may wait for the client's
+    /// replies; elsewhere (shared reactors) it never waits: a transfer it would
+    /// need fails at once (docs/decisions/0020-dma-messages.md).
+    pub own: bool,
 }
 
 impl QueueGroup {
@@ -259,6 +265,7 @@ impl QueueGroup {
             },
             shadow,
             out: Completions::new(cq, rec),
+            own: false,
         }))
     }
 

@@ -49,6 +49,8 @@ pub(crate) struct Pass<'m> {
     shadow: Option<Shadow>,
     shadow_db: Option<DmaSlice<'m>>,
     cq_ring: DmaSlice<'m>,
+    /// The CQ lies in unshared client memory: completions go out at the end.
+    pub cq_remote: bool,
 }
 
 impl<'m> Pass<'m> {
@@ -72,6 +74,7 @@ impl<'m> Pass<'m> {
             shared.set_fatal("I/O CQ memory unmapped");
             return Err(Fatal);
         };
+        let cq_remote = map.touches_remote(cq.base, cq.ring_bytes() as u64);
         Ok(Pass {
             shared,
             view,
@@ -80,6 +83,7 @@ impl<'m> Pass<'m> {
             shadow,
             shadow_db,
             cq_ring,
+            cq_remote,
         })
     }
 
@@ -145,6 +149,9 @@ impl QueueGroup {
         // Commands in flight keep the snapshots they use pinned, so the view moves
         // on as soon as the client changes its map.
         self.view.refresh();
+        // On a reactor other controllers share, never wait for this one's client.
+        let _no_waits =
+            (!self.own && self.view.map().has_remote()).then(guest_mem::no_remote_waits);
         let mut p = Progress::default();
         let _ = self.stages(&mut p);
         p.fetched as usize + self.out.posted()
@@ -158,6 +165,7 @@ impl QueueGroup {
             ns,
             shadow,
             out,
+            own: _,
         } = self;
         let pass = Pass::begin(shared, view, *shadow, &mut out.cq)?;
         if out.inflight > 0 {
@@ -359,10 +367,16 @@ fn sync_batch(pass: &Pass<'_>, sq: &mut IoSq, batch: &Batch<'_>) {
             continue;
         };
         let runs = batch.iov.runs_of(slot.runs);
+        if !pass.map.any_remote(runs) {
+            continue;
+        }
         if slot.opcode == OP_WRITE {
             ranges.extend_from_slice(runs);
         } else {
             sq.keep_runs(idx, runs);
+            if let Some(slot) = sq.slots.get_mut(idx as usize) {
+                slot.push = true;
+            }
         }
     }
     if ranges.is_empty() || pass.map.fetch(&ranges).is_ok() {
