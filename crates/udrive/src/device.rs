@@ -334,7 +334,9 @@ impl crate::frontend::FrontEnd for NvmeDevice {
     }
     fn attach_hint(&self) -> String {
         format!(
-            "\nAttach a VM (QEMU 10.1+; guest RAM must be a shared memfd):\n\n{}\n\n{}",
+            "\nAttach a VM (QEMU 10.1+; share guest RAM as a memfd, as below, for the fast \
+             path: without it QEMU keeps RAM to itself and every byte of I/O travels as a \
+             DMA_READ/DMA_WRITE message, several times slower):\n\n{}\n\n{}",
             qemu_command(&self.socket),
             crate::frontend::measure_hint("vfio-user", &self.socket)
         )

@@ -335,19 +335,31 @@ impl Conn {
                 )
                 .map_err(|e| e.raw_os_error().unwrap_or(libc::ENOMEM))?;
                 let port = Arc::new(port);
-                trace::limited!(
-                    dev.log,
-                    info,
-                    "vfio-user: the client maps memory without a file descriptor; \
-                     serving it with DMA_READ/DMA_WRITE messages (slow: share guest \
-                     memory, e.g. QEMU's memory-backend-memfd, for the fast path)"
-                );
                 dev.mem.set_remote(Some(port.clone()));
                 self.port = Some(port.clone());
                 port
             }
         };
         crate::dma::map_mirror(&dev.mem, req, port, &dev.log)?;
+        if req.flags & DMA_WRITE != 0 {
+            // Guest RAM (QEMU maps its ROMs read-only this way even when RAM is
+            // shared; nobody does I/O there).
+            trace::limited!(
+                dev.log,
+                info,
+                "vfio-user: the client maps {:#x}+{:#x} without a file descriptor; \
+                 serving it with DMA_READ/DMA_WRITE messages (slow: share guest RAM, \
+                 e.g. QEMU's memory-backend-memfd, for the fast path)",
+                req.addr,
+                req.size
+            );
+        } else {
+            tracing::debug!(
+                "vfio-user: read-only DMA_MAP without a file descriptor: {:#x}+{:#x}",
+                req.addr,
+                req.size
+            );
+        }
         Ok(Reply::empty())
     }
 }

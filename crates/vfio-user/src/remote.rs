@@ -35,10 +35,16 @@ use guest_mem::{RemoteDir, RemoteDma, RemoteError, RemoteOp};
 use crate::msg::{self, Msg, ReadError};
 use crate::proto::{Command, DmaWire};
 
-/// Bytes of data in flight (requested or sent, not yet answered) per transfer:
-/// below the default Unix socket buffer, so the client can always queue its replies
-/// while we send.
+/// Bytes of DMA_WRITE data sent and not yet acknowledged per transfer.
 const WINDOW: usize = 192 * 1024;
+/// Largest DMA_READ we ask for, and the most DMA_READ data whose replies may be on
+/// their way at once. QEMU's client writes its replies to a non-blocking socket and
+/// takes a partial write for a whole one (hw/vfio-user/proxy.c, 10.1-11.1), which
+/// leaves the stream torn for good; so its replies must always fit its socket send
+/// buffer (212 992 bytes by default, `net.core.wmem_default`), with room for its own
+/// requests: two 32 KiB replies in flight do, whatever else is queued.
+const READ_PIECE: usize = 32 * 1024;
+const READ_WINDOW: usize = 64 * 1024;
 /// How long a reader sits in `poll` before it looks at pauses and closes again.
 const SLICE: Duration = Duration::from_millis(5);
 /// Client requests a reader may queue (bytes) before it stops reading until the
@@ -126,6 +132,9 @@ pub(crate) struct Port {
     timeout: Duration,
     stats: std::sync::Arc<DmaMessageStats>,
     log: trace::LogLimiter,
+    /// The last message headers through the port ('>' sent, '<' read), for the
+    /// log when the stream breaks.
+    recent: Mutex<(usize, [Option<(char, crate::proto::Header)>; 16])>,
 }
 
 impl std::fmt::Debug for Port {
@@ -185,7 +194,34 @@ impl Port {
             timeout,
             stats,
             log: trace::LogLimiter::new(),
+            recent: Mutex::new((0, [None; 16])),
         })
+    }
+
+    fn note(&self, dir: char, h: &crate::proto::Header) {
+        let mut r = lock(&self.recent);
+        let i = r.0 % r.1.len();
+        r.1[i] = Some((dir, *h));
+        r.0 = r.0.wrapping_add(1);
+    }
+
+    /// Logs the last headers (oldest first) with why the stream broke.
+    fn dump(&self, why: &str) {
+        let r = lock(&self.recent);
+        let n = r.1.len();
+        let lines: Vec<String> = (0..n)
+            .filter_map(|k| r.1[(r.0 + k) % n])
+            .map(|(d, h)| {
+                format!(
+                    "{d} id={} cmd={} size={} flags={:#x}",
+                    h.msg_id, h.cmd, h.msg_size, h.flags
+                )
+            })
+            .collect();
+        tracing::warn!(
+            "vfio-user: DMA port: {why}; last messages: {}",
+            lines.join("; ")
+        );
     }
 
     /// What the connection's thread polls besides the socket.
@@ -253,6 +289,16 @@ impl Port {
             st.reading = true;
             drop(st);
             let r = msg::read_msg(&self.sock);
+            match &r {
+                Ok(m) => self.note('<', &m.hdr),
+                Err(ReadError::Framing(h, why)) => {
+                    if let Some((h, _)) = h {
+                        self.note('<', h);
+                    }
+                    self.dump(why);
+                }
+                _ => {}
+            }
             let mut st = lock(&self.st);
             st.reading = false;
             self.cv.notify_all();
@@ -308,7 +354,18 @@ impl Port {
             Ok(_) => return Ok(()),
             Err(_) => return Err("poll on the connection failed"),
         }
-        match msg::read_msg(&self.sock) {
+        let r = msg::read_msg(&self.sock);
+        match &r {
+            Ok(m) => self.note('<', &m.hdr),
+            Err(ReadError::Framing(h, why)) => {
+                if let Some((h, _)) = h {
+                    self.note('<', h);
+                }
+                self.dump(why);
+            }
+            _ => {}
+        }
+        match r {
             Ok(m) => {
                 let mut st = lock(&self.st);
                 if m.hdr.is_reply() {
@@ -354,6 +411,9 @@ impl Port {
             let _g = self.send_lock();
             msg::send_command(&self.sock, id, cmd, parts)
         };
+        if let Ok(h) = &sent {
+            self.note('>', h);
+        }
         if sent.is_err() {
             lock(&self.st).pending.remove(&id);
             self.close("sending to the client failed");
@@ -581,10 +641,13 @@ impl RemoteDma for Port {
                 return;
             }
         };
-        let max = self.max_xfer as usize;
         let mut pieces = Vec::new();
         for (i, op) in ops.iter_mut().enumerate() {
             op.result = Ok(());
+            let max = match op.dir {
+                RemoteDir::FromClient => (self.max_xfer as usize).min(READ_PIECE),
+                RemoteDir::ToClient => self.max_xfer as usize,
+            };
             let mut off = 0;
             while off < op.buf.len() {
                 let n = (op.buf.len() - off).min(max);
@@ -605,12 +668,21 @@ impl RemoteDma for Port {
         }
         let mut next = 0;
         let mut out: Vec<usize> = Vec::new();
-        let mut in_flight = 0usize;
+        // Data in flight: (DMA_READ, DMA_WRITE).
+        let mut in_flight = (0usize, 0usize);
         let mut deadline = Instant::now() + self.timeout;
         let mut failure = None;
+        let fits = |in_flight: (usize, usize), dir: RemoteDir, n: usize| match dir {
+            RemoteDir::FromClient => in_flight.0 == 0 || in_flight.0 + n <= READ_WINDOW,
+            RemoteDir::ToClient => in_flight.1 == 0 || in_flight.1 + n <= WINDOW,
+        };
         'run: loop {
             while next < pieces.len()
-                && (out.is_empty() || in_flight + pieces[next].len as usize <= WINDOW)
+                && fits(
+                    in_flight,
+                    ops[pieces[next].op].dir,
+                    pieces[next].len as usize,
+                )
             {
                 let p = &mut pieces[next];
                 next += 1;
@@ -621,7 +693,10 @@ impl RemoteDma for Port {
                 match self.send_piece(wire, &ops[p.op], p) {
                     Ok(id) => {
                         p.id = id;
-                        in_flight += p.len as usize;
+                        match ops[p.op].dir {
+                            RemoteDir::FromClient => in_flight.0 += p.len as usize,
+                            RemoteDir::ToClient => in_flight.1 += p.len as usize,
+                        }
                         out.push(next - 1);
                     }
                     Err(e) => {
@@ -648,7 +723,10 @@ impl RemoteDma for Port {
                         let pi = out.swap_remove(at);
                         let p = &mut pieces[pi];
                         p.done = true;
-                        in_flight -= p.len as usize;
+                        match ops[p.op].dir {
+                            RemoteDir::FromClient => in_flight.0 -= p.len as usize,
+                            RemoteDir::ToClient => in_flight.1 -= p.len as usize,
+                        }
                         let r = self.apply(wire, &ops[p.op], p, &m);
                         match r {
                             Ok(()) => {
