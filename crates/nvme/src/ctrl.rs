@@ -2,7 +2,7 @@
 //! queue groups and where they run. What reactors read is in `shared.rs`.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -122,6 +122,8 @@ pub(crate) struct Inner {
     /// An admin pass runs on a thread of its own (mapped admin doorbells with
     /// memory that moves by messages, see `service.rs`).
     pub admin_running: AtomicBool,
+    /// Requests for such a pass (see [`Inner::admin_elsewhere`]).
+    pub admin_kicks: AtomicU64,
 }
 
 impl Inner {
@@ -166,6 +168,48 @@ impl Inner {
             messages: AtomicBool::new(false),
             own_reactor: Mutex::new(None),
             admin_running: AtomicBool::new(false),
+            admin_kicks: AtomicU64::new(0),
+        }
+    }
+
+    /// Runs admin passes on a short-lived thread of this controller until no
+    /// request for one is left (one such thread at a time): for a client whose
+    /// memory moves by messages, whose admin commands wait for its replies. The
+    /// thread that received the doorbell (the client's connection) stays free to
+    /// serve the client meanwhile, which QEMU needs: it answers our DMA requests
+    /// only while none of its own waits for us.
+    pub fn admin_elsewhere(&self) {
+        self.admin_kicks.fetch_add(1, Ordering::SeqCst);
+        if self.admin_running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Some(me) = self.me.upgrade() else {
+            self.admin_running.store(false, Ordering::Release);
+            return;
+        };
+        let pass = move || loop {
+            let k = me.admin_kicks.load(Ordering::SeqCst);
+            {
+                let mut st = me.lock();
+                me.admin_poll(&mut st);
+            }
+            if me.admin_kicks.load(Ordering::SeqCst) != k {
+                continue;
+            }
+            me.admin_running.store(false, Ordering::SeqCst);
+            // A request that came between the check and the store is ours again.
+            if me.admin_kicks.load(Ordering::SeqCst) == k
+                || me.admin_running.swap(true, Ordering::AcqRel)
+            {
+                break;
+            }
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("nvme-admin-dma".into())
+            .spawn(pass)
+        {
+            tracing::warn!("nvme: cannot start an admin thread ({e})");
+            self.admin_running.store(false, Ordering::Release);
         }
     }
 
@@ -242,9 +286,15 @@ impl Inner {
                 .all()
                 .store_u32(off as usize, v.to_le());
             if off < DOORBELL_OFFSET + 8 {
-                // The admin queue, by message: handled here, on the client's thread.
-                let mut st = self.lock();
-                self.admin_poll(&mut st);
+                if self.messages.load(Ordering::Acquire) {
+                    // Its pass may wait for the client's replies: not on the thread
+                    // that must answer the client meanwhile.
+                    self.admin_elsewhere();
+                } else {
+                    // The admin queue, by message: handled here, on the client's thread.
+                    let mut st = self.lock();
+                    self.admin_poll(&mut st);
+                }
             } else {
                 self.shared.rang(off, v);
             }

@@ -68,29 +68,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// For a controller whose client's memory moves by messages: runs its admin pass on
-/// a short-lived thread if it has work and none runs yet. Returns 1 if it started
-/// one.
+/// a thread of the controller's if it has work. Returns 1 if it asked for one.
 fn spawn_admin_pass(inner: &Arc<Inner>) -> usize {
-    if !inner.admin_pending(&inner.lock()) || inner.admin_running.swap(true, Ordering::AcqRel) {
+    if !inner.admin_pending(&inner.lock()) || inner.admin_running.load(Ordering::Acquire) {
         return 0;
     }
-    let me = inner.clone();
-    let spawned = std::thread::Builder::new()
-        .name("nvme-admin-dma".into())
-        .spawn(move || {
-            let mut st = me.lock();
-            me.admin_poll(&mut st);
-            drop(st);
-            me.admin_running.store(false, Ordering::Release);
-        });
-    match spawned {
-        Ok(_) => 1,
-        Err(e) => {
-            tracing::warn!("nvme: cannot start an admin thread ({e}); retrying");
-            inner.admin_running.store(false, Ordering::Release);
-            0
-        }
-    }
+    inner.admin_elsewhere();
+    1
 }
 
 fn run() {

@@ -335,11 +335,12 @@ impl Conn {
                 )
                 .map_err(|e| e.raw_os_error().unwrap_or(libc::ENOMEM))?;
                 let port = Arc::new(port);
-                dev.mem.set_remote(Some(port.clone()));
                 self.port = Some(port.clone());
                 port
             }
         };
+        // (Again after an UNMAP_ALL, which forgets it.)
+        dev.mem.set_remote(Some(port.clone()));
         crate::dma::map_mirror(&dev.mem, req, port, &dev.log)?;
         if req.flags & DMA_WRITE != 0 {
             // Guest RAM (QEMU maps its ROMs read-only this way even when RAM is
