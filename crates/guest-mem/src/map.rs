@@ -350,11 +350,14 @@ mod tests {
         s.write_from(0, &[9, 9]).unwrap();
         m.push(&[(0x20100, 2)]).unwrap();
         assert_eq!(&client.mem.lock().unwrap()[0x100..0x104], &[9, 9, 2, 3]);
-        // Outside every region: refused before anything moves.
+        // Outside every mirror: nothing to move (translating it is what refuses it).
+        assert!(m.fetch(&[(0x22000, 1)]).is_ok());
+        // Partly past a mirror's end: refused before anything moves.
         assert!(matches!(
-            m.fetch(&[(0x22000, 1)]),
+            m.fetch(&[(0x21fff, 2)]),
             Err(MemError::Unmapped { .. })
         ));
+        assert_eq!(client.batches.load(std::sync::atomic::Ordering::Relaxed), 2);
         // An unmapped mirror refuses transfers from old snapshots.
         m.regions()[2].set_gone();
         assert!(matches!(

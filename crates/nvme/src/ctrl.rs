@@ -116,8 +116,8 @@ pub(crate) struct Inner {
     /// the client, so they run on `own_reactor`, not on reactors other
     /// controllers share (docs/decisions/0020-dma-messages.md). Until it goes.
     pub messages: AtomicBool,
-    /// This controller's own reactor, started the first time it needed one and
-    /// stopped with the controller.
+    /// This controller's own reactor, started the first time a client needed one
+    /// and stopped when that client goes (or with the controller).
     pub own_reactor: Mutex<Option<usize>>,
     /// An admin pass runs on a thread of its own (mapped admin doorbells with
     /// memory that moves by messages, see `service.rs`).
@@ -247,7 +247,8 @@ impl Inner {
         Ok(())
     }
 
-    /// Stops this controller's own reactor (with the controller).
+    /// Stops this controller's own reactor (its client went, or the controller).
+    /// Its groups must be gone.
     pub fn stop_own_reactor(&self) {
         let r = self
             .own_reactor

@@ -325,6 +325,9 @@ impl Controller {
         self.inner.reset();
         self.inner.shared.mapped.store(false, Ordering::Release);
         self.inner.messages.store(false, Ordering::Release);
+        // Its queues are gone: so goes the reactor (and its thread and eventfd)
+        // they had for memory that moved by messages.
+        self.inner.stop_own_reactor();
     }
 
     /// The transport mirrors client memory that was mapped without a file

@@ -132,9 +132,9 @@ pub(crate) struct Port {
     timeout: Duration,
     stats: std::sync::Arc<DmaMessageStats>,
     log: trace::LogLimiter,
-    /// The last message headers through the port ('>' sent, '<' read), for the
-    /// log when the stream breaks.
-    recent: Mutex<(usize, [Option<(char, crate::proto::Header)>; 16])>,
+    /// The last message headers through the port, for the log when the stream
+    /// breaks.
+    recent: Mutex<Recent>,
 }
 
 impl std::fmt::Debug for Port {
@@ -144,6 +144,9 @@ impl std::fmt::Debug for Port {
             .finish()
     }
 }
+
+/// The last headers through a port ('>' sent, '<' read) and where the next goes.
+type Recent = (usize, [Option<(char, crate::proto::Header)>; 16]);
 
 /// One message's share of an op.
 struct Piece {

@@ -18,12 +18,15 @@ use zerocopy::IntoBytes;
 const BASE: u64 = 0x10_0000;
 const SIZE: u64 = 0x10_0000;
 
+/// What one transfer of the test device gave, and how long it took.
+type Done = (Result<Vec<u8>, MemError>, Duration);
+
 /// A device that, on a 16-byte BAR0 write at 0x100 of (addr u64, len u32, push
 /// u32), fetches that range from the client (or fills it with a pattern and
 /// pushes it) on the writing thread, and records the outcome.
 struct Mover {
     mem: Arc<DmaSpace>,
-    done: Mutex<Vec<(Result<Vec<u8>, MemError>, Duration)>>,
+    done: Mutex<Vec<Done>>,
 }
 
 impl PciBackend for Mover {
@@ -213,7 +216,7 @@ fn serve(r: &mut Raw, wire: DmaWire, n: usize) -> Vec<(u16, u64, u32)> {
     seen
 }
 
-fn wait_done(f: &Fix, n: usize) -> Vec<(Result<Vec<u8>, MemError>, Duration)> {
+fn wait_done(f: &Fix, n: usize) -> Vec<Done> {
     let t0 = Instant::now();
     loop {
         {
@@ -338,7 +341,8 @@ fn replies_that_do_not_fit_fail_the_transfer() {
     let f = fixture(Duration::from_secs(5));
     let mut r = client(&f, 1 << 20);
     let w = DmaWire::Spec;
-    let bad: Vec<Box<dyn Fn(&Rep) -> Vec<u8>>> = vec![
+    type Make = Box<dyn Fn(&Rep) -> Vec<u8>>;
+    let bad: Vec<Make> = vec![
         // Error reply.
         Box::new(|m| {
             Header::error_reply(&m.hdr, libc::EFAULT)
