@@ -19,6 +19,13 @@
 //! submission queues form one poller owned by one engine reactor, which may sleep
 //! in `adaptive` and `event` modes (docs/decisions/0014-nvme-poll-modes.md).
 //!
+//! Client memory the transport mirrors instead of mapping (DMA_MAP without a file
+//! descriptor) is fetched before the controller reads it and pushed after it wrote
+//! it, at the points `io/poll.rs`, `io/completions.rs` and `admin_poll` name; such a
+//! client's queue groups run on a reactor of this controller's own and its admin
+//! passes on a thread of their own, since they wait for its replies
+//! (docs/decisions/0020-dma-messages.md).
+//!
 //! Format NVM (`admin/format.rs`) changes a namespace between 512- and 4096-byte
 //! blocks and erases it on a thread of its own; the admin command completes when
 //! the erase is done.

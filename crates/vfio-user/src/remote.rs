@@ -54,6 +54,8 @@ const MAX_QUEUED_BYTES: usize = 8 << 20;
 /// Ids given up on (their replies may still come) before the client counts as
 /// broken.
 const MAX_ABANDONED: usize = 4096;
+/// Why a port closed when a waiter read the client's orderly close.
+const CLIENT_CLOSED: &str = "the client closed the connection";
 
 /// What the transfers of one device cost and how they went (cumulative over
 /// connections).
@@ -274,7 +276,12 @@ impl Port {
                 return Ok(Some(m));
             }
             if let Some(why) = st.closed {
-                return Err(ReadError::Framing(None, why));
+                // An orderly close a waiter read is just the client leaving.
+                return Err(if why == CLIENT_CLOSED {
+                    ReadError::Eof
+                } else {
+                    ReadError::Framing(None, why)
+                });
             }
             if st.reading {
                 // A waiter is reading; it queues what is for us and rings the bell.
@@ -381,7 +388,7 @@ impl Port {
                 }
                 Ok(())
             }
-            Err(ReadError::Eof) => Err("the client closed the connection"),
+            Err(ReadError::Eof) => Err(CLIENT_CLOSED),
             Err(ReadError::Io(_)) => Err("the connection failed"),
             Err(ReadError::Framing(_, why)) => Err(why),
         }

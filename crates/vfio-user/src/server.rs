@@ -457,10 +457,17 @@ fn serve_conn(
             break;
         }
         let ready = {
-            let mut fds = vec![conn.stream.as_fd(), dev.mem.fault_signal().wake_fd()];
+            let fault = dev.mem.fault_signal().wake_fd();
+            let mut fds = [conn.stream.as_fd(), fault, fault];
             // Requests a DMA transfer read for us while it waited for its reply.
-            fds.extend(conn.bell());
-            match crate::sock::poll_in(&fds, wait) {
+            let n = match conn.bell() {
+                Some(b) => {
+                    fds[2] = b;
+                    3
+                }
+                None => 2,
+            };
+            match crate::sock::poll_in(&fds[..n], wait) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!("vfio-user {name}: poll failed: {e}");
