@@ -27,6 +27,11 @@ DEVICE=${UDRIVE_VM_DEVICE:-udrive}
 # 1: also a throwaway Ceph cluster; the guest has the host clone a protected RBD
 # snapshot and hot-add the clone as namespace 3, writes it and resizes it (issue 13).
 RBD=${UDRIVE_VM_RBD:-0}
+# Guest RAM: shared (a memfd backend QEMU hands to udrive: the fast path) or private
+# (plain `-m`, not fd-backed: QEMU maps it without a file descriptor and udrive
+# moves every byte with DMA_READ/DMA_WRITE messages, docs/decisions/0020).
+MEM=${UDRIVE_VM_MEM:-shared}
+case $MEM in shared | private) ;; *) echo "UDRIVE_VM_MEM must be shared or private, not $MEM" >&2; exit 2 ;; esac
 
 TAG=vm-test
 # shellcheck source=tests/vm/lib.sh
@@ -82,9 +87,11 @@ start_ceph() {
 start_qemu() {
     local mem=1G d=$IN_CHROOT
     : >"$TMP/console.log"
-    QEMU_ARGS=(
-        -accel tcg -smp "$VCPUS" -m $mem
-        -object memory-backend-memfd,id=mem,size=$mem,share=on -numa node,memdev=mem
+    QEMU_ARGS=(-accel tcg -smp "$VCPUS" -m $mem)
+    if [ "$MEM" = shared ]; then
+        QEMU_ARGS+=(-object memory-backend-memfd,id=mem,size=$mem,share=on -numa node,memdev=mem)
+    fi
+    QEMU_ARGS+=(
         -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
         -serial "file:$d/console.log"
         -kernel "$d/vmlinuz" -initrd "$d/initramfs.cpio"
@@ -120,7 +127,7 @@ if [ "$DEVICE" = udrive ]; then
     phase "setup: build udrive"
     build_udrive
 fi
-phase "guest run (2 boots)"
+phase "guest run (2 boots, guest RAM $MEM)"
 if [ "$DEVICE" = udrive ] && [ "$RBD" = 1 ]; then start_ceph; fi
 if [ "$DEVICE" = udrive ]; then start_udrive; else say "self-test: QEMU's emulated NVMe, no udrive"; fi
 start_qemu
@@ -203,11 +210,35 @@ touch "$TMP/udrive.log"
 UDRIVE_RC=${UDRIVE_RC:-not run}
 n=$(grep -ci 'doorbell buffer configured' "$TMP/udrive.log" || true)
 # Configured is not enough: the exit statistics must show doorbells read from the shadow buffer.
-reads=$(sed 's/\x1b\[[0-9;]*m//g' "$TMP/udrive.log" | grep -o 'shadow_doorbell_reads=[0-9]*' | tail -n1 | cut -d= -f2)
-if [ "$n" -gt 0 ] && [ "${reads:-0}" -gt 0 ]; then
-    host_result shadow-doorbells PASS "configured $n time(s), shadow_doorbell_reads=$reads: $(grep -i 'doorbell' "$TMP/udrive.log" | tail -n 2 | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ' | cut -c1-240)"
+stat() { sed 's/\x1b\[[0-9;]*m//g' "$TMP/udrive.log" | grep -o "$1=[0-9]*" | tail -n1 | cut -d= -f2; }
+reads=$(stat shadow_doorbell_reads)
+dma_r=$(stat dma_read_messages) dma_w=$(stat dma_write_messages) dma_t=$(stat dma_message_timeouts)
+if [ "$MEM" = private ]; then
+    # A shadow buffer in unshared memory would be fetched on every poll: udrive
+    # refuses it and the guest rings its doorbells.
+    if [ "$n" = 0 ] && [ "${reads:-0}" = 0 ]; then
+        host_result shadow-doorbells PASS "refused in unshared memory, as meant (the guest rings doorbells)"
+    else
+        host_result shadow-doorbells FAIL "configured $n time(s), shadow_doorbell_reads=${reads:-none} with unshared guest RAM"
+    fi
+    if [ "${dma_r:-0}" -gt 0 ] && [ "${dma_w:-0}" -gt 0 ] && [ "${dma_t:-1}" = 0 ]; then
+        host_result dma-messages PASS "guest RAM not shared: $dma_r DMA_READ and $dma_w DMA_WRITE messages, no timeouts"
+    else
+        host_result dma-messages FAIL "DMA_READ ${dma_r:-none}, DMA_WRITE ${dma_w:-none}, timeouts ${dma_t:-none}"
+    fi
 else
-    host_result shadow-doorbells FAIL "udrive logged 'doorbell buffer configured' $n time(s), shadow_doorbell_reads=${reads:-none}"
+    if [ "$n" -gt 0 ] && [ "${reads:-0}" -gt 0 ]; then
+        host_result shadow-doorbells PASS "configured $n time(s), shadow_doorbell_reads=$reads: $(grep -i 'doorbell' "$TMP/udrive.log" | tail -n 2 | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ' | cut -c1-240)"
+    else
+        host_result shadow-doorbells FAIL "udrive logged 'doorbell buffer configured' $n time(s), shadow_doorbell_reads=${reads:-none}"
+    fi
+    # Shared RAM is the fast path: no byte moves by message (QEMU's ROMs, which it
+    # maps without a file descriptor even so, are never touched by the device).
+    if [ "${dma_r:-0}" = 0 ] && [ "${dma_w:-0}" = 0 ]; then
+        host_result dma-messages PASS "guest RAM shared: no DMA_READ/DMA_WRITE messages"
+    else
+        host_result dma-messages FAIL "guest RAM shared, yet ${dma_r:-?} DMA_READ and ${dma_w:-?} DMA_WRITE messages"
+    fi
 fi
 # An idle guest: a sleeping reactor uses next to no CPU, a busy one a whole core.
 if [ "$DEVICE" = udrive ] && [ "$IDLE_SECS" -gt 0 ]; then

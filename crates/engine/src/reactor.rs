@@ -111,9 +111,11 @@ fn new_bell() -> std::io::Result<EventFd> {
 }
 
 /// A set of reactors. It can grow ([`Engine::add_reactor`]) for devices that want
-/// reactors of their own; reactors are never removed before shutdown.
+/// reactors of their own; such a reactor may be stopped again
+/// ([`Engine::stop_reactor`]), which frees its slot for the next one.
 pub struct Engine {
-    reactors: RwLock<Vec<std::sync::Mutex<ReactorHandle>>>,
+    /// `None`: a stopped reactor's slot.
+    reactors: RwLock<Vec<std::sync::Mutex<Option<ReactorHandle>>>>,
     next_id: AtomicU64,
 }
 
@@ -133,7 +135,8 @@ impl Engine {
     /// Starts one more reactor, pinned to `cpu`, and returns its index.
     pub fn add_reactor(&self, cpu: Option<usize>) -> Result<usize, EngineError> {
         let mut reactors = self.reactors.write().unwrap_or_else(|e| e.into_inner());
-        let index = reactors.len();
+        let free = reactors.iter().position(|r| lock(r).is_none());
+        let index = free.unwrap_or(reactors.len());
         let (tx, rx) = unbounded();
         let pending = Arc::new(AtomicBool::new(false));
         let sleeping = Arc::new(AtomicBool::new(false));
@@ -149,7 +152,7 @@ impl Engine {
             .name(format!("reactor{index}"))
             .spawn(move || run_reactor(index, cpu, rx, shared))
             .map_err(EngineError::Spawn)?;
-        reactors.push(std::sync::Mutex::new(ReactorHandle {
+        let handle = ReactorHandle {
             tx,
             pending,
             sleeping,
@@ -157,13 +160,17 @@ impl Engine {
             stats,
             cpu,
             thread: Some(thread),
-        }));
+        };
+        match free {
+            Some(i) => *lock(&reactors[i]) = Some(handle),
+            None => reactors.push(std::sync::Mutex::new(Some(handle))),
+        }
         Ok(index)
     }
 
     fn with<R>(&self, i: usize, f: impl FnOnce(&ReactorHandle) -> R) -> Option<R> {
         let reactors = self.reactors.read().unwrap_or_else(|e| e.into_inner());
-        reactors.get(i).map(|r| f(&lock(r)))
+        reactors.get(i).and_then(|r| lock(r).as_ref().map(f))
     }
 
     pub fn num_reactors(&self) -> usize {
@@ -244,11 +251,33 @@ impl Engine {
         rx.recv().map_err(|_| EngineError::Stopped(reactor))
     }
 
+    /// Stops reactor `i`, joins it and frees its slot (its thread, its eventfd);
+    /// its pollers are dropped. For a device that had a reactor of its own and no
+    /// longer needs it: nobody may hold a [`PollerId`] or use the index of it any
+    /// more, since the next [`Engine::add_reactor`] reuses the slot.
+    pub fn stop_reactor(&self, i: usize) {
+        if ON_REACTOR.with(Cell::get) {
+            return;
+        }
+        let reactors = self.reactors.read().unwrap_or_else(|e| e.into_inner());
+        let Some(slot) = reactors.get(i) else { return };
+        let Some(mut r) = lock(slot).take() else {
+            return;
+        };
+        let _ = r.tx.send(Msg::Stop);
+        r.pending.store(true, Ordering::Release);
+        ring(&r.bell);
+        if let Some(t) = r.thread.take() {
+            let _ = t.join();
+        }
+    }
+
     /// Stops all reactors and joins them; their pollers are dropped.
     pub fn shutdown(&self) {
         let reactors = self.reactors.read().unwrap_or_else(|e| e.into_inner());
-        for r in reactors.iter() {
-            let mut r = lock(r);
+        for slot in reactors.iter() {
+            let mut guard = lock(slot);
+            let Some(r) = guard.as_mut() else { continue };
             let _ = r.tx.send(Msg::Stop);
             r.pending.store(true, Ordering::Release);
             ring(&r.bell);
@@ -444,6 +473,24 @@ mod tests {
             e.add_poller(5, Box::new(Count(n))),
             Err(EngineError::NoSuchReactor(5, 2))
         ));
+        e.shutdown();
+    }
+
+    #[test]
+    fn a_stopped_reactor_frees_its_slot() {
+        let e = Engine::start(&[None]).unwrap();
+        let r = e.add_reactor(None).unwrap();
+        let n = Arc::new(AtomicUsize::new(0));
+        let id = e.add_poller(r, Box::new(Count(n.clone()))).unwrap();
+        e.stop_reactor(r);
+        assert!(e.stats(r).is_none() && e.waker(r).is_none());
+        assert!(matches!(
+            e.remove_poller(id),
+            Err(EngineError::NoSuchReactor(..))
+        ));
+        assert_eq!(e.add_reactor(None).unwrap(), r, "slot reused");
+        assert_eq!(e.num_reactors(), 2);
+        assert_eq!(e.run_on(r, |ctx| ctx.index).unwrap(), r);
         e.shutdown();
     }
 

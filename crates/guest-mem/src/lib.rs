@@ -10,12 +10,16 @@
 //! * [`DmaSlice`] — a bounds-checked window into any of those, with copy and atomic
 //!   accessors. Its lifetime ties it to the snapshot or mapping it came from.
 //! * [`HeldIov`] — a request's buffer list kept by a backend wrapper past `submit`.
+//! * Mirrors ([`MappedRegion::mirror`], [`RemoteDma`]) — client memory shared
+//!   without a file descriptor, kept in step by messages at the points the reader
+//!   names ([`MemoryMap::fetch`], [`MemoryMap::push`]); see `remote.rs`.
 
 mod fault;
 mod held;
 mod map;
 mod pins;
 mod region;
+mod remote;
 mod shared;
 mod slice;
 mod space;
@@ -25,6 +29,9 @@ pub use held::HeldIov;
 pub use map::{Access, MemError, MemoryMap};
 pub use pins::{MemPins, Pin};
 pub use region::{MappedRegion, Prot};
+pub use remote::{
+    no_remote_waits, NoRemoteWaits, RemoteDir, RemoteDma, RemoteError, RemoteOp, RemotePause,
+};
 pub use shared::SharedMem;
 pub use slice::{DmaSlice, OutOfBounds};
 pub use space::{DmaSpace, MemView};

@@ -1,9 +1,11 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::fault::{FaultGuard, FaultSignal};
+use crate::remote::RemoteDma;
 use crate::slice::DmaSlice;
 
 /// Access rights a client granted on a region.
@@ -41,6 +43,12 @@ pub struct MappedRegion {
     prot: Prot,
     /// Client files can shrink under the mapping; see `fault.rs`.
     guard: Option<FaultGuard>,
+    /// A mirror of client memory that is not shared: its bytes move through this
+    /// port (see `remote.rs`). `None`: the mapping *is* the client's memory.
+    remote: Option<Arc<dyn RemoteDma>>,
+    /// The client unmapped this mirror: no transfer may reach its memory any more,
+    /// even from readers still holding an old snapshot.
+    gone: AtomicBool,
 }
 
 // SAFETY: the region is a plain memory mapping; the pointer stays valid until drop and
@@ -125,6 +133,18 @@ impl MappedRegion {
         Ok(Self::from_raw(iova, len, p, Prot::RW))
     }
 
+    /// A mirror of client memory the client does not share (no fd): private,
+    /// sparse anonymous memory of `len` bytes standing for IOVA `iova`, whose
+    /// contents move to and from the client through `port` when a reader asks
+    /// ([`crate::MemoryMap::fetch`], [`crate::MemoryMap::push`]). Pages cost memory
+    /// only once a transfer touched them.
+    pub fn mirror(iova: u64, len: u64, prot: Prot, port: Arc<dyn RemoteDma>) -> io::Result<Self> {
+        let mut r = Self::anonymous(iova, len)?;
+        r.prot = prot;
+        r.remote = Some(port);
+        Ok(r)
+    }
+
     fn from_raw(iova: u64, len: usize, p: *mut libc::c_void, prot: Prot) -> Self {
         MappedRegion {
             iova,
@@ -133,7 +153,28 @@ impl MappedRegion {
             host: NonNull::new(p.cast()).unwrap_or(NonNull::dangling()),
             prot,
             guard: None,
+            remote: None,
+            gone: AtomicBool::new(false),
         }
+    }
+
+    /// The port of a mirror region (`None`: shared memory).
+    pub fn remote(&self) -> Option<&Arc<dyn RemoteDma>> {
+        self.remote.as_ref()
+    }
+
+    pub fn is_remote(&self) -> bool {
+        self.remote.is_some()
+    }
+
+    /// Marks a mirror as unmapped by the client: later transfers to it fail
+    /// (readers of older snapshots included).
+    pub fn set_gone(&self) {
+        self.gone.store(true, Ordering::Release);
+    }
+
+    pub fn is_gone(&self) -> bool {
+        self.gone.load(Ordering::Acquire)
     }
 
     pub fn iova(&self) -> u64 {

@@ -1,9 +1,10 @@
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::fault::FaultSignal;
 use crate::map::MemoryMap;
+use crate::remote::{RemoteDma, RemotePause};
 
 /// A client's current DMA memory map, changed by the control path and read by
 /// reactors without locks: readers keep a [`MemView`] that checks one shared
@@ -18,6 +19,11 @@ pub struct DmaSpace {
     current: Mutex<Arc<MemoryMap>>,
     /// Raised when a file behind one of the client's regions shrank under us.
     fault: Arc<FaultSignal>,
+    /// The port of the client's mirror regions, once it mapped memory without a
+    /// file descriptor (until it goes: [`DmaSpace::set_remote`]).
+    remote: Mutex<Option<Arc<dyn RemoteDma>>>,
+    /// `remote` is set: cheap to ask on placement decisions.
+    messages: AtomicBool,
 }
 
 impl DmaSpace {
@@ -33,7 +39,36 @@ impl DmaSpace {
             generation: AtomicU64::new(0),
             current: Mutex::default(),
             fault: FaultSignal::new()?,
+            remote: Mutex::new(None),
+            messages: AtomicBool::new(false),
         }))
+    }
+
+    /// Records (or with `None`, forgets) the port through which the current
+    /// client's unshared memory moves. Set before the first mirror region is
+    /// added; forgotten when the client goes.
+    pub fn set_remote(&self, port: Option<Arc<dyn RemoteDma>>) {
+        let mut r = self.remote.lock().unwrap_or_else(|e| e.into_inner());
+        self.messages.store(port.is_some(), Ordering::Release);
+        *r = port;
+    }
+
+    /// Whether the current client has memory that moves by messages (readers of
+    /// this space then wait for the client: keep them off shared threads).
+    pub fn uses_messages(&self) -> bool {
+        self.messages.load(Ordering::Acquire)
+    }
+
+    /// Suspends the client's transfers until the guard drops: readers waiting
+    /// for the client give up, new transfers fail at once. For the control path
+    /// before it waits on readers it resets anyway (no-op without a port).
+    pub fn pause_remote(&self) -> RemotePause {
+        let port = self
+            .remote
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        RemotePause::new(port)
     }
 
     /// What client regions should be mapped with ([`crate::MappedRegion::map_fd_watched`]),

@@ -1,15 +1,19 @@
-//! A vfio-user client: one socket, synchronous request/reply.
+//! A vfio-user client: one socket, synchronous request/reply. With memory mapped
+//! without a file descriptor, a service thread also answers the server's
+//! DMA_READ/DMA_WRITE requests (`dma_service.rs`) and hands us our replies.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use vfio_user::proto::{self, Command, Header, HEADER_SIZE};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 use zerocopy::IntoBytes;
 
+use crate::dma_service::{DmaServeCtl, Service};
 use crate::error::{proto_err, Error, Result};
 use crate::scm;
 
@@ -48,6 +52,13 @@ pub struct VfioUserClient {
     tx: Vec<u8>,
     rx: Vec<u8>,
     rx_fds: Vec<OwnedFd>,
+    /// Whole messages go out under this lock (the DMA service writes too).
+    write_lock: Arc<Mutex<()>>,
+    /// How long a reply may take (also the socket's read timeout).
+    timeout: Option<Duration>,
+    /// Answers the server's DMA requests and owns the socket's read side, once
+    /// memory was mapped without an fd.
+    service: Option<Service>,
 }
 
 impl std::fmt::Debug for VfioUserClient {
@@ -65,8 +76,18 @@ impl VfioUserClient {
         Self::from_stream(UnixStream::connect(path)?)
     }
 
+    /// Connects, telling the server we take at most `max_data_xfer` bytes of data
+    /// per message (it must split its DMA_READ/DMA_WRITE accordingly).
+    pub fn connect_with_xfer(path: impl AsRef<Path>, max_data_xfer: u32) -> Result<Self> {
+        Self::negotiated(UnixStream::connect(path)?, max_data_xfer)
+    }
+
     /// Negotiates over an already connected socket (tests use socketpairs).
     pub fn from_stream(sock: UnixStream) -> Result<Self> {
+        Self::negotiated(sock, proto::MAX_DATA_XFER)
+    }
+
+    fn negotiated(sock: UnixStream, our_max_xfer: u32) -> Result<Self> {
         // A silent server must become an error, not a hang.
         sock.set_read_timeout(Some(Duration::from_secs(30)))?;
         let mut c = VfioUserClient {
@@ -83,13 +104,54 @@ impl VfioUserClient {
             tx: Vec::with_capacity(4096),
             rx: Vec::with_capacity(4096),
             rx_fds: Vec::with_capacity(proto::MAX_MSG_FDS as usize),
+            write_lock: Arc::new(Mutex::new(())),
+            timeout: Some(Duration::from_secs(30)),
+            service: None,
         };
-        c.negotiate()?;
+        c.negotiate(our_max_xfer)?;
         Ok(c)
     }
 
-    pub fn set_timeout(&self, t: Option<Duration>) -> Result<()> {
+    pub fn set_timeout(&mut self, t: Option<Duration>) -> Result<()> {
+        self.timeout = t;
         Ok(self.sock.set_read_timeout(t)?)
+    }
+
+    /// Starts answering the server's DMA_READ/DMA_WRITE requests (in layout
+    /// `wire`) from memory registered with [`VfioUserClient::dma_map_unshared`].
+    /// From now on a thread of ours reads the socket. Returns its controls.
+    pub fn start_dma_service(&mut self, wire: proto::DmaWire) -> Result<Arc<DmaServeCtl>> {
+        if let Some(s) = &self.service {
+            return Ok(s.ctl.clone());
+        }
+        let s = Service::start(&self.sock, self.write_lock.clone(), wire)?;
+        let ctl = s.ctl.clone();
+        self.service = Some(s);
+        Ok(ctl)
+    }
+
+    /// The DMA service's controls, if it runs.
+    pub fn dma_service(&self) -> Option<Arc<DmaServeCtl>> {
+        self.service.as_ref().map(|s| s.ctl.clone())
+    }
+
+    /// DMA_MAP of `mem` at `iova` *without* its file descriptor: the server
+    /// reaches it only through DMA_READ/DMA_WRITE, which the service answers
+    /// (started with the document's layout if it does not run yet).
+    pub fn dma_map_unshared(
+        &mut self,
+        mem: Arc<guest_mem::SharedMem>,
+        iova: u64,
+        prot: guest_mem::Prot,
+    ) -> Result<()> {
+        let ctl = self.start_dma_service(proto::DmaWire::Spec)?;
+        let size = mem.len();
+        ctl.add_region(iova, mem);
+        let r = self.dma_map_raw(None, 0, iova, size, prot);
+        if r.is_err() {
+            ctl.remove_region(iova);
+        }
+        r
     }
 
     pub fn server_caps(&self) -> &proto::Capabilities {
@@ -102,11 +164,11 @@ impl VfioUserClient {
         self.max_msg_fds
     }
 
-    fn negotiate(&mut self) -> Result<()> {
+    fn negotiate(&mut self, our_max_xfer: u32) -> Result<()> {
         let caps = proto::CapabilitiesDoc {
             capabilities: proto::Capabilities {
                 max_msg_fds: proto::MAX_MSG_FDS,
-                max_data_xfer_size: proto::MAX_DATA_XFER,
+                max_data_xfer_size: our_max_xfer,
                 pgsizes: None,
                 max_dma_maps: None,
             },
@@ -164,7 +226,10 @@ impl VfioUserClient {
         self.tx.extend_from_slice(hdr.as_bytes());
         self.tx.extend_from_slice(payload);
         let tx = std::mem::take(&mut self.tx);
-        let r = write_msg(&self.sock, &tx, fds);
+        let r = {
+            let _g = self.write_lock.lock().unwrap_or_else(|e| e.into_inner());
+            write_msg(&self.sock, &tx, fds)
+        };
         self.tx = tx;
         r?;
         Ok(id)
@@ -172,12 +237,28 @@ impl VfioUserClient {
 
     /// Sends arbitrary bytes (need not be a valid message) with fds, for hostile tests.
     pub fn send_raw(&mut self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+        let _g = self.write_lock.lock().unwrap_or_else(|e| e.into_inner());
         write_msg(&self.sock, bytes, fds)
     }
 
     /// Reads the next message into `rx`/`rx_fds`.
     fn recv_into(&mut self) -> Result<Header> {
         self.rx_fds.clear();
+        if let Some(s) = &self.service {
+            let m = match self.timeout {
+                Some(t) => s.replies.recv_timeout(t).map_err(|e| match e {
+                    std::sync::mpsc::RecvTimeoutError::Timeout => {
+                        Error::Timeout("waiting for a vfio-user reply")
+                    }
+                    std::sync::mpsc::RecvTimeoutError::Disconnected => Error::Disconnected,
+                })?,
+                None => s.replies.recv().map_err(|_| Error::Disconnected)?,
+            };
+            self.rx.clear();
+            self.rx.extend_from_slice(&m.payload);
+            self.rx_fds = m.fds;
+            return Ok(m.header);
+        }
         let mut hb = [0u8; HEADER_SIZE];
         let n = scm::recv_with_fds(&self.sock, &mut hb, &mut self.rx_fds).map_err(map_timeout)?;
         if n == 0 {
@@ -214,10 +295,11 @@ impl VfioUserClient {
         loop {
             let hdr = self.recv_into()?;
             if !hdr.is_reply() {
-                // We give the server no reason to send commands (all our memory is
-                // fd-backed), so refuse them rather than stall.
+                // Without the DMA service all our memory is fd-backed: the server
+                // has no reason to send commands, so refuse them rather than stall.
                 tracing::debug!(cmd = hdr.cmd, "server sent a command; refusing");
                 let e = Header::error_reply(&hdr, libc::ENOTSUP);
+                let _g = self.write_lock.lock().unwrap_or_else(|e| e.into_inner());
                 write_msg(&self.sock, e.as_bytes(), &[])?;
                 continue;
             }
@@ -449,6 +531,19 @@ impl VfioUserClient {
         size: u64,
         prot: guest_mem::Prot,
     ) -> Result<()> {
+        self.dma_map_raw(Some(fd), fd_offset, iova, size, prot)
+    }
+
+    /// DMA_MAP with or without an fd (without one the server must use DMA
+    /// messages, which only [`VfioUserClient::dma_map_unshared`] arranges to answer).
+    pub fn dma_map_raw(
+        &mut self,
+        fd: Option<BorrowedFd<'_>>,
+        fd_offset: u64,
+        iova: u64,
+        size: u64,
+        prot: guest_mem::Prot,
+    ) -> Result<()> {
         let mut flags = 0;
         if prot.read {
             flags |= proto::DMA_READ;
@@ -463,7 +558,7 @@ impl VfioUserClient {
             addr: iova,
             size,
         };
-        self.request(Command::DmaMap, req.as_bytes(), &[fd])?;
+        self.request(Command::DmaMap, req.as_bytes(), fd.as_slice())?;
         Ok(())
     }
 
@@ -511,7 +606,7 @@ fn read_full(sock: &mut UnixStream, buf: &mut [u8]) -> Result<()> {
     })
 }
 
-fn write_msg(sock: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+pub(crate) fn write_msg(sock: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
     let mut sent = 0;
     if !fds.is_empty() {
         let mut raw: [RawFd; proto::MAX_MSG_FDS as usize] = [-1; proto::MAX_MSG_FDS as usize];

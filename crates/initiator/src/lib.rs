@@ -8,6 +8,7 @@
 
 pub mod client;
 pub mod cmd;
+pub mod dma_service;
 mod doorbell;
 pub mod dptr;
 mod error;
@@ -21,6 +22,7 @@ pub mod workload;
 
 pub use client::{RegionInfo, Reply, VfioUserClient};
 pub use cmd::{Completion, Cqe, Sqe, Status};
+pub use dma_service::{DmaServeCtl, DmaServeMode};
 pub use error::{Error, Result};
 pub use identify::{ControllerInfo, Namespace};
 pub use nvme::{AsyncEvent, DriverOpts, NvmeDriver};

@@ -12,6 +12,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::client::VfioUserClient;
 use crate::cmd::{opc, Completion, Sqe, FEAT_ASYNC_EVENT_CONFIG, FEAT_NUM_QUEUES, LOG_CHANGED_NS};
+use crate::dma_service::DmaServeCtl;
 use crate::doorbell::{Doorbells, ShadowPages};
 use crate::error::{Error, Result};
 use crate::identify::{parse_ns_list, ControllerInfo, Namespace};
@@ -37,6 +38,15 @@ pub struct DriverOpts {
     pub admin_timeout: Duration,
     /// Overrides CAP.TO for CSTS.RDY transitions.
     pub ready_timeout: Option<Duration>,
+    /// Map the DMA pool *without* its file descriptor, as QEMU maps guest RAM that
+    /// is not fd-backed: the controller then reaches it only with DMA_READ and
+    /// DMA_WRITE messages, which a thread of ours answers (the slow path).
+    pub dma_messages: bool,
+    /// The layout those messages use (what the server must detect).
+    pub dma_wire: proto::DmaWire,
+    /// Data bytes per message we tell the server we take (VERSION
+    /// `max_data_xfer_size`); it splits its DMA messages to fit.
+    pub max_data_xfer: u32,
 }
 
 impl Default for DriverOpts {
@@ -50,6 +60,9 @@ impl Default for DriverOpts {
             io_queues: 64,
             admin_timeout: Duration::from_secs(10),
             ready_timeout: None,
+            dma_messages: false,
+            dma_wire: proto::DmaWire::Spec,
+            max_data_xfer: proto::MAX_DATA_XFER,
         }
     }
 }
@@ -245,7 +258,8 @@ impl Shared {
 
 impl NvmeDriver {
     pub fn connect(path: impl AsRef<Path>, opts: DriverOpts) -> Result<NvmeDriver> {
-        Self::with_client(VfioUserClient::connect(path)?, opts)
+        let c = VfioUserClient::connect_with_xfer(path, opts.max_data_xfer)?;
+        Self::with_client(c, opts)
     }
 
     /// Brings up the controller behind an already negotiated client.
@@ -257,14 +271,21 @@ impl NvmeDriver {
         // Bus master + memory space, as a PCI host would set before using the device.
         // Servers that ignore config space are fine, so errors are not fatal.
         let _ = client.region_write(proto::PCI_CONFIG_REGION, 4, &0x0006u16.to_le_bytes(), false);
+        let pool_mem = Arc::new(SharedMem::new("udrive-initiator-dma", opts.pool_bytes)?);
+        if opts.dma_messages {
+            // As QEMU does: memory first, then the regions.
+            client.start_dma_service(opts.dma_wire)?;
+            client.dma_map_unshared(pool_mem.clone(), opts.pool_iova, Prot::RW)?;
+        }
         let bar0 = client.region_info(PCI_BAR0_REGION)?;
         let map = if opts.doorbells_via_messages {
             None
         } else {
             map_doorbells(&bar0)
         };
-        let pool_mem = SharedMem::new("udrive-initiator-dma", opts.pool_bytes)?;
-        client.dma_map(pool_mem.fd(), 0, opts.pool_iova, pool_mem.len(), Prot::RW)?;
+        if !opts.dma_messages {
+            client.dma_map(pool_mem.fd(), 0, opts.pool_iova, pool_mem.len(), Prot::RW)?;
+        }
         let pool = Arc::new(Pool::new(pool_mem, opts.pool_iova));
         let client = Arc::new(Mutex::new(client));
         let mut cap_raw = [0u8; 8];
@@ -372,6 +393,12 @@ impl NvmeDriver {
     /// Largest transfer the controller accepts (MDTS), if it states one.
     pub fn max_xfer(&self) -> Option<u64> {
         self.ctrl.max_xfer(self.shared.ctx.cap.mpsmin_bytes)
+    }
+
+    /// The DMA service answering the controller's DMA_READ/DMA_WRITE (with
+    /// [`DriverOpts::dma_messages`]): its counters, and how it behaves.
+    pub fn dma_service(&self) -> Option<Arc<DmaServeCtl>> {
+        lock(&self.shared.client).dma_service()
     }
 
     /// The vfio-user client, for raw (hostile) messages. Holding the lock stalls

@@ -23,10 +23,10 @@ pub(crate) struct Chunk {
 }
 
 impl Pool {
-    pub fn new(mem: SharedMem, iova: u64) -> Pool {
+    pub fn new(mem: Arc<SharedMem>, iova: u64) -> Pool {
         let len = mem.len();
         Pool {
-            mem: Arc::new(mem),
+            mem,
             iova,
             free: Mutex::new(vec![(0, len)]),
         }
@@ -170,7 +170,7 @@ mod tests {
     #[test]
     fn alloc_free_coalesce() {
         let p = Arc::new(Pool::new(
-            SharedMem::new("p", 8 * PAGE).unwrap(),
+            Arc::new(SharedMem::new("p", 8 * PAGE).unwrap()),
             0x1000_0000,
         ));
         let a = p.alloc(100).unwrap();

@@ -2,7 +2,7 @@
 //! queue groups and where they run. What reactors read is in `shared.rs`.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use crate::admin::format::FormatRun;
 use crate::io::{GroupPoller, QueueGroup, Shadow};
 use crate::log::{ErrorEntry, GroupCounters, Totals};
 use crate::namespaces::Ns;
-use crate::queue::{db_index, CqRing, SqRing, Sqe};
+use crate::queue::{db_index, ring_ranges, CqRing, SqRing, Sqe, CQE_SIZE, SQE_SIZE};
 use crate::regs::{self, Regs};
 pub(crate) use crate::shared::Shared;
 use crate::status::Status;
@@ -112,6 +112,18 @@ pub(crate) struct Inner {
     pub mem: Arc<DmaSpace>,
     pub state: Mutex<State>,
     pub stop: AtomicBool,
+    /// The client's memory (some of it) moves by messages: queue groups wait for
+    /// the client, so they run on `own_reactor`, not on reactors other
+    /// controllers share (docs/decisions/0020-dma-messages.md). Until it goes.
+    pub messages: AtomicBool,
+    /// This controller's own reactor, started the first time a client needed one
+    /// and stopped when that client goes (or with the controller).
+    pub own_reactor: Mutex<Option<usize>>,
+    /// An admin pass runs on a thread of its own (mapped admin doorbells with
+    /// memory that moves by messages, see `service.rs`).
+    pub admin_running: AtomicBool,
+    /// Requests for such a pass (see [`Inner::admin_elsewhere`]).
+    pub admin_kicks: AtomicU64,
 }
 
 impl Inner {
@@ -153,6 +165,98 @@ impl Inner {
                 keep_alive: None,
             }),
             stop: AtomicBool::new(false),
+            messages: AtomicBool::new(false),
+            own_reactor: Mutex::new(None),
+            admin_running: AtomicBool::new(false),
+            admin_kicks: AtomicU64::new(0),
+        }
+    }
+
+    /// Runs admin passes on a short-lived thread of this controller until no
+    /// request for one is left (one such thread at a time): for a client whose
+    /// memory moves by messages, whose admin commands wait for its replies. The
+    /// thread that received the doorbell (the client's connection) stays free to
+    /// serve the client meanwhile, which QEMU needs: it answers our DMA requests
+    /// only while none of its own waits for us.
+    pub fn admin_elsewhere(&self) {
+        self.admin_kicks.fetch_add(1, Ordering::SeqCst);
+        if self.admin_running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Some(me) = self.me.upgrade() else {
+            self.admin_running.store(false, Ordering::Release);
+            return;
+        };
+        let pass = move || loop {
+            let k = me.admin_kicks.load(Ordering::SeqCst);
+            {
+                let mut st = me.lock();
+                me.admin_poll(&mut st);
+            }
+            if me.admin_kicks.load(Ordering::SeqCst) != k {
+                continue;
+            }
+            me.admin_running.store(false, Ordering::SeqCst);
+            // A request that came between the check and the store is ours again.
+            if me.admin_kicks.load(Ordering::SeqCst) == k
+                || me.admin_running.swap(true, Ordering::AcqRel)
+            {
+                break;
+            }
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("nvme-admin-dma".into())
+            .spawn(pass)
+        {
+            tracing::warn!("nvme: cannot start an admin thread ({e})");
+            self.admin_running.store(false, Ordering::Release);
+        }
+    }
+
+    /// The reactor this controller's queue groups run on while its client's
+    /// memory moves by messages (started on first use).
+    fn own_reactor(&self) -> Result<usize, engine::EngineError> {
+        let mut r = self.own_reactor.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = *r {
+            return Ok(i);
+        }
+        let i = self.engine.add_reactor(None)?;
+        *r = Some(i);
+        Ok(i)
+    }
+
+    /// The client maps writable memory without a file descriptor: from now on
+    /// queue groups run on this controller's own reactor (those running move there
+    /// now, before that memory can be used), since they wait for the client; admin
+    /// passes that may wait leave the shared admin thread (`service.rs`).
+    pub fn use_messages(&self) -> Result<(), i32> {
+        let mut st = self.lock();
+        self.own_reactor().map_err(|e| {
+            tracing::error!("nvme: cannot start a reactor for DMA by messages: {e}");
+            libc::EAGAIN
+        })?;
+        if self.messages.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let ids: Vec<u16> = st.groups.keys().copied().collect();
+        for cqid in ids {
+            if let Some(g) = self.take_group(&mut st, cqid) {
+                self.place_group(&mut st, g).map_err(|_| libc::EAGAIN)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops this controller's own reactor (its client went, or the controller).
+    /// Its groups must be gone.
+    pub fn stop_own_reactor(&self) {
+        let r = self
+            .own_reactor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(i) = r {
+            self.engine.stop_reactor(i);
         }
     }
 
@@ -183,9 +287,15 @@ impl Inner {
                 .all()
                 .store_u32(off as usize, v.to_le());
             if off < DOORBELL_OFFSET + 8 {
-                // The admin queue, by message: handled here, on the client's thread.
-                let mut st = self.lock();
-                self.admin_poll(&mut st);
+                if self.messages.load(Ordering::Acquire) {
+                    // Its pass may wait for the client's replies: not on the thread
+                    // that must answer the client meanwhile.
+                    self.admin_elsewhere();
+                } else {
+                    // The admin queue, by message: handled here, on the client's thread.
+                    let mut st = self.lock();
+                    self.admin_poll(&mut st);
+                }
             } else {
                 self.shared.rang(off, v);
             }
@@ -309,6 +419,9 @@ impl Inner {
     }
 
     pub fn teardown_queues(&self, st: &mut State) {
+        // Groups waiting for the client's replies give up: we wait for them here,
+        // and the client may be waiting for us.
+        let _paused = self.mem.pause_remote();
         let ids: Vec<u16> = st.groups.keys().copied().collect();
         for cqid in ids {
             if let Some(mut g) = self.take_group(st, cqid) {
@@ -352,11 +465,21 @@ impl Inner {
             Place::Parked(g)
         } else {
             let (tx, rx) = crossbeam_channel::bounded(1);
+            let mut g = g;
+            g.resync();
+            // Guest RAM that moves by messages: the group waits for the client, on
+            // a reactor of this controller's own.
+            let own = if self.messages.load(Ordering::Acquire) {
+                self.own_reactor().ok()
+            } else {
+                None
+            };
+            g.own = own.is_some();
             let poller = GroupPoller {
                 group: Some(g),
                 back: tx,
             };
-            let reactor = st.placer.reactor_for(usize::from(cqid));
+            let reactor = own.unwrap_or_else(|| st.placer.reactor_for(usize::from(cqid)));
             if let Some(g) = &poller.group {
                 // Before the reactor has it: a doorbell by message from now on wakes
                 // the reactor, which polls the group first thing anyway.
@@ -387,6 +510,25 @@ impl Inner {
             },
         );
         Ok(())
+    }
+
+    /// Whether [`Inner::admin_poll`] has something to do: commands, events or
+    /// finished commands to post, or an expired Keep Alive Timer.
+    pub fn admin_pending(&self, st: &State) -> bool {
+        let Some(q) = st.admin else { return false };
+        if st.keep_alive.is_some_and(|t| Instant::now() > t) {
+            return true;
+        }
+        let tail = self
+            .shared
+            .doorbells
+            .all()
+            .load_u32(DOORBELL_OFFSET as usize + db_index(0, false))
+            .map(u32::from_le)
+            .unwrap_or(0);
+        tail != u32::from(q.sq.head)
+            || (!st.events.is_empty() && !st.aer.is_empty())
+            || !st.done.is_empty()
     }
 
     /// One pass over the admin queue. Returns the number of commands handled.
@@ -429,6 +571,17 @@ impl Inner {
             self.shared.set_fatal("admin queue memory unmapped");
             return 0;
         };
+        // Unshared client memory (docs/decisions/0020-dma-messages.md): the new
+        // entries come over first; what we post goes over before the interrupt.
+        if tail as u16 != q.sq.head {
+            let new = ring_ranges(q.sq.base, q.sq.head, tail as u16, q.sq.size, SQE_SIZE);
+            if map.fetch(&new).is_err() {
+                self.shared
+                    .set_fatal("cannot fetch admin SQ entries from the client");
+                return 0;
+            }
+        }
+        let first = q.cq.tail;
         let mut posted = 0usize;
         while q.cq.free() > 0 {
             let Some((cid, status)) = st.done.pop_front() else {
@@ -449,6 +602,21 @@ impl Inner {
             }
             posted += 1;
         }
+        // Events wait for an Asynchronous Event Request: those outstanding now, and
+        // (below) those this pass fetches, or an event queued while that request's
+        // doorbell was on its way would wait for the next admin command.
+        let post_events = |st: &mut State, q: &mut AdminQueues, posted: &mut usize| {
+            while q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
+                let (Some(ev), cid) = (st.events.pop_front(), st.aer.remove(0)) else {
+                    break;
+                };
+                if !q.cq.post(&cq_ring, ev, q.sq.head, 0, cid, Status::SUCCESS) {
+                    break;
+                }
+                *posted += 1;
+            }
+        };
+        post_events(st, &mut q, &mut posted);
         while q.sq.head != tail as u16 && q.cq.free() > 0 {
             let Some(sqe) = Sqe::fetch(&sq_ring, q.sq.head) else {
                 self.shared.set_fatal("cannot read admin SQ entry");
@@ -480,21 +648,17 @@ impl Inner {
                 posted += 1;
             }
         }
-        // After the commands: an Asynchronous Event Request fetched just now takes
-        // an event that was queued while none was outstanding.
-        while q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
-            let (Some(ev), cid) = (st.events.pop_front(), st.aer.remove(0)) else {
-                break;
-            };
-            if !q.cq.post(&cq_ring, ev, q.sq.head, 0, cid, Status::SUCCESS) {
-                break;
-            }
-            posted += 1;
-        }
+        post_events(st, &mut q, &mut posted);
         if st.admin.is_some() {
             st.admin = Some(q);
         }
         if posted > 0 {
+            let written = ring_ranges(q.cq.base, first, q.cq.tail, q.cq.size, CQE_SIZE);
+            if map.push(&written).is_err() {
+                self.shared
+                    .set_fatal("cannot send admin CQ entries to the client");
+                return posted;
+            }
             self.shared.irqs.signal(0);
         }
         posted.max(1)
@@ -512,5 +676,7 @@ impl Drop for Inner {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         self.cancel_format(&st);
         self.teardown_queues(&mut st);
+        drop(st);
+        self.stop_own_reactor();
     }
 }

@@ -2,6 +2,11 @@
 //! One [`Iov`] can also hold the iovecs of several commands one after the other (a
 //! batch is parsed before it is submitted, see `io/poll.rs`); each command still gets
 //! at most [`MAX_IOV`] segments.
+//!
+//! When the map has mirrors of unshared client memory (`guest_mem::MemoryMap::
+//! has_remote`), the iovec also keeps each command's guest ranges (IOVA, length),
+//! which the caller fetches before the device reads them or pushes after it wrote
+//! them (docs/decisions/0020-dma-messages.md). Otherwise nothing is recorded.
 
 use guest_mem::{Access, DmaSlice, MemoryMap};
 use smallvec::SmallVec;
@@ -27,8 +32,15 @@ pub(crate) fn effective_mdts(cfg: u8) -> u8 {
     }
 }
 
+/// A guest range as (IOVA, length).
+pub(crate) type Run = (u64, u64);
+
 pub(crate) struct Iov<'a> {
     segs: SmallVec<[DmaSlice<'a>; POOL]>,
+    /// Guest ranges of every command held, with a map that has mirrors only.
+    runs: SmallVec<[Run; 8]>,
+    /// First run of the current command.
+    runs_first: usize,
     /// First segment of the current command.
     first: usize,
     /// Segment count at which the current command overflows.
@@ -44,6 +56,8 @@ impl<'a> Iov<'a> {
     pub fn new() -> Iov<'a> {
         Iov {
             segs: SmallVec::new(),
+            runs: SmallVec::new(),
+            runs_first: 0,
             first: 0,
             limit: MAX_IOV,
             total: 0,
@@ -90,6 +104,9 @@ impl<'a> Iov<'a> {
         }
         let (start, len) = (self.run_start, self.run_len);
         self.run_len = 0;
+        if map.has_remote() {
+            self.runs.push((start, len));
+        }
         let ulen = usize::try_from(len).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
         if let Ok(s) = map.translate(start, ulen, access) {
             return self.push(s, len);
@@ -128,6 +145,7 @@ impl<'a> Iov<'a> {
     /// (they are not in any command's range).
     pub fn next_command(&mut self) {
         self.first = self.segs.len();
+        self.runs_first = self.runs.len();
         self.limit = self.first + MAX_IOV;
         self.total = 0;
         self.run_len = 0;
@@ -137,7 +155,27 @@ impl<'a> Iov<'a> {
     /// Forgets every command's segments.
     pub fn clear(&mut self) {
         self.segs.clear();
+        self.runs.clear();
         self.next_command();
+    }
+
+    /// Where the current command's guest ranges are, for [`Iov::runs_of`] (empty
+    /// unless the map has mirrors).
+    pub fn run_range(&self) -> (u16, u16) {
+        let clamp = |n: usize| u16::try_from(n).unwrap_or(u16::MAX);
+        (clamp(self.runs_first), clamp(self.runs.len()))
+    }
+
+    /// A command's guest ranges by its [`Iov::run_range`].
+    pub fn runs_of(&self, (start, end): (u16, u16)) -> &[Run] {
+        self.runs
+            .get(usize::from(start)..usize::from(end))
+            .unwrap_or(&[])
+    }
+
+    /// The current command's guest ranges.
+    pub fn runs(&self) -> &[Run] {
+        self.runs.get(self.runs_first..).unwrap_or(&[])
     }
 
     /// Where the current command's segments are, for [`Iov::segments`].

@@ -19,6 +19,13 @@
 //! submission queues form one poller owned by one engine reactor, which may sleep
 //! in `adaptive` and `event` modes (docs/decisions/0014-nvme-poll-modes.md).
 //!
+//! Client memory the transport mirrors instead of mapping (DMA_MAP without a file
+//! descriptor) is fetched before the controller reads it and pushed after it wrote
+//! it, at the points `io/poll.rs`, `io/completions.rs` and `admin_poll` name; such a
+//! client's queue groups run on a reactor of this controller's own and its admin
+//! passes on a thread of their own, since they wait for its replies
+//! (docs/decisions/0020-dma-messages.md).
+//!
 //! Format NVM (`admin/format.rs`) changes a namespace between 512- and 4096-byte
 //! blocks and erases it on a thread of its own; the admin command completes when
 //! the erase is done.
@@ -324,6 +331,31 @@ impl Controller {
     pub fn client_gone(&self) {
         self.inner.reset();
         self.inner.shared.mapped.store(false, Ordering::Release);
+        self.inner.messages.store(false, Ordering::Release);
+        // Its queues are gone: so goes the reactor (and its thread and eventfd)
+        // they had for memory that moved by messages.
+        self.inner.stop_own_reactor();
+    }
+
+    /// The transport mirrors client memory that was mapped without a file
+    /// descriptor and moves it by messages when the controller fetches and pushes
+    /// (docs/decisions/0020-dma-messages.md). For `writable` memory (guest RAM),
+    /// from now until the client goes, queue groups run on a reactor of this
+    /// controller's own, since they wait for the client's replies; read-only
+    /// memory alone (QEMU's ROMs) changes nothing: nobody does I/O from it, and a
+    /// transfer from it on a shared reactor fails at once instead of waiting.
+    /// Errors are errnos for the transport's reply.
+    pub fn use_dma_messages(&self, writable: bool) -> Result<(), i32> {
+        if writable {
+            self.inner.use_messages()
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Whether the current client's memory (some of it) moves by messages.
+    pub fn dma_messages(&self) -> bool {
+        self.inner.messages.load(Ordering::Acquire)
     }
 
     /// Asked by the transport when a client queries BAR0: whether to offer it the
@@ -365,6 +397,8 @@ impl Controller {
         let mut st = self.inner.lock();
         self.inner.cancel_format(&st);
         self.inner.disable(&mut st);
+        drop(st);
+        self.inner.stop_own_reactor();
     }
 
     /// Activates namespace `nsid` at run time. Queue groups get a channel on their

@@ -57,6 +57,9 @@ pub(crate) fn walk<'a>(
             (pages, false)
         };
         let bytes = (data + u64::from(chained)) * 8;
+        // A list page in unshared client memory comes over first (one message).
+        map.fetch(&[(list, bytes)])
+            .map_err(|_| Status::DATA_TRANSFER_ERROR)?;
         let entries = map
             .translate(
                 list,

@@ -151,6 +151,27 @@ impl CqRing {
     }
 }
 
+/// The guest ranges (IOVA, length) of entries `from..to` of a ring of `size`
+/// entries of `entry` bytes at `base`: one range, or two when it wraps.
+pub(crate) fn ring_ranges(
+    base: u64,
+    from: u16,
+    to: u16,
+    size: u16,
+    entry: usize,
+) -> [(u64, u64); 2] {
+    let e = entry as u64;
+    let at = |i: u16| base.wrapping_add(u64::from(i) * e);
+    if from <= to {
+        [(at(from), u64::from(to - from) * e), (base, 0)]
+    } else {
+        [
+            (at(from), u64::from(size.saturating_sub(from)) * e),
+            (base, u64::from(to) * e),
+        ]
+    }
+}
+
 pub(crate) fn wrap_inc(v: u16, size: u16) -> u16 {
     let n = u32::from(v) + 1;
     if n >= u32::from(size) {

@@ -67,6 +67,16 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// For a controller whose client's memory moves by messages: runs its admin pass on
+/// a thread of the controller's if it has work. Returns 1 if it asked for one.
+fn spawn_admin_pass(inner: &Arc<Inner>) -> usize {
+    if !inner.admin_pending(&inner.lock()) || inner.admin_running.load(Ordering::Acquire) {
+        return 0;
+    }
+    inner.admin_elsewhere();
+    1
+}
+
 fn run() {
     // Wait until `register` published the service (a loser of a start race exits).
     let me = std::thread::current().id();
@@ -92,8 +102,21 @@ fn run() {
                 continue;
             }
             let m = inner.shared.mapped.load(Ordering::Acquire);
+            if m && inner.messages.load(Ordering::Acquire) {
+                // Its admin pass may wait for the client's replies: never here,
+                // where every controller's admin work runs.
+                work += spawn_admin_pass(inner);
+                if let Some(t) = inner.lock().keep_alive {
+                    timer = Some(timer.map_or(t, |x| x.min(t)));
+                }
+                mapped = true;
+                continue;
+            }
             let mut st = inner.lock();
             if m || st.keep_alive.is_some_and(|t| now > t) {
+                // Shared by every controller: never wait for one client here (its
+                // read-only unshared memory, if any, fails such a command at once).
+                let _no_waits = guest_mem::no_remote_waits();
                 work += inner.admin_poll(&mut st);
             }
             if let Some(t) = st.keep_alive {

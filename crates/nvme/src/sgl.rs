@@ -88,6 +88,11 @@ pub(crate) fn walk<'a>(
     };
     let mut seen = 1u32;
     while let Some((addr, count, last)) = seg.take() {
+        // A segment in unshared client memory comes over whole (one message).
+        // (Only what the descriptor cap lets us read: a longer one fails there.)
+        let usable = count.min((MAX_DESCRIPTORS + 1).saturating_sub(seen));
+        map.fetch(&[(addr, u64::from(usable) * 16)])
+            .map_err(|_| Status::DATA_TRANSFER_ERROR)?;
         for i in 0..count {
             seen += 1;
             if seen > MAX_DESCRIPTORS {

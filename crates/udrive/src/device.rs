@@ -49,6 +49,9 @@ impl PciBackend for NvmeFunction {
     fn offer_mmap(&self, bar: u32) -> bool {
         bar == 0 && self.ctrl.offer_doorbell_mmap()
     }
+    fn dma_messages(&self, writable: bool) -> Result<(), i32> {
+        self.ctrl.use_dma_messages(writable)
+    }
 }
 
 /// The transport's interrupt table as the NVMe model's interrupt sink.
@@ -169,6 +172,7 @@ impl NvmeDevice {
                 socket: cfg.socket.clone(),
                 access: cfg.socket_perms().access()?,
                 name: cfg.serial(),
+                dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
             },
             spec,
             backend,
@@ -213,7 +217,16 @@ impl NvmeDevice {
         self.cfg.placement = placement;
     }
 
+    /// DMA_READ/DMA_WRITE traffic with clients that did not share their memory.
+    pub fn dma_messages(&self) -> vfio_user::DmaMessageCounts {
+        self.server
+            .as_ref()
+            .map(|s| s.dma_messages())
+            .unwrap_or_default()
+    }
+
     pub fn stop(mut self) {
+        let dma = self.dma_messages();
         if let Some(s) = self.server.take() {
             s.stop();
         }
@@ -228,6 +241,9 @@ impl NvmeDevice {
             admin_commands = st.admin_commands,
             doorbell_buffer_configured = st.doorbell_buffer_configured,
             shadow_doorbell_reads = st.shadow_doorbell_reads,
+            dma_read_messages = dma.reads,
+            dma_write_messages = dma.writes,
+            dma_message_timeouts = dma.timeouts,
             "controller statistics"
         );
         self.ctrl.shutdown();
@@ -295,10 +311,14 @@ impl crate::frontend::FrontEnd for NvmeDevice {
                 "doorbells": if d.ctrl.doorbells_mapped() { "mapped" } else { "messages" },
                 "can_sleep": d.ctrl.poll_mode() != engine::PollMode::Busy && !d.ctrl.doorbells_mapped(),
                 "doorbell_buffer_configured": st.doorbell_buffer_configured,
+                // The client's memory (some of it) is not shared: it moves by
+                // DMA_READ/DMA_WRITE messages (the slow path).
+                "dma_messages": d.ctrl.dma_messages(),
                 "io_submission_queues": st.io_queues,
                 "io_completion_queues": st.io_completion_queues,
                 "queue_groups": groups,
             },
+            "dma_message_counts": d.dma_messages(),
             "namespaces": d.namespaces.iter().map(|(id, ns)| namespace_json(*id, ns, d.ctrl.namespace_info(*id))).collect::<Vec<_>>(),
         })
     }
@@ -315,7 +335,9 @@ impl crate::frontend::FrontEnd for NvmeDevice {
     }
     fn attach_hint(&self) -> String {
         format!(
-            "\nAttach a VM (QEMU 10.1+; guest RAM must be a shared memfd):\n\n{}\n\n{}",
+            "\nAttach a VM (QEMU 10.1+; share guest RAM as a memfd, as below, for the fast \
+             path: without it QEMU keeps RAM to itself and every byte of I/O travels as a \
+             DMA_READ/DMA_WRITE message, several times slower):\n\n{}\n\n{}",
             qemu_command(&self.socket),
             crate::frontend::measure_hint("vfio-user", &self.socket)
         )

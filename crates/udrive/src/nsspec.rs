@@ -272,6 +272,7 @@ mod tests {
         let e = "ram:1G,ro".parse::<NsSpec>().unwrap_err();
         assert!(e.contains("unknown option `ro` for ram"), "{e}");
         let e = "disk:1G".parse::<NsSpec>().unwrap_err();
+        // (`rbd` follows when the feature is on.)
         assert!(
             e.contains("unknown kind `disk` (known: null, ram, file"),
             "{e}"

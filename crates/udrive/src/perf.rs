@@ -101,6 +101,11 @@ pub struct PerfArgs {
     /// message), on or off
     #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
     pub shadow_doorbells: String,
+    /// NVMe: map the initiator's DMA memory without its file descriptor, as QEMU
+    /// maps guest RAM that is not fd-backed, so that the controller reaches it only
+    /// through DMA_READ/DMA_WRITE messages (the slow path; docs/decisions/0020)
+    #[arg(long, conflicts_with_all = ["vhost_user", "file"])]
+    pub dma_messages: bool,
     /// CPUs the jobs may run on (e.g. 1); default: any
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<String>,
@@ -225,6 +230,7 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
             "off" => Some(false),
             _ => None,
         },
+        dma_messages: a.dma_messages,
         ..Default::default()
     };
     let driver = NvmeDriver::connect(sock, opts)
@@ -248,7 +254,7 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
         .with_interrupts(a.irq);
     if !a.json {
         let on = format!(
-            "nsid {} ({}; doorbells {}{})",
+            "nsid {} ({}; doorbells {}{}{})",
             a.nsid,
             driver.controller().model.trim(),
             if driver.doorbells_mapped() {
@@ -260,11 +266,24 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
                 ", shadow"
             } else {
                 ""
+            },
+            if a.dma_messages {
+                "; memory not shared: DMA by messages"
+            } else {
+                ""
             }
         );
         announce(&sock.display().to_string(), cfg, &on);
     }
     let (messages, skipped) = (driver.doorbell_messages(), driver.doorbells_skipped());
+    let served = |d: &NvmeDriver| {
+        d.dma_service().map_or((0, 0), |s| {
+            let st = &s.stats;
+            let l = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+            (l(&st.reads), l(&st.writes))
+        })
+    };
+    let dma = served(&driver);
     let report = workload::run(&target, cfg).context("workload failed")?;
     if !a.json {
         println!(
@@ -272,6 +291,14 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
             driver.doorbell_messages() - messages,
             driver.doorbells_skipped() - skipped
         );
+        if a.dma_messages {
+            let now = served(&driver);
+            println!(
+                "DMA messages answered: {} DMA_READ, {} DMA_WRITE",
+                now.0 - dma.0,
+                now.1 - dma.1
+            );
+        }
     }
     Ok(report)
 }

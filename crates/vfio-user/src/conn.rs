@@ -1,9 +1,16 @@
 //! One client connection: reads a message, validates it against its declared sizes,
 //! runs it on the device and replies. Errors a message can be answered for get an
 //! error reply and the connection continues; lost framing disconnects.
+//!
+//! Once the client maps memory without a file descriptor the connection has a
+//! [`Port`] for our DMA_READ/DMA_WRITE requests; messages then come through it
+//! (waiters may have read the client's requests for us) and replies are sent
+//! under its lock.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Duration;
 
 use zerocopy::IntoBytes;
 
@@ -11,6 +18,7 @@ use crate::device::Device;
 use crate::irqs::Evt;
 use crate::msg::{self, Msg, ReadError};
 use crate::proto::*;
+use crate::remote::{DmaMessageStats, Port};
 
 /// Longest VERSION capabilities string we parse; real clients send ~200 bytes.
 const MAX_CAPS_LEN: usize = 16 * 1024;
@@ -40,16 +48,31 @@ impl Reply {
 
 type Res = Result<Reply, i32>;
 
+/// How DMA requests to a client behave (from the server's configuration).
+#[derive(Clone, Debug)]
+pub(crate) struct DmaPolicy {
+    pub reply_timeout: Duration,
+    pub stats: Arc<DmaMessageStats>,
+}
+
 pub(crate) struct Conn {
     pub stream: UnixStream,
     negotiated: bool,
+    /// Largest data count the client takes per message (its VERSION capabilities).
+    client_max_xfer: u32,
+    policy: DmaPolicy,
+    /// Our requests to the client, once it mapped memory without an fd.
+    port: Option<Arc<Port>>,
 }
 
 impl Conn {
-    pub fn new(stream: UnixStream) -> Conn {
+    pub fn new(stream: UnixStream, policy: DmaPolicy) -> Conn {
         Conn {
             stream,
             negotiated: false,
+            client_max_xfer: MAX_DATA_XFER,
+            policy,
+            port: None,
         }
     }
 
@@ -57,23 +80,59 @@ impl Conn {
         self.negotiated
     }
 
-    /// Handles one message (the socket is readable).
-    pub fn handle_next(&mut self, dev: &mut Device) -> Flow {
-        let m = match msg::read_msg(&self.stream) {
-            Ok(m) => m,
-            Err(ReadError::Eof) => return Flow::Disconnect,
-            Err(ReadError::Io(e)) => {
+    /// Besides the socket, what signals a message for this connection: requests a
+    /// waiting DMA transfer read for us.
+    pub fn bell(&self) -> Option<BorrowedFd<'_>> {
+        self.port.as_ref().map(|p| p.bell())
+    }
+
+    /// The connection ends: DMA transfers waiting for the client give up.
+    pub fn close(&self) {
+        if let Some(p) = &self.port {
+            p.close("the client disconnected");
+        }
+    }
+
+    fn read_failed(&self, dev: &Device, e: ReadError) -> Flow {
+        match e {
+            ReadError::Eof => {}
+            ReadError::Io(e) => {
                 trace::limited!(dev.log, info, "vfio-user: connection error: {e}");
-                return Flow::Disconnect;
             }
-            Err(ReadError::Framing(hdr, why)) => {
+            ReadError::Framing(hdr, why) => {
                 trace::limited!(dev.log, warn, "vfio-user: disconnecting client: {why}");
                 if let Some((h, errno)) = hdr {
+                    let _g = self.port.as_ref().map(|p| p.send_lock());
                     let _ = msg::send_error(&self.stream, &h, errno);
                 }
-                return Flow::Disconnect;
             }
+        }
+        Flow::Disconnect
+    }
+
+    /// Handles one message (the socket or the bell is readable).
+    pub fn handle_next(&mut self, dev: &mut Device) -> Flow {
+        let next = match &self.port {
+            Some(p) => p.next_request(),
+            None => msg::read_msg(&self.stream).map(Some),
         };
+        let m = match next {
+            Ok(Some(m)) => m,
+            Ok(None) => return Flow::Continue,
+            Err(e) => return self.read_failed(dev, e),
+        };
+        if m.hdr.is_reply() {
+            // We sent no request (a port routes the replies to ours): never answer
+            // a reply.
+            trace::limited!(
+                dev.log,
+                warn,
+                "vfio-user: the client sent a reply to no request (id {}, cmd {}); ignored",
+                m.hdr.msg_id,
+                m.hdr.cmd
+            );
+            return Flow::Continue;
+        }
         let hdr = m.hdr;
         let res = self.dispatch(dev, m);
         if hdr.no_reply() {
@@ -85,6 +144,7 @@ impl Conn {
             }
             return Flow::Continue;
         }
+        let _g = self.port.as_ref().map(|p| p.send_lock());
         let sent = match res {
             Ok(r) => {
                 let fd = dev
@@ -117,7 +177,6 @@ impl Conn {
             fds,
             fds_truncated,
         } = m;
-        // We never send requests (no DMA_READ/WRITE), so a reply is always unexpected.
         if hdr.flags & FLAG_TYPE_MASK != FLAG_TYPE_COMMAND || fds_truncated {
             return Err(libc::EINVAL);
         }
@@ -141,7 +200,7 @@ impl Conn {
         let p = payload.as_slice();
         match cmd {
             Command::Version => self.version(p),
-            Command::DmaMap => dma_map(dev, p, fds),
+            Command::DmaMap => self.dma_map(dev, p, fds),
             Command::DmaUnmap => {
                 drop(fds);
                 dma_unmap(dev, p)
@@ -172,7 +231,9 @@ impl Conn {
         if v.major != VERSION_MAJOR {
             return Err(libc::ENOTSUP);
         }
-        parse_client_caps(&p[std::mem::size_of::<Version>()..])?;
+        if let Some(c) = parse_client_caps(&p[std::mem::size_of::<Version>()..])? {
+            self.client_max_xfer = c.max_data_xfer_size;
+        }
         let caps = CapabilitiesDoc {
             capabilities: Capabilities {
                 max_msg_fds: MAX_MSG_FDS,
@@ -196,11 +257,11 @@ impl Conn {
 }
 
 /// Checks the client's capabilities: optional, else NUL-terminated UTF-8 JSON whose
-/// `capabilities` member (if any) has the right types. We need none of its values:
-/// we send at most one fd per message and never initiate data transfers.
-fn parse_client_caps(raw: &[u8]) -> Result<(), i32> {
+/// `capabilities` member (if any) has the right types. We send at most one fd per
+/// message; `max_data_xfer_size` bounds our DMA_READ/DMA_WRITE requests.
+fn parse_client_caps(raw: &[u8]) -> Result<Option<Capabilities>, i32> {
     if raw.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
     if raw.len() > MAX_CAPS_LEN {
         return Err(libc::E2BIG);
@@ -212,18 +273,19 @@ fn parse_client_caps(raw: &[u8]) -> Result<(), i32> {
         return Err(libc::EINVAL);
     }
     if body.is_empty() {
-        return Ok(()); // just the terminator: no capabilities
+        return Ok(None); // just the terminator: no capabilities
     }
     let text = std::str::from_utf8(body).map_err(|_| libc::EINVAL)?;
     let v: serde_json::Value = serde_json::from_str(text).map_err(|_| libc::EINVAL)?;
     let obj = v.as_object().ok_or(libc::EINVAL)?;
-    if let Some(c) = obj.get("capabilities") {
-        let caps: Capabilities = serde_json::from_value(c.clone()).map_err(|_| libc::EINVAL)?;
-        if caps.max_msg_fds == 0 {
-            return Err(libc::EINVAL);
-        }
+    let Some(c) = obj.get("capabilities") else {
+        return Ok(None);
+    };
+    let caps: Capabilities = serde_json::from_value(c.clone()).map_err(|_| libc::EINVAL)?;
+    if caps.max_msg_fds == 0 {
+        return Err(libc::EINVAL);
     }
-    Ok(())
+    Ok(Some(caps))
 }
 
 /// Parses a struct whose `argsz` (first u32) must be at least its size and no more
@@ -239,20 +301,68 @@ fn parse_argsz<T: zerocopy::FromBytes + zerocopy::KnownLayout + zerocopy::Immuta
     Ok((t, argsz))
 }
 
-fn dma_map(dev: &Device, p: &[u8], mut fds: Vec<OwnedFd>) -> Res {
-    let (req, argsz) = parse_argsz::<DmaMap>(p)?;
-    if argsz as usize != p.len() || p.len() != std::mem::size_of::<DmaMap>() {
-        return Err(libc::EINVAL);
+impl Conn {
+    fn dma_map(&mut self, dev: &Device, p: &[u8], mut fds: Vec<OwnedFd>) -> Res {
+        let (req, argsz) = parse_argsz::<DmaMap>(p)?;
+        if argsz as usize != p.len() || p.len() != std::mem::size_of::<DmaMap>() {
+            return Err(libc::EINVAL);
+        }
+        let fd = match fds.len() {
+            0 => return self.dma_map_mirror(dev, &req),
+            1 => fds.remove(0),
+            _ => return Err(libc::EINVAL),
+        };
+        crate::dma::map(&dev.mem, &req, fd, &dev.log)?;
+        Ok(Reply::empty())
     }
-    // Without an fd we would have to serve DMA through DMA_READ/WRITE messages,
-    // which the hot path cannot do.
-    let fd = match fds.len() {
-        0 => return Err(libc::ENOTSUP),
-        1 => fds.remove(0),
-        _ => return Err(libc::EINVAL),
-    };
-    crate::dma::map(&dev.mem, &req, fd, &dev.log)?;
-    Ok(Reply::empty())
+
+    /// Memory the client does not share: a mirror whose bytes we move with
+    /// DMA_READ/DMA_WRITE (the slow path; docs/decisions/0020-dma-messages.md).
+    fn dma_map_mirror(&mut self, dev: &Device, req: &DmaMap) -> Res {
+        // The device must be able to work this way (and moves its readers off
+        // threads it shares with other clients before the memory is usable).
+        dev.backend.dma_messages(req.flags & DMA_WRITE != 0)?;
+        let port = match &self.port {
+            Some(p) => p.clone(),
+            None => {
+                let sock = self.stream.try_clone().map_err(|_| libc::EMFILE)?;
+                let max = self.client_max_xfer.min(MAX_DATA_XFER);
+                let port = Port::new(
+                    sock,
+                    max,
+                    self.policy.reply_timeout,
+                    self.policy.stats.clone(),
+                )
+                .map_err(|e| e.raw_os_error().unwrap_or(libc::ENOMEM))?;
+                let port = Arc::new(port);
+                self.port = Some(port.clone());
+                port
+            }
+        };
+        // (Again after an UNMAP_ALL, which forgets it.)
+        dev.mem.set_remote(Some(port.clone()));
+        crate::dma::map_mirror(&dev.mem, req, port, &dev.log)?;
+        if req.flags & DMA_WRITE != 0 {
+            // Guest RAM (QEMU maps its ROMs read-only this way even when RAM is
+            // shared; nobody does I/O there).
+            trace::limited!(
+                dev.log,
+                info,
+                "vfio-user: the client maps {:#x}+{:#x} without a file descriptor; \
+                 serving it with DMA_READ/DMA_WRITE messages (slow: share guest RAM, \
+                 e.g. QEMU's memory-backend-memfd, for the fast path)",
+                req.addr,
+                req.size
+            );
+        } else {
+            tracing::debug!(
+                "vfio-user: read-only DMA_MAP without a file descriptor: {:#x}+{:#x}",
+                req.addr,
+                req.size
+            );
+        }
+        Ok(Reply::empty())
+    }
 }
 
 fn dma_unmap(dev: &Device, p: &[u8]) -> Res {

@@ -59,6 +59,15 @@ pub trait PciBackend: Send + Sync {
     fn offer_mmap(&self, _bar: u32) -> bool {
         true
     }
+    /// The client maps memory without a file descriptor (`writable`: the device
+    /// may write it, as guest RAM; QEMU also maps its ROMs read-only this way).
+    /// The server mirrors it and keeps the mirror in step with DMA_READ/DMA_WRITE
+    /// only when the model asks (`guest_mem::MemoryMap::fetch`/`push`). A model
+    /// that does answers `Ok` (and keeps whatever waits for the client off threads
+    /// other clients need); the default refuses with an errno for the reply.
+    fn dma_messages(&self, _writable: bool) -> Result<(), i32> {
+        Err(libc::ENOTSUP)
+    }
 }
 
 fn invalid(msg: &str) -> io::Error {

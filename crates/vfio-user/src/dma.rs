@@ -1,12 +1,15 @@
-//! DMA_MAP / DMA_UNMAP on the device's [`DmaSpace`]. An unmap returns only after every
-//! reactor has dropped the old snapshot, so no in-flight I/O touches memory the client
-//! is about to reuse.
+//! DMA_MAP / DMA_UNMAP on the device's [`DmaSpace`]. An unmap of shared memory
+//! returns only after every reactor has dropped the old snapshot, so no in-flight
+//! I/O touches memory the client is about to reuse. Memory the client did not share
+//! (a mirror, reached by DMA_READ/DMA_WRITE) is marked gone instead and the unmap
+//! answered at once: nothing of the client's is mapped here, and a waiting reader
+//! may be waiting for the very client that now waits for our answer.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-use guest_mem::{DmaSpace, MappedRegion, MemError, MemoryMap, Prot};
+use guest_mem::{DmaSpace, MappedRegion, MemError, MemoryMap, Prot, RemoteDma};
 
 use crate::proto::{DmaMap, DmaUnmap, DMA_READ, DMA_WRITE, UNMAP_ALL, UNMAP_GET_DIRTY_BITMAP};
 
@@ -15,6 +18,72 @@ use crate::proto::{DmaMap, DmaUnmap, DMA_READ, DMA_WRITE, UNMAP_ALL, UNMAP_GET_D
 /// mappings (`guest_mem::MAX_GUARDED_RANGES`) that every other client needs too.
 pub(crate) const MAX_DMA_MAPS: u32 = 1024;
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Address space one client's mirrors may take (they are sparse: only what
+/// transfers touch costs memory, but the reservation is address space of the whole
+/// process).
+const MAX_MIRROR_BYTES: u64 = 1 << 40;
+
+fn prot_of(flags: u32) -> Result<Prot, i32> {
+    if flags & !(DMA_READ | DMA_WRITE) != 0 || flags == 0 {
+        return Err(libc::EINVAL);
+    }
+    Ok(Prot {
+        read: flags & DMA_READ != 0,
+        write: flags & DMA_WRITE != 0,
+    })
+}
+
+fn insert(mem: &DmaSpace, region: MappedRegion) -> Result<(), i32> {
+    let region = Arc::new(region);
+    let old = mem.update(|m| {
+        if m.regions().len() >= MAX_DMA_MAPS as usize {
+            return Err(libc::ENOSPC);
+        }
+        if region.is_remote() {
+            let total: u64 = m
+                .regions()
+                .iter()
+                .filter(|r| r.is_remote())
+                .map(|r| r.len())
+                .sum();
+            if total.saturating_add(region.len()) > MAX_MIRROR_BYTES {
+                return Err(libc::ENOSPC);
+            }
+        }
+        m.with_region(region).map_err(|e| match e {
+            MemError::Overlap { .. } => libc::EEXIST,
+            _ => libc::EINVAL,
+        })
+    })?;
+    // Nothing was removed, so readers of the old snapshot are harmless.
+    drop(old);
+    Ok(())
+}
+
+/// DMA_MAP without a file descriptor: a mirror of the range whose bytes move
+/// through `port` (docs/decisions/0020-dma-messages.md).
+pub(crate) fn map_mirror(
+    mem: &DmaSpace,
+    req: &DmaMap,
+    port: Arc<dyn RemoteDma>,
+    log: &trace::LogLimiter,
+) -> Result<(), i32> {
+    let prot = prot_of(req.flags)?;
+    if req.size == 0 || req.addr.checked_add(req.size).is_none() {
+        return Err(libc::EINVAL);
+    }
+    let region = MappedRegion::mirror(req.addr, req.size, prot, port).map_err(|e| {
+        trace::limited!(
+            log,
+            warn,
+            "vfio-user: DMA_MAP of {:#x}+{:#x} without a file descriptor refused: {e}",
+            req.addr,
+            req.size
+        );
+        e.raw_os_error().unwrap_or(libc::EINVAL)
+    })?;
+    insert(mem, region)
+}
 
 pub(crate) fn map(
     mem: &DmaSpace,
@@ -22,16 +91,10 @@ pub(crate) fn map(
     fd: OwnedFd,
     log: &trace::LogLimiter,
 ) -> Result<(), i32> {
-    if req.flags & !(DMA_READ | DMA_WRITE) != 0 || req.flags == 0 {
-        return Err(libc::EINVAL);
-    }
+    let prot = prot_of(req.flags)?;
     if req.size == 0 || req.addr.checked_add(req.size).is_none() {
         return Err(libc::EINVAL);
     }
-    let prot = Prot {
-        read: req.flags & DMA_READ != 0,
-        write: req.flags & DMA_WRITE != 0,
-    };
     // Refuses a range past the end of a regular file (its pages would SIGBUS), and
     // confines a SIGBUS from the file shrinking later to this client (see
     // guest_mem's fault.rs; the server thread polls the signal).
@@ -102,12 +165,32 @@ pub(crate) fn unmap(mem: &DmaSpace, req: &DmaUnmap) -> Result<(), i32> {
             (next, _) => Ok(next),
         }
     })?;
-    wait(old);
+    release(mem, old, |r| r.iova() >= req.addr && r.last() < end);
     Ok(())
 }
 
 pub(crate) fn unmap_all(mem: &DmaSpace) {
     if let Ok(old) = mem.update(|_| Ok::<_, ()>(MemoryMap::new())) {
+        release(mem, old, |_| true);
+    }
+    mem.set_remote(None);
+}
+
+/// Lets go of `removed` regions of snapshot `old`: mirrors are marked gone (no
+/// transfer reaches the client's memory from now on); shared mappings are waited
+/// for, with the client's transfers paused meanwhile so that no reader holding the
+/// old snapshot waits for a reply while we wait for it.
+fn release(mem: &DmaSpace, old: Arc<MemoryMap>, removed: impl Fn(&MappedRegion) -> bool) {
+    let mut shared = false;
+    for r in old.regions().iter().filter(|r| removed(r)) {
+        if r.is_remote() {
+            r.set_gone();
+        } else {
+            shared = true;
+        }
+    }
+    if shared {
+        let _paused = mem.pause_remote();
         wait(old);
     }
 }

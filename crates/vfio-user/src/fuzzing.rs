@@ -98,7 +98,11 @@ pub fn session(data: &[u8]) {
         let mut r = reader;
         let _ = std::io::copy(&mut r, &mut std::io::sink());
     });
-    let mut conn = Conn::new(server);
+    let policy = crate::conn::DmaPolicy {
+        reply_timeout: std::time::Duration::from_millis(100),
+        stats: Default::default(),
+    };
+    let mut conn = Conn::new(server, policy);
     // The whole stream is written first (it fits the socket buffer), then the
     // server reads it to the end: no message waits on the deadline for bytes that
     // are still to come.

@@ -119,6 +119,21 @@ pub(crate) fn send_reply(
     send_all(s, &all, fds)
 }
 
+/// Sends a command (a request of ours, e.g. DMA_READ) made of `parts`.
+pub(crate) fn send_command(
+    s: &UnixStream,
+    id: u16,
+    cmd: proto::Command,
+    parts: &[&[u8]],
+) -> io::Result<Header> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let hdr = Header::command(id, cmd, len);
+    let mut all: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+    all.push(hdr.as_bytes());
+    all.extend_from_slice(parts);
+    send_all(s, &all, &[]).map(|()| hdr)
+}
+
 pub(crate) fn send_error(s: &UnixStream, req: &Header, errno: i32) -> io::Result<()> {
     let hdr = Header::error_reply(req, errno);
     send_all(s, &[hdr.as_bytes()], &[])

@@ -277,12 +277,165 @@ pub struct RegionAccess {
     pub count: u32,
 }
 
-/// DMA_READ/DMA_WRITE payload (server → client); data follows.
+/// DMA_READ/DMA_WRITE payload (server → client) as the protocol document has it;
+/// data follows. QEMU's client lays the data out differently: see [`DmaWire`].
 #[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 #[repr(C)]
 pub struct DmaAccess {
     pub addr: u64,
     pub count: u64,
+}
+
+/// Where DMA_READ/DMA_WRITE data sits in a message. The protocol document (and
+/// libvfio-user) puts an 8-byte `count` after the address and the data at payload
+/// offset 16. QEMU's client (hw/vfio-user, 10.1 and later) declares `count` as 4
+/// bytes and its data at offset 12, and sizes its messages as if the header were
+/// 16 bytes (4 bytes of padding after the data); it answers DMA_WRITE with a bare
+/// header. A server tells the two apart with a zero-length DMA_WRITE
+/// ([`DmaWire::from_probe_reply`]): QEMU answers it with no payload, a client of
+/// the document with the address and count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DmaWire {
+    /// `addr: u64, count: u64, data` (payload offsets 0, 8, 16).
+    Spec,
+    /// `addr: u64, count: u32, data` (offsets 0, 8, 12) plus 4 bytes of padding.
+    Qemu,
+}
+
+/// The two payload words both layouts accept in a request without data: an
+/// 8-byte count whose upper half is zero reads as QEMU's 4-byte count.
+pub const DMA_REQ_LEN: usize = 16;
+
+impl DmaWire {
+    /// Payload offset of the data.
+    pub fn data_offset(self) -> usize {
+        match self {
+            DmaWire::Spec => 16,
+            DmaWire::Qemu => 12,
+        }
+    }
+
+    /// Payload bytes around `count` bytes of data.
+    pub fn framing(self) -> usize {
+        16
+    }
+
+    /// The DMA_READ request payload for `count` bytes at `addr`.
+    pub fn read_request(self, addr: u64, count: u32) -> [u8; DMA_REQ_LEN] {
+        let mut p = [0u8; DMA_REQ_LEN];
+        p[..8].copy_from_slice(&addr.to_le_bytes());
+        p[8..16].copy_from_slice(&u64::from(count).to_le_bytes());
+        p
+    }
+
+    /// The DMA_WRITE request payload before its `count` data bytes; `tail` bytes of
+    /// padding go after the data.
+    pub fn write_request_head(self, addr: u64, count: u32) -> (Vec<u8>, usize) {
+        let mut p = addr.to_le_bytes().to_vec();
+        match self {
+            DmaWire::Spec => {
+                p.extend_from_slice(&u64::from(count).to_le_bytes());
+                (p, 0)
+            }
+            DmaWire::Qemu => {
+                p.extend_from_slice(&count.to_le_bytes());
+                (p, 4)
+            }
+        }
+    }
+
+    /// The data of a DMA_READ reply to a request of `count` bytes at `addr`, if the
+    /// reply is exactly that.
+    pub fn read_reply_data(self, payload: &[u8], addr: u64, count: u32) -> Option<&[u8]> {
+        let n = count as usize;
+        if payload.len() != n + self.framing() {
+            return None;
+        }
+        let a = u64::from_le_bytes(payload.get(..8)?.try_into().ok()?);
+        let c = u32::from_le_bytes(payload.get(8..12)?.try_into().ok()?);
+        if a != addr || c != count {
+            return None;
+        }
+        if self == DmaWire::Spec && payload.get(12..16)? != [0; 4] {
+            return None;
+        }
+        let off = self.data_offset();
+        payload.get(off..off + n)
+    }
+
+    /// Whether `payload` is a DMA_WRITE reply to a write of `count` bytes at `addr`.
+    pub fn write_reply_ok(self, payload: &[u8], addr: u64, count: u32) -> bool {
+        match self {
+            DmaWire::Qemu => payload.is_empty(),
+            // The document's reply echoes the address and count (an 8- or, per its
+            // table, 4-byte count); a client that sends nothing is accepted too.
+            DmaWire::Spec => {
+                if payload.is_empty() {
+                    return true;
+                }
+                if payload.len() != 12 && payload.len() != 16 {
+                    return false;
+                }
+                let a = u64::from_le_bytes(payload[..8].try_into().unwrap_or([0; 8]));
+                let c = u32::from_le_bytes(payload[8..12].try_into().unwrap_or([0; 4]));
+                a == addr && c == count && payload.get(12..).is_none_or(|r| r == [0; 4])
+            }
+        }
+    }
+
+    /// The layout a reply to the zero-length DMA_WRITE probe shows: QEMU's is a
+    /// bare header; anything else (an echo, or an error) is taken for the
+    /// document's.
+    pub fn from_probe_reply(error: bool, payload: &[u8]) -> DmaWire {
+        if !error && payload.is_empty() {
+            DmaWire::Qemu
+        } else {
+            DmaWire::Spec
+        }
+    }
+
+    /// Client side: parses a DMA request payload into (addr, count, data) where
+    /// data is the DMA_WRITE data (empty for DMA_READ); `None` if malformed.
+    pub fn parse_request(self, payload: &[u8], write: bool) -> Option<(u64, u32, &[u8])> {
+        if payload.len() < DMA_REQ_LEN {
+            return None;
+        }
+        let addr = u64::from_le_bytes(payload[..8].try_into().ok()?);
+        let count = match self {
+            DmaWire::Spec => {
+                u32::try_from(u64::from_le_bytes(payload[8..16].try_into().ok()?)).ok()?
+            }
+            DmaWire::Qemu => u32::from_le_bytes(payload[8..12].try_into().ok()?),
+        };
+        if !write {
+            return Some((addr, count, &[]));
+        }
+        let off = self.data_offset();
+        let data = payload.get(off..off.checked_add(count as usize)?)?;
+        Some((addr, count, data))
+    }
+
+    /// Client side: the DMA_READ reply payload for `data` read at `addr`.
+    pub fn read_reply(self, addr: u64, data: &[u8]) -> Vec<u8> {
+        let count = u32::try_from(data.len()).unwrap_or(u32::MAX);
+        let (mut p, tail) = self.write_request_head(addr, count);
+        p.extend_from_slice(data);
+        p.resize(p.len() + tail, 0);
+        p
+    }
+
+    /// Client side: the DMA_WRITE reply payload.
+    pub fn write_reply(self, addr: u64, count: u32) -> Vec<u8> {
+        match self {
+            DmaWire::Qemu => Vec::new(),
+            DmaWire::Spec => DmaAccess {
+                addr,
+                count: u64::from(count),
+            }
+            .as_bytes()
+            .to_vec(),
+        }
+    }
 }
 
 /// The JSON capabilities object exchanged in VERSION.
@@ -330,6 +483,36 @@ mod tests {
         assert_eq!(std::mem::size_of::<SetIrqs>(), 20);
         assert_eq!(std::mem::size_of::<RegionAccess>(), 16);
         assert_eq!(std::mem::size_of::<DmaAccess>(), 16);
+    }
+
+    #[test]
+    fn dma_wires_round_trip_and_differ_where_they_must() {
+        for w in [DmaWire::Spec, DmaWire::Qemu] {
+            let data = [1u8, 2, 3, 4, 5];
+            // A read request parses the same for both (upper count half is zero).
+            let req = w.read_request(0x1000, 5);
+            assert_eq!(w.parse_request(&req, false), Some((0x1000, 5, &[][..])));
+            let reply = w.read_reply(0x1000, &data);
+            assert_eq!(reply.len(), 16 + 5);
+            assert_eq!(w.read_reply_data(&reply, 0x1000, 5), Some(&data[..]));
+            assert_eq!(w.read_reply_data(&reply, 0x1008, 5), None, "wrong address");
+            assert_eq!(w.read_reply_data(&reply[..20], 0x1000, 5), None, "short");
+            let (mut wr, tail) = w.write_request_head(0x2000, 5);
+            wr.extend_from_slice(&data);
+            wr.resize(wr.len() + tail, 0);
+            assert_eq!(wr.len(), 16 + 5, "both send 16 bytes around the data");
+            assert_eq!(w.parse_request(&wr, true), Some((0x2000, 5, &data[..])));
+            assert!(w.write_reply_ok(&w.write_reply(0x2000, 5), 0x2000, 5));
+        }
+        // QEMU's data sits 4 bytes earlier: read with the other layout it is shifted.
+        let q = DmaWire::Qemu.read_reply(0, &[9, 9, 9, 9, 9, 9, 9, 9]);
+        assert_eq!(DmaWire::Spec.read_reply_data(&q, 0, 8), None);
+        assert_eq!(DmaWire::from_probe_reply(false, &[]), DmaWire::Qemu);
+        assert_eq!(
+            DmaWire::from_probe_reply(false, &DmaWire::Spec.write_reply(0, 0)),
+            DmaWire::Spec
+        );
+        assert_eq!(DmaWire::from_probe_reply(true, &[]), DmaWire::Spec);
     }
 
     #[test]

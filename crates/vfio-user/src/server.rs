@@ -25,10 +25,15 @@ use std::time::Duration;
 
 use guest_mem::DmaSpace;
 
-use crate::conn::{Conn, Flow};
+use crate::conn::{Conn, DmaPolicy, Flow};
 use crate::device::{self, Device, PciBackend, PciDeviceSpec};
 use crate::irqs::Irqs;
 use crate::pci::ConfigSpace;
+use crate::remote::{DmaMessageCounts, DmaMessageStats};
+
+/// How long a DMA_READ/DMA_WRITE request to the client may wait for its reply
+/// (QEMU waits as long for ours).
+pub const DEFAULT_DMA_REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A client that stops mid-message or stops reading replies is disconnected after
 /// these, so it cannot wedge the device's thread.
@@ -45,12 +50,16 @@ pub struct ServerConfig {
     pub access: sockfile::SocketAccess,
     /// For logs and the thread name.
     pub name: String,
+    /// Bound on each wait for a client's reply to our DMA_READ/DMA_WRITE
+    /// ([`DEFAULT_DMA_REPLY_TIMEOUT`]).
+    pub dma_reply_timeout: Duration,
 }
 
 pub struct VfioUserServer {
     path: PathBuf,
     id: u64,
     active: Arc<Mutex<Option<UnixStream>>>,
+    dma_stats: Arc<DmaMessageStats>,
 }
 
 impl std::fmt::Debug for VfioUserServer {
@@ -99,7 +108,12 @@ impl VfioUserServer {
         };
         let active = Arc::new(Mutex::new(None));
         let id = hub.next_id.fetch_add(1, Ordering::Relaxed);
+        let dma_stats = Arc::new(DmaMessageStats::default());
         let ep = Endpoint {
+            policy: DmaPolicy {
+                reply_timeout: cfg.dma_reply_timeout,
+                stats: dma_stats.clone(),
+            },
             name: cfg.name.clone(),
             listener,
             fault: dev.mem.fault_signal().clone(),
@@ -112,6 +126,7 @@ impl VfioUserServer {
             path: cfg.socket,
             id,
             active,
+            dma_stats,
         })
     }
 
@@ -128,6 +143,12 @@ impl VfioUserServer {
     /// Whether a client is connected right now.
     pub fn client_connected(&self) -> bool {
         lock(&self.active).is_some()
+    }
+
+    /// DMA_READ/DMA_WRITE traffic to clients that mapped memory without a file
+    /// descriptor (all connections so far).
+    pub fn dma_messages(&self) -> DmaMessageCounts {
+        self.dma_stats.snapshot()
     }
 }
 
@@ -160,6 +181,7 @@ enum State {
 
 struct Endpoint {
     name: String,
+    policy: DmaPolicy,
     listener: UnixListener,
     /// Used by whichever thread serves the endpoint: the hub, or the connection's
     /// thread while it is `Served`.
@@ -242,6 +264,10 @@ fn run_hub(rx: Receiver<Cmd>, bell: UnixStream) {
                     State::Idle(c) => {
                         fds.push(c.stream.as_fd());
                         watch.push(Watch::Conn(*id));
+                        if let Some(b) = c.bell() {
+                            fds.push(b);
+                            watch.push(Watch::Conn(*id));
+                        }
                     }
                     State::Served { .. } => continue,
                 }
@@ -359,7 +385,7 @@ fn hub_event(eps: &mut BTreeMap<u64, Endpoint>, w: Watch) {
                         "vfio-user {}: client connected",
                         ep.name
                     );
-                    serve(id, ep, Conn::new(s));
+                    serve(id, ep, Conn::new(s, ep.policy.clone()));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => {
@@ -431,8 +457,17 @@ fn serve_conn(
             break;
         }
         let ready = {
-            let fds = [conn.stream.as_fd(), dev.mem.fault_signal().wake_fd()];
-            match crate::sock::poll_in(&fds, wait) {
+            let fault = dev.mem.fault_signal().wake_fd();
+            let mut fds = [conn.stream.as_fd(), fault, fault];
+            // Requests a DMA transfer read for us while it waited for its reply.
+            let n = match conn.bell() {
+                Some(b) => {
+                    fds[2] = b;
+                    3
+                }
+                None => 2,
+            };
+            match crate::sock::poll_in(&fds[..n], wait) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!("vfio-user {name}: poll failed: {e}");
@@ -451,7 +486,8 @@ fn serve_conn(
             dev.reset();
             return None;
         }
-        if !ready[0] {
+        let bell = ready.get(2).copied().unwrap_or(false);
+        if !ready[0] && !bell {
             if ready.iter().all(|r| !r) {
                 return Some(conn);
             }
@@ -468,6 +504,8 @@ fn serve_conn(
 
 fn finish(dev: &mut Device, conn: Conn, active: &Mutex<Option<UnixStream>>) {
     let negotiated = conn.negotiated();
+    // Transfers waiting for the client give up before the device is reset.
+    conn.close();
     drop(conn);
     *lock(active) = None;
     if negotiated {

@@ -467,6 +467,7 @@ fn stop_removes_socket_and_restart_replaces_stale() {
                 access: Default::default(),
                 socket: f.path.clone(),
                 name: "t2".into(),
+                dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
             },
             spec,
             f.backend.clone(),

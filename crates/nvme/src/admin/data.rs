@@ -41,12 +41,20 @@ impl<'a> PrpData<'a> {
 
 impl HostData for PrpData<'_> {
     fn write_host(&mut self, data: &[u8]) -> Result<(), Status> {
-        self.buffer(data.len(), Access::Write)?.copy_out(data);
-        Ok(())
+        let iov = self.buffer(data.len(), Access::Write)?;
+        iov.copy_out(data);
+        // Unshared client memory: the data goes over before the completion.
+        self.map
+            .push(iov.runs())
+            .map_err(|_| Status::DATA_TRANSFER_ERROR)
     }
 
     fn read_host(&mut self, buf: &mut [u8]) -> Result<(), Status> {
-        self.buffer(buf.len(), Access::Read)?.copy_in(buf);
+        let iov = self.buffer(buf.len(), Access::Read)?;
+        self.map
+            .fetch(iov.runs())
+            .map_err(|_| Status::DATA_TRANSFER_ERROR)?;
+        iov.copy_in(buf);
         Ok(())
     }
 }

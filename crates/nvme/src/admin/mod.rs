@@ -247,10 +247,14 @@ impl Inner {
 
     fn doorbell_buffer_config(&self, st: &mut State, map: &MemoryMap, sqe: &Sqe) -> Done {
         let (db, ei) = (sqe.prp1(), sqe.prp2());
+        // Not in unshared client memory: we would fetch the shadow doorbells on
+        // every poll, costlier than the doorbell writes they save (the host then
+        // keeps ringing doorbells, docs/decisions/0020-dma-messages.md).
         let usable = |a: u64| {
             a != 0
                 && a.is_multiple_of(PAGE)
                 && map.translate(a, PAGE as usize, Access::Write).is_ok()
+                && !map.is_remote(a)
         };
         if sqe.psdt() != 0 || !usable(db) || !usable(ei) {
             return err(Status::INVALID_FIELD);

@@ -1,5 +1,12 @@
 //! The completion side of a queue group: its CQ, what it owes the host (requests in
 //! flight, the memory snapshots they pin), accounting, and when the interrupt fires.
+//!
+//! With mirrors of unshared client memory (docs/decisions/0020-dma-messages.md)
+//! completions are not posted one by one: the poll collects them, and its last
+//! stage sends the data of those that carry any to the client (one batch), then
+//! posts their entries and sends those (one more), and only then signals the
+//! interrupt. A completion whose data the client refused becomes a Data Transfer
+//! Error.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -14,8 +21,9 @@ use super::poll::{Fatal, Pass};
 use super::shadow::{keep_behind, NO_EI};
 use super::{IoSq, Slot};
 use crate::decode::{OP_FLUSH, OP_READ, OP_WRITE};
+use crate::iov::Run;
 use crate::log::{ErrorEntry, GroupCounters, PcieCounters};
-use crate::queue::CqRing;
+use crate::queue::{ring_ranges, CqRing, CQE_SIZE};
 use crate::shared::Shared;
 use crate::status::{Nvme, Status};
 
@@ -36,6 +44,9 @@ pub(crate) struct Completions {
     pub rec: QueueCore<Nvme>,
     /// CQEs posted in the current poll.
     posted: usize,
+    /// With mirrors: completions (SQ id, slot, status) waiting for the end of the
+    /// poll, where their data and entries go to the client together.
+    deferred: Vec<(u16, u32, Status)>,
 }
 
 impl Completions {
@@ -49,7 +60,14 @@ impl Completions {
             pins: MemPins::with_capacity(4),
             rec,
             posted: 0,
+            deferred: Vec::new(),
         }
+    }
+
+    /// CQ entries spoken for but not posted yet (see `deferred`).
+    #[inline]
+    pub fn deferred(&self) -> u32 {
+        self.deferred.len() as u32
     }
 
     /// The group's counters, for the control path.
@@ -88,10 +106,28 @@ impl Completions {
             self.pins.clear();
         }
         self.inflight = 0;
+        self.deferred.clear();
+    }
+
+    /// Command `idx` of `sq` completed with `status`: posted now, or with mirrors
+    /// at the end of the poll.
+    #[inline]
+    pub fn finish(
+        &mut self,
+        pass: &Pass<'_>,
+        sq: &mut IoSq,
+        idx: u32,
+        status: Status,
+    ) -> Result<(), Fatal> {
+        if pass.cq_remote || sq.slots.get(idx as usize).is_some_and(|s| s.push) {
+            self.deferred.push((sq.ring.qid, idx, status));
+            return Ok(());
+        }
+        self.post(pass, sq, idx, status)
     }
 
     /// Posts command `idx` of `sq` with `status`, accounts it and frees its slot.
-    pub fn finish(
+    fn post(
         &mut self,
         pass: &Pass<'_>,
         sq: &mut IoSq,
@@ -172,9 +208,65 @@ impl Completions {
         }
     }
 
-    /// The last stage: the CQ's EventIdx, queue depth, and the interrupt for what
-    /// this poll posted.
-    pub fn end_poll(&mut self, pass: &Pass<'_>, depth: u32) {
+    /// With mirrors: sends the data of this poll's completions to the client, then
+    /// posts their entries and sends those. Before the interrupt.
+    #[cold]
+    fn flush_deferred(&mut self, pass: &Pass<'_>, sqs: &mut [IoSq]) -> Result<(), Fatal> {
+        let mut done = std::mem::take(&mut self.deferred);
+        let data = |sqs: &[IoSq], qid: u16, idx: u32| -> Vec<Run> {
+            sqs.iter()
+                .find(|s| s.ring.qid == qid)
+                .filter(|s| s.slots.get(idx as usize).is_some_and(|sl| sl.push))
+                .and_then(|s| s.runs.get(idx as usize))
+                .cloned()
+                .unwrap_or_default()
+        };
+        let ranges: Vec<Run> = done
+            .iter()
+            .filter(|(_, _, st)| st.is_ok())
+            .flat_map(|&(q, i, _)| data(sqs, q, i))
+            .collect();
+        if !ranges.is_empty() && pass.map.push(&ranges).is_err() {
+            // Which ones: each again on its own.
+            for (q, i, st) in done.iter_mut() {
+                let runs = data(sqs, *q, *i);
+                if st.is_ok() && !runs.is_empty() && pass.map.push(&runs).is_err() {
+                    *st = Status::DATA_TRANSFER_ERROR;
+                }
+            }
+        }
+        let first = self.cq.tail;
+        let mut n = 0u32;
+        for (qid, idx, st) in done.drain(..) {
+            let Some(sq) = sqs.iter_mut().find(|s| s.ring.qid == qid) else {
+                continue;
+            };
+            if let Some(r) = sq.runs.get_mut(idx as usize) {
+                r.clear();
+            }
+            self.post(pass, sq, idx, st)?;
+            n += 1;
+        }
+        // Keep the (empty) vector's capacity for the next poll.
+        self.deferred = done;
+        if n > 0 {
+            let to = self.cq.tail;
+            let ranges = ring_ranges(self.cq.base, first, to, self.cq.size, CQE_SIZE);
+            // The whole ring was posted around (n == size is impossible: one entry
+            // always stays free).
+            if pass.map.push(&ranges).is_err() {
+                return Err(pass.fatal("cannot send CQ entries to the client"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The last stage: completions held for the client's memory, the CQ's
+    /// EventIdx, queue depth, and the interrupt for what this poll posted.
+    pub fn end_poll(&mut self, pass: &Pass<'_>, sqs: &mut [IoSq], depth: u32) -> Result<(), Fatal> {
+        if !self.deferred.is_empty() {
+            self.flush_deferred(pass, sqs)?;
+        }
         let in_use = u32::from(self.cq.size).saturating_sub(1) - self.cq.free() + self.inflight;
         if let Some(s) = pass.shadow() {
             let cq = &self.cq;
@@ -205,6 +297,7 @@ impl Completions {
             }
             signalled
         });
+        Ok(())
     }
 
     /// Before sleeping: an interrupt held back for coalescing fires now.

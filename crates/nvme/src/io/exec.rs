@@ -105,6 +105,7 @@ pub(super) fn prepare_rw<'a>(
     let access = if write { Access::Read } else { Access::Write };
     data_ptr(map, sqe, bytes, access, iov)?;
     slot.segs = iov.range();
+    slot.runs = iov.run_range();
     slot.fua = fua;
     Ok(())
 }
@@ -159,6 +160,12 @@ fn exec_on(
             let f = facts_of(shared, info, *formatting);
             if let Err(s) = prepare_rw(map, Some(f), sqe, slot, &mut iov) {
                 return Exec::Done(s);
+            }
+            // Reads and writes are batched by the poll, which also moves their
+            // data for unshared client memory; this path has nowhere to keep a
+            // read's ranges until it completes, so it serves shared memory only.
+            if map.any_remote(iov.runs()) {
+                return Exec::Done(Status::DATA_TRANSFER_ERROR);
             }
             let req = IoRequest {
                 op: if write { IoOp::Write } else { IoOp::Read },
@@ -215,6 +222,9 @@ fn dsm(
     let mut iov = Iov::new();
     if let Err(s) = data_ptr(map, sqe, (nr * 16) as u64, Access::Read, &mut iov) {
         return Exec::Done(s);
+    }
+    if map.fetch(iov.runs()).is_err() {
+        return Exec::Done(Status::DATA_TRANSFER_ERROR);
     }
     iov.copy_in(ranges);
     let parse = |r: &[u8]| {

@@ -48,6 +48,10 @@ pub(crate) struct Slot {
     offset: u64,
     fua: bool,
     segs: (u16, u16),
+    /// Its guest ranges in the batch's `Iov` (with mirrors of unshared memory).
+    runs: (u16, u16),
+    /// Its data lies in unshared client memory: pushed before its completion.
+    push: bool,
     /// Trace stamps; `kick == 0` when this command is not traced.
     stamps: Stamps,
     /// Keeps the memory map this command was translated against while the backend
@@ -63,6 +67,13 @@ pub(crate) struct IoSq {
     /// driver reads it after every command, and a store per poll would keep its
     /// cache line bouncing between the driver's CPU and ours.
     ei: u16,
+    /// With the ring in unshared client memory: entries up to here (from `head`)
+    /// were fetched already.
+    synced: u16,
+    /// Per slot, with mirrors of unshared memory: the guest ranges a command's
+    /// data lands in, pushed to the client before its completion (empty, and never
+    /// allocated, otherwise).
+    runs: Vec<Vec<crate::iov::Run>>,
 }
 
 /// One namespace as a queue group sees it: its facts in the current LBA format and
@@ -202,6 +213,20 @@ impl NsTable {
     }
 }
 
+impl IoSq {
+    /// Keeps command `idx`'s guest data ranges for the push before its
+    /// completion (mirrors of unshared client memory only).
+    fn keep_runs(&mut self, idx: u32, runs: &[crate::iov::Run]) {
+        if self.runs.len() < self.slots.len() {
+            self.runs.resize_with(self.slots.len(), Vec::new);
+        }
+        if let Some(v) = self.runs.get_mut(idx as usize) {
+            v.clear();
+            v.extend_from_slice(runs);
+        }
+    }
+}
+
 pub(crate) struct QueueGroup {
     shared: Arc<Shared>,
     view: MemView,
@@ -210,6 +235,10 @@ pub(crate) struct QueueGroup {
     pub shadow: Option<Shadow>,
     /// The CQ and everything completions need.
     pub out: Completions,
+    /// Runs on its controller's own reactor, where it may wait for the client's
+    /// replies; elsewhere (shared reactors) it never waits: a transfer it would
+    /// need fails at once (docs/decisions/0020-dma-messages.md).
+    pub own: bool,
 }
 
 impl QueueGroup {
@@ -241,6 +270,7 @@ impl QueueGroup {
             },
             shadow,
             out: Completions::new(cq, rec),
+            own: false,
         }))
     }
 
@@ -251,6 +281,8 @@ impl QueueGroup {
             slots: vec![Slot::default(); n as usize],
             free: (0..n).rev().collect(),
             ei: NO_EI,
+            synced: 0,
+            runs: Vec::new(),
         });
     }
 
@@ -316,12 +348,21 @@ impl QueueGroup {
             let n = sq.slots.len() as u32;
             sq.free.clear();
             sq.free.extend((0..n).rev());
+            sq.runs.iter_mut().for_each(Vec::clear);
         }
     }
 
     /// Off the reactors: hold no memory snapshot, so unmaps need not wait for us.
     pub fn park(&mut self) {
         self.view.park();
+    }
+
+    /// Before the group runs (again): SQ entries in unshared client memory are
+    /// fetched from the head on (`fetch_entries` in `poll.rs`).
+    pub fn resync(&mut self) {
+        for sq in &mut self.sqs {
+            sq.synced = sq.ring.head;
+        }
     }
 
     /// Doorbell Buffer Config while the group exists: EventIdx values we remember

@@ -4,6 +4,12 @@
 //! the interrupt. Guest memory (CQ ring, shadow doorbells) is translated once per
 //! poll into a [`Pass`]; a command pins the snapshot it was translated against until
 //! its last backend request completes.
+//!
+//! With mirrors of unshared client memory (docs/decisions/0020-dma-messages.md)
+//! three stages talk to the client: new SQ entries come over before they are read,
+//! a batch's write data before it is submitted, and completions go out at the end
+//! (`completions.rs`). PRP lists and SGL segments come over as they are walked.
+//! Each of these costs one branch when the map has no mirror.
 
 use std::sync::atomic::Ordering;
 
@@ -18,7 +24,7 @@ use super::{IoSq, NsTable, QueueGroup};
 use crate::decode::{OP_READ, OP_WRITE};
 use crate::iov::Iov;
 use crate::log::bump;
-use crate::queue::{CqRing, Sqe};
+use crate::queue::{ring_ranges, CqRing, Sqe, SQE_SIZE};
 use crate::shared::Shared;
 use crate::status::{Nvme, Status};
 use bdev::{IoOp, IoRequest};
@@ -43,6 +49,8 @@ pub(crate) struct Pass<'m> {
     shadow: Option<Shadow>,
     shadow_db: Option<DmaSlice<'m>>,
     cq_ring: DmaSlice<'m>,
+    /// The CQ lies in unshared client memory: completions go out at the end.
+    pub cq_remote: bool,
 }
 
 impl<'m> Pass<'m> {
@@ -66,6 +74,7 @@ impl<'m> Pass<'m> {
             shared.set_fatal("I/O CQ memory unmapped");
             return Err(Fatal);
         };
+        let cq_remote = map.touches_remote(cq.base, cq.ring_bytes() as u64);
         Ok(Pass {
             shared,
             view,
@@ -74,6 +83,7 @@ impl<'m> Pass<'m> {
             shadow,
             shadow_db,
             cq_ring,
+            cq_remote,
         })
     }
 
@@ -139,6 +149,9 @@ impl QueueGroup {
         // Commands in flight keep the snapshots they use pinned, so the view moves
         // on as soon as the client changes its map.
         self.view.refresh();
+        // On a reactor other controllers share, never wait for this one's client.
+        let _no_waits =
+            (!self.own && self.view.map().has_remote()).then(guest_mem::no_remote_waits);
         let mut p = Progress::default();
         let _ = self.stages(&mut p);
         p.fetched as usize + self.out.posted()
@@ -152,6 +165,7 @@ impl QueueGroup {
             ns,
             shadow,
             out,
+            own: _,
         } = self;
         let pass = Pass::begin(shared, view, *shadow, &mut out.cq)?;
         if out.inflight > 0 {
@@ -171,8 +185,7 @@ impl QueueGroup {
         if p.submitted {
             ns.flush();
         }
-        out.end_poll(&pass, p.fetched + inflight_before);
-        Ok(())
+        out.end_poll(&pass, sqs, p.fetched + inflight_before)
     }
 }
 
@@ -231,6 +244,9 @@ fn fetch_and_submit<'m>(
     if pass.shadow().is_some() {
         bump(&out.pcie.shadow_reads, 1);
     }
+    if pass.map.has_remote() {
+        fetch_entries(pass, sq, tail)?;
+    }
     let Ok(sq_ring) = pass
         .map
         .translate(sq.ring.base, sq.ring.ring_bytes(), Access::Read)
@@ -244,7 +260,7 @@ fn fetch_and_submit<'m>(
     batch.clear();
     while sq.ring.head != tail
         && budget > 0
-        && out.cq.free() > out.inflight + batch.cmds.len() as u32
+        && out.cq.free() > out.inflight + out.deferred() + batch.cmds.len() as u32
     {
         let Some(idx) = sq.free.pop() else { break };
         let Some(sqe) = Sqe::fetch(&sq_ring, sq.ring.head) else {
@@ -316,6 +332,66 @@ fn fetch_and_submit<'m>(
     Ok(Next::Sq)
 }
 
+/// With the SQ ring in unshared client memory: fetches the entries the host added
+/// since the last fetch (one message for the lot).
+#[cold]
+fn fetch_entries(pass: &Pass<'_>, sq: &mut IoSq, tail: u16) -> Result<(), Fatal> {
+    let (head, size) = (sq.ring.head, sq.ring.size);
+    // Entries from `head` up to `synced` came over already (it is reset to the
+    // head whenever the group is placed, see `QueueGroup::resync`).
+    let ahead = |i: u16| (u32::from(i) + u32::from(size) - u32::from(head)) % u32::from(size);
+    let from = if ahead(sq.synced) <= ahead(tail) {
+        sq.synced
+    } else {
+        head
+    };
+    if from != tail {
+        let ranges = ring_ranges(sq.ring.base, from, tail, size, SQE_SIZE);
+        if pass.map.fetch(&ranges).is_err() {
+            return Err(pass.fatal("cannot fetch SQ entries from the client"));
+        }
+    }
+    sq.synced = tail;
+    Ok(())
+}
+
+/// With mirrors of unshared client memory: the batch's write data comes over before
+/// the backend reads it (one message round for the whole batch), and each read's
+/// guest ranges are kept for the push before its completion. A write whose data
+/// the client refused fails with Data Transfer Error.
+#[cold]
+fn sync_batch(pass: &Pass<'_>, sq: &mut IoSq, batch: &Batch<'_>) {
+    let mut ranges: Vec<crate::iov::Run> = Vec::new();
+    for &idx in &batch.cmds {
+        let Some(slot) = sq.slots.get(idx as usize) else {
+            continue;
+        };
+        let runs = batch.iov.runs_of(slot.runs);
+        if !pass.map.any_remote(runs) {
+            continue;
+        }
+        if slot.opcode == OP_WRITE {
+            ranges.extend_from_slice(runs);
+        } else {
+            sq.keep_runs(idx, runs);
+            if let Some(slot) = sq.slots.get_mut(idx as usize) {
+                slot.push = true;
+            }
+        }
+    }
+    if ranges.is_empty() || pass.map.fetch(&ranges).is_ok() {
+        return;
+    }
+    for &idx in &batch.cmds {
+        let Some(slot) = sq.slots.get_mut(idx as usize) else {
+            continue;
+        };
+        if slot.opcode == OP_WRITE && pass.map.fetch(batch.iov.runs_of(slot.runs)).is_err() {
+            slot.status = Status::DATA_TRANSFER_ERROR;
+        }
+    }
+}
+
 /// Submits a batch of parsed reads and writes back to back, then posts the CQEs of
 /// those the backend completed inline. Parsing them all first lets one clock read
 /// between two submit calls be both the earlier command's "completed" and the later
@@ -331,12 +407,19 @@ fn submit_batch(
     out: &mut Completions,
 ) -> Result<(), Fatal> {
     let qid = sq.ring.qid;
+    if pass.map.has_remote() {
+        sync_batch(pass, sq, batch);
+    }
     // The last clock read, if it was taken right after the previous submit call.
     let mut last: Option<u64> = None;
     for &idx in &batch.cmds {
         let Some(slot) = sq.slots.get_mut(idx as usize) else {
             continue;
         };
+        if !slot.status.is_ok() {
+            // Its data never came over (see `sync_batch`).
+            continue;
+        }
         let op = if slot.opcode == OP_WRITE {
             IoOp::Write
         } else {

@@ -18,7 +18,14 @@ pub(super) const NO_EI: u16 = u16::MAX;
 /// The shadow doorbell page (Doorbell Buffer Config makes both buffers one
 /// page-aligned page), translated once per poll.
 pub(super) fn shadow_page(map: &MemoryMap, shadow: Option<Shadow>) -> Option<DmaSlice<'_>> {
-    shadow.and_then(|s| map.translate(s.db, 4096, Access::Read).ok())
+    let s = shadow?;
+    // A buffer in unshared client memory would have to be fetched on every poll:
+    // Doorbell Buffer Config refuses one, and a buffer remapped that way later is
+    // ignored (doorbells then come from the doorbell page).
+    if map.has_remote() && map.is_remote(s.db) {
+        return None;
+    }
+    map.translate(s.db, 4096, Access::Read).ok()
 }
 
 /// Current doorbell value: from the shadow buffer when configured (falling back to

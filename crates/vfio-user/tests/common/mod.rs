@@ -117,6 +117,7 @@ impl Fixture {
                 access: Default::default(),
                 socket: path.clone(),
                 name: "test".into(),
+                dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
             },
             spec,
             backend.clone(),
