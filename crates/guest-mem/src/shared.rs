@@ -49,6 +49,28 @@ impl SharedMem {
         Ok(SharedMem { fd, map })
     }
 
+    /// Maps a memfd that [`SharedMem::new`] made in an earlier process (handed over
+    /// by a supervisor, so that a peer that mapped it keeps seeing the same pages).
+    /// It must still be `len` bytes and sealed against resizing, or it is refused.
+    pub fn adopt(fd: OwnedFd, len: u64) -> io::Result<Self> {
+        let bad = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_string());
+        // SAFETY: F_GET_SEALS on an fd we own; integer result checked.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let want = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        if seals & want != want {
+            return Err(bad("shared memory is not sealed against resizing"));
+        }
+        let size = std::fs::File::from(fd.try_clone()?).metadata()?.len();
+        if size != len || len == 0 || !len.is_multiple_of(crate::page_size() as u64) {
+            return Err(bad("shared memory has the wrong size"));
+        }
+        let map = MappedRegion::map_fd(fd.as_fd(), 0, 0, len, Prot::RW)?;
+        Ok(SharedMem { fd, map })
+    }
+
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
@@ -100,5 +122,28 @@ mod tests {
             assert!(libc::fcntl(fd, libc::F_ADD_SEALS, 0) < 0, "seals sealed");
         }
         assert_eq!(a.all().load_u32(4096), Some(0));
+    }
+
+    #[test]
+    fn an_adopted_memfd_keeps_its_bytes_and_must_match() {
+        let a = SharedMem::new("t", 8192).unwrap();
+        a.all().store_u32(4096, 7).unwrap();
+        let b = SharedMem::adopt(a.fd().try_clone_to_owned().unwrap(), 8192).unwrap();
+        assert_eq!(b.all().load_u32(4096), Some(7));
+        assert!(SharedMem::adopt(a.fd().try_clone_to_owned().unwrap(), 4096).is_err());
+        let f = tempfile_fd();
+        assert!(SharedMem::adopt(f, 8192).is_err(), "unsealed file refused");
+    }
+
+    fn tempfile_fd() -> OwnedFd {
+        let name = CString::new("unsealed").unwrap();
+        // SAFETY: memfd_create with a valid name; result checked.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: a fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: plain syscall on our fd.
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), 8192) }, 0);
+        fd
     }
 }

@@ -411,6 +411,23 @@ impl Inner {
         ns.iter().flatten().any(|n| n.info.write_cache)
     }
 
+    /// See `Controller::resume_failed`. CC reads back enabled with the entry sizes
+    /// every driver programs (a driver keeps its own copy to write back).
+    pub fn resume_failed(&self) {
+        let mut st = self.lock();
+        self.disable(&mut st);
+        st.regs.cc = regs::CC_EN | (6 << 16) | (4 << 20);
+        st.regs.rdy = true;
+        st.regs.cfs = true;
+        trace::limited!(
+            self.shared.log,
+            warn,
+            cntlid = self.cfg.cntlid,
+            "nvme: resumed a client after the server process died: controller fatal \
+             status until the host resets the controller"
+        );
+    }
+
     /// Full reset: like CC.EN 1->0 plus every register back to its reset value.
     pub fn reset(&self) {
         let mut st = self.lock();

@@ -71,6 +71,9 @@ pub use status::{Nvme, Status};
 /// Smallest BAR0: registers, doorbells, MSI-X table, MSI-X PBA, a page each. 16 KiB
 /// is also what Windows guests are reported to need (docs/decisions/0011).
 pub const BAR0_SIZE: u64 = 0x4000;
+/// Bytes of the doorbell memfd ([`Controller::doorbells`]).
+pub const DOORBELL_PAGE_LEN: u64 = 0x2000;
+
 /// Doorbells live at BAR0 0x1000..0x2000, i.e. the same offsets of the doorbell memfd.
 pub const DOORBELL_OFFSET: u64 = 0x1000;
 /// [`DOORBELL_OFFSET`] as an index into the doorbell page.
@@ -222,6 +225,21 @@ impl Controller {
         mem: Arc<DmaSpace>,
         irqs: Arc<dyn InterruptSink>,
     ) -> Result<Controller, ControllerError> {
+        Self::with_doorbells(cfg, namespaces, engine, placer, mem, irqs, None)
+    }
+
+    /// [`Controller::new`] on a doorbell page of an earlier process
+    /// ([`DOORBELL_PAGE_LEN`] bytes, `SharedMem::adopt`): a client that mapped it
+    /// keeps writing where this controller looks. `None`: a new page.
+    pub fn with_doorbells(
+        cfg: ControllerConfig,
+        namespaces: Vec<Option<Arc<dyn BlockDevice>>>,
+        engine: Arc<Engine>,
+        placer: Placer,
+        mem: Arc<DmaSpace>,
+        irqs: Arc<dyn InterruptSink>,
+        doorbells: Option<SharedMem>,
+    ) -> Result<Controller, ControllerError> {
         if cfg.max_io_queues == 0 || cfg.max_io_queues > 0x1ff {
             return Err(ControllerError::IoQueues(cfg.max_io_queues));
         }
@@ -245,8 +263,11 @@ impl Controller {
                 })?;
             }
         }
-        let doorbells =
-            SharedMem::new("nvme-doorbells", 0x2000).map_err(ControllerError::Doorbells)?;
+        let doorbells = match doorbells {
+            Some(d) => d,
+            None => SharedMem::new("nvme-doorbells", DOORBELL_PAGE_LEN)
+                .map_err(ControllerError::Doorbells)?,
+        };
         let namespaces: Vec<Option<ns::Ns>> =
             namespaces.into_iter().map(|d| d.map(ns::Ns::new)).collect();
         let vwc = ctrl::Inner::any_write_cache(&namespaces);
@@ -325,6 +346,23 @@ impl Controller {
     /// Function level reset: like CC.EN 1->0, and registers back to reset values.
     pub fn reset(&self) {
         self.inner.reset();
+    }
+
+    /// The process that served this controller's client died and this one took the
+    /// client over (`udrive serve --supervise`): the queues' state died with it. The
+    /// controller looks enabled and failed (CSTS.RDY and CSTS.CFS), which a host
+    /// driver answers by resetting it (CC.EN 1->0), re-creating its queues and
+    /// retrying what was in flight (NVMe 2.0 base §3.5.3, "Controller Fatal
+    /// Status"). `doorbells_mapped`: the client has the doorbell page mapped.
+    pub fn resume_failed(&self, doorbells_mapped: bool) {
+        self.inner.resume_failed();
+        self.inner
+            .shared
+            .mapped
+            .store(doorbells_mapped, Ordering::Release);
+        if doorbells_mapped {
+            service::kick();
+        }
     }
 
     /// The client went away: stop touching its memory. Namespaces stay.

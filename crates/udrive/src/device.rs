@@ -52,6 +52,9 @@ impl PciBackend for NvmeFunction {
     fn dma_messages(&self, writable: bool) -> Result<(), i32> {
         self.ctrl.use_dma_messages(writable)
     }
+    fn resumed(&self, bar_mmap: bool) {
+        self.ctrl.resume_failed(bar_mmap);
+    }
 }
 
 /// The transport's interrupt table as the NVMe model's interrupt sink.
@@ -132,15 +135,37 @@ impl NvmeDevice {
             pba_offset: bar0.msix_pba as u32,
         };
         let irqs = Irqs::new(msix.vectors);
-        let ctrl = nvme::Controller::new(
+        // Under `--supervise`, what an earlier process of ours kept for this socket.
+        let keep_prefix = keep_prefix(&cfg.socket);
+        let keeper = crate::supervise::keeper();
+        let doorbells = keeper
+            .as_ref()
+            .and_then(|_| crate::supervise::take_one(&format!("{keep_prefix}bar")))
+            .and_then(|mut k| k.fds.pop())
+            .map(|fd| guest_mem::SharedMem::adopt(fd, nvme::DOORBELL_PAGE_LEN))
+            .transpose()
+            .with_context(|| format!("{what}: cannot map the kept doorbell page"))?;
+        let ctrl = nvme::Controller::with_doorbells(
             nvme_cfg,
             devs,
             engine.clone(),
             placer,
             mem.clone(),
             Arc::new(IrqSink(irqs.clone())),
+            doorbells,
         )
         .with_context(|| format!("{what}: cannot create the NVMe controller"))?;
+        let keep = keeper.map(|k| {
+            k.put(&format!("{keep_prefix}bar"), &[], &[ctrl.doorbells().fd()]);
+            vfio_user::ServerKeep {
+                keeper: k,
+                prefix: format!("{keep_prefix}c/"),
+            }
+        });
+        let kept = match keep {
+            Some(_) => crate::supervise::take(&format!("{keep_prefix}c/")),
+            None => Default::default(),
+        };
         let doorbell_fd = ctrl
             .doorbells()
             .fd()
@@ -167,17 +192,19 @@ impl NvmeDevice {
             msix,
         };
         let backend = Arc::new(NvmeFunction { ctrl: ctrl.clone() });
-        let server = VfioUserServer::start(
+        let server = VfioUserServer::resume(
             vfio_user::ServerConfig {
                 socket: cfg.socket.clone(),
                 access: cfg.socket_perms().access()?,
                 name: cfg.serial(),
                 dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
+                keep,
             },
             spec,
             backend,
             mem,
             irqs,
+            kept,
         )
         .with_context(|| format!("{what}: cannot listen on {}", cfg.socket.display()));
         let server = match server {
@@ -230,6 +257,9 @@ impl NvmeDevice {
         if let Some(s) = self.server.take() {
             s.stop();
         }
+        if let Some(k) = crate::supervise::keeper() {
+            k.remove(&keep_prefix(&self.socket));
+        }
         let st = self.ctrl.stats();
         tracing::info!(
             socket = %self.socket.display(),
@@ -248,6 +278,11 @@ impl NvmeDevice {
         );
         self.ctrl.shutdown();
     }
+}
+
+/// Where this device's records live with a supervisor (`crate::supervise`).
+fn keep_prefix(socket: &Path) -> String {
+    format!("vfu:{}#", socket.display())
 }
 
 /// NVMe queues use the server's shared reactors (`--cpus`) only: reactors the engine

@@ -25,6 +25,7 @@ pub mod serve;
 pub mod server;
 pub mod size;
 pub mod stats;
+pub mod supervise;
 #[cfg(feature = "tools")]
 pub mod trace_cmd;
 #[cfg(feature = "tools")]

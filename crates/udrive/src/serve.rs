@@ -57,6 +57,13 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics over HTTP at ADDR:PORT (GET /metrics)
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Run the server under a small supervisor that keeps NVMe clients connected
+    /// and restarts the server if it dies (docs/decisions/0021-supervise.md)
+    #[arg(long)]
+    pub supervise: bool,
+    /// Set by the supervisor on its child: stdin is the supervisor's channel
+    #[arg(long, hide = true, conflicts_with = "supervise")]
+    pub supervised: bool,
 }
 
 fn check_mode(s: &str) -> Result<String, String> {
@@ -146,7 +153,20 @@ impl ServeArgs {
 
 pub fn run(args: ServeArgs) -> Result<()> {
     let rpc_mode = args.rpc_mode;
+    let supervised = args.supervised;
+    if args.supervise {
+        // Checked here, where errors reach the user, before the child starts.
+        args.into_config()?;
+        let args = std::env::args_os()
+            .skip(1)
+            .filter(|a| a != "--supervise")
+            .collect();
+        return crate::supervise::run(args);
+    }
     let cfg = args.into_config()?;
+    if supervised {
+        crate::supervise::attach()?;
+    }
     let cpus = engine::parse_cpu_list(&cfg.cpus).map_err(anyhow::Error::msg)?;
     engine::check_allowed(&cpus).map_err(|e| anyhow::anyhow!("--cpus {}: {e}", cfg.cpus))?;
     #[cfg(feature = "rbd")]
@@ -196,6 +216,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         None => None,
     };
     print_banner(&server, rpc.as_ref(), metrics.as_ref());
+    crate::supervise::ready();
 
     let sig = signals.forever().next();
     tracing::info!(signal = ?sig, "shutting down");

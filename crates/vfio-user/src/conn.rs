@@ -16,6 +16,7 @@ use zerocopy::IntoBytes;
 
 use crate::device::Device;
 use crate::irqs::Evt;
+use crate::keep::{self, ConnRecord, DmaRecord, KeepHandle, KeptRecords};
 use crate::msg::{self, Msg, ReadError};
 use crate::proto::*;
 use crate::remote::{DmaMessageStats, Port};
@@ -63,16 +64,113 @@ pub(crate) struct Conn {
     policy: DmaPolicy,
     /// Our requests to the client, once it mapped memory without an fd.
     port: Option<Arc<Port>>,
+    /// Where the client's state is kept for a process that may take it over.
+    keep: Option<KeepHandle>,
+    /// The client got BAR0's mmap areas.
+    bar_mmap: bool,
 }
 
 impl Conn {
-    pub fn new(stream: UnixStream, policy: DmaPolicy) -> Conn {
+    pub fn new(stream: UnixStream, policy: DmaPolicy, keep: Option<KeepHandle>) -> Conn {
         Conn {
             stream,
             negotiated: false,
             client_max_xfer: MAX_DATA_XFER,
             policy,
             port: None,
+            keep,
+            bar_mmap: false,
+        }
+    }
+
+    /// Takes over a client that an earlier process served, from what it kept: the
+    /// negotiated connection, config space, DMA mappings and interrupt eventfds.
+    /// The device model is told (`PciBackend::resumed`) and decides what the client
+    /// sees. `None`: no usable connection record.
+    pub fn resume(
+        stream: UnixStream,
+        policy: DmaPolicy,
+        keep: Option<KeepHandle>,
+        dev: &mut Device,
+        mut recs: KeptRecords,
+    ) -> Option<Conn> {
+        let rec = recs.remove(keep::CONN)?;
+        let cr: ConnRecord = keep::parse_json(keep::CONN, &rec.bytes)?;
+        let mut c = Conn::new(stream, policy, keep);
+        c.negotiated = true;
+        c.client_max_xfer = cr.client_max_xfer.clamp(1, MAX_DATA_XFER);
+        c.bar_mmap = cr.bar_mmap;
+        if let Some(p) = recs.remove(keep::PCI) {
+            if dev.restore_config(&p.bytes).is_err() {
+                tracing::warn!("vfio-user: kept config space has the wrong size; reset");
+            }
+        }
+        for (key, r) in recs {
+            if !c.resume_record(dev, &key, r) {
+                tracing::warn!("vfio-user: kept record {key} not restored; dropped");
+                if let Some(k) = &c.keep {
+                    k.remove(&key);
+                }
+            }
+        }
+        dev.backend.resumed(c.bar_mmap);
+        Some(c)
+    }
+
+    fn resume_record(&mut self, dev: &mut Device, key: &str, mut r: keep::Kept) -> bool {
+        if key.starts_with("dma/") {
+            let Some(d) = keep::parse_json::<DmaRecord>(key, &r.bytes) else {
+                return false;
+            };
+            let req = DmaMap {
+                argsz: std::mem::size_of::<DmaMap>() as u32,
+                flags: d.flags,
+                offset: d.offset,
+                addr: d.addr,
+                size: d.size,
+            };
+            return match r.fds.pop() {
+                Some(fd) => crate::dma::map(&dev.mem, &req, fd, &dev.log).is_ok(),
+                None => self.dma_map_mirror(dev, &req).is_ok(),
+            };
+        }
+        let mut parts = key.split('/');
+        let (Some("irq"), Some(index), Some(v), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return false;
+        };
+        let (Ok(index), Ok(v)) = (index.parse::<u32>(), v.parse::<usize>()) else {
+            return false;
+        };
+        let Some(evt) = r.fds.pop().and_then(Evt::new) else {
+            return false;
+        };
+        match index {
+            PCI_MSIX_IRQ if v < usize::from(dev.irqs.msix_vectors()) => {
+                dev.irqs.set_msix_fds(v, vec![Some(evt)]);
+            }
+            PCI_INTX_IRQ if v == 0 => dev.irqs.set_intx_fd(Some(evt)),
+            _ => return false,
+        }
+        true
+    }
+
+    /// The connection record, after VERSION and when what it says changes.
+    fn keep_conn(&self) {
+        if let Some(k) = &self.keep {
+            let rec = ConnRecord {
+                client_max_xfer: self.client_max_xfer,
+                bar_mmap: self.bar_mmap,
+            };
+            k.put_json(keep::CONN, &rec, &[self.stream.as_fd()]);
+        }
+    }
+
+    /// The client is gone: nothing of it is worth keeping.
+    pub fn forget_kept(&self) {
+        if let Some(k) = &self.keep {
+            k.remove_all();
         }
     }
 
@@ -199,18 +297,31 @@ impl Conn {
         }
         let p = payload.as_slice();
         match cmd {
-            Command::Version => self.version(p),
+            Command::Version => {
+                let r = self.version(p);
+                if r.is_ok() {
+                    self.keep_conn();
+                }
+                r
+            }
             Command::DmaMap => self.dma_map(dev, p, fds),
             Command::DmaUnmap => {
                 drop(fds);
-                dma_unmap(dev, p)
+                dma_unmap(dev, p, self.keep.as_ref())
             }
             Command::DeviceGetInfo => device_info(p),
-            Command::DeviceGetRegionInfo => region_info(dev, p),
+            Command::DeviceGetRegionInfo => {
+                let r = region_info(dev, p);
+                if matches!(&r, Ok(r) if r.bar_fd) && !self.bar_mmap {
+                    self.bar_mmap = true;
+                    self.keep_conn();
+                }
+                r
+            }
             Command::DeviceGetIrqInfo => irq_info(dev, p),
-            Command::DeviceSetIrqs => set_irqs(dev, p, fds),
+            Command::DeviceSetIrqs => set_irqs(dev, p, fds, self.keep.as_ref()),
             Command::RegionRead => region_read(dev, p),
-            Command::RegionWrite => region_write(dev, p),
+            Command::RegionWrite => region_write(dev, p, self.keep.as_ref()),
             Command::DeviceReset if p.is_empty() => {
                 dev.reset();
                 Ok(Reply::empty())
@@ -308,12 +419,31 @@ impl Conn {
             return Err(libc::EINVAL);
         }
         let fd = match fds.len() {
-            0 => return self.dma_map_mirror(dev, &req),
+            0 => {
+                let r = self.dma_map_mirror(dev, &req)?;
+                self.keep_dma(&req, None);
+                return Ok(r);
+            }
             1 => fds.remove(0),
             _ => return Err(libc::EINVAL),
         };
+        let kept = self.keep.as_ref().and_then(|_| fd.try_clone().ok());
         crate::dma::map(&dev.mem, &req, fd, &dev.log)?;
+        self.keep_dma(&req, kept.as_ref());
         Ok(Reply::empty())
+    }
+
+    fn keep_dma(&self, req: &DmaMap, fd: Option<&OwnedFd>) {
+        if let Some(k) = &self.keep {
+            let rec = DmaRecord {
+                addr: req.addr,
+                size: req.size,
+                offset: req.offset,
+                flags: req.flags,
+            };
+            let fds: Vec<BorrowedFd<'_>> = fd.iter().map(|f| f.as_fd()).collect();
+            k.put_json(&keep::dma_key(req.addr), &rec, &fds);
+        }
     }
 
     /// Memory the client does not share: a mirror whose bytes we move with
@@ -365,7 +495,7 @@ impl Conn {
     }
 }
 
-fn dma_unmap(dev: &Device, p: &[u8]) -> Res {
+fn dma_unmap(dev: &Device, p: &[u8], keep: Option<&KeepHandle>) -> Res {
     let (req, _) = parse_argsz::<DmaUnmap>(p)?;
     if req.flags & UNMAP_GET_DIRTY_BITMAP != 0 {
         return Err(libc::ENOTSUP);
@@ -373,7 +503,13 @@ fn dma_unmap(dev: &Device, p: &[u8]) -> Res {
     if req.argsz as usize != p.len() || p.len() != std::mem::size_of::<DmaUnmap>() {
         return Err(libc::EINVAL);
     }
-    crate::dma::unmap(&dev.mem, &req)?;
+    let removed = crate::dma::unmap(&dev.mem, &req)?;
+    if let Some(k) = keep {
+        match removed {
+            None => k.remove("dma/"),
+            Some(iovas) => iovas.iter().for_each(|a| k.remove(&keep::dma_key(*a))),
+        }
+    }
     Ok(Reply::data(req.as_bytes().to_vec()))
 }
 
@@ -423,7 +559,7 @@ fn irq_info(dev: &Device, p: &[u8]) -> Res {
     Ok(Reply::data(info.as_bytes().to_vec()))
 }
 
-fn set_irqs(dev: &Device, p: &[u8], fds: Vec<OwnedFd>) -> Res {
+fn set_irqs(dev: &Device, p: &[u8], fds: Vec<OwnedFd>, keep: Option<&KeepHandle>) -> Res {
     let (s, argsz) = parse_argsz::<SetIrqs>(p)?;
     if argsz as usize != p.len() {
         return Err(libc::EINVAL);
@@ -450,6 +586,9 @@ fn set_irqs(dev: &Device, p: &[u8], fds: Vec<OwnedFd>) -> Res {
                 PCI_INTX_IRQ => dev.irqs.set_intx_fd(None),
                 _ => {}
             }
+            if let Some(k) = keep {
+                k.remove(&keep::irq_prefix(s.index));
+            }
             return Ok(Reply::empty());
         }
         return Err(libc::EINVAL);
@@ -470,6 +609,11 @@ fn set_irqs(dev: &Device, p: &[u8], fds: Vec<OwnedFd>) -> Res {
     match action {
         IRQ_SET_ACTION_TRIGGER if eventfd => {
             // QEMU sends runs of fds, and runs of "-1" as the same message without fds.
+            // Copies for the keeper, once the fds proved to be eventfds.
+            let kept: Vec<OwnedFd> = match keep {
+                Some(_) => fds.iter().filter_map(|f| f.try_clone().ok()).collect(),
+                None => Vec::new(),
+            };
             let evts: Vec<Option<Evt>> = if fds.is_empty() {
                 range.clone().map(|_| None).collect()
             } else if fds.len() == range.len() {
@@ -484,6 +628,15 @@ fn set_irqs(dev: &Device, p: &[u8], fds: Vec<OwnedFd>) -> Res {
             match s.index {
                 PCI_MSIX_IRQ => dev.irqs.set_msix_fds(s.start as usize, evts),
                 _ => dev.irqs.set_intx_fd(evts.into_iter().next().flatten()),
+            }
+            if let Some(k) = keep {
+                for (i, v) in range.enumerate() {
+                    let key = keep::irq_key(s.index, v);
+                    match kept.get(i) {
+                        Some(fd) => k.put_fd(&key, fd),
+                        None => k.remove(&key),
+                    }
+                }
             }
         }
         IRQ_SET_ACTION_TRIGGER => {
@@ -535,9 +688,12 @@ fn region_read(dev: &Device, p: &[u8]) -> Res {
     Ok(Reply::data(out))
 }
 
-fn region_write(dev: &mut Device, p: &[u8]) -> Res {
+fn region_write(dev: &mut Device, p: &[u8], keep: Option<&KeepHandle>) -> Res {
     let a = check_access(p, true)?;
     let data = &p[std::mem::size_of::<RegionAccess>()..];
     dev.region_write(a.region, a.offset, data)?;
+    if let (Some(k), PCI_CONFIG_REGION) = (keep, a.region) {
+        k.put(keep::PCI, dev.config.image(), &[]);
+    }
     Ok(Reply::data(a.as_bytes().to_vec()))
 }

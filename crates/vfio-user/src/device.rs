@@ -68,6 +68,10 @@ pub trait PciBackend: Send + Sync {
     fn dma_messages(&self, _writable: bool) -> Result<(), i32> {
         Err(libc::ENOTSUP)
     }
+    /// This process took over a client that an earlier one served (its memory,
+    /// interrupts and config space are back; whatever the model kept in memory is
+    /// not). `bar_mmap`: the client has BAR0's mmap areas mapped.
+    fn resumed(&self, _bar_mmap: bool) {}
 }
 
 fn invalid(msg: &str) -> io::Error {
@@ -266,6 +270,16 @@ impl Device {
             }
             _ => Err(libc::EINVAL),
         }
+    }
+
+    /// Config space from a kept image; MSI-X function mask as it says.
+    pub fn restore_config(&mut self, image: &[u8]) -> Result<(), ()> {
+        if !self.config.restore(image) {
+            return Err(());
+        }
+        let c = self.config.msix_control();
+        self.irqs.set_function_mask(c & MSIX_CTRL_FUNC_MASK != 0);
+        Ok(())
     }
 
     pub fn reset(&mut self) {

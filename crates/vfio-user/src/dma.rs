@@ -132,7 +132,8 @@ pub(crate) fn map(
     Ok(())
 }
 
-pub(crate) fn unmap(mem: &DmaSpace, req: &DmaUnmap) -> Result<(), i32> {
+/// Returns the IOVAs of the regions removed (`None`: all of them).
+pub(crate) fn unmap(mem: &DmaSpace, req: &DmaUnmap) -> Result<Option<Vec<u64>>, i32> {
     if req.flags & UNMAP_GET_DIRTY_BITMAP != 0 {
         return Err(libc::ENOTSUP);
     }
@@ -144,7 +145,7 @@ pub(crate) fn unmap(mem: &DmaSpace, req: &DmaUnmap) -> Result<(), i32> {
             return Err(libc::EINVAL);
         }
         unmap_all(mem);
-        return Ok(());
+        return Ok(None);
     }
     if req.size == 0 {
         return Err(libc::EINVAL);
@@ -165,8 +166,15 @@ pub(crate) fn unmap(mem: &DmaSpace, req: &DmaUnmap) -> Result<(), i32> {
             (next, _) => Ok(next),
         }
     })?;
-    release(mem, old, |r| r.iova() >= req.addr && r.last() < end);
-    Ok(())
+    let removed = |r: &MappedRegion| r.iova() >= req.addr && r.last() < end;
+    let iovas = old
+        .regions()
+        .iter()
+        .filter(|r| removed(r))
+        .map(|r| r.iova())
+        .collect();
+    release(mem, old, removed);
+    Ok(Some(iovas))
 }
 
 pub(crate) fn unmap_all(mem: &DmaSpace) {

@@ -102,7 +102,7 @@ pub fn session(data: &[u8]) {
         reply_timeout: std::time::Duration::from_millis(100),
         stats: Default::default(),
     };
-    let mut conn = Conn::new(server, policy);
+    let mut conn = Conn::new(server, policy, None);
     // The whole stream is written first (it fits the socket buffer), then the
     // server reads it to the end: no message waits on the deadline for bytes that
     // are still to come.

@@ -138,6 +138,16 @@ impl ConfigSpace {
         true
     }
 
+    /// The whole space as the client last wrote it (for a keeper).
+    pub fn image(&self) -> &[u8] {
+        &self.bytes[..]
+    }
+
+    /// Writes a kept [`ConfigSpace::image`] back through the write masks.
+    pub fn restore(&mut self, image: &[u8]) -> bool {
+        image.len() == CONFIG_SIZE && self.write(0, image)
+    }
+
     pub fn msix_control(&self) -> u16 {
         u16::from_le_bytes([self.bytes[MSIX_CAP + 2], self.bytes[MSIX_CAP + 3]])
     }

@@ -28,6 +28,7 @@ use guest_mem::DmaSpace;
 use crate::conn::{Conn, DmaPolicy, Flow};
 use crate::device::{self, Device, PciBackend, PciDeviceSpec};
 use crate::irqs::Irqs;
+use crate::keep::{KeepHandle, Keeper, KeptRecords};
 use crate::pci::ConfigSpace;
 use crate::remote::{DmaMessageCounts, DmaMessageStats};
 
@@ -53,6 +54,29 @@ pub struct ServerConfig {
     /// Bound on each wait for a client's reply to our DMA_READ/DMA_WRITE
     /// ([`DEFAULT_DMA_REPLY_TIMEOUT`]).
     pub dma_reply_timeout: Duration,
+    /// Where connections keep their state for a process that may take them over.
+    pub keep: Option<ServerKeep>,
+}
+
+/// A keeper and the prefix of this server's records there (see [`crate::keep`]).
+#[derive(Clone)]
+pub struct ServerKeep {
+    pub keeper: Arc<dyn Keeper>,
+    pub prefix: String,
+}
+
+impl std::fmt::Debug for ServerKeep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerKeep")
+            .field("prefix", &self.prefix)
+            .finish()
+    }
+}
+
+impl ServerKeep {
+    fn handle(&self) -> KeepHandle {
+        KeepHandle::new(self.keeper.clone(), self.prefix.clone())
+    }
 }
 
 pub struct VfioUserServer {
@@ -86,6 +110,21 @@ impl VfioUserServer {
         mem: Arc<DmaSpace>,
         irqs: Arc<Irqs>,
     ) -> io::Result<VfioUserServer> {
+        Self::resume(cfg, spec, backend, mem, irqs, KeptRecords::new())
+    }
+
+    /// [`VfioUserServer::start`], and takes over the client an earlier process
+    /// served, from the records it kept (`cfg.keep`'s prefix removed from their
+    /// keys): the client stays connected and the device model is told
+    /// ([`PciBackend::resumed`]). Without a connection record this is `start`.
+    pub fn resume(
+        cfg: ServerConfig,
+        spec: PciDeviceSpec,
+        backend: Arc<dyn PciBackend>,
+        mem: Arc<DmaSpace>,
+        irqs: Arc<Irqs>,
+        mut kept: KeptRecords,
+    ) -> io::Result<VfioUserServer> {
         device::validate(&spec, &irqs)?;
         let hub = match hub() {
             Ok(h) => h,
@@ -98,7 +137,7 @@ impl VfioUserServer {
         };
         let listener = sockfile::bind(&cfg.socket, cfg.access)?;
         listener.set_nonblocking(true)?;
-        let dev = Device {
+        let mut dev = Device {
             config: ConfigSpace::new(&spec.ids, spec.bar0.size, &spec.msix),
             spec,
             backend,
@@ -109,17 +148,42 @@ impl VfioUserServer {
         let active = Arc::new(Mutex::new(None));
         let id = hub.next_id.fetch_add(1, Ordering::Relaxed);
         let dma_stats = Arc::new(DmaMessageStats::default());
+        let policy = DmaPolicy {
+            reply_timeout: cfg.dma_reply_timeout,
+            stats: dma_stats.clone(),
+        };
+        let keep = cfg.keep.as_ref().map(ServerKeep::handle);
+        let mut state = State::Listening;
+        if let Some(rec) = kept.get_mut(crate::keep::CONN) {
+            let stream = rec.fds.pop().map(UnixStream::from);
+            let resumed = stream.and_then(|s| {
+                let _ = s.set_read_timeout(Some(READ_TIMEOUT));
+                let _ = s.set_write_timeout(Some(WRITE_TIMEOUT));
+                *lock(&active) = s.try_clone().ok();
+                Conn::resume(s, policy.clone(), keep.clone(), &mut dev, kept)
+            });
+            match resumed {
+                Some(c) => {
+                    tracing::info!("vfio-user {}: took over the connected client", cfg.name);
+                    state = State::Idle(c);
+                }
+                None => {
+                    *lock(&active) = None;
+                    if let Some(k) = &keep {
+                        k.remove_all();
+                    }
+                }
+            }
+        }
         let ep = Endpoint {
-            policy: DmaPolicy {
-                reply_timeout: cfg.dma_reply_timeout,
-                stats: dma_stats.clone(),
-            },
+            keep,
+            policy,
             name: cfg.name.clone(),
             listener,
             fault: dev.mem.fault_signal().clone(),
             dev: Arc::new(Mutex::new(dev)),
             active: active.clone(),
-            state: State::Listening,
+            state,
         };
         hub.send(Cmd::Add(id, Box::new(ep)));
         Ok(VfioUserServer {
@@ -182,6 +246,7 @@ enum State {
 struct Endpoint {
     name: String,
     policy: DmaPolicy,
+    keep: Option<KeepHandle>,
     listener: UnixListener,
     /// Used by whichever thread serves the endpoint: the hub, or the connection's
     /// thread while it is `Served`.
@@ -385,7 +450,7 @@ fn hub_event(eps: &mut BTreeMap<u64, Endpoint>, w: Watch) {
                         "vfio-user {}: client connected",
                         ep.name
                     );
-                    serve(id, ep, Conn::new(s, ep.policy.clone()));
+                    serve(id, ep, Conn::new(s, ep.policy.clone(), ep.keep.clone()));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => {
@@ -506,6 +571,7 @@ fn finish(dev: &mut Device, conn: Conn, active: &Mutex<Option<UnixStream>>) {
     let negotiated = conn.negotiated();
     // Transfers waiting for the client give up before the device is reset.
     conn.close();
+    conn.forget_kept();
     drop(conn);
     *lock(active) = None;
     if negotiated {

@@ -105,6 +105,7 @@ fn fixture(timeout: Duration) -> Fix {
             socket: path.clone(),
             name: "dma".into(),
             dma_reply_timeout: timeout,
+            keep: None,
         },
         spec,
         mover.clone(),

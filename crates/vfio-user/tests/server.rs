@@ -468,6 +468,7 @@ fn stop_removes_socket_and_restart_replaces_stale() {
                 socket: f.path.clone(),
                 name: "t2".into(),
                 dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
+                keep: None,
             },
             spec,
             f.backend.clone(),

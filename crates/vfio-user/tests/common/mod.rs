@@ -118,6 +118,7 @@ impl Fixture {
                 socket: path.clone(),
                 name: "test".into(),
                 dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
+                keep: None,
             },
             spec,
             backend.clone(),
