@@ -162,7 +162,7 @@ pub fn open_all_set(
     for c in controllers {
         let mut devs = Vec::new();
         for (i, ns) in c.namespaces.iter().enumerate() {
-            devs.push(set.open(ns, &c.socket, i as u32 + 1)?);
+            devs.push(set.open(ns, &c.socket, c.nsid(i))?);
         }
         out.push(devs);
     }

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use guest_mem::DmaSpace;
 use vfio_user::proto::SparseArea;
 use vfio_user::{BarSpec, Irqs, MsixSpec, PciBackend, PciDeviceSpec, PciIds, VfioUserServer};
@@ -106,13 +106,15 @@ impl NvmeDevice {
                     spec: spec.clone(),
                     qos: qos.clone(),
                 };
-                (i as u32 + 1, ns)
+                (cfg.nsid(i), ns)
             })
             .collect();
-        let devs: Vec<Option<Arc<dyn BlockDevice>>> = devs
-            .into_iter()
-            .map(|d| Some(d as Arc<dyn BlockDevice>))
-            .collect();
+        // By NSID, inactive ones None.
+        let top = namespaces.keys().next_back().copied().unwrap_or(0) as usize;
+        let mut devs: Vec<Option<Arc<dyn BlockDevice>>> = vec![None; top];
+        for (id, ns) in &namespaces {
+            devs[*id as usize - 1] = Some(ns.qos.clone() as Arc<dyn BlockDevice>);
+        }
         let mem = DmaSpace::try_new()?;
         let nvme_cfg = nvme::ControllerConfig {
             serial: cfg.serial(),
@@ -166,6 +168,10 @@ impl NvmeDevice {
             Some(_) => crate::supervise::take(&format!("{keep_prefix}c/")),
             None => Default::default(),
         };
+        // A listening socket handed over: it stays bound where clients find it.
+        let listener = crate::supervise::take_one(&format!("{keep_prefix}listen"))
+            .and_then(|mut k| k.fds.pop())
+            .map(Arc::new);
         let doorbell_fd = ctrl
             .doorbells()
             .fd()
@@ -199,6 +205,8 @@ impl NvmeDevice {
                 name: cfg.serial(),
                 dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
                 keep,
+                listener,
+                start_paused: crate::handover::taking_over(),
             },
             spec,
             backend,
@@ -222,6 +230,56 @@ impl NvmeDevice {
             cntlid,
             namespaces,
         })
+    }
+
+    /// Handover, old process: stop serving the client at a message boundary and let
+    /// the queues finish what they fetched (bounded). On error nothing stays paused.
+    pub fn pause_for_handover(&self, limit: std::time::Duration) -> Result<()> {
+        let what = || format!("controller {}", self.socket.display());
+        let Some(s) = &self.server else {
+            bail!("{} is stopping", what());
+        };
+        s.pause().map_err(|e| {
+            if e.raw_os_error() == Some(libc::EBUSY) {
+                anyhow!(
+                    "{}: its client's memory is not shared (DMA by messages), which a \
+                     handover cannot move",
+                    what()
+                )
+            } else {
+                anyhow!(e).context(format!("{}: cannot pause", what()))
+            }
+        })?;
+        let _ = limit;
+        Ok(())
+    }
+
+    /// Handover, old process: it failed; serve on as before.
+    pub fn resume_after_handover_failed(&self) {
+        if let Some(s) = &self.server {
+            s.unpause();
+        }
+    }
+
+    /// Handover, new process: the old one let go; serve.
+    pub fn start_after_takeover(&self) {
+        if let Some(s) = &self.server {
+            s.unpause();
+        }
+    }
+
+    /// Handover, old process: what the new one needs besides the records the
+    /// device keeps as it runs (`supervise::local_records`): the listening socket.
+    pub fn handover_records(&self) -> Result<Vec<(String, Vec<u8>, Vec<std::os::fd::OwnedFd>)>> {
+        let Some(s) = &self.server else {
+            bail!("controller {} is stopping", self.socket.display());
+        };
+        let prefix = keep_prefix(&self.socket);
+        let listener = s
+            .listener()
+            .try_clone_to_owned()
+            .context("cannot duplicate the listening socket")?;
+        Ok(vec![(format!("{prefix}listen"), Vec::new(), vec![listener])])
     }
 
     /// Whether a vfio-user client (a VM, an initiator) is attached.
@@ -532,5 +590,8 @@ impl crate::stats::Traced for NvmeDevice {
 impl dyn crate::frontend::FrontEnd {
     pub fn as_nvme_mut(&mut self) -> Option<&mut NvmeDevice> {
         self.as_any_mut().downcast_mut()
+    }
+    pub fn as_nvme(&self) -> Option<&NvmeDevice> {
+        self.as_any().downcast_ref()
     }
 }

@@ -10,6 +10,7 @@ pub mod blkio_target;
 pub mod config;
 pub mod device;
 pub mod frontend;
+pub mod handover;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod json;

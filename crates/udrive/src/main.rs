@@ -2,7 +2,7 @@
 
 #[cfg(feature = "tools")]
 use udrive::{perf, trace_cmd};
-use udrive::{rpc, serve};
+use udrive::{handover, rpc, serve};
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +25,9 @@ enum Cmd {
     /// Drive a controller with udrive's userspace initiator and report IOPS and latency
     #[cfg(feature = "tools")]
     Perf(Box<perf::PerfArgs>),
+    /// Replace the running server with a new process (e.g. a new binary) while its
+    /// clients stay connected (docs/decisions/0022-live-handover.md)
+    Upgrade(handover::upgrade::UpgradeArgs),
     /// Call a method on a running server's control socket (JSON-RPC 2.0, docs/rpc.md)
     Rpc(rpc::client::RpcArgs),
     /// Print a running server's counters in Prometheus text format
@@ -71,6 +74,7 @@ fn main() {
             }
             None => perf::run(*a),
         },
+        Cmd::Upgrade(a) => handover::upgrade::run(a),
         Cmd::Rpc(a) => rpc::client::run(a),
         Cmd::Metrics(a) => rpc::client::run_metrics(a),
         #[cfg(feature = "tools")]

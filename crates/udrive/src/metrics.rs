@@ -32,10 +32,25 @@ pub struct MetricsServer {
     thread: Option<JoinHandle<()>>,
 }
 
+/// A copy of the listener, for a handover.
+static LISTENER: std::sync::Mutex<Option<TcpListener>> = std::sync::Mutex::new(None);
+
+/// The metrics listener (a copy) and its address, if this process serves metrics.
+pub fn listener_copy() -> Option<(std::os::fd::OwnedFd, SocketAddr)> {
+    let l = LISTENER.lock().unwrap_or_else(|e| e.into_inner());
+    let l = l.as_ref()?;
+    Some((l.try_clone().ok()?.into(), l.local_addr().ok()?))
+}
+
 impl MetricsServer {
     pub fn start(addr: SocketAddr, server: Arc<Server>) -> io::Result<MetricsServer> {
-        let listener = TcpListener::bind(addr)?;
+        Self::start_on(TcpListener::bind(addr)?, server)
+    }
+
+    /// Serves on `listener` (bound by this process or one it took over from).
+    pub fn start_on(listener: TcpListener, server: Arc<Server>) -> io::Result<MetricsServer> {
         let addr = listener.local_addr()?;
+        *LISTENER.lock().unwrap_or_else(|e| e.into_inner()) = Some(listener.try_clone()?);
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()

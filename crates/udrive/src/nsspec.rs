@@ -196,6 +196,13 @@ impl NsSpec {
     }
 }
 
+/// As written (options included), so that it parses back the same.
+impl serde::Serialize for NsSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
 impl std::fmt::Display for NsSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let Some(short) = self.kind.0.canonical() else {

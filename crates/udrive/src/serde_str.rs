@@ -4,7 +4,12 @@
 
 use std::str::FromStr;
 
-use serde::{de::Error, Deserialize, Deserializer};
+use serde::{de::Error, Deserialize, Deserializer, Serializer};
+
+/// Writes the value by its name (`Display`), as `deserialize` reads it.
+pub fn serialize<T: std::fmt::Display, S: Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
 
 pub fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
 where

@@ -64,6 +64,11 @@ pub struct ServeArgs {
     /// Set by the supervisor on its child: stdin is the supervisor's channel
     #[arg(long, hide = true, conflicts_with = "supervise")]
     pub supervised: bool,
+    /// Take every device over from the udrive serving this control socket, with
+    /// its current configuration, while its clients stay connected (see `udrive
+    /// upgrade`; docs/decisions/0022-live-handover.md)
+    #[arg(long, value_name = "RPC_SOCKET", conflicts_with_all = ["config", "vfio_user", "ns", "supervise", "supervised", "rpc"])]
+    pub takeover: Option<PathBuf>,
 }
 
 fn check_mode(s: &str) -> Result<String, String> {
@@ -154,6 +159,9 @@ impl ServeArgs {
 pub fn run(args: ServeArgs) -> Result<()> {
     let rpc_mode = args.rpc_mode;
     let supervised = args.supervised;
+    if let Some(from) = &args.takeover {
+        return crate::handover::run_takeover(from);
+    }
     if args.supervise {
         // Checked here, where errors reach the user, before the child starts.
         args.into_config()?;
@@ -167,6 +175,32 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if supervised {
         crate::supervise::attach()?;
     }
+    // Signals are routed into the iterator before any thread starts.
+    let signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
+    let running = start(&cfg, rpc_mode, Listeners::default())?;
+    running.print_banner();
+    crate::supervise::ready();
+    running.run_until_signal(signals)
+}
+
+/// Listening sockets handed over by an earlier process.
+#[derive(Default)]
+pub struct Listeners {
+    pub rpc: Option<std::os::unix::net::UnixListener>,
+    pub metrics: Option<std::net::TcpListener>,
+}
+
+/// A started server: engine, devices, control socket and metrics endpoint.
+pub struct Running {
+    engine: Arc<engine::Engine>,
+    pub server: Arc<Server>,
+    rpc: Option<RpcServer>,
+    metrics: Option<MetricsServer>,
+}
+
+/// Starts reactors, devices (taking over what earlier processes kept for them),
+/// the control socket and metrics; on error everything started is stopped.
+pub fn start(cfg: &Config, rpc_mode: u32, listeners: Listeners) -> Result<Running> {
     let cpus = engine::parse_cpu_list(&cfg.cpus).map_err(anyhow::Error::msg)?;
     engine::check_allowed(&cpus).map_err(|e| anyhow::anyhow!("--cpus {}: {e}", cfg.cpus))?;
     #[cfg(feature = "rbd")]
@@ -174,13 +208,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let disks = crate::config::disk_specs(&cfg);
     let (backend_set, backends, disk_devs) =
         crate::backends::open_all_set(&cfg.controllers, &disks)?;
-    // Signals are routed into the iterator before any thread starts.
-    let mut signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
     let engine = engine::Engine::start(&cpus.iter().map(|c| Some(*c)).collect::<Vec<_>>())
         .context("cannot start reactors")?;
     tracing::info!(reactors = engine.num_reactors(), cpus = %cfg.cpus, "reactors started");
 
-    let server = match Server::start(&cfg, backend_set, backends, disk_devs, engine.clone()) {
+    let server = match Server::start(cfg, backend_set, backends, disk_devs, engine.clone()) {
         Ok(s) => s,
         Err(e) => {
             engine.shutdown();
@@ -192,7 +224,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         engine.shutdown();
     };
     let rpc = match &cfg.rpc {
-        Some(path) => match RpcServer::start(path, rpc_mode, Arc::new(Rpc::new(server.clone()))) {
+        Some(path) => match match listeners.rpc {
+            Some(l) => RpcServer::start_on(path, l, Arc::new(Rpc::new(server.clone()))),
+            None => RpcServer::start(path, rpc_mode, Arc::new(Rpc::new(server.clone()))),
+        } {
             Ok(r) => Some(r),
             Err(e) => {
                 stop(&server);
@@ -204,7 +239,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         None => None,
     };
     let metrics = match cfg.metrics_listen {
-        Some(addr) => match MetricsServer::start(addr, server.clone()) {
+        Some(addr) => match match listeners.metrics {
+            Some(l) => MetricsServer::start_on(l, server.clone()),
+            None => MetricsServer::start(addr, server.clone()),
+        } {
             Ok(m) => Some(m),
             Err(e) => {
                 drop(rpc);
@@ -215,16 +253,30 @@ pub fn run(args: ServeArgs) -> Result<()> {
         },
         None => None,
     };
-    print_banner(&server, rpc.as_ref(), metrics.as_ref());
-    crate::supervise::ready();
+    Ok(Running {
+        engine,
+        server,
+        rpc,
+        metrics,
+    })
+}
 
-    let sig = signals.forever().next();
-    tracing::info!(signal = ?sig, "shutting down");
-    // Control plane first, so no request races the teardown.
-    drop(metrics);
-    drop(rpc);
-    stop(&server);
-    Ok(())
+impl Running {
+    pub fn print_banner(&self) {
+        print_banner(&self.server, self.rpc.as_ref(), self.metrics.as_ref());
+    }
+
+    /// Serves until SIGINT or SIGTERM, then stops everything.
+    pub fn run_until_signal(self, mut signals: Signals) -> Result<()> {
+        let sig = signals.forever().next();
+        tracing::info!(signal = ?sig, "shutting down");
+        // Control plane first, so no request races the teardown.
+        drop(self.metrics);
+        drop(self.rpc);
+        self.server.stop_devices();
+        self.engine.shutdown();
+        Ok(())
+    }
 }
 
 fn print_banner(server: &Server, rpc: Option<&RpcServer>, metrics: Option<&MetricsServer>) {

@@ -181,6 +181,11 @@ impl Server {
         Ok(())
     }
 
+    /// Socket mode and group of devices that do not name their own.
+    pub fn socket_defaults(&self) -> &crate::config::SocketPerms {
+        &self.socket_defaults
+    }
+
     /// The control-plane lock. Never held by reactors.
     /// Counters and histograms of every device and reactor (`get_stats`, metrics).
     pub fn stats(&self) -> trace::StatsSnapshot {
@@ -213,7 +218,7 @@ impl Server {
         }
         let mut devs = Vec::new();
         for (i, ns) in cfg.namespaces.iter().enumerate() {
-            match st.backends.open(ns, &cfg.socket, i as u32 + 1) {
+            match st.backends.open(ns, &cfg.socket, cfg.nsid(i)) {
                 Ok(d) => devs.push(d),
                 Err(e) => {
                     st.backends.release_all(&cfg.socket);

@@ -100,12 +100,21 @@ impl Conn {
         c.negotiated = true;
         c.client_max_xfer = cr.client_max_xfer.clamp(1, MAX_DATA_XFER);
         c.bar_mmap = cr.bar_mmap;
+        // Kept again where this process keeps its own (a keeper that already has
+        // them just replaces them), so that a later takeover finds them too.
+        c.keep_conn();
         if let Some(p) = recs.remove(keep::PCI) {
             if dev.restore_config(&p.bytes).is_err() {
                 tracing::warn!("vfio-user: kept config space has the wrong size; reset");
+            } else if let Some(k) = &c.keep {
+                k.put(keep::PCI, dev.config.image(), &[]);
             }
         }
         for (key, r) in recs {
+            if let Some(k) = &c.keep {
+                let fds: Vec<BorrowedFd<'_>> = r.fds.iter().map(|f| f.as_fd()).collect();
+                k.put(&key, &r.bytes, &fds);
+            }
             if !c.resume_record(dev, &key, r) {
                 tracing::warn!("vfio-user: kept record {key} not restored; dropped");
                 if let Some(k) = &c.keep {

@@ -14,7 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -56,6 +56,12 @@ pub struct ServerConfig {
     pub dma_reply_timeout: Duration,
     /// Where connections keep their state for a process that may take them over.
     pub keep: Option<ServerKeep>,
+    /// A listening socket handed over by an earlier process (bound to `socket`):
+    /// used as is instead of binding.
+    pub listener: Option<Arc<OwnedFd>>,
+    /// Start paused ([`VfioUserServer::unpause`] starts serving): a process taking
+    /// devices over must not serve before the old one has let go.
+    pub start_paused: bool,
 }
 
 /// A keeper and the prefix of this server's records there (see [`crate::keep`]).
@@ -84,6 +90,8 @@ pub struct VfioUserServer {
     id: u64,
     active: Arc<Mutex<Option<UnixStream>>>,
     dma_stats: Arc<DmaMessageStats>,
+    /// A copy of the listening socket, to hand over.
+    listener: UnixListener,
 }
 
 impl std::fmt::Debug for VfioUserServer {
@@ -135,8 +143,12 @@ impl VfioUserServer {
                 ))
             }
         };
-        let listener = sockfile::bind(&cfg.socket, cfg.access)?;
+        let listener = match cfg.listener {
+            Some(fd) => UnixListener::from(fd.try_clone()?),
+            None => sockfile::bind(&cfg.socket, cfg.access)?,
+        };
         listener.set_nonblocking(true)?;
+        let listener_copy = listener.try_clone()?;
         let mut dev = Device {
             config: ConfigSpace::new(&spec.ids, spec.bar0.size, &spec.msix),
             spec,
@@ -153,7 +165,11 @@ impl VfioUserServer {
             stats: dma_stats.clone(),
         };
         let keep = cfg.keep.as_ref().map(ServerKeep::handle);
-        let mut state = State::Listening;
+        let mut state = if cfg.start_paused {
+            State::Paused(None)
+        } else {
+            State::Listening
+        };
         if let Some(rec) = kept.get_mut(crate::keep::CONN) {
             let stream = rec.fds.pop().map(UnixStream::from);
             let resumed = stream.and_then(|s| {
@@ -165,7 +181,11 @@ impl VfioUserServer {
             match resumed {
                 Some(c) => {
                     tracing::info!("vfio-user {}: took over the connected client", cfg.name);
-                    state = State::Idle(c);
+                    state = if cfg.start_paused {
+                        State::Paused(Some(c))
+                    } else {
+                        State::Idle(c)
+                    };
                 }
                 None => {
                     *lock(&active) = None;
@@ -175,7 +195,11 @@ impl VfioUserServer {
                 }
             }
         }
+        let wake = Arc::new(Wake::new()?);
         let ep = Endpoint {
+            pausing: None,
+            handback: Arc::new(AtomicBool::new(false)),
+            wake,
             keep,
             policy,
             name: cfg.name.clone(),
@@ -191,6 +215,7 @@ impl VfioUserServer {
             id,
             active,
             dma_stats,
+            listener: listener_copy,
         })
     }
 
@@ -202,6 +227,41 @@ impl VfioUserServer {
 
     pub fn socket_path(&self) -> &Path {
         &self.path
+    }
+
+    /// Stops serving the endpoint at a message boundary, keeping the connection:
+    /// the client's messages wait in the socket (for a process that takes it over,
+    /// or for [`VfioUserServer::unpause`]). Waits for a message being handled to
+    /// finish; refused (EBUSY) for a client whose memory moves by DMA messages,
+    /// whose waiters cannot be handed over.
+    pub fn pause(&self) -> io::Result<()> {
+        let hub = hub()?;
+        let (tx, rx) = channel();
+        hub.send(Cmd::Pause(self.id, tx));
+        rx.recv()
+            .map_err(|_| io::Error::other("vfio-user hub gone"))?
+            .map_err(io::Error::from_raw_os_error)
+    }
+
+    /// Serves the endpoint again after [`VfioUserServer::pause`].
+    pub fn unpause(&self) {
+        if let Ok(hub) = hub() {
+            hub.send(Cmd::Unpause(self.id));
+        }
+    }
+
+    /// The listening socket (for a process that takes the device over).
+    pub fn listener(&self) -> BorrowedFd<'_> {
+        self.listener.as_fd()
+    }
+
+    /// Lets go of the endpoint without touching the client or the socket file:
+    /// another process took them over.
+    pub fn abandon(self) {
+        if let Ok(hub) = hub() {
+            hub.send(Cmd::Abandon(self.id));
+        }
+        std::mem::forget(self);
     }
 
     /// Whether a client is connected right now.
@@ -232,6 +292,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 enum State {
+    /// Not served until unpaused; the connection (if any) waits with its messages.
+    Paused(Option<Conn>),
     /// No client: the hub watches the listener.
     Listening,
     /// A client with nothing to say: the hub watches its socket.
@@ -255,11 +317,54 @@ struct Endpoint {
     fault: Arc<guest_mem::FaultSignal>,
     active: Arc<Mutex<Option<UnixStream>>>,
     state: State,
+    /// Set while a pause waits for the connection's thread to hand it back.
+    pausing: Option<Sender<Result<(), i32>>>,
+    /// Tells the connection's thread to hand the connection back now.
+    handback: Arc<AtomicBool>,
+    /// Wakes the connection's thread (after setting `handback`).
+    wake: Arc<Wake>,
+}
+
+/// A connection thread's wake-up: one byte on a socket pair.
+struct Wake {
+    tx: UnixStream,
+    rx: UnixStream,
+}
+
+impl Wake {
+    fn new() -> io::Result<Wake> {
+        let (tx, rx) = UnixStream::pair()?;
+        tx.set_nonblocking(true)?;
+        rx.set_nonblocking(true)?;
+        Ok(Wake { tx, rx })
+    }
+    fn ring(&self) {
+        let _ = (&self.tx).write(&[1]);
+    }
+    fn drain(&self) {
+        let mut b = [0u8; 16];
+        while matches!((&self.rx).read(&mut b), Ok(n) if n > 0) {}
+    }
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.rx.as_fd()
+    }
+}
+
+impl Endpoint {
+    /// Whether the client's memory (some of it) moves by DMA messages.
+    fn dev_uses_messages(&self) -> bool {
+        lock(&self.dev).mem.uses_messages()
+    }
 }
 
 enum Cmd {
     Add(u64, Box<Endpoint>),
     Remove(u64, Sender<()>),
+    Pause(u64, Sender<Result<(), i32>>),
+    Unpause(u64),
+    /// Forget the endpoint without closing anything of the client's (leaks the
+    /// connection's fds on purpose: the process is about to exit).
+    Abandon(u64),
     /// A connection's thread finished: the connection back (idle) or `None` (the
     /// client left or was dropped).
     Back(u64, Option<Conn>),
@@ -334,7 +439,7 @@ fn run_hub(rx: Receiver<Cmd>, bell: UnixStream) {
                             watch.push(Watch::Conn(*id));
                         }
                     }
-                    State::Served { .. } => continue,
+                    State::Served { .. } | State::Paused(_) => continue,
                 }
                 // The fault signal belongs to whoever serves the endpoint.
                 fds.push(ep.fault.wake_fd());
@@ -387,8 +492,8 @@ fn hub_cmd(eps: &mut BTreeMap<u64, Endpoint>, cmd: Cmd) {
                         }
                         let _ = thread.join();
                     }
-                    State::Idle(c) => end_client(&ep, Some(c)),
-                    State::Listening => {}
+                    State::Idle(c) | State::Paused(Some(c)) => end_client(&ep, Some(c)),
+                    State::Listening | State::Paused(None) => {}
                 }
                 *lock(&ep.active) = None;
                 drop(ep);
@@ -407,10 +512,63 @@ fn hub_cmd(eps: &mut BTreeMap<u64, Endpoint>, cmd: Cmd) {
             {
                 let _ = thread.join();
             }
-            ep.state = match conn {
-                Some(c) => State::Idle(c),
-                None => State::Listening,
+            ep.handback.store(false, Ordering::Release);
+            ep.wake.drain();
+            ep.state = match (conn, ep.pausing.take()) {
+                (c, Some(ack)) => {
+                    let _ = ack.send(Ok(()));
+                    State::Paused(c)
+                }
+                (Some(c), None) => State::Idle(c),
+                (None, None) => State::Listening,
             };
+        }
+        Cmd::Pause(id, ack) => {
+            let Some(ep) = eps.get_mut(&id) else {
+                let _ = ack.send(Err(libc::ENOENT));
+                return;
+            };
+            if ep.dev_uses_messages() {
+                let _ = ack.send(Err(libc::EBUSY));
+                return;
+            }
+            match std::mem::replace(&mut ep.state, State::Listening) {
+                State::Served { thread, stop } => {
+                    ep.state = State::Served { thread, stop };
+                    ep.pausing = Some(ack);
+                    ep.handback.store(true, Ordering::Release);
+                    ep.wake.ring();
+                }
+                State::Idle(c) => {
+                    ep.state = State::Paused(Some(c));
+                    let _ = ack.send(Ok(()));
+                }
+                State::Listening => {
+                    ep.state = State::Paused(None);
+                    let _ = ack.send(Ok(()));
+                }
+                st @ State::Paused(_) => {
+                    ep.state = st;
+                    let _ = ack.send(Ok(()));
+                }
+            }
+        }
+        Cmd::Unpause(id) => {
+            let Some(ep) = eps.get_mut(&id) else { return };
+            if let State::Paused(c) = std::mem::replace(&mut ep.state, State::Listening) {
+                ep.state = match c {
+                    Some(c) => State::Idle(c),
+                    None => State::Listening,
+                };
+            }
+        }
+        Cmd::Abandon(id) => {
+            if let Some(mut ep) = eps.remove(&id) {
+                if let State::Paused(Some(c)) = std::mem::replace(&mut ep.state, State::Listening) {
+                    std::mem::forget(c);
+                }
+                std::mem::forget(ep);
+            }
         }
     }
 }
@@ -481,10 +639,11 @@ fn serve(id: u64, ep: &mut Endpoint, conn: Conn) {
         ep.name.clone(),
         stop.clone(),
     );
+    let (handback, wake) = (ep.handback.clone(), ep.wake.clone());
     let spawned = std::thread::Builder::new()
         .name(format!("vfu-{}", ep.name))
         .spawn(move || {
-            let back = serve_conn(&name, conn, &dev, &active, &st);
+            let back = serve_conn(&name, conn, &dev, &active, &st, &handback, &wake);
             if let Ok(h) = hub() {
                 h.send(Cmd::Back(id, back));
             }
@@ -514,6 +673,8 @@ fn serve_conn(
     dev: &Mutex<Device>,
     active: &Mutex<Option<UnixStream>>,
     stop: &AtomicBool,
+    handback: &AtomicBool,
+    wake: &Wake,
 ) -> Option<Conn> {
     let mut dev = lock(dev);
     let wait = i32::try_from(HANDBACK.as_millis()).unwrap_or(i32::MAX);
@@ -521,16 +682,21 @@ fn serve_conn(
         if stop.load(Ordering::Acquire) {
             break;
         }
+        if handback.load(Ordering::Acquire) {
+            return Some(conn);
+        }
         let ready = {
             let fault = dev.mem.fault_signal().wake_fd();
-            let mut fds = [conn.stream.as_fd(), fault, fault];
+            // The hub's wake-up is polled but not a message: it shows as ready[1]
+            // or [2] only through `handback`, checked above on the next turn.
+            let mut fds = [conn.stream.as_fd(), fault, wake.fd(), wake.fd()];
             // Requests a DMA transfer read for us while it waited for its reply.
             let n = match conn.bell() {
                 Some(b) => {
-                    fds[2] = b;
-                    3
+                    fds[3] = b;
+                    4
                 }
-                None => 2,
+                None => 3,
             };
             match crate::sock::poll_in(&fds[..n], wait) {
                 Ok(r) => r,
@@ -551,7 +717,10 @@ fn serve_conn(
             dev.reset();
             return None;
         }
-        let bell = ready.get(2).copied().unwrap_or(false);
+        if ready[2] {
+            continue;
+        }
+        let bell = ready.get(3).copied().unwrap_or(false);
         if !ready[0] && !bell {
             if ready.iter().all(|r| !r) {
                 return Some(conn);

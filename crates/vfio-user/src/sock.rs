@@ -1,4 +1,5 @@
-//! The only `unsafe` of this crate: `recvmsg`/`sendmsg` with SCM_RIGHTS and `poll`.
+//! The only `unsafe` of this crate: `recvmsg`/`sendmsg` with SCM_RIGHTS, `poll` and
+//! `accept` (std accepts stream sockets only).
 //! `recv`/`send` are public so the initiator shares them instead of its own copy.
 //! Everything above works on byte slices and `OwnedFd`s.
 
@@ -128,4 +129,24 @@ pub(crate) fn poll_in(fds: &[BorrowedFd<'_>], timeout_ms: i32) -> io::Result<Vec
         }
         return Ok(pfds.iter().map(|p| p.revents != 0).collect());
     }
+}
+
+/// accept(2) on a listening Unix socket of any type (std's `UnixListener` is for
+/// SOCK_STREAM only; a handover channel is SOCK_SEQPACKET). Close-on-exec.
+pub fn accept(listener: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    // SAFETY: accept4 with null address pointers only reads the fd; the result is
+    // checked.
+    let fd = unsafe {
+        libc::accept4(
+            listener.as_raw_fd(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            libc::SOCK_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor accept4 just installed, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }

@@ -106,6 +106,8 @@ fn fixture(timeout: Duration) -> Fix {
             name: "dma".into(),
             dma_reply_timeout: timeout,
             keep: None,
+            listener: None,
+            start_paused: false,
         },
         spec,
         mover.clone(),

@@ -469,6 +469,8 @@ fn stop_removes_socket_and_restart_replaces_stale() {
                 name: "t2".into(),
                 dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
                 keep: None,
+                listener: None,
+                start_paused: false,
             },
             spec,
             f.backend.clone(),

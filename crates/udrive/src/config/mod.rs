@@ -18,7 +18,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::nsspec::NsSpec;
 
@@ -73,11 +73,16 @@ impl SocketPerms {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ControllerConfig {
     pub socket: PathBuf,
     pub namespaces: Vec<NsSpec>,
+    /// The NSID of each namespace (default 1, 2, …): a running controller's
+    /// namespaces after some were removed, as a handover passes them on. Given
+    /// (even empty), the controller may start without namespaces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nsids: Option<Vec<u32>>,
     #[serde(default)]
     pub serial: Option<String>,
     #[serde(default, with = "crate::serde_str")]
@@ -131,10 +136,19 @@ pub fn serial_for(given: Option<&str>, socket: &std::path::Path) -> String {
 }
 
 impl ControllerConfig {
+    /// The NSID of the `i`-th namespace.
+    pub fn nsid(&self, i: usize) -> u32 {
+        self.nsids
+            .as_ref()
+            .and_then(|n| n.get(i).copied())
+            .unwrap_or(i as u32 + 1)
+    }
+
     pub fn new(socket: PathBuf, namespaces: Vec<NsSpec>) -> Self {
         ControllerConfig {
             socket,
             namespaces,
+            nsids: None,
             serial: None,
             placement: engine::Placement::RoundRobin,
             io_queues: default_io_queues(),
@@ -217,8 +231,21 @@ impl ControllerConfig {
     pub fn validate(&self) -> Result<()> {
         let what = format!("controller {}", self.socket.display());
         self.socket_perms().access().with_context(|| what.clone())?;
-        if self.namespaces.is_empty() {
+        if self.namespaces.is_empty() && self.nsids.is_none() {
             bail!("{what} has no namespace: add one, e.g. ram:1G");
+        }
+        if let Some(ids) = &self.nsids {
+            let mut seen = std::collections::BTreeSet::new();
+            if ids.len() != self.namespaces.len()
+                || ids
+                    .iter()
+                    .any(|n| *n == 0 || *n > self.max_namespaces || !seen.insert(*n))
+            {
+                bail!(
+                    "{what}: nsids must give each namespace a distinct NSID in 1..={}",
+                    self.max_namespaces
+                );
+            }
         }
         if self.placement == engine::Placement::Dedicated {
             bail!("{what}: placement `dedicated` is available for vhost_user_blk devices only; use round-robin or single");

@@ -5,11 +5,11 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use engine::{Placement, PollMode};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::nsspec::NsSpec;
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct VhostBlkConfig {
     pub socket: PathBuf,

@@ -97,6 +97,11 @@ impl KindSpec for MemorySpec {
     fn backing(&self) -> Result<Option<Backing>> {
         Ok(None)
     }
+    fn handover_refusal(&self) -> Option<&'static str> {
+        (self.name == "ram").then_some(
+            "a ram disk's data lives in this process's memory and would not move with a handover",
+        )
+    }
     fn open(&self, block_size: Option<u32>, _read_only: bool) -> Result<Arc<dyn BlockDevice>> {
         (self.open)(self.size, block_size.unwrap_or(512), self.huge)
     }

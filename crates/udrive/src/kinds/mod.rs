@@ -78,6 +78,11 @@ pub trait KindSpec: Debug + Send + Sync {
         let _ = bytes;
         None
     }
+    /// Why another process cannot take a device of this kind over (a handover),
+    /// or `None` when it can reopen it by its spec and find the same data.
+    fn handover_refusal(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// A parsed kind in a namespace spec; two are equal when they write back the same.

@@ -127,6 +127,9 @@ impl RbdSpec {
 }
 
 impl KindSpec for RbdSpec {
+    fn handover_refusal(&self) -> Option<&'static str> {
+        Some("an RBD image's exclusive lock is not handed over yet")
+    }
     fn canonical(&self) -> Option<String> {
         None
     }

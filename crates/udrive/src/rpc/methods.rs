@@ -15,7 +15,7 @@ use crate::server::Server;
 pub fn register_all(r: &mut Registry) {
     r.register("get_version", "udrive's name and version", |_, p| {
         parse_params::<Empty>(p)?;
-        Ok(json!({"name": "udrive", "version": env!("CARGO_PKG_VERSION")}))
+        Ok(json!({"name": "udrive", "version": env!("CARGO_PKG_VERSION"), "pid": std::process::id()}))
     });
     r.register("rpc_get_methods", "names of all methods", |rpc, p| {
         parse_params::<Empty>(p)?;
@@ -25,6 +25,11 @@ pub fn register_all(r: &mut Registry) {
             .map(|(n, _)| n)
             .collect::<Vec<_>>()))
     });
+    r.register(
+        "handover",
+        "hand every device to a new udrive process (`udrive serve --takeover`); this one exits",
+        crate::handover::handover,
+    );
     r.register(
         "get_devices",
         "devices and namespaces with config and state",

@@ -223,11 +223,36 @@ pub struct RpcServer {
     thread: Option<JoinHandle<()>>,
 }
 
+/// The control socket's path and a copy of its listener, for a handover.
+static LISTENING: std::sync::Mutex<Option<(PathBuf, Arc<UnixListener>)>> =
+    std::sync::Mutex::new(None);
+
+fn listening() -> std::sync::MutexGuard<'static, Option<(PathBuf, Arc<UnixListener>)>> {
+    LISTENING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Where this process's control socket listens, if it has one.
+pub fn listening_path() -> Option<PathBuf> {
+    listening().as_ref().map(|(p, _)| p.clone())
+}
+
+/// A copy of the control socket's listener (for a process taking over).
+pub fn listener_copy() -> Option<std::os::fd::OwnedFd> {
+    let l = listening().as_ref().map(|(_, l)| l.clone())?;
+    l.try_clone().ok().map(Into::into)
+}
+
 impl RpcServer {
     /// Binds `path` with file mode `mode` (refusing a path a live process serves,
     /// replacing a stale socket) and starts accepting.
     pub fn start(path: &Path, mode: u32, rpc: Arc<Rpc>) -> io::Result<RpcServer> {
         let listener = sockfile::bind(path, sockfile::SocketAccess { mode, gid: None })?;
+        Self::start_on(path, listener, rpc)
+    }
+
+    /// Accepts on `listener`, bound to `path` (by this process or one it took over from).
+    pub fn start_on(path: &Path, listener: UnixListener, rpc: Arc<Rpc>) -> io::Result<RpcServer> {
+        *listening() = Some((path.to_path_buf(), Arc::new(listener.try_clone()?)));
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
@@ -446,6 +471,8 @@ fn serve_connection(mut s: UnixStream, rpc: &Rpc, slot: &ConnSlot) {
                     return;
                 }
             }
+            // A handover just completed: the new process serves everything.
+            crate::handover::exit_if_handed_over();
         }
     }
 }

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use anyhow::{bail, Context, Result};
 use vfio_user::{Keeper, Kept, KeptRecords};
 
+use super::store::RecordStore;
 use super::wire::{self, Op};
 
 struct Channel {
@@ -92,9 +93,29 @@ pub fn attach() -> Result<()> {
     Ok(())
 }
 
-/// Where devices keep state for a successor; `None` when not supervised.
+/// Whether this process runs under a supervisor.
+pub fn supervised() -> bool {
+    CHANNEL.get().is_some()
+}
+
+/// Where devices keep state for a successor: the supervisor, or (unsupervised)
+/// this process's own store, which a handover passes on.
 pub fn keeper() -> Option<Arc<dyn Keeper>> {
-    CHANNEL.get().map(|c| c.clone() as Arc<dyn Keeper>)
+    match CHANNEL.get() {
+        Some(c) => Some(c.clone() as Arc<dyn Keeper>),
+        None => Some(local_records() as Arc<dyn Keeper>),
+    }
+}
+
+/// This process's own records (unsupervised).
+pub fn local_records() -> Arc<RecordStore> {
+    static LOCAL: OnceLock<Arc<RecordStore>> = OnceLock::new();
+    LOCAL.get_or_init(Arc::default).clone()
+}
+
+/// Records an earlier process handed over, for devices to take as they start.
+pub fn inherit(records: BTreeMap<String, Kept>) {
+    inherited().extend(records);
 }
 
 /// The inherited records under `prefix`, keys relative to it.
@@ -122,10 +143,12 @@ pub fn take_one(key: &str) -> Option<Kept> {
 /// device that is not configured any more, e.g. one added over RPC: its client is
 /// disconnected).
 pub fn ready() {
-    let Some(c) = CHANNEL.get() else { return };
     let left = std::mem::take(&mut *inherited());
     for key in left.keys() {
-        tracing::warn!("supervise: no device took kept record {key}; dropping it");
+        tracing::warn!("no device took kept record {key}; dropping it");
+    }
+    let Some(c) = CHANNEL.get() else { return };
+    for key in left.keys() {
         c.remove(key);
     }
     c.send(Op::Ready, "", &[], &[]);

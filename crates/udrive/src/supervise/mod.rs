@@ -12,8 +12,10 @@
 //! reconnect and replay the inflight log.
 
 mod child;
+mod store;
 mod supervisor;
-mod wire;
+pub(crate) mod wire;
 
-pub use child::{attach, keeper, ready, take, take_one};
+pub use child::{attach, inherit, keeper, local_records, ready, supervised, take, take_one};
+pub use store::RecordStore;
 pub use supervisor::run;

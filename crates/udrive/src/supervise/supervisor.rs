@@ -3,12 +3,11 @@
 //! the records to the new one. Signals (SIGINT, SIGTERM) go to the child; the
 //! supervisor exits when the child exits by itself or was told to.
 
-use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::os::fd::{AsFd, OwnedFd};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -20,8 +19,7 @@ use signal_hook::iterator::Signals;
 
 use super::wire::{self, Op};
 
-/// What the supervisor holds for the child: opaque bytes and fds by key.
-type Store = BTreeMap<String, (Vec<u8>, Vec<OwnedFd>)>;
+use super::store::RecordStore;
 
 /// A child that ran this long before dying is restarted at once; quicker deaths
 /// in a row back off, up to `MAX_BACKOFF`.
@@ -33,7 +31,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// signal stops it.
 pub fn run(args: Vec<OsString>) -> Result<()> {
     let exe = std::env::current_exe().context("supervise: cannot find udrive's own binary")?;
-    let store: Arc<Mutex<Store>> = Arc::default();
+    let store: Arc<RecordStore> = Arc::default();
     let child_pid = Arc::new(AtomicI32::new(0));
     let stopping = Arc::new(AtomicBool::new(false));
     let mut signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
@@ -97,7 +95,7 @@ pub fn run(args: Vec<OsString>) -> Result<()> {
                 describe(status)
             );
         }
-        let kept = lock(&store).len();
+        let kept = store.len();
         let backoff = if started.elapsed() >= STABLE {
             quick_deaths = 0;
             Duration::ZERO
@@ -115,10 +113,6 @@ pub fn run(args: Vec<OsString>) -> Result<()> {
             return Ok(());
         }
     }
-}
-
-fn lock(s: &Mutex<Store>) -> std::sync::MutexGuard<'_, Store> {
-    s.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn forward(pid: &AtomicI32, sig: i32) {
@@ -151,7 +145,7 @@ fn exit_with(status: ExitStatus) -> Result<()> {
 }
 
 /// Serves one child's channel until it closes.
-fn keep(sock: OwnedFd, store: &Mutex<Store>, ready: &AtomicBool) {
+fn keep(sock: OwnedFd, store: &RecordStore, ready: &AtomicBool) {
     let mut buf = vec![0u8; wire::MAX_MSG];
     loop {
         let m = match wire::recv(sock.as_fd(), &mut buf) {
@@ -164,22 +158,15 @@ fn keep(sock: OwnedFd, store: &Mutex<Store>, ready: &AtomicBool) {
             }
         };
         match m.op {
-            Op::Put => {
-                lock(store).insert(m.key, (m.bytes, m.fds));
-            }
-            Op::Remove => lock(store).retain(|k, _| !k.starts_with(&m.key)),
+            Op::Put => store.insert(m.key, m.bytes, m.fds),
+            Op::Remove => store.remove_prefix(&m.key),
             Op::Hello => {
-                let st = lock(store);
-                for (k, (bytes, fds)) in st.iter() {
-                    let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
-                    if let Err(e) = wire::send(sock.as_fd(), Op::Record, k, bytes, &fds) {
-                        tracing::warn!("supervise: cannot hand record {k} to the server: {e}");
-                    }
+                if let Err(e) = wire::send_all(sock.as_fd(), store) {
+                    tracing::warn!("supervise: cannot hand the records to the server: {e}");
                 }
-                let _ = wire::send(sock.as_fd(), Op::End, "", &[], &[]);
             }
             Op::Ready => ready.store(true, Ordering::SeqCst),
-            Op::Record | Op::End => {
+            _ => {
                 tracing::warn!("supervise: unexpected {:?} from the server", m.op);
             }
         }

@@ -2,7 +2,7 @@
 //! each, `[op][key length: u16 LE][key][bytes]`, fds as SCM_RIGHTS.
 
 use std::io;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 /// Largest message: a record's bytes are at most a config space image (4 KiB) or a
 /// small JSON document.
@@ -23,6 +23,10 @@ pub enum Op {
     Record = 5,
     /// supervisor → child: no more records.
     End = 6,
+    /// handover, new → old process: serving; exit.
+    Confirm = 7,
+    /// handover, new → old process: cannot take over (the key says why); resume.
+    Abort = 8,
 }
 
 impl Op {
@@ -34,6 +38,8 @@ impl Op {
             4 => Op::Ready,
             5 => Op::Record,
             6 => Op::End,
+            7 => Op::Confirm,
+            8 => Op::Abort,
             _ => return None,
         })
     }
@@ -66,6 +72,17 @@ pub fn send(
     head[1..].copy_from_slice(&klen.to_le_bytes());
     vfio_user::sock::send(sock, &[&head, key.as_bytes(), bytes], fds)?;
     Ok(())
+}
+
+/// Every record of `store` (as `Record`s), then `End`.
+pub fn send_all(sock: BorrowedFd<'_>, store: &super::store::RecordStore) -> io::Result<()> {
+    let st = store.lock();
+    for (k, (bytes, fds)) in st.iter() {
+        let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        send(sock, Op::Record, k, bytes, &fds)
+            .map_err(|e| io::Error::new(e.kind(), format!("record {k}: {e}")))?;
+    }
+    send(sock, Op::End, "", &[], &[])
 }
 
 /// The next message; `None` at end of stream (the peer exited).

@@ -119,6 +119,8 @@ impl Fixture {
                 name: "test".into(),
                 dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
                 keep: None,
+                listener: None,
+                start_paused: false,
             },
             spec,
             backend.clone(),

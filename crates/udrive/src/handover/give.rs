@@ -1,0 +1,191 @@
+//! The running process's side: the `handover` control method.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use nix::sys::socket::{
+    connect, getsockopt, socket, sockopt, AddressFamily, SockFlag, SockType, UnixAddr,
+};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::snapshot::ServerSnapshot;
+use super::{CONFIG_KEY, HANDED_OVER, RPC_LISTENER_KEY};
+use crate::rpc::{parse_params, Rpc, RpcError};
+use crate::server::State;
+use crate::supervise::wire::{self, Op};
+
+/// How long queues may take to finish the requests they have when a handover
+/// starts (then it is abandoned and the devices resume).
+const QUIESCE_LIMIT: Duration = Duration::from_secs(5);
+/// How long the new process may take from our last record to its confirmation;
+/// past it, it is killed and we resume.
+const CONFIRM_LIMIT: Duration = Duration::from_secs(60);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Params {
+    /// The new process's private handover socket.
+    socket: PathBuf,
+}
+
+/// `handover {"socket": PATH}`: hands every device to the process listening on
+/// PATH. Returns once it confirmed (this process then exits after the reply), or
+/// fails having resumed everything.
+pub fn handover(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let p: Params = parse_params(p)?;
+    if crate::supervise::supervised() {
+        return Err(anyhow!(
+            "this server runs under --supervise: a handover of a supervised server is not \
+             supported; restart its child instead (SIGTERM stops the whole service)"
+        )
+        .into());
+    }
+    let sock = connect_to(&p.socket)?;
+    let mut st = rpc.server.lock();
+    let t0 = Instant::now();
+    refuse_what_cannot_move(&st)?;
+    let paused = pause_all(&mut st)?;
+    let pause_done = t0.elapsed();
+    match send_and_confirm(&rpc.server, &st, &sock) {
+        Ok(()) => {
+            let total = t0.elapsed();
+            HANDED_OVER.store(true, Ordering::Release);
+            // The lock stays held: nothing may change here any more.
+            std::mem::forget(st);
+            tracing::info!(
+                devices = paused,
+                quiesce_us = pause_done.as_micros() as u64,
+                total_us = total.as_micros() as u64,
+                "handover confirmed by the new process"
+            );
+            Ok(json!({
+                "devices": paused,
+                "quiesce_us": pause_done.as_micros() as u64,
+                "handover_us": total.as_micros() as u64,
+            }))
+        }
+        Err(e) => {
+            resume_all(&mut st);
+            tracing::warn!("handover failed, devices resumed: {e:#}");
+            Err(e.context("handover failed; this process serves on").into())
+        }
+    }
+}
+
+fn connect_to(path: &std::path::Path) -> Result<OwnedFd> {
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .context("handover: cannot create a socket")?;
+    let addr = UnixAddr::new(path).context("handover: bad socket path")?;
+    connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &addr)
+        .with_context(|| format!("handover: cannot connect to {}", path.display()))?;
+    Ok(fd)
+}
+
+fn refuse_what_cannot_move(st: &State) -> Result<()> {
+    for d in &st.devices {
+        let Some(n) = d.as_nvme() else {
+            bail!(
+                "{} is a vhost-user-blk device: its handover is not implemented yet",
+                d.socket().display()
+            );
+        };
+        for (id, ns) in &n.namespaces {
+            if let Some(why) = ns.spec.kind.0.handover_refusal() {
+                bail!(
+                    "namespace {id} of {} ({}): {why}",
+                    n.socket.display(),
+                    ns.spec
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Pauses every device; on a failure resumes those paused and says which failed.
+fn pause_all(st: &mut State) -> Result<usize> {
+    let mut done = 0;
+    for i in 0..st.devices.len() {
+        let Some(n) = st.devices[i].as_nvme() else {
+            continue;
+        };
+        if let Err(e) = n.pause_for_handover(QUIESCE_LIMIT) {
+            for d in &st.devices[..i] {
+                if let Some(n) = d.as_nvme() {
+                    n.resume_after_handover_failed();
+                }
+            }
+            return Err(e);
+        }
+        done += 1;
+    }
+    Ok(done)
+}
+
+fn resume_all(st: &mut State) {
+    for d in &st.devices {
+        if let Some(n) = d.as_nvme() {
+            n.resume_after_handover_failed();
+        }
+    }
+}
+
+fn send_and_confirm(server: &crate::server::Server, st: &State, sock: &OwnedFd) -> Result<()> {
+    let metrics = crate::metrics::listener_copy();
+    let snap = ServerSnapshot::of(server, st, metrics.as_ref().map(|(_, a)| *a));
+    let s = sock.as_fd();
+    wire::send(s, Op::Record, CONFIG_KEY, &serde_json::to_vec(&snap)?, &[])
+        .context("handover: cannot send the configuration")?;
+    if let Some(l) = crate::rpc::listener_copy() {
+        wire::send(s, Op::Record, RPC_LISTENER_KEY, &[], &[l.as_fd()])?;
+    }
+    if let Some((l, _)) = &metrics {
+        wire::send(s, Op::Record, super::METRICS_LISTENER_KEY, &[], &[l.as_fd()])?;
+    }
+    for d in &st.devices {
+        if let Some(n) = d.as_nvme() {
+            for (key, bytes, fds) in n.handover_records()? {
+                let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+                wire::send(s, Op::Record, &key, &bytes, &fds)
+                    .with_context(|| format!("handover: cannot send record {key}"))?;
+            }
+        }
+    }
+    wire::send_all(s, &crate::supervise::local_records())
+        .context("handover: cannot send the devices' records")?;
+    wait_confirm(sock)
+}
+
+/// Waits for the new process's answer; kills it if it does not come in time (so
+/// that it cannot start serving after we resumed).
+fn wait_confirm(sock: &OwnedFd) -> Result<()> {
+    let peer = getsockopt(sock, sockopt::PeerCredentials).ok().map(|c| c.pid());
+    let mut fds = [nix::poll::PollFd::new(sock.as_fd(), nix::poll::PollFlags::POLLIN)];
+    let ms = u16::try_from(CONFIRM_LIMIT.as_millis().min(u128::from(u16::MAX))).unwrap_or(u16::MAX);
+    let ready = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)).unwrap_or(0);
+    if ready == 0 {
+        if let Some(pid) = peer.filter(|p| *p > 0) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        bail!("the new process did not confirm within {CONFIRM_LIMIT:?}; it was killed");
+    }
+    let mut buf = vec![0u8; wire::MAX_MSG];
+    match wire::recv(sock.as_fd(), &mut buf)? {
+        Some(m) if m.op == Op::Confirm => Ok(()),
+        Some(m) if m.op == Op::Abort => bail!("the new process gave up: {}", m.key),
+        Some(m) => bail!("unexpected {:?} from the new process", m.op),
+        None => bail!("the new process exited before it confirmed"),
+    }
+}

@@ -1,0 +1,49 @@
+//! Live handover: a new udrive process takes every device over from a running one
+//! without its clients noticing more than a pause (`udrive upgrade`, `udrive serve
+//! --takeover RPC_SOCKET`; docs/decisions/0022-live-handover.md).
+//!
+//! The new process listens on a private socket and asks the running one, over its
+//! control socket (method `handover`), to hand over to it. The old process pauses
+//! every device at a message boundary and quiesces its queues, then sends the
+//! configuration as it runs now ([`snapshot::ServerSnapshot`]), each device's state,
+//! and the file descriptors its clients depend on — listening sockets, connected
+//! sockets, client memory and interrupt fds, doorbell pages — as records
+//! ([`vfio_user::keep`]). The new process starts the devices from them and confirms;
+//! the old one answers the control request and exits without touching a client.
+//! Before the confirmation any failure (an abort, the new process dying, a timeout)
+//! rolls back: the old process resumes its devices and says why.
+
+mod give;
+pub mod snapshot;
+mod take;
+pub mod upgrade;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+pub use give::handover;
+pub use take::run as run_takeover;
+
+/// Record keys besides the devices' own (`vfu:<socket>#…`).
+pub(crate) const CONFIG_KEY: &str = "config";
+pub(crate) const RPC_LISTENER_KEY: &str = "rpc#listen";
+pub(crate) const METRICS_LISTENER_KEY: &str = "metrics#listen";
+
+static HANDED_OVER: AtomicBool = AtomicBool::new(false);
+static TAKING_OVER: AtomicBool = AtomicBool::new(false);
+
+/// Whether devices start paused: this process takes them over and the old one has
+/// not confirmed yet that it let go.
+pub fn taking_over() -> bool {
+    TAKING_OVER.load(Ordering::Acquire)
+}
+
+/// Called by the control socket after each reply: once the `handover` reply is
+/// out, this process has nothing left to do — it exits at once, without running
+/// the teardown that would disconnect clients or remove socket files the new
+/// process now serves.
+pub fn exit_if_handed_over() {
+    if HANDED_OVER.load(Ordering::Acquire) {
+        tracing::info!("handover complete: this process exits; the new one serves");
+        std::process::exit(0);
+    }
+}

@@ -1,0 +1,352 @@
+//! Live handover (`udrive upgrade`, `serve --takeover`): clients doing verified I/O
+//! at QD32 on several controllers keep their connections and queues through many
+//! handovers in a row; nothing is lost or completed twice and every byte is there.
+//! A takeover that dies at any step leaves the running server serving; changes
+//! made over the control socket are there after a handover.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::{opts, Rng};
+use initiator::{DataMode, DmaBuf, IoOp, NvmeDriver, QueuePair};
+use serde_json::{json, Value};
+
+const BLOCK: usize = 4096;
+const BLOCKS: u64 = 512;
+const QD: usize = 32;
+const UDRIVE: &str = env!("CARGO_BIN_EXE_udrive");
+
+/// A server started from a config with two controllers on files (one in busy
+/// mode, whose client writes doorbells into the mapped page) and a control socket.
+struct Service {
+    dir: tempfile::TempDir,
+}
+
+impl Service {
+    fn start() -> Service {
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let p = |n: &str| dir.path().join(n).display().to_string();
+        for f in ["a.img", "b.img"] {
+            std::fs::File::create(p(f))
+                .and_then(|h| h.set_len(BLOCKS * BLOCK as u64))
+                .unwrap();
+        }
+        let cfg = format!(
+            "cpus = \"0\"\nrpc = \"{}\"\n\
+             [[controller]]\nsocket = \"{}\"\nnamespaces = [\"file:{}\", \"null:1G\"]\n\
+             [[controller]]\nsocket = \"{}\"\nnamespaces = [\"file:{}\"]\npoll = \"busy\"\n",
+            p("rpc.sock"),
+            p("a.sock"),
+            p("a.img"),
+            p("b.sock"),
+            p("b.img")
+        );
+        std::fs::write(p("u.toml"), cfg).unwrap();
+        let log = std::fs::File::create(p("serve.log")).unwrap();
+        let mut cmd = Command::new(UDRIVE);
+        cmd.args(["serve", "--config", &p("u.toml")])
+            .stdout(Stdio::null())
+            .stderr(log);
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        // Reaped by whoever: the handed-over processes are not our children.
+        let _child = cmd.spawn().unwrap();
+        let s = Service { dir };
+        common::wait_until("control socket", Duration::from_secs(30), || {
+            s.rpc("get_version", json!({})).is_ok()
+        });
+        s
+    }
+
+    fn path(&self, n: &str) -> PathBuf {
+        self.dir.path().join(n)
+    }
+
+    fn rpc(&self, method: &str, params: Value) -> Result<Value, String> {
+        let out = Command::new(UDRIVE)
+            .args(["rpc", "--rpc"])
+            .arg(self.path("rpc.sock"))
+            .arg(method)
+            .arg(params.to_string())
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
+    }
+
+    fn pid(&self) -> u64 {
+        self.rpc("get_version", json!({})).unwrap()["pid"]
+            .as_u64()
+            .unwrap()
+    }
+
+    /// `udrive upgrade`; the new server's log appends to `upgrade.log`.
+    fn upgrade(&self) -> std::process::Output {
+        Command::new(UDRIVE)
+            .args(["upgrade", "--rpc"])
+            .arg(self.path("rpc.sock"))
+            .arg("--log")
+            .arg(self.path("upgrade.log"))
+            .output()
+            .unwrap()
+    }
+
+    fn log(&self) -> String {
+        let a = std::fs::read_to_string(self.path("serve.log")).unwrap_or_default();
+        let b = std::fs::read_to_string(self.path("upgrade.log")).unwrap_or_default();
+        format!("{a}{b}")
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Ok(v) = self.rpc("get_version", json!({})) {
+            if let Some(pid) = v["pid"].as_u64() {
+                let _ = Command::new("kill").arg(pid.to_string()).status();
+                let until = Instant::now() + Duration::from_secs(10);
+                while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+}
+
+fn block(gen: u64, lba: u64) -> Vec<u8> {
+    Rng::new(gen << 32 | lba).bytes(BLOCK)
+}
+
+/// A client writing generations of blocks at QD32 and reading a sample back after
+/// every burst, checking each against what it last wrote.
+struct Client {
+    stop: Arc<AtomicBool>,
+    ops: Arc<AtomicU64>,
+    thread: JoinHandle<Result<(), String>>,
+}
+
+impl Client {
+    fn start(sock: PathBuf, seed: u64) -> Client {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ops = Arc::new(AtomicU64::new(0));
+        let (st, op) = (stop.clone(), ops.clone());
+        let thread = std::thread::spawn(move || run_client(&sock, seed, &st, &op));
+        Client { stop, ops, thread }
+    }
+
+    fn ops(&self) -> u64 {
+        self.ops.load(Ordering::Relaxed)
+    }
+
+    fn finish(self) -> Result<u64, String> {
+        self.stop.store(true, Ordering::Relaxed);
+        let r = self.thread.join().map_err(|_| "client panicked".to_string())?;
+        r.map(|()| self.ops.load(Ordering::Relaxed))
+    }
+}
+
+fn burst(
+    qp: &mut QueuePair,
+    bufs: &[DmaBuf],
+    op: IoOp,
+    lbas: &[u64],
+    fill: impl Fn(usize, u64),
+) -> Result<(), String> {
+    let mut cids = Vec::with_capacity(lbas.len());
+    for (i, lba) in lbas.iter().enumerate() {
+        fill(i, *lba);
+        let cid = qp
+            .submit_io(op, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
+            .map_err(|e| format!("submit: {e}"))?;
+        cids.push((cid, *lba));
+    }
+    qp.ring().map_err(|e| format!("ring: {e}"))?;
+    for (cid, lba) in cids {
+        let c = qp
+            .wait(cid, Duration::from_secs(20))
+            .map_err(|e| format!("{op:?} of block {lba}: no completion: {e}"))?;
+        if !c.status.is_ok() {
+            return Err(format!("{op:?} of block {lba}: status {}", c.status));
+        }
+    }
+    Ok(())
+}
+
+fn run_client(sock: &Path, seed: u64, stop: &AtomicBool, ops: &AtomicU64) -> Result<(), String> {
+    let d = NvmeDriver::connect(sock, opts()).map_err(|e| format!("attach: {e}"))?;
+    let mut qp = d.create_qpair(64, false).map_err(|e| e.to_string())?;
+    let bufs: Vec<DmaBuf> = (0..QD).map(|_| d.alloc_buf(BLOCK).unwrap()).collect();
+    let mut gens = vec![0u64; BLOCKS as usize];
+    let mut rng = Rng::new(seed);
+    let mut gen = 0u64;
+    let check = |qp: &mut QueuePair, lbas: &[u64], gens: &[u64]| -> Result<(), String> {
+        burst(qp, &bufs, IoOp::Read, lbas, |i, _| bufs[i].fill(0))?;
+        let mut back = vec![0u8; BLOCK];
+        for (i, lba) in lbas.iter().enumerate() {
+            bufs[i].read(0, &mut back).unwrap();
+            let want = gens[*lba as usize];
+            let ok = if want == 0 {
+                back.iter().all(|b| *b == 0)
+            } else {
+                back == block(want, *lba)
+            };
+            if !ok {
+                return Err(format!("block {lba}: not generation {want}"));
+            }
+        }
+        Ok(())
+    };
+    while !stop.load(Ordering::Relaxed) {
+        gen += 1;
+        // Distinct blocks per burst, so the order of completions does not matter.
+        let start = rng.below(BLOCKS);
+        let lbas: Vec<u64> = (0..QD as u64).map(|i| (start + i * 13) % BLOCKS).collect();
+        let g = seed << 40 | gen;
+        burst(&mut qp, &bufs, IoOp::Write, &lbas, |i, lba| {
+            bufs[i].write(0, &block(g, lba)).unwrap()
+        })?;
+        for lba in &lbas {
+            gens[*lba as usize] = g;
+        }
+        let sample: Vec<u64> = (0..QD as u64).map(|_| rng.below(BLOCKS)).collect();
+        let mut sample = sample;
+        sample.sort_unstable();
+        sample.dedup();
+        check(&mut qp, &sample, &gens)?;
+        ops.fetch_add((lbas.len() + sample.len()) as u64, Ordering::Relaxed);
+    }
+    let all: Vec<u64> = (0..BLOCKS).collect();
+    for chunk in all.chunks(QD) {
+        check(&mut qp, chunk, &gens)?;
+    }
+    Ok(())
+}
+
+fn handovers() -> usize {
+    std::env::var("UDRIVE_TEST_HANDOVERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100)
+}
+
+#[test]
+fn many_handovers_lose_nothing_under_verified_qd32() {
+    let s = Service::start();
+    let clients = [
+        Client::start(s.path("a.sock"), 1),
+        Client::start(s.path("b.sock"), 2),
+    ];
+    common::wait_until("clients running", Duration::from_secs(30), || {
+        clients.iter().all(|c| c.ops() > 0)
+    });
+    let n = handovers();
+    let mut pid = s.pid();
+    for i in 0..n {
+        let before: Vec<u64> = clients.iter().map(Client::ops).collect();
+        let out = s.upgrade();
+        assert!(
+            out.status.success(),
+            "handover {i}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            s.log()
+        );
+        let now = s.pid();
+        assert_ne!(now, pid, "handover {i}: a new process serves");
+        pid = now;
+        // Both clients make progress on the new process before the next one.
+        common::wait_until("I/O after the handover", Duration::from_secs(30), || {
+            clients.iter().zip(&before).all(|(c, b)| c.ops() > *b)
+        });
+    }
+    for c in clients {
+        c.finish().unwrap_or_else(|e| panic!("client: {e}\n{}", s.log()));
+    }
+    let log = s.log();
+    assert_eq!(log.matches("took every device over").count(), n, "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+}
+
+#[test]
+fn a_takeover_that_dies_at_any_step_rolls_back() {
+    let s = Service::start();
+    let client = Client::start(s.path("a.sock"), 3);
+    common::wait_until("client running", Duration::from_secs(30), || client.ops() > 0);
+    let pid = s.pid();
+    for step in ["receive", "start", "confirm"] {
+        let out = Command::new(UDRIVE)
+            .args(["serve", "--takeover"])
+            .arg(s.path("rpc.sock"))
+            .env("UDRIVE_TAKEOVER_DIE_AT", step)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{step}: the takeover died");
+        assert_eq!(s.pid(), pid, "{step}: the old process still serves");
+        let before = client.ops();
+        common::wait_until("I/O after the rollback", Duration::from_secs(30), || {
+            client.ops() > before
+        });
+    }
+    // Refused outright: nothing paused.
+    let out = Command::new(UDRIVE)
+        .args(["serve", "--takeover"])
+        .arg(s.path("no-such-rpc.sock"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    client
+        .finish()
+        .unwrap_or_else(|e| panic!("client: {e}\n{}", s.log()));
+    let log = s.log();
+    assert_eq!(log.matches("handover failed, devices resumed").count(), 3, "{log}");
+}
+
+/// What a handover must carry: namespaces, QoS and poll modes as changed at run time.
+fn device_summary(s: &Service) -> Vec<Value> {
+    let devs = s.rpc("get_devices", json!({})).unwrap();
+    devs.as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            json!({
+                "socket": d["socket"],
+                "poll": d["poll"],
+                "placement": d["placement"],
+                "namespaces": d["namespaces"].as_array().map(|ns| ns.iter().map(|n| json!({
+                    "nsid": n["nsid"], "spec": n["spec"], "qos": n["qos"], "size": n["size_bytes"],
+                })).collect::<Vec<_>>()),
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn changes_made_over_rpc_survive_a_handover() {
+    let s = Service::start();
+    let a = s.path("a.sock").display().to_string();
+    s.rpc(
+        "nvme_add_namespace",
+        json!({"socket": a, "nsid": 5, "spec": "null:64M"}),
+    )
+    .unwrap();
+    s.rpc("nvme_remove_namespace", json!({"socket": a, "nsid": 2}))
+        .unwrap();
+    s.rpc("set_qos", json!({"socket": a, "nsid": 1, "iops": 100000}))
+        .unwrap();
+    s.rpc("set_poll_mode", json!({"socket": a, "mode": "event"}))
+        .unwrap();
+    let before = device_summary(&s);
+    let out = s.upgrade();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let after = device_summary(&s);
+    assert_eq!(before, after);
+    // A client attaches to the new process as to any.
+    let d = NvmeDriver::connect(s.path("a.sock"), opts()).expect("attach after the handover");
+    let ids: Vec<u32> = d.namespaces().iter().map(|n| n.nsid).collect();
+    assert_eq!(ids, vec![1, 5]);
+}
