@@ -8,7 +8,7 @@
 #
 # Shared state: PHASE/TIMES (phase timing), RESULTS (UDRIVE-RESULT lines),
 # HARNESS_FAIL (reasons the guest run went wrong), QEMU_PID/QEMU_RC, SERVER_PID (the
-# device server, udrive or a peer), TMP.
+# device server, udrive or a peer), VM_EXTRA_PIDS (helpers the trap kills), TMP.
 
 IN_CHROOT=/run/udrive-vm # where the run directory appears inside a chroot
 # Modules the virtio-blk guest loads, in load order (Debian's cloud kernel builds
@@ -19,6 +19,7 @@ T0=$EPOCHREALTIME
 say() { printf '%s: %s\n' "$TAG" "$*"; }
 elapsed() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
 PHASE='' PHASE_T='' TIMES=() RESULTS=() HARNESS_FAIL=() QEMU_PID='' QEMU_RC='' SERVER_PID='' TMP=''
+VM_EXTRA_PIDS=()
 phase() { # phase NAME: ends the previous phase (printing its time) and starts NAME
     if [ -n "$PHASE" ]; then
         local t
@@ -53,8 +54,15 @@ vm_begin() {
 }
 vm_cleanup() {
     set +e
+    local p kids=''
     [ -n "$QEMU_PID" ] && kill -KILL "$QEMU_PID" 2>/dev/null && wait "$QEMU_PID" 2>/dev/null
+    # A supervisor's (udrive serve --supervise) server process would outlive it:
+    # the supervisor goes first (no more restarts), then what it ran.
+    [ -n "$SERVER_PID" ] && kids=$(cat "/proc/$SERVER_PID/task/$SERVER_PID/children" 2>/dev/null)
     [ -n "$SERVER_PID" ] && kill -KILL "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
+    for p in $kids "${VM_EXTRA_PIDS[@]}"; do
+        kill -KILL "$p" 2>/dev/null && wait "$p" 2>/dev/null
+    done
     # A Ceph cluster the run started (tests/vm/run.sh, UDRIVE_VM_RBD=1).
     [ -n "${VM_CEPH_DIR:-}" ] && "$root/scripts/ceph-cluster" stop "$VM_CEPH_DIR" --purge >/dev/null 2>&1
     # QEMU's bind mounts live in its own mount namespace and vanish with it;

@@ -16,11 +16,28 @@ NS2=${UDRIVE_VM_NS2:-ram:64M}
 UDRIVE_CPUS=${UDRIVE_VM_UDRIVE_CPUS:-0}
 VCPUS=${UDRIVE_VM_VCPUS:-2}
 TIMEOUT=${UDRIVE_VM_TIMEOUT:-480}
-GUEST_INIT=${UDRIVE_VM_GUEST_INIT:-$here/guest-init.sh}
+# 1: the crash-recovery scenario (issue 15) instead: udrive runs under
+# `serve --supervise` with a file namespace, the guest (guest-supervise.sh) runs
+# fio with verify and twice asks the host to SIGKILL the server process; the guest's
+# driver notices within IO_TIMEOUT seconds (nvme_core.io_timeout) and resets.
+SUPERVISE=${UDRIVE_VM_SUPERVISE:-0}
+IO_TIMEOUT=${UDRIVE_VM_IO_TIMEOUT:-5}
+CRASHES=2
+if [ "$SUPERVISE" = 1 ]; then
+    GUEST_INIT=${UDRIVE_VM_GUEST_INIT:-$here/guest-supervise.sh}
+    NS=${UDRIVE_VM_NS:-} # default: a 1 GiB file in the run directory (below)
+    NS2=${UDRIVE_VM_NS2:-}
+    LAST_PHASE=1
+    DEFAULT_IDLE=0
+else
+    GUEST_INIT=${UDRIVE_VM_GUEST_INIT:-$here/guest-init.sh}
+    LAST_PHASE=2
+    DEFAULT_IDLE=4
+fi
 # NVMe poll mode of udrive (--poll); the guest idles IDLE_SECS before powering off
 # while the host measures udrive's CPU (a reactor that sleeps uses next to none).
 POLL=${UDRIVE_VM_POLL:-adaptive}
-IDLE_SECS=${UDRIVE_VM_IDLE_SECS:-4}
+IDLE_SECS=${UDRIVE_VM_IDLE_SECS:-$DEFAULT_IDLE}
 # udrive (default) or qemu-nvme: QEMU's own emulated NVMe instead of udrive, to
 # check the harness and guest script themselves (udrive-specific checks then fail).
 DEVICE=${UDRIVE_VM_DEVICE:-udrive}
@@ -32,12 +49,18 @@ RBD=${UDRIVE_VM_RBD:-0}
 # moves every byte with DMA_READ/DMA_WRITE messages, docs/decisions/0020).
 MEM=${UDRIVE_VM_MEM:-shared}
 case $MEM in shared | private) ;; *) echo "UDRIVE_VM_MEM must be shared or private, not $MEM" >&2; exit 2 ;; esac
+[ "$SUPERVISE" != 1 ] || [ "$RBD" != 1 ] || { echo "UDRIVE_VM_SUPERVISE=1 and UDRIVE_VM_RBD=1 are separate runs" >&2; exit 2; }
 
 TAG=vm-test
 # shellcheck source=tests/vm/lib.sh
 source "$here/lib.sh"
 
 vm_begin "$SID"
+if [ "$SUPERVISE" = 1 ] && [ -z "$NS" ]; then
+    # Data on a file namespace survives the server process; ram: would not.
+    truncate -s 1G "$TMP/disk.img"
+    NS=file:$TMP/disk.img
+fi
 
 # ------------------------------------------------------------ sid chroot
 ensure_sid() {
@@ -57,12 +80,23 @@ build_initramfs() {
 
 # ------------------------------------------------------------ udrive
 start_udrive() {
-    say "$UDRIVE serve --vfio-user $TMP/nvme.sock --ns $NS --ns $NS2 --cpus $UDRIVE_CPUS --poll $POLL --rpc $TMP/rpc.sock"
+    local args=(serve --vfio-user "$TMP/nvme.sock" --ns "$NS")
+    [ -z "$NS2" ] || args+=(--ns "$NS2")
+    args+=(--cpus "$UDRIVE_CPUS" --poll "$POLL" --rpc "$TMP/rpc.sock")
+    # SERVER_PID is then the supervisor; server_child finds the server process.
+    [ "$SUPERVISE" != 1 ] || args+=(--supervise)
+    say "$UDRIVE ${args[*]}"
     NO_COLOR=1 RUST_LOG=${RUST_LOG:-info} setpriv --pdeathsig KILL -- \
-        "$UDRIVE" serve --vfio-user "$TMP/nvme.sock" --ns "$NS" --ns "$NS2" --cpus "$UDRIVE_CPUS" --poll "$POLL" \
-        --rpc "$TMP/rpc.sock" >"$TMP/udrive.log" 2>&1 </dev/null &
+        "$UDRIVE" "${args[@]}" >"$TMP/udrive.log" 2>&1 </dev/null &
     SERVER_PID=$!
     wait_socket "$TMP/nvme.sock" "$SERVER_PID" "$TMP/udrive.log" "udrive serve"
+}
+# The server process a supervisor (SERVER_PID, `serve --supervise`) runs now; empty
+# while it restarts one.
+server_child() {
+    local kids
+    kids=$(cat "/proc/$SERVER_PID/task/$SERVER_PID/children" 2>/dev/null) || return 0
+    echo "${kids%% *}"
 }
 
 # ------------------------------------------------------------ Ceph
@@ -95,7 +129,7 @@ start_qemu() {
         -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
         -serial "file:$d/console.log"
         -kernel "$d/vmlinuz" -initrd "$d/initramfs.cpio"
-        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.idle=$IDLE_SECS udrive.rbd=$RBD"
+        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.idle=$IDLE_SECS udrive.rbd=$RBD${CRASH_ARGS:-}"
     )
     if [ "$DEVICE" = qemu-nvme ]; then
         truncate -s "${NS#*:}" "$TMP/disk.img"
@@ -111,9 +145,17 @@ start_qemu() {
 }
 
 stop_udrive() {
+    # A supervisor forwards SIGTERM to its server process and exits with it; should
+    # it not, its server process must not outlive the run.
+    local kid
+    kid=$(server_child)
     stop_pid "$SERVER_PID"
     UDRIVE_RC=$STOP_RC
     SERVER_PID=
+    if [ -n "$kid" ] && grep -qa -- --supervised "/proc/$kid/cmdline" 2>/dev/null; then
+        kill -KILL "$kid" 2>/dev/null || true
+        UDRIVE_RC="$UDRIVE_RC (server process $kid left running)"
+    fi
 }
 
 # ------------------------------------------------------------ main
@@ -127,7 +169,12 @@ if [ "$DEVICE" = udrive ]; then
     phase "setup: build udrive"
     build_udrive
 fi
-phase "guest run (2 boots, guest RAM $MEM)"
+if [ "$SUPERVISE" = 1 ]; then
+    phase "guest run (crash recovery: $CRASHES x SIGKILL under fio, io_timeout ${IO_TIMEOUT}s, guest RAM $MEM)"
+    CRASH_ARGS=" nvme_core.io_timeout=$IO_TIMEOUT udrive.crashes=$CRASHES"
+else
+    phase "guest run (2 boots, guest RAM $MEM)"
+fi
 if [ "$DEVICE" = udrive ] && [ "$RBD" = 1 ]; then start_ceph; fi
 if [ "$DEVICE" = udrive ]; then start_udrive; else say "self-test: QEMU's emulated NVMe, no udrive"; fi
 start_qemu
@@ -189,25 +236,120 @@ rbd_hook() {
         fi ;;
     esac
 }
+# On UDRIVE-CRASH (UDRIVE_VM_SUPERVISE=1): SIGKILL the server process, wait for the
+# supervisor's new one (host result server-kill-N), and start a probe that polls
+# the new server's get_stats until an I/O command has completed.
+KILLS=0 PROBES=()
+crash_hook() {
+    local re='^UDRIVE-CRASH n=([0-9]+)' old new t0
+    [[ ${1:-} =~ $re ]] || return 0
+    KILLS=$((KILLS + 1))
+    old=$(server_child)
+    if [ -z "$old" ]; then
+        host_result "server-kill-$KILLS" FAIL "the supervisor (pid $SERVER_PID) runs no server process"
+        return 0
+    fi
+    t0=$EPOCHREALTIME
+    kill -KILL "$old" 2>/dev/null || true
+    echo "$t0" >"$TMP/kill-$KILLS"
+    first_io_probe "$KILLS" "$t0" &
+    PROBES+=($!)
+    VM_EXTRA_PIDS+=($!)
+    new=
+    for _ in $(seq 200); do
+        new=$(server_child)
+        [ -n "$new" ] && [ "$new" != "$old" ] && break
+        new=
+        sleep 0.025
+    done
+    if [ -n "$new" ]; then
+        host_result "server-kill-$KILLS" PASS "SIGKILL server pid $old -> the supervisor runs pid $new after $(elapsed "$t0") s"
+    else
+        host_result "server-kill-$KILLS" FAIL "SIGKILL server pid $old: no new server process 5 s later"
+    fi
+}
+# first_io_probe N T0: polls get_stats (the new process's counters start at zero)
+# until a read or write has completed; writes "SECONDS OPS BEFORE" to first-io-N:
+# seconds since T0 when that answer came, and when the last poll that saw none began.
+first_io_probe() {
+    local n=$1 t0=$2 out ops start before=0
+    for _ in $(seq 1500); do
+        start=$(elapsed "$t0")
+        if out=$("$UDRIVE" rpc --rpc "$TMP/rpc.sock" get_stats 2>/dev/null); then
+            ops=$(io_ops <<<"$out")
+            if [ "${ops:-0}" -gt 0 ]; then
+                echo "$(elapsed "$t0") $ops $before" >"$TMP/first-io-$n"
+                return 0
+            fi
+            before=$start
+        fi
+        sleep 0.05
+    done
+}
+# Completed reads + writes in a get_stats answer: the "ops" objects' read and write
+# (0 while the controller has no I/O queues: no "ops" at all).
+io_ops() {
+    tr -d ' \n' | { grep -oE '"ops":\{[^}]*\}' || true; } | { grep -oE '"(read|write)":[0-9]+' || true; } |
+        awk -F: '{ s += $2 } END { print s + 0 }'
+}
 guest_hook() {
     idle_hook "$@"
     resize_hook "$@"
     [ "$RBD" = 1 ] && rbd_hook "$@"
+    [ "$SUPERVISE" = 1 ] && crash_hook "$@"
     return 0
 }
 watch_guest "$TMP/console.log" "$TIMEOUT" guest_hook
+# The probes finished long ago unless no I/O completed after a crash.
+for p in "${PROBES[@]}"; do
+    kill -KILL "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+done
 [ "$DEVICE" = udrive ] && stop_udrive
 phase ""
 
 # Results: one line per guest check, plus checks made here on the host side.
 guest_results "$TMP/console.log"
-if grep -aq '^UDRIVE-DONE phase=2' "$TMP/console.log" && [ "$QEMU_RC" = 0 ]; then
-    host_result guest-completed PASS "both boots finished, QEMU exited 0"
+if grep -aq "^UDRIVE-DONE phase=$LAST_PHASE" "$TMP/console.log" && [ "$QEMU_RC" = 0 ]; then
+    host_result guest-completed PASS "$([ "$LAST_PHASE" = 2 ] && echo both boots || echo the boot) finished, QEMU exited 0"
 else
     host_result guest-completed FAIL "QEMU exit $QEMU_RC; last marker: $(grep -aE '^UDRIVE-(BOOT|DONE)' "$TMP/console.log" | tail -n1) ${HARNESS_FAIL[*]}"
 fi
 touch "$TMP/udrive.log"
 UDRIVE_RC=${UDRIVE_RC:-not run}
+# log_secs N REGEX: seconds from the N-th SIGKILL to the first line of udrive's log
+# matching REGEX after the supervisor's N-th restart (log times are UTC RFC 3339).
+log_secs() {
+    local ts
+    ts=$(sed 's/\x1b\[[0-9;]*m//g' "$TMP/udrive.log" |
+        awk -v n="$1" -v re="$2" '/the server died/ { c++; next } c == n && $0 ~ re { print $1; exit }')
+    [ -n "$ts" ] || return 0
+    awk -v a="$(cat "$TMP/kill-$1")" -v b="$(date -d "$ts" +%s.%N)" 'BEGIN { printf "%.3f", b - a }'
+}
+if [ "$SUPERVISE" = 1 ]; then
+    for n in $(seq "$CRASHES"); do
+        if [ ! -f "$TMP/kill-$n" ]; then
+            host_result "recovery-$n" FAIL "no SIGKILL $n: the guest did not ask"
+            continue
+        fi
+        took=$(log_secs "$n" 'took over the connected client')
+        enabled=$(log_secs "$n" 'controller enabled')
+        first='' ops='' before=''
+        [ ! -f "$TMP/first-io-$n" ] || read -r first ops before <"$TMP/first-io-$n"
+        detail="SIGKILL -> new server took the client over ${took:-never} s, -> controller enabled again (the guest's reset) ${enabled:-never} s, -> first I/O completion ${first:+between $before and }${first:-never} s (get_stats: none, then $ops ops)"
+        if [ -n "$took" ] && [ -n "$enabled" ] && [ -n "$first" ]; then
+            host_result "recovery-$n" PASS "$detail"
+        else
+            host_result "recovery-$n" FAIL "$detail"
+        fi
+    done
+    restarts=$(grep -c 'restarting it' "$TMP/udrive.log" || true)
+    if [ "$KILLS" = "$CRASHES" ] && [ "$restarts" = "$KILLS" ]; then
+        host_result supervisor-restarts PASS "$restarts restarts for $KILLS kills: $(grep 'restarting it' "$TMP/udrive.log" | tail -n1 | cut -c1-160)"
+    else
+        host_result supervisor-restarts FAIL "$KILLS kills (want $CRASHES), $restarts restarts in udrive's log"
+    fi
+fi
 n=$(grep -ci 'doorbell buffer configured' "$TMP/udrive.log" || true)
 # Configured is not enough: the exit statistics must show doorbells read from the shadow buffer.
 stat() { sed 's/\x1b\[[0-9;]*m//g' "$TMP/udrive.log" | grep -o "$1=[0-9]*" | tail -n1 | cut -d= -f2; }
