@@ -279,7 +279,11 @@ impl NvmeDevice {
             .listener()
             .try_clone_to_owned()
             .context("cannot duplicate the listening socket")?;
-        Ok(vec![(format!("{prefix}listen"), Vec::new(), vec![listener])])
+        Ok(vec![(
+            format!("{prefix}listen"),
+            Vec::new(),
+            vec![listener],
+        )])
     }
 
     /// Whether a vfio-user client (a VM, an initiator) is attached.

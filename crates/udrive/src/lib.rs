@@ -10,9 +10,9 @@ pub mod blkio_target;
 pub mod config;
 pub mod device;
 pub mod frontend;
-pub mod handover;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+pub mod handover;
 pub mod json;
 pub mod kinds;
 pub mod metrics;

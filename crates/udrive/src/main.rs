@@ -1,8 +1,8 @@
 //! udrive: userspace storage virtualization server.
 
+use udrive::{handover, rpc, serve};
 #[cfg(feature = "tools")]
 use udrive::{perf, trace_cmd};
-use udrive::{handover, rpc, serve};
 
 use clap::{Parser, Subcommand};
 

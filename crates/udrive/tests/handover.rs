@@ -146,7 +146,10 @@ impl Client {
 
     fn finish(self) -> Result<u64, String> {
         self.stop.store(true, Ordering::Relaxed);
-        let r = self.thread.join().map_err(|_| "client panicked".to_string())?;
+        let r = self
+            .thread
+            .join()
+            .map_err(|_| "client panicked".to_string())?;
         r.map(|()| self.ops.load(Ordering::Relaxed))
     }
 }
@@ -265,7 +268,8 @@ fn many_handovers_lose_nothing_under_verified_qd32() {
         });
     }
     for c in clients {
-        c.finish().unwrap_or_else(|e| panic!("client: {e}\n{}", s.log()));
+        c.finish()
+            .unwrap_or_else(|e| panic!("client: {e}\n{}", s.log()));
     }
     let log = s.log();
     assert_eq!(log.matches("took every device over").count(), n, "{log}");
@@ -276,7 +280,9 @@ fn many_handovers_lose_nothing_under_verified_qd32() {
 fn a_takeover_that_dies_at_any_step_rolls_back() {
     let s = Service::start();
     let client = Client::start(s.path("a.sock"), 3);
-    common::wait_until("client running", Duration::from_secs(30), || client.ops() > 0);
+    common::wait_until("client running", Duration::from_secs(30), || {
+        client.ops() > 0
+    });
     let pid = s.pid();
     for step in ["receive", "start", "confirm"] {
         let out = Command::new(UDRIVE)
@@ -303,7 +309,11 @@ fn a_takeover_that_dies_at_any_step_rolls_back() {
         .finish()
         .unwrap_or_else(|e| panic!("client: {e}\n{}", s.log()));
     let log = s.log();
-    assert_eq!(log.matches("handover failed, devices resumed").count(), 3, "{log}");
+    assert_eq!(
+        log.matches("handover failed, devices resumed").count(),
+        3,
+        "{log}"
+    );
 }
 
 /// What a handover must carry: namespaces, QoS and poll modes as changed at run time.
@@ -342,7 +352,11 @@ fn changes_made_over_rpc_survive_a_handover() {
         .unwrap();
     let before = device_summary(&s);
     let out = s.upgrade();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let after = device_summary(&s);
     assert_eq!(before, after);
     // A client attaches to the new process as to any.

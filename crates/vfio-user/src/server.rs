@@ -205,6 +205,7 @@ impl VfioUserServer {
             name: cfg.name.clone(),
             listener,
             fault: dev.mem.fault_signal().clone(),
+            mem: dev.mem.clone(),
             dev: Arc::new(Mutex::new(dev)),
             active: active.clone(),
             state,
@@ -315,6 +316,7 @@ struct Endpoint {
     dev: Arc<Mutex<Device>>,
     /// The device's memory fault signal (watched by the hub unless `Served`).
     fault: Arc<guest_mem::FaultSignal>,
+    mem: Arc<DmaSpace>,
     active: Arc<Mutex<Option<UnixStream>>>,
     state: State,
     /// Set while a pause waits for the connection's thread to hand it back.
@@ -351,9 +353,10 @@ impl Wake {
 }
 
 impl Endpoint {
-    /// Whether the client's memory (some of it) moves by DMA messages.
+    /// Whether the client's memory (some of it) moves by DMA messages (without the
+    /// device's lock, which its connection's thread holds while it serves).
     fn dev_uses_messages(&self) -> bool {
-        lock(&self.dev).mem.uses_messages()
+        self.mem.uses_messages()
     }
 }
 

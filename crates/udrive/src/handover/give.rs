@@ -149,7 +149,13 @@ fn send_and_confirm(server: &crate::server::Server, st: &State, sock: &OwnedFd) 
         wire::send(s, Op::Record, RPC_LISTENER_KEY, &[], &[l.as_fd()])?;
     }
     if let Some((l, _)) = &metrics {
-        wire::send(s, Op::Record, super::METRICS_LISTENER_KEY, &[], &[l.as_fd()])?;
+        wire::send(
+            s,
+            Op::Record,
+            super::METRICS_LISTENER_KEY,
+            &[],
+            &[l.as_fd()],
+        )?;
     }
     for d in &st.devices {
         if let Some(n) = d.as_nvme() {
@@ -168,8 +174,13 @@ fn send_and_confirm(server: &crate::server::Server, st: &State, sock: &OwnedFd) 
 /// Waits for the new process's answer; kills it if it does not come in time (so
 /// that it cannot start serving after we resumed).
 fn wait_confirm(sock: &OwnedFd) -> Result<()> {
-    let peer = getsockopt(sock, sockopt::PeerCredentials).ok().map(|c| c.pid());
-    let mut fds = [nix::poll::PollFd::new(sock.as_fd(), nix::poll::PollFlags::POLLIN)];
+    let peer = getsockopt(sock, sockopt::PeerCredentials)
+        .ok()
+        .map(|c| c.pid());
+    let mut fds = [nix::poll::PollFd::new(
+        sock.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
     let ms = u16::try_from(CONFIRM_LIMIT.as_millis().min(u128::from(u16::MAX))).unwrap_or(u16::MAX);
     let ready = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)).unwrap_or(0);
     if ready == 0 {

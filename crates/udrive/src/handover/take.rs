@@ -168,7 +168,17 @@ fn accept_within(
 fn receive(conn: &OwnedFd) -> Result<BTreeMap<String, Kept>> {
     let mut buf = vec![0u8; wire::MAX_MSG];
     let mut out = BTreeMap::new();
+    let until = Instant::now() + RECEIVE_LIMIT;
     loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
+        let mut fds = [nix::poll::PollFd::new(
+            conn.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)).unwrap_or(0) == 0 {
+            bail!("takeover: the running udrive sent nothing for {RECEIVE_LIMIT:?}");
+        }
         match wire::recv(conn.as_fd(), &mut buf).context("takeover: receiving")? {
             Some(m) if m.op == Op::Record => {
                 out.insert(

@@ -36,7 +36,9 @@ pub fn run(a: UpgradeArgs) -> Result<()> {
         None => std::env::current_exe().context("cannot find udrive's own binary")?,
     };
     let mut cmd = Command::new(&binary);
-    cmd.args(["serve", "--takeover"]).arg(&a.rpc).stdin(Stdio::null());
+    cmd.args(["serve", "--takeover"])
+        .arg(&a.rpc)
+        .stdin(Stdio::null());
     if let Some(log) = &a.log {
         let f = std::fs::OpenOptions::new()
             .create(true)
