@@ -93,6 +93,10 @@ pub struct PerfArgs {
     /// the server and backend (measure Ceph RBD this way on a small machine)
     #[arg(long)]
     pub wait: bool,
+    /// Report the N longest pauses between consecutive completions (what a
+    /// client sees of a handover: run `udrive upgrade` meanwhile)
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=1000))]
+    pub gaps: u16,
     /// NVMe Interrupt Coalescing to set first (Feature 08h): THRESHOLD:TIME, i.e.
     /// completions per interrupt and the longest delay in 100 µs units (e.g. 7:1)
     #[arg(long, value_name = "THR:TIME", requires = "irq", value_parser = parse_coalescing)]
@@ -161,6 +165,7 @@ pub fn run_with(a: PerfArgs, server: Option<&dyn ServerTrace>) -> Result<()> {
         verify: a.verify,
         think: Duration::from_micros(a.think_us),
         wait: a.wait,
+        gaps: usize::from(a.gaps),
         nsid: a.nsid,
         trace: a.trace,
         ..Default::default()

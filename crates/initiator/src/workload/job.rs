@@ -26,6 +26,7 @@ pub(crate) struct JobResult {
     unverified: u64,
     secs: f64,
     trace: Option<trace::LayerSet>,
+    gaps: super::gaps::TopGaps,
 }
 
 /// The initiator's per-I/O stamps (raw trace clock), with `WorkloadConfig::trace`.
@@ -128,6 +129,7 @@ pub(crate) fn run_job(
             trace: cfg
                 .trace
                 .then(|| trace::LayerSet::new(&trace::INITIATOR_LAYERS)),
+            gaps: super::gaps::TopGaps::new(cfg.gaps),
         },
     };
     if cfg.verify && cfg.rw.read_pct() == 100 {
@@ -357,6 +359,11 @@ impl Job<'_> {
                 0
             };
             let now = Instant::now();
+            if self.cfg.gaps > 0 {
+                let gap = now.saturating_duration_since(last_progress).as_nanos() as u64;
+                let at = now.saturating_duration_since(start).as_secs_f64();
+                self.r.gaps.record(gap, at);
+            }
             last_progress = now;
             stopped |= now >= end;
             for d in done.iter().copied() {
@@ -413,6 +420,7 @@ pub(crate) fn merge(cfg: &WorkloadConfig, jobs: Vec<JobResult>) -> Report {
     };
     let mut secs: f64 = 0.0;
     let mut all_trace: Option<trace::LayerSet> = None;
+    rep.gaps = super::gaps::TopGaps::merge(cfg.gaps, jobs.iter().map(|j| j.gaps.clone()));
     for j in &jobs {
         // Same bounds everywhere, so adding cannot fail.
         let _ = all.add(&j.hist);

@@ -11,6 +11,7 @@
 //! are counted as `unverified_reads`; for read-only workloads the job first writes its
 //! whole slice once (untimed) so every read can be checked.
 
+mod gaps;
 mod job;
 mod nvme_target;
 pub mod pattern;
@@ -18,6 +19,7 @@ mod report;
 
 use std::time::Duration;
 
+pub use gaps::Gap;
 pub use nvme_target::{NvmeJob, NvmeTarget};
 pub use report::{JobReport, LatStats, Report};
 
@@ -104,6 +106,9 @@ pub struct WorkloadConfig {
     /// ([`JobQueue::poll_wait`]) instead of spinning: leaves the CPUs to the server
     /// and the backend, which matters when they need them (a Ceph OSD).
     pub wait: bool,
+    /// Report the this many longest pauses between consecutive completions of a
+    /// job (`Report::gaps`); 0: none.
+    pub gaps: usize,
 }
 
 impl Default for WorkloadConfig {
@@ -121,6 +126,7 @@ impl Default for WorkloadConfig {
             seed: 0x5eed,
             think: Duration::ZERO,
             wait: false,
+            gaps: 0,
         }
     }
 }

@@ -64,6 +64,10 @@ pub struct Report {
     pub unverified_reads: u64,
     pub lat_ns: LatStats,
     pub jobs: Vec<JobReport>,
+    /// The longest pauses between consecutive completions, longest first
+    /// (`WorkloadConfig::gaps`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub gaps: Vec<super::Gap>,
     /// The initiator's layer table, with `WorkloadConfig::trace`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trace: Option<trace::Breakdown>,
@@ -125,6 +129,14 @@ impl fmt::Display for Report {
             for j in &self.jobs {
                 row(f, &format!("job{}", j.job), j.iops, &j.lat_ns)?;
             }
+        }
+        if !self.gaps.is_empty() {
+            let list: Vec<String> = self
+                .gaps
+                .iter()
+                .map(|g| format!("{:.2} ms at {:.1}s", g.ns as f64 / 1e6, g.at_s))
+                .collect();
+            writeln!(f, "  longest gaps between completions: {}", list.join(", "))?;
         }
         Ok(())
     }
