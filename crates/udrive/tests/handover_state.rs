@@ -62,6 +62,9 @@ impl PciBackend for Switch {
     fn offer_mmap(&self, bar: u32) -> bool {
         bar == 0 && self.cur().offer_doorbell_mmap()
     }
+    fn dma_messages(&self, writable: bool) -> Result<(), i32> {
+        self.cur().use_dma_messages(writable)
+    }
 }
 
 struct IrqSink(Arc<Irqs>);
@@ -525,6 +528,20 @@ fn refusals() {
     ));
     ctrl.unquiesce();
     common::check_io(&d, 11);
+
+    // A client whose memory moves by DMA messages cannot be handed over (yet).
+    let rig = Rig::start(PollMode::Adaptive);
+    let d = rig.connect(DriverOpts {
+        dma_messages: true,
+        ..opts(None)
+    });
+    let ctrl = rig.ctrl();
+    assert!(ctrl.dma_messages());
+    assert!(matches!(
+        ctrl.quiesce(Duration::from_secs(1)),
+        Err(nvme::QuiesceError::DmaMessages)
+    ));
+    common::check_io(&d, 13);
 }
 
 /// Corrupt and hostile states: each is refused with an error (no panic), and the
@@ -544,10 +561,11 @@ fn hostile_states_are_refused() {
     use nvme::RestoreError as E;
     use serde_json::json;
     type Check = fn(&E) -> bool;
+    type Change = Box<dyn Fn(&mut serde_json::Value)>;
     let invalid: Check = |e| matches!(e, E::Invalid(_));
     let unmapped: Check = |e| matches!(e, E::Unmapped { .. });
     let config: Check = |e| matches!(e, E::Config(_));
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, Check)> = vec![
+    let cases: Vec<(&str, Change, Check)> = vec![
         (
             "unknown version",
             Box::new(|v| v["version"] = json!(2)),
