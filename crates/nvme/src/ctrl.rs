@@ -82,6 +82,10 @@ pub(crate) struct State {
     /// When the Keep Alive Timer expires (KATO set and not 0); restarted by each
     /// Keep Alive command.
     pub keep_alive: Option<Instant>,
+    /// Quiesced for a handover (`handover.rs`): no admin or I/O command is
+    /// fetched, queue groups are parked off their reactors, the Keep Alive Timer
+    /// is stopped.
+    pub quiesced: bool,
 }
 
 impl State {
@@ -124,6 +128,10 @@ pub(crate) struct Inner {
     pub admin_running: AtomicBool,
     /// Requests for such a pass (see [`Inner::admin_elsewhere`]).
     pub admin_kicks: AtomicU64,
+    /// Its state was saved for another controller that takes the client over
+    /// (`handover.rs`): it must not touch the doorbell page again (a reset or
+    /// shutdown clears it otherwise). Cleared by `unquiesce`.
+    pub handed_over: AtomicBool,
 }
 
 impl Inner {
@@ -163,12 +171,14 @@ impl Inner {
                 ns_event_masked: false,
                 placer,
                 keep_alive: None,
+                quiesced: false,
             }),
             stop: AtomicBool::new(false),
             messages: AtomicBool::new(false),
             own_reactor: Mutex::new(None),
             admin_running: AtomicBool::new(false),
             admin_kicks: AtomicU64::new(0),
+            handed_over: AtomicBool::new(false),
         }
     }
 
@@ -403,7 +413,10 @@ impl Inner {
         st.regs.rdy = false;
         st.regs.cfs = false;
         st.regs.shst = 0;
-        self.shared.clear_doorbells();
+        // After a handover the page is the new controller's.
+        if !self.handed_over.load(Ordering::Acquire) {
+            self.shared.clear_doorbells();
+        }
         self.shared.fatal.store(false, Ordering::Release);
     }
 
@@ -470,12 +483,13 @@ impl Inner {
         }
     }
 
-    /// Parks a group without SQs (nothing to poll) or hands it to its reactor.
+    /// Parks a group without SQs (nothing to poll) or while the controller is
+    /// quiesced, or hands it to its reactor.
     pub fn place_group(&self, st: &mut State, g: Box<QueueGroup>) -> Result<(), Status> {
         let cqid = g.out.cq.qid;
         let counters = g.out.counters();
         let mailbox = g.out.rec.mailbox();
-        let place = if g.sqs.is_empty() {
+        let place = if g.sqs.is_empty() || st.quiesced {
             let mut g = g;
             g.park();
             db_targets(&self.shared, &g, None, false);
@@ -533,6 +547,9 @@ impl Inner {
     /// finished commands to post, or an expired Keep Alive Timer.
     pub fn admin_pending(&self, st: &State) -> bool {
         let Some(q) = st.admin else { return false };
+        if st.quiesced {
+            return !st.done.is_empty();
+        }
         if st.keep_alive.is_some_and(|t| Instant::now() > t) {
             return true;
         }
@@ -576,8 +593,12 @@ impl Inner {
             return 0;
         }
         q.cq.head = head as u16;
-        let pending_aer = !st.events.is_empty() && !st.aer.is_empty();
-        if tail as u16 == q.sq.head && !pending_aer && st.done.is_empty() {
+        // Quiesced (`handover.rs`): only commands that finished already are posted;
+        // nothing new is fetched and events wait.
+        let fetch = !st.quiesced;
+        let pending_aer = fetch && !st.events.is_empty() && !st.aer.is_empty();
+        let new_cmds = fetch && tail as u16 != q.sq.head;
+        if !new_cmds && !pending_aer && st.done.is_empty() {
             return 0;
         }
         let (_, map) = self.mem.snapshot();
@@ -590,7 +611,7 @@ impl Inner {
         };
         // Unshared client memory (docs/decisions/0020-dma-messages.md): the new
         // entries come over first; what we post goes over before the interrupt.
-        if tail as u16 != q.sq.head {
+        if new_cmds {
             let new = ring_ranges(q.sq.base, q.sq.head, tail as u16, q.sq.size, SQE_SIZE);
             if map.fetch(&new).is_err() {
                 self.shared
@@ -623,7 +644,7 @@ impl Inner {
         // (below) those this pass fetches, or an event queued while that request's
         // doorbell was on its way would wait for the next admin command.
         let post_events = |st: &mut State, q: &mut AdminQueues, posted: &mut usize| {
-            while q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
+            while !st.quiesced && q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
                 let (Some(ev), cid) = (st.events.pop_front(), st.aer.remove(0)) else {
                     break;
                 };
@@ -634,7 +655,7 @@ impl Inner {
             }
         };
         post_events(st, &mut q, &mut posted);
-        while q.sq.head != tail as u16 && q.cq.free() > 0 {
+        while fetch && q.sq.head != tail as u16 && q.cq.free() > 0 {
             let Some(sqe) = Sqe::fetch(&sq_ring, q.sq.head) else {
                 self.shared.set_fatal("cannot read admin SQ entry");
                 return posted;

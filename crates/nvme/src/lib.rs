@@ -41,6 +41,7 @@ mod ctrl;
 mod decode;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+mod handover;
 mod identify;
 mod io;
 mod iov;
@@ -64,6 +65,11 @@ use bdev::BlockDevice;
 use engine::{Engine, Placer, PollMode};
 use guest_mem::{DmaSpace, SharedMem};
 
+pub use handover::{
+    AdminQueueState, ControllerState, CountersState, CqState, ErrorEntryState, ErrorLogState,
+    FeaturesState, NamespaceState, QuiesceError, RegsState, RestoreError, SaveError, ShadowState,
+    SqState, StateLimits, STATE_VERSION,
+};
 pub use identify::VENDOR_ID;
 pub use ns::{NsError, NsNotice};
 pub use status::{Nvme, Status};
@@ -426,6 +432,53 @@ impl Controller {
         self.inner.shared.set_poll_mode(mode);
         self.inner.shared.wake_all();
         service::kick();
+    }
+
+    /// Handover, step 1 (docs/decisions/0023-nvme-controller-state.md): stops fetching new
+    /// commands on every queue, admin and I/O, and waits, at most `timeout`, until
+    /// every command fetched already has completed, its completion entry is posted
+    /// and its interrupt signalled (interrupts held for coalescing fire). Waits for
+    /// a Format NVM in progress as well. Outstanding Asynchronous Event Requests
+    /// stay outstanding; the Keep Alive Timer stops. Doorbells the host writes
+    /// meanwhile stay where it wrote them, for whoever serves it next.
+    ///
+    /// On error the controller runs on as before. A quiesced controller is
+    /// resumed with [`Controller::unquiesce`] or its state handed to another one
+    /// with [`Controller::save_state`]. Refused for a client whose memory moves by
+    /// DMA messages. The I/O path is untouched: queue groups are taken off their
+    /// reactors as queue deletion does. Call it from the control path (not from
+    /// a reactor thread); quiescing a quiesced controller does nothing.
+    pub fn quiesce(&self, timeout: Duration) -> Result<(), QuiesceError> {
+        self.inner.quiesce(timeout)
+    }
+
+    /// Undoes [`Controller::quiesce`] (also after a [`Controller::save_state`]
+    /// whose handover failed): queues go back to their reactors, admin commands
+    /// written meanwhile are fetched, the Keep Alive Timer restarts in full. Does
+    /// nothing if the controller is not quiesced.
+    pub fn unquiesce(&self) {
+        self.inner.unquiesce()
+    }
+
+    /// Everything a controller in another process needs to take this one's client
+    /// over (registers, queues and their positions, features, outstanding AERs and
+    /// queued events, shadow doorbells, logs, counters): only while quiesced.
+    /// From then on this controller leaves the doorbell page alone (a reset or
+    /// [`Controller::shutdown`] would clear it) until [`Controller::unquiesce`].
+    pub fn save_state(&self) -> Result<ControllerState, SaveError> {
+        self.inner.save_state()
+    }
+
+    /// Takes over the client of a saved controller: on a fresh controller (not
+    /// enabled, no queues) with the same [`ControllerConfig`] limits and
+    /// namespaces, over the same guest memory (its DMA map already in place) and
+    /// doorbell page ([`Controller::with_doorbells`]). The state is checked like
+    /// guest input first (version, queue ids, sizes, alignment, vectors, indices,
+    /// that every ring is mapped); a refused state changes nothing. Then the
+    /// queues start on their reactors at their saved positions and pick up
+    /// doorbells written during the pause; AERs complete from here.
+    pub fn restore_state(&self, state: ControllerState) -> Result<(), RestoreError> {
+        self.inner.restore_state(state)
     }
 
     /// Leaves the admin service and takes every queue off the reactors. A Format

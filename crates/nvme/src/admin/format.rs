@@ -139,6 +139,24 @@ impl FormatCmd {
     }
 }
 
+/// `ns`'s facts in LBA size `block_size`, if a Format NVM could give it that size
+/// (a restored controller takes the format its predecessor's host chose).
+pub(crate) fn info_in_block_size(ns: &Ns, block_size: u32) -> Result<BlockInfo, Status> {
+    let (formats, _) = lba_formats(&ns.info.block_size);
+    let lbaf = formats
+        .iter()
+        .position(|f| *f == block_size)
+        .ok_or(Status::INVALID_FORMAT)?;
+    FormatCmd {
+        lbaf,
+        mset: false,
+        pi: 0,
+        pil: false,
+        ses: 0,
+    }
+    .new_info(ns)
+}
+
 /// One namespace being formatted: its backend and its facts in the new format.
 struct Target {
     nsid: u32,

@@ -189,6 +189,50 @@ impl QueueGroup {
     }
 }
 
+impl QueueGroup {
+    /// Quiesce (`handover.rs`), off the reactor: posts what the backends completed
+    /// and signals its interrupt, but fetches nothing. Returns whether nothing is
+    /// left in flight (then no interrupt is held back for coalescing either). A
+    /// controller in fatal status posts nothing: its requests are waited for and
+    /// dropped, as a reset would (the host resets it anyway).
+    pub fn settle(&mut self) -> bool {
+        if self.shared.fatal.load(Ordering::Relaxed) {
+            self.drain();
+            return true;
+        }
+        self.out.begin_poll();
+        self.view.refresh();
+        let _ = self.settle_stages();
+        let idle = self.out.inflight == 0;
+        if idle {
+            self.out.release_held_irq(&self.shared);
+            self.view.park();
+        }
+        idle
+    }
+
+    fn settle_stages(&mut self) -> Result<(), Fatal> {
+        let QueueGroup {
+            shared,
+            view,
+            sqs,
+            ns,
+            shadow,
+            out,
+            own: _,
+        } = self;
+        let pass = Pass::begin(shared, view, *shadow, &mut out.cq)?;
+        let inflight = out.inflight;
+        if inflight > 0 {
+            for c in ns.all_mut() {
+                c.chan.flush();
+            }
+            ns.reap(out, sqs, &pass)?;
+        }
+        out.end_poll(&pass, sqs, inflight)
+    }
+}
+
 impl NsTable {
     /// Stage 1: backend completions become CQEs.
     fn reap(
