@@ -25,6 +25,11 @@ const NVME_CLASS: u32 = 0x01_08_02;
 /// The NVMe model as seen by the vfio-user transport.
 struct NvmeFunction {
     ctrl: nvme::Controller,
+    /// A handover brings the controller's state (restored once the old process
+    /// let go): a resumed client then needs no reset. What `resumed` saw of the
+    /// client's doorbell mapping is kept for the fallback.
+    state_follows: bool,
+    bar_mmap: std::sync::atomic::AtomicBool,
 }
 
 impl PciBackend for NvmeFunction {
@@ -53,7 +58,11 @@ impl PciBackend for NvmeFunction {
         self.ctrl.use_dma_messages(writable)
     }
     fn resumed(&self, bar_mmap: bool) {
-        self.ctrl.resume_failed(bar_mmap);
+        self.bar_mmap
+            .store(bar_mmap, std::sync::atomic::Ordering::Release);
+        if !self.state_follows {
+            self.ctrl.resume_failed(bar_mmap);
+        }
     }
 }
 
@@ -83,6 +92,8 @@ pub struct NvmeDevice {
     /// Active namespaces by NSID (kept in step with the controller by the control
     /// plane, which owns the device).
     pub namespaces: BTreeMap<u32, Namespace>,
+    /// A handover's controller state (JSON) not restored yet.
+    pending_state: Option<(Vec<u8>, Arc<NvmeFunction>)>,
 }
 
 impl NvmeDevice {
@@ -197,7 +208,13 @@ impl NvmeDevice {
             },
             msix,
         };
-        let backend = Arc::new(NvmeFunction { ctrl: ctrl.clone() });
+        // A handover's controller state, restored when the old process let go.
+        let state = crate::supervise::take_one(&format!("{keep_prefix}state"));
+        let backend = Arc::new(NvmeFunction {
+            ctrl: ctrl.clone(),
+            state_follows: state.is_some(),
+            bar_mmap: Default::default(),
+        });
         let server = VfioUserServer::resume(
             vfio_user::ServerConfig {
                 socket: cfg.socket.clone(),
@@ -209,7 +226,7 @@ impl NvmeDevice {
                 start_paused: crate::handover::taking_over(),
             },
             spec,
-            backend,
+            backend.clone(),
             mem,
             irqs,
             kept,
@@ -229,6 +246,7 @@ impl NvmeDevice {
             cfg: cfg.clone(),
             cntlid,
             namespaces,
+            pending_state: state.map(|s| (s.bytes, backend)),
         })
     }
 
@@ -250,22 +268,61 @@ impl NvmeDevice {
                 anyhow!(e).context(format!("{}: cannot pause", what()))
             }
         })?;
-        let _ = limit;
+        if let Err(e) = self.ctrl.quiesce(limit) {
+            self.ctrl.unquiesce();
+            s.unpause();
+            return Err(anyhow!(e).context(format!("{}: cannot quiesce", what())));
+        }
         Ok(())
     }
 
     /// Handover, old process: it failed; serve on as before.
     pub fn resume_after_handover_failed(&self) {
+        self.ctrl.unquiesce();
         if let Some(s) = &self.server {
             s.unpause();
         }
     }
 
-    /// Handover, new process: the old one let go; serve.
-    pub fn start_after_takeover(&self) {
+    /// Handover, new process: the old one let go; restore the controller's state
+    /// and serve. A state that does not restore (it was checked before, so this
+    /// is not expected) leaves the controller in fatal status, which the host's
+    /// driver resets: the client keeps its disk either way.
+    pub fn start_after_takeover(&mut self) {
+        if let Some((bytes, f)) = self.pending_state.take() {
+            let restored = serde_json::from_slice::<nvme::ControllerState>(&bytes)
+                .map_err(|e| e.to_string())
+                .and_then(|st| self.ctrl.restore_state(st).map_err(|e| e.to_string()));
+            if let Err(e) = restored {
+                tracing::error!(
+                    socket = %self.socket.display(),
+                    "handover: controller state not restored ({e}); the host will reset the controller"
+                );
+                self.ctrl
+                    .resume_failed(f.bar_mmap.load(std::sync::atomic::Ordering::Acquire));
+            }
+        }
         if let Some(s) = &self.server {
             s.unpause();
         }
+    }
+
+    /// Handover, new process: checks the controller state it brought before the
+    /// old process is told to let go.
+    pub fn check_takeover_state(&self) -> Result<()> {
+        if let Some((bytes, _)) = &self.pending_state {
+            let st: nvme::ControllerState = serde_json::from_slice(bytes)
+                .with_context(|| format!("controller {}: bad state", self.socket.display()))?;
+            if st.version != nvme::STATE_VERSION {
+                bail!(
+                    "controller {}: state version {} (this udrive restores {})",
+                    self.socket.display(),
+                    st.version,
+                    nvme::STATE_VERSION
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Handover, old process: what the new one needs besides the records the
@@ -279,11 +336,20 @@ impl NvmeDevice {
             .listener()
             .try_clone_to_owned()
             .context("cannot duplicate the listening socket")?;
-        Ok(vec![(
-            format!("{prefix}listen"),
-            Vec::new(),
-            vec![listener],
-        )])
+        let state = self.ctrl.save_state().with_context(|| {
+            format!(
+                "controller {}: cannot save its state",
+                self.socket.display()
+            )
+        })?;
+        Ok(vec![
+            (format!("{prefix}listen"), Vec::new(), vec![listener]),
+            (
+                format!("{prefix}state"),
+                serde_json::to_vec(&state)?,
+                Vec::new(),
+            ),
+        ])
     }
 
     /// Whether a vfio-user client (a VM, an initiator) is attached.

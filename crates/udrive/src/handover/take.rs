@@ -107,8 +107,8 @@ pub fn run(from: &Path) -> Result<()> {
     wire::send(conn.as_fd(), Op::Confirm, "", &[], &[])
         .context("takeover: cannot confirm to the running udrive")?;
     super::TAKING_OVER.store(false, std::sync::atomic::Ordering::Release);
-    for d in &running.server.lock().devices {
-        if let Some(n) = d.as_nvme() {
+    for d in running.server.lock().devices.iter_mut() {
+        if let Some(n) = d.as_nvme_mut() {
             n.start_after_takeover();
         }
     }
@@ -218,6 +218,11 @@ fn take_over(records: &mut BTreeMap<String, Kept>) -> Result<crate::serve::Runni
             .server
             .with_qos(&q.socket, Some(q.nsid), |d| Ok(d.set_limits(q.limits())?))
             .with_context(|| format!("cannot restore QoS of {}", q.socket.display()))?;
+    }
+    for d in &running.server.lock().devices {
+        if let Some(n) = d.as_nvme() {
+            n.check_takeover_state()?;
+        }
     }
     crate::supervise::ready();
     Ok(running)
