@@ -198,9 +198,15 @@ impl Rig {
     /// One handover, with the client's messages held meanwhile. Returns how long
     /// the client's transport was held.
     fn handover(&self) -> Duration {
+        self.handover_with_pause(Duration::ZERO)
+    }
+
+    /// A handover that stays quiesced for `pause` before saving.
+    fn handover_with_pause(&self, pause: Duration) -> Duration {
         let t = Instant::now();
         let mut cur = self.switch.0.write().unwrap();
         cur.quiesce(Duration::from_secs(5)).expect("quiesce");
+        std::thread::sleep(pause);
         let st = cur.save_state().expect("save state");
         let json = serde_json::to_string(&st).expect("to JSON");
         let st: nvme::ControllerState = serde_json::from_str(&json).expect("from JSON");
@@ -775,4 +781,29 @@ fn state_is_versioned_json() {
     let back: nvme::ControllerState =
         serde_json::from_str(&serde_json::to_string(&st).unwrap()).expect("round trip");
     assert_eq!(back, st);
+}
+
+/// The Keep Alive Timer stops during the pause (a pause longer than KATO is no
+/// timeout) and moves over: without Keep Alive commands the last controller still
+/// fails after KATO.
+#[test]
+fn keep_alive_timer_moves_over() {
+    use initiator::cmd::opc;
+    use initiator::Sqe;
+    let rig = Rig::start(PollMode::Busy);
+    let d = rig.connect(opts(Some(false)));
+    let ok = |sqe: Sqe, what: &str| {
+        let c = d.admin(sqe).expect(what);
+        assert!(c.status.is_ok(), "{what}: {}", c.status);
+    };
+    ok(Sqe::set_features(0x0f, 300), "set KATO 300 ms");
+    for _ in 0..3 {
+        ok(Sqe::new(opc::KEEP_ALIVE), "keep alive");
+        rig.handover_with_pause(Duration::from_millis(450));
+        ok(Sqe::new(opc::KEEP_ALIVE), "keep alive after a long pause");
+        assert!(!rig.ctrl().stats().fatal);
+    }
+    common::wait_until("keep alive timeout", Duration::from_secs(5), || {
+        rig.ctrl().stats().fatal
+    });
 }
