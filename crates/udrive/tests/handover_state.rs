@@ -830,7 +830,7 @@ fn quiesce_waits_for_the_backend_or_times_out() {
     let d = rig.connect(opts(Some(false)));
     let mut qp = d.create_qpair(16, true).expect("queue pair");
     let bufs: Vec<DmaBuf> = (0..8).map(|_| qp.alloc_buf(BLOCK).unwrap()).collect();
-    let mut submit = |qp: &mut QueuePair| -> Vec<u16> {
+    let submit = |qp: &mut QueuePair| -> Vec<u16> {
         let cids = bufs
             .iter()
             .enumerate()
