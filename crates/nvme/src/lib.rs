@@ -30,6 +30,11 @@
 //! blocks and erases it on a thread of its own; the admin command completes when
 //! the erase is done.
 //!
+//! A running controller can be handed to another process (`handover.rs`,
+//! docs/decisions/0021-nvme-handover.md): [`Controller::quiesce`],
+//! [`Controller::save_state`], and [`Controller::restore_state`] on a fresh
+//! controller over the same memory, doorbell page and namespaces.
+//!
 //! Not implemented: namespace management/attach, firmware commands, SGL Bit
 //! Bucket descriptors, metadata and protection information, cryptographic erase.
 

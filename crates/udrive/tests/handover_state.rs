@@ -93,6 +93,11 @@ fn ram(bytes: u64) -> Arc<dyn BlockDevice> {
 
 impl Rig {
     fn start(poll: PollMode) -> Rig {
+        Self::start_with(poll, ram(16 << 20))
+    }
+
+    /// With `ns` as namespace 1.
+    fn start_with(poll: PollMode, ns: Arc<dyn BlockDevice>) -> Rig {
         let dir = tempfile::tempdir().expect("temp dir");
         let sock = dir.path().join("handover.sock");
         let cfg = nvme::ControllerConfig {
@@ -103,7 +108,7 @@ impl Rig {
         };
         let mem = DmaSpace::try_new().expect("dma space");
         let irqs = Irqs::new(cfg.msix_vectors);
-        let namespaces = vec![Some(ram(16 << 20))];
+        let namespaces = vec![Some(ns)];
         let ctrl = Self::controller(&cfg, &namespaces, &mem, &irqs, None);
         let bar0 = nvme::bar0_layout(cfg.msix_vectors);
         let spec = PciDeviceSpec {
@@ -198,9 +203,15 @@ impl Rig {
     /// One handover, with the client's messages held meanwhile. Returns how long
     /// the client's transport was held.
     fn handover(&self) -> Duration {
+        self.handover_with_pause(Duration::ZERO)
+    }
+
+    /// A handover that stays quiesced for `pause` before saving.
+    fn handover_with_pause(&self, pause: Duration) -> Duration {
         let t = Instant::now();
         let mut cur = self.switch.0.write().unwrap();
         cur.quiesce(Duration::from_secs(5)).expect("quiesce");
+        std::thread::sleep(pause);
         let st = cur.save_state().expect("save state");
         let json = serde_json::to_string(&st).expect("to JSON");
         let st: nvme::ControllerState = serde_json::from_str(&json).expect("from JSON");
@@ -775,4 +786,88 @@ fn state_is_versioned_json() {
     let back: nvme::ControllerState =
         serde_json::from_str(&serde_json::to_string(&st).unwrap()).expect("round trip");
     assert_eq!(back, st);
+}
+
+/// The Keep Alive Timer stops during the pause (a pause longer than KATO is no
+/// timeout) and moves over: without Keep Alive commands the last controller still
+/// fails after KATO.
+#[test]
+fn keep_alive_timer_moves_over() {
+    use initiator::cmd::opc;
+    use initiator::Sqe;
+    let rig = Rig::start(PollMode::Busy);
+    let d = rig.connect(opts(Some(false)));
+    let ok = |sqe: Sqe, what: &str| {
+        let c = d.admin(sqe).expect(what);
+        assert!(c.status.is_ok(), "{what}: {}", c.status);
+    };
+    ok(Sqe::set_features(0x0f, 300), "set KATO 300 ms");
+    for _ in 0..3 {
+        ok(Sqe::new(opc::KEEP_ALIVE), "keep alive");
+        rig.handover_with_pause(Duration::from_millis(450));
+        ok(Sqe::new(opc::KEEP_ALIVE), "keep alive after a long pause");
+        assert!(!rig.ctrl().stats().fatal);
+    }
+    common::wait_until("keep alive timeout", Duration::from_secs(5), || {
+        rig.ctrl().stats().fatal
+    });
+}
+
+/// Requests slower than the quiesce timeout: the quiesce fails and the controller
+/// runs on (they complete, once); with time enough, the quiesce returns only when
+/// their completions are posted.
+#[test]
+fn quiesce_waits_for_the_backend_or_times_out() {
+    let slow = bdev::FaultDisk::new(
+        ram(16 << 20),
+        bdev::FaultConfig {
+            latency: Duration::from_millis(200),
+            ..Default::default()
+        },
+    )
+    .expect("fault disk");
+    let rig = Rig::start_with(PollMode::Busy, Arc::new(slow));
+    let d = rig.connect(opts(Some(false)));
+    let mut qp = d.create_qpair(16, true).expect("queue pair");
+    let bufs: Vec<DmaBuf> = (0..8).map(|_| qp.alloc_buf(BLOCK).unwrap()).collect();
+    let submit = |qp: &mut QueuePair| -> Vec<u16> {
+        let cids = bufs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                b.fill(i as u8 + 1);
+                qp.submit_io(IoOp::Write, 1, i as u64 * 8, 8, Some(b), DataMode::Prp)
+                    .unwrap()
+            })
+            .collect();
+        qp.ring().unwrap();
+        // Fetched by the (busy) group.
+        std::thread::sleep(Duration::from_millis(20));
+        cids
+    };
+    let ctrl = rig.ctrl();
+    let cids = submit(&mut qp);
+    match ctrl.quiesce(Duration::from_millis(30)) {
+        Err(nvme::QuiesceError::Timeout { requests, .. }) => assert_eq!(requests, 8),
+        other => panic!("quiesce with slow requests: {other:?}"),
+    }
+    for cid in cids {
+        let c = qp.wait(cid, Duration::from_secs(5)).expect("completion");
+        assert!(c.status.is_ok());
+    }
+    assert!(qp.poll(16).unwrap().is_empty(), "a completion came twice");
+    let cids = submit(&mut qp);
+    ctrl.quiesce(Duration::from_secs(5)).expect("quiesce");
+    // Posted before the quiesce returned.
+    for cid in cids {
+        let c = qp
+            .try_take(cid)
+            .unwrap()
+            .expect("completion posted by the quiesce");
+        assert!(c.status.is_ok());
+    }
+    ctrl.unquiesce();
+    rig.handover();
+    common::qp_still_works(&mut qp, 100, 1);
+    assert!(!rig.ctrl().stats().fatal);
 }
