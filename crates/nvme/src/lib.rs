@@ -31,7 +31,7 @@
 //! the erase is done.
 //!
 //! A running controller can be handed to another process (`handover.rs`,
-//! docs/decisions/0021-nvme-handover.md): [`Controller::quiesce`],
+//! docs/decisions/0023-nvme-controller-state.md): [`Controller::quiesce`],
 //! [`Controller::save_state`], and [`Controller::restore_state`] on a fresh
 //! controller over the same memory, doorbell page and namespaces.
 //!
