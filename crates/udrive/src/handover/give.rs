@@ -45,6 +45,7 @@ pub fn handover(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
         .into());
     }
     let sock = connect_to(&p.socket)?;
+    check_peer(&sock)?;
     let mut st = rpc.server.lock();
     let t0 = Instant::now();
     refuse_what_cannot_move(&st)?;
@@ -88,6 +89,21 @@ fn connect_to(path: &std::path::Path) -> Result<OwnedFd> {
     connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &addr)
         .with_context(|| format!("handover: cannot connect to {}", path.display()))?;
     Ok(fd)
+}
+
+/// The fds we are about to send include the guests' memory: only a process of our
+/// own user may get them (the control socket may be open to a group).
+fn check_peer(sock: &OwnedFd) -> Result<()> {
+    let cred = getsockopt(sock, sockopt::PeerCredentials)
+        .context("handover: cannot tell who listens on the socket")?;
+    let me = nix::unistd::geteuid().as_raw();
+    if cred.uid() != me {
+        bail!(
+            "handover: the socket's owner process runs as uid {}, not as this server's uid {me}",
+            cred.uid()
+        );
+    }
+    Ok(())
 }
 
 fn refuse_what_cannot_move(st: &State) -> Result<()> {

@@ -77,7 +77,7 @@ pub fn send(
 /// Every record of `store` (as `Record`s), then `End`.
 pub fn send_all(sock: BorrowedFd<'_>, store: &super::store::RecordStore) -> io::Result<()> {
     let st = store.lock();
-    for (k, (bytes, fds)) in st.iter() {
+    for (k, (bytes, fds)) in st.map.iter() {
         let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
         send(sock, Op::Record, k, bytes, &fds)
             .map_err(|e| io::Error::new(e.kind(), format!("record {k}: {e}")))?;
