@@ -21,10 +21,19 @@ use super::wire::{self, Op};
 
 use super::store::RecordStore;
 
-/// A child that ran this long before dying is restarted at once; quicker deaths
-/// in a row back off, up to `MAX_BACKOFF`.
-const STABLE: Duration = Duration::from_secs(30);
+/// A child that ran this long before dying is restarted at once, and so is the
+/// first one that died sooner; further quick deaths in a row back off (100 ms,
+/// doubling, up to `MAX_BACKOFF`): a crash loop must not eat the host.
+const STABLE: Duration = Duration::from_secs(10);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// `STABLE`, or `UDRIVE_SUPERVISE_STABLE_MS` (benchmarks kill more often).
+fn stable() -> Duration {
+    std::env::var("UDRIVE_SUPERVISE_STABLE_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(STABLE, Duration::from_millis)
+}
 
 /// Runs udrive with `args` (its command line without the program and
 /// `--supervise`; `serve` is the subcommand) under supervision until it exits or a
@@ -96,13 +105,14 @@ pub fn run(args: Vec<OsString>) -> Result<()> {
             );
         }
         let kept = store.len();
-        let backoff = if started.elapsed() >= STABLE {
+        if started.elapsed() >= stable() {
             quick_deaths = 0;
-            Duration::ZERO
         } else {
             quick_deaths += 1;
-            (Duration::from_millis(100) * 2u32.saturating_pow(quick_deaths.min(6) - 1))
-                .min(MAX_BACKOFF)
+        }
+        let backoff = match quick_deaths {
+            0 | 1 => Duration::ZERO,
+            k => (Duration::from_millis(100) * 2u32.pow(k.min(8) - 2)).min(MAX_BACKOFF),
         };
         eprintln!(
             "udrive: the server died ({}); restarting it in {backoff:?} with {kept} kept records",
