@@ -327,7 +327,7 @@ impl NvmeDevice {
 
     /// Handover, old process: what the new one needs besides the records the
     /// device keeps as it runs (`supervise::local_records`): the listening socket.
-    pub fn handover_records(&self) -> Result<Vec<(String, Vec<u8>, Vec<std::os::fd::OwnedFd>)>> {
+    pub fn handover_records(&self) -> Result<Vec<crate::handover::Record>> {
         let Some(s) = &self.server else {
             bail!("controller {} is stopping", self.socket.display());
         };

@@ -26,6 +26,8 @@ const UDRIVE: &str = env!("CARGO_BIN_EXE_udrive");
 /// mode, whose client writes doorbells into the mapped page) and a control socket.
 struct Service {
     dir: tempfile::TempDir,
+    /// The first server (reaped at the end; later ones are not our children).
+    first: std::process::Child,
 }
 
 impl Service {
@@ -54,9 +56,8 @@ impl Service {
             .stdout(Stdio::null())
             .stderr(log);
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        // Reaped by whoever: the handed-over processes are not our children.
-        let _child = cmd.spawn().unwrap();
-        let s = Service { dir };
+        let first = cmd.spawn().unwrap();
+        let s = Service { dir, first };
         common::wait_until("control socket", Duration::from_secs(30), || {
             s.rpc("get_version", json!({})).is_ok()
         });
@@ -116,6 +117,8 @@ impl Drop for Service {
                 }
             }
         }
+        let _ = self.first.kill();
+        let _ = self.first.wait();
     }
 }
 

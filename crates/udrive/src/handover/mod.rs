@@ -28,6 +28,9 @@ pub(crate) const CONFIG_KEY: &str = "config";
 pub(crate) const RPC_LISTENER_KEY: &str = "rpc#listen";
 pub(crate) const METRICS_LISTENER_KEY: &str = "metrics#listen";
 
+/// A record as sent to the new process: key, bytes, file descriptors.
+pub type Record = (String, Vec<u8>, Vec<std::os::fd::OwnedFd>);
+
 static HANDED_OVER: AtomicBool = AtomicBool::new(false);
 static TAKING_OVER: AtomicBool = AtomicBool::new(false);
 
