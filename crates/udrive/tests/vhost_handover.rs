@@ -313,7 +313,7 @@ fn quiesce_then_unquiesce_under_io() {
         let before = client.progress.load(Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(30));
         assert_eq!(client.progress.load(Ordering::Relaxed), before);
-        if before % 2 == 0 {
+        if before.is_multiple_of(2) {
             // Exported and then called off: the same.
             let (_state, fds) = dev.export().unwrap();
             drop(fds);
@@ -489,9 +489,7 @@ fn corrupt_exports_are_refused() {
             "listener is the memory file",
             Box::new(|s, _| {
                 let c = s.connection.as_mut().unwrap();
-                let m = c.record.mem[0].fd;
-                c.record.mem[0].fd = s.listener_fd;
-                s.listener_fd = m;
+                std::mem::swap(&mut c.record.mem[0].fd, &mut s.listener_fd);
             }),
         ),
         (
