@@ -882,11 +882,12 @@ impl ServeCtl {
     }
 }
 
-/// A front end's connection, set up and relayed.
+/// A front end's connection, set up; the serve thread starts its relay (so that a
+/// resumed device that fails to start has read nothing from the front end).
 struct Established {
     conn: Arc<Conn>,
     daemon: VhostUserDaemon<BlkBackend>,
-    relay: JoinHandle<io::Result<()>>,
+    relay: crate::proxy::Relay,
 }
 
 /// vhost-user-backend's handler for `conn`, started on a private socket; returns
@@ -943,9 +944,6 @@ fn resume_connection(
             format!("cannot resume the handed-over vhost-user connection: {e}"),
         ));
     }
-    let relay = std::thread::Builder::new()
-        .name("vhost-blk-proxy".into())
-        .spawn(move || relay.run())?;
     Ok(Established {
         conn,
         daemon,
@@ -1009,16 +1007,10 @@ fn accept(
     *lock(&conn.front) = front.try_clone().ok();
     // vhost-user-backend's handler sits behind our relay (see proxy.rs), reached
     // over a private socket.
-    let est = start_daemon(shared, &conn).and_then(|(daemon, back)| {
-        let relay = crate::proxy::Relay::new(front, back, conn.clone());
-        let relay = std::thread::Builder::new()
-            .name("vhost-blk-proxy".into())
-            .spawn(move || relay.run())?;
-        Ok(Established {
-            conn: conn.clone(),
-            daemon,
-            relay,
-        })
+    let est = start_daemon(shared, &conn).map(|(daemon, back)| Established {
+        conn: conn.clone(),
+        daemon,
+        relay: crate::proxy::Relay::new(front, back, conn.clone()),
     });
     match est {
         Ok(e) => {
@@ -1082,15 +1074,22 @@ fn serve(
             mut daemon,
             relay,
         } = est;
+        let relay = std::thread::Builder::new()
+            .name("vhost-blk-proxy".into())
+            .spawn(move || relay.run())
+            .inspect_err(|e| {
+                tracing::error!(socket = %socket.display(), error = %e, "cannot start the vhost-user relay");
+            })
+            .ok();
         ctl.set_phase(ServePhase::Serving(conn.clone()));
-        if ctl.stopping() {
+        if relay.is_none() || ctl.stopping() {
             daemon.request_shutdown();
         } else {
             count.started.fetch_add(1, Ordering::Relaxed);
             trace::limited!(shared.log, info, socket = %socket.display(), "vhost-user front end connected");
         }
         *lock(handle) = daemon.shutdown_handle();
-        if ctl.stopping() {
+        if relay.is_none() || ctl.stopping() {
             if let Some(h) = lock(handle).as_ref() {
                 h.shutdown();
             }
@@ -1100,7 +1099,9 @@ fn serve(
         }
         *lock(handle) = None;
         *lock(&shared.front) = None;
-        let _ = relay.join();
+        if let Some(t) = relay {
+            let _ = t.join();
+        }
         // Requests taken from this connection's rings finish (their memory stays
         // mapped while they do) before the pollers let go of the vrings.
         for q in &shared.queues {

@@ -847,3 +847,213 @@ impl ReplyAck {
         self.got_features && self.protocol & PF_REPLY_ACK != 0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file() -> File {
+        File::open("/dev/null").unwrap()
+    }
+
+    fn state(i: u32, n: u32) -> Vec<u8> {
+        let mut b = i.to_le_bytes().to_vec();
+        b.extend_from_slice(&n.to_le_bytes());
+        b
+    }
+
+    fn region(gpa: u64, size: u64) -> Vec<u8> {
+        let mut b = Vec::new();
+        for v in [gpa, size, 0x7f00_0000_0000 + gpa, 0] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+
+    /// A front end's usual setup of two vrings, as QEMU sends it.
+    fn set_up(j: &mut Journal) {
+        j.record(GET_FEATURES, &[], &[]);
+        j.record(SET_OWNER, &[], &[]);
+        j.record(
+            SET_FEATURES,
+            &((1u64 << 32) | F_PROTOCOL_FEATURES).to_le_bytes(),
+            &[],
+        );
+        j.record(SET_PROTOCOL_FEATURES, &PF_REPLY_ACK.to_le_bytes(), &[]);
+        let mut t = 1u32.to_le_bytes().to_vec();
+        t.extend_from_slice(&[0; 4]);
+        t.extend_from_slice(&region(0, 1 << 20));
+        j.record(SET_MEM_TABLE, &t, &[file()]);
+        for i in 0..2u32 {
+            j.record(SET_VRING_NUM, &state(i, 128), &[]);
+            let mut a = i.to_le_bytes().to_vec();
+            a.extend_from_slice(&[0; 4]);
+            for v in [0x1000u64, 0x2000, 0x3000, 0] {
+                a.extend_from_slice(&v.to_le_bytes());
+            }
+            j.record(SET_VRING_ADDR, &a, &[]);
+            j.record(SET_VRING_BASE, &state(i, 0), &[]);
+            j.record(SET_VRING_CALL, &u64::from(i).to_le_bytes(), &[file()]);
+            j.record(SET_VRING_KICK, &u64::from(i).to_le_bytes(), &[file()]);
+            j.record(SET_VRING_ENABLE, &state(i, 1), &[]);
+        }
+    }
+
+    #[test]
+    fn journal_mirrors_the_handler() {
+        let mut j = Journal::new(2);
+        set_up(&mut j);
+        assert!(j.rec.vrings.iter().all(|v| v.kicked()));
+        assert_eq!(j.kicked_vrings().unwrap(), vec![0, 1]);
+        // GET_VRING_BASE stops a ring and drops its kick and call.
+        j.record(GET_VRING_BASE, &state(1, 0), &[]);
+        let v = &j.rec.vrings[1];
+        assert!(!v.ready && v.kick.is_none() && v.call.is_none() && v.base == Some(0));
+        assert_eq!(j.kicked_vrings().unwrap(), vec![0]);
+        // Indices beyond the device are not recorded (the handler refuses them).
+        j.record(SET_VRING_NUM, &state(7, 16), &[]);
+        j.record(SET_VRING_KICK, &7u64.to_le_bytes(), &[file()]);
+        assert_eq!(j.rec.vrings.len(), 2);
+        // Memory slots: add, remove.
+        let mut add = vec![0u8; 8];
+        add.extend_from_slice(&region(1 << 30, 4096));
+        j.record(ADD_MEM_REG, &add, &[file()]);
+        assert_eq!(j.rec.mem.len(), 2);
+        j.record(REM_MEM_REG, &add, &[]);
+        assert_eq!(j.rec.mem.len(), 1);
+        assert!(j.rec.mem_slots);
+        // Config writes: the latest per offset and size.
+        for v in [0u8, 1] {
+            let mut c = 32u32.to_le_bytes().to_vec();
+            c.extend_from_slice(&1u32.to_le_bytes());
+            c.extend_from_slice(&0u32.to_le_bytes());
+            c.push(v);
+            j.record(SET_CONFIG, &c, &[]);
+        }
+        assert_eq!(j.rec.config.len(), 1);
+        assert_eq!(j.rec.config[0].data, vec![1]);
+        // Short bodies are skipped, not a panic.
+        for req in 0..64 {
+            j.record(req, &[1, 2, 3], &[]);
+        }
+        // Requests we cannot reproduce make the connection unexportable.
+        assert!(j.unsupported.is_some());
+        // Without PROTOCOL_FEATURES the rings are enabled and cannot be stopped.
+        let mut j = Journal::new(1);
+        j.record(SET_FEATURES, &(1u64 << 32).to_le_bytes(), &[]);
+        assert!(j.rec.vrings[0].enabled);
+        j.record(SET_VRING_KICK, &0u64.to_le_bytes(), &[file()]);
+        j.rec.vrings[0].ready = true;
+        assert!(j.kicked_vrings().is_err());
+    }
+
+    #[test]
+    fn replay_rebuilds_the_setup_in_order() {
+        let mut j = Journal::new(2);
+        set_up(&mut j);
+        let mut fds = Vec::new();
+        let mut exported = j.rec.export(&mut fds).unwrap();
+        assert_eq!(fds.len(), 5);
+        exported.vrings[0].base = Some(77);
+        exported.validate(2, 256).unwrap();
+        // Through JSON, as between processes.
+        let json = serde_json::to_string(&exported).unwrap();
+        let back: ConnRecord<usize> = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, exported);
+        let mut taker = FdTaker::new(fds);
+        let rec = back.map_fds(&mut |i| taker.take(i)).unwrap();
+        taker.finish().unwrap();
+        let msgs = replay_messages(rec).unwrap();
+        let reqs: Vec<u32> = msgs.iter().map(|m| m.req).collect();
+        assert_eq!(
+            reqs,
+            vec![
+                GET_FEATURES,
+                SET_PROTOCOL_FEATURES,
+                SET_OWNER,
+                SET_FEATURES,
+                SET_MEM_TABLE,
+                SET_VRING_NUM,
+                SET_VRING_ADDR,
+                SET_VRING_BASE,
+                SET_VRING_CALL,
+                SET_VRING_KICK,
+                SET_VRING_NUM,
+                SET_VRING_ADDR,
+                SET_VRING_BASE,
+                SET_VRING_CALL,
+                SET_VRING_KICK,
+                SET_VRING_ENABLE,
+                SET_VRING_ENABLE,
+            ]
+        );
+        assert_eq!(msgs[7].body, state(0, 77));
+        assert_eq!(msgs[4].files.len(), 1);
+        // The replayed journal equals the original.
+        let mut again = Journal::new(2);
+        let mut acks = ReplyAck::new();
+        let mut acked = Vec::new();
+        for m in &msgs {
+            acked.push(acks.on(m.req, &m.body));
+            again.record(m.req, &m.body, &m.files);
+        }
+        // REPLY_ACK is on from SET_PROTOCOL_FEATURES on (features were read first).
+        assert_eq!(&acked[..3], &[false, true, true]);
+        let mut f2 = Vec::new();
+        let mut r2 = again.rec.export(&mut f2).unwrap();
+        r2.vrings[0].base = Some(77);
+        assert_eq!(r2, exported);
+    }
+
+    #[test]
+    fn hostile_records_are_refused() {
+        let mut j = Journal::new(1);
+        j.record(SET_VRING_NUM, &state(0, 64), &[]);
+        let mut fds = Vec::new();
+        let good = j.rec.export(&mut fds).unwrap();
+        let bad = |f: &dyn Fn(&mut ConnRecord<usize>)| {
+            let mut r = good.clone();
+            f(&mut r);
+            r.validate(1, 256).is_err()
+        };
+        assert!(bad(&|r| r.vrings[0].num = Some(0)));
+        assert!(bad(&|r| r.vrings[0].num = Some(257)));
+        assert!(bad(&|r| r.vrings[0].base = Some(1 << 16)));
+        assert!(bad(&|r| r.vrings.clear()));
+        assert!(bad(&|r| r.vrings[0].ready = true));
+        assert!(bad(&|r| r.config = vec![
+            ConfigWrite {
+                offset: 0,
+                flags: 0,
+                data: vec![0; 300]
+            };
+            1
+        ]));
+        assert!(bad(&|r| {
+            r.mem = (0..9)
+                .map(|i| MemRegion {
+                    guest_phys_addr: i,
+                    memory_size: 1,
+                    userspace_addr: 0,
+                    mmap_offset: 0,
+                    fd: 0,
+                })
+                .collect()
+        }));
+        // Fd indices: out of range, twice, left over.
+        let mut t = FdTaker::new(vec![OwnedFd::from(file())]);
+        assert!(t.take(1).is_err());
+        assert!(t.take(0).is_ok());
+        assert!(t.take(0).is_err());
+        t.finish().unwrap();
+        let t = FdTaker::new(vec![OwnedFd::from(file())]);
+        assert!(t.finish().is_err());
+        // Enable state that cannot be replayed without PROTOCOL_FEATURES.
+        let mut r: ConnRecord<File> = ConnRecord::default();
+        r.vrings.push(VringRecord {
+            enabled: true,
+            ..Default::default()
+        });
+        assert!(replay_messages(r).is_err());
+    }
+}
