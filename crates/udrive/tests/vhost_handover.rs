@@ -19,6 +19,7 @@ use common::engine;
 use common::vhost_fe::*;
 use guest_mem::SharedMem;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::VhostUserFrontend;
 use vhost_user_blk::{BlkDeviceOptions, EventArg, HandoverState, PollMode, VhostUserBlk};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -297,6 +298,13 @@ fn handover_under_qd32_io_adaptive_polling() {
     handover_loop(PollMode::Adaptive, 20);
 }
 
+/// Event mode: the reactors sleep until kicked, so a kick the new device's handler
+/// does not see (still read by the old one) would stall the client.
+#[test]
+fn handover_under_qd32_io_event_mode() {
+    handover_loop(PollMode::Event, 20);
+}
+
 #[test]
 fn quiesce_then_unquiesce_under_io() {
     let dir = tempfile::tempdir().unwrap();
@@ -548,4 +556,69 @@ fn export_needs_quiesce() {
     assert!(a.export().is_err());
     blkio_round(&sock, 0x44);
     a.stop();
+}
+
+/// The relay's own channels move too: the inflight area (the new device logs in
+/// it) and the backend request channel (a resize after the handover is announced
+/// on it).
+#[test]
+fn inflight_area_and_backend_channel_move() {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let disk = disk();
+    let a = start(&sock, &disk, PollMode::Adaptive);
+    let area = get_inflight_area(&sock);
+    let pf = VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::BACKEND_REQ
+        | VhostUserProtocolFeatures::REPLY_ACK;
+    let mem = SharedMem::new("guest", MEM).unwrap();
+    let mut raw = Raw::connect_features(&sock, mem, None, Some(&area), pf);
+    let (mut mine, theirs) = UnixStream::pair().unwrap();
+    mine.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    raw.fe.set_backend_request_fd(&theirs).unwrap();
+    raw.header(T_OUT, 0);
+    raw.put(DATA, &[0x66; 512]);
+    assert_eq!(
+        raw.request(&[(HDR, 16, false), (DATA, 512, false), (STATUS, 1, true)]),
+        0
+    );
+    a.quiesce(QUIESCE).unwrap();
+    let (state, fds) = a.export().unwrap();
+    let rec = &state.connection.as_ref().unwrap().record;
+    assert!(rec.inflight.is_some() && rec.backend_req.is_some());
+    assert_eq!(rec.vrings[0].base, Some(1));
+    let b = VhostUserBlk::start_resumed(
+        &sock,
+        disk.clone(),
+        opts(PollMode::Adaptive),
+        &engine(),
+        &[0],
+        state,
+        fds,
+    )
+    .unwrap();
+    a.stop();
+    raw.header(T_IN, 0);
+    raw.put(DATA, &[0; 512]);
+    assert_eq!(
+        raw.request(&[(HDR, 16, false), (DATA, 512, true), (STATUS, 1, true)]),
+        0
+    );
+    assert_eq!(raw.get(DATA, 512), vec![0x66; 512]);
+    // The area's used index (bytes 14..16 of queue 0's region) follows the ring.
+    let mut log = [0u8; 16];
+    std::os::unix::fs::FileExt::read_exact_at(&area, &mut log, 0).unwrap();
+    assert_eq!(u16::from_le_bytes([log[14], log[15]]), 2);
+    let bigger = disk.resize(DISK * 2).unwrap();
+    assert_eq!(
+        b.resize(bigger).unwrap(),
+        vhost_user_blk::ConfigNotice::Sent
+    );
+    let mut hdr = [0u8; 12];
+    mine.read_exact(&mut hdr).unwrap();
+    assert_eq!(u32::from_le_bytes(hdr[0..4].try_into().unwrap()), 2);
+    b.stop();
 }
