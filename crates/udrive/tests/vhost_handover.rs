@@ -272,17 +272,26 @@ fn handover_loop(poll: PollMode, rounds: usize) {
     let disk = disk();
     let mut dev = start(&sock, &disk, poll);
     let client = Client::start(&sock);
+    let mut pauses = Vec::with_capacity(rounds);
     for i in 0..rounds {
+        let t = Instant::now();
         let next =
             hand_over(&dev, &sock, &disk, poll).unwrap_or_else(|e| panic!("handover {i}: {e}"));
+        pauses.push(t.elapsed());
         // A goes without disconnecting the front end: its fds moved to B.
         dev.stop();
         dev = next;
         assert!(sock.exists(), "handover {i}: the socket path is gone");
-        client.wait_progress(100);
+        client.wait_progress(1000);
     }
     let tally = client.finish();
     assert!(tally.verified > 0);
+    pauses.sort();
+    eprintln!(
+        "{poll:?}: {rounds} handovers, quiesce to resumed: median {:?}, max {:?}; {tally:?}",
+        pauses[rounds / 2],
+        pauses[rounds - 1]
+    );
     // One connection for the whole run on the last device, never a new one.
     assert_eq!(dev.connections(), 1);
     dev.stop();
