@@ -2,6 +2,10 @@
 //! answers GET_INFLIGHT_FD, SET_INFLIGHT_FD and SET_BACKEND_REQ_FD itself, and
 //! notes the protocol features the front end acknowledges.
 //!
+//! For a live handover (docs/decisions/0021-vhost-user-handover.md) it also keeps
+//! the connection's journal, parks between two messages when the device asks
+//! ([`RelayCtl`]), and replays a journal to a fresh handler ([`Relay::replay`]).
+//!
 //! Why: vhost-user-backend 0.24 replies "not supported" to the inflight messages,
 //! and the backend request channel it keeps (vhost 0.18's `Backend`) has no way to
 //! send the configuration change message an online resize needs. Its handler
