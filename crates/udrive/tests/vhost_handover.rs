@@ -277,9 +277,11 @@ fn handover_loop(poll: PollMode, rounds: usize) {
         let t = Instant::now();
         let next =
             hand_over(&dev, &sock, &disk, poll).unwrap_or_else(|e| panic!("handover {i}: {e}"));
-        pauses.push(t.elapsed());
-        // A goes without disconnecting the front end: its fds moved to B.
+        // A goes without disconnecting the front end (its fds moved to B), then B
+        // is let run: the commit.
         dev.stop();
+        next.unquiesce();
+        pauses.push(t.elapsed());
         dev = next;
         assert!(sock.exists(), "handover {i}: the socket path is gone");
         client.wait_progress(1000);
@@ -288,7 +290,7 @@ fn handover_loop(poll: PollMode, rounds: usize) {
     assert!(tally.verified > 0);
     pauses.sort();
     eprintln!(
-        "{poll:?}: {rounds} handovers, quiesce to resumed: median {:?}, max {:?}; {tally:?}",
+        "{poll:?}: {rounds} handovers, pause (quiesce A .. B runs): median {:?}, max {:?}; {tally:?}",
         pauses[rounds / 2],
         pauses[rounds - 1]
     );
@@ -344,6 +346,32 @@ fn quiesce_then_unquiesce_under_io() {
     dev.stop();
 }
 
+/// A handover called off after the new device started (before the commit):
+/// dropping it hands everything back, and the old device runs on.
+#[test]
+fn rollback_after_the_new_device_started() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let disk = disk();
+    let a = start(&sock, &disk, PollMode::Adaptive);
+    let client = Client::start(&sock);
+    for i in 0..10 {
+        let b = hand_over(&a, &sock, &disk, PollMode::Adaptive).unwrap();
+        if i % 2 == 0 {
+            b.stop();
+        } else {
+            drop(b);
+        }
+        assert!(sock.exists());
+        a.unquiesce();
+        client.wait_progress(1000);
+    }
+    let tally = client.finish();
+    assert!(tally.verified > 0);
+    assert_eq!(a.connections(), 1);
+    a.stop();
+}
+
 #[test]
 fn handover_without_a_front_end() {
     let dir = tempfile::tempdir().unwrap();
@@ -380,6 +408,7 @@ fn handover_without_a_front_end() {
     std::thread::sleep(Duration::from_millis(50));
     a.stop();
     assert!(sock.exists());
+    b.unquiesce();
     client.join().unwrap();
     blkio_round(&sock, 0x33);
     assert_eq!(b.connections(), 2);
@@ -408,6 +437,7 @@ fn handover_with_a_front_end_halfway_through_setup() {
     raw.set_mem_table();
     let b = hand_over(&a, &sock, &disk, PollMode::Adaptive).unwrap();
     a.stop();
+    b.unquiesce();
     raw.start_vring();
     raw.header(T_OUT, 8);
     raw.put(DATA, &[0x5a; 512]);
@@ -416,6 +446,7 @@ fn handover_with_a_front_end_halfway_through_setup() {
     // And once more, now with a running vring, to a third device.
     let c = hand_over(&b, &sock, &disk, PollMode::Adaptive).unwrap();
     b.stop();
+    c.unquiesce();
     raw.header(T_IN, 8);
     raw.put(DATA, &[0; 512]);
     let st = raw.request(&[(HDR, 16, false), (DATA, 512, true), (STATUS, 1, true)]);
@@ -610,6 +641,7 @@ fn inflight_area_and_backend_channel_move() {
     )
     .unwrap();
     a.stop();
+    b.unquiesce();
     raw.header(T_IN, 0);
     raw.put(DATA, &[0; 512]);
     assert_eq!(

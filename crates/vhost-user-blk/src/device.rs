@@ -122,15 +122,22 @@ impl VhostUserBlk {
     ) -> io::Result<VhostUserBlk> {
         check_opts(&opts, reactors)?;
         let parts = Parts::new(&disk, &opts, engine, reactors, false)?;
-        Self::launch(listener, socket, parts, engine, None)
+        Self::launch(listener, socket, parts, engine, None, false)
     }
 
     /// Starts a device that takes over a front end from a device in another
     /// process (or this one), without a reconnect: `state` and `fds` are what
     /// [`export`](Self::export) gave there (the listening socket among the fds).
     /// The front end's state is replayed to this device's vhost-user handler (each
-    /// vring continuing at the index the old device stopped at), then the front
-    /// end's socket is relayed from where the old device stopped reading it.
+    /// vring continuing at the index the old device stopped at).
+    ///
+    /// The device starts **quiesced**, a two-phase commit: its queues take
+    /// nothing, it reads nothing from the front end's socket and accepts no front
+    /// end. The caller then stops the old device (the commit point; its kick
+    /// workers and pollers are gone) and calls [`unquiesce`](Self::unquiesce)
+    /// here: the front end's socket is relayed from where the old device stopped
+    /// reading it. Until then, stopping or dropping this device hands everything
+    /// back untouched and the old device can [`unquiesce`](Self::unquiesce).
     ///
     /// `state` and `fds` are checked like client input (counts, sizes, indices,
     /// every fd used exactly once, the vrings' indices against their used rings
@@ -208,11 +215,15 @@ impl VhostUserBlk {
                 }
             }
         };
-        let dev = Self::launch(listener, socket, parts, engine, first)?;
-        for q in &dev.shared.queues {
-            q.gen.fetch_and(!PAUSED, Ordering::AcqRel);
-            q.waker.load().wake();
-        }
+        let conn = first.as_ref().map(|e| e.conn.clone());
+        let dev = Self::launch(listener, socket, parts, engine, first, true)?;
+        // Quiesced, and its front end (socket path, connection) still the old
+        // device's: stopping it now hands them back.
+        *lock(&dev.handover) = Handover {
+            quiesced: true,
+            conn,
+            exported: true,
+        };
         Ok(dev)
     }
 
@@ -222,6 +233,7 @@ impl VhostUserBlk {
         parts: Parts,
         engine: &Arc<Engine>,
         first: Option<Established>,
+        held: bool,
     ) -> io::Result<VhostUserBlk> {
         let Parts {
             shared,
@@ -235,7 +247,7 @@ impl VhostUserBlk {
             }
             e
         };
-        let serve_ctl = match ServeCtl::new() {
+        let serve_ctl = match ServeCtl::new(held) {
             Ok(s) => Arc::new(s),
             Err(e) => return Err(fail(e, &pollers)),
         };
@@ -361,7 +373,9 @@ impl VhostUserBlk {
     /// Undoes [`quiesce`](Self::quiesce) (a handover that failed or was called off,
     /// before or after [`export`](Self::export)): the rings' kicks are polled again,
     /// the queues take chains again and the front end's socket is read from where
-    /// it was left. Does nothing on a device that is not quiesced.
+    /// it was left. On a device from [`start_resumed`](Self::start_resumed) it
+    /// commits the handover: the device starts serving. Does nothing on a device
+    /// that is not quiesced.
     pub fn unquiesce(&self) {
         let mut h = lock(&self.handover);
         if !h.quiesced {
@@ -777,12 +791,12 @@ struct ServeCtl {
 }
 
 impl ServeCtl {
-    fn new() -> io::Result<ServeCtl> {
+    fn new(hold: bool) -> io::Result<ServeCtl> {
         Ok(ServeCtl {
             evt: EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)?,
             st: Mutex::new(ServeSt {
                 stop: false,
-                hold: false,
+                hold,
                 phase: ServePhase::Accepting,
             }),
             cv: Condvar::new(),
@@ -921,6 +935,8 @@ fn resume_connection(
     bases: &[Option<u32>],
 ) -> io::Result<Established> {
     let conn = Arc::new(Conn::new(shared.log.clone(), shared.queues.len())?);
+    // It reads the front end only once the device is let run (`unquiesce`).
+    conn.relay.hold_at_start();
     *lock(&conn.front) = Some(front.try_clone()?);
     *lock(&shared.front) = Some(conn.clone());
     let (mut daemon, back) = start_daemon(shared, &conn)?;

@@ -373,6 +373,8 @@ enum Cmd {
     /// Let go of the front end without shutting its socket down: a device in
     /// another process serves it now.
     Release,
+    /// Parked from the start (a resumed device until it is let run).
+    Hold,
 }
 
 /// Where a relay is.
@@ -442,6 +444,14 @@ impl RelayCtl {
     /// runs on as before.
     pub fn park(&self, deadline: Instant) -> io::Result<()> {
         let mut st = lock(&self.st);
+        if st.phase == Phase::Parked {
+            // Still parked (a resume that timed out, or a resumed device not let
+            // run yet): it stays parked, with the rings it disabled.
+            if st.cmd == Cmd::Run {
+                st.cmd = Cmd::Park(deadline);
+            }
+            return Ok(());
+        }
         if st.phase == Phase::Ended {
             return Err(io::Error::new(
                 io::ErrorKind::NotConnected,
@@ -489,14 +499,38 @@ impl RelayCtl {
         }
     }
 
-    /// Lets a parked relay run on (a failed handover).
+    /// Makes a relay that has not run yet start parked: it reads nothing from the
+    /// front end until [`resume`](Self::resume)d, and leaves it alone if released.
+    pub fn hold_at_start(&self) {
+        let mut st = lock(&self.st);
+        st.cmd = Cmd::Hold;
+        st.phase = Phase::Parked;
+        self.frozen.store(true, Ordering::Release);
+    }
+
+    /// Lets a parked relay run on (a failed handover, or a resumed device let
+    /// run); returns once it does (bounded), so that a park right after cannot
+    /// mistake the old parked state for a new one.
     pub fn resume(&self) {
         let mut st = lock(&self.st);
-        if st.cmd != Cmd::Release {
-            st.cmd = Cmd::Run;
+        if st.cmd == Cmd::Release {
+            return;
         }
+        st.cmd = Cmd::Run;
         self.cv.notify_all();
         let _ = self.evt.write(1);
+        let until = Instant::now() + RESUME_WAIT;
+        while st.phase == Phase::Parked && st.cmd == Cmd::Run {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            st = self
+                .cv
+                .wait_timeout(st, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     /// Ends the relay without touching the front end's socket.
@@ -529,6 +563,8 @@ fn vring_state(index: u32, num: u32) -> [u8; 8] {
     b
 }
 
+/// How long `RelayCtl::resume` waits for the relay to run again.
+const RESUME_WAIT: Duration = Duration::from_secs(5);
 /// How long the replay waits for each answer of the new handler.
 const REPLAY_REPLY: Duration = Duration::from_secs(5);
 /// How long a resumed device waits for the handler to hand over its started vrings.
@@ -738,6 +774,9 @@ fn relay_loop(
     )?;
     let mut events = [EpollEvent::default(); 2];
     let mut buf = Vec::new();
+    if lock(&ctl.st).phase == Phase::Parked && wait_parked(back_w, conn, &[])? {
+        return Ok(true);
+    }
     loop {
         let n = match ep.wait(-1, &mut events) {
             Ok(n) => n,
@@ -756,6 +795,7 @@ fn relay_loop(
         let cmd = lock(&ctl.st).cmd;
         match cmd {
             Cmd::Release => return Ok(true),
+            Cmd::Hold => {}
             Cmd::Park(deadline) => {
                 if lock(&ctl.st).phase == Phase::Running {
                     if park(back_w, conn, deadline)? {
@@ -861,15 +901,24 @@ fn park(back_w: &Mutex<UnixStream>, conn: &Conn, deadline: Instant) -> io::Resul
     ctl.frozen.store(true, Ordering::Release);
     st.phase = Phase::Parked;
     ctl.cv.notify_all();
-    while matches!(st.cmd, Cmd::Park(_)) {
+    drop(st);
+    wait_parked(back_w, conn, &kicked)
+}
+
+/// Waits, parked, for the device's next command: re-enables `kicked` and returns
+/// `false` to run on, or returns `true` if the front end was released.
+fn wait_parked(back_w: &Mutex<UnixStream>, conn: &Conn, kicked: &[u32]) -> io::Result<bool> {
+    let ctl = &conn.relay;
+    let mut st = lock(&ctl.st);
+    while matches!(st.cmd, Cmd::Park(_) | Cmd::Hold) {
         st = ctl.cv.wait(st).unwrap_or_else(|e| e.into_inner());
     }
     if st.cmd == Cmd::Release {
         return Ok(true);
     }
-    st.phase = Phase::Running;
-    drop(st);
-    enable(back_w, &kicked, 1)?;
+    enable(back_w, kicked, 1)?;
     ctl.frozen.store(false, Ordering::Release);
+    st.phase = Phase::Running;
+    ctl.cv.notify_all();
     Ok(false)
 }
