@@ -46,6 +46,10 @@ pub(crate) struct Conn {
     /// The backend request channel (SET_BACKEND_REQ_FD, answered by the relay):
     /// where a configuration change is announced.
     pub backend_req: Mutex<Option<UnixStream>>,
+    /// What the front end set up, for a handover (kept by the relay).
+    journal: Mutex<crate::handover::Journal>,
+    /// The device's handle on the relay (handover: park, resume, release).
+    pub relay: crate::proxy::RelayCtl,
 }
 
 impl Drop for Conn {
@@ -67,7 +71,7 @@ impl Drop for Conn {
 }
 
 impl Conn {
-    pub fn new(log: Arc<trace::LogLimiter>) -> io::Result<Conn> {
+    pub fn new(log: Arc<trace::LogLimiter>, num_queues: usize) -> io::Result<Conn> {
         let mem = GuestMemoryAtomic::new(Mem::default());
         let guarded = GuardedMem::new(FaultSignal::new()?, mem.memory().into_inner());
         Ok(Conn {
@@ -80,7 +84,13 @@ impl Conn {
             exit_consumers: Mutex::new(Vec::new()),
             protocol: AtomicU64::new(0),
             backend_req: Mutex::new(None),
+            journal: Mutex::new(crate::handover::Journal::new(num_queues)),
+            relay: crate::proxy::RelayCtl::new()?,
         })
+    }
+
+    pub fn journal(&self) -> std::sync::MutexGuard<'_, crate::handover::Journal> {
+        self.journal.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Tells the front end that the config space changed
@@ -119,6 +129,11 @@ impl Conn {
     /// Ends the connection (the relay sees the socket shut down and the daemon
     /// stops); the device then waits for the next front end as after any disconnect.
     pub fn disconnect(&self) {
+        if self.relay.frozen() {
+            // Parked for a handover, or handed over: the socket may be another
+            // device's now.
+            return;
+        }
         if let Some(s) = self
             .front
             .lock()
@@ -168,7 +183,15 @@ pub(crate) struct QueueCtl {
     /// poller takes no new chains; it switches once nothing is in flight.
     pub next_disk: Mutex<Option<NextDisk>>,
     pub disk_gen: AtomicU64,
+    /// The `gen` (with [`PAUSED`]) at which the poller last stopped with nothing
+    /// in flight: a quiesce waits for it to equal `gen`.
+    pub paused_ack: AtomicU64,
 }
+
+/// Bit of [`QueueCtl::gen`]: the device is quiesced (a handover); the poller takes
+/// no new chains, completes those it has, then acknowledges in `paused_ack`. It
+/// costs the I/O path nothing: `gen` is loaded there anyway.
+pub(crate) const PAUSED: u64 = 1 << 63;
 
 impl QueueCtl {
     pub fn attach(&self, conn: Option<Arc<Conn>>) {

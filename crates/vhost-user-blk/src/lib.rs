@@ -11,6 +11,7 @@ mod backend;
 mod device;
 mod fd_limit;
 mod guarded;
+mod handover;
 mod inflight;
 mod poller;
 mod proxy;
@@ -19,4 +20,8 @@ mod stats;
 pub use backend::ConfigNotice;
 pub use device::{BlkDeviceOptions, VhostUserBlk};
 pub use engine::PollMode;
+pub use handover::{
+    ConfigWrite, ConnRecord, ConnectionState, EventArg, HandoverState, InflightArea, MemRegion,
+    VringAddr, VringRecord, HANDOVER_VERSION,
+};
 pub use virtio_blk::{DeviceOptions, DISK_NSID};

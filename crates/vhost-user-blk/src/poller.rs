@@ -10,7 +10,7 @@ use virtio_blk::{Mem, QueueWorker};
 use virtio_queue::QueueT;
 use vm_memory::GuestAddressSpace;
 
-use crate::backend::{Conn, Shared, Vring};
+use crate::backend::{Conn, Shared, Vring, PAUSED};
 
 pub(crate) struct VirtqPoller {
     pub index: usize,
@@ -83,11 +83,28 @@ impl VirtqPoller {
         true
     }
 
-    /// Picks up a new connection (or its loss) once nothing is in flight on the old one.
+    /// Picks up a new connection (or its loss) once nothing is in flight on the old
+    /// one; acknowledges a quiesce ([`PAUSED`]) the same way.
+    #[inline]
     fn refresh(&mut self) {
+        let gen = self.shared.queues[self.index].gen.load(Ordering::Acquire);
+        if gen != self.gen {
+            self.refresh_slow(gen);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn refresh_slow(&mut self, gen: u64) {
+        if self.worker.in_flight() != 0 {
+            return;
+        }
         let ctl = &self.shared.queues[self.index];
-        let gen = ctl.gen.load(Ordering::Acquire);
-        if gen == self.gen || self.worker.in_flight() != 0 {
+        if gen & PAUSED != 0 {
+            // Quiesced: everything taken is on the used ring (and the guest was
+            // signalled in the poll that completed it); take nothing new until the
+            // bit is cleared. The connection is looked at again then.
+            ctl.paused_ack.store(gen, Ordering::Release);
             return;
         }
         self.gen = gen;
@@ -241,9 +258,12 @@ impl Poller for VirtqPoller {
             return false;
         }
         let ctl = &self.shared.queues[self.index];
-        if ctl.gen.load(Ordering::Acquire) != self.gen
-            || ctl.disk_gen.load(Ordering::Acquire) != self.disk_gen
-        {
+        let gen = ctl.gen.load(Ordering::Acquire);
+        if gen & PAUSED != 0 && ctl.paused_ack.load(Ordering::Acquire) == gen {
+            // Quiesced with nothing in flight: sleep until resumed (which wakes us).
+            return true;
+        }
+        if gen != self.gen || ctl.disk_gen.load(Ordering::Acquire) != self.disk_gen {
             return false;
         }
         let Some((_, vring)) = &self.conn else {

@@ -1,0 +1,665 @@
+//! Live handover of a vhost-user-blk front end between two devices without a
+//! reconnect (issue 15): quiesce device A, export, start device B from the export,
+//! stop A; the front end (libblkio at QD32 doing verified I/O, or a hand-driven
+//! front end) never notices beyond a pause. Also: calling a handover off, a
+//! handover with no front end or with one halfway through its setup, and corrupt
+//! exports.
+
+mod common;
+
+use std::mem::MaybeUninit;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bdev::BlockDevice;
+use blkio::{Blkio, Completion, ReqFlags};
+use common::engine;
+use common::vhost_fe::*;
+use guest_mem::SharedMem;
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::VhostUserFrontend;
+use vhost_user_blk::{BlkDeviceOptions, EventArg, HandoverState, PollMode, VhostUserBlk};
+use vmm_sys_util::eventfd::EventFd;
+
+const DISK: u64 = 16 << 20;
+const QD: usize = 32;
+const BS: usize = 4096;
+/// Blocks the QD32 client cycles through (each slot owns every QD-th one).
+const BLOCKS: u64 = 1024;
+const QUIESCE: Duration = Duration::from_secs(10);
+
+fn disk() -> Arc<dyn BlockDevice> {
+    Arc::new(bdev::RamDisk::new(DISK, 512).unwrap())
+}
+
+fn opts(poll: PollMode) -> BlkDeviceOptions {
+    BlkDeviceOptions {
+        poll,
+        ..Default::default()
+    }
+}
+
+fn start(sock: &Path, disk: &Arc<dyn BlockDevice>, poll: PollMode) -> VhostUserBlk {
+    VhostUserBlk::start(sock, disk.clone(), opts(poll), &engine(), &[0]).unwrap()
+}
+
+/// A's export through JSON (as it would cross processes) and B started from it.
+fn hand_over(
+    a: &VhostUserBlk,
+    sock: &Path,
+    disk: &Arc<dyn BlockDevice>,
+    poll: PollMode,
+) -> std::io::Result<VhostUserBlk> {
+    a.quiesce(QUIESCE)?;
+    let (state, fds) = a.export()?;
+    let json = serde_json::to_string(&state).unwrap();
+    let state: HandoverState = serde_json::from_str(&json).unwrap();
+    VhostUserBlk::start_resumed(sock, disk.clone(), opts(poll), &engine(), &[0], state, fds)
+}
+
+/// The pattern of `block` at `version`: every 8 bytes hold block and version.
+fn fill(buf: &mut [u8], block: u64, version: u64) {
+    for (i, c) in buf.chunks_exact_mut(8).enumerate() {
+        let v = if i % 2 == 0 { block } else { version };
+        c.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+fn check(buf: &[u8], block: u64, version: u64) -> bool {
+    buf.chunks_exact(8).enumerate().all(|(i, c)| {
+        let v = if i % 2 == 0 { block } else { version };
+        c == v.to_le_bytes()
+    })
+}
+
+#[derive(Clone, Copy)]
+enum Slot {
+    Write { block: u64, version: u64 },
+    Read { block: u64, version: u64 },
+}
+
+/// What the client saw.
+#[derive(Default, Debug)]
+struct Tally {
+    completed: u64,
+    verified: u64,
+}
+
+/// libblkio at QD32: each slot writes a block with its next version and reads it
+/// back, verifying every byte; a completion for a slot with nothing outstanding
+/// (completed twice) or a failed or stalled request is an error. Runs until `stop`,
+/// then drains and verifies every block it wrote.
+fn qd32_client(
+    sock: PathBuf,
+    stop: Arc<AtomicBool>,
+    progress: Arc<AtomicU64>,
+) -> Result<Tally, String> {
+    let e = |e: blkio::Error| format!("libblkio: {e}");
+    let mut b = Blkio::new("virtio-blk-vhost-user").map_err(e)?;
+    b.set_str("path", sock.to_str().unwrap()).map_err(e)?;
+    b.connect().map_err(e)?;
+    let mut s = b.start().map_err(e)?;
+    let region = b.alloc_mem_region(QD * BS).map_err(e)?;
+    b.map_mem_region(&region).map_err(e)?;
+    let base = region.addr as *mut u8;
+    // SAFETY: the region is QD * BS bytes, mapped read/write, ours until freed below;
+    // a slot's buffer is touched only while that slot has no request in flight.
+    let buf = |slot: usize| unsafe { std::slice::from_raw_parts_mut(base.add(slot * BS), BS) };
+    let q = &mut s.queues[0];
+    let mut versions = vec![0u64; BLOCKS as usize];
+    let mut slots: Vec<Option<Slot>> = vec![None; QD];
+    let mut next_block: Vec<u64> = (0..QD as u64).collect();
+    let mut tally = Tally::default();
+    let issue = |q: &mut blkio::Blkioq, slot: usize, st: Slot, buf: &mut [u8]| match st {
+        Slot::Write { block, version } => {
+            fill(buf, block, version);
+            q.write(block * BS as u64, buf.as_ptr(), BS, slot, ReqFlags::empty());
+        }
+        Slot::Read { block, .. } => {
+            buf.fill(0);
+            q.read(
+                block * BS as u64,
+                buf.as_mut_ptr(),
+                BS,
+                slot,
+                ReqFlags::empty(),
+            );
+        }
+    };
+    for slot in 0..QD {
+        let block = next_block[slot];
+        let st = Slot::Write {
+            block,
+            version: versions[block as usize] + 1,
+        };
+        slots[slot] = Some(st);
+        issue(q, slot, st, buf(slot));
+    }
+    let mut comps: Vec<MaybeUninit<Completion>> = (0..QD).map(|_| MaybeUninit::uninit()).collect();
+    let mut err = None;
+    while slots.iter().any(Option::is_some) {
+        let mut t = Duration::from_secs(20);
+        let n = q.do_io(&mut comps, 1, Some(&mut t), None).map_err(e)?;
+        if n == 0 {
+            err = Some("no completion within 20 s (stalled)".to_string());
+            break;
+        }
+        for c in &comps[..n] {
+            // SAFETY: do_io initialised the first `n` completions.
+            let c = unsafe { c.assume_init_ref() };
+            let slot = c.user_data;
+            let Some(st) = slots.get_mut(slot).and_then(Option::take) else {
+                return Err(format!(
+                    "completion for slot {slot} with nothing in flight (completed twice?)"
+                ));
+            };
+            if c.ret != 0 {
+                return Err(format!("request of slot {slot} failed: {}", c.ret));
+            }
+            tally.completed += 1;
+            progress.fetch_add(1, Ordering::Relaxed);
+            let next = match st {
+                Slot::Write { block, version } => {
+                    versions[block as usize] = version;
+                    Some(Slot::Read { block, version })
+                }
+                Slot::Read { block, version } => {
+                    if !check(buf(slot), block, version) {
+                        return Err(format!(
+                            "block {block}: read back differs from version {version}"
+                        ));
+                    }
+                    tally.verified += 1;
+                    if stop.load(Ordering::Relaxed) {
+                        None
+                    } else {
+                        let nb = (next_block[slot] + QD as u64) % BLOCKS;
+                        next_block[slot] = nb;
+                        Some(Slot::Write {
+                            block: nb,
+                            version: versions[nb as usize] + 1,
+                        })
+                    }
+                }
+            };
+            if let Some(st) = next {
+                slots[slot] = Some(st);
+                issue(q, slot, st, buf(slot));
+            }
+        }
+    }
+    if let Some(e) = err {
+        return Err(e);
+    }
+    // Every block written is read back at its last version.
+    for block in 0..BLOCKS {
+        let version = versions[block as usize];
+        if version == 0 {
+            continue;
+        }
+        q.read(
+            block * BS as u64,
+            buf(0).as_mut_ptr(),
+            BS,
+            0,
+            ReqFlags::empty(),
+        );
+        let mut t = Duration::from_secs(20);
+        let n = q.do_io(&mut comps[..1], 1, Some(&mut t), None).map_err(e)?;
+        // SAFETY: do_io initialised `n` completions.
+        if n != 1 || unsafe { comps[0].assume_init_ref() }.ret != 0 {
+            return Err(format!("final read of block {block} failed"));
+        }
+        if !check(buf(0), block, version) {
+            return Err(format!(
+                "final read of block {block}: not version {version}"
+            ));
+        }
+    }
+    drop(s);
+    b.unmap_mem_region(&region);
+    b.free_mem_region(&region);
+    Ok(tally)
+}
+
+struct Client {
+    stop: Arc<AtomicBool>,
+    progress: Arc<AtomicU64>,
+    thread: std::thread::JoinHandle<Result<Tally, String>>,
+}
+
+impl Client {
+    fn start(sock: &Path) -> Client {
+        let stop = Arc::new(AtomicBool::new(false));
+        let progress = Arc::new(AtomicU64::new(0));
+        let (s, p, path) = (stop.clone(), progress.clone(), sock.to_path_buf());
+        let thread = std::thread::spawn(move || qd32_client(path, s, p));
+        let c = Client {
+            stop,
+            progress,
+            thread,
+        };
+        c.wait_progress(200);
+        c
+    }
+
+    /// Waits until `n` more requests completed.
+    fn wait_progress(&self, n: u64) {
+        let from = self.progress.load(Ordering::Relaxed);
+        let until = Instant::now() + Duration::from_secs(20);
+        while self.progress.load(Ordering::Relaxed) < from + n {
+            assert!(
+                !self.thread.is_finished(),
+                "the client ended early: {:?}",
+                self.progress
+            );
+            assert!(Instant::now() < until, "the client makes no progress");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn finish(self) -> Tally {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap().unwrap()
+    }
+}
+
+fn handover_loop(poll: PollMode, rounds: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let disk = disk();
+    let mut dev = start(&sock, &disk, poll);
+    let client = Client::start(&sock);
+    let mut pauses = Vec::with_capacity(rounds);
+    for i in 0..rounds {
+        let t = Instant::now();
+        let next =
+            hand_over(&dev, &sock, &disk, poll).unwrap_or_else(|e| panic!("handover {i}: {e}"));
+        // A goes without disconnecting the front end (its fds moved to B), then B
+        // is let run: the commit.
+        dev.stop();
+        next.unquiesce();
+        pauses.push(t.elapsed());
+        dev = next;
+        assert!(sock.exists(), "handover {i}: the socket path is gone");
+        client.wait_progress(1000);
+    }
+    let tally = client.finish();
+    assert!(tally.verified > 0);
+    pauses.sort();
+    eprintln!(
+        "{poll:?}: {rounds} handovers, pause (quiesce A .. B runs): median {:?}, max {:?}; {tally:?}",
+        pauses[rounds / 2],
+        pauses[rounds - 1]
+    );
+    // One connection for the whole run on the last device, never a new one.
+    assert_eq!(dev.connections(), 1);
+    dev.stop();
+}
+
+#[test]
+fn handover_under_qd32_io_50_times() {
+    handover_loop(PollMode::Busy, 50);
+}
+
+#[test]
+fn handover_under_qd32_io_adaptive_polling() {
+    handover_loop(PollMode::Adaptive, 20);
+}
+
+/// Event mode: the reactors sleep until kicked, so a kick the new device's handler
+/// does not see (still read by the old one) would stall the client.
+#[test]
+fn handover_under_qd32_io_event_mode() {
+    handover_loop(PollMode::Event, 20);
+}
+
+#[test]
+fn quiesce_then_unquiesce_under_io() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let disk = disk();
+    let dev = start(&sock, &disk, PollMode::Adaptive);
+    let client = Client::start(&sock);
+    for _ in 0..20 {
+        dev.quiesce(QUIESCE).unwrap();
+        assert!(dev.quiesced());
+        // Nothing moves while quiesced (once the client has reaped what was
+        // completed while draining).
+        std::thread::sleep(Duration::from_millis(20));
+        let before = client.progress.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(client.progress.load(Ordering::Relaxed), before);
+        if before.is_multiple_of(2) {
+            // Exported and then called off: the same.
+            let (_state, fds) = dev.export().unwrap();
+            drop(fds);
+        }
+        dev.unquiesce();
+        client.wait_progress(100);
+    }
+    let tally = client.finish();
+    assert!(tally.verified > 0);
+    assert_eq!(dev.connections(), 1);
+    dev.stop();
+}
+
+/// A handover called off after the new device started (before the commit):
+/// dropping it hands everything back, and the old device runs on.
+#[test]
+fn rollback_after_the_new_device_started() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let disk = disk();
+    let a = start(&sock, &disk, PollMode::Adaptive);
+    let client = Client::start(&sock);
+    for i in 0..10 {
+        let b = hand_over(&a, &sock, &disk, PollMode::Adaptive).unwrap();
+        if i % 2 == 0 {
+            b.stop();
+        } else {
+            drop(b);
+        }
+        assert!(sock.exists());
+        a.unquiesce();
+        client.wait_progress(1000);
+    }
+    let tally = client.finish();
+    assert!(tally.verified > 0);
+    assert_eq!(a.connections(), 1);
+    a.stop();
+}
+
+#[test]
+fn handover_without_a_front_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let disk = disk();
+    let a = start(&sock, &disk, PollMode::Adaptive);
+    blkio_round(&sock, 0x11);
+    // (A front end that just hung up may still be handed over: the new device
+    // reads its end of file. Here it is gone first.)
+    let until = Instant::now() + Duration::from_secs(10);
+    while a.disconnections() < 1 {
+        assert!(Instant::now() < until);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    a.quiesce(QUIESCE).unwrap();
+    let (state, fds) = a.export().unwrap();
+    assert!(state.connection.is_none());
+    assert_eq!(fds.len(), 1);
+    let b = VhostUserBlk::start_resumed(
+        &sock,
+        disk.clone(),
+        opts(PollMode::Adaptive),
+        &engine(),
+        &[0],
+        state,
+        fds,
+    )
+    .unwrap();
+    // A front end connecting now waits in the backlog: A holds, B is serving it.
+    let client = std::thread::spawn({
+        let sock = sock.clone();
+        move || blkio_round(&sock, 0x22)
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    a.stop();
+    assert!(sock.exists());
+    b.unquiesce();
+    client.join().unwrap();
+    blkio_round(&sock, 0x33);
+    assert_eq!(b.connections(), 2);
+    b.stop();
+    assert!(!sock.exists());
+}
+
+/// A hand-driven front end stopped in the middle of its setup: what it sent is
+/// replayed, and it finishes the setup with the new device.
+#[test]
+fn handover_with_a_front_end_halfway_through_setup() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let disk = disk();
+    let a = start(&sock, &disk, PollMode::Adaptive);
+    // Features negotiated and the memory table set, no vring yet.
+    let fe = negotiate(&sock, VhostUserProtocolFeatures::CONFIG);
+    let mut raw = Raw {
+        fe,
+        mem: SharedMem::new("halfway", MEM).unwrap().into(),
+        next_desc: 0,
+        avail: 0,
+        kick: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+        call: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+    };
+    raw.set_mem_table();
+    let b = hand_over(&a, &sock, &disk, PollMode::Adaptive).unwrap();
+    a.stop();
+    b.unquiesce();
+    raw.start_vring();
+    raw.header(T_OUT, 8);
+    raw.put(DATA, &[0x5a; 512]);
+    let st = raw.request(&[(HDR, 16, false), (DATA, 512, false), (STATUS, 1, true)]);
+    assert_eq!(st, 0);
+    // And once more, now with a running vring, to a third device.
+    let c = hand_over(&b, &sock, &disk, PollMode::Adaptive).unwrap();
+    b.stop();
+    c.unquiesce();
+    raw.header(T_IN, 8);
+    raw.put(DATA, &[0; 512]);
+    let st = raw.request(&[(HDR, 16, false), (DATA, 512, true), (STATUS, 1, true)]);
+    assert_eq!(st, 0);
+    assert_eq!(raw.get(DATA, 512), vec![0x5a; 512]);
+    c.stop();
+}
+
+/// Corrupt exports are refused with an error (no panic, nothing taken from the
+/// rings), and the old device runs on after `unquiesce`.
+#[test]
+fn corrupt_exports_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let disk = disk();
+    let a = start(&sock, &disk, PollMode::Adaptive);
+    let mut raw = Raw::connect(&sock);
+    raw.header(T_OUT, 0);
+    raw.put(DATA, &[0x77; 512]);
+    assert_eq!(
+        raw.request(&[(HDR, 16, false), (DATA, 512, false), (STATUS, 1, true)]),
+        0
+    );
+    a.quiesce(QUIESCE).unwrap();
+    type Corrupt = Box<dyn Fn(&mut HandoverState, &mut Vec<std::os::fd::OwnedFd>)>;
+    let cases: Vec<(&str, Corrupt)> = vec![
+        ("version", Box::new(|s, _| s.version += 1)),
+        ("queue count", Box::new(|s, _| s.num_queues += 1)),
+        ("capacity", Box::new(|s, _| s.capacity_bytes += 512)),
+        (
+            "vring index",
+            Box::new(|s, _| {
+                let v = &mut s.connection.as_mut().unwrap().record.vrings[0];
+                v.base = v.base.map(|b| b + 1);
+            }),
+        ),
+        (
+            "vring index beyond u16",
+            Box::new(|s, _| s.connection.as_mut().unwrap().record.vrings[0].base = Some(70000)),
+        ),
+        (
+            "vring size 0",
+            Box::new(|s, _| s.connection.as_mut().unwrap().record.vrings[0].num = Some(0)),
+        ),
+        (
+            "vring size too big",
+            Box::new(|s, _| s.connection.as_mut().unwrap().record.vrings[0].num = Some(4096)),
+        ),
+        (
+            "extra vring",
+            Box::new(|s, _| {
+                let r = &mut s.connection.as_mut().unwrap().record;
+                let v = r.vrings[0].clone();
+                r.vrings.push(v);
+            }),
+        ),
+        (
+            "too few fds",
+            Box::new(|_, fds| {
+                fds.pop();
+            }),
+        ),
+        (
+            "too many fds",
+            Box::new(|_, fds| {
+                let extra = fds[0].try_clone().unwrap();
+                fds.push(extra);
+            }),
+        ),
+        (
+            "fd index out of range",
+            Box::new(|s, _| s.connection.as_mut().unwrap().front_fd = 99),
+        ),
+        (
+            "fd used twice",
+            Box::new(|s, _| {
+                let c = s.connection.as_mut().unwrap();
+                c.record.vrings[0].call = c.record.vrings[0].kick.clone();
+            }),
+        ),
+        (
+            "kick is not an fd",
+            Box::new(|s, _| {
+                s.connection.as_mut().unwrap().record.vrings[0].kick = Some(EventArg::NoFd)
+            }),
+        ),
+        (
+            "listener is the memory file",
+            Box::new(|s, _| {
+                let c = s.connection.as_mut().unwrap();
+                std::mem::swap(&mut c.record.mem[0].fd, &mut s.listener_fd);
+            }),
+        ),
+        (
+            "memory region past its file",
+            Box::new(|s, _| s.connection.as_mut().unwrap().record.mem[0].memory_size *= 2),
+        ),
+        (
+            "vring addresses outside memory",
+            Box::new(|s, _| {
+                let v = &mut s.connection.as_mut().unwrap().record.vrings[0];
+                if let Some(a) = v.addr.as_mut() {
+                    a.used = a.used.wrapping_add(1 << 40);
+                }
+            }),
+        ),
+    ];
+    for (what, corrupt) in cases {
+        let (mut state, mut fds) = a.export().unwrap();
+        corrupt(&mut state, &mut fds);
+        let r = VhostUserBlk::start_resumed(
+            &sock,
+            disk.clone(),
+            opts(PollMode::Adaptive),
+            &engine(),
+            &[0],
+            state,
+            fds,
+        );
+        assert!(r.is_err(), "{what}: accepted");
+        eprintln!("{what}: {}", r.err().unwrap());
+    }
+    // Nothing was taken from the ring meanwhile; A runs on.
+    a.unquiesce();
+    raw.header(T_IN, 0);
+    raw.put(DATA, &[0; 512]);
+    assert_eq!(
+        raw.request(&[(HDR, 16, false), (DATA, 512, true), (STATUS, 1, true)]),
+        0
+    );
+    assert_eq!(raw.get(DATA, 512), vec![0x77; 512]);
+    assert_eq!(a.connections(), 1);
+    a.stop();
+}
+
+#[test]
+fn export_needs_quiesce() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let disk = disk();
+    let a = start(&sock, &disk, PollMode::Adaptive);
+    assert!(a.export().is_err());
+    a.quiesce(QUIESCE).unwrap();
+    a.quiesce(QUIESCE).unwrap();
+    assert!(a.export().is_ok());
+    a.unquiesce();
+    assert!(a.export().is_err());
+    blkio_round(&sock, 0x44);
+    a.stop();
+}
+
+/// The relay's own channels move too: the inflight area (the new device logs in
+/// it) and the backend request channel (a resize after the handover is announced
+/// on it).
+#[test]
+fn inflight_area_and_backend_channel_move() {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let disk = disk();
+    let a = start(&sock, &disk, PollMode::Adaptive);
+    let area = get_inflight_area(&sock);
+    let pf = VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::BACKEND_REQ
+        | VhostUserProtocolFeatures::REPLY_ACK;
+    let mem = SharedMem::new("guest", MEM).unwrap();
+    let mut raw = Raw::connect_features(&sock, mem, None, Some(&area), pf);
+    let (mut mine, theirs) = UnixStream::pair().unwrap();
+    mine.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    raw.fe.set_backend_request_fd(&theirs).unwrap();
+    raw.header(T_OUT, 0);
+    raw.put(DATA, &[0x66; 512]);
+    assert_eq!(
+        raw.request(&[(HDR, 16, false), (DATA, 512, false), (STATUS, 1, true)]),
+        0
+    );
+    a.quiesce(QUIESCE).unwrap();
+    let (state, fds) = a.export().unwrap();
+    let rec = &state.connection.as_ref().unwrap().record;
+    assert!(rec.inflight.is_some() && rec.backend_req.is_some());
+    assert_eq!(rec.vrings[0].base, Some(1));
+    let b = VhostUserBlk::start_resumed(
+        &sock,
+        disk.clone(),
+        opts(PollMode::Adaptive),
+        &engine(),
+        &[0],
+        state,
+        fds,
+    )
+    .unwrap();
+    a.stop();
+    b.unquiesce();
+    raw.header(T_IN, 0);
+    raw.put(DATA, &[0; 512]);
+    assert_eq!(
+        raw.request(&[(HDR, 16, false), (DATA, 512, true), (STATUS, 1, true)]),
+        0
+    );
+    assert_eq!(raw.get(DATA, 512), vec![0x66; 512]);
+    // The area's used index (bytes 14..16 of queue 0's region) follows the ring.
+    let mut log = [0u8; 16];
+    std::os::unix::fs::FileExt::read_exact_at(&area, &mut log, 0).unwrap();
+    assert_eq!(u16::from_le_bytes([log[14], log[15]]), 2);
+    let bigger = disk.resize(DISK * 2).unwrap();
+    assert_eq!(
+        b.resize(bigger).unwrap(),
+        vhost_user_blk::ConfigNotice::Sent
+    );
+    let mut hdr = [0u8; 12];
+    mine.read_exact(&mut hdr).unwrap();
+    assert_eq!(u32::from_le_bytes(hdr[0..4].try_into().unwrap()), 2);
+    b.stop();
+}
