@@ -1,5 +1,5 @@
 //! Live handover of a connected front end to a device in another process (issue 15,
-//! docs/decisions/0021-vhost-user-handover.md).
+//! docs/decisions/0024-vhost-user-handover.md).
 //!
 //! The relay (`proxy.rs`) keeps a [`Journal`] of the connection as its messages pass:
 //! the state-setting requests, reduced to the latest that matters per request and

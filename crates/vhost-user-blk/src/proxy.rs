@@ -2,7 +2,7 @@
 //! answers GET_INFLIGHT_FD, SET_INFLIGHT_FD and SET_BACKEND_REQ_FD itself, and
 //! notes the protocol features the front end acknowledges.
 //!
-//! For a live handover (docs/decisions/0021-vhost-user-handover.md) it also keeps
+//! For a live handover (docs/decisions/0024-vhost-user-handover.md) it also keeps
 //! the connection's journal, parks between two messages when the device asks
 //! ([`RelayCtl`]), and replays a journal to a fresh handler ([`Relay::replay`]).
 //!
