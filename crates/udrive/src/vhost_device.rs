@@ -83,6 +83,11 @@ pub fn start(
         poll: cfg.poll,
         access,
     };
+    // A handover: the device as the old process exported it, started quiesced.
+    if let Some((state, fds)) = crate::handover::vhost_state(&cfg.socket)? {
+        return VhostUserBlk::start_resumed(&cfg.socket, disk, opts, engine, &reactors, state, fds)
+            .with_context(|| format!("cannot take over {}", cfg.what()));
+    }
     VhostUserBlk::start(&cfg.socket, disk, opts, engine, &reactors)
         .with_context(|| format!("cannot start {}", cfg.what()))
 }

@@ -34,7 +34,7 @@ impl Service {
     fn start() -> Service {
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let p = |n: &str| dir.path().join(n).display().to_string();
-        for f in ["a.img", "b.img"] {
+        for f in ["a.img", "b.img", "v.img"] {
             std::fs::File::create(p(f))
                 .and_then(|h| h.set_len(BLOCKS * BLOCK as u64))
                 .unwrap();
@@ -42,12 +42,15 @@ impl Service {
         let cfg = format!(
             "cpus = \"0\"\nrpc = \"{}\"\n\
              [[controller]]\nsocket = \"{}\"\nnamespaces = [\"file:{}\", \"null:1G\"]\n\
-             [[controller]]\nsocket = \"{}\"\nnamespaces = [\"file:{}\"]\npoll = \"busy\"\n",
+             [[controller]]\nsocket = \"{}\"\nnamespaces = [\"file:{}\"]\npoll = \"busy\"\n\
+             [[vhost_user_blk]]\nsocket = \"{}\"\ndisk = \"file:{}\"\n",
             p("rpc.sock"),
             p("a.sock"),
             p("a.img"),
             p("b.sock"),
-            p("b.img")
+            p("b.img"),
+            p("v.sock"),
+            p("v.img")
         );
         std::fs::write(p("u.toml"), cfg).unwrap();
         let log = std::fs::File::create(p("serve.log")).unwrap();
@@ -140,6 +143,16 @@ impl Client {
         let ops = Arc::new(AtomicU64::new(0));
         let (st, op) = (stop.clone(), ops.clone());
         let thread = std::thread::spawn(move || run_client(&sock, seed, &st, &op));
+        Client { stop, ops, thread }
+    }
+
+    /// libblkio on the vhost-user-blk device: verified write/read rounds; it does
+    /// not reconnect, so a handover that dropped its connection fails it.
+    fn start_vhost(sock: PathBuf) -> Client {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ops = Arc::new(AtomicU64::new(0));
+        let (st, op) = (stop.clone(), ops.clone());
+        let thread = std::thread::spawn(move || common::serve::vhost_loop(&sock, &op, &st));
         Client { stop, ops, thread }
     }
 
@@ -247,6 +260,7 @@ fn many_handovers_lose_nothing_under_verified_qd32() {
     let clients = [
         Client::start(s.path("a.sock"), 1),
         Client::start(s.path("b.sock"), 2),
+        Client::start_vhost(s.path("v.sock")),
     ];
     common::wait_until("clients running", Duration::from_secs(30), || {
         clients.iter().all(|c| c.ops() > 0)

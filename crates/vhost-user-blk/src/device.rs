@@ -319,6 +319,10 @@ impl VhostUserBlk {
         h.exported = false;
         drop(h);
         for q in &self.shared.queues {
+            // An acknowledgement of an earlier pause has the same value as this
+            // one's (unquiesce only clears the bit): forget it, or a queue with a
+            // request in flight would look drained.
+            q.paused_ack.store(0, Ordering::Release);
             q.gen.fetch_or(PAUSED, Ordering::AcqRel);
             q.waker.load().wake();
         }

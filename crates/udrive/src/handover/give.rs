@@ -49,9 +49,9 @@ pub fn handover(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
     let mut st = rpc.server.lock();
     let t0 = Instant::now();
     refuse_what_cannot_move(&st)?;
-    let paused = pause_all(&mut st)?;
+    let (paused, records) = pause_and_export(&mut st)?;
     let pause_done = t0.elapsed();
-    match send_and_confirm(&rpc.server, &st, &sock) {
+    match send_and_confirm(&rpc.server, &st, &sock, records) {
         Ok(()) => {
             let total = t0.elapsed();
             HANDED_OVER.store(true, Ordering::Release);
@@ -108,11 +108,14 @@ fn check_peer(sock: &OwnedFd) -> Result<()> {
 
 fn refuse_what_cannot_move(st: &State) -> Result<()> {
     for d in &st.devices {
+        if let Some(v) = d.as_vhost() {
+            if let Some(why) = v.cfg.disk.kind.0.handover_refusal() {
+                bail!("{} ({}): {why}", v.cfg.what(), v.cfg.disk);
+            }
+            continue;
+        }
         let Some(n) = d.as_nvme() else {
-            bail!(
-                "{} is a vhost-user-blk device: its handover is not implemented yet",
-                d.socket().display()
-            );
+            bail!("{}: unknown device kind", d.socket().display());
         };
         for (id, ns) in &n.namespaces {
             if let Some(why) = ns.spec.kind.0.handover_refusal() {
@@ -129,33 +132,77 @@ fn refuse_what_cannot_move(st: &State) -> Result<()> {
 
 /// Pauses every device; on a failure resumes those paused and says which failed.
 fn pause_all(st: &mut State) -> Result<usize> {
-    let mut done = 0;
     for i in 0..st.devices.len() {
-        let Some(n) = st.devices[i].as_nvme() else {
-            continue;
+        let d = &st.devices[i];
+        let paused = match (d.as_nvme(), d.as_vhost()) {
+            (Some(n), _) => n.pause_for_handover(QUIESCE_LIMIT),
+            (_, Some(v)) => v.pause_for_handover(QUIESCE_LIMIT),
+            _ => Ok(()),
         };
-        if let Err(e) = n.pause_for_handover(QUIESCE_LIMIT) {
-            for d in &st.devices[..i] {
-                if let Some(n) = d.as_nvme() {
-                    n.resume_after_handover_failed();
-                }
-            }
+        if let Err(e) = paused {
+            resume(&st.devices[..i]);
             return Err(e);
         }
-        done += 1;
     }
-    Ok(done)
+    Ok(st.devices.len())
+}
+
+fn resume(devices: &[crate::server::Device]) {
+    for d in devices {
+        if let Some(n) = d.as_nvme() {
+            n.resume_after_handover_failed();
+        } else if let Some(v) = d.as_vhost() {
+            v.resume_after_handover_failed();
+        }
+    }
 }
 
 fn resume_all(st: &mut State) {
-    for d in &st.devices {
-        if let Some(n) = d.as_nvme() {
-            n.resume_after_handover_failed();
+    resume(&st.devices);
+}
+
+/// Pauses every device and takes its records. A device that refuses its export
+/// (a vhost-user-blk queue that still has a request in flight: a queue thread
+/// that read the pause flag of an earlier pause can acknowledge this one early)
+/// is resumed with the others and asked again, a few times.
+fn pause_and_export(st: &mut State) -> Result<(usize, Vec<super::Record>)> {
+    const TRIES: usize = 5;
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let paused = pause_all(st)?;
+        match export_all(st) {
+            Ok(records) => return Ok((paused, records)),
+            Err(e) => {
+                resume_all(st);
+                if attempt >= TRIES {
+                    return Err(e.context(format!("after {TRIES} attempts")));
+                }
+                tracing::info!("handover: export attempt {attempt} failed ({e:#}); again");
+                std::thread::sleep(Duration::from_millis(2));
+            }
         }
     }
 }
 
-fn send_and_confirm(server: &crate::server::Server, st: &State, sock: &OwnedFd) -> Result<()> {
+fn export_all(st: &State) -> Result<Vec<super::Record>> {
+    let mut out = Vec::new();
+    for d in &st.devices {
+        match (d.as_nvme(), d.as_vhost()) {
+            (Some(n), _) => out.extend(n.handover_records()?),
+            (_, Some(v)) => out.extend(v.handover_records()?),
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+fn send_and_confirm(
+    server: &crate::server::Server,
+    st: &State,
+    sock: &OwnedFd,
+    records: Vec<super::Record>,
+) -> Result<()> {
     let metrics = crate::metrics::listener_copy();
     let snap = ServerSnapshot::of(server, st, metrics.as_ref().map(|(_, a)| *a));
     let s = sock.as_fd();
@@ -173,9 +220,9 @@ fn send_and_confirm(server: &crate::server::Server, st: &State, sock: &OwnedFd) 
             &[l.as_fd()],
         )?;
     }
-    for d in &st.devices {
-        if let Some(n) = d.as_nvme() {
-            for (key, bytes, fds) in n.handover_records()? {
+    {
+        {
+            for (key, bytes, fds) in records {
                 let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
                 wire::send(s, Op::Record, &key, &bytes, &fds)
                     .with_context(|| format!("handover: cannot send record {key}"))?;

@@ -17,11 +17,13 @@ mod give;
 pub mod snapshot;
 mod take;
 pub mod upgrade;
+mod vhost;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use give::handover;
 pub use take::run as run_takeover;
+pub use vhost::take_state as vhost_state;
 
 /// Record keys besides the devices' own (`vfu:<socket>#…`).
 pub(crate) const CONFIG_KEY: &str = "config";

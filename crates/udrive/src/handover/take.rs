@@ -110,6 +110,8 @@ pub fn run(from: &Path) -> Result<()> {
     for d in running.server.lock().devices.iter_mut() {
         if let Some(n) = d.as_nvme_mut() {
             n.start_after_takeover();
+        } else if let Some(v) = d.as_vhost() {
+            v.start_after_takeover();
         }
     }
     match request.join() {

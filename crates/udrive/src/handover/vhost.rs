@@ -1,0 +1,75 @@
+//! vhost-user-blk devices in a handover (the device side: decision 0024): the old
+//! process quiesces and exports each device, the new one starts it resumed and,
+//! once the old one let go, lets it run.
+
+use std::os::fd::OwnedFd;
+use std::time::Duration;
+
+use anyhow::{anyhow, Context, Result};
+use vhost_user_blk::HandoverState;
+
+use crate::vhost_device::VhostBlkDevice;
+
+fn prefix(d: &VhostBlkDevice) -> String {
+    format!("vhost:{}#", d.cfg.socket.display())
+}
+
+impl VhostBlkDevice {
+    /// Old process: stop taking requests and finish those in flight (bounded).
+    pub fn pause_for_handover(&self, limit: Duration) -> Result<()> {
+        self.dev.quiesce(limit).map_err(|e| {
+            self.dev.unquiesce();
+            anyhow!(e).context(format!("{}: cannot quiesce", self.cfg.what()))
+        })
+    }
+
+    /// Old process: the handover failed; serve on.
+    pub fn resume_after_handover_failed(&self) {
+        self.dev.unquiesce();
+    }
+
+    /// Old process: the device's state and its fds, one record per fd (a message
+    /// carries few).
+    pub fn handover_records(&self) -> Result<Vec<super::Record>> {
+        let (state, fds) = self
+            .dev
+            .export()
+            .with_context(|| format!("{}: cannot export it", self.cfg.what()))?;
+        let p = prefix(self);
+        let mut out = vec![(format!("{p}state"), serde_json::to_vec(&state)?, Vec::new())];
+        for (i, fd) in fds.into_iter().enumerate() {
+            out.push((format!("{p}fd/{i:04}"), Vec::new(), vec![fd]));
+        }
+        Ok(out)
+    }
+
+    /// New process: the old one let go; run.
+    pub fn start_after_takeover(&self) {
+        if self.dev.quiesced() {
+            self.dev.unquiesce();
+        }
+    }
+}
+
+/// New process: what the old one exported for the device on `socket`, if anything.
+pub fn take_state(socket: &std::path::Path) -> Result<Option<(HandoverState, Vec<OwnedFd>)>> {
+    let mut recs = crate::supervise::take(&format!("vhost:{}#", socket.display()));
+    let Some(state) = recs.remove("state") else {
+        return Ok(None);
+    };
+    let state: HandoverState = serde_json::from_slice(&state.bytes)
+        .with_context(|| format!("{}: bad handover state", socket.display()))?;
+    // `fd/NNNN` in order (fixed width: the map's order is the index order).
+    let mut fds = Vec::new();
+    for (key, mut r) in recs {
+        if !key.starts_with("fd/") {
+            continue;
+        }
+        fds.push(
+            r.fds
+                .pop()
+                .ok_or_else(|| anyhow!("{}: handover record {key} has no fd", socket.display()))?,
+        );
+    }
+    Ok(Some((state, fds)))
+}
