@@ -257,17 +257,8 @@ impl NvmeDevice {
         let Some(s) = &self.server else {
             bail!("{} is stopping", what());
         };
-        s.pause().map_err(|e| {
-            if e.raw_os_error() == Some(libc::EBUSY) {
-                anyhow!(
-                    "{}: its client's memory is not shared (DMA by messages), which a \
-                     handover cannot move",
-                    what()
-                )
-            } else {
-                anyhow!(e).context(format!("{}: cannot pause", what()))
-            }
-        })?;
+        s.pause()
+            .map_err(|e| anyhow!(e).context(format!("{}: cannot pause", what())))?;
         if let Err(e) = self.ctrl.quiesce(limit) {
             self.ctrl.unquiesce();
             s.unpause();

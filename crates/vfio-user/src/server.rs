@@ -205,7 +205,6 @@ impl VfioUserServer {
             name: cfg.name.clone(),
             listener,
             fault: dev.mem.fault_signal().clone(),
-            mem: dev.mem.clone(),
             dev: Arc::new(Mutex::new(dev)),
             active: active.clone(),
             state,
@@ -233,8 +232,9 @@ impl VfioUserServer {
     /// Stops serving the endpoint at a message boundary, keeping the connection:
     /// the client's messages wait in the socket (for a process that takes it over,
     /// or for [`VfioUserServer::unpause`]). Waits for a message being handled to
-    /// finish; refused (EBUSY) for a client whose memory moves by DMA messages,
-    /// whose waiters cannot be handed over.
+    /// finish. (Whether the device model can move a client whose memory moves by
+    /// DMA messages is its own business: QEMU maps its ROMs that way, read-only,
+    /// and nobody waits on them.)
     pub fn pause(&self) -> io::Result<()> {
         let hub = hub()?;
         let (tx, rx) = channel();
@@ -316,7 +316,6 @@ struct Endpoint {
     dev: Arc<Mutex<Device>>,
     /// The device's memory fault signal (watched by the hub unless `Served`).
     fault: Arc<guest_mem::FaultSignal>,
-    mem: Arc<DmaSpace>,
     active: Arc<Mutex<Option<UnixStream>>>,
     state: State,
     /// Set while a pause waits for the connection's thread to hand it back.
@@ -349,14 +348,6 @@ impl Wake {
     }
     fn fd(&self) -> BorrowedFd<'_> {
         self.rx.as_fd()
-    }
-}
-
-impl Endpoint {
-    /// Whether the client's memory (some of it) moves by DMA messages (without the
-    /// device's lock, which its connection's thread holds while it serves).
-    fn dev_uses_messages(&self) -> bool {
-        self.mem.uses_messages()
     }
 }
 
@@ -531,10 +522,6 @@ fn hub_cmd(eps: &mut BTreeMap<u64, Endpoint>, cmd: Cmd) {
                 let _ = ack.send(Err(libc::ENOENT));
                 return;
             };
-            if ep.dev_uses_messages() {
-                let _ = ack.send(Err(libc::EBUSY));
-                return;
-            }
             match std::mem::replace(&mut ep.state, State::Listening) {
                 State::Served { thread, stop } => {
                     ep.state = State::Served { thread, stop };
