@@ -828,19 +828,19 @@ impl ServeCtl {
         self.cv.notify_all();
     }
 
-    /// Waits (until `deadline`) for the serve thread to hold or to serve a front end.
-    fn wait_settled(&self, deadline: Instant) -> io::Result<ServePhase> {
+    /// Waits (until `deadline`) while `waiting` holds of the serve thread's state;
+    /// `what` names what did not happen in time.
+    fn wait_while(
+        &self,
+        deadline: Instant,
+        what: &str,
+        mut waiting: impl FnMut(&ServeSt) -> bool,
+    ) -> io::Result<std::sync::MutexGuard<'_, ServeSt>> {
         let mut st = lock(&self.st);
-        loop {
-            if !matches!(st.phase, ServePhase::Accepting) {
-                return Ok(st.phase.clone());
-            }
+        while waiting(&st) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the vhost-user device did not stop accepting in time",
-                ));
+                return Err(io::Error::new(io::ErrorKind::TimedOut, what.to_string()));
             }
             st = self
                 .cv
@@ -848,29 +848,27 @@ impl ServeCtl {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+        Ok(st)
+    }
+
+    /// Waits (until `deadline`) for the serve thread to hold or to serve a front end.
+    fn wait_settled(&self, deadline: Instant) -> io::Result<ServePhase> {
+        let st = self.wait_while(
+            deadline,
+            "the vhost-user device did not stop accepting in time",
+            |st| matches!(st.phase, ServePhase::Accepting),
+        )?;
+        Ok(st.phase.clone())
     }
 
     /// Waits (until `deadline`) for the serve thread to be done with `conn`.
     fn wait_left(&self, conn: &Arc<Conn>, deadline: Instant) -> io::Result<()> {
-        let mut st = lock(&self.st);
-        loop {
-            match &st.phase {
-                ServePhase::Serving(c) if Arc::ptr_eq(c, conn) => {}
-                _ => return Ok(()),
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the ending vhost-user connection did not finish in time",
-                ));
-            }
-            st = self
-                .cv
-                .wait_timeout(st, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.wait_while(
+            deadline,
+            "the ending vhost-user connection did not finish in time",
+            |st| matches!(&st.phase, ServePhase::Serving(c) if Arc::ptr_eq(c, conn)),
+        )
+        .map(drop)
     }
 
     /// Whether a front end may be accepted right now.

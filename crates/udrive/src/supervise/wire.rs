@@ -118,15 +118,19 @@ mod tests {
     use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
     use std::os::fd::AsFd;
 
-    #[test]
-    fn a_record_and_its_fd_cross_intact() {
-        let (a, b) = socketpair(
+    fn pair() -> (OwnedFd, OwnedFd) {
+        socketpair(
             AddressFamily::Unix,
             SockType::SeqPacket,
             None,
             SockFlag::SOCK_CLOEXEC,
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn a_record_and_its_fd_cross_intact() {
+        let (a, b) = pair();
         let file = std::fs::File::open("/dev/null").unwrap();
         send(a.as_fd(), Op::Put, "k/1", b"abc", &[file.as_fd()]).unwrap();
         send(a.as_fd(), Op::End, "", b"", &[]).unwrap();
@@ -144,13 +148,7 @@ mod tests {
 
     #[test]
     fn garbage_is_an_error_not_a_panic() {
-        let (a, b) = socketpair(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            None,
-            SockFlag::SOCK_CLOEXEC,
-        )
-        .unwrap();
+        let (a, b) = pair();
         let mut buf = vec![0u8; MAX_MSG];
         for junk in [&[9u8][..], &[1, 200, 0, b'x'], &[1, 1, 0, 0xff]] {
             vfio_user::sock::send(a.as_fd(), &[junk], &[]).unwrap();
