@@ -18,7 +18,17 @@ BOOKWORM_PKGS=qemu-system-x86,busybox-static
 BACKEND=${UDRIVE_VHOST_BACKEND:-udrive} # udrive | qsd
 QUEUES=${UDRIVE_VHOST_QUEUES:-2}
 VCPUS=${UDRIVE_VM_VCPUS:-$QUEUES}
-DISK_MIB=${UDRIVE_VHOST_DISK_MIB:-256}
+# 1: the live-handover scenario (issue 15) instead of the checks below: one boot of
+# tests/vm/guest-upgrade.sh (fio with verify) that asks UPGRADES times for
+# `udrive upgrade`; QEMU must not reconnect and the guest must see no error.
+UPGRADE=${UDRIVE_VM_VHOST_UPGRADE:-0}
+UPGRADES=${UDRIVE_VM_UPGRADES:-3}
+UPGRADE_JOB_MIB=${UDRIVE_VM_UPGRADE_JOB_MIB:-384} # fio MiB per vCPU
+if [ "$UPGRADE" = 1 ]; then
+    DISK_MIB=${UDRIVE_VHOST_DISK_MIB:-1024}
+else
+    DISK_MIB=${UDRIVE_VHOST_DISK_MIB:-256}
+fi
 RECONNECT=${UDRIVE_VHOST_RECONNECT:-1}
 WRITERS=${UDRIVE_VHOST_WRITERS:-4}        # concurrent guest writers (requests in flight) during the reconnect
 KILL_AFTER=${UDRIVE_VHOST_KILL_AFTER:-16}  # acknowledged chunks before the SIGKILL
@@ -38,6 +48,7 @@ TAG=vm-test-vhost
 source "$root/tests/vm/lib.sh"
 
 case $BACKEND in udrive | qsd) ;; *) die "UDRIVE_VHOST_BACKEND must be udrive or qsd, not '$BACKEND'" ;; esac
+[ "$UPGRADE" != 1 ] || [ "$BACKEND" = udrive ] || die "UDRIVE_VM_VHOST_UPGRADE=1 needs UDRIVE_VHOST_BACKEND=udrive"
 vm_begin "$BOOKWORM"
 
 # ------------------------------------------------------------ setup
@@ -51,6 +62,15 @@ build_initramfs() {
     initramfs_begin "$r" "$BOOKWORM/bin/busybox"
     mkdir -p "$r/lib/modules" "$r/data"
     cp "$TMP"/modules/*.ko "$r/lib/modules/"
+    if [ "$UPGRADE" = 1 ]; then
+        # fio from the NVMe test's sid chroot (bookworm's has none).
+        [ -x "$CACHE/sid/usr/bin/fio" ] ||
+            die "no fio in $CACHE/sid: run scripts/vm-test once first (its sid chroot has fio)"
+        initramfs_add_bin "$r" "$CACHE/sid" /usr/bin/fio
+        initramfs_pack "$r" "$root/tests/vm/guest-upgrade.sh" "$TMP/initramfs.cpio"
+        say "initramfs: $(du -m "$TMP/initramfs.cpio" | cut -f1) MiB (busybox, virtio modules, fio + libraries)"
+        return 0
+    fi
     # The known data: random, made here, compared here with the backing file.
     head -c $((DATA_MIB * MIB)) /dev/urandom >"$TMP/a.bin"
     head -c $((DATA_MIB * MIB)) /dev/urandom >"$TMP/b.bin"
@@ -83,6 +103,16 @@ start_backend() {
 }
 
 stop_backend() {
+    if [ "$UPGRADE" = 1 ] && [ -n "$SERVER_PID" ] && ! kill -0 "$SERVER_PID" 2>/dev/null; then
+        # The first process exited after its handover; the one serving now is not
+        # our child (stop_upgraded).
+        wait "$SERVER_PID" 2>/dev/null && FIRST_RC=0 || FIRST_RC=$?
+        SERVER_PID=
+        stop_upgraded "$TMP/rpc.sock"
+        BACKEND_RC=$STOP_RC
+        LAST_PID=$STOP_PID
+        return 0
+    fi
     stop_pid "$SERVER_PID"
     BACKEND_RC=$STOP_RC
     SERVER_PID=
@@ -101,18 +131,13 @@ start_qemu() {
         -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
         -serial "file:$d/console.log" -chardev "pipe,id=ctl,path=$d/ctl" -serial chardev:ctl
         -kernel "$d/vmlinuz" -initrd "$d/initramfs.cpio"
-        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.queues=$QUEUES udrive.size=$((DISK_MIB * MIB)) udrive.reconnect=$RECONNECT udrive.writers=$WRITERS udrive.resize=$RESIZE"
+        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.queues=$QUEUES udrive.size=$((DISK_MIB * MIB)) udrive.reconnect=$RECONNECT udrive.writers=$WRITERS udrive.resize=$RESIZE${UPGRADE_ARGS:-}"
         -chardev "socket,id=c0,path=$d/vblk.sock${RECONNECT_OPT}"
         -device "vhost-user-blk-pci,chardev=c0,num-queues=$QUEUES"
     )
     echo "chroot $BOOKWORM qemu-system-x86_64 ${QEMU_ARGS[*]}" >"$TMP/qemu.cmd"
     in_chroot "$BOOKWORM" qemu-system-x86_64 "${QEMU_ARGS[@]}" >"$TMP/qemu.log" 2>&1 </dev/null &
     QEMU_PID=$!
-}
-
-tell_guest() { # one line on the guest's ttyS1 (never blocks the harness for long)
-    timeout 5 sh -c 'printf "%s\n" "$1" >"$2"' - "$1" "$TMP/ctl.in" ||
-        say "could not write to the guest's ttyS1"
 }
 
 # ------------------------------------------------------------ host-side checks during the run
@@ -164,6 +189,36 @@ kill_and_restart() {
     RECON_STATE=restarted LAST_PROGRESS_T=$EPOCHREALTIME
     tell_guest "restarted: $BACKEND killed after $ACKS_AT_KILL chunks, back after $(elapsed "$KILL_T") s"
 }
+# On UDRIVE-UPGRADE (UDRIVE_VM_VHOST_UPGRADE=1): udrive upgrade (host result
+# upgrade-N) and the answer on ttyS1.
+UPGRADES_DONE=0
+upgrade_hook() {
+    local re='^UDRIVE-UPGRADE n=([0-9]+)'
+    [[ $1 =~ $re ]] || return 0
+    UPGRADES_DONE=$((UPGRADES_DONE + 1))
+    udrive_upgrade "$UPGRADES_DONE" "$TMP/rpc.sock" "$TMP/backend.log"
+    if [ "$UPG_OK" = 1 ]; then
+        tell_guest "upgraded n=$UPGRADES_DONE: pid $UPG_OLD -> $UPG_NEW in $UPG_SECS s"
+    else
+        tell_guest "failed n=$UPGRADES_DONE: $(cut -c1-200 <<<"$UPG_WHY")"
+    fi
+}
+# After the upgrade run: QEMU kept its one connection (udrive logs each front end
+# that connects — a taken-over connection must not pass through accept(); QEMU,
+# with reconnect=1, logs a lost backend).
+check_no_reconnect() {
+    local conns qlines
+    conns=$(grep -c 'vhost-user front end connected' "$TMP/backend.log" || true)
+    qlines=$(grep -aiE 'disconnect|reconnect|ring restore failed|Failed to (read|write|set)|vhost.*(fail|error)|Connection reset' "$TMP/qemu.log" |
+        head -n 3 | tr '\n' ' ' | cut -c1-240 || true)
+    if [ "$conns" = 1 ] && [ -z "$qlines" ]; then
+        host_result no-reconnect PASS "one vhost-user connection across $UPGRADES_DONE upgrade requests (udrive's logs); nothing about a lost backend in QEMU's log"
+    else
+        host_result no-reconnect FAIL "$conns vhost-user connections in udrive's logs (want 1); QEMU: ${qlines:-nothing}"
+    fi
+    [ "$UPGRADES_DONE" = "$UPGRADES" ] ||
+        host_result upgrades-asked FAIL "the guest asked for $UPGRADES_DONE upgrades, want $UPGRADES"
+}
 on_guest() {
     if [ $# = 0 ]; then
         if [ "$RECON_STATE" = restarted ] && [ -z "$RESUME_T" ] &&
@@ -176,6 +231,7 @@ on_guest() {
         return 0
     fi
     case "$1" in
+    UDRIVE-UPGRADE*) upgrade_hook "$1" ;;
     UDRIVE-HOSTCHECK*) host_check_file ;;
     UDRIVE-RESIZE*) host_resize "$1" ;;
     UDRIVE-RECONNECT-READY*) RECON_STATE=armed ;;
@@ -231,7 +287,14 @@ if [ "$BACKEND" = udrive ]; then
     "$UDRIVE" serve --help 2>/dev/null | grep -q -- '--vhost-user-blk' ||
         die "$UDRIVE serve has no --vhost-user-blk option (this udrive has no virtio-blk device); UDRIVE_VHOST_BACKEND=qsd runs the guest against qemu-storage-daemon"
 fi
-phase "guest run"
+if [ "$UPGRADE" = 1 ]; then
+    phase "guest run (live handover: $UPGRADES x udrive upgrade under fio)"
+    UPGRADE_ARGS=" udrive.dev=vda udrive.upgrades=$UPGRADES udrive.job_mib=$UPGRADE_JOB_MIB"
+    LAST_PHASE=1
+else
+    phase "guest run"
+    LAST_PHASE=2
+fi
 truncate -s "${DISK_MIB}M" "$TMP/disk.img"
 start_backend
 say "backend: $(sed -n 2p "$TMP/backend.log")"
@@ -241,17 +304,23 @@ stop_backend
 phase ""
 
 guest_results "$TMP/console.log"
-if grep -aq '^UDRIVE-DONE phase=2' "$TMP/console.log" && [ "$QEMU_RC" = 0 ]; then
-    host_result guest-completed PASS "both boots finished, QEMU exited 0"
+if grep -aq "^UDRIVE-DONE phase=$LAST_PHASE" "$TMP/console.log" && [ "$QEMU_RC" = 0 ]; then
+    host_result guest-completed PASS "$([ "$LAST_PHASE" = 2 ] && echo both boots || echo the boot) finished, QEMU exited 0"
 else
     host_result guest-completed FAIL "QEMU exit $QEMU_RC; last marker: $(grep -aE '^UDRIVE-(BOOT|DONE)' "$TMP/console.log" | tail -n1) ${HARNESS_FAIL[*]}"
 fi
-grep -q '^UDRIVE-RESULT name=backing-file-matches' < <(printf '%s\n' "${RESULTS[@]}") ||
-    host_result backing-file-matches FAIL "the guest never asked for the check"
-[ "$RECONNECT" != 1 ] || check_acked_chunks
+if [ "$UPGRADE" = 1 ]; then
+    check_no_reconnect
+else
+    grep -q '^UDRIVE-RESULT name=backing-file-matches' < <(printf '%s\n' "${RESULTS[@]}") ||
+        host_result backing-file-matches FAIL "the guest never asked for the check"
+    [ "$RECONNECT" != 1 ] || check_acked_chunks
+fi
 errors=$(grep -E 'panicked| ERROR ' "$TMP/backend.log" | head -n 2 | tr '\n' ' ' | cut -c1-240 || true)
 # qemu-storage-daemon dies of SIGTERM (143); udrive must exit 0.
-if { [ "$BACKEND_RC" = 0 ] || { [ "$BACKEND" = qsd ] && [ "$BACKEND_RC" = 143 ]; }; } && [ -z "$errors" ]; then
+if [ -n "${LAST_PID:-}" ] && [ "$BACKEND_RC" = 0 ] && [ -z "$errors" ]; then
+    host_result backend-clean-exit PASS "the first udrive exited ${FIRST_RC:-?} after its handover, the last (pid $LAST_PID, not our child) within 10 s of SIGTERM; no panics or ERROR lines, $(grep -c ' WARN ' "$TMP/backend.log" || true) WARN lines"
+elif { [ "$BACKEND_RC" = 0 ] || { [ "$BACKEND" = qsd ] && [ "$BACKEND_RC" = 143 ]; }; } && [ -z "$errors" ]; then
     host_result backend-clean-exit PASS "$BACKEND exited $BACKEND_RC on SIGTERM; no panics or ERROR lines, $(grep -c ' WARN ' "$TMP/backend.log" || true) WARN lines"
 else
     host_result backend-clean-exit FAIL "$BACKEND exit status $BACKEND_RC; $errors"

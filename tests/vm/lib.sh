@@ -8,7 +8,8 @@
 #
 # Shared state: PHASE/TIMES (phase timing), RESULTS (UDRIVE-RESULT lines),
 # HARNESS_FAIL (reasons the guest run went wrong), QEMU_PID/QEMU_RC, SERVER_PID (the
-# device server, udrive or a peer), VM_EXTRA_PIDS (helpers the trap kills), TMP.
+# device server, udrive or a peer), VM_EXTRA_PIDS (helpers the trap kills),
+# VM_UPGRADE_RPC/VM_TAKEOVER_PIDS (udrive processes `udrive upgrade` started), TMP.
 
 IN_CHROOT=/run/udrive-vm # where the run directory appears inside a chroot
 # Modules the virtio-blk guest loads, in load order (Debian's cloud kernel builds
@@ -19,7 +20,7 @@ T0=$EPOCHREALTIME
 say() { printf '%s: %s\n' "$TAG" "$*"; }
 elapsed() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
 PHASE='' PHASE_T='' TIMES=() RESULTS=() HARNESS_FAIL=() QEMU_PID='' QEMU_RC='' SERVER_PID='' TMP=''
-VM_EXTRA_PIDS=()
+VM_EXTRA_PIDS=() VM_TAKEOVER_PIDS=() VM_UPGRADE_RPC=''
 phase() { # phase NAME: ends the previous phase (printing its time) and starts NAME
     if [ -n "$PHASE" ]; then
         local t
@@ -63,6 +64,8 @@ vm_cleanup() {
     for p in $kids "${VM_EXTRA_PIDS[@]}"; do
         kill -KILL "$p" 2>/dev/null && wait "$p" 2>/dev/null
     done
+    # A server `udrive upgrade` started is no child of ours and outlives us.
+    kill_takeovers
     # A Ceph cluster the run started (tests/vm/run.sh, UDRIVE_VM_RBD=1).
     [ -n "${VM_CEPH_DIR:-}" ] && "$root/scripts/ceph-cluster" stop "$VM_CEPH_DIR" --purge >/dev/null 2>&1
     # QEMU's bind mounts live in its own mount namespace and vanish with it;
@@ -261,6 +264,76 @@ stop_pid() {
     fi
     # shellcheck disable=SC2034 # read by the caller
     wait "$pid" 2>/dev/null || STOP_RC=$?
+}
+
+# ------------------------------------------------------------ live handover
+# The pid of the udrive answering the control socket RPC (empty if none answers).
+udrive_pid_at() {
+    { timeout 10 "$UDRIVE" rpc --rpc "$1" get_version 2>/dev/null || true; } | tr -d ' \n' |
+        { grep -oE '"pid":[0-9]+' || true; } | cut -d: -f2
+}
+# udrive_upgrade N RPC LOG: `udrive upgrade --rpc RPC --log LOG` (90 s at most) and
+# the host result upgrade-N: old pid -> new pid and the command's time. Sets
+# UPG_OK (1 if a new process serves RPC), UPG_T0 (start), UPG_SECS, UPG_OLD,
+# UPG_NEW, UPG_WHY (one line: what the command said). The new process is
+# recorded for kill_takeovers (VM_UPGRADE_RPC=RPC does the same for whichever
+# process serves at the end).
+udrive_upgrade() {
+    local n=$1 rpc=$2 log=$3 out rc=0 p why
+    VM_UPGRADE_RPC=$rpc
+    UPG_OK=0 UPG_OLD=$(udrive_pid_at "$rpc")
+    echo "---- $(date -u +%FT%T.%6NZ) harness: udrive upgrade $n (pid ${UPG_OLD:-none} serves)" >>"$log"
+    UPG_T0=$EPOCHREALTIME
+    out=$(NO_COLOR=1 RUST_LOG=${RUST_LOG:-info} timeout 90 "$UDRIVE" upgrade --rpc "$rpc" --log "$log" 2>&1 </dev/null) || rc=$?
+    UPG_SECS=$(awk -v a="$UPG_T0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.3f", b - a }')
+    p=$(grep -oE '\(pid [0-9]+\) is taking over' <<<"$out" | grep -oE '[0-9]+' || true)
+    [ -z "$p" ] || VM_TAKEOVER_PIDS+=("$p")
+    UPG_NEW=$(udrive_pid_at "$rpc")
+    UPG_WHY=$(grep -av 'is taking over' <<<"$out" | tr '\n' ' ' | sed 's/  */ /g' | cut -c1-300)
+    if [ "$rc" = 0 ] && [ -n "$UPG_NEW" ] && [ "$UPG_NEW" != "$UPG_OLD" ]; then
+        # shellcheck disable=SC2034 # read by the caller
+        UPG_OK=1
+        host_result "upgrade-$n" PASS "pid $UPG_OLD -> pid $UPG_NEW; udrive upgrade returned after $UPG_SECS s: $(grep -a 'serves' <<<"$out" | tail -n1)"
+    else
+        # The new process's own words (e.g. the old one's refusal) are in LOG.
+        why=$(sed -n "/harness: udrive upgrade $n /,\$p" "$log" | sed 's/\x1b\[[0-9;]*m//g' |
+            grep -aiE 'refused|error|failed' | head -n 2 | tr '\n' ' ' | cut -c1-300 || true)
+        [ -z "$why" ] || UPG_WHY="$why(udrive upgrade: $UPG_WHY)"
+        host_result "upgrade-$n" FAIL "udrive upgrade exit $rc after $UPG_SECS s; pid ${UPG_NEW:-none} serves (was ${UPG_OLD:-none}): $UPG_WHY"
+    fi
+}
+# stop_upgraded RPC: SIGTERM to the udrive serving RPC that `udrive upgrade`
+# started (not our child: no exit status), SIGKILL after 10 s. Sets STOP_RC to 0
+# once it is gone, or "no exit 10 s after SIGTERM", and STOP_PID.
+stop_upgraded() {
+    STOP_PID=$(udrive_pid_at "$1") STOP_RC=0
+    [ -n "$STOP_PID" ] || { STOP_RC="no udrive answers on $1"; return 0; }
+    kill -TERM "$STOP_PID" 2>/dev/null || true
+    for _ in $(seq 100); do
+        kill -0 "$STOP_PID" 2>/dev/null || return 0
+        sleep 0.1
+    done
+    kill -KILL "$STOP_PID" 2>/dev/null || true
+    # shellcheck disable=SC2034 # read by the caller
+    STOP_RC="no exit 10 s after SIGTERM"
+}
+# Kills what `udrive upgrade` started: the process serving VM_UPGRADE_RPC and each
+# one recorded, if it still runs udrive serve --takeover (pids are not reused blindly).
+kill_takeovers() {
+    local p
+    [ -z "$VM_UPGRADE_RPC" ] || [ ! -S "$VM_UPGRADE_RPC" ] || VM_TAKEOVER_PIDS+=("$(udrive_pid_at "$VM_UPGRADE_RPC")")
+    for p in "${VM_TAKEOVER_PIDS[@]}"; do
+        [ -n "$p" ] && tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline" | grep -q -- '--takeover' &&
+            kill -KILL "$p" 2>/dev/null
+    done
+    return 0
+}
+# tell_guest LINE: one line on the guest's ttyS1 (a QEMU pipe chardev at
+# $TMP/ctl.in); never blocks the harness for long.
+tell_guest() {
+    # shellcheck disable=SC2016 # expanded by sh
+    timeout 5 sh -c 'printf "%s\n" "$1" >"$2"' - "$1" "$TMP/ctl.in" ||
+        say "could not write to the guest's ttyS1"
 }
 
 # ------------------------------------------------------------ guest console

@@ -23,7 +23,19 @@ TIMEOUT=${UDRIVE_VM_TIMEOUT:-480}
 SUPERVISE=${UDRIVE_VM_SUPERVISE:-0}
 IO_TIMEOUT=${UDRIVE_VM_IO_TIMEOUT:-5}
 CRASHES=2
-if [ "$SUPERVISE" = 1 ]; then
+# 1: the live-handover scenario (issue 15) instead: udrive runs unsupervised with a
+# file namespace, the guest (guest-upgrade.sh) runs fio with verify and asks the
+# host UPGRADES times for `udrive upgrade`; it must see a pause, never a reset.
+UPGRADE=${UDRIVE_VM_UPGRADE:-0}
+UPGRADES=${UDRIVE_VM_UPGRADES:-3}
+UPGRADE_JOB_MIB=${UDRIVE_VM_UPGRADE_JOB_MIB:-384} # fio MiB per vCPU
+if [ "$UPGRADE" = 1 ]; then
+    GUEST_INIT=${UDRIVE_VM_GUEST_INIT:-$here/guest-upgrade.sh}
+    NS=${UDRIVE_VM_NS:-} # default: a 1 GiB file in the run directory (below)
+    NS2=${UDRIVE_VM_NS2:-}
+    LAST_PHASE=1
+    DEFAULT_IDLE=0
+elif [ "$SUPERVISE" = 1 ]; then
     GUEST_INIT=${UDRIVE_VM_GUEST_INIT:-$here/guest-supervise.sh}
     NS=${UDRIVE_VM_NS:-} # default: a 1 GiB file in the run directory (below)
     NS2=${UDRIVE_VM_NS2:-}
@@ -50,14 +62,17 @@ RBD=${UDRIVE_VM_RBD:-0}
 MEM=${UDRIVE_VM_MEM:-shared}
 case $MEM in shared | private) ;; *) echo "UDRIVE_VM_MEM must be shared or private, not $MEM" >&2; exit 2 ;; esac
 [ "$SUPERVISE" != 1 ] || [ "$RBD" != 1 ] || { echo "UDRIVE_VM_SUPERVISE=1 and UDRIVE_VM_RBD=1 are separate runs" >&2; exit 2; }
+[ "$UPGRADE" != 1 ] || { [ "$RBD" != 1 ] && [ "$SUPERVISE" != 1 ]; } ||
+    { echo "UDRIVE_VM_UPGRADE=1 is a run of its own (not with UDRIVE_VM_RBD=1 or UDRIVE_VM_SUPERVISE=1)" >&2; exit 2; }
 
 TAG=vm-test
 # shellcheck source=tests/vm/lib.sh
 source "$here/lib.sh"
 
 vm_begin "$SID"
-if [ "$SUPERVISE" = 1 ] && [ -z "$NS" ]; then
-    # Data on a file namespace survives the server process; ram: would not.
+if { [ "$SUPERVISE" = 1 ] || [ "$UPGRADE" = 1 ]; } && [ -z "$NS" ]; then
+    # Data on a file namespace survives the server process; ram: would not (and
+    # cannot be handed over).
     truncate -s 1G "$TMP/disk.img"
     NS=file:$TMP/disk.img
 fi
@@ -87,7 +102,7 @@ start_udrive() {
     [ "$SUPERVISE" != 1 ] || args+=(--supervise)
     say "$UDRIVE ${args[*]}"
     NO_COLOR=1 RUST_LOG=${RUST_LOG:-info} setpriv --pdeathsig KILL -- \
-        "$UDRIVE" "${args[@]}" >"$TMP/udrive.log" 2>&1 </dev/null &
+        "$UDRIVE" "${args[@]}" >>"$TMP/udrive.log" 2>&1 </dev/null &
     SERVER_PID=$!
     wait_socket "$TMP/nvme.sock" "$SERVER_PID" "$TMP/udrive.log" "udrive serve"
 }
@@ -131,6 +146,11 @@ start_qemu() {
         -kernel "$d/vmlinuz" -initrd "$d/initramfs.cpio"
         -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.idle=$IDLE_SECS udrive.rbd=$RBD${CRASH_ARGS:-}"
     )
+    if [ "$UPGRADE" = 1 ]; then
+        # ttyS1: the host's answers to UDRIVE-UPGRADE (tell_guest).
+        mkfifo "$TMP/ctl.in" "$TMP/ctl.out"
+        QEMU_ARGS+=(-chardev "pipe,id=ctl,path=$d/ctl" -serial chardev:ctl)
+    fi
     if [ "$DEVICE" = qemu-nvme ]; then
         truncate -s "${NS#*:}" "$TMP/disk.img"
         QEMU_ARGS+=(-drive "file=$d/disk.img,if=none,id=d0,format=raw,discard=unmap"
@@ -145,6 +165,18 @@ start_qemu() {
 }
 
 stop_udrive() {
+    if [ "$UPGRADE" = 1 ]; then
+        # SERVER_PID, the first process, exited after its handover; the one serving
+        # now is not our child (stop_upgraded).
+        if [ -n "$SERVER_PID" ] && ! kill -0 "$SERVER_PID" 2>/dev/null; then
+            wait "$SERVER_PID" 2>/dev/null && FIRST_RC=0 || FIRST_RC=$?
+            SERVER_PID=
+            stop_upgraded "$TMP/rpc.sock"
+            UDRIVE_RC=$STOP_RC
+            LAST_PID=$STOP_PID
+            return 0
+        fi
+    fi
     # A supervisor forwards SIGTERM to its server process and exits with it; should
     # it not, its server process must not outlive the run.
     local kid
@@ -169,7 +201,10 @@ if [ "$DEVICE" = udrive ]; then
     phase "setup: build udrive"
     build_udrive
 fi
-if [ "$SUPERVISE" = 1 ]; then
+if [ "$UPGRADE" = 1 ]; then
+    phase "guest run (live handover: $UPGRADES x udrive upgrade under fio, io_timeout ${IO_TIMEOUT}s, guest RAM $MEM)"
+    CRASH_ARGS=" nvme_core.io_timeout=$IO_TIMEOUT udrive.dev=nvme0n1 udrive.upgrades=$UPGRADES udrive.job_mib=$UPGRADE_JOB_MIB"
+elif [ "$SUPERVISE" = 1 ]; then
     phase "guest run (crash recovery: $CRASHES x SIGKILL under fio, io_timeout ${IO_TIMEOUT}s, guest RAM $MEM)"
     CRASH_ARGS=" nvme_core.io_timeout=$IO_TIMEOUT udrive.crashes=$CRASHES"
 else
@@ -268,11 +303,12 @@ crash_hook() {
         host_result "server-kill-$KILLS" FAIL "SIGKILL server pid $old: no new server process 5 s later"
     fi
 }
-# first_io_probe N T0: polls get_stats (the new process's counters start at zero)
-# until a read or write has completed; writes "SECONDS OPS BEFORE" to first-io-N:
-# seconds since T0 when that answer came, and when the last poll that saw none began.
+# first_io_probe N T0 [BEFORE]: polls get_stats (the new process's counters start
+# at zero) until a read or write has completed; writes "SECONDS OPS BEFORE" to
+# first-io-N: seconds since T0 when that answer came, and when the last poll that
+# saw none began (BEFORE, default 0, if the first poll saw some).
 first_io_probe() {
-    local n=$1 t0=$2 out ops start before=0
+    local n=$1 t0=$2 out ops start before=${3:-0}
     for _ in $(seq 1500); do
         start=$(elapsed "$t0")
         if out=$("$UDRIVE" rpc --rpc "$TMP/rpc.sock" get_stats 2>/dev/null); then
@@ -292,11 +328,30 @@ io_ops() {
     tr -d ' \n' | { grep -oE '"ops":\{[^}]*\}' || true; } | { grep -oE '"(read|write)":[0-9]+' || true; } |
         awk -F: '{ s += $2 } END { print s + 0 }'
 }
+# On UDRIVE-UPGRADE (UDRIVE_VM_UPGRADE=1): udrive upgrade (host result upgrade-N),
+# a probe for the new process's first I/O completion, and the answer on ttyS1.
+UPGRADES_DONE=0
+upgrade_hook() {
+    local re='^UDRIVE-UPGRADE n=([0-9]+)'
+    [[ ${1:-} =~ $re ]] || return 0
+    UPGRADES_DONE=$((UPGRADES_DONE + 1))
+    udrive_upgrade "$UPGRADES_DONE" "$TMP/rpc.sock" "$TMP/udrive.log"
+    echo "$UPG_T0 $UPG_SECS ${UPG_OLD:-none} ${UPG_NEW:-none}" >"$TMP/upgrade-$UPGRADES_DONE"
+    if [ "$UPG_OK" = 1 ]; then
+        first_io_probe "$UPGRADES_DONE" "$UPG_T0" "$UPG_SECS" &
+        PROBES+=($!)
+        VM_EXTRA_PIDS+=($!)
+        tell_guest "upgraded n=$UPGRADES_DONE: pid $UPG_OLD -> $UPG_NEW in $UPG_SECS s"
+    else
+        tell_guest "failed n=$UPGRADES_DONE: $(cut -c1-200 <<<"$UPG_WHY")"
+    fi
+}
 guest_hook() {
     idle_hook "$@"
     resize_hook "$@"
     [ "$RBD" = 1 ] && rbd_hook "$@"
     [ "$SUPERVISE" = 1 ] && crash_hook "$@"
+    [ "$UPGRADE" = 1 ] && upgrade_hook "$@"
     return 0
 }
 watch_guest "$TMP/console.log" "$TIMEOUT" guest_hook
@@ -350,6 +405,30 @@ if [ "$SUPERVISE" = 1 ]; then
         host_result supervisor-restarts FAIL "$KILLS kills (want $CRASHES), $restarts restarts in udrive's log"
     fi
 fi
+if [ "$UPGRADE" = 1 ]; then
+    for n in $(seq "$UPGRADES"); do
+        if [ ! -f "$TMP/upgrade-$n" ]; then
+            host_result "pause-$n" FAIL "no upgrade $n: the guest did not ask"
+            continue
+        fi
+        read -r _ secs old new <"$TMP/upgrade-$n"
+        if [ "$new" = none ] || [ "$new" = "$old" ]; then
+            host_result "pause-$n" FAIL "no pause to measure: upgrade $n failed (pid $old serves on; see upgrade-$n)"
+            continue
+        fi
+        first='' ops='' before=''
+        [ ! -f "$TMP/first-io-$n" ] || read -r first ops before <"$TMP/first-io-$n"
+        # The n-th handover as the new process logged it (old -> new).
+        took=$(sed 's/\x1b\[[0-9;]*m//g' "$TMP/udrive.log" | grep 'took every device over' | sed -n "${n}p" |
+            grep -oE 'total_us=[0-9]+' | cut -d= -f2 || true)
+        [ -z "$took" ] || took="$(awk -v u="$took" 'BEGIN { printf "%.1f", u / 1000 }') ms"
+        detail="pid $old -> $new: udrive upgrade ${secs} s (the new process logged its takeover: ${took:-nothing}), -> first I/O completion by the new process ${first:+between $before and }${first:-never} s${ops:+ (get_stats: $ops ops)}"
+        if [ -n "$first" ]; then host_result "pause-$n" PASS "$detail"; else host_result "pause-$n" FAIL "$detail"; fi
+    done
+    if [ "$UPGRADES_DONE" != "$UPGRADES" ]; then
+        host_result upgrades-asked FAIL "the guest asked for $UPGRADES_DONE upgrades, want $UPGRADES"
+    fi
+fi
 n=$(grep -ci 'doorbell buffer configured' "$TMP/udrive.log" || true)
 # Configured is not enough: the exit statistics must show doorbells read from the shadow buffer.
 stat() { sed 's/\x1b\[[0-9;]*m//g' "$TMP/udrive.log" | grep -o "$1=[0-9]*" | tail -n1 | cut -d= -f2; }
@@ -398,7 +477,9 @@ if [ "$DEVICE" = udrive ] && [ "$IDLE_SECS" -gt 0 ]; then
 fi
 errors=$(grep -E 'panicked| ERROR ' "$TMP/udrive.log" | head -n 2 | tr '\n' ' ' | cut -c1-240 || true)
 warns=$(grep -c ' WARN ' "$TMP/udrive.log" || true)
-if [ "$UDRIVE_RC" = 0 ] && [ -z "$errors" ]; then
+if [ -n "${LAST_PID:-}" ] && [ "$UDRIVE_RC" = 0 ] && [ -z "$errors" ]; then
+    host_result udrive-clean-exit PASS "the first udrive exited ${FIRST_RC:-?} after its handover, the last (pid $LAST_PID, not our child) within 10 s of SIGTERM; no panics or ERROR lines, $warns WARN lines"
+elif [ "$UDRIVE_RC" = 0 ] && [ -z "$errors" ]; then
     host_result udrive-clean-exit PASS "udrive exited 0 on SIGTERM; no panics or ERROR lines, $warns WARN lines"
 else
     host_result udrive-clean-exit FAIL "udrive exit status $UDRIVE_RC; $errors"

@@ -87,7 +87,23 @@ pub fn run(from: &Path) -> Result<()> {
     };
     drop(ours);
     fail_point("receive");
-    let mut records = receive(&conn)?;
+    let mut records = match receive(&conn) {
+        Ok(r) => r,
+        Err(e) => {
+            // The running process connects before it checks what it can hand over:
+            // a refusal closes the connection, and its reason is the request's answer.
+            let until = Instant::now() + Duration::from_secs(5);
+            while !request.is_finished() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if request.is_finished() {
+                if let Ok(Err(r)) = request.join() {
+                    bail!("the running udrive refused the handover: {r}");
+                }
+            }
+            return Err(e);
+        }
+    };
     let received = t0.elapsed();
     fail_point("start");
     super::TAKING_OVER.store(true, std::sync::atomic::Ordering::Release);
