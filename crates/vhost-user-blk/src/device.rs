@@ -1075,6 +1075,7 @@ fn serve(
         }
     };
     loop {
+        let taken_over = first.is_some();
         let est = match first.take() {
             Some(e) => e,
             None => {
@@ -1104,7 +1105,11 @@ fn serve(
             daemon.request_shutdown();
         } else {
             count.started.fetch_add(1, Ordering::Relaxed);
-            trace::limited!(shared.log, info, socket = %socket.display(), "vhost-user front end connected");
+            if taken_over {
+                trace::limited!(shared.log, info, socket = %socket.display(), "vhost-user front end taken over (still connected)");
+            } else {
+                trace::limited!(shared.log, info, socket = %socket.display(), "vhost-user front end connected");
+            }
         }
         *lock(handle) = daemon.shutdown_handle();
         if relay.is_none() || ctl.stopping() {
