@@ -3,6 +3,7 @@
 //! and a "bystander" controller with a well-behaved client doing verified I/O.
 #![allow(dead_code, unused_imports)]
 
+pub mod blkio_load;
 pub mod ceph;
 pub mod layers;
 pub mod serve;
