@@ -75,6 +75,9 @@ impl nvme::InterruptSink for IrqSink {
     }
 }
 
+/// A record a controller hands over: key, bytes, fds.
+pub type HandoverRecord = (String, Vec<u8>, Vec<std::os::fd::OwnedFd>);
+
 /// One namespace of a running controller: how it was specified and its QoS handle.
 pub struct Namespace {
     pub spec: NsSpec,
@@ -327,7 +330,7 @@ impl NvmeDevice {
 
     /// Handover, old process: what the new one needs besides the records the
     /// device keeps as it runs (`supervise::local_records`): the listening socket.
-    pub fn handover_records(&self) -> Result<Vec<(String, Vec<u8>, Vec<std::os::fd::OwnedFd>)>> {
+    pub fn handover_records(&self) -> Result<Vec<HandoverRecord>> {
         let Some(s) = &self.server else {
             bail!("controller {} is stopping", self.socket.display());
         };

@@ -205,7 +205,7 @@ pub fn start(cfg: &Config, rpc_mode: u32, listeners: Listeners) -> Result<Runnin
     engine::check_allowed(&cpus).map_err(|e| anyhow::anyhow!("--cpus {}: {e}", cfg.cpus))?;
     #[cfg(feature = "rbd")]
     crate::kinds::rbd::set_reactor_cpus(&cpus);
-    let disks = crate::config::disk_specs(&cfg);
+    let disks = crate::config::disk_specs(cfg);
     let (backend_set, backends, disk_devs) =
         crate::backends::open_all_set(&cfg.controllers, &disks)?;
     let engine = engine::Engine::start(&cpus.iter().map(|c| Some(*c)).collect::<Vec<_>>())

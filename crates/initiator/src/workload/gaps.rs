@@ -49,7 +49,7 @@ impl TopGaps {
     /// Merges jobs' lists: the `k` longest of all, longest first.
     pub fn merge(k: usize, lists: impl IntoIterator<Item = TopGaps>) -> Vec<Gap> {
         let mut all: Vec<Gap> = lists.into_iter().flat_map(|l| l.v).collect();
-        all.sort_by(|a, b| b.ns.cmp(&a.ns));
+        all.sort_by_key(|g| std::cmp::Reverse(g.ns));
         all.truncate(k);
         all
     }

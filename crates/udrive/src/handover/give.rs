@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use bdev::BlockDevice;
 use nix::sys::socket::{
     connect, getsockopt, socket, sockopt, AddressFamily, SockFlag, SockType, UnixAddr,
 };
@@ -49,8 +50,16 @@ pub fn handover(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
     let t0 = Instant::now();
     refuse_what_cannot_move(&st)?;
     let paused = pause_all(&mut st)?;
+    let quiesced = t0.elapsed();
+    if let Err(e) = let_go_all(&st) {
+        take_back_all(&st, &[]);
+        resume_all(&mut st);
+        tracing::warn!("handover failed, devices resumed: {e:#}");
+        return Err(e.context("handover failed; this process serves on").into());
+    }
     let pause_done = t0.elapsed();
-    match send_and_confirm(&rpc.server, &st, &sock) {
+    let mut successor = Successor::default();
+    match send_and_confirm(&rpc.server, &st, &sock, &mut successor) {
         Ok(()) => {
             let total = t0.elapsed();
             HANDED_OVER.store(true, Ordering::Release);
@@ -58,7 +67,8 @@ pub fn handover(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
             std::mem::forget(st);
             tracing::info!(
                 devices = paused,
-                quiesce_us = pause_done.as_micros() as u64,
+                quiesce_us = quiesced.as_micros() as u64,
+                let_go_us = (pause_done - quiesced).as_micros() as u64,
                 total_us = total.as_micros() as u64,
                 "handover confirmed by the new process"
             );
@@ -69,6 +79,8 @@ pub fn handover(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
             }))
         }
         Err(e) => {
+            let dead = successor.dead_clients();
+            take_back_all(&st, &dead);
             resume_all(&mut st);
             tracing::warn!("handover failed, devices resumed: {e:#}");
             Err(e.context("handover failed; this process serves on").into())
@@ -131,6 +143,43 @@ fn pause_all(st: &mut State) -> Result<usize> {
     Ok(done)
 }
 
+/// After every controller quiesced (no request in flight): each backend gives up
+/// what would keep the new process from opening it by its spec (an RBD image's
+/// exclusive lock, decision 0019).
+fn let_go_all(st: &State) -> Result<()> {
+    for d in &st.devices {
+        if let Some(n) = d.as_nvme() {
+            for (id, ns) in &n.namespaces {
+                ns.qos.let_go().with_context(|| {
+                    format!(
+                        "namespace {id} of {}: cannot let go of it",
+                        n.socket.display()
+                    )
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The handover failed: backends take back what they let go of. A failure is
+/// logged: that namespace's writes fail until it is fixed (it is not expected:
+/// nobody else may hold the lock meanwhile).
+fn take_back_all(st: &State, dead: &[String]) {
+    for d in &st.devices {
+        if let Some(n) = d.as_nvme() {
+            for (id, ns) in &n.namespaces {
+                if let Err(e) = ns.qos.take_back(dead) {
+                    tracing::error!(
+                        "handover rollback: namespace {id} of {}: cannot take its backend back: {e}",
+                        n.socket.display()
+                    );
+                }
+            }
+        }
+    }
+}
+
 fn resume_all(st: &mut State) {
     for d in &st.devices {
         if let Some(n) = d.as_nvme() {
@@ -139,7 +188,62 @@ fn resume_all(st: &mut State) {
     }
 }
 
-fn send_and_confirm(server: &crate::server::Server, st: &State, sock: &OwnedFd) -> Result<()> {
+/// What the old process knows of the new one: its pid and the cluster clients it
+/// announced before taking locks with them.
+#[derive(Default)]
+struct Successor {
+    pid: Option<i32>,
+    clients: Vec<String>,
+}
+
+impl Successor {
+    /// After a failed handover: the clients it announced, once it is surely dead
+    /// (it is killed if it lingers: it failed, and must not hold our images). Empty
+    /// if it announced none or cannot be made sure dead.
+    fn dead_clients(&self) -> Vec<String> {
+        if self.clients.is_empty() {
+            return Vec::new();
+        }
+        let Some(pid) = self.pid.filter(|p| *p > 0) else {
+            return Vec::new();
+        };
+        let pid = nix::unistd::Pid::from_raw(pid);
+        let gone = || {
+            // A zombie (exited, not reaped by its parent) runs no code either.
+            let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            st.is_empty()
+                || st
+                    .rsplit(')')
+                    .next()
+                    .is_some_and(|r| r.trim_start().starts_with('Z'))
+        };
+        let wait = |limit: Duration| {
+            let until = Instant::now() + limit;
+            while !gone() {
+                if Instant::now() >= until {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            true
+        };
+        if !wait(Duration::from_secs(5)) {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            if !wait(Duration::from_secs(5)) {
+                tracing::error!("handover rollback: the new process {pid} does not die");
+                return Vec::new();
+            }
+        }
+        self.clients.clone()
+    }
+}
+
+fn send_and_confirm(
+    server: &crate::server::Server,
+    st: &State,
+    sock: &OwnedFd,
+    successor: &mut Successor,
+) -> Result<()> {
     let metrics = crate::metrics::listener_copy();
     let snap = ServerSnapshot::of(server, st, metrics.as_ref().map(|(_, a)| *a));
     let s = sock.as_fd();
@@ -168,35 +272,50 @@ fn send_and_confirm(server: &crate::server::Server, st: &State, sock: &OwnedFd) 
     }
     wire::send_all(s, &crate::supervise::local_records())
         .context("handover: cannot send the devices' records")?;
-    wait_confirm(sock)
+    wait_confirm(sock, successor)
 }
 
-/// Waits for the new process's answer; kills it if it does not come in time (so
-/// that it cannot start serving after we resumed).
-fn wait_confirm(sock: &OwnedFd) -> Result<()> {
+/// Waits for the new process's answer (noting the cluster clients it announces
+/// meanwhile); kills it if the answer does not come in time (so that it cannot
+/// start serving after we resumed).
+fn wait_confirm(sock: &OwnedFd, successor: &mut Successor) -> Result<()> {
     let peer = getsockopt(sock, sockopt::PeerCredentials)
         .ok()
         .map(|c| c.pid());
-    let mut fds = [nix::poll::PollFd::new(
-        sock.as_fd(),
-        nix::poll::PollFlags::POLLIN,
-    )];
-    let ms = u16::try_from(CONFIRM_LIMIT.as_millis().min(u128::from(u16::MAX))).unwrap_or(u16::MAX);
-    let ready = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)).unwrap_or(0);
-    if ready == 0 {
-        if let Some(pid) = peer.filter(|p| *p > 0) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-        bail!("the new process did not confirm within {CONFIRM_LIMIT:?}; it was killed");
-    }
+    successor.pid = peer;
+    let until = Instant::now() + CONFIRM_LIMIT;
     let mut buf = vec![0u8; wire::MAX_MSG];
-    match wire::recv(sock.as_fd(), &mut buf)? {
-        Some(m) if m.op == Op::Confirm => Ok(()),
-        Some(m) if m.op == Op::Abort => bail!("the new process gave up: {}", m.key),
-        Some(m) => bail!("unexpected {:?} from the new process", m.op),
-        None => bail!("the new process exited before it confirmed"),
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let ms = u16::try_from(left.as_millis().min(u128::from(u16::MAX))).unwrap_or(u16::MAX);
+        let mut fds = [nix::poll::PollFd::new(
+            sock.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        let ready = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)).unwrap_or(0);
+        if ready == 0 {
+            if Instant::now() < until {
+                continue;
+            }
+            if let Some(pid) = peer.filter(|p| *p > 0) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            bail!("the new process did not confirm within {CONFIRM_LIMIT:?}; it was killed");
+        }
+        match wire::recv(sock.as_fd(), &mut buf)? {
+            Some(m) if m.op == Op::Record && m.key == super::CLIENT_KEY => {
+                let addr = String::from_utf8_lossy(&m.bytes).into_owned();
+                if successor.clients.len() < 64 && !successor.clients.contains(&addr) {
+                    successor.clients.push(addr);
+                }
+            }
+            Some(m) if m.op == Op::Confirm => return Ok(()),
+            Some(m) if m.op == Op::Abort => bail!("the new process gave up: {}", m.key),
+            Some(m) => bail!("unexpected {:?} from the new process", m.op),
+            None => bail!("the new process exited before it confirmed"),
+        }
     }
 }

@@ -8,13 +8,16 @@ use std::sync::{Mutex, MutexGuard};
 
 use vfio_user::Keeper;
 
+/// One record: its bytes and fds.
+pub type Entry = (Vec<u8>, Vec<OwnedFd>);
+
 #[derive(Default)]
 pub struct RecordStore {
-    map: Mutex<BTreeMap<String, (Vec<u8>, Vec<OwnedFd>)>>,
+    map: Mutex<BTreeMap<String, Entry>>,
 }
 
 impl RecordStore {
-    pub fn lock(&self) -> MutexGuard<'_, BTreeMap<String, (Vec<u8>, Vec<OwnedFd>)>> {
+    pub fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Entry>> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
