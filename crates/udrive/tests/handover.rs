@@ -54,8 +54,10 @@ impl Service {
             .stdout(Stdio::null())
             .stderr(log);
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        // Reaped by whoever: the handed-over processes are not our children.
-        let _child = cmd.spawn().unwrap();
+        // The first process is ours: reap it when it exits after a handover (the
+        // handed-over processes are not our children).
+        let mut child = cmd.spawn().unwrap();
+        std::thread::spawn(move || child.wait());
         let s = Service { dir };
         common::wait_until("control socket", Duration::from_secs(30), || {
             s.rpc("get_version", json!({})).is_ok()

@@ -145,6 +145,8 @@ impl Rig {
                 name: "handover".into(),
                 dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
                 keep: None,
+                listener: None,
+                start_paused: false,
             },
             spec,
             switch.clone(),

@@ -868,8 +868,15 @@ fn an_rbd_namespace_survives_handovers_under_verified_io() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(5);
+    // Pause between handovers (ms): back to back, a handover's release waits for
+    // the previous one's lock notification to time out (see decision 0024).
+    let gap = std::env::var("UDRIVE_TEST_HANDOVER_GAP_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5500);
     let mut pid = s.pid();
     for i in 0..n {
+        std::thread::sleep(Duration::from_millis(gap));
         let before = client.ops();
         let t = Instant::now();
         let out = s.upgrade();
