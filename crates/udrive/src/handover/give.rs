@@ -193,7 +193,22 @@ fn resume_all(st: &mut State) {
 #[derive(Default)]
 struct Successor {
     pid: Option<i32>,
+    /// Its start time (/proc/PID/stat), so that a recycled pid is not taken for it.
+    started: Option<u64>,
     clients: Vec<String>,
+    /// It sent Abort: it is alive, waiting for our answer, and dropped what it
+    /// opened (so its locks are released) before saying so.
+    aborted: bool,
+}
+
+/// State letter and start time of `pid` (/proc/PID/stat); None if there is none.
+fn proc_stat(pid: i32) -> Option<(char, u64)> {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut f = st.rsplit_once(')')?.1.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    // Field 22 (starttime) is the 20th after the state.
+    let started = f.nth(18)?.parse().ok()?;
+    Some((state, started))
 }
 
 impl Successor {
@@ -201,21 +216,17 @@ impl Successor {
     /// (it is killed if it lingers: it failed, and must not hold our images). Empty
     /// if it announced none or cannot be made sure dead.
     fn dead_clients(&self) -> Vec<String> {
-        if self.clients.is_empty() {
+        if self.clients.is_empty() || self.aborted {
             return Vec::new();
         }
-        let Some(pid) = self.pid.filter(|p| *p > 0) else {
+        let (Some(pid), Some(started)) = (self.pid.filter(|p| *p > 0), self.started) else {
             return Vec::new();
         };
-        let pid = nix::unistd::Pid::from_raw(pid);
-        let gone = || {
-            // A zombie (exited, not reaped by its parent) runs no code either.
-            let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            st.is_empty()
-                || st
-                    .rsplit(')')
-                    .next()
-                    .is_some_and(|r| r.trim_start().starts_with('Z'))
+        // Gone: no such process, another one under a recycled pid, or a zombie
+        // (exited, not reaped by its parent: it runs no code).
+        let gone = || match proc_stat(pid) {
+            None => true,
+            Some((state, t)) => t != started || state == 'Z',
         };
         let wait = |limit: Duration| {
             let until = Instant::now() + limit;
@@ -228,7 +239,12 @@ impl Successor {
             true
         };
         if !wait(Duration::from_secs(5)) {
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            if !gone() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
             if !wait(Duration::from_secs(5)) {
                 tracing::error!("handover rollback: the new process {pid} does not die");
                 return Vec::new();
@@ -283,6 +299,7 @@ fn wait_confirm(sock: &OwnedFd, successor: &mut Successor) -> Result<()> {
         .ok()
         .map(|c| c.pid());
     successor.pid = peer;
+    successor.started = peer.and_then(proc_stat).map(|(_, t)| t);
     let until = Instant::now() + CONFIRM_LIMIT;
     let mut buf = vec![0u8; wire::MAX_MSG];
     loop {
@@ -313,9 +330,25 @@ fn wait_confirm(sock: &OwnedFd, successor: &mut Successor) -> Result<()> {
                 }
             }
             Some(m) if m.op == Op::Confirm => return Ok(()),
-            Some(m) if m.op == Op::Abort => bail!("the new process gave up: {}", m.key),
+            Some(m) if m.op == Op::Abort => {
+                successor.aborted = true;
+                bail!("the new process gave up: {}", m.key)
+            }
             Some(m) => bail!("unexpected {:?} from the new process", m.op),
             None => bail!("the new process exited before it confirmed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn proc_stat_reads_state_and_start_time() {
+        let me = i32::try_from(std::process::id()).unwrap();
+        let (state, started) = super::proc_stat(me).expect("our own stat");
+        assert!(matches!(state, 'R' | 'S'), "{state}");
+        assert!(started > 0);
+        assert_eq!(super::proc_stat(me).map(|s| s.1), Some(started));
+        assert!(super::proc_stat(i32::MAX).is_none());
     }
 }
