@@ -111,6 +111,12 @@ impl BlockDevice for FaultDisk {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         self.inner.as_any()
     }
+    fn let_go(&self) -> io::Result<()> {
+        self.inner.let_go()
+    }
+    fn take_back(&self, dead_owners: &[String]) -> io::Result<()> {
+        self.inner.take_back(dead_owners)
+    }
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
         let n = self.channels.fetch_add(1, Ordering::Relaxed);
         let mut state = self.config.seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);

@@ -88,6 +88,23 @@ pub trait BlockDevice: Send + Sync {
     fn format_support(&self) -> FormatSupport {
         FormatSupport::Unsupported
     }
+    /// Live handover (udrive's decision 0022): the front end has quiesced (no
+    /// request in flight) and a successor process is about to open this backend
+    /// by its spec. Give up what would keep it from doing so (an RBD image's
+    /// exclusive lock); the device need not serve writes until
+    /// [`BlockDevice::take_back`]. Idempotent; the default has nothing to give up.
+    /// Wrappers pass it on.
+    fn let_go(&self) -> io::Result<()> {
+        Ok(())
+    }
+    /// The handover failed: take back what [`BlockDevice::let_go`] gave up, so
+    /// that the device's channels work as before. `dead_owners` names clients
+    /// known dead (the failed successor's cluster clients, announced before it
+    /// took anything) whose claims may be broken. Idempotent.
+    fn take_back(&self, dead_owners: &[String]) -> io::Result<()> {
+        let _ = dead_owners;
+        Ok(())
+    }
 }
 
 /// What a front end may do when a guest asks to reformat a backend (see

@@ -278,6 +278,12 @@ impl BlockDevice for QosDisk {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         self.inner.as_any()
     }
+    fn let_go(&self) -> io::Result<()> {
+        self.inner.let_go()
+    }
+    fn take_back(&self, dead_owners: &[String]) -> io::Result<()> {
+        self.inner.take_back(dead_owners)
+    }
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
         Ok(Box::new(QosChannel {
             inner: self.inner.channel()?,

@@ -109,6 +109,12 @@ impl BlockDevice for SliceDisk {
     fn format_support(&self) -> crate::FormatSupport {
         crate::FormatSupport::Shared
     }
+    fn let_go(&self) -> io::Result<()> {
+        self.inner.let_go()
+    }
+    fn take_back(&self, dead_owners: &[String]) -> io::Result<()> {
+        self.inner.take_back(dead_owners)
+    }
 }
 
 struct SliceChannel {

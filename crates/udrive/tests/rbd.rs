@@ -604,3 +604,542 @@ fn librbd_threads_stay_off_the_reactor_cpu() {
     assert!(librbd >= 5, "only {librbd} librados/librbd threads found");
     s.stop();
 }
+
+// ---- Issue 15 with RBD: live handover and supervised restart ----
+
+const HO_BLOCK: usize = 4096;
+const HO_BLOCKS: u64 = 512;
+const HO_QD: usize = 32;
+const UDRIVE: &str = env!("CARGO_BIN_EXE_udrive");
+
+fn ho_block(gen: u64, lba: u64) -> Vec<u8> {
+    Rng::new(gen << 32 | lba).bytes(HO_BLOCK)
+}
+
+/// A server with one NVMe controller on an RBD image and a control socket, run
+/// detached (the processes that take it over are not our children).
+struct HoService {
+    dir: tempfile::TempDir,
+}
+
+impl HoService {
+    fn start(c: &Cluster, image: &str) -> HoService {
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let p = |n: &str| dir.path().join(n).display().to_string();
+        let cfg = format!(
+            "cpus = \"0\"\nrpc = \"{}\"\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"{}\"]\n",
+            p("rpc.sock"),
+            p("nvme.sock"),
+            rbd_ns(c, image, "")
+        );
+        std::fs::write(p("u.toml"), cfg).unwrap();
+        let log = std::fs::File::create(p("serve.log")).unwrap();
+        let mut cmd = Command::new(UDRIVE);
+        cmd.args(["serve", "--config", &p("u.toml")])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let mut child = cmd.spawn().unwrap();
+        let s = HoService { dir };
+        common::wait_until("control socket", Duration::from_secs(60), || {
+            s.rpc("get_version", json!({})).is_ok()
+        });
+        // The first process is ours: reap it when it exits after a handover.
+        std::thread::spawn(move || child.wait());
+        s
+    }
+
+    fn path(&self, n: &str) -> PathBuf {
+        self.dir.path().join(n)
+    }
+
+    fn rpc(&self, method: &str, params: Value) -> Result<Value, String> {
+        let out = Command::new(UDRIVE)
+            .args(["rpc", "--rpc"])
+            .arg(self.path("rpc.sock"))
+            .arg(method)
+            .arg(params.to_string())
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
+    }
+
+    fn pid(&self) -> u64 {
+        self.rpc("get_version", json!({})).unwrap()["pid"]
+            .as_u64()
+            .unwrap()
+    }
+
+    fn upgrade(&self) -> std::process::Output {
+        Command::new(UDRIVE)
+            .args(["upgrade", "--rpc"])
+            .arg(self.path("rpc.sock"))
+            .arg("--log")
+            .arg(self.path("upgrade.log"))
+            .env("RUST_LOG", "info")
+            .output()
+            .unwrap()
+    }
+
+    fn log(&self) -> String {
+        let a = std::fs::read_to_string(self.path("serve.log")).unwrap_or_default();
+        let b = std::fs::read_to_string(self.path("upgrade.log")).unwrap_or_default();
+        format!("{a}{b}")
+    }
+
+    fn stop(&self) {
+        if let Ok(v) = self.rpc("get_version", json!({})) {
+            if let Some(pid) = v["pid"].as_u64() {
+                let _ = Command::new("kill").arg(pid.to_string()).status();
+                let until = Instant::now() + Duration::from_secs(20);
+                while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for HoService {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A client writing generations of blocks at QD32 and reading a sample back after
+/// every burst; at the end it reads every block and returns what it expects each
+/// to hold (generation per block, 0 = never written).
+struct HoClient {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ops: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    thread: std::thread::JoinHandle<Result<Vec<u64>, String>>,
+}
+
+impl HoClient {
+    fn start(sock: PathBuf, seed: u64) -> HoClient {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let ops = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (st, op) = (stop.clone(), ops.clone());
+        let thread = std::thread::spawn(move || ho_client(&sock, seed, &st, &op));
+        HoClient { stop, ops, thread }
+    }
+
+    fn ops(&self) -> u64 {
+        self.ops.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn finish(self) -> Result<Vec<u64>, String> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread
+            .join()
+            .map_err(|_| "client panicked".to_string())?
+    }
+}
+
+fn ho_burst(
+    qp: &mut initiator::QueuePair,
+    bufs: &[initiator::DmaBuf],
+    op: IoOp,
+    lbas: &[u64],
+    fill: impl Fn(usize, u64),
+) -> Result<(), String> {
+    let mut cids = Vec::with_capacity(lbas.len());
+    for (i, lba) in lbas.iter().enumerate() {
+        fill(i, *lba);
+        let cid = qp
+            .submit_io(op, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
+            .map_err(|e| format!("submit: {e}"))?;
+        cids.push((cid, *lba));
+    }
+    qp.ring().map_err(|e| format!("ring: {e}"))?;
+    for (cid, lba) in cids {
+        let c = qp
+            .wait(cid, Duration::from_secs(30))
+            .map_err(|e| format!("{op:?} of block {lba}: no completion: {e}"))?;
+        if !c.status.is_ok() {
+            return Err(format!("{op:?} of block {lba}: status {}", c.status));
+        }
+    }
+    Ok(())
+}
+
+fn ho_client(
+    sock: &Path,
+    seed: u64,
+    stop: &std::sync::atomic::AtomicBool,
+    ops: &std::sync::atomic::AtomicU64,
+) -> Result<Vec<u64>, String> {
+    use std::sync::atomic::Ordering;
+    let d = NvmeDriver::connect(sock, opts()).map_err(|e| format!("attach: {e}"))?;
+    let mut qp = d.create_qpair(64, false).map_err(|e| e.to_string())?;
+    let bufs: Vec<initiator::DmaBuf> = (0..HO_QD).map(|_| d.alloc_buf(HO_BLOCK).unwrap()).collect();
+    let mut gens = vec![0u64; HO_BLOCKS as usize];
+    let mut rng = Rng::new(seed);
+    let mut gen = 0u64;
+    let check = |qp: &mut initiator::QueuePair, lbas: &[u64], gens: &[u64]| {
+        ho_burst(qp, &bufs, IoOp::Read, lbas, |i, _| bufs[i].fill(0))?;
+        let mut back = vec![0u8; HO_BLOCK];
+        for (i, lba) in lbas.iter().enumerate() {
+            bufs[i].read(0, &mut back).unwrap();
+            let want = gens[*lba as usize];
+            let ok = if want == 0 {
+                back.iter().all(|b| *b == 0)
+            } else {
+                back == ho_block(want, *lba)
+            };
+            if !ok {
+                return Err(format!("block {lba}: not generation {want}"));
+            }
+        }
+        Ok::<(), String>(())
+    };
+    while !stop.load(Ordering::Relaxed) {
+        gen += 1;
+        let start = rng.below(HO_BLOCKS);
+        let lbas: Vec<u64> = (0..HO_QD as u64)
+            .map(|i| (start + i * 13) % HO_BLOCKS)
+            .collect();
+        let g = seed << 40 | gen;
+        ho_burst(&mut qp, &bufs, IoOp::Write, &lbas, |i, lba| {
+            bufs[i].write(0, &ho_block(g, lba)).unwrap()
+        })?;
+        for lba in &lbas {
+            gens[*lba as usize] = g;
+        }
+        let mut sample: Vec<u64> = (0..HO_QD as u64).map(|_| rng.below(HO_BLOCKS)).collect();
+        sample.sort_unstable();
+        sample.dedup();
+        check(&mut qp, &sample, &gens)?;
+        ops.fetch_add((lbas.len() + sample.len()) as u64, Ordering::Relaxed);
+    }
+    let all: Vec<u64> = (0..HO_BLOCKS).collect();
+    for chunk in all.chunks(HO_QD) {
+        check(&mut qp, chunk, &gens)?;
+    }
+    Ok(gens)
+}
+
+/// The image as the client expects it, checked with `rbd export`.
+fn check_export(c: &Cluster, image: &str, gens: &[u64]) {
+    let data = c.export(image);
+    for (lba, g) in gens.iter().enumerate() {
+        let got = &data[lba * HO_BLOCK..(lba + 1) * HO_BLOCK];
+        let ok = if *g == 0 {
+            got.iter().all(|b| *b == 0)
+        } else {
+            got == ho_block(*g, lba as u64).as_slice()
+        };
+        assert!(ok, "rbd export: block {lba} is not generation {g}");
+    }
+}
+
+fn log_numbers<'a>(log: &'a str, line_has: &'a str, key: &'a str) -> Vec<u64> {
+    log.lines()
+        .filter(|l| l.contains(line_has))
+        .filter_map(|l| {
+            let at = l.find(&format!("{key}="))? + key.len() + 1;
+            l[at..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+#[test]
+fn an_rbd_namespace_survives_handovers_under_verified_io() {
+    if !common::ceph::available() {
+        return;
+    }
+    let c = Cluster::start();
+    c.create_image("ho", HO_BLOCKS * HO_BLOCK as u64);
+    let s = HoService::start(&c, "ho");
+    let client = HoClient::start(s.path("nvme.sock"), 7);
+    common::wait_until("client running", Duration::from_secs(60), || {
+        client.ops() > 0
+    });
+    let n = std::env::var("UDRIVE_TEST_HANDOVERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
+    // Pause between handovers (ms): back to back, a handover's release waits for
+    // the previous one's lock notification to time out (see decision 0024).
+    let gap = std::env::var("UDRIVE_TEST_HANDOVER_GAP_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5500);
+    let mut pid = s.pid();
+    for i in 0..n {
+        std::thread::sleep(Duration::from_millis(gap));
+        let before = client.ops();
+        let t = Instant::now();
+        let out = s.upgrade();
+        assert!(
+            out.status.success(),
+            "handover {i}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            s.log()
+        );
+        let upgrade_ms = t.elapsed().as_millis();
+        let now = s.pid();
+        assert_ne!(now, pid, "handover {i}: a new process serves");
+        pid = now;
+        common::wait_until("I/O after the handover", Duration::from_secs(60), || {
+            client.ops() > before
+        });
+        eprintln!("handover {i}: `udrive upgrade` took {upgrade_ms} ms");
+    }
+    let gens = client
+        .finish()
+        .unwrap_or_else(|e| panic!("client: {e}\n{}", s.log()));
+    let log = s.log();
+    assert_eq!(log.matches("took every device over").count(), n, "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    for l in log
+        .lines()
+        .filter(|l| l.contains("handover confirmed") || l.contains("took every device over"))
+    {
+        eprintln!("{l}");
+    }
+    let totals = log_numbers(&log, "handover confirmed", "total_us");
+    eprintln!("old process's handover (pause to confirm), µs: {totals:?}");
+    s.stop();
+    check_export(&c, "ho", &gens);
+}
+
+#[test]
+fn an_rbd_handover_that_dies_rolls_back_and_the_old_process_writes() {
+    if !common::ceph::available() {
+        return;
+    }
+    let c = Cluster::start();
+    c.create_image("rb", HO_BLOCKS * HO_BLOCK as u64);
+    let s = HoService::start(&c, "rb");
+    let client = HoClient::start(s.path("nvme.sock"), 9);
+    common::wait_until("client running", Duration::from_secs(60), || {
+        client.ops() > 0
+    });
+    let pid = s.pid();
+    let steps: Vec<String> = std::env::var("UDRIVE_TEST_DIE_AT")
+        .map(|v| v.split(',').map(String::from).collect())
+        .unwrap_or_else(|_| ["receive", "start", "confirm"].map(String::from).to_vec());
+    for step in &steps {
+        let out = Command::new(UDRIVE)
+            .args(["serve", "--takeover"])
+            .arg(s.path("rpc.sock"))
+            .env("UDRIVE_TAKEOVER_DIE_AT", step)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{step}: the takeover died");
+        eprintln!(
+            "takeover dying at {step}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(s.pid(), pid, "{step}: the old process still serves");
+        // Writes go through: the old process holds the image's lock again.
+        let before = client.ops();
+        let t = Instant::now();
+        while client.ops() <= before + 200 {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "no I/O after the rollback at {step}:\n{}",
+                s.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!(
+            "died at {step}: rolled back; 200 more verified ops within {} ms",
+            t.elapsed().as_millis()
+        );
+    }
+    // And a real handover still works afterwards.
+    let out = s.upgrade();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        s.log()
+    );
+    let before = client.ops();
+    common::wait_until("I/O after the handover", Duration::from_secs(60), || {
+        client.ops() > before
+    });
+    let gens = client
+        .finish()
+        .unwrap_or_else(|e| panic!("client: {e}\n{}", s.log()));
+    let log = s.log();
+    assert_eq!(
+        log.matches("handover failed, devices resumed").count(),
+        steps.len(),
+        "{log}"
+    );
+    assert!(!log.contains("cannot take its backend back"), "{log}");
+    for l in log
+        .lines()
+        .filter(|l| l.contains("broke the exclusive lock"))
+    {
+        eprintln!("{l}");
+    }
+    s.stop();
+    check_export(&c, "rb", &gens);
+}
+
+/// Writes `lbas` with generation `gen`, QD at a time; returns those completed
+/// (all unless the server dies meanwhile).
+fn sv_write(
+    qp: &mut initiator::QueuePair,
+    bufs: &[initiator::DmaBuf],
+    gen: u64,
+    lbas: &[u64],
+) -> Vec<u64> {
+    let mut done = Vec::new();
+    for chunk in lbas.chunks(HO_QD) {
+        let mut cids = Vec::new();
+        for (i, lba) in chunk.iter().enumerate() {
+            bufs[i].write(0, &ho_block(gen, *lba)).unwrap();
+            let cid = qp
+                .submit_io(IoOp::Write, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
+                .unwrap();
+            cids.push((cid, *lba));
+        }
+        qp.ring().unwrap();
+        for (cid, lba) in cids {
+            match qp.wait(cid, Duration::from_secs(30)) {
+                Ok(c) => {
+                    assert!(c.status.is_ok(), "write of block {lba}: {}", c.status);
+                    done.push(lba);
+                }
+                Err(_) => return done,
+            }
+        }
+    }
+    done
+}
+
+fn sv_check(qp: &mut initiator::QueuePair, buf: &initiator::DmaBuf, want: &[u64]) {
+    let mut back = vec![0u8; HO_BLOCK];
+    for (lba, gen) in want.iter().enumerate() {
+        let c = common::io(
+            qp,
+            IoOp::Read,
+            1,
+            lba as u64 * 8,
+            8,
+            Some(buf),
+            DataMode::Prp,
+        );
+        common::assert_ok(&c, "read");
+        buf.read(0, &mut back).unwrap();
+        assert!(
+            back == ho_block(*gen, lba as u64),
+            "block {lba}: not generation {gen}"
+        );
+    }
+}
+
+#[test]
+fn a_supervised_server_killed_with_an_rbd_namespace_reopens_the_image_at_once() {
+    if !common::ceph::available() {
+        return;
+    }
+    let c = Cluster::start();
+    c.create_image("sv", HO_BLOCKS * HO_BLOCK as u64);
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let sock = dir.path().join("nvme.sock");
+    let logp = dir.path().join("stderr.log");
+    let mut sup = Command::new(UDRIVE)
+        .args(["serve", "--supervise", "--cpus", "0", "--vfio-user"])
+        .arg(&sock)
+        .arg("--ns")
+        .arg(rbd_ns(&c, "sv", ""))
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&logp).unwrap())
+        .spawn()
+        .unwrap();
+    let log = || std::fs::read_to_string(&logp).unwrap_or_default();
+    let me = sup.id();
+    let server_pid = || -> Option<u32> {
+        let kids = std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")).ok()?;
+        kids.split_whitespace().next()?.parse().ok()
+    };
+    common::wait_until("device socket", Duration::from_secs(60), || sock.exists());
+    let d = NvmeDriver::connect(&sock, opts()).expect("attach");
+    let bufs: Vec<initiator::DmaBuf> = (0..HO_QD).map(|_| d.alloc_buf(HO_BLOCK).unwrap()).collect();
+    let mut qp = d.create_qpair(64, false).unwrap();
+    let all: Vec<u64> = (0..HO_BLOCKS).collect();
+    assert_eq!(sv_write(&mut qp, &bufs, 1, &all).len(), all.len());
+    let mut want = vec![1u64; HO_BLOCKS as usize];
+    let rounds = 2u64;
+    for round in 0..rounds {
+        let gen = round + 2;
+        let first = server_pid().expect("a server child");
+        let lbas: Vec<u64> = (0..HO_QD as u64).map(|i| i * 7 % HO_BLOCKS).collect();
+        for (i, lba) in lbas.iter().enumerate() {
+            bufs[i].write(0, &ho_block(gen, *lba)).unwrap();
+            qp.submit_io(IoOp::Write, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
+                .unwrap();
+        }
+        qp.ring().unwrap();
+        let t = Instant::now();
+        let _ = Command::new("kill")
+            .args(["-9", &first.to_string()])
+            .status();
+        // The new child answers for the controller once it has opened the image.
+        let csts = d
+            .read_reg32(initiator::regs::CSTS)
+            .expect("CSTS after the crash");
+        let answered = t.elapsed();
+        assert_eq!(
+            csts & (initiator::regs::CSTS_CFS | initiator::regs::CSTS_RDY),
+            initiator::regs::CSTS_CFS | initiator::regs::CSTS_RDY,
+            "round {round}: CSTS {csts:#x}\n{}",
+            log()
+        );
+        assert_ne!(server_pid(), Some(first), "a new server process");
+        d.reset_controller().expect("reset after the crash");
+        qp = d.create_qpair(64, false).unwrap();
+        assert_eq!(
+            sv_write(&mut qp, &bufs, gen, &lbas).len(),
+            lbas.len(),
+            "round {round}: writes after the restart\n{}",
+            log()
+        );
+        let io_back = t.elapsed();
+        for lba in &lbas {
+            want[*lba as usize] = gen;
+        }
+        sv_check(&mut qp, &bufs[0], &want);
+        eprintln!(
+            "round {round}: SIGKILL to the new child answering {} ms, to writes done after the reset {} ms",
+            answered.as_millis(),
+            io_back.as_millis()
+        );
+    }
+    let l = log();
+    let broke = log_numbers(&l, "broke the exclusive lock", "ms");
+    eprintln!("lock breaks (ms each): {broke:?}");
+    assert_eq!(
+        broke.len() as u64,
+        rounds,
+        "one lock broken per crash:\n{l}"
+    );
+    let _ = Command::new("kill")
+        .args(["-TERM", &me.to_string()])
+        .status();
+    let until = Instant::now() + Duration::from_secs(30);
+    while sup.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < until, "supervisor did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    check_export(&c, "sv", &want);
+}

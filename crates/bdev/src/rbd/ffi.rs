@@ -66,6 +66,8 @@ extern "C" {
     fn rados_ioctx_create(cluster: rados_t, pool: *const c_char, io: *mut rados_ioctx_t) -> c_int;
     fn rados_ioctx_set_namespace(io: rados_ioctx_t, nspace: *const c_char);
     fn rados_ioctx_destroy(io: rados_ioctx_t);
+    fn rados_getaddrs(cluster: rados_t, addrs: *mut *mut c_char) -> c_int;
+    fn rados_buffer_free(buf: *mut c_char);
 }
 
 #[link(name = "rbd")]
@@ -94,6 +96,14 @@ extern "C" {
     ) -> c_int;
     fn rbd_lock_acquire(image: rbd_image_t, mode: c_int) -> c_int;
     fn rbd_lock_release(image: rbd_image_t) -> c_int;
+    fn rbd_lock_get_owners(
+        image: rbd_image_t,
+        mode: *mut c_int,
+        owners: *mut *mut c_char,
+        max: *mut usize,
+    ) -> c_int;
+    fn rbd_lock_get_owners_cleanup(owners: *mut *mut c_char, count: usize);
+    fn rbd_lock_break(image: rbd_image_t, mode: c_int, owner: *const c_char) -> c_int;
     fn rbd_image_options_create(opts: *mut rbd_image_options_t);
     fn rbd_image_options_destroy(opts: rbd_image_options_t);
     fn rbd_image_options_set_uint64(opts: rbd_image_options_t, optname: c_int, val: u64) -> c_int;
@@ -246,6 +256,25 @@ impl Rados {
             .into_owned())
     }
 
+    /// This client's addresses as the cluster sees them (`rados_getaddrs`), e.g.
+    /// `127.0.0.1:0/3417622045`: what an exclusive lock's owner is named by.
+    pub fn addrs(&self) -> io::Result<String> {
+        let mut out: *mut c_char = ptr::null_mut();
+        // SAFETY: live, connected handle; valid out pointer.
+        let ret = unsafe { rados_getaddrs(self.raw, &mut out) };
+        check(ret, || "cannot read the Ceph client's address".into())?;
+        if out.is_null() {
+            return Ok(String::new());
+        }
+        // SAFETY: librados returned a NUL-terminated string it allocated.
+        let s = unsafe { CStr::from_ptr(out) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: allocated by librados for us, freed once.
+        unsafe { rados_buffer_free(out) };
+        Ok(s)
+    }
+
     /// An I/O context on `pool` (and RADOS namespace `ns`, if given).
     pub fn ioctx(self: &Arc<Self>, pool: &str, ns: Option<&str>) -> io::Result<IoCtx> {
         let p = cstr(pool)?;
@@ -366,6 +395,8 @@ impl IoCtx {
 pub struct Image {
     raw: rbd_image_t,
     locked: AtomicBool,
+    /// The lock was released by [`Image::unlock`] and is to be taken back.
+    released: AtomicBool,
     _io: Arc<IoCtx>,
 }
 
@@ -411,6 +442,7 @@ impl Image {
         Ok(Image {
             raw,
             locked: AtomicBool::new(false),
+            released: AtomicBool::new(false),
             _io: io.clone(),
         })
     }
@@ -442,6 +474,76 @@ impl Image {
         check(ret, || "cannot take the image's exclusive lock".into())?;
         self.locked.store(true, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Releases the exclusive lock taken by [`Image::lock_exclusive`] (nothing if
+    /// not held). Writes fail (EROFS) until it is taken again: librbd does not
+    /// take it back by itself once `rbd_lock_acquire` chose the standard policy.
+    pub fn unlock(&self) -> io::Result<()> {
+        if !self.locked.swap(false, Ordering::Relaxed) {
+            return Ok(());
+        }
+        // SAFETY: live image.
+        let ret = unsafe { rbd_lock_release(self.raw) };
+        if let Err(e) = check(ret, || "cannot release the image's exclusive lock".into()) {
+            self.locked.store(true, Ordering::Relaxed);
+            return Err(e);
+        }
+        self.released.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether [`Image::unlock`] let the lock go (a successor may write now).
+    pub fn was_let_go(&self) -> bool {
+        self.released.load(Ordering::Relaxed)
+    }
+
+    /// Marks the lock as let go (a successor may hold it) or taken back.
+    pub fn set_let_go(&self, v: bool) {
+        self.released.store(v, Ordering::Relaxed);
+    }
+
+    /// The exclusive lock's owners (client addresses, as `rados_getaddrs` gives
+    /// them); empty when it is free.
+    pub fn lock_owners(&self) -> io::Result<Vec<String>> {
+        let mut max: usize = 4;
+        loop {
+            let mut owners: Vec<*mut c_char> = vec![ptr::null_mut(); max];
+            let mut mode: c_int = 0;
+            let mut n = max;
+            // SAFETY: live image; `owners` has room for `n` pointers.
+            let ret =
+                unsafe { rbd_lock_get_owners(self.raw, &mut mode, owners.as_mut_ptr(), &mut n) };
+            if ret == -libc::ENOENT {
+                return Ok(Vec::new());
+            }
+            if ret == -libc::ERANGE && n > max {
+                max = n;
+                continue;
+            }
+            check(ret, || "cannot read the image's lock owners".into())?;
+            let n = n.min(max);
+            let out = owners[..n]
+                .iter()
+                .filter(|p| !p.is_null())
+                // SAFETY: librbd filled the first `n` entries with NUL-terminated
+                // strings it owns until the cleanup call below.
+                .map(|&p| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+                .collect();
+            // SAFETY: frees the `n` strings librbd allocated, once.
+            unsafe { rbd_lock_get_owners_cleanup(owners.as_mut_ptr(), n) };
+            return Ok(out);
+        }
+    }
+
+    /// Breaks the exclusive lock held by `owner` (an address from
+    /// [`Image::lock_owners`]); librbd blocklists that client first
+    /// (`rbd_blocklist_on_break_lock`, default on), so it can never write again.
+    pub fn break_lock(&self, owner: &str) -> io::Result<()> {
+        let o = cstr(owner)?;
+        // SAFETY: live image, NUL-terminated owner.
+        let ret = unsafe { rbd_lock_break(self.raw, RBD_LOCK_MODE_EXCLUSIVE, o.as_ptr()) };
+        check(ret, || format!("cannot break the lock held by {owner}"))
     }
 
     pub fn resize(&self, size: u64, allow_shrink: bool) -> io::Result<()> {

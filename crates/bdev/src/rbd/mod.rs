@@ -105,6 +105,31 @@ pub struct RbdOptions {
     pub read_only: bool,
     /// 512 (default) or 4096.
     pub block_size: Option<u32>,
+    /// Addresses of clients known to be dead (a previous process of this
+    /// service, reaped by its supervisor): if one of them still holds the image's
+    /// exclusive lock, the lock is broken (librbd blocklists that client first)
+    /// instead of waiting ~30 s for its watch to expire.
+    pub dead_owners: Vec<String>,
+}
+
+/// Whether lock owner `owner` is one of `dead` (addresses as `rados_getaddrs` and
+/// `rbd_lock_get_owners` print them: `[v2:IP:PORT/NONCE,v1:…]` or `IP:PORT/NONCE`).
+pub fn owner_is_one_of(owner: &str, dead: &[String]) -> bool {
+    fn addrs(s: &str) -> Vec<&str> {
+        s.trim_matches(|c| c == '[' || c == ']')
+            .split(',')
+            .map(|a| {
+                a.trim()
+                    .trim_start_matches("v2:")
+                    .trim_start_matches("v1:")
+                    .trim_start_matches("any:")
+            })
+            // A client address without a nonce names no one in particular.
+            .filter(|a| a.contains('/') && !a.ends_with("/0"))
+            .collect()
+    }
+    let o = addrs(owner);
+    dead.iter().any(|d| addrs(d).iter().any(|a| o.contains(a)))
 }
 
 /// A connection to a cluster, shared by every image opened through it.
@@ -216,6 +241,11 @@ impl Cluster {
         Ok(Arc::new(io))
     }
 
+    /// This client's addresses (what a lock it holds is owned by).
+    pub fn client_addrs(&self) -> io::Result<String> {
+        self.rados.addrs()
+    }
+
     /// A configuration value as this connection sees it.
     pub fn conf_get(&self, option: &str) -> io::Result<String> {
         self.rados.conf_get(option)
@@ -273,6 +303,31 @@ impl Cluster {
             spec: spec.clone(),
         })
     }
+}
+
+/// If the exclusive lock is held and every holder is one of `dead`, breaks it
+/// (librbd blocklists the holder first, so it can never write again). Done before
+/// asking for the lock: `rbd_lock_acquire` with a dead holder whose watch has not
+/// expired yet blocks ~30 s (it asks the holder, which never answers). A holder
+/// not known dead is left alone (taking the lock then fails as usual).
+fn break_dead_owners(image: &Image, spec: &ImageSpec, dead: &[String]) -> io::Result<()> {
+    if dead.is_empty() {
+        return Ok(());
+    }
+    let owners = image.lock_owners()?;
+    if owners.is_empty() || !owners.iter().all(|o| owner_is_one_of(o, dead)) {
+        return Ok(());
+    }
+    for o in &owners {
+        let t = std::time::Instant::now();
+        image.break_lock(o)?;
+        tracing::warn!(
+            owner = %o,
+            ms = t.elapsed().as_millis() as u64,
+            "image {spec}: broke the exclusive lock of a dead client (blocklisted)"
+        );
+    }
+    Ok(())
 }
 
 fn open_hint(e: io::Error, spec: &ImageSpec) -> io::Error {
@@ -365,6 +420,7 @@ impl RbdDisk {
         .map_err(|e| open_hint(e, spec))?;
         const EXCLUSIVE_LOCK: u64 = 1 << 2;
         if !read_only && image.features()? & EXCLUSIVE_LOCK != 0 {
+            break_dead_owners(&image, spec, &opts.dead_owners)?;
             image.lock_exclusive().map_err(|e| {
                 hint(e, |errno| match errno {
                     libc::EBUSY | libc::EROFS | libc::EAGAIN => Some(format!(
@@ -465,12 +521,36 @@ impl BlockDevice for RbdDisk {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
+    /// Releases the exclusive lock (librbd flushes first) so that a successor can
+    /// take it; writes fail until [`BlockDevice::take_back`].
+    fn let_go(&self) -> io::Result<()> {
+        self.handle
+            .image
+            .unlock()
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", self.describe())))
+    }
+    /// Takes the lock back; if a dead successor (one of `dead_owners`) holds it,
+    /// breaks it first (librbd blocklists that client).
+    fn take_back(&self, dead_owners: &[String]) -> io::Result<()> {
+        let image = &self.handle.image;
+        if !image.was_let_go() {
+            return Ok(());
+        }
+        break_dead_owners(image, &self.handle.spec, dead_owners)
+            .and_then(|()| image.lock_exclusive())
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", self.describe())))?;
+        image.set_let_go(false);
+        Ok(())
+    }
 }
 
 impl Drop for RbdDisk {
     fn drop(&mut self) {
         // Writes librbd may still cache reach the cluster before the lock goes.
-        if Arc::strong_count(&self.handle.image) == 1 && !self.info.read_only {
+        if Arc::strong_count(&self.handle.image) == 1
+            && !self.info.read_only
+            && !self.handle.image.was_let_go()
+        {
             if let Err(e) = self.handle.image.flush() {
                 tracing::warn!("flushing {} on close: {e}", self.handle.spec);
             }
@@ -504,5 +584,16 @@ mod tests {
         ] {
             assert!(bad.parse::<ImageSpec>().is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn lock_owners_match_recorded_addresses() {
+        let dead = vec!["[v2:127.0.0.1:0/3417622045,v1:127.0.0.1:0/3417622045]".to_string()];
+        assert!(owner_is_one_of("127.0.0.1:0/3417622045", &dead));
+        assert!(!owner_is_one_of("127.0.0.1:0/3417622046", &dead));
+        assert!(owner_is_one_of("127.0.0.1:0/7", &["127.0.0.1:0/7".into()]));
+        assert!(!owner_is_one_of("127.0.0.1:0/0", &["127.0.0.1:0/0".into()]));
+        assert!(!owner_is_one_of("", &dead));
+        assert!(!owner_is_one_of("127.0.0.1:0/3417622045", &[]));
     }
 }

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use bdev::BlockDevice;
 use nix::sys::socket::{
     connect, getsockopt, socket, sockopt, AddressFamily, SockFlag, SockType, UnixAddr,
 };
@@ -50,8 +51,16 @@ pub fn handover(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
     let t0 = Instant::now();
     refuse_what_cannot_move(&st)?;
     let (paused, records) = pause_and_export(&mut st)?;
+    let quiesced = t0.elapsed();
+    if let Err(e) = let_go_all(&st) {
+        take_back_all(&st, &[]);
+        resume_all(&mut st);
+        tracing::warn!("handover failed, devices resumed: {e:#}");
+        return Err(e.context("handover failed; this process serves on").into());
+    }
     let pause_done = t0.elapsed();
-    match send_and_confirm(&rpc.server, &st, &sock, records) {
+    let mut successor = Successor::default();
+    match send_and_confirm(&rpc.server, &st, &sock, records, &mut successor) {
         Ok(()) => {
             let total = t0.elapsed();
             HANDED_OVER.store(true, Ordering::Release);
@@ -59,7 +68,8 @@ pub fn handover(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
             std::mem::forget(st);
             tracing::info!(
                 devices = paused,
-                quiesce_us = pause_done.as_micros() as u64,
+                quiesce_us = quiesced.as_micros() as u64,
+                let_go_us = (pause_done - quiesced).as_micros() as u64,
                 total_us = total.as_micros() as u64,
                 "handover confirmed by the new process"
             );
@@ -70,6 +80,8 @@ pub fn handover(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
             }))
         }
         Err(e) => {
+            let dead = successor.dead_clients();
+            take_back_all(&st, &dead);
             resume_all(&mut st);
             tracing::warn!("handover failed, devices resumed: {e:#}");
             Err(e.context("handover failed; this process serves on").into())
@@ -157,6 +169,56 @@ fn resume(devices: &[crate::server::Device]) {
     }
 }
 
+/// After every controller quiesced (no request in flight): each backend gives up
+/// what would keep the new process from opening it by its spec (an RBD image's
+/// exclusive lock, decision 0019).
+fn let_go_all(st: &State) -> Result<()> {
+    for d in &st.devices {
+        if let Some(v) = d.as_vhost() {
+            v.disk
+                .let_go()
+                .with_context(|| format!("{}: cannot let go of its disk", v.cfg.what()))?;
+        }
+        if let Some(n) = d.as_nvme() {
+            for (id, ns) in &n.namespaces {
+                ns.qos.let_go().with_context(|| {
+                    format!(
+                        "namespace {id} of {}: cannot let go of it",
+                        n.socket.display()
+                    )
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The handover failed: backends take back what they let go of. A failure is
+/// logged: that namespace's writes fail until it is fixed (it is not expected:
+/// nobody else may hold the lock meanwhile).
+fn take_back_all(st: &State, dead: &[String]) {
+    for d in &st.devices {
+        if let Some(v) = d.as_vhost() {
+            if let Err(e) = v.disk.take_back(dead) {
+                tracing::error!(
+                    "handover rollback: {}: cannot take its disk back: {e}",
+                    v.cfg.what()
+                );
+            }
+        }
+        if let Some(n) = d.as_nvme() {
+            for (id, ns) in &n.namespaces {
+                if let Err(e) = ns.qos.take_back(dead) {
+                    tracing::error!(
+                        "handover rollback: namespace {id} of {}: cannot take its backend back: {e}",
+                        n.socket.display()
+                    );
+                }
+            }
+        }
+    }
+}
+
 fn resume_all(st: &mut State) {
     resume(&st.devices);
 }
@@ -197,11 +259,78 @@ fn export_all(st: &State) -> Result<Vec<super::Record>> {
     Ok(out)
 }
 
+/// What the old process knows of the new one: its pid and the cluster clients it
+/// announced before taking locks with them.
+#[derive(Default)]
+struct Successor {
+    pid: Option<i32>,
+    /// Its start time (/proc/PID/stat), so that a recycled pid is not taken for it.
+    started: Option<u64>,
+    clients: Vec<String>,
+    /// It sent Abort: it is alive, waiting for our answer, and dropped what it
+    /// opened (so its locks are released) before saying so.
+    aborted: bool,
+}
+
+/// State letter and start time of `pid` (/proc/PID/stat); None if there is none.
+fn proc_stat(pid: i32) -> Option<(char, u64)> {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut f = st.rsplit_once(')')?.1.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    // Field 22 (starttime) is the 20th after the state.
+    let started = f.nth(18)?.parse().ok()?;
+    Some((state, started))
+}
+
+impl Successor {
+    /// After a failed handover: the clients it announced, once it is surely dead
+    /// (it is killed if it lingers: it failed, and must not hold our images). Empty
+    /// if it announced none or cannot be made sure dead.
+    fn dead_clients(&self) -> Vec<String> {
+        if self.clients.is_empty() || self.aborted {
+            return Vec::new();
+        }
+        let (Some(pid), Some(started)) = (self.pid.filter(|p| *p > 0), self.started) else {
+            return Vec::new();
+        };
+        // Gone: no such process, another one under a recycled pid, or a zombie
+        // (exited, not reaped by its parent: it runs no code).
+        let gone = || match proc_stat(pid) {
+            None => true,
+            Some((state, t)) => t != started || state == 'Z',
+        };
+        let wait = |limit: Duration| {
+            let until = Instant::now() + limit;
+            while !gone() {
+                if Instant::now() >= until {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            true
+        };
+        if !wait(Duration::from_secs(5)) {
+            if !gone() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            if !wait(Duration::from_secs(5)) {
+                tracing::error!("handover rollback: the new process {pid} does not die");
+                return Vec::new();
+            }
+        }
+        self.clients.clone()
+    }
+}
+
 fn send_and_confirm(
     server: &crate::server::Server,
     st: &State,
     sock: &OwnedFd,
     records: Vec<super::Record>,
+    successor: &mut Successor,
 ) -> Result<()> {
     let metrics = crate::metrics::listener_copy();
     let snap = ServerSnapshot::of(server, st, metrics.as_ref().map(|(_, a)| *a));
@@ -231,35 +360,68 @@ fn send_and_confirm(
     }
     wire::send_all(s, &crate::supervise::local_records())
         .context("handover: cannot send the devices' records")?;
-    wait_confirm(sock)
+    wait_confirm(sock, successor)
 }
 
-/// Waits for the new process's answer; kills it if it does not come in time (so
-/// that it cannot start serving after we resumed).
-fn wait_confirm(sock: &OwnedFd) -> Result<()> {
+/// Waits for the new process's answer (noting the cluster clients it announces
+/// meanwhile); kills it if the answer does not come in time (so that it cannot
+/// start serving after we resumed).
+fn wait_confirm(sock: &OwnedFd, successor: &mut Successor) -> Result<()> {
     let peer = getsockopt(sock, sockopt::PeerCredentials)
         .ok()
         .map(|c| c.pid());
-    let mut fds = [nix::poll::PollFd::new(
-        sock.as_fd(),
-        nix::poll::PollFlags::POLLIN,
-    )];
-    let ms = u16::try_from(CONFIRM_LIMIT.as_millis().min(u128::from(u16::MAX))).unwrap_or(u16::MAX);
-    let ready = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)).unwrap_or(0);
-    if ready == 0 {
-        if let Some(pid) = peer.filter(|p| *p > 0) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-        bail!("the new process did not confirm within {CONFIRM_LIMIT:?}; it was killed");
-    }
+    successor.pid = peer;
+    successor.started = peer.and_then(proc_stat).map(|(_, t)| t);
+    let until = Instant::now() + CONFIRM_LIMIT;
     let mut buf = vec![0u8; wire::MAX_MSG];
-    match wire::recv(sock.as_fd(), &mut buf)? {
-        Some(m) if m.op == Op::Confirm => Ok(()),
-        Some(m) if m.op == Op::Abort => bail!("the new process gave up: {}", m.key),
-        Some(m) => bail!("unexpected {:?} from the new process", m.op),
-        None => bail!("the new process exited before it confirmed"),
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let ms = u16::try_from(left.as_millis().min(u128::from(u16::MAX))).unwrap_or(u16::MAX);
+        let mut fds = [nix::poll::PollFd::new(
+            sock.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        let ready = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)).unwrap_or(0);
+        if ready == 0 {
+            if Instant::now() < until {
+                continue;
+            }
+            if let Some(pid) = peer.filter(|p| *p > 0) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            bail!("the new process did not confirm within {CONFIRM_LIMIT:?}; it was killed");
+        }
+        match wire::recv(sock.as_fd(), &mut buf)? {
+            Some(m) if m.op == Op::Record && m.key == super::CLIENT_KEY => {
+                let addr = String::from_utf8_lossy(&m.bytes).into_owned();
+                if successor.clients.len() < 64 && !successor.clients.contains(&addr) {
+                    successor.clients.push(addr);
+                }
+            }
+            Some(m) if m.op == Op::Confirm => return Ok(()),
+            Some(m) if m.op == Op::Abort => {
+                successor.aborted = true;
+                bail!("the new process gave up: {}", m.key)
+            }
+            Some(m) => bail!("unexpected {:?} from the new process", m.op),
+            None => bail!("the new process exited before it confirmed"),
+        }
+    }
+}
+
+#[cfg(test)]
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn proc_stat_reads_state_and_start_time() {
+        let me = i32::try_from(std::process::id()).unwrap();
+        let (state, started) = super::proc_stat(me).expect("our own stat");
+        assert!(matches!(state, 'R' | 'S'), "{state}");
+        assert!(started > 0);
+        assert_eq!(super::proc_stat(me).map(|s| s.1), Some(started));
+        assert!(super::proc_stat(i32::MAX).is_none());
     }
 }

@@ -42,6 +42,33 @@ pub fn taking_over() -> bool {
     TAKING_OVER.load(Ordering::Acquire)
 }
 
+/// Record key of the new process's announcements to the old one: the address of
+/// a RADOS client it is about to take image locks with (decision 0024).
+pub(crate) const CLIENT_KEY: &str = "rbd-client";
+
+/// The new process's connection to the old one while it takes over.
+static TO_OLD: std::sync::Mutex<Option<std::os::fd::OwnedFd>> = std::sync::Mutex::new(None);
+
+/// New process: tells the old one the address of a cluster client it is about to
+/// take locks with, so that if we die before confirming, the old process knows
+/// whose locks it may break to take its images back. Sent before any lock is
+/// taken with it; nothing outside a takeover.
+pub fn announce_client(addr: &str) {
+    let conn = TO_OLD.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(c) = conn.as_ref() {
+        use std::os::fd::AsFd;
+        if let Err(e) = crate::supervise::wire::send(
+            c.as_fd(),
+            crate::supervise::wire::Op::Record,
+            CLIENT_KEY,
+            addr.as_bytes(),
+            &[],
+        ) {
+            tracing::warn!("takeover: cannot tell the old process our client address: {e}");
+        }
+    }
+}
+
 /// Called by the control socket after each reply: once the `handover` reply is
 /// out, this process has nothing left to do — it exits at once, without running
 /// the teardown that would disconnect clients or remove socket files the new

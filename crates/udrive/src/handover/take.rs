@@ -107,7 +107,9 @@ pub fn run(from: &Path) -> Result<()> {
     let received = t0.elapsed();
     fail_point("start");
     super::TAKING_OVER.store(true, std::sync::atomic::Ordering::Release);
+    *super::TO_OLD.lock().unwrap_or_else(|p| p.into_inner()) = conn.try_clone().ok();
     let started = take_over(&mut records);
+    *super::TO_OLD.lock().unwrap_or_else(|p| p.into_inner()) = None;
     let running = match started {
         Ok(r) => r,
         Err(e) => {

@@ -114,6 +114,57 @@ impl BackendKind for Rbd {
     }
 }
 
+/// Supervisor notes naming the RADOS clients of this service's processes
+/// (`note/rbd-client/<address>`, decision 0024).
+const CLIENT_PREFIX: &str = "rbd-client/";
+
+/// Tells the supervisor (once per connection) or, while taking over, the old
+/// process which client address this process uses, before it takes a lock with it.
+fn record_client(c: &bdev::rbd::Cluster) {
+    static SENT: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let addr = match c.client_addrs() {
+        Ok(a) if !a.is_empty() => a,
+        Ok(_) => return,
+        Err(e) => {
+            tracing::warn!("cannot read our Ceph client address: {e}");
+            return;
+        }
+    };
+    if crate::handover::taking_over() {
+        crate::handover::announce_client(&addr);
+    }
+    if !crate::supervise::supervised() {
+        return;
+    }
+    let mut sent = SENT.lock().unwrap_or_else(|p| p.into_inner());
+    if sent.contains(&addr) {
+        return;
+    }
+    if let Some(k) = crate::supervise::keeper() {
+        let key = format!("{}{CLIENT_PREFIX}{addr}", crate::supervise::NOTE_PREFIX);
+        k.put(&key, addr.as_bytes(), &[]);
+    }
+    sent.push(addr);
+}
+
+/// The client addresses earlier children of our supervisor recorded. The
+/// supervisor starts a child only once the previous one was reaped, so every one
+/// of them is dead: a lock one of them holds may be broken. Empty unless
+/// supervised (a handover's predecessor is alive; it releases its locks itself).
+fn dead_predecessors() -> Vec<String> {
+    static DEAD: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    if !crate::supervise::supervised() {
+        return Vec::new();
+    }
+    DEAD.get_or_init(|| {
+        crate::supervise::notes(CLIENT_PREFIX)
+            .into_iter()
+            .map(|(addr, _)| addr)
+            .collect()
+    })
+    .clone()
+}
+
 impl RbdSpec {
     pub fn cluster(&self) -> ClusterOptions {
         ClusterOptions {
@@ -127,9 +178,6 @@ impl RbdSpec {
 }
 
 impl KindSpec for RbdSpec {
-    fn handover_refusal(&self) -> Option<&'static str> {
-        Some("an RBD image's exclusive lock is not handed over yet")
-    }
     fn canonical(&self) -> Option<String> {
         None
     }
@@ -148,13 +196,28 @@ impl KindSpec for RbdSpec {
         }))
     }
     fn open(&self, block_size: Option<u32>, read_only: bool) -> Result<Arc<dyn BlockDevice>> {
+        let cluster = self.cluster();
+        // Under a supervisor, or taking over from a running process: our client's
+        // address is recorded with the supervisor (our successor's) or sent to
+        // the old process before we may take any lock with it, so that whoever
+        // outlives us knows whose locks it may break once we are dead.
+        let announce = crate::supervise::supervised() || crate::handover::taking_over();
+        let _connection = if announce && !read_only {
+            let c = bdev::rbd::Cluster::connect(&cluster)
+                .with_context(|| format!("rbd:{}", self.image))?;
+            record_client(&c);
+            Some(c)
+        } else {
+            None
+        };
         let opts = RbdOptions {
-            cluster: self.cluster(),
+            cluster,
             image: self.image.clone(),
             snap: self.snap.clone(),
             create: self.create,
             read_only,
             block_size,
+            dead_owners: dead_predecessors(),
         };
         let disk = RbdDisk::open(&opts).with_context(|| format!("rbd:{}", self.image))?;
         Ok(Arc::new(disk))

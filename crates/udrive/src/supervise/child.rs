@@ -41,6 +41,13 @@ impl Keeper for Channel {
 }
 
 static CHANNEL: OnceLock<Arc<Channel>> = OnceLock::new();
+/// Notes earlier children left (records under [`NOTE_PREFIX`]): facts about them
+/// rather than fds a device takes. Kept for this process's life, forgotten by the
+/// supervisor once this child is ready (it has them).
+static NOTES: OnceLock<Vec<(String, Vec<u8>)>> = OnceLock::new();
+
+/// Records under this prefix are notes (see [`notes`]).
+pub const NOTE_PREFIX: &str = "note/";
 static INHERITED: Mutex<BTreeMap<String, Kept>> = Mutex::new(BTreeMap::new());
 
 fn inherited() -> std::sync::MutexGuard<'static, BTreeMap<String, Kept>> {
@@ -85,6 +92,11 @@ pub fn attach() -> Result<()> {
             "supervise: took over what the previous process kept"
         );
     }
+    let notes: Vec<(String, Vec<u8>)> = take_prefix(&mut got, NOTE_PREFIX)
+        .into_iter()
+        .map(|(k, v)| (k, v.bytes))
+        .collect();
+    let _ = NOTES.set(notes);
     drop(got);
     let _ = CHANNEL.set(Arc::new(Channel {
         sock,
@@ -118,9 +130,25 @@ pub fn inherit(records: BTreeMap<String, Kept>) {
     inherited().extend(records);
 }
 
+/// The notes earlier children left under `NOTE_PREFIX` + `prefix` (keys
+/// relative to it): empty unless supervised.
+pub fn notes(prefix: &str) -> Vec<(String, Vec<u8>)> {
+    NOTES
+        .get()
+        .map(|n| {
+            n.iter()
+                .filter_map(|(k, v)| Some((k.strip_prefix(prefix)?.to_string(), v.clone())))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// The inherited records under `prefix`, keys relative to it.
 pub fn take(prefix: &str) -> KeptRecords {
-    let mut got = inherited();
+    take_prefix(&mut inherited(), prefix)
+}
+
+fn take_prefix(got: &mut BTreeMap<String, Kept>, prefix: &str) -> KeptRecords {
     let keys: Vec<String> = got
         .range(prefix.to_string()..)
         .take_while(|(k, _)| k.starts_with(prefix))
@@ -150,6 +178,9 @@ pub fn ready() {
     let Some(c) = CHANNEL.get() else { return };
     for key in left.keys() {
         c.remove(key);
+    }
+    for (key, _) in NOTES.get().map(Vec::as_slice).unwrap_or_default() {
+        c.remove(&format!("{NOTE_PREFIX}{key}"));
     }
     c.send(Op::Ready, "", &[], &[]);
 }

@@ -16,6 +16,8 @@ mod store;
 mod supervisor;
 pub(crate) mod wire;
 
-pub use child::{attach, inherit, keeper, local_records, ready, supervised, take, take_one};
+pub use child::{
+    attach, inherit, keeper, local_records, notes, ready, supervised, take, take_one, NOTE_PREFIX,
+};
 pub use store::RecordStore;
 pub use supervisor::run;
