@@ -7,12 +7,13 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::served::Service;
 use common::{opts, Rng};
 use initiator::{DataMode, DmaBuf, IoOp, NvmeDriver, QueuePair};
 use serde_json::{json, Value};
@@ -22,18 +23,12 @@ const BLOCKS: u64 = 512;
 const QD: usize = 32;
 const UDRIVE: &str = env!("CARGO_BIN_EXE_udrive");
 
-/// A server started from a config with two controllers on files (one in busy
-/// mode, whose client writes doorbells into the mapped page) and a control socket.
-struct Service {
-    dir: tempfile::TempDir,
-    /// The first server (reaped at the end; later ones are not our children).
-    first: std::process::Child,
-}
-
-impl Service {
-    fn start() -> Service {
-        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-        let p = |n: &str| dir.path().join(n).display().to_string();
+/// A server from a config with two controllers on files (one in busy mode, whose
+/// client writes doorbells into the mapped page), a vhost-user-blk device on a
+/// file, and a control socket.
+fn start_service() -> Service {
+    Service::start(|dir| {
+        let p = |n: &str| dir.join(n).display().to_string();
         for (f, len) in [
             ("a.img", BLOCKS * BLOCK as u64),
             ("b.img", BLOCKS * BLOCK as u64),
@@ -43,7 +38,7 @@ impl Service {
                 .and_then(|h| h.set_len(len))
                 .unwrap();
         }
-        let cfg = format!(
+        format!(
             "cpus = \"0\"\nrpc = \"{}\"\n\
              [[controller]]\nsocket = \"{}\"\nnamespaces = [\"file:{}\", \"null:1G\"]\n\
              [[controller]]\nsocket = \"{}\"\nnamespaces = [\"file:{}\"]\npoll = \"busy\"\n\
@@ -55,78 +50,8 @@ impl Service {
             p("b.img"),
             p("v.sock"),
             p("v.img")
-        );
-        std::fs::write(p("u.toml"), cfg).unwrap();
-        let log = std::fs::File::create(p("serve.log")).unwrap();
-        let mut cmd = Command::new(UDRIVE);
-        cmd.args(["serve", "--config", &p("u.toml")])
-            .stdout(Stdio::null())
-            .stderr(log);
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let first = cmd.spawn().unwrap();
-        let s = Service { dir, first };
-        common::wait_until("control socket", Duration::from_secs(30), || {
-            s.rpc("get_version", json!({})).is_ok()
-        });
-        s
-    }
-
-    fn path(&self, n: &str) -> PathBuf {
-        self.dir.path().join(n)
-    }
-
-    fn rpc(&self, method: &str, params: Value) -> Result<Value, String> {
-        let out = Command::new(UDRIVE)
-            .args(["rpc", "--rpc"])
-            .arg(self.path("rpc.sock"))
-            .arg(method)
-            .arg(params.to_string())
-            .output()
-            .map_err(|e| e.to_string())?;
-        if !out.status.success() {
-            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-        }
-        serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
-    }
-
-    fn pid(&self) -> u64 {
-        self.rpc("get_version", json!({})).unwrap()["pid"]
-            .as_u64()
-            .unwrap()
-    }
-
-    /// `udrive upgrade`; the new server's log appends to `upgrade.log`.
-    fn upgrade(&self) -> std::process::Output {
-        Command::new(UDRIVE)
-            .args(["upgrade", "--rpc"])
-            .arg(self.path("rpc.sock"))
-            .arg("--log")
-            .arg(self.path("upgrade.log"))
-            .output()
-            .unwrap()
-    }
-
-    fn log(&self) -> String {
-        let a = std::fs::read_to_string(self.path("serve.log")).unwrap_or_default();
-        let b = std::fs::read_to_string(self.path("upgrade.log")).unwrap_or_default();
-        format!("{a}{b}")
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        if let Ok(v) = self.rpc("get_version", json!({})) {
-            if let Some(pid) = v["pid"].as_u64() {
-                let _ = Command::new("kill").arg(pid.to_string()).status();
-                let until = Instant::now() + Duration::from_secs(10);
-                while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        }
-        let _ = self.first.kill();
-        let _ = self.first.wait();
-    }
+        )
+    })
 }
 
 fn block(gen: u64, lba: u64) -> Vec<u8> {
@@ -250,7 +175,7 @@ fn handovers() -> usize {
 
 #[test]
 fn many_handovers_lose_nothing_under_verified_qd32() {
-    let s = Service::start();
+    let s = start_service();
     let clients = [
         Client::start(s.path("a.sock"), 1),
         Client::start(s.path("b.sock"), 2),
@@ -294,7 +219,7 @@ fn many_handovers_lose_nothing_under_verified_qd32() {
 
 #[test]
 fn a_takeover_that_dies_at_any_step_rolls_back() {
-    let s = Service::start();
+    let s = start_service();
     let client = Client::start(s.path("a.sock"), 3);
     common::wait_until("client running", Duration::from_secs(30), || {
         client.ops() > 0
@@ -353,7 +278,7 @@ fn device_summary(s: &Service) -> Vec<Value> {
 
 #[test]
 fn changes_made_over_rpc_survive_a_handover() {
-    let s = Service::start();
+    let s = start_service();
     let a = s.path("a.sock").display().to_string();
     s.rpc(
         "nvme_add_namespace",

@@ -11,6 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::ceph::Cluster;
+use common::served::Service;
 use common::*;
 use initiator::workload::{self, NvmeTarget, Rw, WorkloadConfig};
 use initiator::{DataMode, IoOp, NvmeDriver};
@@ -618,97 +619,16 @@ fn ho_block(gen: u64, lba: u64) -> Vec<u8> {
 
 /// A server with one NVMe controller on an RBD image and a control socket, run
 /// detached (the processes that take it over are not our children).
-struct HoService {
-    dir: tempfile::TempDir,
-}
-
-impl HoService {
-    fn start(c: &Cluster, image: &str) -> HoService {
-        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-        let p = |n: &str| dir.path().join(n).display().to_string();
-        let cfg = format!(
+fn ho_service(c: &Cluster, image: &str) -> Service {
+    Service::start(|dir| {
+        let p = |n: &str| dir.join(n).display().to_string();
+        format!(
             "cpus = \"0\"\nrpc = \"{}\"\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"{}\"]\n",
             p("rpc.sock"),
             p("nvme.sock"),
             rbd_ns(c, image, "")
-        );
-        std::fs::write(p("u.toml"), cfg).unwrap();
-        let log = std::fs::File::create(p("serve.log")).unwrap();
-        let mut cmd = Command::new(UDRIVE);
-        cmd.args(["serve", "--config", &p("u.toml")])
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log);
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let mut child = cmd.spawn().unwrap();
-        let s = HoService { dir };
-        common::wait_until("control socket", Duration::from_secs(60), || {
-            s.rpc("get_version", json!({})).is_ok()
-        });
-        // The first process is ours: reap it when it exits after a handover.
-        std::thread::spawn(move || child.wait());
-        s
-    }
-
-    fn path(&self, n: &str) -> PathBuf {
-        self.dir.path().join(n)
-    }
-
-    fn rpc(&self, method: &str, params: Value) -> Result<Value, String> {
-        let out = Command::new(UDRIVE)
-            .args(["rpc", "--rpc"])
-            .arg(self.path("rpc.sock"))
-            .arg(method)
-            .arg(params.to_string())
-            .output()
-            .map_err(|e| e.to_string())?;
-        if !out.status.success() {
-            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-        }
-        serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
-    }
-
-    fn pid(&self) -> u64 {
-        self.rpc("get_version", json!({})).unwrap()["pid"]
-            .as_u64()
-            .unwrap()
-    }
-
-    fn upgrade(&self) -> std::process::Output {
-        Command::new(UDRIVE)
-            .args(["upgrade", "--rpc"])
-            .arg(self.path("rpc.sock"))
-            .arg("--log")
-            .arg(self.path("upgrade.log"))
-            .env("RUST_LOG", "info")
-            .output()
-            .unwrap()
-    }
-
-    fn log(&self) -> String {
-        let a = std::fs::read_to_string(self.path("serve.log")).unwrap_or_default();
-        let b = std::fs::read_to_string(self.path("upgrade.log")).unwrap_or_default();
-        format!("{a}{b}")
-    }
-
-    fn stop(&self) {
-        if let Ok(v) = self.rpc("get_version", json!({})) {
-            if let Some(pid) = v["pid"].as_u64() {
-                let _ = Command::new("kill").arg(pid.to_string()).status();
-                let until = Instant::now() + Duration::from_secs(20);
-                while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        }
-    }
-}
-
-impl Drop for HoService {
-    fn drop(&mut self) {
-        self.stop();
-    }
+        )
+    })
 }
 
 /// A client writing generations of blocks at QD32 and reading a sample back after
@@ -859,7 +779,7 @@ fn an_rbd_namespace_survives_handovers_under_verified_io() {
     }
     let c = Cluster::start();
     c.create_image("ho", HO_BLOCKS * HO_BLOCK as u64);
-    let s = HoService::start(&c, "ho");
+    let s = ho_service(&c, "ho");
     let client = HoClient::start(s.path("nvme.sock"), 7);
     common::wait_until("client running", Duration::from_secs(60), || {
         client.ops() > 0
@@ -920,7 +840,7 @@ fn an_rbd_handover_that_dies_rolls_back_and_the_old_process_writes() {
     }
     let c = Cluster::start();
     c.create_image("rb", HO_BLOCKS * HO_BLOCK as u64);
-    let s = HoService::start(&c, "rb");
+    let s = ho_service(&c, "rb");
     let client = HoClient::start(s.path("nvme.sock"), 9);
     common::wait_until("client running", Duration::from_secs(60), || {
         client.ops() > 0

@@ -7,6 +7,7 @@ pub mod blkio_load;
 pub mod ceph;
 pub mod layers;
 pub mod serve;
+pub mod served;
 pub mod vhost_fe;
 
 use std::path::PathBuf;
