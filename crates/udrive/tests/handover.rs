@@ -1,5 +1,6 @@
 //! Live handover (`udrive upgrade`, `serve --takeover`): clients doing verified I/O
-//! at QD32 on several controllers keep their connections and queues through many
+//! at QD32 on two NVMe controllers (udrive's initiator) and two vhost-user-blk
+//! devices (libblkio) keep their connections and queues through many
 //! handovers in a row; nothing is lost or completed twice and every byte is there.
 //! A takeover that dies at any step leaves the running server serving; changes
 //! made over the control socket are there after a handover.
@@ -24,8 +25,8 @@ const QD: usize = 32;
 const UDRIVE: &str = env!("CARGO_BIN_EXE_udrive");
 
 /// A server from a config with two controllers on files (one in busy mode, whose
-/// client writes doorbells into the mapped page), a vhost-user-blk device on a
-/// file, and a control socket.
+/// client writes doorbells into the mapped page), two vhost-user-blk devices on
+/// files (adaptive and event poll modes), and a control socket.
 fn start_service() -> Service {
     Service::start(|dir| {
         let p = |n: &str| dir.join(n).display().to_string();
@@ -33,6 +34,7 @@ fn start_service() -> Service {
             ("a.img", BLOCKS * BLOCK as u64),
             ("b.img", BLOCKS * BLOCK as u64),
             ("v.img", 16 << 20),
+            ("w.img", 16 << 20),
         ] {
             std::fs::File::create(p(f))
                 .and_then(|h| h.set_len(len))
@@ -42,14 +44,17 @@ fn start_service() -> Service {
             "cpus = \"0\"\nrpc = \"{}\"\n\
              [[controller]]\nsocket = \"{}\"\nnamespaces = [\"file:{}\", \"null:1G\"]\n\
              [[controller]]\nsocket = \"{}\"\nnamespaces = [\"file:{}\"]\npoll = \"busy\"\n\
-             [[vhost_user_blk]]\nsocket = \"{}\"\ndisk = \"file:{}\"\n",
+             [[vhost_user_blk]]\nsocket = \"{}\"\ndisk = \"file:{}\"\n\
+             [[vhost_user_blk]]\nsocket = \"{}\"\ndisk = \"file:{}\"\npoll = \"event\"\n",
             p("rpc.sock"),
             p("a.sock"),
             p("a.img"),
             p("b.sock"),
             p("b.img"),
             p("v.sock"),
-            p("v.img")
+            p("v.img"),
+            p("w.sock"),
+            p("w.img")
         )
     })
 }
@@ -180,9 +185,12 @@ fn many_handovers_lose_nothing_under_verified_qd32() {
         Client::start(s.path("a.sock"), 1),
         Client::start(s.path("b.sock"), 2),
     ];
-    // libblkio at QD32 with verify on the vhost-user-blk device; it does not
+    // libblkio at QD32 with verify on each vhost-user-blk device; it does not
     // reconnect, so a handover that dropped its connection fails it.
-    let vhost = common::blkio_load::Client::start(&s.path("v.sock"));
+    let vhost = [
+        common::blkio_load::Client::start(&s.path("v.sock")),
+        common::blkio_load::Client::start(&s.path("w.sock")),
+    ];
     common::wait_until("clients running", Duration::from_secs(30), || {
         clients.iter().all(|c| c.ops() > 0)
     });
@@ -204,10 +212,12 @@ fn many_handovers_lose_nothing_under_verified_qd32() {
         common::wait_until("I/O after the handover", Duration::from_secs(30), || {
             clients.iter().zip(&before).all(|(c, b)| c.ops() > *b)
         });
-        vhost.wait_progress(100);
+        vhost.iter().for_each(|v| v.wait_progress(100));
     }
-    let tally = vhost.finish();
-    assert!(tally.verified > 0, "{tally:?}");
+    for v in vhost {
+        let tally = v.finish();
+        assert!(tally.verified > 0, "{tally:?}");
+    }
     for c in clients {
         c.finish()
             .unwrap_or_else(|e| panic!("client: {e}\n{}", s.log()));
