@@ -250,99 +250,6 @@ impl NvmeDevice {
         })
     }
 
-    /// Handover, old process: stop serving the client at a message boundary and let
-    /// the queues finish what they fetched (bounded). On error nothing stays paused.
-    pub fn pause_for_handover(&self, limit: std::time::Duration) -> Result<()> {
-        let what = || format!("controller {}", self.socket.display());
-        let Some(s) = &self.server else {
-            bail!("{} is stopping", what());
-        };
-        s.pause()
-            .map_err(|e| anyhow!(e).context(format!("{}: cannot pause", what())))?;
-        if let Err(e) = self.ctrl.quiesce(limit) {
-            self.ctrl.unquiesce();
-            s.unpause();
-            return Err(anyhow!(e).context(format!("{}: cannot quiesce", what())));
-        }
-        Ok(())
-    }
-
-    /// Handover, old process: it failed; serve on as before.
-    pub fn resume_after_handover_failed(&self) {
-        self.ctrl.unquiesce();
-        if let Some(s) = &self.server {
-            s.unpause();
-        }
-    }
-
-    /// Handover, new process: the old one let go; restore the controller's state
-    /// and serve. A state that does not restore (it was checked before, so this
-    /// is not expected) leaves the controller in fatal status, which the host's
-    /// driver resets: the client keeps its disk either way.
-    pub fn start_after_takeover(&mut self) {
-        if let Some((bytes, f)) = self.pending_state.take() {
-            let restored = serde_json::from_slice::<nvme::ControllerState>(&bytes)
-                .map_err(|e| e.to_string())
-                .and_then(|st| self.ctrl.restore_state(st).map_err(|e| e.to_string()));
-            if let Err(e) = restored {
-                tracing::error!(
-                    socket = %self.socket.display(),
-                    "handover: controller state not restored ({e}); the host will reset the controller"
-                );
-                self.ctrl
-                    .resume_failed(f.bar_mmap.load(std::sync::atomic::Ordering::Acquire));
-            }
-        }
-        if let Some(s) = &self.server {
-            s.unpause();
-        }
-    }
-
-    /// Handover, new process: checks the controller state it brought before the
-    /// old process is told to let go.
-    pub fn check_takeover_state(&self) -> Result<()> {
-        if let Some((bytes, _)) = &self.pending_state {
-            let st: nvme::ControllerState = serde_json::from_slice(bytes)
-                .with_context(|| format!("controller {}: bad state", self.socket.display()))?;
-            if st.version != nvme::STATE_VERSION {
-                bail!(
-                    "controller {}: state version {} (this udrive restores {})",
-                    self.socket.display(),
-                    st.version,
-                    nvme::STATE_VERSION
-                );
-            }
-        }
-        Ok(())
-    }
-
-    /// Handover, old process: what the new one needs besides the records the
-    /// device keeps as it runs (`supervise::local_records`): the listening socket.
-    pub fn handover_records(&self) -> Result<Vec<crate::handover::Record>> {
-        let Some(s) = &self.server else {
-            bail!("controller {} is stopping", self.socket.display());
-        };
-        let prefix = keep_prefix(&self.socket);
-        let listener = s
-            .listener()
-            .try_clone_to_owned()
-            .context("cannot duplicate the listening socket")?;
-        let state = self.ctrl.save_state().with_context(|| {
-            format!(
-                "controller {}: cannot save its state",
-                self.socket.display()
-            )
-        })?;
-        Ok(vec![
-            (format!("{prefix}listen"), Vec::new(), vec![listener]),
-            (
-                format!("{prefix}state"),
-                serde_json::to_vec(&state)?,
-                Vec::new(),
-            ),
-        ])
-    }
-
     /// Whether a vfio-user client (a VM, an initiator) is attached.
     pub fn connected(&self) -> bool {
         self.server.as_ref().is_some_and(|s| s.client_connected())
@@ -396,6 +303,113 @@ impl NvmeDevice {
             "controller statistics"
         );
         self.ctrl.shutdown();
+    }
+}
+
+/// Handover (decisions 0022, 0023): the vfio-user endpoint pauses at a message
+/// boundary, the controller quiesces and its state moves.
+impl crate::handover::HandedOver for NvmeDevice {
+    /// Handover, old process: stop serving the client at a message boundary and let
+    /// the queues finish what they fetched (bounded). On error nothing stays paused.
+    fn pause_for_handover(&self, limit: std::time::Duration) -> Result<()> {
+        let what = || format!("controller {}", self.socket.display());
+        let Some(s) = &self.server else {
+            bail!("{} is stopping", what());
+        };
+        s.pause()
+            .map_err(|e| anyhow!(e).context(format!("{}: cannot pause", what())))?;
+        if let Err(e) = self.ctrl.quiesce(limit) {
+            self.ctrl.unquiesce();
+            s.unpause();
+            return Err(anyhow!(e).context(format!("{}: cannot quiesce", what())));
+        }
+        Ok(())
+    }
+
+    /// Handover, old process: it failed; serve on as before.
+    fn resume_after_handover_failed(&self) {
+        self.ctrl.unquiesce();
+        if let Some(s) = &self.server {
+            s.unpause();
+        }
+    }
+
+    /// Handover, new process: the old one let go; restore the controller's state
+    /// and serve. A state that does not restore (it was checked before, so this
+    /// is not expected) leaves the controller in fatal status, which the host's
+    /// driver resets: the client keeps its disk either way.
+    fn start_after_takeover(&mut self) {
+        if let Some((bytes, f)) = self.pending_state.take() {
+            let restored = serde_json::from_slice::<nvme::ControllerState>(&bytes)
+                .map_err(|e| e.to_string())
+                .and_then(|st| self.ctrl.restore_state(st).map_err(|e| e.to_string()));
+            if let Err(e) = restored {
+                tracing::error!(
+                    socket = %self.socket.display(),
+                    "handover: controller state not restored ({e}); the host will reset the controller"
+                );
+                self.ctrl
+                    .resume_failed(f.bar_mmap.load(std::sync::atomic::Ordering::Acquire));
+            }
+        }
+        if let Some(s) = &self.server {
+            s.unpause();
+        }
+    }
+
+    /// Handover, new process: checks the controller state it brought before the
+    /// old process is told to let go.
+    fn check_takeover_state(&self) -> Result<()> {
+        if let Some((bytes, _)) = &self.pending_state {
+            let st: nvme::ControllerState = serde_json::from_slice(bytes)
+                .with_context(|| format!("controller {}: bad state", self.socket.display()))?;
+            if st.version != nvme::STATE_VERSION {
+                bail!(
+                    "controller {}: state version {} (this udrive restores {})",
+                    self.socket.display(),
+                    st.version,
+                    nvme::STATE_VERSION
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Handover, old process: what the new one needs besides the records the
+    /// device keeps as it runs (`supervise::local_records`): the listening socket.
+    fn handover_records(&self) -> Result<Vec<crate::handover::Record>> {
+        let Some(s) = &self.server else {
+            bail!("controller {} is stopping", self.socket.display());
+        };
+        let prefix = keep_prefix(&self.socket);
+        let listener = s
+            .listener()
+            .try_clone_to_owned()
+            .context("cannot duplicate the listening socket")?;
+        let state = self.ctrl.save_state().with_context(|| {
+            format!(
+                "controller {}: cannot save its state",
+                self.socket.display()
+            )
+        })?;
+        Ok(vec![
+            (format!("{prefix}listen"), Vec::new(), vec![listener]),
+            (
+                format!("{prefix}state"),
+                serde_json::to_vec(&state)?,
+                Vec::new(),
+            ),
+        ])
+    }
+
+    fn backends(&self) -> Vec<(String, &NsSpec, &QosDisk)> {
+        self.namespaces
+            .iter()
+            .map(|(id, ns)| {
+                let name = format!("namespace {id} of {}", self.socket.display());
+                (name, &ns.spec, &*ns.qos)
+            })
+            .collect()
     }
 }
 

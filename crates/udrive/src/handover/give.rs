@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::snapshot::ServerSnapshot;
-use super::{CONFIG_KEY, HANDED_OVER, RPC_LISTENER_KEY};
+use super::{handed_over, CONFIG_KEY, HANDED_OVER, RPC_LISTENER_KEY};
 use crate::rpc::{parse_params, Rpc, RpcError};
 use crate::server::State;
 use crate::supervise::wire::{self, Op};
@@ -118,24 +118,16 @@ fn check_peer(sock: &OwnedFd) -> Result<()> {
     Ok(())
 }
 
+/// Every device as a handover sees it; a device of a kind it cannot move, or a
+/// backend whose kind refuses, fails the handover before anything pauses.
 fn refuse_what_cannot_move(st: &State) -> Result<()> {
     for d in &st.devices {
-        if let Some(v) = d.as_vhost() {
-            if let Some(why) = v.cfg.disk.kind.0.handover_refusal() {
-                bail!("{} ({}): {why}", v.cfg.what(), v.cfg.disk);
-            }
-            continue;
-        }
-        let Some(n) = d.as_nvme() else {
+        let Some(h) = handed_over(d) else {
             bail!("{}: unknown device kind", d.socket().display());
         };
-        for (id, ns) in &n.namespaces {
-            if let Some(why) = ns.spec.kind.0.handover_refusal() {
-                bail!(
-                    "namespace {id} of {} ({}): {why}",
-                    n.socket.display(),
-                    ns.spec
-                );
+        for (name, spec, _) in h.backends() {
+            if let Some(why) = spec.kind.0.handover_refusal() {
+                bail!("{name} ({spec}): {why}");
             }
         }
     }
@@ -145,75 +137,44 @@ fn refuse_what_cannot_move(st: &State) -> Result<()> {
 /// Pauses every device; on a failure resumes those paused and says which failed.
 fn pause_all(st: &mut State) -> Result<usize> {
     for i in 0..st.devices.len() {
-        let d = &st.devices[i];
-        let paused = match (d.as_nvme(), d.as_vhost()) {
-            (Some(n), _) => n.pause_for_handover(QUIESCE_LIMIT),
-            (_, Some(v)) => v.pause_for_handover(QUIESCE_LIMIT),
-            _ => Ok(()),
-        };
-        if let Err(e) = paused {
-            resume(&st.devices[..i]);
-            return Err(e);
+        if let Some(h) = handed_over(&st.devices[i]) {
+            if let Err(e) = h.pause_for_handover(QUIESCE_LIMIT) {
+                resume(&st.devices[..i]);
+                return Err(e);
+            }
         }
     }
     Ok(st.devices.len())
 }
 
 fn resume(devices: &[crate::server::Device]) {
-    for d in devices {
-        if let Some(n) = d.as_nvme() {
-            n.resume_after_handover_failed();
-        } else if let Some(v) = d.as_vhost() {
-            v.resume_after_handover_failed();
-        }
-    }
+    devices
+        .iter()
+        .filter_map(|d| handed_over(d))
+        .for_each(|h| h.resume_after_handover_failed());
 }
 
-/// After every controller quiesced (no request in flight): each backend gives up
-/// what would keep the new process from opening it by its spec (an RBD image's
-/// exclusive lock, decision 0019).
+/// After every device quiesced (no request in flight): each backend gives up what
+/// would keep the new process from opening it by its spec (an RBD image's
+/// exclusive lock, decision 0025).
 fn let_go_all(st: &State) -> Result<()> {
-    for d in &st.devices {
-        if let Some(v) = d.as_vhost() {
-            v.disk
-                .let_go()
-                .with_context(|| format!("{}: cannot let go of its disk", v.cfg.what()))?;
-        }
-        if let Some(n) = d.as_nvme() {
-            for (id, ns) in &n.namespaces {
-                ns.qos.let_go().with_context(|| {
-                    format!(
-                        "namespace {id} of {}: cannot let go of it",
-                        n.socket.display()
-                    )
-                })?;
-            }
+    for h in st.devices.iter().filter_map(|d| handed_over(d)) {
+        for (name, _, disk) in h.backends() {
+            disk.let_go()
+                .with_context(|| format!("{name}: cannot let go of its backend"))?;
         }
     }
     Ok(())
 }
 
 /// The handover failed: backends take back what they let go of. A failure is
-/// logged: that namespace's writes fail until it is fixed (it is not expected:
+/// logged: that backend's writes fail until it is fixed (it is not expected:
 /// nobody else may hold the lock meanwhile).
 fn take_back_all(st: &State, dead: &[String]) {
-    for d in &st.devices {
-        if let Some(v) = d.as_vhost() {
-            if let Err(e) = v.disk.take_back(dead) {
-                tracing::error!(
-                    "handover rollback: {}: cannot take its disk back: {e}",
-                    v.cfg.what()
-                );
-            }
-        }
-        if let Some(n) = d.as_nvme() {
-            for (id, ns) in &n.namespaces {
-                if let Err(e) = ns.qos.take_back(dead) {
-                    tracing::error!(
-                        "handover rollback: namespace {id} of {}: cannot take its backend back: {e}",
-                        n.socket.display()
-                    );
-                }
+    for h in st.devices.iter().filter_map(|d| handed_over(d)) {
+        for (name, _, disk) in h.backends() {
+            if let Err(e) = disk.take_back(dead) {
+                tracing::error!("handover rollback: {name}: cannot take its backend back: {e}");
             }
         }
     }
@@ -249,12 +210,8 @@ fn pause_and_export(st: &mut State) -> Result<(usize, Vec<super::Record>)> {
 
 fn export_all(st: &State) -> Result<Vec<super::Record>> {
     let mut out = Vec::new();
-    for d in &st.devices {
-        match (d.as_nvme(), d.as_vhost()) {
-            (Some(n), _) => out.extend(n.handover_records()?),
-            (_, Some(v)) => out.extend(v.handover_records()?),
-            _ => {}
-        }
+    for h in st.devices.iter().filter_map(|d| handed_over(d)) {
+        out.extend(h.handover_records()?);
     }
     Ok(out)
 }

@@ -33,6 +33,42 @@ pub(crate) const METRICS_LISTENER_KEY: &str = "metrics#listen";
 /// A record as sent to the new process: key, bytes, file descriptors.
 pub type Record = (String, Vec<u8>, Vec<std::os::fd::OwnedFd>);
 
+/// What a handover asks of each device (an NVMe controller, a vhost-user-blk
+/// device): the one place that lists the device kinds a handover moves.
+pub trait HandedOver {
+    /// Old process: stop serving at a message boundary and finish what is in
+    /// flight (bounded). On error nothing stays paused.
+    fn pause_for_handover(&self, limit: std::time::Duration) -> anyhow::Result<()>;
+    /// Old process: the handover failed; serve on as before.
+    fn resume_after_handover_failed(&self);
+    /// Old process, paused: what the new one needs besides the records the device
+    /// keeps as it runs (`supervise::local_records`).
+    fn handover_records(&self) -> anyhow::Result<Vec<Record>>;
+    /// Its backends, each named for messages, with its spec.
+    fn backends(&self) -> Vec<(String, &crate::nsspec::NsSpec, &bdev::QosDisk)>;
+    /// New process: checks what it brought before the old one is told to let go.
+    fn check_takeover_state(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+    /// New process: the old one let go; serve.
+    fn start_after_takeover(&mut self);
+}
+
+/// The device as a handover sees it (`None`: a kind it cannot move).
+pub fn handed_over(d: &crate::server::Device) -> Option<&dyn HandedOver> {
+    match d.as_nvme() {
+        Some(n) => Some(n),
+        None => d.as_vhost().map(|v| v as &dyn HandedOver),
+    }
+}
+
+fn handed_over_mut(d: &mut crate::server::Device) -> Option<&mut dyn HandedOver> {
+    if d.as_nvme().is_some() {
+        return d.as_nvme_mut().map(|n| n as &mut dyn HandedOver);
+    }
+    d.as_vhost_mut().map(|v| v as &mut dyn HandedOver)
+}
+
 static HANDED_OVER: AtomicBool = AtomicBool::new(false);
 static TAKING_OVER: AtomicBool = AtomicBool::new(false);
 

@@ -126,10 +126,8 @@ pub fn run(from: &Path) -> Result<()> {
         .context("takeover: cannot confirm to the running udrive")?;
     super::TAKING_OVER.store(false, std::sync::atomic::Ordering::Release);
     for d in running.server.lock().devices.iter_mut() {
-        if let Some(n) = d.as_nvme_mut() {
-            n.start_after_takeover();
-        } else if let Some(v) = d.as_vhost() {
-            v.start_after_takeover();
+        if let Some(h) = super::handed_over_mut(d) {
+            h.start_after_takeover();
         }
     }
     match request.join() {
@@ -240,8 +238,8 @@ fn take_over(records: &mut BTreeMap<String, Kept>) -> Result<crate::serve::Runni
             .with_context(|| format!("cannot restore QoS of {}", q.socket.display()))?;
     }
     for d in &running.server.lock().devices {
-        if let Some(n) = d.as_nvme() {
-            n.check_takeover_state()?;
+        if let Some(h) = super::handed_over(d) {
+            h.check_takeover_state()?;
         }
     }
     crate::supervise::ready();

@@ -14,9 +14,9 @@ fn prefix(d: &VhostBlkDevice) -> String {
     format!("vhost:{}#", d.cfg.socket.display())
 }
 
-impl VhostBlkDevice {
+impl super::HandedOver for VhostBlkDevice {
     /// Old process: stop taking requests and finish those in flight (bounded).
-    pub fn pause_for_handover(&self, limit: Duration) -> Result<()> {
+    fn pause_for_handover(&self, limit: Duration) -> Result<()> {
         self.dev.quiesce(limit).map_err(|e| {
             self.dev.unquiesce();
             anyhow!(e).context(format!("{}: cannot quiesce", self.cfg.what()))
@@ -24,13 +24,13 @@ impl VhostBlkDevice {
     }
 
     /// Old process: the handover failed; serve on.
-    pub fn resume_after_handover_failed(&self) {
+    fn resume_after_handover_failed(&self) {
         self.dev.unquiesce();
     }
 
     /// Old process: the device's state and its fds, one record per fd (a message
     /// carries few).
-    pub fn handover_records(&self) -> Result<Vec<super::Record>> {
+    fn handover_records(&self) -> Result<Vec<super::Record>> {
         let (state, fds) = self
             .dev
             .export()
@@ -43,8 +43,12 @@ impl VhostBlkDevice {
         Ok(out)
     }
 
+    fn backends(&self) -> Vec<(String, &crate::nsspec::NsSpec, &bdev::QosDisk)> {
+        vec![(self.cfg.what(), &self.cfg.disk, &*self.disk)]
+    }
+
     /// New process: the old one let go; run.
-    pub fn start_after_takeover(&self) {
+    fn start_after_takeover(&mut self) {
         if self.dev.quiesced() {
             self.dev.unquiesce();
         }
