@@ -148,12 +148,11 @@ impl NvmeDevice {
             pba_offset: bar0.msix_pba as u32,
         };
         let irqs = Irqs::new(msix.vectors);
-        // Under `--supervise`, what an earlier process of ours kept for this socket.
+        // What an earlier process of ours kept for this socket (`--supervise`, a
+        // handover).
         let keep_prefix = keep_prefix(&cfg.socket);
         let keeper = crate::supervise::keeper();
-        let doorbells = keeper
-            .as_ref()
-            .and_then(|_| crate::supervise::take_one(&format!("{keep_prefix}bar")))
+        let doorbells = crate::supervise::take_one(&format!("{keep_prefix}bar"))
             .and_then(|mut k| k.fds.pop())
             .map(|fd| guest_mem::SharedMem::adopt(fd, nvme::DOORBELL_PAGE_LEN))
             .transpose()
@@ -168,17 +167,12 @@ impl NvmeDevice {
             doorbells,
         )
         .with_context(|| format!("{what}: cannot create the NVMe controller"))?;
-        let keep = keeper.map(|k| {
-            k.put(&format!("{keep_prefix}bar"), &[], &[ctrl.doorbells().fd()]);
-            vfio_user::ServerKeep {
-                keeper: k,
-                prefix: format!("{keep_prefix}c/"),
-            }
+        keeper.put(&format!("{keep_prefix}bar"), &[], &[ctrl.doorbells().fd()]);
+        let keep = Some(vfio_user::ServerKeep {
+            keeper,
+            prefix: format!("{keep_prefix}c/"),
         });
-        let kept = match keep {
-            Some(_) => crate::supervise::take(&format!("{keep_prefix}c/")),
-            None => Default::default(),
-        };
+        let kept = crate::supervise::take(&format!("{keep_prefix}c/"));
         // A listening socket handed over: it stays bound where clients find it.
         let listener = crate::supervise::take_one(&format!("{keep_prefix}listen"))
             .and_then(|mut k| k.fds.pop())
@@ -283,9 +277,7 @@ impl NvmeDevice {
         if let Some(s) = self.server.take() {
             s.stop();
         }
-        if let Some(k) = crate::supervise::keeper() {
-            k.remove(&keep_prefix(&self.socket));
-        }
+        crate::supervise::keeper().remove(&keep_prefix(&self.socket));
         let st = self.ctrl.stats();
         tracing::info!(
             socket = %self.socket.display(),

@@ -140,10 +140,8 @@ fn record_client(c: &bdev::rbd::Cluster) {
     if sent.contains(&addr) {
         return;
     }
-    if let Some(k) = crate::supervise::keeper() {
-        let key = format!("{}{CLIENT_PREFIX}{addr}", crate::supervise::NOTE_PREFIX);
-        k.put(&key, addr.as_bytes(), &[]);
-    }
+    let key = format!("{}{CLIENT_PREFIX}{addr}", crate::supervise::NOTE_PREFIX);
+    crate::supervise::keeper().put(&key, addr.as_bytes(), &[]);
     sent.push(addr);
 }
 

@@ -112,10 +112,10 @@ pub fn supervised() -> bool {
 
 /// Where devices keep state for a successor: the supervisor, or (unsupervised)
 /// this process's own store, which a handover passes on.
-pub fn keeper() -> Option<Arc<dyn Keeper>> {
+pub fn keeper() -> Arc<dyn Keeper> {
     match CHANNEL.get() {
-        Some(c) => Some(c.clone() as Arc<dyn Keeper>),
-        None => Some(local_records() as Arc<dyn Keeper>),
+        Some(c) => c.clone(),
+        None => local_records(),
     }
 }
 
