@@ -62,8 +62,9 @@ fn under_attack(attack: impl FnOnce(&Server)) {
     assert!(total >= ops + 50, "bystanders stalled after the attack");
     assert!(
         fds1 <= fds0,
-        "fds {fds0} -> {fds1}; new: {:?}",
-        added(&open0, &open1)
+        "fds {fds0} -> {fds1}; new:\n{}\nthe server log's end:\n{}",
+        s.describe_fds(&added(&open0, &open1)),
+        tail(&s.log(), 60)
     );
     assert!(rss1 <= rss0 + RSS_SLACK_KIB, "RSS {rss0} KiB -> {rss1} KiB");
     let d = NvmeDriver::connect(s.path("nvme-a.sock"), opts())
@@ -89,6 +90,12 @@ fn added<'a>(before: &[String], after: &'a [String]) -> Vec<&'a String> {
             None => true,
         })
         .collect()
+}
+
+/// The last `n` lines of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// Whether the server logged a `what` line that reports suppressed lines.

@@ -107,12 +107,15 @@ impl Server {
 
     /// Waits (up to 60 s: a loaded machine works through thousands of queued
     /// connections slowly) until the fd count has stayed at most `base` for half a
-    /// second (an accept still in progress opens one briefly); the count then.
+    /// second (an accept still in progress opens one briefly); the count it settled
+    /// at, or the last one seen if it never did.
     pub fn settle_fds(&self, base: usize) -> usize {
         let until = Instant::now() + Duration::from_secs(60);
         let mut quiet_since = None;
+        let mut last = self.fds();
         while Instant::now() < until {
-            if self.fds() > base {
+            last = self.fds();
+            if last > base {
                 quiet_since = None;
             } else if quiet_since.get_or_insert_with(Instant::now).elapsed()
                 > Duration::from_millis(500)
@@ -121,7 +124,38 @@ impl Server {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        self.fds()
+        last
+    }
+
+    /// What each of `targets` is, for a leak report: a socket's line of `ss -xp`
+    /// (path, peer), and the server's threads (whoever still holds it).
+    pub fn describe_fds(&self, targets: &[&String]) -> String {
+        let ss = Command::new("ss")
+            .args(["-xpan"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        let mut out = String::new();
+        for t in targets {
+            out += &format!("{t}\n");
+            if let Some(ino) = t.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
+                for l in ss
+                    .lines()
+                    .filter(|l| l.split_whitespace().any(|w| w == ino))
+                {
+                    out += &format!("  ss: {l}\n");
+                }
+            }
+        }
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", self.pid()))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+            .map(|c| c.trim().to_string())
+            .collect::<Vec<_>>();
+        out += &format!("threads: {}", tasks.join(" "));
+        out
     }
 
     pub fn rss_kib(&self) -> u64 {
