@@ -259,4 +259,8 @@ impl IoChannel for FaultChannel {
     fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         self.inner.notifier()
     }
+
+    fn slow_completions(&self) -> bool {
+        self.inner.slow_completions()
+    }
 }

@@ -158,6 +158,14 @@ pub trait IoChannel: Send {
     fn notifier(&self) -> Option<BorrowedFd<'_>> {
         None
     }
+
+    /// Whether a request takes a network round trip or longer (hundreds of µs) to
+    /// complete. With a deep queue on such a channel an adaptive reactor sleeps on
+    /// the notifier between completions instead of spinning through every round
+    /// trip (docs/decisions/0026-deep-queue-naps.md).
+    fn slow_completions(&self) -> bool {
+        false
+    }
 }
 
 /// What arming a channel's completion notifier found.

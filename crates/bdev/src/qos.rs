@@ -418,4 +418,8 @@ impl IoChannel for QosChannel {
     fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         self.inner.notifier()
     }
+
+    fn slow_completions(&self) -> bool {
+        self.inner.slow_completions()
+    }
 }

@@ -173,6 +173,10 @@ impl IoChannel for SliceChannel {
     fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         self.inner.notifier()
     }
+
+    fn slow_completions(&self) -> bool {
+        self.inner.slow_completions()
+    }
 }
 
 #[cfg(test)]

@@ -11,7 +11,9 @@ mod reactor;
 mod wait;
 
 pub use cpus::{allowed_cpus, check_allowed, format_cpu_list, parse_cpu_list};
-pub use placement::{AtomicPollMode, Placement, Placer, PollMode};
+pub use placement::{
+    adaptive_spin, AtomicPollMode, Placement, Placer, PollMode, DEEP_QUEUE, DEEP_SPIN,
+};
 pub use reactor::{Engine, EngineError, PollerId, ReactorStats, Waker};
 pub use wait::wait_until;
 

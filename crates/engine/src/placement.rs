@@ -95,6 +95,30 @@ pub enum PollMode {
     Event,
 }
 
+/// Requests in flight, all on channels with slow completions, from which an
+/// adaptive poller stops spinning through their round trips: with a queue this deep
+/// the next completion is never the only thing a guest waits for, and a wake-up per
+/// completion costs less CPU than the spin (docs/decisions/0026-deep-queue-naps.md).
+pub const DEEP_QUEUE: usize = 4;
+/// How long such a poller spins after its last work before it may sleep: long
+/// enough to catch the driver's next doorbell after a completion in shared memory.
+pub const DEEP_SPIN: std::time::Duration = std::time::Duration::from_micros(30);
+
+/// The spin of a poller whose mode asks for `spin`, with `in_flight` requests that
+/// `all_slow` (every one on a channel with slow completions): shortened to
+/// [`DEEP_SPIN`] while the queue is at least [`DEEP_QUEUE`] deep.
+pub fn adaptive_spin(
+    spin: std::time::Duration,
+    in_flight: usize,
+    all_slow: bool,
+) -> std::time::Duration {
+    if in_flight >= DEEP_QUEUE && all_slow && spin > DEEP_SPIN {
+        DEEP_SPIN
+    } else {
+        spin
+    }
+}
+
 impl PollMode {
     /// Spin time after the last work for [`crate::Poller::sleep_after`].
     pub fn sleep_after(self) -> Option<std::time::Duration> {
@@ -158,5 +182,27 @@ impl FromStr for PollMode {
                 "unknown poll mode `{s}` (expected busy, adaptive or event)"
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod spin_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn only_a_deep_queue_on_slow_channels_shortens_the_spin() {
+        let spin = Duration::from_micros(200);
+        assert_eq!(adaptive_spin(spin, DEEP_QUEUE, true), DEEP_SPIN);
+        assert_eq!(adaptive_spin(spin, 64, true), DEEP_SPIN);
+        // QD1..3 keeps the spinning pickup; fast channels always do.
+        assert_eq!(adaptive_spin(spin, DEEP_QUEUE - 1, true), spin);
+        assert_eq!(adaptive_spin(spin, 64, false), spin);
+        // Never longer than asked (event mode asks for none).
+        assert_eq!(adaptive_spin(Duration::ZERO, 64, true), Duration::ZERO);
+        assert_eq!(
+            adaptive_spin(Duration::from_micros(10), 64, true),
+            Duration::from_micros(10)
+        );
     }
 }

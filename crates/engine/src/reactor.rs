@@ -400,16 +400,17 @@ fn run_reactor(index: usize, cpu: Option<usize>, rx: Receiver<Msg>, sh: Shared) 
             busy += 1;
             work += done as u64;
             idle_since = None;
-        } else if let Some(spin) = spin.filter(|_| !pollers.is_empty()) {
+        } else if let Some(spin_for) = spin.filter(|_| !pollers.is_empty()) {
             idle_iters = idle_iters.wrapping_add(1);
             // The clock is read every CLOCK_EVERY idle iterations (each read
             // delays noticing new work by a vDSO call), at once in event mode.
-            let check =
-                spin.is_zero() || idle_since.is_none() || idle_iters.is_multiple_of(CLOCK_EVERY);
+            let check = spin_for.is_zero()
+                || idle_since.is_none()
+                || idle_iters.is_multiple_of(CLOCK_EVERY);
             let now = if check { Some(Instant::now()) } else { None };
             let since = now.map(|n| *idle_since.get_or_insert(n));
             if let (Some(now), Some(since)) = (now, since) {
-                if now.duration_since(since) >= spin {
+                if now.duration_since(since) >= spin_for {
                     // Announce the sleep before the pollers re-check their rings, so a
                     // kick that lands after the check finds `sleeping` set and sends Wake.
                     sh.sleeping.store(true, Ordering::SeqCst);
@@ -426,6 +427,9 @@ fn run_reactor(index: usize, cpu: Option<usize>, rx: Receiver<Msg>, sh: Shared) 
                     }
                     sh.sleeping.store(false, Ordering::SeqCst);
                     idle_since = None;
+                    // What the pollers wait for changed while we slept (a queue
+                    // that was deep may be shallow now: engine::adaptive_spin).
+                    spin = sleep_after(&pollers);
                 }
             }
         }

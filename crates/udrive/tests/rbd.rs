@@ -103,6 +103,43 @@ fn verified_io_through_the_nvme_initiator_and_back_with_rbd_export() {
     }
 }
 
+/// Decision 0026: with 16 requests in flight on RBD an adaptive reactor sleeps
+/// between completions (on librbd's completion notifier) instead of spinning
+/// through every OSD round trip; the I/O stays verified.
+#[test]
+fn a_deep_queue_on_rbd_lets_the_adaptive_reactor_sleep_between_completions() {
+    if !common::ceph::available() {
+        return;
+    }
+    let c = Cluster::start();
+    c.create_image("deep", 32 * MIB);
+    // A reactor of its own: no other test's poller asks it to spin.
+    let eng = engine::Engine::start(&[None]).expect("engine");
+    let dev = TestDev::start_on(&eng, "deep", &[&rbd_ns(&c, "deep", "")], |cfg| {
+        cfg.poll = engine::PollMode::Adaptive;
+    });
+    let d = dev.connect();
+    let stats = eng.stats(0).expect("reactor 0");
+    let sleeps = || stats.sleeps.load(std::sync::atomic::Ordering::Relaxed);
+    let before = sleeps();
+    // Reads: their round trips are short enough that, spinning, the reactor would
+    // never idle through the time its mode asks before sleeping.
+    let r = verified(&d, Rw::RandRead, 16, Duration::from_secs(2));
+    let slept = sleeps() - before;
+    eprintln!("deep queue: {slept} sleeps in {} I/Os", r.ios);
+    assert_eq!((r.errors, r.verify_errors), (0, 0), "{r:?}");
+    assert!(r.ios > 100, "{r:?}");
+    // Spinning through the round trips, it would not sleep at all under load.
+    assert!(
+        slept * 10 >= r.ios,
+        "the reactor slept {slept} times in {} I/Os at QD16",
+        r.ios
+    );
+    drop(d);
+    drop(dev);
+    eng.shutdown();
+}
+
 #[test]
 fn write_zeroes_and_reads_past_the_end() {
     if !common::ceph::available() {

@@ -246,7 +246,12 @@ impl Poller for VirtqPoller {
     /// The reactor asks on control messages and every few thousand iterations, so
     /// a `set_poll_mode` reaches it without a lock or a per-poll load.
     fn sleep_after(&self) -> Option<Duration> {
-        self.shared.poll_mode().sleep_after()
+        let spin = self.shared.poll_mode().sleep_after()?;
+        Some(engine::adaptive_spin(
+            spin,
+            self.worker.in_flight(),
+            self.worker.slow_completions(),
+        ))
     }
 
     fn prepare_sleep(&mut self) -> bool {

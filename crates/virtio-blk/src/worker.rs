@@ -176,6 +176,12 @@ impl QueueWorker {
         self.chan.notifier()
     }
 
+    /// Whether the backend's requests take a round trip to complete
+    /// ([`bdev::IoChannel::slow_completions`]).
+    pub fn slow_completions(&self) -> bool {
+        self.chan.slow_completions()
+    }
+
     /// Requests handed to the backend and not yet completed.
     pub fn in_flight(&self) -> usize {
         self.slots.len() - self.free.len()

@@ -182,6 +182,11 @@ impl IoChannel for RbdChannel {
     fn notifier(&self) -> Option<BorrowedFd<'_>> {
         Some(self.sink.fd())
     }
+
+    /// Every request is a round trip to an OSD.
+    fn slow_completions(&self) -> bool {
+        true
+    }
 }
 
 impl Drop for RbdChannel {

@@ -375,6 +375,23 @@ impl QueueGroup {
         }
     }
 
+    /// How long the idle group spins before it may sleep: the controller's poll
+    /// mode's time, shortened while a deep queue waits on slow channels
+    /// ([`engine::adaptive_spin`]).
+    pub fn sleep_after(&self) -> Option<Duration> {
+        let spin = self.shared.sleep_after()?;
+        let all_slow = self
+            .ns
+            .all()
+            .filter(|c| c.inflight > 0)
+            .all(|c| c.chan.slow_completions());
+        Some(engine::adaptive_spin(
+            spin,
+            self.out.inflight as usize,
+            all_slow,
+        ))
+    }
+
     /// Before the reactor sleeps: arm the backends' completion notifiers, publish
     /// EventIdx at each SQ's head so the driver rings on its next command, then look
     /// at the tails once more (a command written before the driver could see the
@@ -448,7 +465,7 @@ impl engine::Poller for GroupPoller {
     }
 
     fn sleep_after(&self) -> Option<Duration> {
-        self.group.as_ref().and_then(|g| g.shared.sleep_after())
+        self.group.as_ref().and_then(|g| g.sleep_after())
     }
 
     fn prepare_sleep(&mut self) -> bool {

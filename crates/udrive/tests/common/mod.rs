@@ -55,6 +55,17 @@ impl TestDev {
         ns: &[&str],
         tune: impl FnOnce(&mut ControllerConfig),
     ) -> TestDev {
+        Self::start_on(&engine(), name, ns, tune)
+    }
+
+    /// Like [`TestDev::start_with`], on reactor 0 of `engine` (a test that reads
+    /// reactor statistics needs a reactor of its own).
+    pub fn start_on(
+        engine: &Arc<engine::Engine>,
+        name: &str,
+        ns: &[&str],
+        tune: impl FnOnce(&mut ControllerConfig),
+    ) -> TestDev {
         static CNTLID: AtomicU16 = AtomicU16::new(1);
         let dir = tempfile::tempdir().expect("temp dir");
         let sock = dir.path().join(format!("{name}.sock"));
@@ -65,7 +76,7 @@ impl TestDev {
             .expect("open backends")
             .remove(0);
         let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
-        let dev = NvmeDevice::start(&cfg, devs, cntlid, &engine(), 1).expect("start device");
+        let dev = NvmeDevice::start(&cfg, devs, cntlid, engine, 1).expect("start device");
         TestDev {
             dev: Some(dev),
             sock,
