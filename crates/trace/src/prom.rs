@@ -139,6 +139,11 @@ pub fn render_prometheus(s: &StatsSnapshot) -> String {
         "counter",
         "CPU time of the reactor thread.",
     );
+    let mut sleeps = Family::new(
+        "udrive_reactor_sleeps_total",
+        "counter",
+        "Sleeps the reactor began because all its pollers were idle (adaptive, event).",
+    );
     for d in &s.devices {
         for q in &d.queues {
             let qs = q.queue.to_string();
@@ -180,10 +185,11 @@ pub fn render_prometheus(s: &StatsSnapshot) -> String {
         polls.sample("", &labels(&idle), r.polls.saturating_sub(r.busy_polls));
         work.sample("", &labels(&[("reactor", &rs)]), r.work_items);
         cpu.sample("", &labels(&[("reactor", &rs)]), r.cpu_ns as f64 / 1e9);
+        sleeps.sample("", &labels(&[("reactor", &rs)]), r.sleeps);
     }
     let mut out = String::new();
     for f in [
-        &ops, &bytes, &errors, &inflight, &depth, &latency, &polls, &work, &cpu,
+        &ops, &bytes, &errors, &inflight, &depth, &latency, &polls, &work, &cpu, &sleeps,
     ] {
         f.write(&mut out);
     }

@@ -111,6 +111,10 @@ pub struct ReactorSnapshot {
     pub work_items: u64,
     /// Thread CPU time.
     pub cpu_ns: u64,
+    /// Sleeps begun because every poller let it (adaptive/event modes); absent in
+    /// snapshots from before it was reported.
+    #[serde(default)]
+    pub sleeps: u64,
 }
 
 /// Everything `get_stats` returns.

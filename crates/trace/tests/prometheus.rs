@@ -42,6 +42,7 @@ fn snapshot(device: &str) -> StatsSnapshot {
             busy_polls: 10,
             work_items: 20,
             cpu_ns: 1_500_000_000,
+            sleeps: 7,
         }],
     }
 }
@@ -86,6 +87,10 @@ fn parses_and_matches_counts() {
         find("udrive_reactor_cpu_seconds_total", &[("reactor", "0")]),
         Some(Value::Counter(1.5))
     );
+    assert_eq!(
+        find("udrive_reactor_sleeps_total", &[("reactor", "0")]),
+        Some(Value::Counter(7.0))
+    );
     assert!(scrape
         .samples
         .iter()
@@ -114,6 +119,7 @@ fn parses_and_matches_counts() {
         "udrive_reactor_polls_total",
         "udrive_reactor_work_items_total",
         "udrive_reactor_cpu_seconds_total",
+        "udrive_reactor_sleeps_total",
     ] {
         assert!(text.contains(&format!("# HELP {name} ")), "{name} HELP");
         assert!(text.contains(&format!("# TYPE {name} ")), "{name} TYPE");

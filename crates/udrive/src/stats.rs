@@ -40,6 +40,7 @@ pub fn reactors(engine: &engine::Engine) -> Vec<ReactorSnapshot> {
                 busy_polls: s.busy_iterations.load(Ordering::Relaxed),
                 work_items: s.work_items.load(Ordering::Relaxed),
                 cpu_ns: s.cpu_ns.load(Ordering::Relaxed),
+                sleeps: s.sleeps.load(Ordering::Relaxed),
             })
         })
         .collect()

@@ -1360,7 +1360,19 @@ fn set_poll_mode_and_placement_while_libblkio_runs() {
     let d = NvmeDriver::connect(&s.nvme, opts()).unwrap();
     assert!(!d.doorbells_mapped(), "event mode offers no doorbell mmap");
     assert!(d.shadow_doorbells());
+    // In event mode the reactor sleeps whenever its queues are idle: between these
+    // I/Os too, and get_stats counts it.
+    let sleeps = |s: &Serve| -> u64 {
+        s.ok("get_stats", json!({}))["reactors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["sleeps"].as_u64().unwrap())
+            .sum()
+    };
+    let before = sleeps(&s);
     verified_io(&d, 1, 6);
+    assert!(sleeps(&s) > before, "no reactor slept in event mode");
     let dev = s.ok("get_devices", json!({"socket": s.nvme}));
     assert_eq!(dev[0]["state"]["doorbells"], "messages");
     assert_eq!(dev[0]["state"]["can_sleep"], true);
