@@ -53,6 +53,10 @@ pub(crate) struct Iov<'a> {
 }
 
 impl<'a> Iov<'a> {
+    /// Inlined into the caller so the value is built where it stays: a call returns
+    /// it through a temporary that is then moved, a 4 KiB `memcpy` on every poll of
+    /// every queue group (measured: 23 % of a reactor's time with deep RBD queues).
+    #[inline(always)]
     pub fn new() -> Iov<'a> {
         Iov {
             segs: SmallVec::new(),
