@@ -263,4 +263,8 @@ impl IoChannel for FaultChannel {
     fn slow_completions(&self) -> bool {
         self.inner.slow_completions()
     }
+
+    fn prefetch(&mut self, req: &IoRequest<'_>) {
+        self.inner.prefetch(req)
+    }
 }

@@ -159,6 +159,13 @@ pub trait IoChannel: Send {
         None
     }
 
+    /// A hint that `req` is submitted next (after the request being submitted
+    /// now): a channel that copies can start loading the data it will read. At a
+    /// queue depth above one this overlaps the memory latency of one request with
+    /// the copy of the one before it (docs/decisions/0027-prefetch-next-copy.md).
+    /// Never required for correctness; `req` is not validated yet.
+    fn prefetch(&mut self, _req: &IoRequest<'_>) {}
+
     /// Whether a request takes a network round trip or longer (hundreds of µs) to
     /// complete. With a deep queue on such a channel an adaptive reactor sleeps on
     /// the notifier between completions instead of spinning through every round

@@ -422,4 +422,8 @@ impl IoChannel for QosChannel {
     fn slow_completions(&self) -> bool {
         self.inner.slow_completions()
     }
+
+    fn prefetch(&mut self, req: &IoRequest<'_>) {
+        self.inner.prefetch(req)
+    }
 }

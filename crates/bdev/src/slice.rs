@@ -177,6 +177,16 @@ impl IoChannel for SliceChannel {
     fn slow_completions(&self) -> bool {
         self.inner.slow_completions()
     }
+
+    fn prefetch(&mut self, req: &IoRequest<'_>) {
+        if let Some(offset) = self
+            .offset
+            .checked_add(req.offset)
+            .filter(|_| in_range(req.offset, req.len, self.size))
+        {
+            self.inner.prefetch(&IoRequest { offset, ..*req })
+        }
+    }
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use trace::Stamps;
 use super::completions::Completions;
 use super::exec::{exec, facts, prepare_rw, Exec};
 use super::shadow::{keep_behind, read_db, shadow_page, Shadow};
-use super::{IoSq, NsTable, QueueGroup};
+use super::{IoSq, NsTable, QueueGroup, Slot};
 use crate::decode::{OP_READ, OP_WRITE};
 use crate::iov::Iov;
 use crate::log::bump;
@@ -443,6 +443,21 @@ fn sync_batch(pass: &Pass<'_>, sq: &mut IoSq, batch: &Batch<'_>) {
 /// backend layer: a traced batch of n reads the clock n + 1 times instead of 2n.
 /// The commands' `queue` layer includes waiting for the submits before theirs, and
 /// `complete` the submits after theirs, which is when their CQEs are posted.
+/// The backend request of a parsed read or write in `batch`.
+fn request<'b>(slot: &Slot, batch: &'b Batch<'_>) -> IoRequest<'b> {
+    IoRequest {
+        op: if slot.opcode == OP_WRITE {
+            IoOp::Write
+        } else {
+            IoOp::Read
+        },
+        offset: slot.offset,
+        len: slot.bytes,
+        iov: batch.iov.segments(slot.segs),
+        fua: slot.fua,
+    }
+}
+
 fn submit_batch(
     pass: &Pass<'_>,
     sq: &mut IoSq,
@@ -456,7 +471,17 @@ fn submit_batch(
     }
     // The last clock read, if it was taken right after the previous submit call.
     let mut last: Option<u64> = None;
-    for &idx in &batch.cmds {
+    for (i, &idx) in batch.cmds.iter().enumerate() {
+        // While this one is copied, the next one's data is on its way to the cache.
+        if let Some(next) = batch
+            .cmds
+            .get(i + 1)
+            .and_then(|&n| sq.slots.get(n as usize))
+        {
+            if let (true, Some(c)) = (next.status.is_ok(), ns.get_mut(next.nsid)) {
+                c.chan.prefetch(&request(next, batch));
+            }
+        }
         let Some(slot) = sq.slots.get_mut(idx as usize) else {
             continue;
         };
@@ -464,24 +489,14 @@ fn submit_batch(
             // Its data never came over (see `sync_batch`).
             continue;
         }
-        let op = if slot.opcode == OP_WRITE {
-            IoOp::Write
-        } else {
-            IoOp::Read
-        };
         // `prepare_rw` found the namespace, and the table only changes off the
         // reactor.
         let Some(c) = ns.get_mut(slot.nsid) else {
             slot.status = Status::INVALID_NAMESPACE;
             continue;
         };
-        let req = IoRequest {
-            op,
-            offset: slot.offset,
-            len: slot.bytes,
-            iov: batch.iov.segments(slot.segs),
-            fua: slot.fua,
-        };
+        let req = request(slot, batch);
+        let op = req.op;
         let traced = slot.stamps.kick != 0;
         if traced {
             slot.stamps.submitted = last.unwrap_or_else(trace::clock::now);
