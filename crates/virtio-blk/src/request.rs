@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use bdev::{BlockInfo, IoOp, IoStatus};
+use bdev::{BlockInfo, IoOp, IoRequest, IoStatus};
 use frontend_core::{Disk, Protocol, Refusal};
 use guest_mem::DmaSlice;
 use trace::{OpClass, Stamps};
@@ -111,6 +111,17 @@ impl Slot {
         self.mem = None;
         self.status = None;
         self.data.clear();
+    }
+
+    /// The backend request of a parsed chain (`Outcome::Submit`).
+    pub fn request(&self) -> IoRequest<'_> {
+        IoRequest {
+            op: self.op,
+            offset: self.offset,
+            len: self.len,
+            iov: &self.data,
+            fua: self.fua,
+        }
     }
 
     fn finish(&mut self, status: u8) {

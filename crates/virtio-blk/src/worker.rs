@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bdev::{BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
+use bdev::{BlockInfo, IoChannel, IoOp, IoStatus};
 use frontend_core::{Protocol, QueueCore};
 use trace::{Mailbox, TraceControl};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -403,23 +403,23 @@ impl QueueWorker {
 
     fn submit(&mut self, q: &mut Queue, mem: &Arc<Mem>, p: &mut Progress) {
         for i in 0..self.ready.len() {
+            // While this one is copied, the next one's data is on its way to the
+            // cache (docs/decisions/0027-prefetch-next-copy.md).
+            if let Some(next) = self.ready.get(i + 1).map(|&n| &self.slots[usize::from(n)]) {
+                if next.outcome == Outcome::Submit {
+                    self.chan.prefetch(&next.request());
+                }
+            }
             let idx = self.ready[i];
             let slot = &mut self.slots[usize::from(idx)];
             let status = match slot.outcome {
                 Outcome::Finish(s) => Some(s),
                 Outcome::Submit => {
-                    let req = IoRequest {
-                        op: slot.op,
-                        offset: slot.offset,
-                        len: slot.len,
-                        iov: &slot.data,
-                        fua: slot.fua,
-                    };
                     slot.stamps.submitted = QueueCore::<VirtioBlk>::stamp(slot.stamps.kick);
                     let op = slot.op;
                     let st = self
                         .chan
-                        .submit(u64::from(idx), &req)
+                        .submit(u64::from(idx), &slot.request())
                         .map(|st| VirtioBlk::from_io(st, op));
                     if st.is_some() {
                         // Inline backend: it completed inside the call.
