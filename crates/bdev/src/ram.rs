@@ -240,7 +240,7 @@ impl IoChannel for RamChannel {
                             return false;
                         };
                         if let Some(disk) = mem.slice(at, n) {
-                            disk.prefetch(PREFETCH_MAX);
+                            disk.prefetch(n);
                         }
                         true
                     },
