@@ -436,13 +436,6 @@ fn sync_batch(pass: &Pass<'_>, sq: &mut IoSq, batch: &Batch<'_>) {
     }
 }
 
-/// Submits a batch of parsed reads and writes back to back, then posts the CQEs of
-/// those the backend completed inline. Parsing them all first lets one clock read
-/// between two submit calls be both the earlier command's "completed" and the later
-/// one's "submitted" stamp, without moving any command's fetch or parse into its
-/// backend layer: a traced batch of n reads the clock n + 1 times instead of 2n.
-/// The commands' `queue` layer includes waiting for the submits before theirs, and
-/// `complete` the submits after theirs, which is when their CQEs are posted.
 /// The backend request of a parsed read or write in `batch`.
 fn request<'b>(slot: &Slot, batch: &'b Batch<'_>) -> IoRequest<'b> {
     IoRequest {
@@ -458,6 +451,14 @@ fn request<'b>(slot: &Slot, batch: &'b Batch<'_>) -> IoRequest<'b> {
     }
 }
 
+/// Submits a batch of parsed reads and writes back to back, posting each one's CQE as
+/// soon as the backend finished it inline: a polling client resubmits while the rest
+/// of the batch is copied (docs/decisions/0028-post-each-completion.md). Parsing them
+/// all first lets one clock read between two submit calls be both the earlier
+/// command's "completed" and the later one's "submitted" stamp, without moving any
+/// command's fetch or parse into its backend layer: a traced batch of n reads the
+/// clock n + 1 times instead of 2n. The commands' `queue` layer includes the submits
+/// (and posts) before theirs.
 fn submit_batch(
     pass: &Pass<'_>,
     sq: &mut IoSq,
@@ -465,7 +466,6 @@ fn submit_batch(
     ns: &mut NsTable,
     out: &mut Completions,
 ) -> Result<(), Fatal> {
-    let qid = sq.ring.qid;
     if pass.map.has_remote() {
         sync_batch(pass, sq, batch);
     }
@@ -482,46 +482,59 @@ fn submit_batch(
                 c.chan.prefetch(&request(next, batch));
             }
         }
-        let Some(slot) = sq.slots.get_mut(idx as usize) else {
-            continue;
-        };
-        if !slot.status.is_ok() {
-            // Its data never came over (see `sync_batch`).
-            continue;
-        }
-        // `prepare_rw` found the namespace, and the table only changes off the
-        // reactor.
-        let Some(c) = ns.get_mut(slot.nsid) else {
-            slot.status = Status::INVALID_NAMESPACE;
-            continue;
-        };
-        let req = request(slot, batch);
-        let op = req.op;
-        let traced = slot.stamps.kick != 0;
-        if traced {
-            slot.stamps.submitted = last.unwrap_or_else(trace::clock::now);
-        }
-        let r = c.chan.submit(u64::from(qid) << 32 | u64::from(idx), &req);
-        last = traced.then(trace::clock::now);
-        match r {
-            Some(st) => {
-                slot.status = Nvme::from_io(st, op);
-                slot.stamps.completed = last.unwrap_or(0);
-            }
-            None => {
-                c.inflight += 1;
-                out.hold(pass.view, slot, 1);
-            }
-        }
-    }
-    for &idx in &batch.cmds {
-        let Some(slot) = sq.slots.get(idx as usize) else {
-            continue;
-        };
-        if slot.pending == 0 {
-            let status = slot.status;
+        if submit_one(sq, idx, batch, ns, out, pass, &mut last) {
+            let status = sq
+                .slots
+                .get(idx as usize)
+                .map_or(Status::SUCCESS, |s| s.status);
             out.finish(pass, sq, idx, status)?;
         }
     }
     Ok(())
+}
+
+/// Submits command `idx` of a batch to its namespace's channel; true when it is done
+/// (completed inline, or failed before reaching the backend) and its CQE can go out.
+#[inline]
+fn submit_one(
+    sq: &mut IoSq,
+    idx: u32,
+    batch: &Batch<'_>,
+    ns: &mut NsTable,
+    out: &mut Completions,
+    pass: &Pass<'_>,
+    last: &mut Option<u64>,
+) -> bool {
+    let qid = sq.ring.qid;
+    let Some(slot) = sq.slots.get_mut(idx as usize) else {
+        return false;
+    };
+    if !slot.status.is_ok() {
+        // Its data never came over (see `sync_batch`).
+        return slot.pending == 0;
+    }
+    // `prepare_rw` found the namespace, and the table only changes off the reactor.
+    let Some(c) = ns.get_mut(slot.nsid) else {
+        slot.status = Status::INVALID_NAMESPACE;
+        return slot.pending == 0;
+    };
+    let req = request(slot, batch);
+    let op = req.op;
+    let traced = slot.stamps.kick != 0;
+    if traced {
+        slot.stamps.submitted = last.unwrap_or_else(trace::clock::now);
+    }
+    let r = c.chan.submit(u64::from(qid) << 32 | u64::from(idx), &req);
+    *last = traced.then(trace::clock::now);
+    match r {
+        Some(st) => {
+            slot.status = Nvme::from_io(st, op);
+            slot.stamps.completed = last.unwrap_or(0);
+        }
+        None => {
+            c.inflight += 1;
+            out.hold(pass.view, slot, 1);
+        }
+    }
+    slot.pending == 0
 }
