@@ -37,7 +37,10 @@ impl BlockDevice for Holding {
         self.ram.info()
     }
     fn channel(&self) -> std::io::Result<Box<dyn IoChannel>> {
-        Ok(Box::new(HoldingChan(self.ram.channel()?, self.state.clone())))
+        Ok(Box::new(HoldingChan(
+            self.ram.channel()?,
+            self.state.clone(),
+        )))
     }
 }
 
