@@ -12,7 +12,8 @@ mod wait;
 
 pub use cpus::{allowed_cpus, check_allowed, format_cpu_list, parse_cpu_list};
 pub use placement::{
-    adaptive_spin, AtomicPollMode, Placement, Placer, PollMode, DEEP_QUEUE, DEEP_SPIN,
+    adaptive_spin, defers_doorbells, AtomicPollMode, Placement, Placer, PollMode, DEEP_QUEUE,
+    DEEP_SPIN, DEFER_QUEUE,
 };
 pub use reactor::{Engine, EngineError, PollerId, ReactorStats, Waker};
 pub use wait::wait_until;

@@ -104,6 +104,20 @@ pub const DEEP_QUEUE: usize = 4;
 /// enough to catch the driver's next doorbell after a completion in shared memory.
 pub const DEEP_SPIN: std::time::Duration = std::time::Duration::from_micros(30);
 
+/// Requests in flight, all on channels with slow completions, from which a poller
+/// that can tell its driver not to ring (NVMe shadow doorbells with EventIdx) sleeps
+/// without asking for doorbells and without spinning: the next completion wakes it
+/// and it fetches what the driver queued meanwhile. A new command then waits for the
+/// next completion (about the round trip ÷ depth), and each one saves a doorbell
+/// message and a wake-up (docs/decisions/0029-deferred-doorbells.md).
+pub const DEFER_QUEUE: usize = 8;
+
+/// Whether `in_flight` requests that `all_slow` let a poller defer doorbells
+/// ([`DEFER_QUEUE`]).
+pub fn defers_doorbells(in_flight: usize, all_slow: bool) -> bool {
+    in_flight >= DEFER_QUEUE && all_slow
+}
+
 /// The spin of a poller whose mode asks for `spin`, with `in_flight` requests that
 /// `all_slow` (every one on a channel with slow completions): shortened to
 /// [`DEEP_SPIN`] while the queue is at least [`DEEP_QUEUE`] deep.
@@ -197,6 +211,9 @@ mod spin_tests {
         assert_eq!(adaptive_spin(spin, 64, true), DEEP_SPIN);
         // QD1..3 keeps the spinning pickup; fast channels always do.
         assert_eq!(adaptive_spin(spin, DEEP_QUEUE - 1, true), spin);
+        assert!(defers_doorbells(DEFER_QUEUE, true));
+        assert!(!defers_doorbells(DEFER_QUEUE - 1, true));
+        assert!(!defers_doorbells(64, false));
         assert_eq!(adaptive_spin(spin, 64, false), spin);
         // Never longer than asked (event mode asks for none).
         assert_eq!(adaptive_spin(Duration::ZERO, 64, true), Duration::ZERO);

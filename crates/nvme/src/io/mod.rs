@@ -380,20 +380,35 @@ impl QueueGroup {
     /// ([`engine::adaptive_spin`]).
     pub fn sleep_after(&self) -> Option<Duration> {
         let spin = self.shared.sleep_after()?;
-        let all_slow = self
-            .ns
-            .all()
-            .filter(|c| c.inflight > 0)
-            .all(|c| c.chan.slow_completions());
+        if self.defers_doorbells() {
+            return Some(Duration::ZERO);
+        }
         Some(engine::adaptive_spin(
             spin,
             self.out.inflight as usize,
-            all_slow,
+            self.all_slow(),
         ))
     }
 
+    /// Whether every request in flight is on a channel with slow completions.
+    fn all_slow(&self) -> bool {
+        self.ns
+            .all()
+            .filter(|c| c.inflight > 0)
+            .all(|c| c.chan.slow_completions())
+    }
+
+    /// Whether the group sleeps without asking the driver to ring: its queue is deep
+    /// on slow channels (whose completions wake it) and EventIdx can tell the driver
+    /// not to ring ([`engine::defers_doorbells`]).
+    fn defers_doorbells(&self) -> bool {
+        self.shadow.is_some()
+            && engine::defers_doorbells(self.out.inflight as usize, self.all_slow())
+    }
+
     /// Before the reactor sleeps: arm the backends' completion notifiers, publish
-    /// EventIdx at each SQ's head so the driver rings on its next command, then look
+    /// EventIdx at each SQ's head so the driver rings on its next command (one behind
+    /// it while doorbells are deferred: the next completion wakes us), then look
     /// at the tails once more (a command written before the driver could see the
     /// new EventIdx would otherwise wait for the next one). `false`: stay awake.
     pub fn prepare_sleep(&mut self) -> bool {
@@ -411,12 +426,18 @@ impl QueueGroup {
                 }
             }
         }
+        let defer = self.defers_doorbells();
         let map = self.view.refresh();
         let page = self.shared.doorbells.all();
         if let Some(s) = self.shadow {
             for sq in &mut self.sqs {
-                write_event_idx(map, s, sq.ring.qid, false, sq.ring.head);
-                sq.ei = sq.ring.head;
+                let ei = if defer {
+                    shadow::behind(sq.ring.head, sq.ring.size)
+                } else {
+                    sq.ring.head
+                };
+                write_event_idx(map, s, sq.ring.qid, false, ei);
+                sq.ei = ei;
             }
             // Pairs with the driver's barrier between its shadow write and its
             // EventIdx read (Dekker): one of us sees the other's store.

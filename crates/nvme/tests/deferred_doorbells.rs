@@ -1,0 +1,234 @@
+//! With at least `engine::DEFER_QUEUE` requests in flight on a slow backend, an
+//! adaptive group with shadow doorbells sleeps without asking the driver to ring:
+//! EventIdx stays one behind the SQ head, a new command waits in the SQ, and the
+//! next completion wakes the group, which then fetches it
+//! (docs/decisions/0029-deferred-doorbells.md). Below the threshold a sleeping
+//! group asks for the doorbell as before.
+
+mod common;
+use common::*;
+
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bdev::{Armed, BlockDevice, BlockInfo, IoChannel, IoRequest, IoStatus, RamDisk};
+use engine::{PollMode, DEFER_QUEUE};
+
+/// Completions the test has let go, and requests the channel took.
+#[derive(Default)]
+struct Gate {
+    released: AtomicUsize,
+    submitted: AtomicUsize,
+}
+
+/// A RAM disk that behaves like a network backend: slow completions, held until
+/// the test releases them, announced on a socket the reactor can sleep on.
+struct Slow {
+    ram: RamDisk,
+    gate: Arc<Gate>,
+    wake: Mutex<Option<UnixStream>>,
+}
+
+struct SlowChan {
+    inner: Box<dyn IoChannel>,
+    gate: Arc<Gate>,
+    held: Vec<(u64, IoStatus)>,
+    delivered: usize,
+    wake: UnixStream,
+}
+
+impl BlockDevice for Slow {
+    fn describe(&self) -> String {
+        "slow".into()
+    }
+    fn info(&self) -> &BlockInfo {
+        self.ram.info()
+    }
+    fn channel(&self) -> std::io::Result<Box<dyn IoChannel>> {
+        let wake = self.wake.lock().unwrap().take().expect("one channel");
+        wake.set_nonblocking(true)?;
+        Ok(Box::new(SlowChan {
+            inner: self.ram.channel()?,
+            gate: self.gate.clone(),
+            held: Vec::new(),
+            delivered: 0,
+            wake,
+        }))
+    }
+}
+
+impl IoChannel for SlowChan {
+    fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
+        let st = self.inner.submit(tag, req).unwrap_or(IoStatus::IoError);
+        self.held.push((tag, st));
+        self.gate.submitted.fetch_add(1, Ordering::SeqCst);
+        None
+    }
+    fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
+        let mut drain = [0u8; 64];
+        while matches!(self.wake.read(&mut drain), Ok(n) if n > 0) {}
+        let may = self.gate.released.load(Ordering::SeqCst) - self.delivered;
+        let n = may.min(self.held.len());
+        for (t, s) in self.held.drain(..n) {
+            done(t, s);
+        }
+        self.delivered += n;
+        n
+    }
+    fn arm_notifier(&mut self) -> Armed {
+        if self.gate.released.load(Ordering::SeqCst) > self.delivered && !self.held.is_empty() {
+            Armed::Ready
+        } else {
+            Armed::Fd
+        }
+    }
+    fn notifier(&self) -> Option<BorrowedFd<'_>> {
+        Some(self.wake.as_fd())
+    }
+    fn slow_completions(&self) -> bool {
+        true
+    }
+}
+
+struct Setup {
+    h: Host,
+    ei: u64,
+    gate: Arc<Gate>,
+    bell: UnixStream,
+    buf: u64,
+}
+
+fn setup() -> Setup {
+    let gate = Arc::new(Gate::default());
+    let (bell, theirs) = UnixStream::pair().unwrap();
+    let disk: Arc<dyn BlockDevice> = Arc::new(Slow {
+        ram: RamDisk::new(1 << 20, 4096).unwrap(),
+        gate: gate.clone(),
+        wake: Mutex::new(Some(theirs)),
+    });
+    let cfg = nvme::ControllerConfig {
+        poll: PollMode::Adaptive,
+        adaptive_idle: Duration::from_millis(1),
+        ..Default::default()
+    };
+    let mut h = Host::with(cfg, vec![disk]);
+    h.enable();
+    let db = h.alloc(1);
+    let ei = h.alloc(1);
+    let mut s = sqe(0x7c, 0);
+    set_prp(&mut s, db, ei);
+    assert!(h.admin(s).ok());
+    h.shadow = Some(db);
+    h.event_idx = Some(ei);
+    assert!(h.create_cq(1, 64, true, 1).ok());
+    assert!(h.create_sq(1, 64, 1).ok());
+    let buf = h.alloc(2 * DEFER_QUEUE as u64);
+    Setup {
+        h,
+        ei,
+        gate,
+        bell,
+        buf,
+    }
+}
+
+impl Setup {
+    fn sleeps(&self) -> u64 {
+        self.h
+            .engine
+            .stats(0)
+            .unwrap()
+            .sleeps
+            .load(Ordering::Relaxed)
+    }
+    fn sq_event_idx(&self) -> u16 {
+        u32::from_le_bytes(self.h.read_mem(self.ei + 8, 4).try_into().unwrap()) as u16
+    }
+    fn submitted(&self) -> usize {
+        self.gate.submitted.load(Ordering::SeqCst)
+    }
+    fn read(&mut self, i: u64) {
+        let c = rw(2, 1, i, 1, self.buf + i * 4096, 0);
+        self.h.submit(1, c);
+    }
+    fn release(&mut self, n: usize) {
+        self.gate.released.fetch_add(n, Ordering::SeqCst);
+        self.bell.write_all(&[1]).unwrap();
+    }
+    /// Waits until the group sleeps with `submitted` requests taken by the backend.
+    fn asleep_with(&self, submitted: usize) {
+        let before = self.sleeps();
+        wait_until("the group took the commands and went to sleep", || {
+            self.submitted() == submitted && self.sleeps() > before
+        });
+    }
+}
+
+fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(10), "{what}");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+#[test]
+fn a_deep_slow_queue_sleeps_without_asking_for_doorbells() {
+    let mut s = setup();
+    let shallow = DEFER_QUEUE - 1;
+    for i in 0..shallow as u64 {
+        s.read(i);
+    }
+    s.asleep_with(shallow);
+    // Shallow: EventIdx at the tail, so the driver's next command rings.
+    let tail = s.h.io[1].tail;
+    assert_eq!(
+        s.sq_event_idx(),
+        tail,
+        "below the threshold the group asks to be rung"
+    );
+    let rung = s.h.rung;
+    s.read(shallow as u64);
+    assert_eq!(
+        s.h.rung,
+        rung + 1,
+        "the command that deepens the queue rings"
+    );
+    s.asleep_with(DEFER_QUEUE);
+
+    // Deep: EventIdx one behind the head; the next command does not ring and stays
+    // in the SQ while the group sleeps.
+    let tail = s.h.io[1].tail;
+    assert_eq!(
+        s.sq_event_idx(),
+        tail.wrapping_sub(1),
+        "deferred: one behind"
+    );
+    let rung = s.h.rung;
+    s.read(DEFER_QUEUE as u64);
+    assert_eq!(s.h.rung, rung, "the driver was told not to ring");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        s.submitted(),
+        DEFER_QUEUE,
+        "fetched while nothing woke the group"
+    );
+
+    // A completion wakes the group, which fetches the waiting command.
+    s.release(1);
+    let c = s.h.reap(1);
+    assert!(c.ok(), "{c:?}");
+    wait_until("the waiting command was fetched after the wake-up", || {
+        s.submitted() == DEFER_QUEUE + 1
+    });
+    s.release(DEFER_QUEUE);
+    for _ in 0..DEFER_QUEUE {
+        let c = s.h.reap(1);
+        assert!(c.ok(), "{c:?}");
+    }
+    assert_eq!(s.h.ctrl.stats().reads, DEFER_QUEUE as u64 + 1);
+}
