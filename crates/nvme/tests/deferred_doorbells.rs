@@ -116,16 +116,7 @@ fn setup() -> Setup {
         ..Default::default()
     };
     let mut h = Host::with(cfg, vec![disk]);
-    h.enable();
-    let db = h.alloc(1);
-    let ei = h.alloc(1);
-    let mut s = sqe(0x7c, 0);
-    set_prp(&mut s, db, ei);
-    assert!(h.admin(s).ok());
-    h.shadow = Some(db);
-    h.event_idx = Some(ei);
-    assert!(h.create_cq(1, 64, true, 1).ok());
-    assert!(h.create_sq(1, 64, 1).ok());
+    let ei = h.ready_with_shadow();
     let buf = h.alloc(2 * DEFER_QUEUE as u64);
     Setup {
         h,

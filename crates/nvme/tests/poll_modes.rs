@@ -26,16 +26,7 @@ fn host_with_shadow(mode: PollMode) -> (Host, u64) {
     };
     let disk = std::sync::Arc::new(bdev::RamDisk::new(64 << 20, 512).unwrap());
     let mut h = Host::with(cfg, vec![disk]);
-    h.enable();
-    let db = h.alloc(1);
-    let ei = h.alloc(1);
-    let mut s = sqe(0x7c, 0);
-    set_prp(&mut s, db, ei);
-    assert!(h.admin(s).ok());
-    h.shadow = Some(db);
-    h.event_idx = Some(ei);
-    assert!(h.create_cq(1, 64, true, 1).ok());
-    assert!(h.create_sq(1, 64, 1).ok());
+    let ei = h.ready_with_shadow();
     (h, ei)
 }
 

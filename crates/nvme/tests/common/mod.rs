@@ -418,6 +418,23 @@ impl Host {
         assert!(self.create_sq(1, 64, 1).ok());
     }
 
+    /// Enables the controller with Doorbell Buffer Config (shadow doorbells and
+    /// EventIdx, one page each, as Linux uses them) and one I/O queue pair with
+    /// interrupts; returns the EventIdx page's address.
+    pub fn ready_with_shadow(&mut self) -> u64 {
+        self.enable();
+        let db = self.alloc(1);
+        let ei = self.alloc(1);
+        let mut s = sqe(0x7c, 0);
+        set_prp(&mut s, db, ei);
+        assert!(self.admin(s).ok());
+        self.shadow = Some(db);
+        self.event_idx = Some(ei);
+        assert!(self.create_cq(1, 64, true, 1).ok());
+        assert!(self.create_sq(1, 64, 1).ok());
+        ei
+    }
+
     pub fn io(&mut self, s: [u32; 16]) -> Cqe {
         self.cmd(1, s)
     }
