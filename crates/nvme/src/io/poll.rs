@@ -482,19 +482,16 @@ fn submit_batch(
                 c.chan.prefetch(&request(next, batch));
             }
         }
-        if submit_one(sq, idx, batch, ns, out, pass, &mut last) {
-            let status = sq
-                .slots
-                .get(idx as usize)
-                .map_or(Status::SUCCESS, |s| s.status);
+        if let Some(status) = submit_one(sq, idx, batch, ns, out, pass, &mut last) {
             out.finish(pass, sq, idx, status)?;
         }
     }
     Ok(())
 }
 
-/// Submits command `idx` of a batch to its namespace's channel; true when it is done
-/// (completed inline, or failed before reaching the backend) and its CQE can go out.
+/// Submits command `idx` of a batch to its namespace's channel; its status when it is
+/// done (completed inline, or failed before reaching the backend) and its CQE can go
+/// out.
 #[inline]
 fn submit_one(
     sq: &mut IoSq,
@@ -504,19 +501,18 @@ fn submit_one(
     out: &mut Completions,
     pass: &Pass<'_>,
     last: &mut Option<u64>,
-) -> bool {
+) -> Option<Status> {
     let qid = sq.ring.qid;
-    let Some(slot) = sq.slots.get_mut(idx as usize) else {
-        return false;
-    };
+    let slot = sq.slots.get_mut(idx as usize)?;
+    let done = |slot: &Slot| (slot.pending == 0).then_some(slot.status);
     if !slot.status.is_ok() {
         // Its data never came over (see `sync_batch`).
-        return slot.pending == 0;
+        return done(slot);
     }
     // `prepare_rw` found the namespace, and the table only changes off the reactor.
     let Some(c) = ns.get_mut(slot.nsid) else {
         slot.status = Status::INVALID_NAMESPACE;
-        return slot.pending == 0;
+        return done(slot);
     };
     let req = request(slot, batch);
     let op = req.op;
@@ -536,5 +532,5 @@ fn submit_one(
             out.hold(pass.view, slot, 1);
         }
     }
-    slot.pending == 0
+    done(slot)
 }
