@@ -8,108 +8,23 @@
 mod common;
 use common::*;
 
-use std::io::{Read, Write};
-use std::os::fd::{AsFd, BorrowedFd};
-use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bdev::{Armed, BlockDevice, BlockInfo, IoChannel, IoRequest, IoStatus, RamDisk};
+use bdev::{BlockDevice, HeldDisk, HeldGate};
 use engine::{PollMode, DEFER_QUEUE};
-
-/// Completions the test has let go, and requests the channel took.
-#[derive(Default)]
-struct Gate {
-    released: AtomicUsize,
-    submitted: AtomicUsize,
-}
-
-/// A RAM disk that behaves like a network backend: slow completions, held until
-/// the test releases them, announced on a socket the reactor can sleep on.
-struct Slow {
-    ram: RamDisk,
-    gate: Arc<Gate>,
-    wake: Mutex<Option<UnixStream>>,
-}
-
-struct SlowChan {
-    inner: Box<dyn IoChannel>,
-    gate: Arc<Gate>,
-    held: Vec<(u64, IoStatus)>,
-    delivered: usize,
-    wake: UnixStream,
-}
-
-impl BlockDevice for Slow {
-    fn describe(&self) -> String {
-        "slow".into()
-    }
-    fn info(&self) -> &BlockInfo {
-        self.ram.info()
-    }
-    fn channel(&self) -> std::io::Result<Box<dyn IoChannel>> {
-        let wake = self.wake.lock().unwrap().take().expect("one channel");
-        wake.set_nonblocking(true)?;
-        Ok(Box::new(SlowChan {
-            inner: self.ram.channel()?,
-            gate: self.gate.clone(),
-            held: Vec::new(),
-            delivered: 0,
-            wake,
-        }))
-    }
-}
-
-impl IoChannel for SlowChan {
-    fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
-        let st = self.inner.submit(tag, req).unwrap_or(IoStatus::IoError);
-        self.held.push((tag, st));
-        self.gate.submitted.fetch_add(1, Ordering::SeqCst);
-        None
-    }
-    fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
-        let mut drain = [0u8; 64];
-        while matches!(self.wake.read(&mut drain), Ok(n) if n > 0) {}
-        let may = self.gate.released.load(Ordering::SeqCst) - self.delivered;
-        let n = may.min(self.held.len());
-        for (t, s) in self.held.drain(..n) {
-            done(t, s);
-        }
-        self.delivered += n;
-        n
-    }
-    fn arm_notifier(&mut self) -> Armed {
-        if self.gate.released.load(Ordering::SeqCst) > self.delivered && !self.held.is_empty() {
-            Armed::Ready
-        } else {
-            Armed::Fd
-        }
-    }
-    fn notifier(&self) -> Option<BorrowedFd<'_>> {
-        Some(self.wake.as_fd())
-    }
-    fn slow_completions(&self) -> bool {
-        true
-    }
-}
 
 struct Setup {
     h: Host,
     ei: u64,
-    gate: Arc<Gate>,
-    bell: UnixStream,
+    gate: Arc<HeldGate>,
     buf: u64,
 }
 
 fn setup() -> Setup {
-    let gate = Arc::new(Gate::default());
-    let (bell, theirs) = UnixStream::pair().unwrap();
-    let disk: Arc<dyn BlockDevice> = Arc::new(Slow {
-        ram: RamDisk::new(1 << 20, 4096).unwrap(),
-        gate: gate.clone(),
-        wake: Mutex::new(Some(theirs)),
-    });
+    let (disk, gate) = HeldDisk::new(1 << 20, 4096).unwrap();
+    let disk: Arc<dyn BlockDevice> = Arc::new(disk);
     let cfg = nvme::ControllerConfig {
         poll: PollMode::Adaptive,
         adaptive_idle: Duration::from_millis(1),
@@ -118,13 +33,7 @@ fn setup() -> Setup {
     let mut h = Host::with(cfg, vec![disk]);
     let ei = h.ready_with_shadow();
     let buf = h.alloc(2 * DEFER_QUEUE as u64);
-    Setup {
-        h,
-        ei,
-        gate,
-        bell,
-        buf,
-    }
+    Setup { h, ei, gate, buf }
 }
 
 impl Setup {
@@ -140,15 +49,14 @@ impl Setup {
         u32::from_le_bytes(self.h.read_mem(self.ei + 8, 4).try_into().unwrap()) as u16
     }
     fn submitted(&self) -> usize {
-        self.gate.submitted.load(Ordering::SeqCst)
+        self.gate.submitted()
     }
     fn read(&mut self, i: u64) {
         let c = rw(2, 1, i, 1, self.buf + i * 4096, 0);
         self.h.submit(1, c);
     }
     fn release(&mut self, n: usize) {
-        self.gate.released.fetch_add(n, Ordering::SeqCst);
-        self.bell.write_all(&[1]).unwrap();
+        self.gate.release(n);
     }
     /// Waits until the group sleeps with `submitted` requests taken by the backend.
     fn asleep_with(&self, submitted: usize) {

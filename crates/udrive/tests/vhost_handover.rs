@@ -221,6 +221,7 @@ fn handover_with_a_front_end_halfway_through_setup() {
         avail: 0,
         kick: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
         call: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+        event_idx: false,
     };
     raw.set_mem_table();
     let b = hand_over(&a, &sock, &disk, PollMode::Adaptive).unwrap();

@@ -242,6 +242,7 @@ fn restart_resubmits_inflight_requests_once() {
         avail: 0,
         kick: EventFd::new(0).unwrap(),
         call: EventFd::new(0).unwrap(),
+        event_idx: false,
     };
     let heads = [0u16, 3, 6, 9];
     for (i, &head) in heads.iter().enumerate() {
@@ -330,6 +331,7 @@ fn hostile_inflight_area() {
         avail: 0,
         kick: EventFd::new(0).unwrap(),
         call: EventFd::new(0).unwrap(),
+        event_idx: false,
     };
     // Every descriptor loops to itself or jumps outside memory / into indirection.
     for i in 0..QSIZE {

@@ -153,6 +153,39 @@ impl VirtqPoller {
     }
 }
 
+impl VirtqPoller {
+    /// Whether the queue sleeps without asking the guest to kick: deep on a backend
+    /// whose completions wake us ([`engine::defers_doorbells`], decision 0029).
+    fn defers_kicks(&self) -> bool {
+        engine::defers_doorbells(self.worker.in_flight(), self.worker.slow_completions())
+    }
+}
+
+/// Leaves the guest's kicks off for a sleep that a completion will end: with
+/// EVENT_IDX `avail_event` goes one behind the next avail index (the driver kicks
+/// only when its index passes `avail_event`, which it already has), without it
+/// `VRING_USED_F_NO_NOTIFY` stays set. Then looks at the avail index once more:
+/// `true` if the guest added requests meanwhile (stay awake for them).
+fn defer_kicks(q: &mut virtio_queue::Queue, mem: &Mem) -> Result<bool, virtio_queue::Error> {
+    use vm_memory::{Bytes, GuestAddress};
+    if q.event_idx_enabled() {
+        // virtq_used: flags, idx, ring[size], then avail_event (virtio 1.2, 2.7.8).
+        let at = q
+            .used_ring()
+            .checked_add(4 + 8 * u64::from(q.size()))
+            .ok_or(virtio_queue::Error::AddressOverflow)?;
+        let behind = q.next_avail().wrapping_sub(1);
+        mem.store(behind.to_le(), GuestAddress(at), Ordering::Relaxed)
+            .map_err(virtio_queue::Error::GuestMemory)?;
+    } else {
+        q.disable_notification(mem)?;
+    }
+    // Pairs with the driver's barrier between publishing its avail index and
+    // reading avail_event or the flags: one of us sees the other's store.
+    std::sync::atomic::fence(Ordering::SeqCst);
+    Ok(q.avail_idx(mem, Ordering::Acquire)?.0 != q.next_avail())
+}
+
 impl Poller for VirtqPoller {
     fn poll(&mut self) -> usize {
         self.refresh();
@@ -247,6 +280,9 @@ impl Poller for VirtqPoller {
     /// a `set_poll_mode` reaches it without a lock or a per-poll load.
     fn sleep_after(&self) -> Option<Duration> {
         let spin = self.shared.poll_mode().sleep_after()?;
+        if self.defers_kicks() {
+            return Some(Duration::ZERO);
+        }
         Some(engine::adaptive_spin(
             spin,
             self.worker.in_flight(),
@@ -277,6 +313,10 @@ impl Poller for VirtqPoller {
         let mut st = <Vring as VringT<_>>::get_mut(vring);
         if !(st.get_queue().ready() && st.is_enabled()) || self.worker.broken().is_some() {
             return true;
+        }
+        if self.defers_kicks() {
+            // Notifications stay off (`quiet` with it): the next completion wakes us.
+            return !defer_kicks(st.get_queue_mut(), &self.mem).unwrap_or(true);
         }
         self.quiet = false;
         // Re-enable kicks; if the guest added work meanwhile, stay awake. (Through

@@ -17,7 +17,7 @@ use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vmm_sys_util::eventfd::EventFd;
 
-pub const QSIZE: u16 = 16;
+pub const QSIZE: u16 = 32;
 pub const MEM: u64 = 1 << 20;
 pub const AVAIL: u64 = 0x1000;
 pub const USED: u64 = 0x2000;
@@ -77,6 +77,8 @@ pub struct Raw {
     pub avail: u16,
     pub kick: EventFd,
     pub call: EventFd,
+    /// VIRTIO_RING_F_EVENT_IDX was negotiated.
+    pub event_idx: bool,
 }
 
 impl Raw {
@@ -110,13 +112,26 @@ impl Raw {
         mem: impl Into<GuestRam>,
         resume: Option<(u16, u16)>,
         log: Option<&std::fs::File>,
+        want_pf: VhostUserProtocolFeatures,
+    ) -> Raw {
+        Self::connect_virtio(sock, mem, resume, log, want_pf, 0)
+    }
+
+    /// As `connect_features`, negotiating the virtio feature bits `extra` too
+    /// (`VIRTIO_RING_F_EVENT_IDX`: [`Raw::push_polite`] then follows avail_event).
+    pub fn connect_virtio(
+        sock: &Path,
+        mem: impl Into<GuestRam>,
+        resume: Option<(u16, u16)>,
+        log: Option<&std::fs::File>,
         mut want_pf: VhostUserProtocolFeatures,
+        extra: u64,
     ) -> Raw {
         let mem = mem.into();
         if log.is_some() {
             want_pf |= VhostUserProtocolFeatures::INFLIGHT_SHMFD;
         }
-        let mut fe = negotiate(sock, want_pf);
+        let mut fe = negotiate_virtio(sock, want_pf, extra);
         if let Some(f) = log {
             let info = VhostUserInflight {
                 mmap_size: f.metadata().unwrap().len(),
@@ -133,6 +148,7 @@ impl Raw {
             avail: 0,
             kick: EventFd::new(0).unwrap(),
             call: EventFd::new(0).unwrap(),
+            event_idx: extra & virtio_blk::features::EVENT_IDX != 0,
         };
         r.set_mem_table();
         let mut r = r;
@@ -236,6 +252,42 @@ impl Raw {
 
     /// Links `descs` (addr, len, write) into a chain, publishes it and kicks.
     pub fn push(&mut self, descs: &[(u64, u32, bool)]) {
+        let head = self.link(descs);
+        self.publish(head);
+    }
+
+    /// As [`push`](Self::push), kicking only if the device asked for it (as a
+    /// driver does: avail_event with EVENT_IDX, else the used ring's NO_NOTIFY
+    /// flag; virtio 1.2, 2.7.10). Returns whether it kicked.
+    pub fn push_polite(&mut self, descs: &[(u64, u32, bool)]) -> bool {
+        let head = self.link(descs);
+        let old = self.avail;
+        self.make_avail(head);
+        let new = self.avail;
+        let kick = if self.event_idx {
+            let event = self.avail_event();
+            new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
+        } else {
+            self.used_flags() & 1 == 0
+        };
+        if kick {
+            self.kick.write(1).unwrap();
+        }
+        kick
+    }
+
+    /// The used ring's flags (bit 0: VRING_USED_F_NO_NOTIFY).
+    pub fn used_flags(&self) -> u16 {
+        self.u16_at(USED)
+    }
+
+    /// The used ring's avail_event (EVENT_IDX): the driver kicks when its avail
+    /// index passes it.
+    pub fn avail_event(&self) -> u16 {
+        self.u16_at(USED + 4 + 8 * u64::from(QSIZE))
+    }
+
+    fn link(&mut self, descs: &[(u64, u32, bool)]) -> u16 {
         if usize::from(self.next_desc) + descs.len() > usize::from(QSIZE) {
             self.next_desc = 0;
         }
@@ -247,10 +299,15 @@ impl Raw {
             self.desc(idx, *addr, *len, flags, if last { 0 } else { idx + 1 });
         }
         self.next_desc += descs.len() as u16;
-        self.publish(head);
+        head
     }
 
     pub fn publish(&mut self, head: u16) {
+        self.make_avail(head);
+        self.kick.write(1).unwrap();
+    }
+
+    fn make_avail(&mut self, head: u16) {
         self.put(
             AVAIL + 4 + 2 * u64::from(self.avail % QSIZE),
             &head.to_le_bytes(),
@@ -259,7 +316,6 @@ impl Raw {
         fence(Ordering::SeqCst);
         self.put(AVAIL + 2, &self.avail.to_le_bytes());
         fence(Ordering::SeqCst);
-        self.kick.write(1).unwrap();
     }
 
     pub fn used_idx(&self) -> u16 {
@@ -291,10 +347,16 @@ impl Raw {
 /// Connects as a front end: owner, VERSION_1 and PROTOCOL_FEATURES, then the
 /// protocol features in `want`, which the device must offer.
 pub fn negotiate(sock: &Path, want: VhostUserProtocolFeatures) -> Frontend {
+    negotiate_virtio(sock, want, 0)
+}
+
+/// As [`negotiate`], with the virtio feature bits `extra` too (which the device
+/// must offer).
+pub fn negotiate_virtio(sock: &Path, want: VhostUserProtocolFeatures, extra: u64) -> Frontend {
     let mut fe = Frontend::connect(sock, 1).expect("connect");
     fe.set_owner().unwrap();
     let f = fe.get_features().unwrap();
-    let virtio = (1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+    let virtio = (1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() | extra;
     assert_eq!(f & virtio, virtio);
     fe.set_features(virtio).unwrap();
     let pf = fe.get_protocol_features().unwrap();

@@ -1,0 +1,180 @@
+//! Decision 0029 for virtio: with at least `engine::DEFER_QUEUE` requests in flight
+//! on a slow backend, an adaptive vhost-user-blk queue sleeps without asking the
+//! guest to kick (avail_event one behind with EVENT_IDX, VRING_USED_F_NO_NOTIFY
+//! without); a request the guest adds meanwhile waits in the avail ring until the
+//! next completion wakes the queue. Below the threshold the queue asks for kicks
+//! before it sleeps, as before.
+
+mod common;
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bdev::{BlockDevice, HeldDisk, HeldGate};
+use common::vhost_fe::*;
+use engine::{Engine, PollMode, DEFER_QUEUE};
+use guest_mem::SharedMem;
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost_user_blk::{BlkDeviceOptions, VhostUserBlk};
+
+fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(10), "{what}");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+struct Setup {
+    engine: Arc<Engine>,
+    gate: Arc<HeldGate>,
+    dev: Option<VhostUserBlk>,
+    r: Raw,
+}
+
+impl Setup {
+    fn start(sock: &Path, event_idx: bool) -> Setup {
+        let (disk, gate) = HeldDisk::new(1 << 20, 512).unwrap();
+        let disk: Arc<dyn BlockDevice> = Arc::new(disk);
+        // A reactor of its own: no other test's poller keeps it awake.
+        let engine = Engine::start(&[None]).unwrap();
+        let opts = BlkDeviceOptions {
+            poll: PollMode::Adaptive,
+            ..Default::default()
+        };
+        let dev = VhostUserBlk::start(sock, disk, opts, &engine, &[0]).unwrap();
+        let extra = if event_idx {
+            virtio_blk::features::EVENT_IDX
+        } else {
+            0
+        };
+        let mem = SharedMem::new("deferred-kicks", MEM).unwrap();
+        let r = Raw::connect_virtio(
+            sock,
+            mem,
+            None,
+            None,
+            VhostUserProtocolFeatures::CONFIG,
+            extra,
+        );
+        Setup {
+            engine,
+            gate,
+            dev: Some(dev),
+            r,
+        }
+    }
+
+    fn sleeps(&self) -> u64 {
+        self.engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed)
+    }
+
+    /// Queues a 4 KiB read of its own (header, buffer, status byte); kicks only if
+    /// the device asked for it. Returns whether it kicked.
+    fn read(&mut self, i: u64) -> bool {
+        let hdr = HDR + 16 * i;
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&T_IN.to_le_bytes());
+        h[8..16].copy_from_slice(&(i * 8).to_le_bytes());
+        self.r.put(hdr, &h);
+        self.r.put(STATUSES + i, &[0xff]);
+        self.r.push_polite(&[
+            (hdr, 16, false),
+            (DATA + 4096 * i, 4096, true),
+            (STATUSES + i, 1, true),
+        ])
+    }
+
+    /// Waits until the queue sleeps with `n` requests taken by the backend.
+    fn asleep_with(&self, n: usize) {
+        let before = self.sleeps();
+        wait_until("the queue took the requests and went to sleep", || {
+            self.gate.submitted() == n && self.sleeps() > before
+        });
+    }
+
+    /// Whether the device, asleep, asked the guest to kick for its next request.
+    fn asks_for_kicks(&self) -> bool {
+        if self.r.event_idx {
+            self.r.avail_event() == self.r.avail
+        } else {
+            self.r.used_flags() & 1 == 0
+        }
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        // A failed assertion leaves requests held: let them go so the device stops.
+        self.gate.release(1 << 20);
+        if let Some(dev) = self.dev.take() {
+            dev.stop();
+        }
+        self.engine.shutdown();
+    }
+}
+
+fn deep_queue_sleeps_without_kicks(event_idx: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Setup::start(&dir.path().join("blk.sock"), event_idx);
+    let shallow = DEFER_QUEUE - 1;
+    for i in 0..shallow as u64 {
+        s.read(i);
+    }
+    s.asleep_with(shallow);
+    assert!(
+        s.asks_for_kicks(),
+        "below the threshold the sleeping queue asks for kicks"
+    );
+    assert!(
+        s.read(shallow as u64),
+        "the request that deepens the queue kicks"
+    );
+    s.asleep_with(DEFER_QUEUE);
+
+    // Deep: no kick asked for; the next request stays in the ring meanwhile.
+    assert!(
+        !s.asks_for_kicks(),
+        "deep on a slow backend: kicks deferred"
+    );
+    if event_idx {
+        assert_eq!(s.r.avail_event(), s.r.avail.wrapping_sub(1), "one behind");
+    }
+    assert!(
+        !s.read(DEFER_QUEUE as u64),
+        "the guest was told not to kick"
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        s.gate.submitted(),
+        DEFER_QUEUE,
+        "taken while nothing woke the queue"
+    );
+
+    // A completion wakes the queue, which takes the waiting request.
+    s.gate.release(1);
+    assert!(s.r.wait_used(1), "the released request completed");
+    wait_until("the waiting request was taken after the wake-up", || {
+        s.gate.submitted() == DEFER_QUEUE + 1
+    });
+    s.gate.release(DEFER_QUEUE);
+    let all = DEFER_QUEUE as u16 + 1;
+    assert!(s.r.wait_used(all), "every request completed");
+    for i in 0..u64::from(all) {
+        assert_eq!(s.r.get(STATUSES + i, 1)[0], 0, "status of read {i}");
+    }
+    // Shallow again: the queue asks for kicks before it sleeps.
+    wait_until("the idle queue asks for kicks again", || s.asks_for_kicks());
+}
+
+#[test]
+fn with_event_idx_a_deep_slow_queue_sleeps_with_avail_event_behind() {
+    deep_queue_sleeps_without_kicks(true);
+}
+
+#[test]
+fn without_event_idx_a_deep_slow_queue_sleeps_with_no_notify_set() {
+    deep_queue_sleeps_without_kicks(false);
+}
