@@ -24,6 +24,11 @@ pub struct ServeArgs {
     /// CPUs for reactor threads, one reactor per CPU (e.g. 0 or 0-1 or 0,2)
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<String>,
+    /// CPUs for librados'/librbd's threads (RBD backends) [default: the CPUs the
+    /// reactors do not use]; may include reactor CPUs when their queues sleep
+    /// (adaptive, event), never useful with busy polling
+    #[arg(long, value_name = "LIST")]
+    pub rbd_cpus: Option<String>,
     /// Queue placement over reactors: round-robin or single (vhost-user-blk also: dedicated)
     #[arg(long, default_value = "round-robin", conflicts_with = "config")]
     pub placement: engine::Placement,
@@ -89,6 +94,7 @@ impl ServeArgs {
             {
                 Config {
                     cpus: crate::config::default_cpus(),
+                    rbd_cpus: None,
                     rpc: None,
                     metrics_listen: None,
                     controllers: Vec::new(),
@@ -114,6 +120,7 @@ impl ServeArgs {
                 c.poll_idle_us = self.poll_idle_us;
                 Config {
                     cpus: crate::config::default_cpus(),
+                    rbd_cpus: None,
                     rpc: None,
                     metrics_listen: None,
                     controllers: vec![c],
@@ -128,6 +135,9 @@ impl ServeArgs {
         }
         if let Some(cpus) = self.cpus {
             cfg.cpus = cpus;
+        }
+        if self.rbd_cpus.is_some() {
+            cfg.rbd_cpus = self.rbd_cpus;
         }
         if self.rpc.is_some() {
             cfg.rpc = self.rpc;
@@ -203,8 +213,21 @@ pub struct Running {
 pub fn start(cfg: &Config, rpc_mode: u32, listeners: Listeners) -> Result<Running> {
     let cpus = engine::parse_cpu_list(&cfg.cpus).map_err(anyhow::Error::msg)?;
     engine::check_allowed(&cpus).map_err(|e| anyhow::anyhow!("--cpus {}: {e}", cfg.cpus))?;
+    let rbd_cpus = cfg.rbd_cpu_list()?;
+    if let Some(shared) = rbd_cpus
+        .as_ref()
+        .filter(|r| r.iter().any(|c| cpus.contains(c)))
+    {
+        tracing::info!(
+            rbd_cpus = ?shared,
+            reactors = ?cpus,
+            "librbd's threads may run on reactor CPUs: fine while those queues sleep (adaptive, event), costly beside busy polling"
+        );
+    }
     #[cfg(feature = "rbd")]
-    crate::kinds::rbd::set_reactor_cpus(&cpus);
+    crate::kinds::rbd::set_thread_cpus(&cpus, rbd_cpus.as_deref());
+    #[cfg(not(feature = "rbd"))]
+    let _ = rbd_cpus;
     let disks = crate::config::disk_specs(cfg);
     let (backend_set, backends, disk_devs) =
         crate::backends::open_all_set(&cfg.controllers, &disks)?;

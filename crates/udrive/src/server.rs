@@ -83,6 +83,8 @@ impl State {
 pub struct Server {
     pub engine: Arc<engine::Engine>,
     pub cpus: String,
+    /// `--rbd-cpus` as given (a handover passes it on).
+    pub rbd_cpus: Option<String>,
     /// Reactors from `--cpus` (shared by devices); `dedicated` placement adds more.
     base_reactors: usize,
     /// Socket mode and group of devices added later that do not name their own.
@@ -109,6 +111,7 @@ impl Server {
         let server = Arc::new(Server {
             engine,
             cpus: cfg.cpus.clone(),
+            rbd_cpus: cfg.rbd_cpus.clone(),
             base_reactors,
             socket_defaults: cfg.socket_defaults(),
             state: Mutex::new(State {

@@ -328,6 +328,7 @@ mod tests {
         };
         let cfg = |d: VhostBlkConfig| crate::config::Config {
             cpus: "0".into(),
+            rbd_cpus: None,
             controllers: vec![crate::config::ControllerConfig::new(
                 nvme.socket.clone(),
                 nvme.namespaces.clone(),

@@ -599,27 +599,17 @@ fn cluster_configuration_errors_are_clear() {
     assert_eq!(ns_bytes(&dev.connect()), 4 * MIB);
 }
 
-/// librados/librbd start their threads while udrive opens the image; they inherit
-/// a CPU mask without the reactors' CPUs. Also: an image in a RADOS namespace.
-#[test]
-fn librbd_threads_stay_off_the_reactor_cpu() {
-    if !common::ceph::available() {
-        return;
-    }
-    if engine::allowed_cpus().len() < 2 {
-        return; // one CPU: nothing to keep apart
-    }
-    let c = Cluster::start();
-    c.rbd(&["namespace", "create", "rbd/tenant"]);
-    c.rbd(&["create", "--size", "8M", "rbd/tenant/img"]);
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("aff.sock");
-    let spec = format!("rbd:rbd/tenant/img,conf={}", c.conf().display());
-    let mut s = Serve::spawn(&["--vfio-user", sock.to_str().unwrap(), "--ns", &spec]);
-    s.wait_socket(&sock);
-    let tasks = std::fs::read_dir(format!("/proc/{}/task", s.child.id())).unwrap();
-    let mut librbd = 0;
-    for t in tasks.flatten() {
+/// A thread's name and the CPUs it may run on.
+type ThreadCpus = (String, Vec<usize>);
+
+/// The CPUs each thread of process `pid` may run on, reactors and librados'/librbd's
+/// threads apart (udrive's own other threads left out).
+fn thread_cpus(pid: u32) -> (Vec<Vec<usize>>, Vec<ThreadCpus>) {
+    let (mut reactors, mut librbd) = (Vec::new(), Vec::new());
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
         let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
         let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
         let cpus = status
@@ -630,17 +620,93 @@ fn librbd_threads_stay_off_the_reactor_cpu() {
         let comm = comm.trim();
         let allowed = engine::parse_cpu_list(&cpus).unwrap();
         if comm.starts_with("reactor") {
-            assert_eq!(allowed, [0], "{comm}");
+            reactors.push(allowed);
         } else if !["udrive", "nvme-admin", "vfu-hub", "rpc-accept"].contains(&comm) {
-            librbd += 1;
-            assert!(
-                !allowed.contains(&0),
-                "{comm} may run on the reactor's CPU 0: {cpus}"
-            );
+            librbd.push((comm.to_string(), allowed));
         }
     }
-    assert!(librbd >= 5, "only {librbd} librados/librbd threads found");
+    (reactors, librbd)
+}
+
+/// librados/librbd start their threads while udrive opens the image; they inherit
+/// a CPU mask without the reactors' CPUs, or the one `--rbd-cpus` gives. Also: an
+/// image in a RADOS namespace.
+#[test]
+fn librbd_threads_stay_off_the_reactor_cpu() {
+    if !common::ceph::available() {
+        return;
+    }
+    let all = engine::allowed_cpus();
+    if all.len() < 2 {
+        return; // one CPU: nothing to keep apart
+    }
+    let c = Cluster::start();
+    c.rbd(&["namespace", "create", "rbd/tenant"]);
+    c.rbd(&["create", "--size", "8M", "rbd/tenant/img"]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("aff.sock");
+    let spec = format!("rbd:rbd/tenant/img,conf={}", c.conf().display());
+    let mut s = Serve::spawn(&["--vfio-user", sock.to_str().unwrap(), "--ns", &spec]);
+    s.wait_socket(&sock);
+    let (reactors, librbd) = thread_cpus(s.child.id());
+    assert_eq!(reactors, [vec![0]]);
+    assert!(
+        librbd.len() >= 5,
+        "only {} librados/librbd threads found",
+        librbd.len()
+    );
+    for (comm, cpus) in &librbd {
+        assert!(
+            !cpus.contains(&0),
+            "{comm} may run on the reactor's CPU 0: {cpus:?}"
+        );
+    }
     s.stop();
+
+    // An operator whose reactors sleep (adaptive) lets librbd use every CPU.
+    let list = all
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut s = Serve::spawn(&[
+        "--vfio-user",
+        sock.to_str().unwrap(),
+        "--ns",
+        &spec,
+        "--rbd-cpus",
+        &list,
+    ]);
+    s.wait_socket(&sock);
+    let (_, librbd) = thread_cpus(s.child.id());
+    assert!(
+        librbd.len() >= 5,
+        "only {} librados/librbd threads found",
+        librbd.len()
+    );
+    for (comm, cpus) in &librbd {
+        assert_eq!(cpus, &all, "{comm} with --rbd-cpus {list}");
+    }
+    s.stop();
+
+    // A CPU this process may not use is refused before any socket exists.
+    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args([
+            "serve",
+            "--vfio-user",
+            sock.to_str().unwrap(),
+            "--ns",
+            &spec,
+        ])
+        .args(["--rbd-cpus", "4095"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--rbd-cpus 4095"),
+        "{err}"
+    );
+    assert!(!sock.exists());
 }
 
 // ---- Issue 15 with RBD: live handover and supervised restart ----
@@ -657,10 +723,15 @@ fn ho_block(gen: u64, lba: u64) -> Vec<u8> {
 /// A server with one NVMe controller on an RBD image and a control socket, run
 /// detached (the processes that take it over are not our children).
 fn ho_service(c: &Cluster, image: &str) -> Service {
+    ho_service_with(c, image, "")
+}
+
+/// As `ho_service`, with `top` (TOML lines) before the controller.
+fn ho_service_with(c: &Cluster, image: &str, top: &str) -> Service {
     Service::start(|dir| {
         let p = |n: &str| dir.join(n).display().to_string();
         format!(
-            "cpus = \"0\"\nrpc = \"{}\"\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"{}\"]\n",
+            "cpus = \"0\"\n{top}rpc = \"{}\"\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"{}\"]\n",
             p("rpc.sock"),
             p("nvme.sock"),
             rbd_ns(c, image, "")
@@ -816,7 +887,14 @@ fn an_rbd_namespace_survives_handovers_under_verified_io() {
     }
     let c = Cluster::start();
     c.create_image("ho", HO_BLOCKS * HO_BLOCK as u64);
-    let s = ho_service(&c, "ho");
+    // librbd's threads on every CPU (decision 0030): each new process keeps that.
+    let all = engine::allowed_cpus();
+    let list = all
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let s = ho_service_with(&c, "ho", &format!("rbd_cpus = \"{list}\"\n"));
     let client = HoClient::start(s.path("nvme.sock"), 7);
     common::wait_until("client running", Duration::from_secs(60), || {
         client.ops() > 0
@@ -847,6 +925,9 @@ fn an_rbd_namespace_survives_handovers_under_verified_io() {
         let now = s.pid();
         assert_ne!(now, pid, "handover {i}: a new process serves");
         pid = now;
+        for (comm, cpus) in thread_cpus(now as u32).1 {
+            assert_eq!(cpus, all, "handover {i}: {comm} lost rbd_cpus = {list:?}");
+        }
         common::wait_until("I/O after the handover", Duration::from_secs(60), || {
             client.ops() > before
         });

@@ -48,6 +48,7 @@ fn start_in(dir: tempfile::TempDir, disk: &str, queues: u16, poll: &str) -> Dev 
     cfg.poll = poll.parse().unwrap();
     let c = udrive::config::Config {
         cpus: "0".into(),
+        rbd_cpus: None,
         rpc: None,
         metrics_listen: None,
         controllers: vec![],

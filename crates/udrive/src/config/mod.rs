@@ -2,6 +2,7 @@
 //!
 //! ```toml
 //! cpus = "0-1"                 # reactor CPUs (one reactor per CPU)
+//! rbd_cpus = "2-3"             # librados/librbd threads (default: the CPUs reactors do not use)
 //! rpc = "/run/udrive/rpc.sock" # optional JSON-RPC control socket (docs/rpc.md)
 //! metrics_listen = "127.0.0.1:9100"  # optional Prometheus endpoint
 //!
@@ -30,6 +31,10 @@ pub use vhost::{default_queues, disk_specs, validate, VhostBlkConfig};
 pub struct Config {
     #[serde(default = "default_cpus")]
     pub cpus: String,
+    /// CPUs for librados' and librbd's threads (`--rbd-cpus`); default: the allowed
+    /// CPUs without the reactors'.
+    #[serde(default)]
+    pub rbd_cpus: Option<String>,
     /// JSON-RPC control socket.
     #[serde(default)]
     pub rpc: Option<PathBuf>,
@@ -188,6 +193,17 @@ impl Config {
         }
     }
 
+    /// `rbd_cpus` as a list, checked against the CPUs this process may use.
+    pub fn rbd_cpu_list(&self) -> Result<Option<Vec<usize>>> {
+        let Some(list) = &self.rbd_cpus else {
+            return Ok(None);
+        };
+        let cpus = engine::parse_cpu_list(list)
+            .and_then(|c| engine::check_allowed(&c).map(|()| c))
+            .map_err(|e| anyhow::anyhow!("--rbd-cpus {list}: {e}"))?;
+        Ok(Some(cpus))
+    }
+
     pub fn load(path: &Path) -> Result<Config> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config file {}", path.display()))?;
@@ -199,6 +215,7 @@ impl Config {
     /// Checks what can be checked before anything is created.
     pub fn validate(&self) -> Result<()> {
         engine::parse_cpu_list(&self.cpus).map_err(anyhow::Error::msg)?;
+        self.rbd_cpu_list()?;
         // With a control socket, devices can come later (nvme_add_controller).
         if self.controllers.is_empty() && self.vhost_user_blk.is_empty() && self.rpc.is_none() {
             bail!("no device configured: add a [[controller]] or [[vhost_user_blk]] section, or use --vfio-user/--ns or --vhost-user-blk/--disk");

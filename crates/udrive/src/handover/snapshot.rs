@@ -17,6 +17,9 @@ pub const VERSION: u32 = 1;
 pub struct ServerSnapshot {
     pub version: u32,
     pub cpus: String,
+    /// Absent in a snapshot from a udrive before `--rbd-cpus`: the default.
+    #[serde(default)]
+    pub rbd_cpus: Option<String>,
     pub rpc: Option<PathBuf>,
     pub metrics_listen: Option<std::net::SocketAddr>,
     pub socket_mode: Option<String>,
@@ -72,6 +75,7 @@ impl ServerSnapshot {
         let mut snap = ServerSnapshot {
             version: VERSION,
             cpus: server.cpus.clone(),
+            rbd_cpus: server.rbd_cpus.clone(),
             rpc: crate::rpc::listening_path(),
             metrics_listen: metrics,
             socket_mode: defaults.socket_mode.clone(),
@@ -113,6 +117,7 @@ impl ServerSnapshot {
         }
         let cfg = Config {
             cpus: self.cpus.clone(),
+            rbd_cpus: self.rbd_cpus.clone(),
             rpc: self.rpc.clone(),
             metrics_listen: self.metrics_listen,
             controllers: self.controllers.clone(),

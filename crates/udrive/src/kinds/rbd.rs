@@ -30,27 +30,30 @@ pub struct RbdSpec {
     pub timeout: Duration,
 }
 
-/// CPUs the reactors run on: librbd's threads are kept off them (set by `serve`
-/// before it opens backends).
-static REACTOR_CPUS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+/// Where librados' and librbd's threads run: set by `serve` before it opens
+/// backends; empty, no restriction (e.g. `perf --rbd`).
+static THREAD_CPUS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
-/// Records the reactors' CPUs so that RBD images opened later keep librados'
-/// and librbd's threads on the others.
-pub fn set_reactor_cpus(cpus: &[usize]) {
-    *REACTOR_CPUS.lock().unwrap_or_else(|p| p.into_inner()) = cpus.to_vec();
+/// Records where the threads of RBD images opened later run: `explicit`
+/// (`--rbd-cpus`), or else the process's allowed CPUs minus the reactors'
+/// (`reactors`), so that a polling reactor and librbd do not share a CPU; no
+/// restriction when that leaves none (a one-CPU process).
+pub fn set_thread_cpus(reactors: &[usize], explicit: Option<&[usize]>) {
+    let cpus = match explicit {
+        Some(cpus) => cpus.to_vec(),
+        None => engine::allowed_cpus()
+            .into_iter()
+            .filter(|c| !reactors.contains(c))
+            .collect(),
+    };
+    *THREAD_CPUS.lock().unwrap_or_else(|p| p.into_inner()) = cpus;
 }
 
-/// The process's allowed CPUs minus the reactors'; empty (no restriction) when
-/// that leaves none, e.g. a one-CPU process.
 fn thread_cpus() -> Vec<usize> {
-    let reactors = REACTOR_CPUS
+    THREAD_CPUS
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .clone();
-    engine::allowed_cpus()
-        .into_iter()
-        .filter(|c| !reactors.contains(c))
-        .collect()
+        .clone()
 }
 
 impl BackendKind for Rbd {
