@@ -10,7 +10,7 @@ use common::*;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bdev::{BlockDevice, HeldDisk, HeldGate};
 use engine::{PollMode, DEFER_QUEUE};
@@ -64,14 +64,6 @@ impl Setup {
         wait_until("the group took the commands and went to sleep", || {
             self.submitted() == submitted && self.sleeps() > before
         });
-    }
-}
-
-fn wait_until(what: &str, f: impl Fn() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(10), "{what}");
-        std::thread::sleep(Duration::from_micros(200));
     }
 }
 

@@ -5,17 +5,9 @@ mod common;
 use common::*;
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use engine::PollMode;
-
-fn wait_until(what: &str, f: impl Fn() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(10), "{what}");
-        std::thread::sleep(Duration::from_micros(200));
-    }
-}
 
 /// A host with Doorbell Buffer Config (shadow + EventIdx, as Linux uses it) and
 /// one I/O queue pair, on a controller in `mode`.

@@ -226,8 +226,6 @@ pub fn start(cfg: &Config, rpc_mode: u32, listeners: Listeners) -> Result<Runnin
     }
     #[cfg(feature = "rbd")]
     crate::kinds::rbd::set_thread_cpus(&cpus, rbd_cpus.as_deref());
-    #[cfg(not(feature = "rbd"))]
-    let _ = rbd_cpus;
     let disks = crate::config::disk_specs(cfg);
     let (backend_set, backends, disk_devs) =
         crate::backends::open_all_set(&cfg.controllers, &disks)?;

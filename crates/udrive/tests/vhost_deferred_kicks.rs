@@ -10,7 +10,7 @@ mod common;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bdev::{BlockDevice, HeldDisk, HeldGate};
 use common::vhost_fe::*;
@@ -18,14 +18,6 @@ use engine::{Engine, PollMode, DEFER_QUEUE};
 use guest_mem::SharedMem;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost_user_blk::{BlkDeviceOptions, VhostUserBlk};
-
-fn wait_until(what: &str, f: impl Fn() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(10), "{what}");
-        std::thread::sleep(Duration::from_micros(200));
-    }
-}
 
 struct Setup {
     engine: Arc<Engine>,
@@ -90,9 +82,11 @@ impl Setup {
     /// Waits until the queue sleeps with `n` requests taken by the backend.
     fn asleep_with(&self, n: usize) {
         let before = self.sleeps();
-        wait_until("the queue took the requests and went to sleep", || {
-            self.gate.submitted() == n && self.sleeps() > before
-        });
+        common::wait_until(
+            "the queue took the requests and went to sleep",
+            common::T,
+            || self.gate.submitted() == n && self.sleeps() > before,
+        );
     }
 
     /// Whether the device, asleep, asked the guest to kick for its next request.
@@ -156,9 +150,11 @@ fn deep_queue_sleeps_without_kicks(event_idx: bool) {
     // A completion wakes the queue, which takes the waiting request.
     s.gate.release(1);
     assert!(s.r.wait_used(1), "the released request completed");
-    wait_until("the waiting request was taken after the wake-up", || {
-        s.gate.submitted() == DEFER_QUEUE + 1
-    });
+    common::wait_until(
+        "the waiting request was taken after the wake-up",
+        common::T,
+        || s.gate.submitted() == DEFER_QUEUE + 1,
+    );
     s.gate.release(DEFER_QUEUE);
     let all = DEFER_QUEUE as u16 + 1;
     assert!(s.r.wait_used(all), "every request completed");
@@ -166,7 +162,9 @@ fn deep_queue_sleeps_without_kicks(event_idx: bool) {
         assert_eq!(s.r.get(STATUSES + i, 1)[0], 0, "status of read {i}");
     }
     // Shallow again: the queue asks for kicks before it sleeps.
-    wait_until("the idle queue asks for kicks again", || s.asks_for_kicks());
+    common::wait_until("the idle queue asks for kicks again", common::T, || {
+        s.asks_for_kicks()
+    });
 }
 
 #[test]

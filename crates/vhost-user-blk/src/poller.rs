@@ -151,9 +151,7 @@ impl VirtqPoller {
         self.worker.finish_poll(|| false);
         0
     }
-}
 
-impl VirtqPoller {
     /// Whether the queue sleeps without asking the guest to kick: deep on a backend
     /// whose completions wake us ([`engine::defers_doorbells`], decision 0029).
     fn defers_kicks(&self) -> bool {

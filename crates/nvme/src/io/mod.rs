@@ -380,13 +380,14 @@ impl QueueGroup {
     /// ([`engine::adaptive_spin`]).
     pub fn sleep_after(&self) -> Option<Duration> {
         let spin = self.shared.sleep_after()?;
-        if self.defers_doorbells() {
+        let all_slow = self.all_slow();
+        if self.defers_doorbells(all_slow) {
             return Some(Duration::ZERO);
         }
         Some(engine::adaptive_spin(
             spin,
             self.out.inflight as usize,
-            self.all_slow(),
+            all_slow,
         ))
     }
 
@@ -400,10 +401,9 @@ impl QueueGroup {
 
     /// Whether the group sleeps without asking the driver to ring: its queue is deep
     /// on slow channels (whose completions wake it) and EventIdx can tell the driver
-    /// not to ring ([`engine::defers_doorbells`]).
-    fn defers_doorbells(&self) -> bool {
-        self.shadow.is_some()
-            && engine::defers_doorbells(self.out.inflight as usize, self.all_slow())
+    /// not to ring ([`engine::defers_doorbells`]); `all_slow` is [`Self::all_slow`].
+    fn defers_doorbells(&self, all_slow: bool) -> bool {
+        self.shadow.is_some() && engine::defers_doorbells(self.out.inflight as usize, all_slow)
     }
 
     /// Before the reactor sleeps: arm the backends' completion notifiers, publish
@@ -426,7 +426,7 @@ impl QueueGroup {
                 }
             }
         }
-        let defer = self.defers_doorbells();
+        let defer = self.defers_doorbells(self.all_slow());
         let map = self.view.refresh();
         let page = self.shared.doorbells.all();
         if let Some(s) = self.shadow {

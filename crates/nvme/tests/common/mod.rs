@@ -81,6 +81,15 @@ pub struct Host {
     pub rung: u64,
 }
 
+/// Polls `f` until it holds; fails the test with `what` after 10 s.
+pub fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(10), "{what}");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 pub fn sqe(opcode: u8, nsid: u32) -> [u32; 16] {
     let mut s = [0u32; 16];
     s[0] = u32::from(opcode);
