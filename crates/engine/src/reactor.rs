@@ -591,10 +591,8 @@ mod tests {
         }
     }
 
-    /// Wake-ups from the bell and from a poller's fd, in any order, leave nothing
-    /// readable behind: afterwards the idle reactor sleeps instead of spinning.
-    #[test]
-    fn mixed_wakes_leave_the_reactor_asleep() {
+    /// One reactor whose only poller sleeps on `fd`; `seen` counts what it read.
+    fn fd_waiter() -> (Arc<Engine>, Arc<EventFd>, Arc<AtomicUsize>) {
         let e = Engine::start(&[None]).unwrap();
         let fd = Arc::new(new_bell().unwrap());
         let seen = Arc::new(AtomicUsize::new(0));
@@ -603,6 +601,14 @@ mod tests {
             seen: seen.clone(),
         };
         e.add_poller(0, Box::new(p)).unwrap();
+        (e, fd, seen)
+    }
+
+    /// Wake-ups from the bell and from a poller's fd, in any order, leave nothing
+    /// readable behind: afterwards the idle reactor sleeps instead of spinning.
+    #[test]
+    fn mixed_wakes_leave_the_reactor_asleep() {
+        let (e, fd, seen) = fd_waiter();
         let stats = e.stats(0).unwrap();
         let waker = e.waker(0).unwrap();
         for i in 1..=10u64 {
@@ -633,14 +639,7 @@ mod tests {
 
     #[test]
     fn a_sleeping_reactor_wakes_on_a_pollers_fd() {
-        let e = Engine::start(&[None]).unwrap();
-        let fd = Arc::new(new_bell().unwrap());
-        let seen = Arc::new(AtomicUsize::new(0));
-        let p = FdWaiter {
-            fd: fd.clone(),
-            seen: seen.clone(),
-        };
-        e.add_poller(0, Box::new(p)).unwrap();
+        let (e, fd, seen) = fd_waiter();
         let stats = e.stats(0).unwrap();
         wait_for("reactor never slept", || {
             stats.sleeps.load(Ordering::Relaxed) > 0
