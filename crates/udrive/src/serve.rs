@@ -92,16 +92,7 @@ impl ServeArgs {
                 && self.vfio_user.is_none()
                 && self.ns.is_empty() =>
             {
-                Config {
-                    cpus: crate::config::default_cpus(),
-                    rbd_cpus: None,
-                    rpc: None,
-                    metrics_listen: None,
-                    controllers: Vec::new(),
-                    vhost_user_blk: Vec::new(),
-                    socket_mode: None,
-                    socket_group: None,
-                }
+                Config::default()
             }
             None => {
                 let socket = self
@@ -119,14 +110,8 @@ impl ServeArgs {
                 c.poll = self.poll;
                 c.poll_idle_us = self.poll_idle_us;
                 Config {
-                    cpus: crate::config::default_cpus(),
-                    rbd_cpus: None,
-                    rpc: None,
-                    metrics_listen: None,
                     controllers: vec![c],
-                    vhost_user_blk: Vec::new(),
-                    socket_mode: None,
-                    socket_group: None,
+                    ..Config::default()
                 }
             }
         };

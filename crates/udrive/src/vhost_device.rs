@@ -328,16 +328,12 @@ mod tests {
         };
         let cfg = |d: VhostBlkConfig| crate::config::Config {
             cpus: "0".into(),
-            rbd_cpus: None,
             controllers: vec![crate::config::ControllerConfig::new(
                 nvme.socket.clone(),
                 nvme.namespaces.clone(),
             )],
             vhost_user_blk: vec![d],
-            rpc: None,
-            metrics_listen: None,
-            socket_mode: None,
-            socket_group: None,
+            ..Default::default()
         };
         let open = |c: &crate::config::Config| {
             crate::backends::open_all_set(&c.controllers, &disk_specs(c)).map(|(_, n, b)| (n, b))

@@ -48,13 +48,8 @@ fn start_in(dir: tempfile::TempDir, disk: &str, queues: u16, poll: &str) -> Dev 
     cfg.poll = poll.parse().unwrap();
     let c = udrive::config::Config {
         cpus: "0".into(),
-        rbd_cpus: None,
-        rpc: None,
-        metrics_listen: None,
-        controllers: vec![],
         vhost_user_blk: vec![cfg],
-        socket_mode: None,
-        socket_group: None,
+        ..Default::default()
     };
     c.validate().unwrap();
     let dev = vhost_device::open_and_start(&c.vhost_user_blk[0], &engine(), 1).unwrap();

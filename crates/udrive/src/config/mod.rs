@@ -52,6 +52,22 @@ pub struct Config {
     pub socket_group: Option<String>,
 }
 
+/// A configuration without devices: reactors on the default CPUs, no control socket.
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            cpus: default_cpus(),
+            rbd_cpus: None,
+            rpc: None,
+            metrics_listen: None,
+            controllers: Vec::new(),
+            vhost_user_blk: Vec::new(),
+            socket_mode: None,
+            socket_group: None,
+        }
+    }
+}
+
 /// Who may connect to a device socket: `socket_mode` (octal, default 0600: owner
 /// only) and `socket_group` (name or number), as in the TOML config, the CLI and
 /// the RPC add methods.
