@@ -610,8 +610,10 @@ fn thread_cpus(pid: u32) -> (Vec<Vec<usize>>, Vec<ThreadCpus>) {
         .unwrap()
         .flatten()
     {
-        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-        let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        let read = |f: &str| std::fs::read_to_string(t.path().join(f));
+        let (Ok(comm), Ok(status)) = (read("comm"), read("status")) else {
+            continue; // the thread ended while we looked: it runs nowhere
+        };
         let cpus = status
             .lines()
             .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
@@ -626,6 +628,18 @@ fn thread_cpus(pid: u32) -> (Vec<Vec<usize>>, Vec<ThreadCpus>) {
         }
     }
     (reactors, librbd)
+}
+
+/// The librados/librbd threads of process `pid` and their CPUs; there are always
+/// several once an image is open.
+fn librbd_threads(pid: u32) -> Vec<ThreadCpus> {
+    let librbd = thread_cpus(pid).1;
+    assert!(
+        librbd.len() >= 5,
+        "only {} librados/librbd threads found",
+        librbd.len()
+    );
+    librbd
 }
 
 /// librados/librbd start their threads while udrive opens the image; they inherit
@@ -648,14 +662,8 @@ fn librbd_threads_stay_off_the_reactor_cpu() {
     let spec = format!("rbd:rbd/tenant/img,conf={}", c.conf().display());
     let mut s = Serve::spawn(&["--vfio-user", sock.to_str().unwrap(), "--ns", &spec]);
     s.wait_socket(&sock);
-    let (reactors, librbd) = thread_cpus(s.child.id());
-    assert_eq!(reactors, [vec![0]]);
-    assert!(
-        librbd.len() >= 5,
-        "only {} librados/librbd threads found",
-        librbd.len()
-    );
-    for (comm, cpus) in &librbd {
+    assert_eq!(thread_cpus(s.child.id()).0, [vec![0]]);
+    for (comm, cpus) in &librbd_threads(s.child.id()) {
         assert!(
             !cpus.contains(&0),
             "{comm} may run on the reactor's CPU 0: {cpus:?}"
@@ -664,11 +672,7 @@ fn librbd_threads_stay_off_the_reactor_cpu() {
     s.stop();
 
     // An operator whose reactors sleep (adaptive) lets librbd use every CPU.
-    let list = all
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
+    let list = engine::format_cpu_list(&all);
     let mut s = Serve::spawn(&[
         "--vfio-user",
         sock.to_str().unwrap(),
@@ -678,13 +682,7 @@ fn librbd_threads_stay_off_the_reactor_cpu() {
         &list,
     ]);
     s.wait_socket(&sock);
-    let (_, librbd) = thread_cpus(s.child.id());
-    assert!(
-        librbd.len() >= 5,
-        "only {} librados/librbd threads found",
-        librbd.len()
-    );
-    for (comm, cpus) in &librbd {
+    for (comm, cpus) in &librbd_threads(s.child.id()) {
         assert_eq!(cpus, &all, "{comm} with --rbd-cpus {list}");
     }
     s.stop();
@@ -889,11 +887,7 @@ fn an_rbd_namespace_survives_handovers_under_verified_io() {
     c.create_image("ho", HO_BLOCKS * HO_BLOCK as u64);
     // librbd's threads on every CPU (decision 0030): each new process keeps that.
     let all = engine::allowed_cpus();
-    let list = all
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
+    let list = engine::format_cpu_list(&all);
     let s = ho_service_with(&c, "ho", &format!("rbd_cpus = \"{list}\"\n"));
     let client = HoClient::start(s.path("nvme.sock"), 7);
     common::wait_until("client running", Duration::from_secs(60), || {
@@ -925,7 +919,7 @@ fn an_rbd_namespace_survives_handovers_under_verified_io() {
         let now = s.pid();
         assert_ne!(now, pid, "handover {i}: a new process serves");
         pid = now;
-        for (comm, cpus) in thread_cpus(now as u32).1 {
+        for (comm, cpus) in librbd_threads(now as u32) {
             assert_eq!(cpus, all, "handover {i}: {comm} lost rbd_cpus = {list:?}");
         }
         common::wait_until("I/O after the handover", Duration::from_secs(60), || {
