@@ -91,11 +91,8 @@ impl Setup {
 
     /// Whether the device, asleep, asked the guest to kick for its next request.
     fn asks_for_kicks(&self) -> bool {
-        if self.r.event_idx {
-            self.r.avail_event() == self.r.avail
-        } else {
-            self.r.used_flags() & 1 == 0
-        }
+        self.r
+            .wants_kick(self.r.avail, self.r.avail.wrapping_add(1))
     }
 }
 

@@ -263,17 +263,22 @@ impl Raw {
         let head = self.link(descs);
         let old = self.avail;
         self.make_avail(head);
-        let new = self.avail;
-        let kick = if self.event_idx {
-            let event = self.avail_event();
-            new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
-        } else {
-            self.used_flags() & 1 == 0
-        };
+        let kick = self.wants_kick(old, self.avail);
         if kick {
             self.kick.write(1).unwrap();
         }
         kick
+    }
+
+    /// Whether the device asks to be kicked for the avail index moving `old` →
+    /// `new`: it passed avail_event with EVENT_IDX, else NO_NOTIFY is clear.
+    pub fn wants_kick(&self, old: u16, new: u16) -> bool {
+        if self.event_idx {
+            let event = self.avail_event();
+            new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
+        } else {
+            self.used_flags() & 1 == 0
+        }
     }
 
     /// The used ring's flags (bit 0: VRING_USED_F_NO_NOTIFY).
