@@ -19,7 +19,7 @@ pub use reactor::{Engine, EngineError, PollerId, ReactorStats, Waker};
 pub use wait::wait_until;
 
 use std::os::fd::BorrowedFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Something a reactor polls: one call does a bounded amount of work and says how
 /// much (0 means it found nothing to do).
@@ -44,4 +44,12 @@ pub trait Poller: Send {
     /// waker (e.g. a backend's completion eventfd while requests are in flight).
     /// Asked after every poller agreed to sleep.
     fn wake_fds<'a>(&'a self, _add: &mut dyn FnMut(BorrowedFd<'a>)) {}
+
+    /// The latest instant this poller lets the reactor sleep until, when something
+    /// falls due without any fd becoming readable (an interrupt held back for
+    /// coalescing); `None` (the default): no limit. Asked after every poller agreed
+    /// to sleep; the reactor polls again once it passed.
+    fn wake_by(&self) -> Option<Instant> {
+        None
+    }
 }

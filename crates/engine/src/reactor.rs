@@ -6,8 +6,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
-use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::poll::{PollFd, PollFlags};
 use nix::sys::eventfd::{EfdFlags, EventFd};
+use nix::sys::time::TimeSpec;
 use smallvec::SmallVec;
 
 use crate::Poller;
@@ -350,16 +351,29 @@ const MAX_SLEEP: Duration = Duration::from_millis(500);
 #[cfg(test)]
 const MAX_SLEEP: Duration = Duration::from_secs(60);
 
-/// Sleeps until the bell rings, one of the pollers' wake fds becomes readable, or
-/// `timeout` passes; then empties the bell. True if the time ran out.
+/// Sleeps until the bell rings, one of the pollers' wake fds becomes readable,
+/// `timeout` passes or the earliest of the pollers' `wake_by` comes; then empties
+/// the bell. True if the time ran out.
 fn sleep(bell: &EventFd, pollers: &Pollers, timeout: Duration) -> bool {
     let mut fds: SmallVec<[PollFd<'_>; 8]> = SmallVec::new();
     fds.push(PollFd::new(bell.as_fd(), PollFlags::POLLIN));
+    let mut by: Option<Instant> = None;
     for (_, p) in pollers {
         p.wake_fds(&mut |fd| fds.push(PollFd::new(fd, PollFlags::POLLIN)));
+        by = match (by, p.wake_by()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
     }
-    let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
-    let timed_out = matches!(nix::poll::poll(&mut fds, PollTimeout::from(ms)), Ok(0));
+    // The clock is read only when a poller set a deadline (coalescing's aggregation
+    // time is in units of 100 µs, so ppoll's precision and not poll's milliseconds).
+    let timeout = by.map_or(timeout, |t| {
+        timeout.min(t.saturating_duration_since(Instant::now()))
+    });
+    let timed_out = matches!(
+        nix::poll::ppoll(&mut fds, Some(TimeSpec::from_duration(timeout)), None),
+        Ok(0)
+    );
     // Most wake-ups come from a backend's notifier: a read of a silent bell would
     // be a wasted syscall per sleep. A ring that lands after the poll returned is
     // drained after the next one (which it ends at once).
@@ -634,6 +648,66 @@ mod tests {
             "idle reactor keeps waking: {} sleeps after {settled}",
             stats.sleeps.load(Ordering::Relaxed)
         );
+        e.shutdown();
+    }
+
+    /// Sets itself a deadline on its first poll (an interrupt held for
+    /// coalescing) and counts the polls that find it passed.
+    struct Deadline {
+        due: Option<Instant>,
+        set: bool,
+        fired: Arc<AtomicUsize>,
+    }
+    impl Poller for Deadline {
+        fn poll(&mut self) -> usize {
+            if !self.set {
+                self.set = true;
+                self.due = Some(Instant::now() + Duration::from_millis(20));
+            }
+            match self.due {
+                Some(t) if Instant::now() >= t => {
+                    self.due = None;
+                    self.fired.fetch_add(1, Ordering::SeqCst);
+                    1
+                }
+                _ => 0,
+            }
+        }
+        fn sleep_after(&self) -> Option<Duration> {
+            Some(Duration::ZERO)
+        }
+        fn prepare_sleep(&mut self) -> bool {
+            true
+        }
+        fn wake_by(&self) -> Option<Instant> {
+            self.due
+        }
+    }
+
+    /// Nothing but the time wakes this reactor (its sleeps last up to MAX_SLEEP, a
+    /// minute in tests): the poller's `wake_by` must end the sleep.
+    #[test]
+    fn a_pollers_deadline_ends_the_sleep() {
+        let e = Engine::start(&[None]).unwrap();
+        let fired = Arc::new(AtomicUsize::new(0));
+        let p = Deadline {
+            due: None,
+            set: false,
+            fired: fired.clone(),
+        };
+        e.add_poller(0, Box::new(p)).unwrap();
+        let stats = e.stats(0).unwrap();
+        wait_for("the deadline did not wake the reactor", || {
+            fired.load(Ordering::SeqCst) == 1
+        });
+        assert!(stats.sleeps.load(Ordering::Relaxed) >= 1, "it never slept");
+        // Past its deadline the poller sets none: the reactor sleeps again, no spin.
+        wait_for("reactor did not sleep again", || {
+            stats.sleeps.load(Ordering::Relaxed) >= 2
+        });
+        let settled = stats.sleeps.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(stats.sleeps.load(Ordering::Relaxed) <= settled + 1);
         e.shutdown();
     }
 

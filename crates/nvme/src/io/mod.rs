@@ -14,7 +14,7 @@ mod shadow;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bdev::{Armed, BlockInfo, IoChannel};
 use crossbeam_channel::Sender;
@@ -449,11 +449,20 @@ impl QueueGroup {
                 return false;
             }
         }
-        // Asleep we hold no snapshot: an unmap need not wait for us; nor an
-        // interrupt held back for coalescing.
+        // Asleep we hold no snapshot: an unmap need not wait for us. An interrupt
+        // held back for coalescing waits out its aggregation time (`wake_by`).
         self.view.park();
-        self.out.release_held_irq(&self.shared);
+        self.out.before_sleep(&self.shared);
         true
+    }
+
+    /// When a sleeping group must poll again without any fd waking it: the
+    /// interrupt it holds back for coalescing falls due.
+    pub fn wake_by(&self) -> Option<Instant> {
+        if self.shared.fatal.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.out.irq_due_at(&self.shared)
     }
 
     /// What wakes the group besides doorbell messages: completion notifiers of
@@ -497,6 +506,10 @@ impl engine::Poller for GroupPoller {
         if let Some(g) = &self.group {
             g.wake_fds(add);
         }
+    }
+
+    fn wake_by(&self) -> Option<Instant> {
+        self.group.as_ref().and_then(|g| g.wake_by())
     }
 }
 
