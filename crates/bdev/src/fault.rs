@@ -155,6 +155,11 @@ struct FaultChannel {
 }
 
 impl FaultChannel {
+    /// Some delayed request is still with the inner channel.
+    fn inner_busy(&self) -> bool {
+        self.pending.iter().any(|p| p.status.is_none())
+    }
+
     fn next_rand(&mut self) -> u64 {
         // xorshift64
         let mut x = self.rng;
@@ -247,17 +252,38 @@ impl IoChannel for FaultChannel {
         self.inner.room()
     }
 
-    /// Delayed completions wait for a deadline, which no descriptor signals.
+    /// Delayed completions wait for their deadline ([`IoChannel::wake_by`]); those
+    /// still with the inner channel for its notifier.
     fn arm_notifier(&mut self) -> crate::Armed {
         if self.pending.is_empty() {
             self.inner.arm_notifier()
         } else {
-            crate::Armed::Unsupported
+            let busy = self.inner_busy();
+            crate::arm_holding(&mut *self.inner, busy)
         }
     }
 
     fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        self.inner.notifier()
+        if self.pending.is_empty() || self.inner_busy() {
+            self.inner.notifier()
+        } else {
+            None
+        }
+    }
+
+    fn wake_by(&self) -> Option<Instant> {
+        let due = self
+            .pending
+            .iter()
+            .filter(|p| p.status.is_some())
+            .map(|p| p.deadline)
+            .min();
+        let inner = if self.pending.is_empty() || self.inner_busy() {
+            self.inner.wake_by()
+        } else {
+            None
+        };
+        crate::earliest(due, inner)
     }
 
     fn slow_completions(&self) -> bool {

@@ -16,7 +16,7 @@ mod uring;
 pub use fault::{FaultConfig, FaultDisk, FaultOps};
 pub use held::{HeldDisk, HeldGate};
 pub use null::NullDisk;
-pub use qos::{QosClock, QosDisk, QosLimits, BURST, QOS_QUEUE_DEPTH};
+pub use qos::{QosClock, QosDisk, QosLimits, BURST, QOS_MAX_NAP, QOS_QUEUE_DEPTH};
 pub use ram::RamDisk;
 pub use request::{BlockInfo, IoOp, IoRequest, IoStatus};
 pub use slice::{overlaps, SliceDisk};
@@ -25,6 +25,7 @@ pub use uring::{FileDisk, FileEngine, FileOptions};
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// A block backend: describes itself and opens per-thread channels.
 ///
@@ -154,6 +155,14 @@ pub trait IoChannel: Send {
         Armed::Unsupported
     }
 
+    /// After [`IoChannel::arm_notifier`] returned [`Armed::Fd`] or [`Armed::Timer`]:
+    /// the latest instant the channel must be polled again although its notifier
+    /// stayed quiet — requests it holds back until time passes (a rate limit, an
+    /// injected latency). `None` (the default): only the notifier matters.
+    fn wake_by(&self) -> Option<Instant> {
+        None
+    }
+
     /// The descriptor that becomes readable when an armed channel has completions
     /// to hand out (valid after [`IoChannel::arm_notifier`] returned
     /// [`Armed::Fd`]).
@@ -184,9 +193,28 @@ pub enum Armed {
     Ready,
     /// [`IoChannel::notifier`] will become readable on the next completion.
     Fd,
-    /// The channel cannot wake a sleeping reactor (e.g. requests held back by a
-    /// rate limit until time passes): keep polling.
+    /// Nothing completes until time passes (requests held back by a rate limit or
+    /// an injected latency, none with the backend): sleep, but poll again by
+    /// [`IoChannel::wake_by`]. [`IoChannel::notifier`] may be `None`.
+    Timer,
+    /// The channel cannot wake a sleeping reactor: keep polling.
     Unsupported,
+}
+
+/// How a wrapper that holds some requests back until a time (QoS, injected
+/// latency) arms: with the inner channel's notifier while requests are with it,
+/// on its own deadline ([`Armed::Timer`]) while none are.
+fn arm_holding(inner: &mut dyn IoChannel, inner_busy: bool) -> Armed {
+    if inner_busy {
+        inner.arm_notifier()
+    } else {
+        Armed::Timer
+    }
+}
+
+/// The earlier of two optional deadlines.
+fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    a.into_iter().chain(b).min()
 }
 
 /// Checks that `[offset, offset+len)` lies inside a device of `size` bytes.

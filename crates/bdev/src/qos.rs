@@ -25,7 +25,9 @@
 //!
 //! Throttled requests wait in a per-channel FIFO and are retried, in order, from
 //! [`IoChannel::poll`] (never by spinning in `submit`); a new request queues behind
-//! waiting ones. The FIFO holds [`QOS_QUEUE_DEPTH`] requests (4096, the largest
+//! waiting ones. An adaptive reactor with nothing else to do sleeps until the first
+//! of them can go ([`IoChannel::wake_by`], at most [`QOS_MAX_NAP`] at a time) rather
+//! than polling for tokens. The FIFO holds [`QOS_QUEUE_DEPTH`] requests (4096, the largest
 //! queue a device model gives one channel), so it cannot fill up in practice; if it
 //! does, `submit` returns [`IoStatus::IoError`]. Each waiting request keeps its own
 //! copy of the buffer list (the caller's iovec array is only valid during
@@ -48,6 +50,9 @@ use crate::{BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
 pub const BURST: Duration = Duration::from_millis(100);
 /// Requests one channel may hold back.
 pub const QOS_QUEUE_DEPTH: usize = 4096;
+/// The longest a reactor sleeps while this channel holds requests back, however far
+/// their tokens are: a limit raised at run time reaches them within this.
+pub const QOS_MAX_NAP: Duration = Duration::from_millis(10);
 
 /// Monotonic nanoseconds; injectable for tests.
 pub type QosClock = Arc<dyn Fn() -> u64 + Send + Sync>;
@@ -162,6 +167,17 @@ impl Buckets {
             (Some(&self.bw), bytes),
             (cls_bw, bytes),
         ]
+    }
+
+    /// When (clock nanoseconds) every bucket `op` is subject to will admit it.
+    fn admit_at(&self, op: IoOp, len: u64) -> u64 {
+        let burst = BURST.as_nanos() as u64;
+        self.for_op(op, len)
+            .iter()
+            .filter_map(|(b, units)| b.filter(|b| *units > 0 && b.rate().is_some()))
+            .map(|b| b.tat.load(Ordering::Acquire).saturating_sub(burst))
+            .max()
+            .unwrap_or(0)
     }
 
     fn try_admit(&self, op: IoOp, len: u64, now: u64) -> bool {
@@ -292,6 +308,7 @@ impl BlockDevice for QosDisk {
             queue: VecDeque::with_capacity(QOS_QUEUE_DEPTH),
             slots: Vec::with_capacity(QOS_QUEUE_DEPTH),
             free: Vec::with_capacity(QOS_QUEUE_DEPTH),
+            inner_busy: 0,
         }))
     }
 }
@@ -316,6 +333,9 @@ struct QosChannel {
     queue: VecDeque<usize>,
     slots: Vec<Slot>,
     free: Vec<usize>,
+    /// Requests with the inner channel (submitted, not yet completed): while there
+    /// are none, only time can release held ones.
+    inner_busy: usize,
 }
 
 impl QosChannel {
@@ -356,7 +376,9 @@ impl IoChannel for QosChannel {
             && (!self.buckets.active.load(Ordering::Relaxed)
                 || self.buckets.try_admit(req.op, req.len, (self.clock)()))
         {
-            return self.inner.submit(tag, req);
+            let st = self.inner.submit(tag, req);
+            self.inner_busy += usize::from(st.is_none());
+            return st;
         }
         if self.hold(tag, req) {
             None
@@ -367,6 +389,7 @@ impl IoChannel for QosChannel {
 
     fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
         let mut n = self.inner.poll(done);
+        self.inner_busy = self.inner_busy.saturating_sub(n);
         if self.queue.is_empty() {
             return n;
         }
@@ -386,9 +409,12 @@ impl IoChannel for QosChannel {
             };
             let res = self.inner.submit(slot.tag, &req);
             slot.iov.clear();
-            if let Some(st) = res {
-                done(slot.tag, st);
-                n += 1;
+            match res {
+                Some(st) => {
+                    done(slot.tag, st);
+                    n += 1;
+                }
+                None => self.inner_busy += 1,
             }
             self.free.push(idx);
         }
@@ -405,18 +431,44 @@ impl IoChannel for QosChannel {
             .min(QOS_QUEUE_DEPTH.saturating_sub(self.queue.len()))
     }
 
-    /// Held requests wait for tokens, that is for time to pass: nothing would wake
-    /// the reactor for them.
+    /// Held requests wait for tokens, that is for time to pass
+    /// ([`IoChannel::wake_by`]); those with the inner channel for its notifier.
     fn arm_notifier(&mut self) -> crate::Armed {
         if self.queue.is_empty() {
             self.inner.arm_notifier()
         } else {
-            crate::Armed::Unsupported
+            crate::arm_holding(&mut *self.inner, self.inner_busy > 0)
         }
     }
 
     fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        self.inner.notifier()
+        if self.queue.is_empty() || self.inner_busy > 0 {
+            self.inner.notifier()
+        } else {
+            None
+        }
+    }
+
+    /// When the oldest held request's tokens are there (it goes first: FIFO), but
+    /// no later than [`QOS_MAX_NAP`] from now.
+    fn wake_by(&self) -> Option<Instant> {
+        let inner = if self.queue.is_empty() || self.inner_busy > 0 {
+            self.inner.wake_by()
+        } else {
+            None
+        };
+        let held = self
+            .queue
+            .front()
+            .and_then(|&idx| self.slots.get(idx))
+            .map(|s| {
+                let wait = self
+                    .buckets
+                    .admit_at(s.op, s.len)
+                    .saturating_sub((self.clock)());
+                Instant::now() + Duration::from_nanos(wait).min(QOS_MAX_NAP)
+            });
+        crate::earliest(held, inner)
     }
 
     fn slow_completions(&self) -> bool {

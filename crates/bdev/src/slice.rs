@@ -174,6 +174,10 @@ impl IoChannel for SliceChannel {
         self.inner.notifier()
     }
 
+    fn wake_by(&self) -> Option<std::time::Instant> {
+        self.inner.wake_by()
+    }
+
     fn slow_completions(&self) -> bool {
         self.inner.slow_completions()
     }

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bdev::{
-    overlaps, BlockDevice, FaultConfig, FaultDisk, FaultOps, IoChannel, IoOp, IoRequest, IoStatus,
-    NullDisk, QosClock, QosDisk, QosLimits, RamDisk, SliceDisk,
+    overlaps, Armed, BlockDevice, FaultConfig, FaultDisk, FaultOps, HeldDisk, IoChannel, IoOp,
+    IoRequest, IoStatus, NullDisk, QosClock, QosDisk, QosLimits, RamDisk, SliceDisk, QOS_MAX_NAP,
 };
 use guest_mem::SharedMem;
 
@@ -565,6 +565,117 @@ fn fault_latency_over_async_inner() {
     clock.advance(Duration::from_millis(100));
     assert_eq!(ch.poll(&mut |t, s| got.push((t, s))), 1);
     assert_eq!(got[2], (3, IoStatus::Ok));
+}
+
+// ---------------------------------------------------------------- sleeping on held requests
+
+/// `wake_by` lies `wait` after some instant between `before` and now.
+fn due_in(ch: &dyn IoChannel, before: Instant, wait: Duration) {
+    let at = ch.wake_by().expect("a deadline for the held request");
+    assert!(
+        at >= before + wait && at <= Instant::now() + wait,
+        "due {at:?}, not in {wait:?}"
+    );
+}
+
+/// A reactor may sleep while QoS holds requests back: nothing but time releases
+/// them, so the channel arms a timer (no descriptor) due when the oldest one's
+/// tokens are there — at most QOS_MAX_NAP away, so a limit raised meanwhile is seen.
+#[test]
+fn qos_holding_requests_asks_for_a_timer() {
+    let (clock, f) = FakeClock::new();
+    let limits = QosLimits {
+        iops: Some(10),
+        ..QosLimits::default()
+    };
+    let d = QosDisk::with_clock(null(), limits, f).unwrap();
+    let mut ch = d.channel().unwrap();
+    let flush = req(IoOp::Flush, 0, 0, &[]);
+    // The burst (100 ms worth, and one more) completes at once; the third waits
+    // until the bucket's 200 ms of charges are within the burst again: 100 ms.
+    assert_eq!(submit_n(&mut *ch, 1, 3, &flush), 2);
+    assert_eq!(ch.arm_notifier(), Armed::Timer);
+    assert!(ch.notifier().is_none(), "nothing to wait on but time");
+    due_in(&*ch, Instant::now(), QOS_MAX_NAP);
+    clock.advance(Duration::from_millis(97));
+    due_in(&*ch, Instant::now(), Duration::from_millis(3));
+    clock.advance(Duration::from_millis(3));
+    assert!(ch.wake_by().unwrap() <= Instant::now(), "due now");
+    let mut got = Vec::new();
+    assert_eq!(ch.poll(&mut |t, s| got.push((t, s))), 1);
+    assert_eq!(got, [(3, IoStatus::Ok)]);
+    assert_eq!(ch.wake_by(), None, "nothing held");
+}
+
+/// With requests also at a backend that completes on its own (librbd, io_uring),
+/// its notifier wakes the reactor for those and the timer for the held ones.
+#[test]
+fn qos_over_a_slow_backend_arms_both() {
+    let (clock, f) = FakeClock::new();
+    let (held, gate) = HeldDisk::new(1 << 20, 512).unwrap();
+    let limits = QosLimits {
+        iops: Some(10),
+        ..QosLimits::default()
+    };
+    let d = QosDisk::with_clock(Arc::new(held), limits, f).unwrap();
+    let mut ch = d.channel().unwrap();
+    let flush = req(IoOp::Flush, 0, 0, &[]);
+    assert_eq!(submit_n(&mut *ch, 1, 3, &flush), 0);
+    assert_eq!(gate.submitted(), 2);
+    assert_eq!(
+        ch.arm_notifier(),
+        Armed::Fd,
+        "the backend's completions wake us"
+    );
+    assert!(ch.notifier().is_some());
+    due_in(&*ch, Instant::now(), QOS_MAX_NAP);
+    // Once the backend is done with its two, only the timer is left.
+    gate.release(2);
+    assert_eq!(ch.arm_notifier(), Armed::Ready);
+    assert_eq!(ch.poll(&mut |_, _| {}), 2);
+    assert_eq!(ch.arm_notifier(), Armed::Timer);
+    assert!(ch.notifier().is_none());
+    // Admitted, the third is the backend's: its notifier again, no timer.
+    clock.advance(Duration::from_millis(100));
+    assert_eq!(ch.poll(&mut |_, _| {}), 0);
+    assert_eq!(gate.submitted(), 3);
+    assert_eq!(ch.arm_notifier(), Armed::Fd);
+    assert_eq!(ch.wake_by(), None);
+}
+
+/// Injected latency: completions wait for their deadline, which the channel hands
+/// out as its timer; a request still at the inner backend keeps its notifier armed.
+#[test]
+fn fault_latency_asks_for_a_timer() {
+    // Far beyond anything a loaded machine stalls this test for.
+    let lat = Duration::from_secs(30);
+    let config = FaultConfig {
+        latency: lat,
+        ..FaultConfig::default()
+    };
+    let d = FaultDisk::new(null(), config.clone()).unwrap();
+    let mut ch = d.channel().unwrap();
+    let flush = req(IoOp::Flush, 0, 0, &[]);
+    let before = Instant::now();
+    assert_eq!(ch.submit(1, &flush), None);
+    assert_eq!(ch.arm_notifier(), Armed::Timer);
+    assert!(ch.notifier().is_none());
+    due_in(&*ch, before, lat);
+    let (held, gate) = HeldDisk::new(1 << 20, 512).unwrap();
+    let d = FaultDisk::new(Arc::new(held), config).unwrap();
+    let mut ch = d.channel().unwrap();
+    assert_eq!(ch.submit(1, &flush), None);
+    assert_eq!(ch.arm_notifier(), Armed::Fd);
+    assert!(ch.notifier().is_some());
+    assert_eq!(
+        ch.wake_by(),
+        None,
+        "its deadline counts once the backend is done"
+    );
+    gate.release(1);
+    assert_eq!(ch.poll(&mut |_, _| {}), 0, "completed, but delayed");
+    assert_eq!(ch.arm_notifier(), Armed::Timer);
+    assert!(ch.wake_by().is_some());
 }
 
 // ---------------------------------------------------------------- resize

@@ -42,6 +42,16 @@ fn start(disk: &str, queues: u16, poll: &str) -> Dev {
 }
 
 fn start_in(dir: tempfile::TempDir, disk: &str, queues: u16, poll: &str) -> Dev {
+    start_on(&engine(), dir, disk, queues, poll)
+}
+
+fn start_on(
+    engine: &Arc<engine::Engine>,
+    dir: tempfile::TempDir,
+    disk: &str,
+    queues: u16,
+    poll: &str,
+) -> Dev {
     let sock = dir.path().join("blk.sock");
     let mut cfg = VhostBlkConfig::new(sock.clone(), disk.parse().unwrap());
     cfg.queues = queues;
@@ -52,7 +62,7 @@ fn start_in(dir: tempfile::TempDir, disk: &str, queues: u16, poll: &str) -> Dev 
         ..Default::default()
     };
     c.validate().unwrap();
-    let dev = vhost_device::open_and_start(&c.vhost_user_blk[0], &engine(), 1).unwrap();
+    let dev = vhost_device::open_and_start(&c.vhost_user_blk[0], engine, 1).unwrap();
     Dev {
         dev: Some(dev),
         sock,
@@ -516,6 +526,46 @@ fn sampling_one_in_n_and_stats_of_sleeping_queues() {
     assert_eq!(ops.read, 1200);
     assert_eq!(bytes.read, 1200 * 4096);
     assert!(errors.is_empty());
+}
+
+/// Reads throttled by QoS wait for tokens, which only time brings: an event-mode
+/// queue sleeps until they are due rather than polling for them (it used to spin
+/// until the last one was admitted), and each still completes.
+#[test]
+fn qos_throttled_reads_let_the_reactor_sleep() {
+    // A reactor of its own: other tests' queues keep the shared one polling.
+    let engine = engine::Engine::start(&[None]).unwrap();
+    // 20 IOPS: three reads go at once (the burst), the other three 50 ms apart.
+    let d = start_on(
+        &engine,
+        tempfile::tempdir().unwrap(),
+        "ram:1M,iops=20",
+        1,
+        "event",
+    );
+    let mut s = Session::open(&d.sock);
+    let stats = || {
+        let st = engine.stats(0).expect("reactor");
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        (get(&st.iterations), get(&st.sleeps))
+    };
+    let (polls, slept) = stats();
+    let start = std::time::Instant::now();
+    for i in 0..6 {
+        assert_eq!(s.read(i * 4096, 4096), 0, "read {i}");
+    }
+    assert!(start.elapsed() >= Duration::from_millis(100), "throttled");
+    let (polls, slept) = (stats().0 - polls, stats().1 - slept);
+    // Spinning makes hundreds of thousands of polls in 150 ms (the count is
+    // published every 4096); sleeping one per wake-up.
+    assert!(
+        polls < 20_000,
+        "{polls} polls: the reactor spun on held reads"
+    );
+    assert!(slept >= 3, "slept between the throttled reads");
+    drop(s);
+    drop(d);
+    engine.shutdown();
 }
 
 /// The published iteration count of reactor `r` (refreshed every 4096 iterations).

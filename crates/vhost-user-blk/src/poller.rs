@@ -331,4 +331,12 @@ impl Poller for VirtqPoller {
             }
         }
     }
+
+    fn wake_by(&self) -> Option<std::time::Instant> {
+        if self.worker.in_flight() != 0 {
+            self.worker.wake_by()
+        } else {
+            None
+        }
+    }
 }

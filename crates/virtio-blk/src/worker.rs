@@ -168,7 +168,16 @@ impl QueueWorker {
     /// Before the reactor sleeps with requests in flight: whether the backend will
     /// wake it on completion ([`Worker::notifier`]); `false`: keep polling.
     pub fn arm_notifier(&mut self) -> bool {
-        self.chan.arm_notifier() == bdev::Armed::Fd
+        matches!(
+            self.chan.arm_notifier(),
+            bdev::Armed::Fd | bdev::Armed::Timer
+        )
+    }
+
+    /// The latest instant the backend must be polled again without its notifier
+    /// (requests it holds back until a time; [`bdev::IoChannel::wake_by`]).
+    pub fn wake_by(&self) -> Option<std::time::Instant> {
+        self.chan.wake_by()
     }
 
     /// The backend's completion notifier (after [`Worker::arm_notifier`]).

@@ -421,7 +421,7 @@ impl QueueGroup {
         }
         if self.out.inflight > 0 {
             for c in self.ns.all_mut() {
-                if c.inflight > 0 && c.chan.arm_notifier() != Armed::Fd {
+                if c.inflight > 0 && !matches!(c.chan.arm_notifier(), Armed::Fd | Armed::Timer) {
                     return false;
                 }
             }
@@ -457,12 +457,26 @@ impl QueueGroup {
     }
 
     /// When a sleeping group must poll again without any fd waking it: the
-    /// interrupt it holds back for coalescing falls due.
+    /// interrupt it holds back for coalescing falls due, or a channel releases a
+    /// request it holds back (QoS, injected latency).
     pub fn wake_by(&self) -> Option<Instant> {
         if self.shared.fatal.load(Ordering::Relaxed) {
             return None;
         }
-        self.out.irq_due_at(&self.shared)
+        let held = if self.out.inflight > 0 {
+            self.ns
+                .all()
+                .filter(|c| c.inflight > 0)
+                .filter_map(|c| c.chan.wake_by())
+                .min()
+        } else {
+            None
+        };
+        self.out
+            .irq_due_at(&self.shared)
+            .into_iter()
+            .chain(held)
+            .min()
     }
 
     /// What wakes the group besides doorbell messages: completion notifiers of
