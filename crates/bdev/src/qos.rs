@@ -471,8 +471,12 @@ impl IoChannel for QosChannel {
         crate::earliest(held, inner)
     }
 
+    /// While requests wait for tokens a new one takes at least as long (it queues
+    /// behind them), often longer than a network round trip: the front end then
+    /// naps and defers doorbells as for a remote backend (decisions 0026, 0029),
+    /// and the timer ([`IoChannel::wake_by`]) or the inner notifier wakes it.
     fn slow_completions(&self) -> bool {
-        self.inner.slow_completions()
+        !self.queue.is_empty() || self.inner.slow_completions()
     }
 
     fn prefetch(&mut self, req: &IoRequest<'_>) {

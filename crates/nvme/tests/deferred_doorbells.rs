@@ -123,3 +123,52 @@ fn a_deep_slow_queue_sleeps_without_asking_for_doorbells() {
     }
     assert_eq!(s.h.ctrl.stats().reads, DEFER_QUEUE as u64 + 1);
 }
+
+/// Requests held back by QoS are as slow as a remote backend's, and a new command
+/// would queue behind them anyway: with `DEFER_QUEUE` of them waiting for tokens the
+/// adaptive group sleeps with EventIdx one behind (no doorbell for the next
+/// command) and lets the token timer wake it, which then fetches what came meanwhile.
+#[test]
+fn commands_held_for_tokens_defer_doorbells() {
+    let ram = Arc::new(bdev::RamDisk::new(1 << 20, 4096).unwrap());
+    // 10 IOPS: two reads go at once (the burst), then one every 100 ms.
+    let limits = bdev::QosLimits {
+        iops: Some(10),
+        ..Default::default()
+    };
+    let disk: Arc<dyn BlockDevice> = Arc::new(bdev::QosDisk::new(ram, limits).unwrap());
+    let cfg = nvme::ControllerConfig {
+        poll: PollMode::Adaptive,
+        adaptive_idle: Duration::from_millis(1),
+        ..Default::default()
+    };
+    let mut h = Host::with(cfg, vec![disk]);
+    let ei = h.ready_with_shadow();
+    let buf = h.alloc(1);
+    let n = DEFER_QUEUE as u64 + 2;
+    let cmds: Vec<[u32; 16]> = (0..n).map(|i| rw(2, 1, i, 1, buf, 0)).collect();
+    let sleeps = |h: &Host| h.engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed);
+    h.submit_batch(1, &cmds);
+    for _ in 0..2 {
+        assert!(h.reap(1).ok());
+    }
+    // Asleep between two tokens (100 ms apart; awake ~1 ms around each).
+    let slept = sleeps(&h);
+    wait_until("the group sleeps while reads wait for tokens", || {
+        sleeps(&h) > slept
+    });
+    let event_idx = u32::from_le_bytes(h.read_mem(ei + 8, 4).try_into().unwrap()) as u16;
+    assert_eq!(
+        event_idx,
+        h.io[1].tail.wrapping_sub(1),
+        "deferred: one behind"
+    );
+    let rung = h.rung;
+    h.submit(1, rw(2, 1, n, 1, buf, 0));
+    assert_eq!(h.rung, rung, "the driver was told not to ring");
+    // The token timer wakes the group: the held reads and the new one complete.
+    for _ in 0..=DEFER_QUEUE {
+        assert!(h.reap(1).ok());
+    }
+    assert_eq!(h.ctrl.stats().reads, n + 1);
+}
