@@ -172,3 +172,41 @@ fn commands_held_for_tokens_defer_doorbells() {
     }
     assert_eq!(h.ctrl.stats().reads, n + 1);
 }
+
+/// A fast namespace beside the slow one keeps the doorbells: a command for it must
+/// not wait in the SQ for the slow namespace's next completion.
+#[test]
+fn a_fast_namespace_beside_keeps_doorbells() {
+    let (held, gate) = HeldDisk::new(1 << 20, 4096).unwrap();
+    let ram = Arc::new(bdev::RamDisk::new(1 << 20, 4096).unwrap());
+    let cfg = nvme::ControllerConfig {
+        poll: PollMode::Adaptive,
+        adaptive_idle: Duration::from_millis(1),
+        ..Default::default()
+    };
+    let mut h = Host::with(cfg, vec![Arc::new(held), ram]);
+    let ei = h.ready_with_shadow();
+    let buf = h.alloc(1);
+    let cmds: Vec<[u32; 16]> = (0..DEFER_QUEUE as u64)
+        .map(|i| rw(2, 1, i, 1, buf, 0))
+        .collect();
+    let sleeps = |h: &Host| h.engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed);
+    let slept = sleeps(&h);
+    h.submit_batch(1, &cmds);
+    wait_until("deep on the slow namespace and asleep", || {
+        gate.submitted() == DEFER_QUEUE && sleeps(&h) > slept
+    });
+    let event_idx = u32::from_le_bytes(h.read_mem(ei + 8, 4).try_into().unwrap()) as u16;
+    assert_eq!(event_idx, h.io[1].tail, "asleep, it asks to be rung");
+    // A read of the RAM namespace rings and completes while the others wait.
+    let rung = h.rung;
+    h.submit(1, rw(2, 2, 0, 1, buf, 0));
+    assert_eq!(h.rung, rung + 1, "rang for the fast namespace");
+    let c = h.reap(1);
+    assert!(c.ok(), "{c:?}");
+    assert_eq!(gate.submitted(), DEFER_QUEUE);
+    gate.release(DEFER_QUEUE);
+    for _ in 0..DEFER_QUEUE {
+        assert!(h.reap(1).ok());
+    }
+}

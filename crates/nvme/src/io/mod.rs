@@ -150,6 +150,18 @@ impl NsTable {
             .chain(self.retiring.iter().map(|(_, c)| c))
     }
 
+    /// Whether every live namespace is on a slow channel, so that the driver's next
+    /// command, wherever it goes, could not complete before the next slow
+    /// completion anyway. A fast namespace beside a slow one keeps its doorbells:
+    /// its commands must not wait for the other's next completion (a throttled
+    /// namespace's next token may be milliseconds away).
+    fn only_slow(&self) -> bool {
+        self.live
+            .iter()
+            .flatten()
+            .all(|c| c.chan.slow_completions())
+    }
+
     /// Requests the group's channels take now (back-pressure): the least of them.
     fn room(&self) -> usize {
         self.live
@@ -400,10 +412,13 @@ impl QueueGroup {
     }
 
     /// Whether the group sleeps without asking the driver to ring: its queue is deep
-    /// on slow channels (whose completions wake it) and EventIdx can tell the driver
-    /// not to ring ([`engine::defers_doorbells`]); `all_slow` is [`Self::all_slow`].
+    /// on slow channels (whose completions wake it), it has no fast namespace whose
+    /// commands would wait for them, and EventIdx can tell the driver not to ring
+    /// ([`engine::defers_doorbells`]); `all_slow` is [`Self::all_slow`].
     fn defers_doorbells(&self, all_slow: bool) -> bool {
-        self.shadow.is_some() && engine::defers_doorbells(self.out.inflight as usize, all_slow)
+        self.shadow.is_some()
+            && engine::defers_doorbells(self.out.inflight as usize, all_slow)
+            && self.ns.only_slow()
     }
 
     /// Before the reactor sleeps: arm the backends' completion notifiers, publish
