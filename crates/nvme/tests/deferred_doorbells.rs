@@ -22,16 +22,22 @@ struct Setup {
     buf: u64,
 }
 
-fn setup() -> Setup {
-    let (disk, gate) = HeldDisk::new(1 << 20, 4096).unwrap();
-    let disk: Arc<dyn BlockDevice> = Arc::new(disk);
+/// An enabled adaptive controller (1 ms idle spin) on `disks` with shadow doorbells
+/// and one I/O queue pair; the shadow/EventIdx buffer's address.
+fn adaptive_host(disks: Vec<Arc<dyn BlockDevice>>) -> (Host, u64) {
     let cfg = nvme::ControllerConfig {
         poll: PollMode::Adaptive,
         adaptive_idle: Duration::from_millis(1),
         ..Default::default()
     };
-    let mut h = Host::with(cfg, vec![disk]);
+    let mut h = Host::with(cfg, disks);
     let ei = h.ready_with_shadow();
+    (h, ei)
+}
+
+fn setup() -> Setup {
+    let (disk, gate) = HeldDisk::new(1 << 20, 4096).unwrap();
+    let (mut h, ei) = adaptive_host(vec![Arc::new(disk)]);
     let buf = h.alloc(2 * DEFER_QUEUE as u64);
     Setup { h, ei, gate, buf }
 }
@@ -136,14 +142,7 @@ fn commands_held_for_tokens_defer_doorbells() {
         iops: Some(10),
         ..Default::default()
     };
-    let disk: Arc<dyn BlockDevice> = Arc::new(bdev::QosDisk::new(ram, limits).unwrap());
-    let cfg = nvme::ControllerConfig {
-        poll: PollMode::Adaptive,
-        adaptive_idle: Duration::from_millis(1),
-        ..Default::default()
-    };
-    let mut h = Host::with(cfg, vec![disk]);
-    let ei = h.ready_with_shadow();
+    let (mut h, ei) = adaptive_host(vec![Arc::new(bdev::QosDisk::new(ram, limits).unwrap())]);
     let buf = h.alloc(1);
     let n = DEFER_QUEUE as u64 + 2;
     let cmds: Vec<[u32; 16]> = (0..n).map(|i| rw(2, 1, i, 1, buf, 0)).collect();
@@ -179,13 +178,7 @@ fn commands_held_for_tokens_defer_doorbells() {
 fn a_fast_namespace_beside_keeps_doorbells() {
     let (held, gate) = HeldDisk::new(1 << 20, 4096).unwrap();
     let ram = Arc::new(bdev::RamDisk::new(1 << 20, 4096).unwrap());
-    let cfg = nvme::ControllerConfig {
-        poll: PollMode::Adaptive,
-        adaptive_idle: Duration::from_millis(1),
-        ..Default::default()
-    };
-    let mut h = Host::with(cfg, vec![Arc::new(held), ram]);
-    let ei = h.ready_with_shadow();
+    let (mut h, ei) = adaptive_host(vec![Arc::new(held), ram]);
     let buf = h.alloc(1);
     let cmds: Vec<[u32; 16]> = (0..DEFER_QUEUE as u64)
         .map(|i| rw(2, 1, i, 1, buf, 0))
