@@ -27,12 +27,12 @@
 //! [`IoChannel::poll`] (never by spinning in `submit`); a new request queues behind
 //! waiting ones. An adaptive reactor with nothing else to do sleeps until the first
 //! of them can go ([`IoChannel::wake_by`], at most [`QOS_MAX_NAP`] at a time) rather
-//! than polling for tokens. The FIFO holds [`QOS_QUEUE_DEPTH`] requests (4096, the largest
-//! queue a device model gives one channel), so it cannot fill up in practice; if it
-//! does, `submit` returns [`IoStatus::IoError`]. Each waiting request keeps its own
-//! copy of the buffer list (the caller's iovec array is only valid during
-//! `submit`); slots are allocated on first use and reused, so a warmed-up channel
-//! does not allocate. Requests still queued when a channel is dropped never
+//! than polling for tokens. The FIFO holds [`QOS_QUEUE_DEPTH`] requests (4096, the
+//! largest queue a device model gives one channel), so it cannot fill up in
+//! practice; if it does, `submit` returns [`IoStatus::IoError`]. Each waiting request
+//! keeps its own copy of the buffer list (the caller's iovec array is only valid
+//! during `submit`); slots are allocated on first use and reused, so a warmed-up
+//! channel does not allocate. Requests still queued when a channel is dropped never
 //! complete. Each namespace has its own `QosDisk`, so a throttled one delays no
 //! other.
 
