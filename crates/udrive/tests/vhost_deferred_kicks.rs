@@ -26,31 +26,40 @@ struct Setup {
     r: Raw,
 }
 
+/// An adaptive vhost-user-blk device on `disk` with a reactor of its own (no other
+/// test's poller keeps it awake), and a raw driver connected to it.
+fn start_device(
+    sock: &Path,
+    disk: Arc<dyn BlockDevice>,
+    event_idx: bool,
+) -> (Arc<Engine>, VhostUserBlk, Raw) {
+    let engine = Engine::start(&[None]).unwrap();
+    let opts = BlkDeviceOptions {
+        poll: PollMode::Adaptive,
+        ..Default::default()
+    };
+    let dev = VhostUserBlk::start(sock, disk, opts, &engine, &[0]).unwrap();
+    let extra = if event_idx {
+        virtio_blk::features::EVENT_IDX
+    } else {
+        0
+    };
+    let mem = SharedMem::new("deferred-kicks", MEM).unwrap();
+    let r = Raw::connect_virtio(
+        sock,
+        mem,
+        None,
+        None,
+        VhostUserProtocolFeatures::CONFIG,
+        extra,
+    );
+    (engine, dev, r)
+}
+
 impl Setup {
     fn start(sock: &Path, event_idx: bool) -> Setup {
         let (disk, gate) = HeldDisk::new(1 << 20, 512).unwrap();
-        let disk: Arc<dyn BlockDevice> = Arc::new(disk);
-        // A reactor of its own: no other test's poller keeps it awake.
-        let engine = Engine::start(&[None]).unwrap();
-        let opts = BlkDeviceOptions {
-            poll: PollMode::Adaptive,
-            ..Default::default()
-        };
-        let dev = VhostUserBlk::start(sock, disk, opts, &engine, &[0]).unwrap();
-        let extra = if event_idx {
-            virtio_blk::features::EVENT_IDX
-        } else {
-            0
-        };
-        let mem = SharedMem::new("deferred-kicks", MEM).unwrap();
-        let r = Raw::connect_virtio(
-            sock,
-            mem,
-            None,
-            None,
-            VhostUserProtocolFeatures::CONFIG,
-            extra,
-        );
+        let (engine, dev, r) = start_device(sock, Arc::new(disk), event_idx);
         Setup {
             engine,
             gate,
@@ -63,20 +72,9 @@ impl Setup {
         self.engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed)
     }
 
-    /// Queues a 4 KiB read of its own (header, buffer, status byte); kicks only if
-    /// the device asked for it. Returns whether it kicked.
+    /// Queues a 4 KiB read of its own; kicks only if the device asked for it.
     fn read(&mut self, i: u64) -> bool {
-        let hdr = HDR + 16 * i;
-        let mut h = [0u8; 16];
-        h[0..4].copy_from_slice(&T_IN.to_le_bytes());
-        h[8..16].copy_from_slice(&(i * 8).to_le_bytes());
-        self.r.put(hdr, &h);
-        self.r.put(STATUSES + i, &[0xff]);
-        self.r.push_polite(&[
-            (hdr, 16, false),
-            (DATA + 4096 * i, 4096, true),
-            (STATUSES + i, 1, true),
-        ])
+        read(&mut self.r, i)
     }
 
     /// Waits until the queue sleeps with `n` requests taken by the backend.
@@ -105,6 +103,22 @@ impl Drop for Setup {
         }
         self.engine.shutdown();
     }
+}
+
+/// Queues read `i`: 4 KiB of its own (header, buffer, status byte); kicks only if
+/// the device asked for it. Returns whether it kicked.
+fn read(r: &mut Raw, i: u64) -> bool {
+    let hdr = HDR + 16 * i;
+    let mut h = [0u8; 16];
+    h[0..4].copy_from_slice(&T_IN.to_le_bytes());
+    h[8..16].copy_from_slice(&(i * 8).to_le_bytes());
+    r.put(hdr, &h);
+    r.put(STATUSES + i, &[0xff]);
+    r.push_polite(&[
+        (hdr, 16, false),
+        (DATA + 4096 * i, 4096, true),
+        (STATUSES + i, 1, true),
+    ])
 }
 
 fn deep_queue_sleeps_without_kicks(event_idx: bool) {
@@ -172,4 +186,47 @@ fn with_event_idx_a_deep_slow_queue_sleeps_with_avail_event_behind() {
 #[test]
 fn without_event_idx_a_deep_slow_queue_sleeps_with_no_notify_set() {
     deep_queue_sleeps_without_kicks(false);
+}
+
+/// Requests waiting for QoS tokens are as slow as a remote backend's, and a new one
+/// queues behind them anyway: with `DEFER_QUEUE` of them held the queue sleeps
+/// without asking for kicks, and the token timer's wake-up takes what came meanwhile.
+#[test]
+fn requests_held_for_tokens_defer_kicks() {
+    let dir = tempfile::tempdir().unwrap();
+    let ram = Arc::new(bdev::RamDisk::new(1 << 20, 512).unwrap());
+    // 10 IOPS: two reads go at once (the burst), then one every 100 ms.
+    let limits = bdev::QosLimits {
+        iops: Some(10),
+        ..Default::default()
+    };
+    let disk = Arc::new(bdev::QosDisk::new(ram, limits).unwrap());
+    let (engine, dev, mut r) = start_device(&dir.path().join("blk.sock"), disk, true);
+    let n = DEFER_QUEUE as u64 + 2;
+    for i in 0..n {
+        read(&mut r, i);
+    }
+    assert!(r.wait_used(2), "the burst completed");
+    let sleeps = || engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed);
+    // Asleep between two tokens (100 ms apart).
+    let slept = sleeps();
+    common::wait_until(
+        "the queue sleeps while reads wait for tokens",
+        common::T,
+        || sleeps() > slept,
+    );
+    assert!(
+        !r.wants_kick(r.avail, r.avail.wrapping_add(1)),
+        "kicks deferred"
+    );
+    assert!(!read(&mut r, n), "the guest was told not to kick");
+    assert!(
+        r.wait_used(n as u16 + 1),
+        "the token timer's wake-ups took every read"
+    );
+    for i in 0..=n {
+        assert_eq!(r.get(STATUSES + i, 1)[0], 0, "status of read {i}");
+    }
+    dev.stop();
+    engine.shutdown();
 }
