@@ -155,9 +155,10 @@ struct FaultChannel {
 }
 
 impl FaultChannel {
-    /// Some delayed request is still with the inner channel.
-    fn inner_busy(&self) -> bool {
-        self.pending.iter().any(|p| p.status.is_none())
+    /// Whether the inner channel's notifier and deadline count: a delayed request
+    /// is still with it, or nothing is delayed (see `crate::arm_holding`).
+    fn inner_counts(&self) -> bool {
+        self.pending.is_empty() || self.pending.iter().any(|p| p.status.is_none())
     }
 
     fn next_rand(&mut self) -> u64 {
@@ -255,20 +256,12 @@ impl IoChannel for FaultChannel {
     /// Delayed completions wait for their deadline ([`IoChannel::wake_by`]); those
     /// still with the inner channel for its notifier.
     fn arm_notifier(&mut self) -> crate::Armed {
-        if self.pending.is_empty() {
-            self.inner.arm_notifier()
-        } else {
-            let busy = self.inner_busy();
-            crate::arm_holding(&mut *self.inner, busy)
-        }
+        let counts = self.inner_counts();
+        crate::arm_holding(&mut *self.inner, counts)
     }
 
     fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        if self.pending.is_empty() || self.inner_busy() {
-            self.inner.notifier()
-        } else {
-            None
-        }
+        self.inner_counts().then(|| self.inner.notifier()).flatten()
     }
 
     fn wake_by(&self) -> Option<Instant> {
@@ -278,11 +271,7 @@ impl IoChannel for FaultChannel {
             .filter(|p| p.status.is_some())
             .map(|p| p.deadline)
             .min();
-        let inner = if self.pending.is_empty() || self.inner_busy() {
-            self.inner.wake_by()
-        } else {
-            None
-        };
+        let inner = self.inner_counts().then(|| self.inner.wake_by()).flatten();
         crate::earliest(due, inner)
     }
 

@@ -202,10 +202,12 @@ pub enum Armed {
 }
 
 /// How a wrapper that holds some requests back until a time (QoS, injected
-/// latency) arms: with the inner channel's notifier while requests are with it,
-/// on its own deadline ([`Armed::Timer`]) while none are.
-fn arm_holding(inner: &mut dyn IoChannel, inner_busy: bool) -> Armed {
-    if inner_busy {
+/// latency) arms: as its inner channel while that one's notifier counts (it has
+/// requests, or the wrapper holds none), else on its own deadline
+/// ([`Armed::Timer`]). `inner_counts` also decides whether the wrapper hands out
+/// the inner notifier and deadline.
+fn arm_holding(inner: &mut dyn IoChannel, inner_counts: bool) -> Armed {
+    if inner_counts {
         inner.arm_notifier()
     } else {
         Armed::Timer

@@ -339,6 +339,12 @@ struct QosChannel {
 }
 
 impl QosChannel {
+    /// Whether the inner channel's notifier and deadline count: it has requests,
+    /// or nothing is held here (see `crate::arm_holding`).
+    fn inner_counts(&self) -> bool {
+        self.inner_busy > 0 || self.queue.is_empty()
+    }
+
     fn hold(&mut self, tag: u64, req: &IoRequest<'_>) -> bool {
         let idx = match self.free.pop() {
             Some(i) => i,
@@ -434,29 +440,18 @@ impl IoChannel for QosChannel {
     /// Held requests wait for tokens, that is for time to pass
     /// ([`IoChannel::wake_by`]); those with the inner channel for its notifier.
     fn arm_notifier(&mut self) -> crate::Armed {
-        if self.queue.is_empty() {
-            self.inner.arm_notifier()
-        } else {
-            crate::arm_holding(&mut *self.inner, self.inner_busy > 0)
-        }
+        let counts = self.inner_counts();
+        crate::arm_holding(&mut *self.inner, counts)
     }
 
     fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        if self.queue.is_empty() || self.inner_busy > 0 {
-            self.inner.notifier()
-        } else {
-            None
-        }
+        self.inner_counts().then(|| self.inner.notifier()).flatten()
     }
 
     /// When the oldest held request's tokens are there (it goes first: FIFO), but
     /// no later than [`QOS_MAX_NAP`] from now.
     fn wake_by(&self) -> Option<Instant> {
-        let inner = if self.queue.is_empty() || self.inner_busy > 0 {
-            self.inner.wake_by()
-        } else {
-            None
-        };
+        let inner = self.inner_counts().then(|| self.inner.wake_by()).flatten();
         let held = self
             .queue
             .front()

@@ -360,10 +360,7 @@ fn sleep(bell: &EventFd, pollers: &Pollers, timeout: Duration) -> bool {
     let mut by: Option<Instant> = None;
     for (_, p) in pollers {
         p.wake_fds(&mut |fd| fds.push(PollFd::new(fd, PollFlags::POLLIN)));
-        by = match (by, p.wake_by()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        by = by.into_iter().chain(p.wake_by()).min();
     }
     // The clock is read only when a poller set a deadline (coalescing's aggregation
     // time is in units of 100 µs, so ppoll's precision and not poll's milliseconds).

@@ -8,7 +8,6 @@
 mod common;
 use common::*;
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,15 +43,10 @@ fn setup() -> Setup {
 
 impl Setup {
     fn sleeps(&self) -> u64 {
-        self.h
-            .engine
-            .stats(0)
-            .unwrap()
-            .sleeps
-            .load(Ordering::Relaxed)
+        self.h.sleeps()
     }
     fn sq_event_idx(&self) -> u16 {
-        u32::from_le_bytes(self.h.read_mem(self.ei + 8, 4).try_into().unwrap()) as u16
+        self.h.sq1_event_idx(self.ei)
     }
     fn submitted(&self) -> usize {
         self.gate.submitted()
@@ -146,17 +140,16 @@ fn commands_held_for_tokens_defer_doorbells() {
     let buf = h.alloc(1);
     let n = DEFER_QUEUE as u64 + 2;
     let cmds: Vec<[u32; 16]> = (0..n).map(|i| rw(2, 1, i, 1, buf, 0)).collect();
-    let sleeps = |h: &Host| h.engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed);
     h.submit_batch(1, &cmds);
     for _ in 0..2 {
         assert!(h.reap(1).ok());
     }
     // Asleep between two tokens (100 ms apart; awake ~1 ms around each).
-    let slept = sleeps(&h);
+    let slept = h.sleeps();
     wait_until("the group sleeps while reads wait for tokens", || {
-        sleeps(&h) > slept
+        h.sleeps() > slept
     });
-    let event_idx = u32::from_le_bytes(h.read_mem(ei + 8, 4).try_into().unwrap()) as u16;
+    let event_idx = h.sq1_event_idx(ei);
     assert_eq!(
         event_idx,
         h.io[1].tail.wrapping_sub(1),
@@ -183,13 +176,12 @@ fn a_fast_namespace_beside_keeps_doorbells() {
     let cmds: Vec<[u32; 16]> = (0..DEFER_QUEUE as u64)
         .map(|i| rw(2, 1, i, 1, buf, 0))
         .collect();
-    let sleeps = |h: &Host| h.engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed);
-    let slept = sleeps(&h);
+    let slept = h.sleeps();
     h.submit_batch(1, &cmds);
     wait_until("deep on the slow namespace and asleep", || {
-        gate.submitted() == DEFER_QUEUE && sleeps(&h) > slept
+        gate.submitted() == DEFER_QUEUE && h.sleeps() > slept
     });
-    let event_idx = u32::from_le_bytes(h.read_mem(ei + 8, 4).try_into().unwrap()) as u16;
+    let event_idx = h.sq1_event_idx(ei);
     assert_eq!(event_idx, h.io[1].tail, "asleep, it asks to be rung");
     // A read of the RAM namespace rings and completes while the others wait.
     let rung = h.rung;

@@ -22,10 +22,6 @@ fn host_with_shadow(mode: PollMode) -> (Host, u64) {
     (h, ei)
 }
 
-fn sleeps(h: &Host) -> u64 {
-    h.engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed)
-}
-
 fn read_u32(h: &Host, addr: u64) -> u32 {
     u32::from_le_bytes(h.read_mem(addr, 4).try_into().unwrap())
 }
@@ -54,7 +50,7 @@ fn busy_mode_with_event_idx_asks_the_driver_not_to_ring() {
         "EventIdx {} for tail {tail}",
         read_u32(&h, ei + 8)
     );
-    assert_eq!(sleeps(&h), 0, "busy mode never sleeps");
+    assert_eq!(h.sleeps(), 0, "busy mode never sleeps");
 }
 
 #[test]
@@ -62,18 +58,18 @@ fn event_mode_sleeps_publishes_event_idx_and_wakes_on_the_doorbell() {
     let (mut h, ei) = host_with_shadow(PollMode::Event);
     let a = h.alloc(1);
     let rung_at_start = h.rung;
-    wait_until("the group did not go to sleep", || sleeps(&h) > 0);
+    wait_until("the group did not go to sleep", || h.sleeps() > 0);
     for i in 0..100u64 {
         // Asleep: EventIdx is the tail we stopped at, so the next command rings.
         let tail = h.io[1].tail;
         wait_until("EventIdx not published at the tail", || {
             read_u32(&h, ei + 8) == u32::from(tail)
         });
-        let (rung, before) = (h.rung, sleeps(&h));
+        let (rung, before) = (h.rung, h.sleeps());
         let c = h.io(rw(if i % 2 == 0 { 1 } else { 2 }, 1, i, 1, a, 0));
         assert!(c.ok(), "command {i}: {c:?}");
         assert!(h.rung > rung, "a sleeping group must be rung");
-        wait_until("the group did not go back to sleep", || sleeps(&h) > before);
+        wait_until("the group did not go back to sleep", || h.sleeps() > before);
     }
     // One ring per command (the SQ tail); the CQ head doorbell is kept quiet by
     // its EventIdx (at most the very first reap rings it).
@@ -94,7 +90,7 @@ fn event_mode_without_shadow_doorbells_traps_every_write() {
     let a = h.alloc(8);
     let mut pending = Vec::new();
     for round in 0..50u64 {
-        let before = sleeps(&h);
+        let before = h.sleeps();
         // A few commands at once, then a pause long enough to sleep.
         for k in 0..4u64 {
             pending.push(h.submit(1, rw(2, 1, round * 4 + k, 1, a + k * 4096, 0)));
@@ -104,7 +100,7 @@ fn event_mode_without_shadow_doorbells_traps_every_write() {
             assert!(c.ok(), "{c:?}");
             pending.retain(|&cid| cid != c.cid);
         }
-        wait_until("no sleep between rounds", || sleeps(&h) > before);
+        wait_until("no sleep between rounds", || h.sleeps() > before);
     }
     assert_eq!(h.ctrl.stats().reads, 200);
 }
@@ -126,15 +122,15 @@ fn adaptive_mode_stays_awake_under_load_and_sleeps_when_idle() {
     assert!(h.create_cq(1, 64, true, 1).ok());
     assert!(h.create_sq(1, 64, 1).ok());
     let a = h.alloc(1);
-    wait_until("an idle adaptive group sleeps", || sleeps(&h) > 0);
-    let before = sleeps(&h);
+    wait_until("an idle adaptive group sleeps", || h.sleeps() > 0);
+    let before = h.sleeps();
     // Back to back, well within the idle time: one wake-up, then polling.
     for i in 0..300u64 {
         assert!(h.io(rw(1, 1, i % 64, 1, a, 0)).ok());
     }
-    let during = sleeps(&h) - before;
+    let during = h.sleeps() - before;
     assert!(during <= 2, "slept {during} times under continuous load");
-    wait_until("sleeps again once idle", || sleeps(&h) > before + during);
+    wait_until("sleeps again once idle", || h.sleeps() > before + during);
 }
 
 #[test]
@@ -186,7 +182,7 @@ fn mapped_doorbells_keep_every_mode_busy() {
     assert!(h.io(rw(2, 1, 0, 1, a, 0)).ok());
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(
-        sleeps(&h),
+        h.sleeps(),
         0,
         "a client with mapped doorbells cannot wake us"
     );
@@ -285,11 +281,11 @@ fn coalescing_holds_across_sleeps_on_a_slow_backend() {
     wait_until("the backend took the reads", || gate.submitted() == 4);
     let before = h.irq_count(1);
     for _ in 0..4 {
-        let slept = sleeps(&h);
+        let slept = h.sleeps();
         gate.release(1);
         // Posted by a poll of its own, and the group asleep again after it.
         assert!(h.reap(1).ok());
-        wait_until("the group went back to sleep", || sleeps(&h) > slept);
+        wait_until("the group went back to sleep", || h.sleeps() > slept);
     }
     wait_until("the fourth completion signals", || h.irq_count(1) > before);
     // One interrupt; two if this thread stalled past the 25.5 ms aggregation time.
@@ -330,7 +326,7 @@ fn qos_throttled_reads_let_the_reactor_sleep() {
             .iterations
             .load(Ordering::Relaxed)
     };
-    let (polls, slept) = (iterations(&h), sleeps(&h));
+    let (polls, slept) = (iterations(&h), h.sleeps());
     let cmds: Vec<[u32; 16]> = (0..6).map(|i| rw(2, 1, i, 1, a, 0)).collect();
     let start = std::time::Instant::now();
     for _ in h.submit_batch(1, &cmds) {
@@ -344,5 +340,5 @@ fn qos_throttled_reads_let_the_reactor_sleep() {
         polls < 20_000,
         "{polls} polls: the reactor spun on held reads"
     );
-    assert!(sleeps(&h) - slept >= 3, "slept between the throttled reads");
+    assert!(h.sleeps() - slept >= 3, "slept between the throttled reads");
 }

@@ -451,6 +451,17 @@ impl Host {
     pub fn irq_count(&self, v: usize) -> u64 {
         self.irqs.0[v].load(Ordering::Relaxed)
     }
+
+    /// How often the controller's reactor went to sleep.
+    pub fn sleeps(&self) -> u64 {
+        self.engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed)
+    }
+
+    /// The EventIdx the controller published for SQ 1 in the shadow doorbell
+    /// buffer's EventIdx page at `ei` (from [`Host::ready_with_shadow`]).
+    pub fn sq1_event_idx(&self, ei: u64) -> u16 {
+        u32::from_le_bytes(self.read_mem(ei + 8, 4).try_into().unwrap()) as u16
+    }
 }
 
 impl Drop for Host {
