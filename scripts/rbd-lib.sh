@@ -7,14 +7,15 @@
 #                              (MIB MiB) and write it through once, so reads hit data;
 #                              sets CONF, OSD_PID and MON_PID
 #   rbd_cluster_stop DIR       stop and purge that cluster (for the caller's cleanup)
-#   stat_ticks FILE            utime + stime in clock ticks of a /proc/.../stat file
-#                              (0 when it is gone: the thread or process ended)
+# and scripts/proc-ticks.sh's stat_ticks and reactor_ticks.
 
 rbd_lib_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/ensure-deps.sh
 source "$rbd_lib_root/scripts/ensure-deps.sh"
 # shellcheck source=scripts/ensure-ceph.sh
 source "$rbd_lib_root/scripts/ensure-ceph.sh"
+# shellcheck source=scripts/proc-ticks.sh
+source "$rbd_lib_root/scripts/proc-ticks.sh"
 if [ -n "${UDRIVE_BIN:-}" ]; then
     U=$UDRIVE_BIN
 else
@@ -40,12 +41,4 @@ rbd_cluster_start() {
 
 rbd_cluster_stop() {
     "$rbd_lib_root/scripts/ceph-cluster" stop "$1/ceph" --purge >/dev/null 2>&1
-}
-
-# Fields 14 and 15 (utime, stime) counted after the parenthesised name, which may
-# itself hold spaces.
-stat_ticks() {
-    local v
-    v=$(sed 's/.*) //' "$1" 2>/dev/null | awk '{print $12 + $13}') || v=0
-    echo "${v:-0}"
 }
