@@ -4,7 +4,6 @@
 mod common;
 use common::*;
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use engine::PollMode;
@@ -319,21 +318,14 @@ fn qos_throttled_reads_let_the_reactor_sleep() {
     let disk = std::sync::Arc::new(bdev::QosDisk::new(ram, limits).unwrap());
     let mut h = host_with_irq_queue(PollMode::Event, disk);
     let a = h.alloc(1);
-    let iterations = |h: &Host| {
-        h.engine
-            .stats(0)
-            .unwrap()
-            .iterations
-            .load(Ordering::Relaxed)
-    };
-    let (polls, slept) = (iterations(&h), h.sleeps());
+    let (polls, slept) = (h.reactor_iterations(), h.sleeps());
     let cmds: Vec<[u32; 16]> = (0..6).map(|i| rw(2, 1, i, 1, a, 0)).collect();
     let start = std::time::Instant::now();
     for _ in h.submit_batch(1, &cmds) {
         assert!(h.reap(1).ok());
     }
     assert!(start.elapsed() >= Duration::from_millis(100), "throttled");
-    let polls = iterations(&h) - polls;
+    let polls = h.reactor_iterations() - polls;
     // Spinning makes hundreds of thousands of polls in 150 ms (the count is
     // published every 4096); sleeping one per wake-up (a doorbell, a token due).
     assert!(

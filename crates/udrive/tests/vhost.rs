@@ -544,18 +544,17 @@ fn qos_throttled_reads_let_the_reactor_sleep() {
         "event",
     );
     let mut s = Session::open(&d.sock);
-    let stats = || {
+    let sleeps = || {
         let st = engine.stats(0).expect("reactor");
-        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
-        (get(&st.iterations), get(&st.sleeps))
+        st.sleeps.load(std::sync::atomic::Ordering::Relaxed)
     };
-    let (polls, slept) = stats();
+    let (polls, slept) = (polls_on(&engine, 0), sleeps());
     let start = std::time::Instant::now();
     for i in 0..6 {
         assert_eq!(s.read(i * 4096, 4096), 0, "read {i}");
     }
     assert!(start.elapsed() >= Duration::from_millis(100), "throttled");
-    let (polls, slept) = (stats().0 - polls, stats().1 - slept);
+    let (polls, slept) = (polls_on(&engine, 0) - polls, sleeps() - slept);
     // Spinning makes hundreds of thousands of polls in 150 ms (the count is
     // published every 4096); sleeping one per wake-up.
     assert!(
@@ -570,11 +569,13 @@ fn qos_throttled_reads_let_the_reactor_sleep() {
 
 /// The published iteration count of reactor `r` (refreshed every 4096 iterations).
 fn reactor_polls(r: usize) -> u64 {
-    engine()
-        .stats(r)
-        .expect("reactor")
-        .iterations
-        .load(std::sync::atomic::Ordering::Relaxed)
+    polls_on(&engine(), r)
+}
+
+/// The same for reactor `r` of `e`.
+fn polls_on(e: &engine::Engine, r: usize) -> u64 {
+    let st = e.stats(r).expect("reactor");
+    st.iterations.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {

@@ -457,6 +457,15 @@ impl Host {
         self.engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed)
     }
 
+    /// The reactor's poll iterations (published every 4096).
+    pub fn reactor_iterations(&self) -> u64 {
+        self.engine
+            .stats(0)
+            .unwrap()
+            .iterations
+            .load(Ordering::Relaxed)
+    }
+
     /// The EventIdx the controller published for SQ 1 in the shadow doorbell
     /// buffer's EventIdx page at `ei` (from [`Host::ready_with_shadow`]).
     pub fn sq1_event_idx(&self, ei: u64) -> u16 {
