@@ -206,9 +206,8 @@ unsafe impl Sync for Rados {}
 
 impl Rados {
     /// Creates a handle for client `id` (None: `admin`), reads `conf` (None: the
-    /// default search path, /etc/ceph/ceph.conf) and applies `settings`; not yet
-    /// connected ([`Rados::connect`]), so more options can be read and set.
-    pub fn configure(
+    /// default search path, /etc/ceph/ceph.conf), applies `settings` and connects.
+    pub fn connect(
         id: Option<&str>,
         conf: Option<&str>,
         settings: &[(&str, String)],
@@ -231,27 +230,16 @@ impl Rados {
             )
         })?;
         for (k, v) in settings {
-            r.conf_set(k, v)?;
+            let (kc, vc) = (cstr(k)?, cstr(v)?);
+            // SAFETY: live handle, NUL-terminated strings.
+            let ret = unsafe { rados_conf_set(r.raw, kc.as_ptr(), vc.as_ptr()) };
+            check(ret, || format!("cannot set Ceph option {k}={v}"))?;
         }
-        Ok(r)
-    }
-
-    /// Sets a configuration option; before [`Rados::connect`] for those read at
-    /// start-up (thread counts, timeouts).
-    pub fn conf_set(&self, option: &str, value: &str) -> io::Result<()> {
-        let (kc, vc) = (cstr(option)?, cstr(value)?);
-        // SAFETY: live handle, NUL-terminated strings.
-        let ret = unsafe { rados_conf_set(self.raw, kc.as_ptr(), vc.as_ptr()) };
-        check(ret, || format!("cannot set Ceph option {option}={value}"))
-    }
-
-    /// Connects a configured handle; librados starts its threads here.
-    pub fn connect(self) -> io::Result<Rados> {
         // SAFETY: live, configured handle.
-        check(unsafe { rados_connect(self.raw) }, || {
+        check(unsafe { rados_connect(r.raw) }, || {
             "cannot connect to the Ceph cluster".into()
         })?;
-        Ok(self)
+        Ok(r)
     }
 
     /// The value of a configuration option (after the conf file and overrides).
@@ -822,7 +810,13 @@ impl Image {
 /// starts inherit it), then restores the previous mask. Errors setting the mask
 /// are returned without running `f`.
 pub fn with_affinity<T>(cpus: &[usize], f: impl FnOnce() -> T) -> io::Result<T> {
-    let old = thread_affinity()?;
+    // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
+    let mut old: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointer and size; pid 0 = this thread.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut old) } != 0
+    {
+        return Err(io::Error::last_os_error());
+    }
     // SAFETY: as above.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for &c in cpus {
@@ -839,25 +833,6 @@ pub fn with_affinity<T>(cpus: &[usize], f: impl FnOnce() -> T) -> io::Result<T> 
     // SAFETY: restores the mask read above.
     unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &old) };
     Ok(out)
-}
-
-/// The CPUs the calling thread may run on (threads it starts inherit them).
-fn thread_affinity() -> io::Result<libc::cpu_set_t> {
-    // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: valid pointer and size; pid 0 = this thread.
-    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0
-    {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(set)
-}
-
-/// How many CPUs the calling thread may run on.
-pub fn thread_cpu_count() -> io::Result<usize> {
-    let set = thread_affinity()?;
-    // SAFETY: a set the kernel filled.
-    Ok(usize::try_from(unsafe { libc::CPU_COUNT(&set) }).unwrap_or(0))
 }
 
 /// A request's buffer list as the iovec array librbd reads (and, for a read, keeps

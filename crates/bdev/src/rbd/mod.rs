@@ -200,11 +200,7 @@ impl Cluster {
         }
         let conf = opts.conf.as_deref();
         let who = format!("client.{}", opts.id.as_deref().unwrap_or("admin"));
-        let connect = || {
-            let rados = Rados::configure(opts.id.as_deref(), conf, &settings)?;
-            fit_completion_threads(&rados)?;
-            rados.connect()
-        };
+        let connect = || Rados::connect(opts.id.as_deref(), conf, &settings);
         let rados = affine(&opts.thread_cpus, connect).map_err(|e| {
             hint(e, |errno| match errno {
                 libc::ENOENT => Some(format!(
@@ -342,27 +338,6 @@ fn open_hint(e: io::Error, spec: &ImageSpec) -> io::Error {
         libc::EACCES | libc::EPERM => Some("the client's caps do not allow it".into()),
         _ => None,
     })
-}
-
-/// Ceph's default `librados_thread_count`: the threads that run librados'
-/// completion handlers (librbd's read and write completions among them).
-const CEPH_COMPLETION_THREADS: usize = 2;
-
-/// Runs no more completion threads than the CPUs librados' threads may use (the
-/// calling thread's, inside [`affine`]), unless the conf chose a count of its
-/// own. Two threads sharing one CPU only take turns: with the reactor's CPU
-/// excluded on a 2-CPU host, one thread cut the server's CPU per 4 KiB read by a
-/// quarter to a third and raised QD16 reads 6–27 % (docs/decisions/0030).
-fn fit_completion_threads(rados: &Rados) -> io::Result<()> {
-    const OPTION: &str = "librados_thread_count";
-    if rados.conf_get(OPTION)? != CEPH_COMPLETION_THREADS.to_string() {
-        return Ok(());
-    }
-    let cpus = ffi::thread_cpu_count()?.max(1);
-    if cpus < CEPH_COMPLETION_THREADS {
-        rados.conf_set(OPTION, &cpus.to_string())?;
-    }
-    Ok(())
 }
 
 /// Runs `f` with librados/librbd's future threads confined to `cpus`.
