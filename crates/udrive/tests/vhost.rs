@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use common::layers::{assert_latency_in_backend_only, assert_layers_add_up};
+use common::{polls_on, sleeps_on};
 use frontend_core::Observed;
 use initiator::workload::{self, Rw, WorkloadConfig};
 use trace::{Breakdown, TOTAL};
@@ -544,17 +545,13 @@ fn qos_throttled_reads_let_the_reactor_sleep() {
         "event",
     );
     let mut s = Session::open(&d.sock);
-    let sleeps = || {
-        let st = engine.stats(0).expect("reactor");
-        st.sleeps.load(std::sync::atomic::Ordering::Relaxed)
-    };
-    let (polls, slept) = (polls_on(&engine, 0), sleeps());
+    let (polls, slept) = (polls_on(&engine, 0), sleeps_on(&engine, 0));
     let start = std::time::Instant::now();
     for i in 0..6 {
         assert_eq!(s.read(i * 4096, 4096), 0, "read {i}");
     }
     assert!(start.elapsed() >= Duration::from_millis(100), "throttled");
-    let (polls, slept) = (polls_on(&engine, 0) - polls, sleeps() - slept);
+    let (polls, slept) = (polls_on(&engine, 0) - polls, sleeps_on(&engine, 0) - slept);
     // Spinning makes hundreds of thousands of polls in 150 ms (the count is
     // published every 4096); sleeping one per wake-up.
     assert!(
@@ -570,12 +567,6 @@ fn qos_throttled_reads_let_the_reactor_sleep() {
 /// The published iteration count of reactor `r` (refreshed every 4096 iterations).
 fn reactor_polls(r: usize) -> u64 {
     polls_on(&engine(), r)
-}
-
-/// The same for reactor `r` of `e`.
-fn polls_on(e: &engine::Engine, r: usize) -> u64 {
-    let st = e.stats(r).expect("reactor");
-    st.iterations.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {

@@ -8,7 +8,6 @@
 mod common;
 
 use std::path::Path;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -69,7 +68,7 @@ impl Setup {
     }
 
     fn sleeps(&self) -> u64 {
-        self.engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed)
+        common::sleeps_on(&self.engine, 0)
     }
 
     /// Queues a 4 KiB read of its own; kicks only if the device asked for it.
@@ -207,7 +206,7 @@ fn requests_held_for_tokens_defer_kicks() {
         read(&mut r, i);
     }
     assert!(r.wait_used(2), "the burst completed");
-    let sleeps = || engine.stats(0).unwrap().sleeps.load(Ordering::Relaxed);
+    let sleeps = || common::sleeps_on(&engine, 0);
     // Asleep between two tokens (100 ms apart).
     let slept = sleeps();
     common::wait_until(

@@ -376,6 +376,19 @@ pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// How often reactor `r` of `e` went to sleep.
+pub fn sleeps_on(e: &engine::Engine, r: usize) -> u64 {
+    e.stats(r).expect("reactor").sleeps.load(Ordering::Relaxed)
+}
+
+/// Reactor `r` of `e`'s poll iterations (published every 4096).
+pub fn polls_on(e: &engine::Engine, r: usize) -> u64 {
+    e.stats(r)
+        .expect("reactor")
+        .iterations
+        .load(Ordering::Relaxed)
+}
+
 /// Waits for CSTS.CFS through the register interface.
 pub fn wait_fatal(d: &NvmeDriver) {
     wait_until("CSTS.CFS", T, || {
