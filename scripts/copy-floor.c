@@ -12,7 +12,7 @@
  * submits a new random read at once, like spdk_nvme_perf.
  *
  *   gcc -O2 -pthread -o /tmp/copy-floor scripts/copy-floor.c
- *   /tmp/copy-floor [QD=32] [SECONDS=3] [MODE=client]
+ *   /tmp/copy-floor [QD=32] [SECONDS=3] [MODE=client] [SERVER_CPU=0] [CLIENT_CPU=1]
  *
  * MODE: client (the two threads above), alone (the server feeds itself: no
  * second core touches the rings), copy (a bare loop of prefetched copies).
@@ -53,6 +53,7 @@ static volatile uint32_t *sq_tail;
 static char *disk, *bufs;
 static volatile int stop;
 static unsigned qd = 32;
+static int client_cpu = 1;
 
 static void pin(int cpu)
 {
@@ -81,7 +82,7 @@ static void *client(void *arg)
 	uint64_t x = 88172645463325252ULL;
 	uint32_t tail = 0, head = 0, phase = 1;
 	(void)arg;
-	pin(1);
+	pin(client_cpu);
 	for (uint32_t i = 0; i < qd; i++, tail++)
 		sq[tail % RING] = (struct sqe){ .block = next_block(&x), .buf = i };
 	__atomic_store_n(sq_tail, tail, __ATOMIC_RELEASE);
@@ -115,9 +116,12 @@ int main(int argc, char **argv)
 	qd = argc > 1 ? (unsigned)atoi(argv[1]) : 32;
 	int secs = argc > 2 ? atoi(argv[2]) : 3;
 	const char *mode = argc > 3 ? argv[3] : "client";
+	int server_cpu = argc > 4 ? atoi(argv[4]) : 0;
+	client_cpu = argc > 5 ? atoi(argv[5]) : 1;
 	int with_client = !strcmp(mode, "client"), bare_copy = !strcmp(mode, "copy");
 	if (qd < 1 || qd > MAXQD || secs < 1 || (!with_client && !bare_copy && strcmp(mode, "alone"))) {
-		fprintf(stderr, "usage: %s [QD 1-%d] [SECONDS] [client|alone|copy]\n", argv[0], MAXQD);
+		fprintf(stderr, "usage: %s [QD 1-%d] [SECONDS] [client|alone|copy] [SERVER_CPU] [CLIENT_CPU]\n",
+			argv[0], MAXQD);
 		return 2;
 	}
 	disk = mmap(NULL, DISK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -136,7 +140,7 @@ int main(int argc, char **argv)
 	memset(cq, 0, RING * sizeof *cq);
 	*sq_tail = 0;
 	double rate = tsc_per_ns();
-	pin(0);
+	pin(server_cpu);
 
 	uint64_t x = 1234567, done = 0, in_copy = 0, batches = 0;
 	uint64_t t0 = __rdtsc(), end = t0 + (uint64_t)(secs * 1e9 * rate);

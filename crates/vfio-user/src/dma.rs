@@ -33,6 +33,16 @@ fn prot_of(flags: u32) -> Result<Prot, i32> {
     })
 }
 
+/// The protection a DMA_MAP asks for, once its flags and range are valid.
+fn map_prot(req: &DmaMap) -> Result<Prot, i32> {
+    if req.size == 0 || req.addr.checked_add(req.size).is_none() {
+        return Err(libc::EINVAL);
+    }
+    prot_of(req.flags)
+}
+
+/// Adds a region to the client's map: at most [`MAX_DMA_MAPS`] regions, and mirrors
+/// (regions that are not shared) within [`MAX_MIRROR_BYTES`] in all.
 fn insert(mem: &DmaSpace, region: MappedRegion) -> Result<(), i32> {
     let region = Arc::new(region);
     let old = mem.update(|m| {
@@ -68,10 +78,7 @@ pub(crate) fn map_mirror(
     port: Arc<dyn RemoteDma>,
     log: &trace::LogLimiter,
 ) -> Result<(), i32> {
-    let prot = prot_of(req.flags)?;
-    if req.size == 0 || req.addr.checked_add(req.size).is_none() {
-        return Err(libc::EINVAL);
-    }
+    let prot = map_prot(req)?;
     let region = MappedRegion::mirror(req.addr, req.size, prot, port).map_err(|e| {
         trace::limited!(
             log,
@@ -91,10 +98,7 @@ pub(crate) fn map(
     fd: OwnedFd,
     log: &trace::LogLimiter,
 ) -> Result<(), i32> {
-    let prot = prot_of(req.flags)?;
-    if req.size == 0 || req.addr.checked_add(req.size).is_none() {
-        return Err(libc::EINVAL);
-    }
+    let prot = map_prot(req)?;
     // Refuses a range past the end of a regular file (its pages would SIGBUS), and
     // confines a SIGBUS from the file shrinking later to this client (see
     // guest_mem's fault.rs; the server thread polls the signal).
@@ -117,19 +121,7 @@ pub(crate) fn map(
         );
         e.raw_os_error().unwrap_or(libc::EINVAL)
     })?;
-    let region = Arc::new(region);
-    let old = mem.update(|m| {
-        if m.regions().len() >= MAX_DMA_MAPS as usize {
-            return Err(libc::ENOSPC);
-        }
-        m.with_region(region).map_err(|e| match e {
-            MemError::Overlap { .. } => libc::EEXIST,
-            _ => libc::EINVAL,
-        })
-    })?;
-    // Nothing was removed, so readers of the old snapshot are harmless.
-    drop(old);
-    Ok(())
+    insert(mem, region)
 }
 
 /// Returns the IOVAs of the regions removed (`None`: all of them).

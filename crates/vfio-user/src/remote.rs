@@ -298,17 +298,7 @@ impl Port {
             }
             st.reading = true;
             drop(st);
-            let r = msg::read_msg(&self.sock);
-            match &r {
-                Ok(m) => self.note('<', &m.hdr),
-                Err(ReadError::Framing(h, why)) => {
-                    if let Some((h, _)) = h {
-                        self.note('<', h);
-                    }
-                    self.dump(why);
-                }
-                _ => {}
-            }
+            let r = self.read_logged();
             let mut st = lock(&self.st);
             st.reading = false;
             self.cv.notify_all();
@@ -323,6 +313,23 @@ impl Port {
                 }
             }
         }
+    }
+
+    /// Reads one message off the socket, noting its header in the message log (and
+    /// dumping what a framing error left unread).
+    fn read_logged(&self) -> Result<Msg, ReadError> {
+        let r = msg::read_msg(&self.sock);
+        match &r {
+            Ok(m) => self.note('<', &m.hdr),
+            Err(ReadError::Framing(h, why)) => {
+                if let Some((h, _)) = h {
+                    self.note('<', h);
+                }
+                self.dump(why);
+            }
+            _ => {}
+        }
+        r
     }
 
     /// Hands a reply the connection's thread (or a waiter) read to its waiter.
@@ -364,17 +371,7 @@ impl Port {
             Ok(_) => return Ok(()),
             Err(_) => return Err("poll on the connection failed"),
         }
-        let r = msg::read_msg(&self.sock);
-        match &r {
-            Ok(m) => self.note('<', &m.hdr),
-            Err(ReadError::Framing(h, why)) => {
-                if let Some((h, _)) = h {
-                    self.note('<', h);
-                }
-                self.dump(why);
-            }
-            _ => {}
-        }
+        let r = self.read_logged();
         match r {
             Ok(m) => {
                 let mut st = lock(&self.st);
