@@ -282,4 +282,8 @@ impl IoChannel for FaultChannel {
     fn prefetch(&mut self, req: &IoRequest<'_>) {
         self.inner.prefetch(req)
     }
+
+    fn prefetch_after(&mut self, req: &IoRequest<'_>) {
+        self.inner.prefetch_after(req)
+    }
 }

@@ -177,6 +177,14 @@ pub trait IoChannel: Send {
     /// Never required for correctness; `req` is not validated yet.
     fn prefetch(&mut self, _req: &IoRequest<'_>) {}
 
+    /// [`IoChannel::prefetch`] for a request that follows one submitted to this
+    /// same channel right now: a channel that copies may load `req`'s data while it
+    /// copies that one (in pieces, so that the loads never pile up in front of the
+    /// caller's own) instead of all at once. Same contract otherwise.
+    fn prefetch_after(&mut self, req: &IoRequest<'_>) {
+        self.prefetch(req)
+    }
+
     /// Whether a request takes a network round trip or longer (hundreds of µs) to
     /// complete. With a deep queue on such a channel an adaptive reactor sleeps on
     /// the notifier between completions instead of spinning through every round

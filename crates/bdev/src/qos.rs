@@ -477,4 +477,8 @@ impl IoChannel for QosChannel {
     fn prefetch(&mut self, req: &IoRequest<'_>) {
         self.inner.prefetch(req)
     }
+
+    fn prefetch_after(&mut self, req: &IoRequest<'_>) {
+        self.inner.prefetch_after(req)
+    }
 }

@@ -100,6 +100,7 @@ impl BlockDevice for RamDisk {
         Ok(Box::new(RamChannel {
             extents: self.extents.clone(),
             size: self.info.size_bytes(),
+            next_read: None,
         }))
     }
     /// Shrinking returns the memory past the new end (it reads back as zeroes if
@@ -157,6 +158,10 @@ struct RamChannel {
     extents: Arc<[Extent]>,
     /// The device's size (the mappings may reach past it after a shrink).
     size: u64,
+    /// Disk bytes (offset, length) the next read will copy, hinted by
+    /// [`IoChannel::prefetch`]: loaded in halves while the current request is
+    /// copied, not all at once before it (docs/decisions/0027-prefetch-next-copy.md).
+    next_read: Option<(u64, u64)>,
 }
 
 impl RamChannel {
@@ -185,38 +190,96 @@ impl RamChannel {
         true
     }
 
-    fn transfer(&self, req: &IoRequest<'_>) -> IoStatus {
+    /// Copies the request's bytes; with a hint of the next read, the hint's first
+    /// half is loaded while the first half of these bytes is copied and its second
+    /// half during the rest. A burst of prefetches for a whole block fills the
+    /// core's queue of outstanding loads, and every load after it (the poller's
+    /// own bookkeeping between two copies) waits until the block has arrived:
+    /// spread over the copy, the block arrives while the copy runs.
+    fn transfer(&self, req: &IoRequest<'_>, hint: Option<(u64, u64)>) -> IoStatus {
         // Checked before copying: buffers longer than `len` must not reach past the range.
         let total: u64 = req.iov.iter().map(|b| b.len() as u64).sum();
         if total != req.len {
             return IoStatus::Invalid;
         }
-        let mut off = req.offset;
+        let Some((at, len)) = hint else {
+            return self.copy(req, 0, req.len);
+        };
+        let (half, mid) = (len / 2, req.len / 2);
+        self.prefetch_disk(at, half);
+        match self.copy(req, 0, mid) {
+            IoStatus::Ok => {}
+            st => return st,
+        }
+        self.prefetch_disk(at + half, len - half);
+        self.copy(req, mid, req.len)
+    }
+
+    /// Copies bytes `[from, to)` of the request between its buffers and the disk.
+    fn copy(&self, req: &IoRequest<'_>, from: u64, to: u64) -> IoStatus {
+        let mut pos = 0u64;
         for buf in req.iov {
-            let mut bad = IoStatus::OutOfRange;
-            let copied = self.pieces(off, buf.len() as u64, |mem, at, from, n| {
-                let (Ok(from), Ok(n)) = (usize::try_from(from), usize::try_from(n)) else {
-                    return false;
-                };
-                let Some(disk) = mem.slice(at, n) else {
-                    return false;
-                };
-                bad = IoStatus::Invalid;
-                let Some(part) = buf.sub(from, n) else {
-                    return false;
-                };
-                match req.op {
-                    IoOp::Read => disk.copy_to(&part),
-                    _ => part.copy_to(&disk),
+            let end = pos + buf.len() as u64;
+            let (a, b) = (pos.max(from), end.min(to));
+            if a < b {
+                let st = self.copy_buf(req, buf, a - pos, req.offset + a, b - a);
+                if st != IoStatus::Ok {
+                    return st;
                 }
-                .is_ok()
-            });
-            if !copied {
-                return bad;
             }
-            off += buf.len() as u64;
+            pos = end;
+            if pos >= to {
+                break;
+            }
         }
         IoStatus::Ok
+    }
+
+    /// Copies `len` bytes at `skip` in `buf` to or from disk offset `off`.
+    fn copy_buf(
+        &self,
+        req: &IoRequest<'_>,
+        buf: &guest_mem::DmaSlice<'_>,
+        skip: u64,
+        off: u64,
+        len: u64,
+    ) -> IoStatus {
+        let mut bad = IoStatus::OutOfRange;
+        let copied = self.pieces(off, len, |mem, at, from, n| {
+            let (Ok(from), Ok(n)) = (usize::try_from(skip + from), usize::try_from(n)) else {
+                return false;
+            };
+            let Some(disk) = mem.slice(at, n) else {
+                return false;
+            };
+            bad = IoStatus::Invalid;
+            let Some(part) = buf.sub(from, n) else {
+                return false;
+            };
+            match req.op {
+                IoOp::Read => disk.copy_to(&part),
+                _ => part.copy_to(&disk),
+            }
+            .is_ok()
+        });
+        if copied {
+            IoStatus::Ok
+        } else {
+            bad
+        }
+    }
+
+    /// Starts loading disk bytes `[off, off + len)` into the outer caches.
+    fn prefetch_disk(&self, off: u64, len: u64) {
+        self.pieces(off, len, |mem, at, _, n| {
+            let Ok(n) = usize::try_from(n) else {
+                return false;
+            };
+            if let Some(disk) = mem.slice(at, n) {
+                disk.prefetch(n);
+            }
+            true
+        });
     }
 }
 
@@ -232,19 +295,7 @@ impl IoChannel for RamChannel {
     fn prefetch(&mut self, req: &IoRequest<'_>) {
         match req.op {
             IoOp::Read if in_range(req.offset, req.len, self.size) => {
-                self.pieces(
-                    req.offset,
-                    req.len.min(PREFETCH_MAX as u64),
-                    |mem, at, _, n| {
-                        let Ok(n) = usize::try_from(n) else {
-                            return false;
-                        };
-                        if let Some(disk) = mem.slice(at, n) {
-                            disk.prefetch(n);
-                        }
-                        true
-                    },
-                );
+                self.prefetch_disk(req.offset, req.len.min(PREFETCH_MAX as u64));
             }
             IoOp::Write => {
                 let mut left = PREFETCH_MAX;
@@ -260,12 +311,26 @@ impl IoChannel for RamChannel {
         }
     }
 
+    /// A read's disk bytes are loaded during the next copy ([`RamChannel::transfer`]);
+    /// a write's buffers at once, as [`IoChannel::prefetch`] does.
+    fn prefetch_after(&mut self, req: &IoRequest<'_>) {
+        match req.op {
+            IoOp::Read if in_range(req.offset, req.len, self.size) => {
+                self.next_read = Some((req.offset, req.len.min(PREFETCH_MAX as u64)));
+            }
+            _ => self.prefetch(req),
+        }
+    }
+
     fn submit(&mut self, _tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
+        // A hint is for the request after this one; a left-over one (the next
+        // command went to another channel) is this request's own or stale: dropped.
+        let hint = self.next_read.take().filter(|&(at, _)| at != req.offset);
         if req.op != IoOp::Flush && !in_range(req.offset, req.len, self.size) {
             return Some(IoStatus::OutOfRange);
         }
         Some(match req.op {
-            IoOp::Read | IoOp::Write => self.transfer(req),
+            IoOp::Read | IoOp::Write => self.transfer(req, hint),
             IoOp::Flush => IoStatus::Ok,
             IoOp::WriteZeroes | IoOp::Discard => {
                 if self.pieces(req.offset, req.len, |mem, at, _, n| {
@@ -394,6 +459,96 @@ mod tests {
         assert_eq!(ch.submit(2, &r), Some(IoStatus::Ok));
         s.read_into(0, &mut b).unwrap();
         assert!(b.iter().all(|x| *x == 3), "prefetch changed the disk");
+    }
+
+    /// With a hint of the next read pending, a copy runs in two halves around the
+    /// hint's loads: every split of the buffers (the midpoint inside a buffer, on a
+    /// boundary, across two mappings of a grown disk) must still move the right
+    /// bytes, and hints that are stale, out of range or the request's own change
+    /// nothing.
+    #[test]
+    fn copies_split_around_a_pending_hint_move_the_right_bytes() {
+        const MIB: u64 = 1 << 20;
+        let small = RamDisk::new(MIB, 512).unwrap();
+        let d = small.resize(2 * MIB).unwrap();
+        let mut ch = d.channel().unwrap();
+        let buf = SharedMem::new("split", 3 * 8192).unwrap();
+        let s = buf.all();
+        let data: Vec<u8> = (0..8192u32).map(|i| (i % 253) as u8).collect();
+        let hint = |ch: &mut Box<dyn IoChannel>, offset: u64| {
+            ch.prefetch_after(&IoRequest {
+                op: IoOp::Read,
+                offset,
+                len: 4096,
+                iov: &[],
+                fua: false,
+            })
+        };
+        // (disk offset, buffer lengths): one buffer; the midpoint inside the second
+        // of three; on the boundary of two; odd lengths; across the first mapping's end.
+        let cases: [(u64, &[usize]); 5] = [
+            (0, &[8192]),
+            (8192, &[1000, 6000, 1192]),
+            (65536, &[4096, 4096]),
+            (4096 * 7, &[1, 4095, 3, 4093]),
+            (MIB - 4096, &[512, 7680]),
+        ];
+        for (round, (offset, lens)) in cases.into_iter().enumerate() {
+            // Buffers spread out in client memory, with gaps between them.
+            let mut at = 0;
+            let iov: Vec<_> = lens
+                .iter()
+                .map(|&n| {
+                    let b = s.sub(at, n).unwrap();
+                    at += n + 64;
+                    b
+                })
+                .collect();
+            let write_data: Vec<u8> = data.iter().map(|b| b ^ round as u8).collect();
+            let mut pos = 0;
+            for b in &iov {
+                b.write_from(0, &write_data[pos..pos + b.len()]).unwrap();
+                pos += b.len();
+            }
+            let req = |op| IoRequest {
+                op,
+                offset,
+                len: 8192,
+                iov: &iov,
+                fua: false,
+            };
+            // The hint points elsewhere (and once out of range, once at itself).
+            match round {
+                1 => hint(&mut ch, u64::MAX - 100),
+                2 => hint(&mut ch, offset),
+                _ => hint(&mut ch, (offset + 3 * 4096) % MIB),
+            }
+            assert_eq!(ch.submit(1, &req(IoOp::Write)), Some(IoStatus::Ok));
+            for b in &iov {
+                b.fill(0);
+            }
+            hint(&mut ch, (offset + 4096) % MIB);
+            assert_eq!(ch.submit(2, &req(IoOp::Read)), Some(IoStatus::Ok));
+            let mut got = Vec::new();
+            for b in &iov {
+                let mut v = vec![0u8; b.len()];
+                b.read_into(0, &mut v).unwrap();
+                got.extend(v);
+            }
+            assert_eq!(got, write_data, "case {round}: read back through the split");
+            assert_eq!(read(&*d, offset, 8192), (IoStatus::Ok, write_data));
+        }
+        // A bad request with a hint pending fails as without one.
+        hint(&mut ch, 0);
+        let short = [s.sub(0, 100).unwrap()];
+        let bad = IoRequest {
+            op: IoOp::Read,
+            offset: 0,
+            len: 512,
+            iov: &short,
+            fua: false,
+        };
+        assert_eq!(ch.submit(3, &bad), Some(IoStatus::Invalid));
     }
 
     #[test]

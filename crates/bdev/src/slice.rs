@@ -123,6 +123,17 @@ struct SliceChannel {
     size: u64,
 }
 
+impl SliceChannel {
+    /// A prefetch hint in the backing device's offsets; `None` outside the slice.
+    fn translated<'r>(&self, req: &IoRequest<'r>) -> Option<IoRequest<'r>> {
+        let offset = self
+            .offset
+            .checked_add(req.offset)
+            .filter(|_| in_range(req.offset, req.len, self.size))?;
+        Some(IoRequest { offset, ..*req })
+    }
+}
+
 /// Sum of the buffer lengths, `None` on overflow.
 fn iov_total(req: &IoRequest<'_>) -> Option<u64> {
     req.iov
@@ -183,12 +194,14 @@ impl IoChannel for SliceChannel {
     }
 
     fn prefetch(&mut self, req: &IoRequest<'_>) {
-        if let Some(offset) = self
-            .offset
-            .checked_add(req.offset)
-            .filter(|_| in_range(req.offset, req.len, self.size))
-        {
-            self.inner.prefetch(&IoRequest { offset, ..*req })
+        if let Some(r) = self.translated(req) {
+            self.inner.prefetch(&r)
+        }
+    }
+
+    fn prefetch_after(&mut self, req: &IoRequest<'_>) {
+        if let Some(r) = self.translated(req) {
+            self.inner.prefetch_after(&r)
         }
     }
 }

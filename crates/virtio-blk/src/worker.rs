@@ -416,7 +416,7 @@ impl QueueWorker {
             // cache (docs/decisions/0027-prefetch-next-copy.md).
             if let Some(next) = self.ready.get(i + 1).map(|&n| &self.slots[usize::from(n)]) {
                 if next.outcome == Outcome::Submit {
-                    self.chan.prefetch(&next.request());
+                    self.chan.prefetch_after(&next.request());
                 }
             }
             let idx = self.ready[i];

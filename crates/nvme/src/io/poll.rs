@@ -478,8 +478,13 @@ fn submit_batch(
             .get(i + 1)
             .and_then(|&n| sq.slots.get(n as usize))
         {
+            let same_channel = sq.slots.get(idx as usize).map(|s| s.nsid) == Some(next.nsid);
             if let (true, Some(c)) = (next.status.is_ok(), ns.get_mut(next.nsid)) {
-                c.chan.prefetch(&request(next, batch));
+                if same_channel {
+                    c.chan.prefetch_after(&request(next, batch));
+                } else {
+                    c.chan.prefetch(&request(next, batch));
+                }
             }
         }
         if let Some(status) = submit_one(sq, idx, batch, ns, out, pass, &mut last) {
