@@ -159,7 +159,7 @@ struct RamChannel {
     /// The device's size (the mappings may reach past it after a shrink).
     size: u64,
     /// Disk bytes (offset, length) the next read will copy, hinted by
-    /// [`IoChannel::prefetch`]: loaded in halves while the current request is
+    /// [`IoChannel::prefetch_after`]: loaded in halves while the current request is
     /// copied, not all at once before it (docs/decisions/0027-prefetch-next-copy.md).
     next_read: Option<(u64, u64)>,
 }
