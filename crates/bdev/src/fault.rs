@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::slice::overlaps;
-use crate::{BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
+use crate::{BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus, Prefetch};
 
 const PENDING_CAPACITY: usize = 4096;
 
@@ -279,11 +279,7 @@ impl IoChannel for FaultChannel {
         self.inner.slow_completions()
     }
 
-    fn prefetch(&mut self, req: &IoRequest<'_>) {
-        self.inner.prefetch(req)
-    }
-
-    fn prefetch_after(&mut self, req: &IoRequest<'_>) {
-        self.inner.prefetch_after(req)
+    fn prefetch(&mut self, req: &IoRequest<'_>, when: Prefetch) {
+        self.inner.prefetch(req, when)
     }
 }

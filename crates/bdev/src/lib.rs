@@ -27,6 +27,24 @@ use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// When a request given to [`IoChannel::prefetch`] will be submitted, which decides
+/// how much of its data is worth loading ahead, and when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prefetch {
+    /// Once the caller has finished its own bookkeeping for it (well under a
+    /// microsecond): only its first bytes, so that the page walk and the first
+    /// access to DRAM overlap that work; the copy streams the rest. A whole block
+    /// of loads would hold up the caller's own loads until it has arrived.
+    Now,
+    /// After other work of the caller (more commands to parse, or a request on
+    /// another channel first): its first blocks at once.
+    Soon,
+    /// Right after the request the caller submits to this same channel now: loaded
+    /// while that one is copied, in pieces, so that the loads never pile up in
+    /// front of the caller's own.
+    AfterCurrent,
+}
+
 /// A block backend: describes itself and opens per-thread channels.
 ///
 /// # The backend contract
@@ -170,20 +188,12 @@ pub trait IoChannel: Send {
         None
     }
 
-    /// A hint that `req` is submitted next (after the request being submitted
-    /// now): a channel that copies can start loading the data it will read. At a
-    /// queue depth above one this overlaps the memory latency of one request with
-    /// the copy of the one before it (docs/decisions/0027-prefetch-next-copy.md).
-    /// Never required for correctness; `req` is not validated yet.
-    fn prefetch(&mut self, _req: &IoRequest<'_>) {}
-
-    /// [`IoChannel::prefetch`] for a request that follows one submitted to this
-    /// same channel right now: a channel that copies may load `req`'s data while it
-    /// copies that one (in pieces, so that the loads never pile up in front of the
-    /// caller's own) instead of all at once. Same contract otherwise.
-    fn prefetch_after(&mut self, req: &IoRequest<'_>) {
-        self.prefetch(req)
-    }
+    /// A hint that `req` will be submitted to this channel (`when` says when): a
+    /// channel that copies can start loading the data it will read, so that its
+    /// memory latency overlaps work the caller does anyway
+    /// (docs/decisions/0027-prefetch-next-copy.md). Never required for
+    /// correctness; `req` is not validated yet.
+    fn prefetch(&mut self, _req: &IoRequest<'_>, _when: Prefetch) {}
 
     /// Whether a request takes a network round trip or longer (hundreds of µs) to
     /// complete. With a deep queue on such a channel an adaptive reactor sleeps on

@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use guest_mem::HeldIov;
 
-use crate::{BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
+use crate::{BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus, Prefetch};
 
 /// How much of a rate may be spent at once.
 pub const BURST: Duration = Duration::from_millis(100);
@@ -474,11 +474,7 @@ impl IoChannel for QosChannel {
         !self.queue.is_empty() || self.inner.slow_completions()
     }
 
-    fn prefetch(&mut self, req: &IoRequest<'_>) {
-        self.inner.prefetch(req)
-    }
-
-    fn prefetch_after(&mut self, req: &IoRequest<'_>) {
-        self.inner.prefetch_after(req)
+    fn prefetch(&mut self, req: &IoRequest<'_>, when: Prefetch) {
+        self.inner.prefetch(req, when)
     }
 }

@@ -3,7 +3,7 @@ use std::sync::Arc;
 
 use guest_mem::MappedRegion;
 
-use crate::{in_range, BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
+use crate::{in_range, BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus, Prefetch};
 
 /// Data kept in anonymous memory (reserved lazily, so a big disk costs only what is
 /// written). Volatile: gone when udrive exits.
@@ -159,7 +159,7 @@ struct RamChannel {
     /// The device's size (the mappings may reach past it after a shrink).
     size: u64,
     /// Disk bytes (offset, length) the next read will copy, hinted by
-    /// [`IoChannel::prefetch_after`]: loaded in halves while the current request is
+    /// [`Prefetch::AfterCurrent`]: loaded in halves while the current request is
     /// copied, not all at once before it (docs/decisions/0027-prefetch-next-copy.md).
     next_read: Option<(u64, u64)>,
 }
@@ -283,22 +283,36 @@ impl RamChannel {
     }
 }
 
-/// Bytes of the next request that [`IoChannel::prefetch`] asks for: two 4 KiB
-/// blocks. Copying one 4 KiB block takes about as long as loading one from DRAM, so
-/// more would arrive after the copy that wants them, and evict what it needs.
+/// Bytes of a request that [`IoChannel::prefetch`] loads ahead: two 4 KiB blocks.
+/// Copying one 4 KiB block takes about as long as loading one from DRAM, so more
+/// would arrive after the copy that wants them, and evict what it needs.
 const PREFETCH_MAX: usize = 8192;
+
+/// Bytes of a request submitted next ([`Prefetch::Now`]) loaded ahead: two cache
+/// lines start the page walk and the DRAM access, and the copy streams the rest
+/// (measured against none, one, four and 64 lines: docs/decisions/0027).
+const PREFETCH_NOW: usize = 128;
 
 impl IoChannel for RamChannel {
     /// Starts loading what the copy of `req` will read: the disk's bytes for a read,
-    /// the client's buffers for a write; only its first [`PREFETCH_MAX`] bytes,
-    /// which is what the copy before it has time to hide.
-    fn prefetch(&mut self, req: &IoRequest<'_>) {
+    /// the client's buffers for a write. A read that follows the current copy is
+    /// loaded during it ([`RamChannel::transfer`]).
+    fn prefetch(&mut self, req: &IoRequest<'_>, when: Prefetch) {
+        let max = match when {
+            Prefetch::Now => PREFETCH_NOW,
+            Prefetch::Soon | Prefetch::AfterCurrent => PREFETCH_MAX,
+        };
         match req.op {
             IoOp::Read if in_range(req.offset, req.len, self.size) => {
-                self.prefetch_disk(req.offset, req.len.min(PREFETCH_MAX as u64));
+                let len = req.len.min(max as u64);
+                if when == Prefetch::AfterCurrent {
+                    self.next_read = Some((req.offset, len));
+                } else {
+                    self.prefetch_disk(req.offset, len);
+                }
             }
             IoOp::Write => {
-                let mut left = PREFETCH_MAX;
+                let mut left = max;
                 for buf in req.iov {
                     buf.prefetch(left);
                     left = left.saturating_sub(buf.len());
@@ -308,17 +322,6 @@ impl IoChannel for RamChannel {
                 }
             }
             _ => {}
-        }
-    }
-
-    /// A read's disk bytes are loaded during the next copy ([`RamChannel::transfer`]);
-    /// a write's buffers at once, as [`IoChannel::prefetch`] does.
-    fn prefetch_after(&mut self, req: &IoRequest<'_>) {
-        match req.op {
-            IoOp::Read if in_range(req.offset, req.len, self.size) => {
-                self.next_read = Some((req.offset, req.len.min(PREFETCH_MAX as u64)));
-            }
-            _ => self.prefetch(req),
         }
     }
 
@@ -431,20 +434,20 @@ mod tests {
             (IoOp::Discard, 0, 1 << 20),
             (IoOp::WriteZeroes, u64::MAX, u64::MAX),
         ] {
-            ch.prefetch(&IoRequest {
-                op,
-                offset,
-                len,
-                iov: &iov,
-                fua: false,
-            });
-            ch.prefetch(&IoRequest {
-                op,
-                offset,
-                len,
-                iov: &[],
-                fua: false,
-            });
+            for when in [Prefetch::Now, Prefetch::Soon, Prefetch::AfterCurrent] {
+                for iov in [&iov[..], &[]] {
+                    ch.prefetch(
+                        &IoRequest {
+                            op,
+                            offset,
+                            len,
+                            iov,
+                            fua: false,
+                        },
+                        when,
+                    );
+                }
+            }
         }
         let mut b = vec![1u8; 16384];
         s.read_into(0, &mut b).unwrap();
@@ -476,13 +479,16 @@ mod tests {
         let s = buf.all();
         let data: Vec<u8> = (0..8192u32).map(|i| (i % 253) as u8).collect();
         let hint = |ch: &mut Box<dyn IoChannel>, offset: u64| {
-            ch.prefetch_after(&IoRequest {
-                op: IoOp::Read,
-                offset,
-                len: 4096,
-                iov: &[],
-                fua: false,
-            })
+            ch.prefetch(
+                &IoRequest {
+                    op: IoOp::Read,
+                    offset,
+                    len: 4096,
+                    iov: &[],
+                    fua: false,
+                },
+                Prefetch::AfterCurrent,
+            )
         };
         // (disk offset, buffer lengths): one buffer; the midpoint inside the second
         // of three; on the boundary of two; odd lengths; across the first mapping's end.

@@ -5,7 +5,7 @@
 use std::io;
 use std::sync::Arc;
 
-use crate::{in_range, BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
+use crate::{in_range, BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus, Prefetch};
 
 /// Whether the byte ranges `(offset, len)` `a` and `b` share at least one byte.
 /// Empty ranges overlap nothing; ranges reaching past `u64::MAX` are clamped
@@ -193,15 +193,9 @@ impl IoChannel for SliceChannel {
         self.inner.slow_completions()
     }
 
-    fn prefetch(&mut self, req: &IoRequest<'_>) {
+    fn prefetch(&mut self, req: &IoRequest<'_>, when: Prefetch) {
         if let Some(r) = self.translated(req) {
-            self.inner.prefetch(&r)
-        }
-    }
-
-    fn prefetch_after(&mut self, req: &IoRequest<'_>) {
-        if let Some(r) = self.translated(req) {
-            self.inner.prefetch_after(&r)
+            self.inner.prefetch(&r, when)
         }
     }
 }

@@ -101,6 +101,25 @@ impl SharedMem {
 mod tests {
     use super::*;
 
+    /// Hints take any offset or length (the NVMe poller passes a host-controlled SQ
+    /// head): none may fault or change a byte.
+    #[test]
+    fn prefetch_hints_take_any_offset_and_move_nothing() {
+        let a = SharedMem::new("t", 8192).unwrap();
+        let s = a.all();
+        s.fill(5);
+        let w = s.sub(4096, 64).unwrap();
+        for off in [0, 63, 64, 4095, 4096, 8191, 8192, 1 << 40, usize::MAX] {
+            s.prefetch_line(off);
+            w.prefetch_line(off);
+            s.prefetch(off);
+            w.prefetch(off);
+        }
+        let mut b = vec![0u8; 8192];
+        s.read_into(0, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 5));
+    }
+
     #[test]
     fn two_mappings_see_the_same_bytes() {
         let a = SharedMem::new("t", 100).unwrap();

@@ -141,6 +141,24 @@ impl<'a> DmaSlice<'a> {
         let _ = max;
     }
 
+    /// Asks the CPU to load the cache line holding byte `off` into its nearest cache,
+    /// for a read that may follow at once. Nothing if `off` lies outside the window or
+    /// the architecture has no such hint.
+    pub fn prefetch_line(&self, off: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if off < self.len {
+            // SAFETY: as in `prefetch`: SSE is part of every x86_64 CPU, a prefetch
+            // never faults nor moves data into the program, and `off < len`.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    self.ptr.wrapping_add(off).cast_const().cast(),
+                )
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = off;
+    }
+
     /// Fills the whole window with `byte`.
     pub fn fill(&self, byte: u8) {
         // SAFETY: the window is valid for len bytes.

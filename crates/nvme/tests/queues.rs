@@ -166,12 +166,44 @@ fn cq_full_is_respected() {
     let a = h.alloc(1);
     let cids: Vec<u16> = (0..6).map(|_| h.submit(1, rw(2, 1, 0, 1, a, 0))).collect();
     std::thread::sleep(std::time::Duration::from_millis(20));
-    // Only 3 fit (size - 1); reaping frees room for the rest.
+    // Only 3 fit (size - 1): the controller reads the CQ head doorbell only when
+    // the CQ seems full, and must never post over an entry the host still owns.
+    assert_eq!(h.cq_phases(1), [true, true, true, false]);
+    // Reaping frees room for the rest.
     let mut got = Vec::new();
     while got.len() < 6 {
         got.push(h.reap(1).cid);
     }
     assert_eq!(got, cids);
+    assert_eq!(h.ctrl.stats().reads, 6);
+}
+
+#[test]
+fn cq_head_beyond_size_is_fatal_once_read() {
+    let mut h = Host::new();
+    h.enable();
+    assert!(h.create_cq(1, 4, true, 1).ok());
+    assert!(h.create_sq(1, 16, 1).ok());
+    let a = h.alloc(1);
+    // A head past the end, stored into the mapped page (a message is checked at
+    // once): harmless while the CQ has room (the controller need not read it),
+    // fatal when it needs the head to post more.
+    h.store_cq_head_raw(1, 9);
+    for _ in 0..2 {
+        h.submit(1, rw(2, 1, 0, 1, a, 0));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert!(!h.ctrl.stats().fatal);
+    for _ in 0..2 {
+        h.submit(1, rw(2, 1, 0, 1, a, 0));
+    }
+    h.wait_csts(2, 2);
+    assert!(h.ctrl.stats().fatal);
+    let phases = h.cq_phases(1);
+    assert!(phases[0] && phases[1], "the first two were posted");
+    assert!(!phases[3], "nothing past the room a valid head would leave");
+    h.disable();
+    assert_eq!(h.csts() & 3, 0, "CFS cleared by reset");
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bdev::{BlockInfo, IoChannel, IoOp, IoStatus};
+use bdev::{BlockInfo, IoChannel, IoOp, IoStatus, Prefetch};
 use frontend_core::{Protocol, QueueCore};
 use trace::{Mailbox, TraceControl};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -416,7 +416,7 @@ impl QueueWorker {
             // cache (docs/decisions/0027-prefetch-next-copy.md).
             if let Some(next) = self.ready.get(i + 1).map(|&n| &self.slots[usize::from(n)]) {
                 if next.outcome == Outcome::Submit {
-                    self.chan.prefetch_after(&next.request());
+                    self.chan.prefetch(&next.request(), Prefetch::AfterCurrent);
                 }
             }
             let idx = self.ready[i];

@@ -27,7 +27,7 @@ use crate::log::bump;
 use crate::queue::{ring_ranges, CqRing, Sqe, SQE_SIZE};
 use crate::shared::Shared;
 use crate::status::{Nvme, Status};
-use bdev::{IoOp, IoRequest};
+use bdev::{IoOp, IoRequest, Prefetch};
 use frontend_core::Protocol;
 
 /// Commands taken from one SQ per poll, so one busy queue cannot starve the others.
@@ -54,7 +54,8 @@ pub(crate) struct Pass<'m> {
 }
 
 impl<'m> Pass<'m> {
-    /// Reads the CQ head doorbell into `cq` and translates its ring.
+    /// Translates the CQ ring; with shadow doorbells also reads the CQ head (see
+    /// [`Pass::read_cq_head`]).
     fn begin(
         shared: &'m Shared,
         view: &'m MemView,
@@ -64,18 +65,12 @@ impl<'m> Pass<'m> {
         let map = view.map();
         let page = shared.doorbells.all();
         let shadow_db = shadow_page(map, shadow);
-        let head = read_db(&page, shadow_db.as_ref(), cq.qid, true);
-        if head >= u32::from(cq.size) {
-            shared.set_fatal("CQ head doorbell beyond queue size");
-            return Err(Fatal);
-        }
-        cq.head = head as u16;
         let Ok(cq_ring) = map.translate(cq.base, cq.ring_bytes(), Access::Write) else {
             shared.set_fatal("I/O CQ memory unmapped");
             return Err(Fatal);
         };
         let cq_remote = map.touches_remote(cq.base, cq.ring_bytes() as u64);
-        Ok(Pass {
+        let pass = Pass {
             shared,
             view,
             map,
@@ -84,7 +79,27 @@ impl<'m> Pass<'m> {
             shadow_db,
             cq_ring,
             cq_remote,
-        })
+        };
+        // The CQ's EventIdx follows its head on every poll (`end_poll`).
+        if pass.shadow_db.is_some() {
+            pass.read_cq_head(cq)?;
+        }
+        Ok(pass)
+    }
+
+    /// Reads the CQ head doorbell into `cq`. Without shadow doorbells only when the
+    /// CQ seems too full to fetch more (a stale head only under-counts the room):
+    /// SPDK's driver rings the CQ head right after the next SQ tail, on the same
+    /// cache line, so reading it on every poll takes that line back from the host's
+    /// core and the SQ tail read that follows waits for it again
+    /// (docs/decisions/0027, "Later: the CQ head read when needed").
+    fn read_cq_head(&self, cq: &mut CqRing) -> Result<(), Fatal> {
+        let head = read_db(&self.page, self.shadow_db.as_ref(), cq.qid, true);
+        if head >= u32::from(cq.size) {
+            return Err(self.fatal("CQ head doorbell beyond queue size"));
+        }
+        cq.head = head as u16;
+        Ok(())
     }
 
     pub fn fatal(&self, why: &str) -> Fatal {
@@ -112,6 +127,8 @@ struct Progress {
     fetched: u32,
     /// Something reached a channel, which must be flushed.
     submitted: bool,
+    /// The CQ head doorbell was read in this poll.
+    cq_head_read: bool,
 }
 
 /// Whether to go on to the next SQ.
@@ -272,6 +289,16 @@ fn fetch_and_submit<'m>(
     batch: &mut Batch<'m>,
     p: &mut Progress,
 ) -> Result<Next, Fatal> {
+    let ring = pass
+        .map
+        .translate(sq.ring.base, sq.ring.ring_bytes(), Access::Read);
+    // The next entry's line is requested together with the doorbell's: the host
+    // writes the entry, then rings, so both lines come from its core, and two
+    // misses in flight at once cost about one (docs/decisions/0027, "Later: the
+    // entry with the doorbell"). Harmless when nothing new is there.
+    if let Ok(r) = &ring {
+        r.prefetch_line(usize::from(sq.ring.head) * SQE_SIZE);
+    }
     let tail = pass.sq_tail(sq.ring.qid);
     if tail >= u32::from(sq.ring.size) {
         return Err(pass.fatal("SQ tail doorbell beyond queue size"));
@@ -291,21 +318,16 @@ fn fetch_and_submit<'m>(
     if pass.map.has_remote() {
         fetch_entries(pass, sq, tail)?;
     }
-    let Ok(sq_ring) = pass
-        .map
-        .translate(sq.ring.base, sq.ring.ring_bytes(), Access::Read)
-    else {
+    let Ok(sq_ring) = ring else {
         return Err(pass.fatal("I/O SQ memory unmapped"));
     };
+    prefetch_entries(&sq_ring, sq.ring.head, tail, sq.ring.size);
     // One doorbell-seen stamp serves the whole batch.
     let kick = out.rec.kick();
     // Back-pressure: what the backends cannot take now stays in the SQ.
     let mut budget = BUDGET.min(u32::try_from(ns.room()).unwrap_or(u32::MAX));
     batch.clear();
-    while sq.ring.head != tail
-        && budget > 0
-        && out.cq.free() > out.inflight + out.deferred() + batch.cmds.len() as u32
-    {
+    while sq.ring.head != tail && budget > 0 && cq_room(pass, out, batch, p)? {
         let Some(idx) = sq.free.pop() else { break };
         let Some(sqe) = Sqe::fetch(&sq_ring, sq.ring.head) else {
             return Err(pass.fatal("cannot read SQ entry"));
@@ -337,6 +359,20 @@ fn fetch_and_submit<'m>(
             let facts = ns.get(sqe.nsid()).map(|c| facts(pass.shared, c));
             match prepare_rw(pass.map, facts, &sqe, slot, &mut batch.iov) {
                 Ok(()) => {
+                    // The batch's first read or write starts loading now: with
+                    // more entries to parse first, its first blocks; else only
+                    // its first lines (docs/decisions/0027, "Later: the first
+                    // command's own lines").
+                    if batch.cmds.is_empty() {
+                        if let Some(c) = ns.get_mut(slot.nsid) {
+                            let when = if sq.ring.head == tail {
+                                Prefetch::Now
+                            } else {
+                                Prefetch::Soon
+                            };
+                            c.chan.prefetch(&request(slot, batch), when);
+                        }
+                    }
                     batch.cmds.push(idx);
                     None
                 }
@@ -374,6 +410,41 @@ fn fetch_and_submit<'m>(
         keep_behind(pass.map, s, (sq.ring.qid, false), ring, in_use, &mut sq.ei);
     }
     Ok(Next::Sq)
+}
+
+/// Requests the lines of SQ entries after `head` up to `tail` (at most a batch; the
+/// one at `head` was requested with the doorbell): each is a line the host wrote on
+/// its core, and requested together their misses overlap instead of each waiting in
+/// turn while the one before it is parsed.
+fn prefetch_entries(ring: &DmaSlice<'_>, head: u16, tail: u16, size: u16) {
+    let size = u32::from(size);
+    let new = (u32::from(tail) + size - u32::from(head)) % size.max(1);
+    for k in 1..new.min(BATCH as u32) {
+        let i = (u32::from(head) + k) % size;
+        ring.prefetch_line(i as usize * SQE_SIZE);
+    }
+}
+
+/// Whether the CQ has room for one more command beyond those in flight, waiting to
+/// be posted or parsed in `batch`: every command fetched has its CQ entry spoken
+/// for. The head doorbell is read again (once per poll) before saying no.
+#[inline]
+fn cq_room(
+    pass: &Pass<'_>,
+    out: &mut Completions,
+    batch: &Batch<'_>,
+    p: &mut Progress,
+) -> Result<bool, Fatal> {
+    let needed = out.inflight + out.deferred() + batch.cmds.len() as u32;
+    if out.cq.free() > needed {
+        return Ok(true);
+    }
+    if p.cq_head_read {
+        return Ok(false);
+    }
+    p.cq_head_read = true;
+    pass.read_cq_head(&mut out.cq)?;
+    Ok(out.cq.free() > needed)
 }
 
 /// With the SQ ring in unshared client memory: fetches the entries the host added
@@ -480,11 +551,12 @@ fn submit_batch(
         {
             let same_channel = sq.slots.get(idx as usize).map(|s| s.nsid) == Some(next.nsid);
             if let (true, Some(c)) = (next.status.is_ok(), ns.get_mut(next.nsid)) {
-                if same_channel {
-                    c.chan.prefetch_after(&request(next, batch));
+                let when = if same_channel {
+                    Prefetch::AfterCurrent
                 } else {
-                    c.chan.prefetch(&request(next, batch));
-                }
+                    Prefetch::Soon
+                };
+                c.chan.prefetch(&request(next, batch), when);
             }
         }
         if let Some(status) = submit_one(sq, idx, batch, ns, out, pass, &mut last) {

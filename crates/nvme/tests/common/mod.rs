@@ -283,6 +283,27 @@ impl Host {
         self.ring(qid, false, v);
     }
 
+    /// Stores a raw CQ head value into the doorbell page, as a client that mapped
+    /// the page does (no message: nothing checks it until the controller reads it).
+    pub fn store_cq_head_raw(&self, qid: u16, v: u16) {
+        let idx = (u64::from(qid) * 2 + 1) * 4;
+        let off = usize::try_from(0x1000 + idx).unwrap();
+        self.ctrl
+            .doorbells()
+            .all()
+            .store_u32(off, u32::from(v))
+            .unwrap();
+    }
+
+    /// The phase tag of every entry of the CQ that SQ `qid` posts to, as the
+    /// controller left it (without consuming anything).
+    pub fn cq_phases(&mut self, qid: u16) -> Vec<bool> {
+        let q = *self.q(qid);
+        (0..u64::from(q.cq_size))
+            .map(|i| self.read_mem(q.cq + i * 16 + 14, 1)[0] & 1 == 1)
+            .collect()
+    }
+
     fn q(&mut self, qid: u16) -> &mut Q {
         if qid == 0 {
             &mut self.admin
