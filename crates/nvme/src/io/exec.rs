@@ -88,6 +88,17 @@ pub(super) fn prepare_rw<'a>(
     slot: &mut Slot,
     iov: &mut Iov<'a>,
 ) -> Result<(), Status> {
+    let access = decode_rw(facts, sqe, slot)?;
+    map_rw(map, sqe, slot, access, iov)
+}
+
+/// The first half of [`prepare_rw`]: checks a Read or Write and leaves its range in
+/// `slot`; returns how its data pointer is accessed.
+pub(super) fn decode_rw(
+    facts: Option<Facts<'_>>,
+    sqe: &Sqe,
+    slot: &mut Slot,
+) -> Result<Access, Status> {
     reset_slot(slot, sqe);
     let IoCmd::Rw {
         write,
@@ -102,11 +113,22 @@ pub(super) fn prepare_rw<'a>(
     slot.slba = slba;
     slot.bytes = bytes;
     slot.offset = offset;
-    let access = if write { Access::Read } else { Access::Write };
-    data_ptr(map, sqe, bytes, access, iov)?;
+    slot.fua = fua;
+    Ok(if write { Access::Read } else { Access::Write })
+}
+
+/// The second half of [`prepare_rw`]: resolves the data pointer of a command
+/// [`decode_rw`] accepted into `iov`.
+pub(super) fn map_rw<'a>(
+    map: &'a MemoryMap,
+    sqe: &Sqe,
+    slot: &mut Slot,
+    access: Access,
+    iov: &mut Iov<'a>,
+) -> Result<(), Status> {
+    data_ptr(map, sqe, slot.bytes, access, iov)?;
     slot.segs = iov.range();
     slot.runs = iov.run_range();
-    slot.fua = fua;
     Ok(())
 }
 

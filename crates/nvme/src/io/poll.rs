@@ -18,7 +18,7 @@ use smallvec::SmallVec;
 use trace::Stamps;
 
 use super::completions::Completions;
-use super::exec::{exec, facts, prepare_rw, Exec};
+use super::exec::{decode_rw, exec, facts, map_rw, Exec};
 use super::shadow::{keep_behind, read_db, shadow_page, Shadow};
 use super::{IoSq, NsTable, QueueGroup, Slot};
 use crate::decode::{OP_READ, OP_WRITE};
@@ -357,22 +357,22 @@ fn fetch_and_submit<'m>(
             }
             batch.iov.next_command();
             let facts = ns.get(sqe.nsid()).map(|c| facts(pass.shared, c));
-            match prepare_rw(pass.map, facts, &sqe, slot, &mut batch.iov) {
+            let decoded = decode_rw(facts, &sqe, slot);
+            // The batch's first read starts loading as soon as its range is known,
+            // under the walk of its data pointer: with more entries to parse
+            // first, its first blocks; else only its first lines (docs/decisions/
+            // 0027, "Later: the first command's own lines").
+            if let (Ok(_), true, Some(c)) = (&decoded, batch.cmds.is_empty(), ns.get_mut(slot.nsid))
+            {
+                let when = if sq.ring.head == tail {
+                    Prefetch::Now
+                } else {
+                    Prefetch::Soon
+                };
+                c.chan.prefetch(&hint(slot), when);
+            }
+            match decoded.and_then(|access| map_rw(pass.map, &sqe, slot, access, &mut batch.iov)) {
                 Ok(()) => {
-                    // The batch's first read or write starts loading now: with
-                    // more entries to parse first, its first blocks; else only
-                    // its first lines (docs/decisions/0027, "Later: the first
-                    // command's own lines").
-                    if batch.cmds.is_empty() {
-                        if let Some(c) = ns.get_mut(slot.nsid) {
-                            let when = if sq.ring.head == tail {
-                                Prefetch::Now
-                            } else {
-                                Prefetch::Soon
-                            };
-                            c.chan.prefetch(&request(slot, batch), when);
-                        }
-                    }
                     batch.cmds.push(idx);
                     None
                 }
@@ -507,8 +507,9 @@ fn sync_batch(pass: &Pass<'_>, sq: &mut IoSq, batch: &Batch<'_>) {
     }
 }
 
-/// The backend request of a parsed read or write in `batch`.
-fn request<'b>(slot: &Slot, batch: &'b Batch<'_>) -> IoRequest<'b> {
+/// A decoded read or write as a prefetch hint, before its data pointer is walked
+/// (a read's hint needs only its range).
+fn hint(slot: &Slot) -> IoRequest<'static> {
     IoRequest {
         op: if slot.opcode == OP_WRITE {
             IoOp::Write
@@ -517,8 +518,16 @@ fn request<'b>(slot: &Slot, batch: &'b Batch<'_>) -> IoRequest<'b> {
         },
         offset: slot.offset,
         len: slot.bytes,
-        iov: batch.iov.segments(slot.segs),
+        iov: &[],
         fua: slot.fua,
+    }
+}
+
+/// The backend request of a parsed read or write in `batch`.
+fn request<'b>(slot: &Slot, batch: &'b Batch<'_>) -> IoRequest<'b> {
+    IoRequest {
+        iov: batch.iov.segments(slot.segs),
+        ..hint(slot)
     }
 }
 
