@@ -292,14 +292,15 @@ fn fetch_and_submit<'m>(
     let ring = pass
         .map
         .translate(sq.ring.base, sq.ring.ring_bytes(), Access::Read);
+    let tail = pass.sq_tail(sq.ring.qid);
     // The next entry's line is requested together with the doorbell's: the host
     // writes the entry, then rings, so both lines come from its core, and two
     // misses in flight at once cost about one (docs/decisions/0027, "Later: the
-    // entry with the doorbell"). Harmless when nothing new is there.
+    // entry with the doorbell"). After the doorbell's load, so that a new tail
+    // comes with the entry written before it. Harmless when nothing new is there.
     if let Ok(r) = &ring {
         r.prefetch_line(usize::from(sq.ring.head) * SQE_SIZE);
     }
-    let tail = pass.sq_tail(sq.ring.qid);
     if tail >= u32::from(sq.ring.size) {
         return Err(pass.fatal("SQ tail doorbell beyond queue size"));
     }
