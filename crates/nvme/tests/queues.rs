@@ -157,13 +157,19 @@ fn interrupts_only_with_ien() {
     assert!(h.irq_count(2) >= 1);
 }
 
-#[test]
-fn cq_full_is_respected() {
+/// A controller with I/O SQ 1 (16 entries) on a 4-entry CQ, and a one-page buffer.
+fn four_entry_cq() -> (Host, u64) {
     let mut h = Host::new();
     h.enable();
     assert!(h.create_cq(1, 4, true, 1).ok());
     assert!(h.create_sq(1, 16, 1).ok());
     let a = h.alloc(1);
+    (h, a)
+}
+
+#[test]
+fn cq_full_is_respected() {
+    let (mut h, a) = four_entry_cq();
     let cids: Vec<u16> = (0..6).map(|_| h.submit(1, rw(2, 1, 0, 1, a, 0))).collect();
     std::thread::sleep(std::time::Duration::from_millis(20));
     // Only 3 fit (size - 1): the controller reads the CQ head doorbell only when
@@ -180,11 +186,7 @@ fn cq_full_is_respected() {
 
 #[test]
 fn cq_head_beyond_size_is_fatal_once_read() {
-    let mut h = Host::new();
-    h.enable();
-    assert!(h.create_cq(1, 4, true, 1).ok());
-    assert!(h.create_sq(1, 16, 1).ok());
-    let a = h.alloc(1);
+    let (mut h, a) = four_entry_cq();
     // A head past the end, stored into the mapped page (a message is checked at
     // once): harmless while the CQ has room (the controller need not read it),
     // fatal when it needs the head to post more.
