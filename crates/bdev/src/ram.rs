@@ -290,7 +290,8 @@ const PREFETCH_MAX: usize = 8192;
 
 /// Bytes of a request submitted next ([`Prefetch::Now`]) loaded ahead: two cache
 /// lines start the page walk and the DRAM access, and the copy streams the rest
-/// (measured against none, one, four and 64 lines: docs/decisions/0027).
+/// (measured against none, one, four and 64 lines: docs/decisions/
+/// 0027-prefetch-next-copy.md, stop 32).
 const PREFETCH_NOW: usize = 128;
 
 impl IoChannel for RamChannel {

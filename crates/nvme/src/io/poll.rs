@@ -92,7 +92,7 @@ impl<'m> Pass<'m> {
     /// SPDK's driver rings the CQ head right after the next SQ tail, on the same
     /// cache line, so reading it on every poll takes that line back from the host's
     /// core and the SQ tail read that follows waits for it again
-    /// (docs/decisions/0027, "Later: the CQ head read when needed").
+    /// (docs/decisions/0027-prefetch-next-copy.md, stop 32).
     fn read_cq_head(&self, cq: &mut CqRing) -> Result<(), Fatal> {
         let head = read_db(&self.page, self.shadow_db.as_ref(), cq.qid, true);
         if head >= u32::from(cq.size) {
@@ -295,9 +295,9 @@ fn fetch_and_submit<'m>(
     let tail = pass.sq_tail(sq.ring.qid);
     // The next entry's line is requested together with the doorbell's: the host
     // writes the entry, then rings, so both lines come from its core, and two
-    // misses in flight at once cost about one (docs/decisions/0027, "Later: the
-    // entry with the doorbell"). After the doorbell's load, so that a new tail
-    // comes with the entry written before it. Harmless when nothing new is there.
+    // misses in flight at once cost about one (docs/decisions/0027-prefetch-
+    // next-copy.md, stop 32). After the doorbell's load, so that a new tail comes
+    // with the entry written before it. Harmless when nothing new is there.
     if let Ok(r) = &ring {
         r.prefetch_line(usize::from(sq.ring.head) * SQE_SIZE);
     }
@@ -362,7 +362,7 @@ fn fetch_and_submit<'m>(
             // The batch's first read starts loading as soon as its range is known,
             // under the walk of its data pointer: with more entries to parse
             // first, its first blocks; else only its first lines (docs/decisions/
-            // 0027, "Later: the first command's own lines").
+            // 0027-prefetch-next-copy.md, stop 32).
             if let (Ok(_), true, Some(c)) = (&decoded, batch.cmds.is_empty(), ns.get_mut(slot.nsid))
             {
                 let when = if sq.ring.head == tail {
