@@ -128,14 +128,7 @@ impl<'a> DmaSlice<'a> {
     pub fn prefetch(&self, max: usize) {
         #[cfg(target_arch = "x86_64")]
         for off in (0..self.len.min(max)).step_by(CACHE_LINE) {
-            // SAFETY: SSE, which the instruction needs, is part of every x86_64 CPU;
-            // a prefetch never faults nor moves data into the program, and the
-            // address lies inside the window anyway (off < len).
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T2 }>(
-                    self.ptr.wrapping_add(off).cast_const().cast(),
-                )
-            };
+            self.prefetch_at::<{ std::arch::x86_64::_MM_HINT_T2 }>(off);
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = max;
@@ -146,17 +139,25 @@ impl<'a> DmaSlice<'a> {
     /// the architecture has no such hint.
     pub fn prefetch_line(&self, off: usize) {
         #[cfg(target_arch = "x86_64")]
+        self.prefetch_at::<{ std::arch::x86_64::_MM_HINT_T0 }>(off);
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = off;
+    }
+
+    /// One prefetch instruction with `HINT` for the line holding byte `off`, if it
+    /// lies inside the window.
+    #[cfg(target_arch = "x86_64")]
+    fn prefetch_at<const HINT: i32>(&self, off: usize) {
         if off < self.len {
-            // SAFETY: as in `prefetch`: SSE is part of every x86_64 CPU, a prefetch
-            // never faults nor moves data into the program, and `off < len`.
+            // SAFETY: SSE, which the instruction needs, is part of every x86_64 CPU;
+            // a prefetch never faults nor moves data into the program, and the
+            // address lies inside the window anyway (off < len).
             unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                std::arch::x86_64::_mm_prefetch::<HINT>(
                     self.ptr.wrapping_add(off).cast_const().cast(),
                 )
             };
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = off;
     }
 
     /// Fills the whole window with `byte`.

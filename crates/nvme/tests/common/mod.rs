@@ -82,6 +82,15 @@ pub struct Host {
 }
 
 /// Polls `f` until it holds; fails the test with `what` after 10 s.
+/// BAR0 offset of the doorbells (stride 4: CAP.DSTRD 0).
+const DOORBELLS: u64 = 0x1000;
+
+/// Byte offset of queue `qid`'s SQ tail (or, with `cq`, CQ head) doorbell among the
+/// doorbells, and in a shadow doorbell buffer.
+fn db_index(qid: u16, cq: bool) -> u64 {
+    (u64::from(qid) * 2 + u64::from(cq)) * 4
+}
+
 pub fn wait_until(what: &str, f: impl Fn() -> bool) {
     let t = Instant::now();
     while !f() {
@@ -262,7 +271,7 @@ impl Host {
     /// Rings like a client whose doorbells are trapped: each ring is a register
     /// write, which also wakes the poller that owns the queue.
     fn ring(&mut self, qid: u16, cq: bool, v: u16) {
-        let idx = (u64::from(qid) * 2 + u64::from(cq)) * 4;
+        let idx = db_index(qid, cq);
         if let (Some(db), true) = (self.shadow, qid != 0) {
             let old = u32::from_le_bytes(self.read_mem(db + idx, 4).try_into().unwrap()) as u16;
             self.write_mem(db + idx, &u32::from(v).to_le_bytes());
@@ -275,7 +284,7 @@ impl Host {
         }
         self.rung += 1;
         self.ctrl
-            .bar0_write(0x1000 + idx, &u32::from(v).to_le_bytes());
+            .bar0_write(DOORBELLS + idx, &u32::from(v).to_le_bytes());
     }
 
     /// Rings a raw SQ tail value (for hostile tests).
@@ -286,8 +295,7 @@ impl Host {
     /// Stores a raw CQ head value into the doorbell page, as a client that mapped
     /// the page does (no message: nothing checks it until the controller reads it).
     pub fn store_cq_head_raw(&self, qid: u16, v: u16) {
-        let idx = (u64::from(qid) * 2 + 1) * 4;
-        let off = usize::try_from(0x1000 + idx).unwrap();
+        let off = usize::try_from(DOORBELLS + db_index(qid, true)).unwrap();
         self.ctrl
             .doorbells()
             .all()
