@@ -33,8 +33,9 @@ use std::time::Instant;
 pub enum Prefetch {
     /// Once the caller has finished its own bookkeeping for it (well under a
     /// microsecond): only its first bytes, so that the page walk and the first
-    /// access to DRAM overlap that work; the copy streams the rest. A whole block
-    /// of loads would hold up the caller's own loads until it has arrived.
+    /// access to DRAM overlap that work. A whole block of loads would hold up the
+    /// caller's own loads until it has arrived; a backend may request the rest
+    /// when the request is submitted, once the walk is done.
     Now,
     /// After other work of the caller (more commands to parse, or a request on
     /// another channel first): its first blocks at once.
