@@ -7,8 +7,10 @@
  * loop on CPU 0 with udrive's structure at its barest: it reads a batch of
  * 64-byte submission entries from a ring, copies each entry's block into one of
  * QD client buffers (prefetching the next entry's block with prefetcht2 while it
- * copies, as decision 0027 does) and posts a 16-byte completion right after each
- * copy (decision 0028). A "client" thread on CPU 1 reaps each completion and
+ * copies, as decision 0027 does; the batch's first block gets its first two lines
+ * when the entries are read and the rest right before its copy, as a read hinted
+ * with `Prefetch::Now` does) and posts a 16-byte completion right after each copy
+ * (decision 0028). A "client" thread on CPU 1 reaps each completion and
  * submits a new random read at once, like spdk_nvme_perf.
  *
  *   gcc -O2 -pthread -o /tmp/copy-floor scripts/copy-floor.c
@@ -71,10 +73,15 @@ static uint64_t next_block(uint64_t *x)
 	return *x % (DISK / BS);
 }
 
+static void prefetch_range(const char *p, int from, int to)
+{
+	for (int j = from; j < to; j += 64)
+		_mm_prefetch(p + j, _MM_HINT_T2);
+}
+
 static void prefetch_block(const char *p)
 {
-	for (int j = 0; j < BS; j += 64)
-		_mm_prefetch(p + j, _MM_HINT_T2);
+	prefetch_range(p, 0, BS);
 }
 
 static void *client(void *arg)
@@ -174,7 +181,10 @@ int main(int argc, char **argv)
 			for (uint32_t i = 0; i < n; i++)
 				batch[i] = sq[(head + i) % RING];
 			head += n;
+			prefetch_range(disk + batch[0].block * BS, 0, 128);
 			for (uint32_t i = 0; i < n; i++) {
+				if (i == 0)
+					prefetch_range(disk + batch[0].block * BS, 128, BS);
 				if (i + 1 < n)
 					prefetch_block(disk + batch[i + 1].block * BS);
 				uint64_t c0 = __rdtsc();
