@@ -596,7 +596,7 @@ fn submit_one(
         // Its data never came over (see `sync_batch`).
         return done(slot);
     }
-    // `prepare_rw` found the namespace, and the table only changes off the reactor.
+    // `decode_rw` found the namespace, and the table only changes off the reactor.
     let Some(c) = ns.get_mut(slot.nsid) else {
         slot.status = Status::INVALID_NAMESPACE;
         return done(slot);

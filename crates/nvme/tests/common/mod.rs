@@ -81,7 +81,6 @@ pub struct Host {
     pub rung: u64,
 }
 
-/// Polls `f` until it holds; fails the test with `what` after 10 s.
 /// BAR0 offset of the doorbells (stride 4: CAP.DSTRD 0).
 const DOORBELLS: u64 = 0x1000;
 
@@ -91,6 +90,7 @@ fn db_index(qid: u16, cq: bool) -> u64 {
     (u64::from(qid) * 2 + u64::from(cq)) * 4
 }
 
+/// Polls `f` until it holds; fails the test with `what` after 10 s.
 pub fn wait_until(what: &str, f: impl Fn() -> bool) {
     let t = Instant::now();
     while !f() {
