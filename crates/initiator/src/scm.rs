@@ -12,7 +12,7 @@ pub(crate) fn recv_with_fds(
     buf: &mut [u8],
     fds: &mut Vec<OwnedFd>,
 ) -> io::Result<usize> {
-    vfio_user::sock::recv(sock.as_fd(), buf, fds).map(|(n, _truncated)| n)
+    lifecycle::fdpass::recv(sock.as_fd(), buf, fds).map(|(n, _truncated)| n)
 }
 
 /// vmm-sys-util's EventFd predates `AsFd`; borrow its fd for sending.

@@ -130,7 +130,7 @@ pub(crate) struct Inner {
     pub admin_kicks: AtomicU64,
     /// Its state was saved for another controller that takes the client over
     /// (`handover.rs`): it must not touch the doorbell page again (a reset or
-    /// shutdown clears it otherwise). Cleared by `unquiesce`.
+    /// shutdown clears it otherwise). Cleared by `resume`.
     pub handed_over: AtomicBool,
 }
 
@@ -424,9 +424,9 @@ impl Inner {
         ns.iter().flatten().any(|n| n.info.write_cache)
     }
 
-    /// See `Controller::resume_failed`. CC reads back enabled with the entry sizes
+    /// See `Controller::restore_lost`. CC reads back enabled with the entry sizes
     /// every driver programs (a driver keeps its own copy to write back).
-    pub fn resume_failed(&self) {
+    pub fn restore_lost(&self) {
         let mut st = self.lock();
         self.disable(&mut st);
         st.regs.cc = regs::CC_EN | (6 << 16) | (4 << 20);

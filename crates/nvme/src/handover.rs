@@ -16,24 +16,24 @@
 //! (`Inner::admin_poll`); outstanding Asynchronous Event Requests stay outstanding
 //! and their CIDs move to the new controller, which completes them. A Format NVM in
 //! progress is waited for (within the timeout). The Keep Alive Timer stops and
-//! restarts in full on `unquiesce` or `restore_state`: the pause is not the host's.
+//! restarts in full on `resume` or `restore`: the pause is not the host's.
 //!
 //! **Doorbells** written meanwhile land in the shared doorbell page (mapped by the
 //! client or stored there by the transport) or the shadow doorbell buffer in guest
 //! memory; the new controller's groups poll both first thing when placed, and its
-//! admin queue is polled once at the end of `restore_state`. The transport must
-//! not hand the old controller any message after `save_state`: a register write
+//! admin queue is polled once at the end of `restore`. The transport must
+//! not hand the old controller any message after `save`: a register write
 //! there would be lost (the orchestrator stops reading the client's socket before
 //! quiescing and the new process reads it after restoring).
 //!
 //! **After a successful save** the old controller must not clear the doorbell page
 //! (now the new controller's) when it is reset or shut down: `handed_over` keeps it
-//! from doing so until `unquiesce` (rollback).
+//! from doing so until `resume` (rollback).
 //!
 //! **Refused:** clients whose memory moves by DMA messages
 //! (docs/decisions/0020-dma-messages.md): their queue groups and admin passes wait
 //! for the client's replies, and mirrored SQ entries fetched ahead (`IoSq::synced`)
-//! would have to move too. `quiesce` and `save_state` say so.
+//! would have to move too. `quiesce` and `save` say so.
 //!
 //! The state is validated on restore like guest input: every queue id, size, base,
 //! vector and index is checked against this controller's configuration and the
@@ -74,7 +74,7 @@ const MAX_EVENTS: usize = 64;
 const MAX_CHANGED_NS: usize = 1024;
 
 /// Everything a controller in another process needs to take a running client
-/// over ([`crate::Controller::save_state`], [`crate::Controller::restore_state`]).
+/// over ([`crate::Controller::save`], [`crate::Controller::restore`]).
 /// Plain data (serde, e.g. JSON); validated on restore like guest input.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -260,7 +260,7 @@ pub struct CountersState {
 
 /// Why [`crate::Controller::quiesce`] failed; the controller runs on as before.
 #[derive(Debug, thiserror::Error)]
-pub enum QuiesceError {
+pub enum PauseError {
     #[error(
         "the client's memory moves by DMA messages (not shared): its controller cannot be \
          handed over"
@@ -272,7 +272,7 @@ pub enum QuiesceError {
     Timeout { requests: u64, timeout: Duration },
 }
 
-/// Why [`crate::Controller::save_state`] refused.
+/// Why [`crate::Controller::save`] refused.
 #[derive(Debug, thiserror::Error)]
 pub enum SaveError {
     #[error("the controller is not quiesced")]
@@ -286,7 +286,7 @@ pub enum SaveError {
     LostGroup(u16),
 }
 
-/// Why [`crate::Controller::restore_state`] refused; the controller stays fresh.
+/// Why [`crate::Controller::restore`] refused; the controller stays fresh.
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
     #[error("state version {0} is not {STATE_VERSION}")]
@@ -336,11 +336,11 @@ impl Inner {
     }
 
     /// See [`crate::Controller::quiesce`].
-    pub(crate) fn quiesce(&self, timeout: Duration) -> Result<(), QuiesceError> {
+    pub(crate) fn pause(&self, timeout: Duration) -> Result<(), PauseError> {
         let start = Instant::now();
         let mut st = self.lock();
         if self.messages.load(Ordering::Acquire) {
-            return Err(QuiesceError::DmaMessages);
+            return Err(PauseError::DmaMessages);
         }
         if st.quiesced {
             return Ok(());
@@ -351,8 +351,8 @@ impl Inner {
         // needs the lock to finish).
         while st.format.is_some() {
             if start.elapsed() >= timeout {
-                self.resume(&mut st);
-                return Err(QuiesceError::FormatInProgress(timeout));
+                self.resume_locked(&mut st);
+                return Err(PauseError::FormatInProgress(timeout));
             }
             drop(st);
             std::thread::sleep(Duration::from_millis(1));
@@ -389,8 +389,8 @@ impl Inner {
             }
         }
         if !done {
-            self.resume(&mut st);
-            return Err(QuiesceError::Timeout { requests, timeout });
+            self.resume_locked(&mut st);
+            return Err(PauseError::Timeout { requests, timeout });
         }
         trace::limited!(
             self.shared.log,
@@ -404,7 +404,7 @@ impl Inner {
 
     /// Back to running after a quiesce: groups on their reactors, the Keep Alive
     /// Timer restarted, admin commands rung meanwhile fetched.
-    fn resume(&self, st: &mut State) {
+    fn resume_locked(&self, st: &mut State) {
         st.quiesced = false;
         self.handed_over.store(false, Ordering::Release);
         let ids: Vec<u16> = st.groups.keys().copied().collect();
@@ -421,16 +421,16 @@ impl Inner {
         }
     }
 
-    /// See [`crate::Controller::unquiesce`].
-    pub(crate) fn unquiesce(&self) {
+    /// See [`crate::Controller::resume`].
+    pub(crate) fn resume(&self) {
         let mut st = self.lock();
         if st.quiesced {
-            self.resume(&mut st);
+            self.resume_locked(&mut st);
         }
     }
 
-    /// See [`crate::Controller::save_state`].
-    pub(crate) fn save_state(&self) -> Result<ControllerState, SaveError> {
+    /// See [`crate::Controller::save`].
+    pub(crate) fn save(&self) -> Result<ControllerState, SaveError> {
         let st = self.lock();
         if !st.quiesced {
             return Err(SaveError::NotQuiesced);
@@ -559,8 +559,8 @@ impl Inner {
         Ok(state)
     }
 
-    /// See [`crate::Controller::restore_state`].
-    pub(crate) fn restore_state(&self, s: ControllerState) -> Result<(), RestoreError> {
+    /// See [`crate::Controller::restore`].
+    pub(crate) fn restore(&self, s: ControllerState) -> Result<(), RestoreError> {
         if s.version != STATE_VERSION {
             return Err(RestoreError::Version(s.version));
         }

@@ -32,7 +32,7 @@
 //!
 //! A running controller can be handed to another process (`handover.rs`,
 //! docs/decisions/0023-nvme-controller-state.md): [`Controller::quiesce`],
-//! [`Controller::save_state`], and [`Controller::restore_state`] on a fresh
+//! [`Controller::save`], and [`Controller::restore`] on a fresh
 //! controller over the same memory, doorbell page and namespaces.
 //!
 //! Not implemented: namespace management/attach, firmware commands, SGL Bit
@@ -72,7 +72,7 @@ use guest_mem::{DmaSpace, SharedMem};
 
 pub use handover::{
     AdminQueueState, ControllerState, CountersState, CqState, ErrorEntryState, ErrorLogState,
-    FeaturesState, NamespaceState, QuiesceError, RegsState, RestoreError, SaveError, ShadowState,
+    FeaturesState, NamespaceState, PauseError, RegsState, RestoreError, SaveError, ShadowState,
     SqState, StateLimits, STATE_VERSION,
 };
 pub use identify::VENDOR_ID;
@@ -365,8 +365,8 @@ impl Controller {
     /// driver answers by resetting it (CC.EN 1->0), re-creating its queues and
     /// retrying what was in flight (NVMe 2.0 base §3.5.3, "Controller Fatal
     /// Status"). `doorbells_mapped`: the client has the doorbell page mapped.
-    pub fn resume_failed(&self, doorbells_mapped: bool) {
-        self.inner.resume_failed();
+    pub fn restore_lost(&self, doorbells_mapped: bool) {
+        self.inner.restore_lost();
         self.inner
             .shared
             .mapped
@@ -448,30 +448,30 @@ impl Controller {
     /// meanwhile stay where it wrote them, for whoever serves it next.
     ///
     /// On error the controller runs on as before. A quiesced controller is
-    /// resumed with [`Controller::unquiesce`] or its state handed to another one
-    /// with [`Controller::save_state`]. Refused for a client whose memory moves by
+    /// resumed with [`Controller::resume`] or its state handed to another one
+    /// with [`Controller::save`]. Refused for a client whose memory moves by
     /// DMA messages. The I/O path is untouched: queue groups are taken off their
     /// reactors as queue deletion does. Call it from the control path (not from
     /// a reactor thread); quiescing a quiesced controller does nothing.
-    pub fn quiesce(&self, timeout: Duration) -> Result<(), QuiesceError> {
-        self.inner.quiesce(timeout)
+    pub fn pause(&self, timeout: Duration) -> Result<(), PauseError> {
+        self.inner.pause(timeout)
     }
 
-    /// Undoes [`Controller::quiesce`] (also after a [`Controller::save_state`]
+    /// Undoes [`Controller::quiesce`] (also after a [`Controller::save`]
     /// whose handover failed): queues go back to their reactors, admin commands
     /// written meanwhile are fetched, the Keep Alive Timer restarts in full. Does
     /// nothing if the controller is not quiesced.
-    pub fn unquiesce(&self) {
-        self.inner.unquiesce()
+    pub fn resume(&self) {
+        self.inner.resume()
     }
 
     /// Everything a controller in another process needs to take this one's client
     /// over (registers, queues and their positions, features, outstanding AERs and
     /// queued events, shadow doorbells, logs, counters): only while quiesced.
     /// From then on this controller leaves the doorbell page alone (a reset or
-    /// [`Controller::shutdown`] would clear it) until [`Controller::unquiesce`].
-    pub fn save_state(&self) -> Result<ControllerState, SaveError> {
-        self.inner.save_state()
+    /// [`Controller::shutdown`] would clear it) until [`Controller::resume`].
+    pub fn save(&self) -> Result<ControllerState, SaveError> {
+        self.inner.save()
     }
 
     /// Takes over the client of a saved controller: on a fresh controller (not
@@ -482,8 +482,8 @@ impl Controller {
     /// that every ring is mapped); a refused state changes nothing. Then the
     /// queues start on their reactors at their saved positions and pick up
     /// doorbells written during the pause; AERs complete from here.
-    pub fn restore_state(&self, state: ControllerState) -> Result<(), RestoreError> {
-        self.inner.restore_state(state)
+    pub fn restore(&self, state: ControllerState) -> Result<(), RestoreError> {
+        self.inner.restore(state)
     }
 
     /// Leaves the admin service and takes every queue off the reactors. A Format

@@ -63,7 +63,14 @@ fn main() -> Result<()> {
         .collect::<Result<_>>()?;
     let cfg = ControllerConfig::new(sock.clone(), specs);
     let devs = udrive::backends::open_all(std::slice::from_ref(&cfg))?.remove(0);
-    let dev = NvmeDevice::start(&cfg, devs, 1, &engine, engine.num_reactors())?;
+    let dev = NvmeDevice::start(
+        &cfg,
+        devs,
+        1,
+        &engine,
+        engine.num_reactors(),
+        udrive::process::DeviceLife::standalone(&NvmeDevice::keep_prefix(&cfg.socket)),
+    )?;
     // The initiator's job threads inherit this.
     pin(if ncpu > 1 { 1 } else { 0 })?;
     let base = WorkloadConfig {

@@ -11,6 +11,7 @@ use anyhow::{bail, Context, Result};
 use bdev::{BlockDevice, FaultDisk, QosDisk, SliceDisk};
 
 use crate::config::ControllerConfig;
+use crate::kinds::{NoEnv, OpenEnv};
 use crate::nsspec::NsSpec;
 
 /// Backends per controller, in namespace order. Every namespace is wrapped in a
@@ -33,13 +34,29 @@ struct BackingUse {
 
 /// The backends a running server has open: files shared between namespaces are
 /// opened once, and a new namespace is checked against the ranges already in use.
-#[derive(Default)]
 pub struct BackendSet {
     opened: HashMap<String, Arc<dyn BlockDevice>>,
     uses: Vec<BackingUse>,
+    /// What backends open with besides their spec (the process's).
+    env: Arc<dyn OpenEnv>,
+}
+
+/// A set for a one-off open (tests, tools): no supervisor, no predecessor.
+impl Default for BackendSet {
+    fn default() -> BackendSet {
+        BackendSet::new(Arc::new(NoEnv))
+    }
 }
 
 impl BackendSet {
+    pub fn new(env: Arc<dyn OpenEnv>) -> BackendSet {
+        BackendSet {
+            opened: HashMap::new(),
+            uses: Vec::new(),
+            env,
+        }
+    }
+
     /// Opens namespace `nsid` of the controller on `socket`. Nothing is kept on error.
     pub fn open(&mut self, ns: &NsSpec, socket: &Path, nsid: u32) -> Result<Arc<QosDisk>> {
         let who = format!("namespace {nsid} ({ns}) of {}", socket.display());
@@ -101,13 +118,13 @@ impl BackendSet {
         let kind = &ns.kind.0;
         let mut new_use = None;
         let base = match kind.backing()? {
-            None => kind.open(ns.block_size, ns.read_only)?,
+            None => kind.open(&*self.env, ns.block_size, ns.read_only)?,
             Some(b) => {
                 // The block size and read-only flag are part of how a device opens.
                 let open_key = format!("{}\0{:?}\0{}", b.open_key, ns.block_size, ns.read_only);
                 let disk = match self.opened.get(&open_key) {
                     Some(d) => d.clone(),
-                    None => kind.open(ns.block_size, ns.read_only)?,
+                    None => kind.open(&*self.env, ns.block_size, ns.read_only)?,
                 };
                 let total = disk.info().size_bytes();
                 let (off, len) = slice_range(ns, total)?;
@@ -145,19 +162,20 @@ impl BackendSet {
     }
 }
 
-/// Opens every namespace before any socket exists.
+/// Opens every namespace of `controllers` on their own (tests, tools).
 pub fn open_all(controllers: &[ControllerConfig]) -> Result<Backends> {
-    Ok(open_all_set(controllers, &[])?.1)
+    Ok(open_all_set(Arc::new(NoEnv), controllers, &[])?.1)
 }
 
 /// NVMe namespaces plus vhost-user-blk disks (`(socket, spec)`), opened together so
 /// that a file is opened once and overlapping slices are caught across both kinds.
 /// Also returns the set to open more namespaces against at run time.
 pub fn open_all_set(
+    env: Arc<dyn OpenEnv>,
     controllers: &[ControllerConfig],
     disks: &[(PathBuf, &NsSpec)],
 ) -> Result<(BackendSet, Backends, Vec<Arc<QosDisk>>)> {
-    let mut set = BackendSet::default();
+    let mut set = BackendSet::new(env);
     let mut out = Vec::new();
     for c in controllers {
         let mut devs = Vec::new();

@@ -8,11 +8,14 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result};
 use guest_mem::DmaSpace;
 use vfio_user::proto::SparseArea;
+use lifecycle::{KeepHandle, Kept, Record};
 use vfio_user::{BarSpec, Irqs, MsixSpec, PciBackend, PciDeviceSpec, PciIds, VfioUserServer};
 
 use bdev::{BlockDevice, QosDisk};
 
 use crate::config::ControllerConfig;
+use crate::frontend::{DiskRef, FrontEnd};
+use crate::process::DeviceLife;
 use crate::nsspec::NsSpec;
 use crate::resize::{ResizeError, ResizeRequest, Resized};
 
@@ -57,11 +60,11 @@ impl PciBackend for NvmeFunction {
     fn dma_messages(&self, writable: bool) -> Result<(), i32> {
         self.ctrl.use_dma_messages(writable)
     }
-    fn resumed(&self, bar_mmap: bool) {
+    fn restored(&self, bar_mmap: bool) {
         self.bar_mmap
             .store(bar_mmap, std::sync::atomic::Ordering::Release);
         if !self.state_follows {
-            self.ctrl.resume_failed(bar_mmap);
+            self.ctrl.restore_lost(bar_mmap);
         }
     }
 }
@@ -92,18 +95,27 @@ pub struct NvmeDevice {
     /// Active namespaces by NSID (kept in step with the controller by the control
     /// plane, which owns the device).
     pub namespaces: BTreeMap<u32, Namespace>,
-    /// A handover's controller state (JSON) not restored yet.
+    /// Where the controller keeps records for a successor (under its prefix).
+    keep: KeepHandle,
+    /// A predecessor's controller state (JSON), restored on [`FrontEnd::resume`].
     pending_state: Option<(Vec<u8>, Arc<NvmeFunction>)>,
 }
 
 impl NvmeDevice {
-    /// Starts the controller with `devs` as namespaces 1.. (in `cfg.namespaces` order).
+    /// Where a controller on `socket` keeps its records.
+    pub fn keep_prefix(socket: &Path) -> String {
+        format!("vfu:{}#", socket.display())
+    }
+
+    /// Starts the controller with `devs` as namespaces 1.. (in `cfg.namespaces`
+    /// order); `life` says where it keeps records and what a predecessor left it.
     pub fn start(
         cfg: &ControllerConfig,
         devs: Vec<Arc<QosDisk>>,
         cntlid: u16,
         engine: &Arc<engine::Engine>,
         base_reactors: usize,
+        life: DeviceLife,
     ) -> Result<NvmeDevice> {
         let what = format!("controller {}", cfg.socket.display());
         let placer = placer(cfg.placement, cntlid, base_reactors);
@@ -148,12 +160,14 @@ impl NvmeDevice {
             pba_offset: bar0.msix_pba as u32,
         };
         let irqs = Irqs::new(msix.vectors);
-        // What an earlier process of ours kept for this socket (`--supervise`, a
-        // handover).
-        let keep_prefix = keep_prefix(&cfg.socket);
-        let keeper = crate::supervise::keeper();
-        let doorbells = crate::supervise::take_one(&format!("{keep_prefix}bar"))
-            .and_then(|mut k| k.fds.pop())
+        let DeviceLife {
+            keep,
+            restore: mut kept,
+            paused,
+        } = life;
+        let doorbells = kept
+            .remove("bar")
+            .and_then(Kept::into_fd)
             .map(|fd| guest_mem::SharedMem::adopt(fd, nvme::DOORBELL_PAGE_LEN))
             .transpose()
             .with_context(|| format!("{what}: cannot map the kept doorbell page"))?;
@@ -167,16 +181,12 @@ impl NvmeDevice {
             doorbells,
         )
         .with_context(|| format!("{what}: cannot create the NVMe controller"))?;
-        keeper.put(&format!("{keep_prefix}bar"), &[], &[ctrl.doorbells().fd()]);
-        let keep = Some(vfio_user::ServerKeep {
-            keeper,
-            prefix: format!("{keep_prefix}c/"),
-        });
-        let kept = crate::supervise::take(&format!("{keep_prefix}c/"));
+        keep.put("bar", &[], &[ctrl.doorbells().fd()]);
         // A listening socket handed over: it stays bound where clients find it.
-        let listener = crate::supervise::take_one(&format!("{keep_prefix}listen"))
-            .and_then(|mut k| k.fds.pop())
-            .map(Arc::new);
+        let listener = kept.remove("listen").and_then(Kept::into_fd).map(Arc::new);
+        // A handover's controller state, restored when the old process let go.
+        let state = kept.remove("state");
+        let conn_records = lifecycle::keep::take_prefix(&mut kept, "c/");
         let doorbell_fd = ctrl
             .doorbells()
             .fd()
@@ -202,28 +212,26 @@ impl NvmeDevice {
             },
             msix,
         };
-        // A handover's controller state, restored when the old process let go.
-        let state = crate::supervise::take_one(&format!("{keep_prefix}state"));
         let backend = Arc::new(NvmeFunction {
             ctrl: ctrl.clone(),
             state_follows: state.is_some(),
             bar_mmap: Default::default(),
         });
-        let server = VfioUserServer::resume(
+        let server = VfioUserServer::restore(
             vfio_user::ServerConfig {
                 socket: cfg.socket.clone(),
                 access: cfg.socket_perms().access()?,
                 name: cfg.serial(),
                 dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
-                keep,
+                keep: Some(keep.child("c/")),
                 listener,
-                start_paused: crate::handover::taking_over(),
+                start_paused: paused,
             },
             spec,
             backend.clone(),
             mem,
             irqs,
-            kept,
+            conn_records,
         )
         .with_context(|| format!("{what}: cannot listen on {}", cfg.socket.display()));
         let server = match server {
@@ -240,6 +248,7 @@ impl NvmeDevice {
             cfg: cfg.clone(),
             cntlid,
             namespaces,
+            keep,
             pending_state: state.map(|s| (s.bytes, backend)),
         })
     }
@@ -277,7 +286,7 @@ impl NvmeDevice {
         if let Some(s) = self.server.take() {
             s.stop();
         }
-        crate::supervise::keeper().remove(&keep_prefix(&self.socket));
+        self.keep.remove_all();
         let st = self.ctrl.stats();
         tracing::info!(
             socket = %self.socket.display(),
@@ -298,118 +307,6 @@ impl NvmeDevice {
     }
 }
 
-/// Handover (decisions 0022, 0023): the vfio-user endpoint pauses at a message
-/// boundary, the controller quiesces and its state moves.
-impl crate::handover::HandedOver for NvmeDevice {
-    /// Handover, old process: stop serving the client at a message boundary and let
-    /// the queues finish what they fetched (bounded). On error nothing stays paused.
-    fn pause_for_handover(&self, limit: std::time::Duration) -> Result<()> {
-        let what = || format!("controller {}", self.socket.display());
-        let Some(s) = &self.server else {
-            bail!("{} is stopping", what());
-        };
-        s.pause()
-            .map_err(|e| anyhow!(e).context(format!("{}: cannot pause", what())))?;
-        if let Err(e) = self.ctrl.quiesce(limit) {
-            self.ctrl.unquiesce();
-            s.unpause();
-            return Err(anyhow!(e).context(format!("{}: cannot quiesce", what())));
-        }
-        Ok(())
-    }
-
-    /// Handover, old process: it failed; serve on as before.
-    fn resume_after_handover_failed(&self) {
-        self.ctrl.unquiesce();
-        if let Some(s) = &self.server {
-            s.unpause();
-        }
-    }
-
-    /// Handover, new process: the old one let go; restore the controller's state
-    /// and serve. A state that does not restore (it was checked before, so this
-    /// is not expected) leaves the controller in fatal status, which the host's
-    /// driver resets: the client keeps its disk either way.
-    fn start_after_takeover(&mut self) {
-        if let Some((bytes, f)) = self.pending_state.take() {
-            let restored = serde_json::from_slice::<nvme::ControllerState>(&bytes)
-                .map_err(|e| e.to_string())
-                .and_then(|st| self.ctrl.restore_state(st).map_err(|e| e.to_string()));
-            if let Err(e) = restored {
-                tracing::error!(
-                    socket = %self.socket.display(),
-                    "handover: controller state not restored ({e}); the host will reset the controller"
-                );
-                self.ctrl
-                    .resume_failed(f.bar_mmap.load(std::sync::atomic::Ordering::Acquire));
-            }
-        }
-        if let Some(s) = &self.server {
-            s.unpause();
-        }
-    }
-
-    /// Handover, new process: checks the controller state it brought before the
-    /// old process is told to let go.
-    fn check_takeover_state(&self) -> Result<()> {
-        if let Some((bytes, _)) = &self.pending_state {
-            let st: nvme::ControllerState = serde_json::from_slice(bytes)
-                .with_context(|| format!("controller {}: bad state", self.socket.display()))?;
-            if st.version != nvme::STATE_VERSION {
-                bail!(
-                    "controller {}: state version {} (this udrive restores {})",
-                    self.socket.display(),
-                    st.version,
-                    nvme::STATE_VERSION
-                );
-            }
-        }
-        Ok(())
-    }
-
-    /// Handover, old process: what the new one needs besides the records the
-    /// device keeps as it runs (`supervise::local_records`): the listening socket.
-    fn handover_records(&self) -> Result<Vec<crate::handover::Record>> {
-        let Some(s) = &self.server else {
-            bail!("controller {} is stopping", self.socket.display());
-        };
-        let prefix = keep_prefix(&self.socket);
-        let listener = s
-            .listener()
-            .try_clone_to_owned()
-            .context("cannot duplicate the listening socket")?;
-        let state = self.ctrl.save_state().with_context(|| {
-            format!(
-                "controller {}: cannot save its state",
-                self.socket.display()
-            )
-        })?;
-        Ok(vec![
-            (format!("{prefix}listen"), Vec::new(), vec![listener]),
-            (
-                format!("{prefix}state"),
-                serde_json::to_vec(&state)?,
-                Vec::new(),
-            ),
-        ])
-    }
-
-    fn backends(&self) -> Vec<(String, &NsSpec, &QosDisk)> {
-        self.namespaces
-            .iter()
-            .map(|(id, ns)| {
-                let name = format!("namespace {id} of {}", self.socket.display());
-                (name, &ns.spec, &*ns.qos)
-            })
-            .collect()
-    }
-}
-
-/// Where this device's records live with a supervisor (`crate::supervise`).
-fn keep_prefix(socket: &Path) -> String {
-    format!("vfu:{}#", socket.display())
-}
-
 /// NVMe queues use the server's shared reactors (`--cpus`) only: reactors the engine
 /// grew for `dedicated` vhost-user-blk devices belong to those devices.
 fn placer(placement: engine::Placement, cntlid: u16, base_reactors: usize) -> engine::Placer {
@@ -428,7 +325,7 @@ pub fn qemu_command(socket: &Path) -> String {
     )
 }
 
-impl crate::frontend::FrontEnd for NvmeDevice {
+impl FrontEnd for NvmeDevice {
     fn what(&self) -> &'static str {
         "an NVMe controller"
     }
@@ -617,6 +514,102 @@ impl crate::frontend::FrontEnd for NvmeDevice {
             notice: notice.into(),
         })
     }
+    /// The vfio-user endpoint pauses at a message boundary, then the controller
+    /// lets its queues finish what they fetched (decisions 0022, 0023).
+    fn pause(&self, limit: std::time::Duration) -> Result<()> {
+        let what = || format!("controller {}", self.socket.display());
+        let Some(s) = &self.server else {
+            bail!("{} is stopping", what());
+        };
+        s.pause()
+            .map_err(|e| anyhow!(e).context(format!("{}: cannot pause", what())))?;
+        if let Err(e) = self.ctrl.pause(limit) {
+            self.ctrl.resume();
+            s.resume();
+            return Err(anyhow!(e).context(format!("{}: cannot pause", what())));
+        }
+        Ok(())
+    }
+
+    /// After a failed handover: the controller and its endpoint go on. A restored
+    /// controller first takes the state its predecessor saved; one that does not
+    /// restore (it was checked before, so this is not expected) is left in fatal
+    /// status, which the host's driver resets: the client keeps its disk either way.
+    fn resume(&mut self) {
+        match self.pending_state.take() {
+            Some((bytes, f)) => {
+                let restored = serde_json::from_slice::<nvme::ControllerState>(&bytes)
+                    .map_err(|e| e.to_string())
+                    .and_then(|st| self.ctrl.restore(st).map_err(|e| e.to_string()));
+                if let Err(e) = restored {
+                    tracing::error!(
+                        socket = %self.socket.display(),
+                        "handover: controller state not restored ({e}); the host will reset the controller"
+                    );
+                    self.ctrl
+                        .restore_lost(f.bar_mmap.load(std::sync::atomic::Ordering::Acquire));
+                }
+            }
+            None => self.ctrl.resume(),
+        }
+        if let Some(s) = &self.server {
+            s.resume();
+        }
+    }
+
+    /// The listening socket and the controller's state; the connection's records
+    /// are kept as the client changes them.
+    fn save(&self) -> Result<Vec<Record>> {
+        let Some(s) = &self.server else {
+            bail!("controller {} is stopping", self.socket.display());
+        };
+        let listener = s
+            .listener()
+            .try_clone_to_owned()
+            .context("cannot duplicate the listening socket")?;
+        let state = self.ctrl.save().with_context(|| {
+            format!(
+                "controller {}: cannot save its state",
+                self.socket.display()
+            )
+        })?;
+        let prefix = self.keep.prefix();
+        Ok(vec![
+            Record::new(format!("{prefix}listen"), Vec::new(), vec![listener]),
+            Record::new(
+                format!("{prefix}state"),
+                serde_json::to_vec(&state)?,
+                Vec::new(),
+            ),
+        ])
+    }
+
+    fn check_restored(&self) -> Result<()> {
+        if let Some((bytes, _)) = &self.pending_state {
+            let st: nvme::ControllerState = serde_json::from_slice(bytes)
+                .with_context(|| format!("controller {}: bad state", self.socket.display()))?;
+            if st.version != nvme::STATE_VERSION {
+                bail!(
+                    "controller {}: state version {} (this udrive restores {})",
+                    self.socket.display(),
+                    st.version,
+                    nvme::STATE_VERSION
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn disks(&self) -> Vec<DiskRef<'_>> {
+        self.namespaces
+            .iter()
+            .map(|(id, ns)| DiskRef {
+                name: format!("namespace {id} of {}", self.socket.display()),
+                spec: &ns.spec,
+                disk: &ns.qos,
+            })
+            .collect()
+    }
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
@@ -654,7 +647,7 @@ impl crate::stats::Traced for NvmeDevice {
 }
 
 /// What only an NVMe controller has (namespaces).
-impl dyn crate::frontend::FrontEnd {
+impl dyn FrontEnd {
     pub fn as_nvme_mut(&mut self) -> Option<&mut NvmeDevice> {
         self.as_any_mut().downcast_mut()
     }

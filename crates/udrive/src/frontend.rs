@@ -5,10 +5,22 @@
 //! moving vhost-user-blk queues) is reached through `as_nvme_mut`/`as_vhost_mut`,
 //! defined next to each device type.
 
+use std::time::Duration;
+
 use anyhow::Result;
+use lifecycle::Record;
 use serde_json::Value;
 
+use crate::nsspec::NsSpec;
 use crate::stats::Traced;
+
+/// One disk of a device as the lifecycle sees it: named for messages, with its spec
+/// (whose kind says whether another process may open it) and its handle.
+pub struct DiskRef<'a> {
+    pub name: String,
+    pub spec: &'a NsSpec,
+    pub disk: &'a bdev::QosDisk,
+}
 
 pub trait FrontEnd: Traced + Send {
     /// What it is, for messages: "an NVMe controller".
@@ -38,6 +50,27 @@ pub trait FrontEnd: Traced + Send {
         nsid: Option<u32>,
         req: &crate::resize::ResizeRequest,
     ) -> std::result::Result<crate::resize::Resized, crate::resize::ResizeError>;
+
+    // The lifecycle (docs/decisions/0031-lifecycle-layer.md): a live handover and
+    // a supervised restart are sequences of these, and VM migration will be.
+
+    /// Stops serving at a message boundary (the client's messages wait in its
+    /// socket) and lets what is in flight finish, within `limit`. On error nothing
+    /// stays paused.
+    fn pause(&self, limit: Duration) -> Result<()>;
+    /// Serves again: after a pause whose handover failed, or — a device restored
+    /// from a predecessor's records, built paused — once the predecessor let go.
+    fn resume(&mut self);
+    /// While paused: the records a successor restores the device from, besides
+    /// those the device keeps with its keeper as it runs (keys under its prefix).
+    fn save(&self) -> Result<Vec<Record>>;
+    /// A device restored from a predecessor's records: checks the state it
+    /// brought, before the predecessor is told to let go.
+    fn check_restored(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Its disks.
+    fn disks(&self) -> Vec<DiskRef<'_>>;
 
     /// The concrete device, for what one kind alone has: `as_nvme_mut` (in
     /// `device.rs`) and `as_vhost`/`as_vhost_mut` (in `vhost_device.rs`) downcast

@@ -5,7 +5,7 @@
 
 use std::str::FromStr;
 
-use crate::rpc::framing::{Framer, Push};
+use crate::framing::{Framer, Push};
 
 /// The control socket's byte stream: framing into messages (input split at the
 /// byte `data[0]` says, as two reads), JSON parsing, and the checks of the

@@ -9,6 +9,7 @@ pub mod bdev_target;
 pub mod blkio_target;
 pub mod config;
 pub mod device;
+pub mod framing;
 pub mod frontend;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
@@ -19,8 +20,10 @@ pub mod metrics;
 pub mod nsspec;
 #[cfg(feature = "tools")]
 pub mod perf;
+pub mod process;
 pub mod resize;
 pub mod rpc;
+pub mod rpc_client;
 pub mod serde_str;
 pub mod serve;
 pub mod server;

@@ -1,6 +1,6 @@
 //! udrive: userspace storage virtualization server.
 
-use udrive::{handover, rpc, serve};
+use udrive::{handover, rpc_client, serve};
 #[cfg(feature = "tools")]
 use udrive::{perf, trace_cmd};
 
@@ -29,9 +29,9 @@ enum Cmd {
     /// clients stay connected (docs/decisions/0022-live-handover.md)
     Upgrade(handover::upgrade::UpgradeArgs),
     /// Call a method on a running server's control socket (JSON-RPC 2.0, docs/rpc.md)
-    Rpc(rpc::client::RpcArgs),
+    Rpc(rpc_client::RpcArgs),
     /// Print a running server's counters in Prometheus text format
-    Metrics(rpc::client::MetricsArgs),
+    Metrics(rpc_client::MetricsArgs),
     /// Trace a running server's requests for a while and print the time per layer
     #[cfg(feature = "tools")]
     Trace(trace_cmd::TraceArgs),
@@ -75,8 +75,8 @@ fn main() {
             None => perf::run(*a),
         },
         Cmd::Upgrade(a) => handover::upgrade::run(a),
-        Cmd::Rpc(a) => rpc::client::run(a),
-        Cmd::Metrics(a) => rpc::client::run_metrics(a),
+        Cmd::Rpc(a) => rpc_client::run(a),
+        Cmd::Metrics(a) => rpc_client::run_metrics(a),
         #[cfg(feature = "tools")]
         Cmd::Trace(a) => trace_cmd::run(a),
     };

@@ -32,16 +32,6 @@ pub struct MetricsServer {
     thread: Option<JoinHandle<()>>,
 }
 
-/// A copy of the listener, for a handover.
-static LISTENER: std::sync::Mutex<Option<TcpListener>> = std::sync::Mutex::new(None);
-
-/// The metrics listener (a copy) and its address, if this process serves metrics.
-pub fn listener_copy() -> Option<(std::os::fd::OwnedFd, SocketAddr)> {
-    let l = LISTENER.lock().unwrap_or_else(|e| e.into_inner());
-    let l = l.as_ref()?;
-    Some((l.try_clone().ok()?.into(), l.local_addr().ok()?))
-}
-
 impl MetricsServer {
     pub fn start(addr: SocketAddr, server: Arc<Server>) -> io::Result<MetricsServer> {
         Self::start_on(TcpListener::bind(addr)?, server)
@@ -50,7 +40,12 @@ impl MetricsServer {
     /// Serves on `listener` (bound by this process or one it took over from).
     pub fn start_on(listener: TcpListener, server: Arc<Server>) -> io::Result<MetricsServer> {
         let addr = listener.local_addr()?;
-        *LISTENER.lock().unwrap_or_else(|e| e.into_inner()) = Some(listener.try_clone()?);
+        // Kept with the process's records: a handover passes it on.
+        server.process().keep_listener(
+            crate::process::METRICS_LISTENER_KEY,
+            addr.to_string().as_bytes(),
+            &listener,
+        );
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()

@@ -1,6 +1,8 @@
 //! `udrive serve`: start reactors and devices, print how to attach, run until a signal.
 
-use std::path::PathBuf;
+use std::net::TcpListener;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
@@ -8,8 +10,11 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use crate::config::{Config, ControllerConfig};
+use crate::handover::snapshot::ServerSnapshot;
+use crate::handover::take::Takeover;
 use crate::metrics::MetricsServer;
 use crate::nsspec::NsSpec;
+use crate::process::{Process, METRICS_LISTENER_KEY, RPC_LISTENER_KEY};
 use crate::rpc::{Rpc, RpcServer};
 use crate::server::Server;
 
@@ -155,7 +160,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let rpc_mode = args.rpc_mode;
     let supervised = args.supervised;
     if let Some(from) = &args.takeover {
-        return crate::handover::run_takeover(from);
+        return run_takeover(from);
     }
     if args.supervise {
         // Checked here, where errors reach the user, before the child starts.
@@ -167,22 +172,58 @@ pub fn run(args: ServeArgs) -> Result<()> {
         return crate::supervise::run(args);
     }
     let cfg = args.into_config()?;
-    if supervised {
-        crate::supervise::attach()?;
-    }
+    let process = if supervised {
+        Process::supervised()?
+    } else {
+        Process::standalone()
+    };
     // Signals are routed into the iterator before any thread starts.
     let signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
-    let running = start(&cfg, rpc_mode, Listeners::default())?;
+    let running = start(&cfg, rpc_mode, process.clone())?;
     running.print_banner();
-    crate::supervise::ready();
+    process.ready();
     running.run_until_signal(signals)
 }
 
-/// Listening sockets handed over by an earlier process.
-#[derive(Default)]
-pub struct Listeners {
-    pub rpc: Option<std::os::unix::net::UnixListener>,
-    pub metrics: Option<std::net::TcpListener>,
+/// `serve --takeover`: takes every device over from the process serving the
+/// control socket `from` (crate::handover) and serves them.
+fn run_takeover(from: &Path) -> Result<()> {
+    let got = Takeover::receive(from)?;
+    crate::handover::take::fail_point("start");
+    let process = Process::taking_over(got.records, got.takeover.channel()?);
+    let running = match start_taken_over(&got.snapshot, &process) {
+        Ok(r) => r,
+        Err(e) => {
+            got.takeover.abort(&e);
+            return Err(e.context("takeover failed; the running udrive resumed its devices"));
+        }
+    };
+    let signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
+    got.takeover.confirm()?;
+    process.commit();
+    for d in running.server.lock().devices.iter_mut() {
+        d.resume();
+    }
+    running.print_banner();
+    running.run_until_signal(signals)
+}
+
+/// Starts what a handover sent: configuration, listeners, devices (paused), with
+/// the QoS limits set at run time; checks every device's restored state.
+fn start_taken_over(snap: &ServerSnapshot, process: &Arc<Process>) -> Result<Running> {
+    let cfg = snap.config()?;
+    let running = start(&cfg, 0o600, process.clone())?;
+    for q in &snap.qos {
+        running
+            .server
+            .with_qos(&q.socket, Some(q.nsid), |d| Ok(d.set_limits(q.limits())?))
+            .with_context(|| format!("cannot restore QoS of {}", q.socket.display()))?;
+    }
+    for d in &running.server.lock().devices {
+        d.check_restored()?;
+    }
+    process.ready();
+    Ok(running)
 }
 
 /// A started server: engine, devices, control socket and metrics endpoint.
@@ -193,9 +234,10 @@ pub struct Running {
     metrics: Option<MetricsServer>,
 }
 
-/// Starts reactors, devices (taking over what earlier processes kept for them),
-/// the control socket and metrics; on error everything started is stopped.
-pub fn start(cfg: &Config, rpc_mode: u32, listeners: Listeners) -> Result<Running> {
+/// Starts reactors, devices (restoring what `process` inherited for them), the
+/// control socket and metrics (on the listeners `process` inherited, if any); on
+/// error everything started is stopped.
+pub fn start(cfg: &Config, rpc_mode: u32, process: Arc<Process>) -> Result<Running> {
     let cpus = engine::parse_cpu_list(&cfg.cpus).map_err(anyhow::Error::msg)?;
     engine::check_allowed(&cpus).map_err(|e| anyhow::anyhow!("--cpus {}: {e}", cfg.cpus))?;
     let rbd_cpus = cfg.rbd_cpu_list()?;
@@ -210,61 +252,75 @@ pub fn start(cfg: &Config, rpc_mode: u32, listeners: Listeners) -> Result<Runnin
         );
     }
     #[cfg(feature = "rbd")]
-    crate::kinds::rbd::set_thread_cpus(&cpus, rbd_cpus.as_deref());
+    process.set_library_cpus(crate::kinds::rbd::thread_cpus(&cpus, rbd_cpus.as_deref()));
     let disks = crate::config::disk_specs(cfg);
     let (backend_set, backends, disk_devs) =
-        crate::backends::open_all_set(&cfg.controllers, &disks)?;
+        crate::backends::open_all_set(process.clone(), &cfg.controllers, &disks)?;
     let engine = engine::Engine::start(&cpus.iter().map(|c| Some(*c)).collect::<Vec<_>>())
         .context("cannot start reactors")?;
     tracing::info!(reactors = engine.num_reactors(), cpus = %cfg.cpus, "reactors started");
-
-    let server = match Server::start(cfg, backend_set, backends, disk_devs, engine.clone()) {
+    let server = match Server::start(
+        cfg,
+        backend_set,
+        backends,
+        disk_devs,
+        engine.clone(),
+        process.clone(),
+    ) {
         Ok(s) => s,
         Err(e) => {
             engine.shutdown();
             return Err(e);
         }
     };
-    let stop = |server: &Server| {
-        server.stop_devices();
-        engine.shutdown();
-    };
+    let control = start_control(cfg, rpc_mode, &server, &process);
+    match control {
+        Ok((rpc, metrics)) => Ok(Running {
+            engine,
+            server,
+            rpc,
+            metrics,
+        }),
+        Err(e) => {
+            server.stop_devices();
+            engine.shutdown();
+            Err(e)
+        }
+    }
+}
+
+/// The control socket and the metrics endpoint, on inherited listeners if a
+/// predecessor passed them on.
+fn start_control(
+    cfg: &Config,
+    rpc_mode: u32,
+    server: &Arc<Server>,
+    process: &Process,
+) -> Result<(Option<RpcServer>, Option<MetricsServer>)> {
     let rpc = match &cfg.rpc {
-        Some(path) => match match listeners.rpc {
-            Some(l) => RpcServer::start_on(path, l, Arc::new(Rpc::new(server.clone()))),
-            None => RpcServer::start(path, rpc_mode, Arc::new(Rpc::new(server.clone()))),
-        } {
-            Ok(r) => Some(r),
-            Err(e) => {
-                stop(&server);
-                return Err(anyhow::anyhow!(e)).with_context(|| {
-                    format!("cannot listen on control socket {}", path.display())
-                });
-            }
-        },
+        Some(path) => {
+            let rpc = Arc::new(Rpc::new(server.clone()));
+            let r = match process.take_listener(RPC_LISTENER_KEY) {
+                Some(l) => RpcServer::start_on(path, UnixListener::from(l), rpc),
+                None => RpcServer::start(path, rpc_mode, rpc),
+            };
+            Some(r.with_context(|| {
+                format!("cannot listen on control socket {}", path.display())
+            })?)
+        }
         None => None,
     };
     let metrics = match cfg.metrics_listen {
-        Some(addr) => match match listeners.metrics {
-            Some(l) => MetricsServer::start_on(l, server.clone()),
-            None => MetricsServer::start(addr, server.clone()),
-        } {
-            Ok(m) => Some(m),
-            Err(e) => {
-                drop(rpc);
-                stop(&server);
-                return Err(anyhow::anyhow!(e))
-                    .with_context(|| format!("cannot serve metrics on {addr}"));
-            }
-        },
+        Some(addr) => {
+            let m = match process.take_listener(METRICS_LISTENER_KEY) {
+                Some(l) => MetricsServer::start_on(TcpListener::from(l), server.clone()),
+                None => MetricsServer::start(addr, server.clone()),
+            };
+            Some(m.with_context(|| format!("cannot serve metrics on {addr}"))?)
+        }
         None => None,
     };
-    Ok(Running {
-        engine,
-        server,
-        rpc,
-        metrics,
-    })
+    Ok((rpc, metrics))
 }
 
 impl Running {

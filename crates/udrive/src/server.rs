@@ -15,6 +15,7 @@ use crate::config::VhostBlkConfig;
 use crate::config::{Config, ControllerConfig};
 use crate::device::{Namespace, NvmeDevice};
 use crate::nsspec::NsSpec;
+use crate::process::Process;
 use crate::vhost_device::VhostBlkDevice;
 
 pub use crate::frontend::Device;
@@ -82,9 +83,15 @@ impl State {
 
 pub struct Server {
     pub engine: Arc<engine::Engine>,
+    /// The process the server runs in: devices get their part of it when built.
+    process: Arc<Process>,
     pub cpus: String,
     /// `--rbd-cpus` as given (a handover passes it on).
     pub rbd_cpus: Option<String>,
+    /// The control socket and metrics endpoint it was configured with (a handover
+    /// passes them on).
+    pub rpc: Option<PathBuf>,
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Reactors from `--cpus` (shared by devices); `dedicated` placement adds more.
     base_reactors: usize,
     /// Socket mode and group of devices added later that do not name their own.
@@ -106,12 +113,16 @@ impl Server {
         devs: Backends,
         disks: Vec<Arc<bdev::QosDisk>>,
         engine: Arc<engine::Engine>,
+        process: Arc<Process>,
     ) -> Result<Arc<Server>> {
         let base_reactors = engine.num_reactors();
         let server = Arc::new(Server {
             engine,
+            process,
             cpus: cfg.cpus.clone(),
             rbd_cpus: cfg.rbd_cpus.clone(),
+            rpc: cfg.rpc.clone(),
+            metrics_listen: cfg.metrics_listen,
             base_reactors,
             socket_defaults: cfg.socket_defaults(),
             state: Mutex::new(State {
@@ -123,7 +134,10 @@ impl Server {
         for (c, devs) in cfg.controllers.iter().zip(devs) {
             let mut st = server.lock();
             let cntlid = st.next_cntlid;
-            match NvmeDevice::start(c, devs, cntlid, &server.engine, server.base_reactors) {
+            let life = server
+                .process
+                .device_life(&NvmeDevice::keep_prefix(&c.socket));
+            match NvmeDevice::start(c, devs, cntlid, &server.engine, server.base_reactors, life) {
                 Ok(d) => {
                     st.next_cntlid = st.next_cntlid.wrapping_add(1).max(1);
                     st.devices.push(Box::new(d));
@@ -137,7 +151,11 @@ impl Server {
         }
         for (c, disk) in cfg.vhost_user_blk.iter().zip(disks) {
             let mut st = server.lock();
-            if let Err(e) = server.start_vhost_blk(&mut st, c, disk) {
+            let restore = server
+                .process
+                .device_life(&crate::vhost_device::keep_prefix(&c.socket))
+                .restore;
+            if let Err(e) = server.start_vhost_blk(&mut st, c, disk, restore) {
                 drop(st);
                 server.stop_devices();
                 return Err(e);
@@ -153,11 +171,18 @@ impl Server {
         st: &mut State,
         cfg: &VhostBlkConfig,
         disk: Arc<bdev::QosDisk>,
+        restore: lifecycle::KeptRecords,
     ) -> Result<()> {
         // Devices so far: round-robin starts each device's queues on a further reactor.
         let index = st.devices.iter().filter(|d| d.as_vhost().is_some()).count();
-        let dev =
-            crate::vhost_device::start(cfg, disk.clone(), index, &self.engine, self.base_reactors)?;
+        let dev = crate::vhost_device::start(
+            cfg,
+            disk.clone(),
+            index,
+            &self.engine,
+            self.base_reactors,
+            restore,
+        )?;
         st.devices.push(Box::new(VhostBlkDevice {
             cfg: cfg.clone(),
             dev,
@@ -177,7 +202,7 @@ impl Server {
         }
         self.check_reactor_budget(&cfg)?;
         let disk = st.backends.open(&cfg.disk, &cfg.socket, 1)?;
-        if let Err(e) = self.start_vhost_blk(&mut st, &cfg, disk) {
+        if let Err(e) = self.start_vhost_blk(&mut st, &cfg, disk, Default::default()) {
             st.backends.release_all(&cfg.socket);
             return Err(e);
         }
@@ -187,6 +212,16 @@ impl Server {
     /// Socket mode and group of devices that do not name their own.
     pub fn socket_defaults(&self) -> &crate::config::SocketPerms {
         &self.socket_defaults
+    }
+
+    /// The process the server runs in.
+    pub fn process(&self) -> &Arc<Process> {
+        &self.process
+    }
+
+    /// CPUs for the threads of backend libraries (librbd), as backends get them.
+    pub fn library_cpus(&self) -> Vec<usize> {
+        crate::kinds::OpenEnv::library_cpus(&*self.process)
     }
 
     /// The control-plane lock. Never held by reactors.
@@ -230,7 +265,10 @@ impl Server {
             }
         }
         let cntlid = st.next_cntlid;
-        match NvmeDevice::start(&cfg, devs, cntlid, &self.engine, self.base_reactors) {
+        let life = self
+            .process
+            .new_device_life(&NvmeDevice::keep_prefix(&cfg.socket));
+        match NvmeDevice::start(&cfg, devs, cntlid, &self.engine, self.base_reactors, life) {
             Ok(d) => {
                 st.next_cntlid = st.next_cntlid.wrapping_add(1).max(1);
                 st.devices.push(Box::new(d));

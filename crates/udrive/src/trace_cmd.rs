@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
-use crate::rpc::client::{call, DEFAULT_SOCKET};
+use crate::rpc_client::{call, DEFAULT_SOCKET};
 
 /// Replies to trace calls come after every reactor answered (stats::READ_TIMEOUT
 /// each); this is generous on top.

@@ -16,10 +16,14 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
-use engine::{Engine, Placement, Placer, PollMode};
-use vhost_user_blk::{BlkDeviceOptions, DeviceOptions, VhostUserBlk};
+use std::os::fd::OwnedFd;
 
+use anyhow::{anyhow, Context, Result};
+use engine::{Engine, Placement, Placer, PollMode};
+use lifecycle::{KeptRecords, Record};
+use vhost_user_blk::{BlkDeviceOptions, DeviceOptions, HandoverState, VhostUserBlk};
+
+use crate::frontend::{DiskRef, FrontEnd};
 use crate::nsspec::NsSpec;
 
 pub use crate::config::{default_queues, validate, VhostBlkConfig};
@@ -63,13 +67,20 @@ pub fn reactors_for(
     Ok((0..nq).map(|q| placer.reactor_for(q)).collect())
 }
 
-/// Starts one device on `disk`.
+/// Where a device on `socket` keeps its records.
+pub fn keep_prefix(socket: &Path) -> String {
+    format!("vhost:{}#", socket.display())
+}
+
+/// Starts one device on `disk`; restored from `restore`, the records a
+/// predecessor saved for it (see [`FrontEnd::save`]), if there are any.
 pub fn start(
     cfg: &VhostBlkConfig,
     disk: Arc<dyn bdev::BlockDevice>,
     index: usize,
     engine: &Arc<Engine>,
     base_reactors: usize,
+    restore: KeptRecords,
 ) -> Result<VhostUserBlk> {
     let access = cfg.socket_perms().access().with_context(|| cfg.what())?;
     let reactors = reactors_for(cfg, index, engine, base_reactors)?;
@@ -83,8 +94,8 @@ pub fn start(
         poll: cfg.poll,
         access,
     };
-    // A handover: the device as the old process exported it, started quiesced.
-    if let Some((state, fds)) = crate::handover::vhost_state(&cfg.socket)? {
+    // A handover: the device as the old process saved it, started paused.
+    if let Some((state, fds)) = saved_state(&cfg.socket, restore)? {
         return VhostUserBlk::start_resumed(&cfg.socket, disk, opts, engine, &reactors, state, fds)
             .with_context(|| format!("cannot take over {}", cfg.what()));
     }
@@ -103,7 +114,7 @@ pub fn qemu_command(socket: &Path, queues: u16) -> String {
     )
 }
 
-impl crate::frontend::FrontEnd for VhostBlkDevice {
+impl FrontEnd for VhostBlkDevice {
     fn what(&self) -> &'static str {
         "a vhost-user-blk device"
     }
@@ -239,6 +250,46 @@ impl crate::frontend::FrontEnd for VhostBlkDevice {
             notice,
         })
     }
+    /// The device takes no new requests and finishes those in flight (bounded);
+    /// the front end's socket is not read meanwhile (decision 0024).
+    fn pause(&self, limit: std::time::Duration) -> Result<()> {
+        self.dev.quiesce(limit).map_err(|e| {
+            self.dev.unquiesce();
+            anyhow!(e).context(format!("{}: cannot pause", self.cfg.what()))
+        })
+    }
+
+    fn resume(&mut self) {
+        if self.dev.quiesced() {
+            self.dev.unquiesce();
+        }
+    }
+
+    /// The device's state and its fds, one record per fd (a message carries few).
+    fn save(&self) -> Result<Vec<Record>> {
+        let (state, fds) = self
+            .dev
+            .export()
+            .with_context(|| format!("{}: cannot save it", self.cfg.what()))?;
+        let p = self.prefix();
+        let mut out = vec![Record::new(
+            format!("{p}state"),
+            serde_json::to_vec(&state)?,
+            Vec::new(),
+        )];
+        for (i, fd) in fds.into_iter().enumerate() {
+            out.push(Record::new(format!("{p}fd/{i:04}"), Vec::new(), vec![fd]));
+        }
+        Ok(out)
+    }
+
+    fn disks(&self) -> Vec<DiskRef<'_>> {
+        vec![DiskRef {
+            name: self.cfg.what(),
+            spec: &self.cfg.disk,
+            disk: &self.disk,
+        }]
+    }
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
@@ -260,7 +311,7 @@ impl crate::stats::Traced for VhostBlkDevice {
 }
 
 /// What only a vhost-user-blk device has (its queues' placement).
-impl dyn crate::frontend::FrontEnd {
+impl dyn FrontEnd {
     pub fn as_vhost(&self) -> Option<&VhostBlkDevice> {
         self.as_any().downcast_ref()
     }
@@ -336,7 +387,8 @@ mod tests {
             ..Default::default()
         };
         let open = |c: &crate::config::Config| {
-            crate::backends::open_all_set(&c.controllers, &disk_specs(c)).map(|(_, n, b)| (n, b))
+            crate::backends::open_all_set(Arc::new(crate::kinds::NoEnv), &c.controllers, &disk_specs(c))
+                .map(|(_, n, b)| (n, b))
         };
         let err = open(&cfg(disk("2M"))).err().expect("overlap refused");
         assert!(format!("{err:#}").contains("overlap"), "{err:#}");
@@ -391,6 +443,12 @@ pub struct VhostBlkDevice {
     pub disk: Arc<bdev::QosDisk>,
 }
 
+impl VhostBlkDevice {
+    fn prefix(&self) -> String {
+        keep_prefix(&self.cfg.socket)
+    }
+}
+
 /// Opens the disk of one device on its own and starts it (tests, tools).
 pub fn open_and_start(
     cfg: &VhostBlkConfig,
@@ -398,5 +456,30 @@ pub fn open_and_start(
     base_reactors: usize,
 ) -> Result<VhostUserBlk> {
     let disk = crate::backends::BackendSet::default().open(&cfg.disk, &cfg.socket, 1)?;
-    start(cfg, disk, 0, engine, base_reactors)
+    start(cfg, disk, 0, engine, base_reactors, KeptRecords::new())
+}
+
+/// What a predecessor saved for the device on `socket`, if anything: its state and
+/// its fds (records `state` and `fd/NNNN`).
+fn saved_state(
+    socket: &Path,
+    mut recs: KeptRecords,
+) -> Result<Option<(HandoverState, Vec<OwnedFd>)>> {
+    let Some(state) = recs.remove("state") else {
+        return Ok(None);
+    };
+    let state: HandoverState = serde_json::from_slice(&state.bytes)
+        .with_context(|| format!("{}: bad handover state", socket.display()))?;
+    // `fd/NNNN` in order (fixed width: the map's order is the index order).
+    let mut fds = Vec::new();
+    for (key, r) in recs {
+        if !key.starts_with("fd/") {
+            continue;
+        }
+        fds.push(
+            r.into_fd()
+                .ok_or_else(|| anyhow!("{}: handover record {key} has no fd", socket.display()))?,
+        );
+    }
+    Ok(Some((state, fds)))
 }

@@ -212,13 +212,13 @@ impl Rig {
     fn handover_with_pause(&self, pause: Duration) -> Duration {
         let t = Instant::now();
         let mut cur = self.switch.0.write().unwrap();
-        cur.quiesce(Duration::from_secs(5)).expect("quiesce");
+        cur.pause(Duration::from_secs(5)).expect("quiesce");
         std::thread::sleep(pause);
-        let st = cur.save_state().expect("save state");
+        let st = cur.save().expect("save state");
         let json = serde_json::to_string(&st).expect("to JSON");
         let st: nvme::ControllerState = serde_json::from_str(&json).expect("from JSON");
         let next = self.successor(&cur);
-        next.restore_state(st).expect("restore state");
+        next.restore(st).expect("restore state");
         let old = std::mem::replace(&mut *cur, next);
         drop(cur);
         let held = t.elapsed();
@@ -478,7 +478,7 @@ fn handovers_event_mode_every_doorbell_a_message() {
     }
 }
 
-/// Quiesce and unquiesce (and a save that is rolled back) under I/O: nothing is
+/// Quiesce and resume (and a save that is rolled back) under I/O: nothing is
 /// fetched while quiesced, and everything goes on afterwards.
 #[test]
 fn quiesce_rollback_under_io() {
@@ -496,13 +496,13 @@ fn quiesce_rollback_under_io() {
                 std::thread::sleep(Duration::from_millis(1));
             }
             let ctrl = rig.ctrl();
-            ctrl.quiesce(Duration::from_secs(5)).expect("quiesce");
+            ctrl.pause(Duration::from_secs(5)).expect("quiesce");
             // Completions posted by the quiesce may still reach the client; the
             // controller's own counters must not move.
             let before = ctrl.stats();
             std::thread::sleep(Duration::from_millis(5));
             if i % 2 == 1 {
-                let st = ctrl.save_state().expect("save");
+                let st = ctrl.save().expect("save");
                 assert_eq!(st.sqs.len(), QUEUES);
             }
             let after = ctrl.stats();
@@ -511,7 +511,7 @@ fn quiesce_rollback_under_io() {
                 (after.reads, after.writes),
                 "commands ran while quiesced"
             );
-            ctrl.unquiesce();
+            ctrl.resume();
         }
         stop.store(true, Ordering::Relaxed);
         io.join().expect("I/O thread")
@@ -529,17 +529,17 @@ fn refusals() {
     let d = rig.connect(opts(Some(false)));
     let ctrl = rig.ctrl();
     assert!(matches!(
-        ctrl.save_state(),
+        ctrl.save(),
         Err(nvme::SaveError::NotQuiesced)
     ));
     // Restoring into a controller that is running is refused.
-    ctrl.quiesce(Duration::from_secs(1)).unwrap();
-    let st = ctrl.save_state().unwrap();
+    ctrl.pause(Duration::from_secs(1)).unwrap();
+    let st = ctrl.save().unwrap();
     assert!(matches!(
-        ctrl.restore_state(st.clone()),
+        ctrl.restore(st.clone()),
         Err(nvme::RestoreError::NotFresh)
     ));
-    ctrl.unquiesce();
+    ctrl.resume();
     common::check_io(&d, 11);
 
     // A client whose memory moves by DMA messages cannot be handed over (yet).
@@ -551,8 +551,8 @@ fn refusals() {
     let ctrl = rig.ctrl();
     assert!(ctrl.dma_messages());
     assert!(matches!(
-        ctrl.quiesce(Duration::from_secs(1)),
-        Err(nvme::QuiesceError::DmaMessages)
+        ctrl.pause(Duration::from_secs(1)),
+        Err(nvme::PauseError::DmaMessages)
     ));
     common::check_io(&d, 13);
 }
@@ -567,8 +567,8 @@ fn hostile_states_are_refused() {
     common::qp_still_works(&mut qp, 10, 1);
     let mut qp2 = d.create_qpair(16, false).expect("queue pair");
     let cur = rig.ctrl();
-    cur.quiesce(Duration::from_secs(1)).unwrap();
-    let good = serde_json::to_value(cur.save_state().unwrap()).unwrap();
+    cur.pause(Duration::from_secs(1)).unwrap();
+    let good = serde_json::to_value(cur.save().unwrap()).unwrap();
     let next = rig.successor(&cur);
 
     use nvme::RestoreError as E;
@@ -725,7 +725,7 @@ fn hostile_states_are_refused() {
         let mut v = good.clone();
         change(&mut v);
         let st: nvme::ControllerState = serde_json::from_value(v).expect(what);
-        match next.restore_state(st) {
+        match next.restore(st) {
             Err(e) => assert!(expect(&e), "{what}: unexpected error {e}"),
             Ok(()) => panic!("{what}: hostile state accepted"),
         }
@@ -745,7 +745,7 @@ fn hostile_states_are_refused() {
     }
     // Still fresh: the good state goes in, and the client goes on.
     let st: nvme::ControllerState = serde_json::from_value(good).unwrap();
-    next.restore_state(st).expect("restore the good state");
+    next.restore(st).expect("restore the good state");
     {
         let mut w = rig.switch.0.write().unwrap();
         let old = std::mem::replace(&mut *w, next);
@@ -764,9 +764,9 @@ fn state_is_versioned_json() {
     let d = rig.connect(opts(None));
     let _qp = d.create_qpair(32, true).expect("queue pair");
     let ctrl = rig.ctrl();
-    ctrl.quiesce(Duration::from_secs(1)).unwrap();
-    let st = ctrl.save_state().unwrap();
-    ctrl.unquiesce();
+    ctrl.pause(Duration::from_secs(1)).unwrap();
+    let st = ctrl.save().unwrap();
+    ctrl.resume();
     assert_eq!(st.version, nvme::STATE_VERSION);
     let v = serde_json::to_value(&st).unwrap();
     for k in [
@@ -849,8 +849,8 @@ fn quiesce_waits_for_the_backend_or_times_out() {
     };
     let ctrl = rig.ctrl();
     let cids = submit(&mut qp);
-    match ctrl.quiesce(Duration::from_millis(30)) {
-        Err(nvme::QuiesceError::Timeout { requests, .. }) => assert_eq!(requests, 8),
+    match ctrl.pause(Duration::from_millis(30)) {
+        Err(nvme::PauseError::Timeout { requests, .. }) => assert_eq!(requests, 8),
         other => panic!("quiesce with slow requests: {other:?}"),
     }
     for cid in cids {
@@ -859,7 +859,7 @@ fn quiesce_waits_for_the_backend_or_times_out() {
     }
     assert!(qp.poll(16).unwrap().is_empty(), "a completion came twice");
     let cids = submit(&mut qp);
-    ctrl.quiesce(Duration::from_secs(5)).expect("quiesce");
+    ctrl.pause(Duration::from_secs(5)).expect("quiesce");
     // Posted before the quiesce returned.
     for cid in cids {
         let c = qp
@@ -868,7 +868,7 @@ fn quiesce_waits_for_the_backend_or_times_out() {
             .expect("completion posted by the quiesce");
         assert!(c.status.is_ok());
     }
-    ctrl.unquiesce();
+    ctrl.resume();
     rig.handover();
     common::qp_still_works(&mut qp, 100, 1);
     assert!(!rig.ctrl().stats().fatal);

@@ -120,7 +120,7 @@ fn vfio_fuzz(rng: &mut Rng, sock: &Path) {
         }
         let attach = if rng.below(5) == 0 { !fd } else { fd };
         let fds = if attach { vec![file.as_fd()] } else { vec![] };
-        if vfio_user::sock::send(s.as_fd(), &[&m], &fds).is_err() {
+        if lifecycle::fdpass::send(s.as_fd(), &[&m], &fds).is_err() {
             return;
         }
         if rng.below(20) == 0 {
@@ -194,7 +194,7 @@ fn vhost_fuzz(rng: &mut Rng, sock: &Path) {
             _ if rng.below(15) == 0 => vec![file.as_fd()],
             _ => vec![],
         };
-        if vfio_user::sock::send(s.as_fd(), &[&m], &fds).is_err() {
+        if lifecycle::fdpass::send(s.as_fd(), &[&m], &fds).is_err() {
             return;
         }
         if rng.below(25) == 0 {

@@ -338,7 +338,7 @@ fn start_faulty(disk: Arc<dyn bdev::BlockDevice>, fc: bdev::FaultConfig, queues:
     let mut cfg = VhostBlkConfig::new(sock.clone(), "null:1M".parse().unwrap());
     cfg.queues = queues;
     let faulty = Arc::new(bdev::FaultDisk::new(disk, fc).expect("fault disk"));
-    let dev = vhost_device::start(&cfg, faulty, 0, &engine(), 1).unwrap();
+    let dev = vhost_device::start(&cfg, faulty, 0, &engine(), 1, Default::default()).unwrap();
     Dev {
         dev: Some(dev),
         sock,

@@ -85,9 +85,9 @@ impl Conn {
 
     /// Takes over a client that an earlier process served, from what it kept: the
     /// negotiated connection, config space, DMA mappings and interrupt eventfds.
-    /// The device model is told (`PciBackend::resumed`) and decides what the client
+    /// The device model is told (`PciBackend::restored`) and decides what the client
     /// sees. `None`: no usable connection record.
-    pub fn resume(
+    pub fn restore(
         stream: UnixStream,
         policy: DmaPolicy,
         keep: Option<KeepHandle>,
@@ -122,7 +122,7 @@ impl Conn {
                 }
             }
         }
-        dev.backend.resumed(c.bar_mmap);
+        dev.backend.restored(c.bar_mmap);
         Some(c)
     }
 

@@ -71,7 +71,7 @@ pub trait PciBackend: Send + Sync {
     /// This process took over a client that an earlier one served (its memory,
     /// interrupts and config space are back; whatever the model kept in memory is
     /// not). `bar_mmap`: the client has BAR0's mmap areas mapped.
-    fn resumed(&self, _bar_mmap: bool) {}
+    fn restored(&self, _bar_mmap: bool) {}
 }
 
 fn invalid(msg: &str) -> io::Error {

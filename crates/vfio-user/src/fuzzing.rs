@@ -116,7 +116,7 @@ pub fn session(data: &[u8]) {
         } else {
             Vec::new()
         };
-        if !bytes.is_empty() && crate::sock::send(client.as_fd(), &[bytes], &fds).is_err() {
+        if !bytes.is_empty() && lifecycle::fdpass::send(client.as_fd(), &[bytes], &fds).is_err() {
             break;
         }
         if flags & 2 != 0 {

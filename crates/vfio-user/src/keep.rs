@@ -1,8 +1,9 @@
 //! What a connection leaves with a keeper so that another process can take the client
-//! over if this one dies (`udrive serve --supervise`, docs/decisions/0021-supervise.md).
+//! over if this one dies (`udrive serve --supervise`, docs/decisions/0021-supervise.md)
+//! or hands it over (docs/decisions/0022-live-handover.md). The records and the
+//! keeper are `lifecycle`'s; this module names what a vfio-user connection keeps.
 //!
-//! The keeper (a supervisor process) stores records it does not interpret: a key, a
-//! few bytes, and file descriptors. Per connection, under the server's prefix:
+//! Per connection, under the server's prefix:
 //!
 //! | key            | bytes                     | fds                        |
 //! |----------------|---------------------------|----------------------------|
@@ -14,33 +15,12 @@
 //! Records go out as the client changes its state (control path only: VERSION,
 //! DMA_MAP/UNMAP, SET_IRQS, config writes, region queries) and all of them are
 //! dropped when the client leaves. A new process hands them back to
-//! [`crate::VfioUserServer::start`] in [`ServerConfig::resume`](crate::ServerConfig).
-
-use std::collections::BTreeMap;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
+//! [`crate::VfioUserServer::restore`].
 
 use serde::{Deserialize, Serialize};
 
-/// Stores records for the next process. Calls come from protocol threads with the
-/// device locked: they must not block for long (a keeper answers nothing).
-pub trait Keeper: Send + Sync {
-    /// Replaces the record `key` (closing the fds it held before).
-    fn put(&self, key: &str, bytes: &[u8], fds: &[BorrowedFd<'_>]);
-    /// Drops every record whose key starts with `prefix` (keys that could be a
-    /// prefix of another are fixed-width).
-    fn remove(&self, prefix: &str);
-}
-
-/// A record handed back to a new process.
-#[derive(Debug)]
-pub struct Kept {
-    pub bytes: Vec<u8>,
-    pub fds: Vec<OwnedFd>,
-}
-
-/// The records of one server's connection, keys relative to its prefix.
-pub type KeptRecords = BTreeMap<String, Kept>;
+pub(crate) use lifecycle::keep::parse_json;
+pub(crate) use lifecycle::{KeepHandle, Kept, KeptRecords};
 
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct ConnRecord {
@@ -73,51 +53,3 @@ pub(crate) fn irq_prefix(index: u32) -> String {
     format!("irq/{index}/")
 }
 
-/// A connection's handle on the keeper: its prefix and the records it put.
-#[derive(Clone)]
-pub(crate) struct KeepHandle {
-    keeper: Arc<dyn Keeper>,
-    prefix: String,
-}
-
-impl KeepHandle {
-    pub fn new(keeper: Arc<dyn Keeper>, prefix: String) -> KeepHandle {
-        KeepHandle { keeper, prefix }
-    }
-
-    pub fn put(&self, key: &str, bytes: &[u8], fds: &[BorrowedFd<'_>]) {
-        self.keeper
-            .put(&format!("{}{key}", self.prefix), bytes, fds);
-    }
-
-    pub fn put_json<T: Serialize>(&self, key: &str, v: &T, fds: &[BorrowedFd<'_>]) {
-        match serde_json::to_vec(v) {
-            Ok(b) => self.put(key, &b, fds),
-            Err(e) => tracing::error!("vfio-user: cannot encode kept record {key}: {e}"),
-        }
-    }
-
-    pub fn remove(&self, prefix: &str) {
-        self.keeper.remove(&format!("{}{prefix}", self.prefix));
-    }
-
-    /// Everything of the connection.
-    pub fn remove_all(&self) {
-        self.keeper.remove(&self.prefix);
-    }
-
-    pub fn put_fd(&self, key: &str, fd: &impl AsFd) {
-        self.put(key, &[], &[fd.as_fd()]);
-    }
-}
-
-/// Decodes a JSON record; `None` (and a log line) when it does not parse.
-pub(crate) fn parse_json<'a, T: Deserialize<'a>>(key: &str, bytes: &'a [u8]) -> Option<T> {
-    match serde_json::from_slice(bytes) {
-        Ok(v) => Some(v),
-        Err(e) => {
-            tracing::warn!("vfio-user: ignoring kept record {key}: {e}");
-            None
-        }
-    }
-}

@@ -16,17 +16,15 @@ mod dma;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod irqs;
-pub mod keep;
+mod keep;
 mod msg;
 pub mod pci;
 pub mod proto;
 mod remote;
 mod server;
-pub mod sock;
 
 pub use device::{BarSpec, MsixSpec, PciBackend, PciDeviceSpec};
 pub use irqs::Irqs;
-pub use keep::{Keeper, Kept, KeptRecords};
 pub use pci::PciIds;
 pub use remote::{DmaMessageCounts, DmaMessageStats};
-pub use server::{ServerConfig, ServerKeep, VfioUserServer, DEFAULT_DMA_REPLY_TIMEOUT};
+pub use server::{ServerConfig, VfioUserServer, DEFAULT_DMA_REPLY_TIMEOUT};

@@ -17,7 +17,7 @@ use std::time::Instant;
 use zerocopy::IntoBytes;
 
 use crate::proto::{self, Header, HEADER_SIZE, MAX_MSG_SIZE};
-use crate::sock;
+use lifecycle::fdpass as sock;
 
 pub(crate) struct Msg {
     pub hdr: Header,

@@ -288,7 +288,7 @@ impl Port {
                 let _ = self.cv.wait_timeout(st, Duration::from_millis(1));
                 return Ok(None);
             }
-            if !crate::sock::poll_in(&[self.sock.as_fd()], 0)
+            if !lifecycle::fdpass::poll_in(&[self.sock.as_fd()], 0)
                 .map_err(ReadError::Io)?
                 .first()
                 .copied()
@@ -366,7 +366,7 @@ impl Port {
             }
         }
         let ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX).max(1);
-        match crate::sock::poll_in(&[self.sock.as_fd()], ms) {
+        match lifecycle::fdpass::poll_in(&[self.sock.as_fd()], ms) {
             Ok(r) if r.first().copied().unwrap_or(false) => {}
             Ok(_) => return Ok(()),
             Err(_) => return Err("poll on the connection failed"),

@@ -28,7 +28,7 @@ use guest_mem::DmaSpace;
 use crate::conn::{Conn, DmaPolicy, Flow};
 use crate::device::{self, Device, PciBackend, PciDeviceSpec};
 use crate::irqs::Irqs;
-use crate::keep::{KeepHandle, Keeper, KeptRecords};
+use crate::keep::{KeepHandle, KeptRecords};
 use crate::pci::ConfigSpace;
 use crate::remote::{DmaMessageCounts, DmaMessageStats};
 
@@ -55,34 +55,13 @@ pub struct ServerConfig {
     /// ([`DEFAULT_DMA_REPLY_TIMEOUT`]).
     pub dma_reply_timeout: Duration,
     /// Where connections keep their state for a process that may take them over.
-    pub keep: Option<ServerKeep>,
+    pub keep: Option<KeepHandle>,
     /// A listening socket handed over by an earlier process (bound to `socket`):
     /// used as is instead of binding.
     pub listener: Option<Arc<OwnedFd>>,
-    /// Start paused ([`VfioUserServer::unpause`] starts serving): a process taking
+    /// Start paused ([`VfioUserServer::resume`] starts serving): a process taking
     /// devices over must not serve before the old one has let go.
     pub start_paused: bool,
-}
-
-/// A keeper and the prefix of this server's records there (see [`crate::keep`]).
-#[derive(Clone)]
-pub struct ServerKeep {
-    pub keeper: Arc<dyn Keeper>,
-    pub prefix: String,
-}
-
-impl std::fmt::Debug for ServerKeep {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerKeep")
-            .field("prefix", &self.prefix)
-            .finish()
-    }
-}
-
-impl ServerKeep {
-    fn handle(&self) -> KeepHandle {
-        KeepHandle::new(self.keeper.clone(), self.prefix.clone())
-    }
 }
 
 pub struct VfioUserServer {
@@ -118,14 +97,14 @@ impl VfioUserServer {
         mem: Arc<DmaSpace>,
         irqs: Arc<Irqs>,
     ) -> io::Result<VfioUserServer> {
-        Self::resume(cfg, spec, backend, mem, irqs, KeptRecords::new())
+        Self::restore(cfg, spec, backend, mem, irqs, KeptRecords::new())
     }
 
     /// [`VfioUserServer::start`], and takes over the client an earlier process
     /// served, from the records it kept (`cfg.keep`'s prefix removed from their
     /// keys): the client stays connected and the device model is told
-    /// ([`PciBackend::resumed`]). Without a connection record this is `start`.
-    pub fn resume(
+    /// ([`PciBackend::restored`]). Without a connection record this is `start`.
+    pub fn restore(
         cfg: ServerConfig,
         spec: PciDeviceSpec,
         backend: Arc<dyn PciBackend>,
@@ -164,7 +143,7 @@ impl VfioUserServer {
             reply_timeout: cfg.dma_reply_timeout,
             stats: dma_stats.clone(),
         };
-        let keep = cfg.keep.as_ref().map(ServerKeep::handle);
+        let keep = cfg.keep.clone();
         let mut state = if cfg.start_paused {
             State::Paused(None)
         } else {
@@ -172,13 +151,13 @@ impl VfioUserServer {
         };
         if let Some(rec) = kept.get_mut(crate::keep::CONN) {
             let stream = rec.fds.pop().map(UnixStream::from);
-            let resumed = stream.and_then(|s| {
+            let restored = stream.and_then(|s| {
                 let _ = s.set_read_timeout(Some(READ_TIMEOUT));
                 let _ = s.set_write_timeout(Some(WRITE_TIMEOUT));
                 *lock(&active) = s.try_clone().ok();
-                Conn::resume(s, policy.clone(), keep.clone(), &mut dev, kept)
+                Conn::restore(s, policy.clone(), keep.clone(), &mut dev, kept)
             });
-            match resumed {
+            match restored {
                 Some(c) => {
                     tracing::info!("vfio-user {}: took over the connected client", cfg.name);
                     state = if cfg.start_paused {
@@ -231,7 +210,7 @@ impl VfioUserServer {
 
     /// Stops serving the endpoint at a message boundary, keeping the connection:
     /// the client's messages wait in the socket (for a process that takes it over,
-    /// or for [`VfioUserServer::unpause`]). Waits for a message being handled to
+    /// or for [`VfioUserServer::resume`]). Waits for a message being handled to
     /// finish. (Whether the device model can move a client whose memory moves by
     /// DMA messages is its own business: QEMU maps its ROMs that way, read-only,
     /// and nobody waits on them.)
@@ -245,9 +224,9 @@ impl VfioUserServer {
     }
 
     /// Serves the endpoint again after [`VfioUserServer::pause`].
-    pub fn unpause(&self) {
+    pub fn resume(&self) {
         if let Ok(hub) = hub() {
-            hub.send(Cmd::Unpause(self.id));
+            hub.send(Cmd::Resume(self.id));
         }
     }
 
@@ -293,7 +272,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 enum State {
-    /// Not served until unpaused; the connection (if any) waits with its messages.
+    /// Not served until resumed; the connection (if any) waits with its messages.
     Paused(Option<Conn>),
     /// No client: the hub watches the listener.
     Listening,
@@ -355,7 +334,7 @@ enum Cmd {
     Add(u64, Box<Endpoint>),
     Remove(u64, Sender<()>),
     Pause(u64, Sender<Result<(), i32>>),
-    Unpause(u64),
+    Resume(u64),
     /// Forget the endpoint without closing anything of the client's (leaks the
     /// connection's fds on purpose: the process is about to exit).
     Abandon(u64),
@@ -439,7 +418,7 @@ fn run_hub(rx: Receiver<Cmd>, bell: UnixStream) {
                 fds.push(ep.fault.wake_fd());
                 watch.push(Watch::Fault(*id));
             }
-            match crate::sock::poll_in(&fds, -1) {
+            match lifecycle::fdpass::poll_in(&fds, -1) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!("vfio-user hub: poll failed: {e}");
@@ -543,7 +522,7 @@ fn hub_cmd(eps: &mut BTreeMap<u64, Endpoint>, cmd: Cmd) {
                 }
             }
         }
-        Cmd::Unpause(id) => {
+        Cmd::Resume(id) => {
             let Some(ep) = eps.get_mut(&id) else { return };
             if let State::Paused(c) = std::mem::replace(&mut ep.state, State::Listening) {
                 ep.state = match c {
@@ -688,7 +667,7 @@ fn serve_conn(
                 }
                 None => 3,
             };
-            match crate::sock::poll_in(&fds[..n], wait) {
+            match lifecycle::fdpass::poll_in(&fds[..n], wait) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!("vfio-user {name}: poll failed: {e}");

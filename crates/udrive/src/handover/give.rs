@@ -1,92 +1,79 @@
-//! The running process's side: the `handover` control method.
+//! The running process's side: hands every device to a new process (the control
+//! method `handover`, which `rpc::methods` registers).
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
+use lifecycle::channel::{self, Op};
 use bdev::BlockDevice;
+use lifecycle::Record;
 use nix::sys::socket::{
     connect, getsockopt, socket, sockopt, AddressFamily, SockFlag, SockType, UnixAddr,
 };
-use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::snapshot::ServerSnapshot;
-use super::{handed_over, CONFIG_KEY, HANDED_OVER, RPC_LISTENER_KEY};
-use crate::rpc::{parse_params, Rpc, RpcError};
-use crate::server::State;
-use crate::supervise::wire::{self, Op};
+use super::CONFIG_KEY;
+use crate::process::CLIENT_KEY;
+use crate::server::{Server, State};
 
 /// How long queues may take to finish the requests they have when a handover
 /// starts (then it is abandoned and the devices resume).
-const QUIESCE_LIMIT: Duration = Duration::from_secs(5);
+const PAUSE_LIMIT: Duration = Duration::from_secs(5);
 /// How long the new process may take from our last record to its confirmation;
 /// past it, it is killed and we resume.
 const CONFIRM_LIMIT: Duration = Duration::from_secs(60);
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Params {
-    /// The new process's private handover socket.
-    socket: PathBuf,
-}
-
-/// `handover {"socket": PATH}`: hands every device to the process listening on
-/// PATH. Returns once it confirmed (this process then exits after the reply), or
-/// fails having resumed everything.
-pub fn handover(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
-    let p: Params = parse_params(p)?;
-    if crate::supervise::supervised() {
-        return Err(anyhow!(
+/// Hands every device to the process listening on `socket`. Returns once it
+/// confirmed (this process then exits after the reply: see
+/// `Process::exit_if_handed_over`), or fails having resumed everything.
+pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
+    if server.process().is_supervised() {
+        bail!(
             "this server runs under --supervise: a handover of a supervised server is not \
              supported; restart its child instead (SIGTERM stops the whole service)"
-        )
-        .into());
+        );
     }
-    let sock = connect_to(&p.socket)?;
+    let sock = connect_to(socket)?;
     check_peer(&sock)?;
-    let mut st = rpc.server.lock();
+    let mut st = server.lock();
     let t0 = Instant::now();
     refuse_what_cannot_move(&st)?;
-    let (paused, records) = pause_and_export(&mut st)?;
+    let (paused, records) = pause_and_save(&mut st)?;
     let quiesced = t0.elapsed();
-    if let Err(e) = let_go_all(&st) {
-        take_back_all(&st, &[]);
+    if let Err(e) = pause_backends(&st) {
+        resume_backends(&st, &[]);
         resume_all(&mut st);
         tracing::warn!("handover failed, devices resumed: {e:#}");
-        return Err(e.context("handover failed; this process serves on").into());
+        return Err(e.context("handover failed; this process serves on"));
     }
     let pause_done = t0.elapsed();
     let mut successor = Successor::default();
-    match send_and_confirm(&rpc.server, &st, &sock, records, &mut successor) {
-        Ok(()) => {
-            let total = t0.elapsed();
-            HANDED_OVER.store(true, Ordering::Release);
-            // The lock stays held: nothing may change here any more.
-            std::mem::forget(st);
-            tracing::info!(
-                devices = paused,
-                quiesce_us = quiesced.as_micros() as u64,
-                let_go_us = (pause_done - quiesced).as_micros() as u64,
-                total_us = total.as_micros() as u64,
-                "handover confirmed by the new process"
-            );
-            Ok(json!({
-                "devices": paused,
-                "quiesce_us": pause_done.as_micros() as u64,
-                "handover_us": total.as_micros() as u64,
-            }))
-        }
-        Err(e) => {
-            let dead = successor.dead_clients();
-            take_back_all(&st, &dead);
-            resume_all(&mut st);
-            tracing::warn!("handover failed, devices resumed: {e:#}");
-            Err(e.context("handover failed; this process serves on").into())
-        }
+    if let Err(e) = send_and_confirm(server, &st, &sock, records, &mut successor) {
+        let dead = successor.dead_clients();
+        resume_backends(&st, &dead);
+        resume_all(&mut st);
+        tracing::warn!("handover failed, devices resumed: {e:#}");
+        return Err(e.context("handover failed; this process serves on"));
     }
+    let total = t0.elapsed();
+    server.process().set_handed_over();
+    // The lock stays held: nothing may change here any more.
+    std::mem::forget(st);
+    tracing::info!(
+        devices = paused,
+        pause_us = quiesced.as_micros() as u64,
+        backends_us = (pause_done - quiesced).as_micros() as u64,
+        total_us = total.as_micros() as u64,
+        "handover confirmed by the new process"
+    );
+    Ok(json!({
+        "devices": paused,
+        "quiesce_us": pause_done.as_micros() as u64,
+        "handover_us": total.as_micros() as u64,
+    }))
 }
 
 fn connect_to(path: &std::path::Path) -> Result<OwnedFd> {
@@ -118,16 +105,13 @@ fn check_peer(sock: &OwnedFd) -> Result<()> {
     Ok(())
 }
 
-/// Every device as a handover sees it; a device of a kind it cannot move, or a
-/// backend whose kind refuses, fails the handover before anything pauses.
+/// A backend whose kind refuses to be taken over fails the handover before
+/// anything pauses.
 fn refuse_what_cannot_move(st: &State) -> Result<()> {
     for d in &st.devices {
-        let Some(h) = handed_over(d) else {
-            bail!("{}: unknown device kind", d.socket().display());
-        };
-        for (name, spec, _) in h.backends() {
-            if let Some(why) = spec.kind.0.handover_refusal() {
-                bail!("{name} ({spec}): {why}");
+        for r in d.disks() {
+            if let Some(why) = r.spec.kind.0.handover_refusal() {
+                bail!("{} ({}): {why}", r.name, r.spec);
             }
         }
     }
@@ -137,81 +121,73 @@ fn refuse_what_cannot_move(st: &State) -> Result<()> {
 /// Pauses every device; on a failure resumes those paused and says which failed.
 fn pause_all(st: &mut State) -> Result<usize> {
     for i in 0..st.devices.len() {
-        if let Some(h) = handed_over(&st.devices[i]) {
-            if let Err(e) = h.pause_for_handover(QUIESCE_LIMIT) {
-                resume(&st.devices[..i]);
-                return Err(e);
-            }
+        if let Err(e) = st.devices[i].pause(PAUSE_LIMIT) {
+            st.devices[..i].iter_mut().for_each(|d| d.resume());
+            return Err(e);
         }
     }
     Ok(st.devices.len())
 }
 
-fn resume(devices: &[crate::server::Device]) {
-    devices
-        .iter()
-        .filter_map(|d| handed_over(d))
-        .for_each(|h| h.resume_after_handover_failed());
+fn resume_all(st: &mut State) {
+    st.devices.iter_mut().for_each(|d| d.resume());
 }
 
-/// After every device quiesced (no request in flight): each backend gives up what
+/// After every device paused (no request in flight): each backend gives up what
 /// would keep the new process from opening it by its spec (an RBD image's
 /// exclusive lock, decision 0025).
-fn let_go_all(st: &State) -> Result<()> {
-    for h in st.devices.iter().filter_map(|d| handed_over(d)) {
-        for (name, _, disk) in h.backends() {
-            disk.let_go()
-                .with_context(|| format!("{name}: cannot let go of its backend"))?;
+fn pause_backends(st: &State) -> Result<()> {
+    for d in &st.devices {
+        for r in d.disks() {
+            r.disk
+                .let_go()
+                .with_context(|| format!("{}: cannot pause its backend", r.name))?;
         }
     }
     Ok(())
 }
 
-/// The handover failed: backends take back what they let go of. A failure is
+/// The handover failed: backends take back what they gave up. A failure is
 /// logged: that backend's writes fail until it is fixed (it is not expected:
 /// nobody else may hold the lock meanwhile).
-fn take_back_all(st: &State, dead: &[String]) {
-    for h in st.devices.iter().filter_map(|d| handed_over(d)) {
-        for (name, _, disk) in h.backends() {
-            if let Err(e) = disk.take_back(dead) {
-                tracing::error!("handover rollback: {name}: cannot take its backend back: {e}");
+fn resume_backends(st: &State, dead: &[String]) {
+    for d in &st.devices {
+        for r in d.disks() {
+            if let Err(e) = r.disk.take_back(dead) {
+                tracing::error!("handover rollback: {}: cannot resume its backend: {e}", r.name);
             }
         }
     }
 }
 
-fn resume_all(st: &mut State) {
-    resume(&st.devices);
-}
-
-/// Pauses every device and takes its records. A device that refuses its export
-/// (a vhost-user-blk queue that still has a request in flight: a queue thread
-/// that read the pause flag of an earlier pause can acknowledge this one early)
-/// is resumed with the others and asked again, a few times.
-fn pause_and_export(st: &mut State) -> Result<(usize, Vec<super::Record>)> {
+/// Pauses every device and saves it. A device that refuses to save (a
+/// vhost-user-blk queue that still has a request in flight: a queue thread that
+/// read the pause flag of an earlier pause can acknowledge this one early) is
+/// resumed with the others and asked again, a few times.
+fn pause_and_save(st: &mut State) -> Result<(usize, Vec<Record>)> {
     const TRIES: usize = 5;
     let mut attempt = 0;
     loop {
         attempt += 1;
         let paused = pause_all(st)?;
-        match export_all(st) {
+        match save_all(st) {
             Ok(records) => return Ok((paused, records)),
             Err(e) => {
                 resume_all(st);
                 if attempt >= TRIES {
                     return Err(e.context(format!("after {TRIES} attempts")));
                 }
-                tracing::info!("handover: export attempt {attempt} failed ({e:#}); again");
+                tracing::info!("handover: save attempt {attempt} failed ({e:#}); again");
                 std::thread::sleep(Duration::from_millis(2));
             }
         }
     }
 }
 
-fn export_all(st: &State) -> Result<Vec<super::Record>> {
+fn save_all(st: &State) -> Result<Vec<Record>> {
     let mut out = Vec::new();
-    for h in st.devices.iter().filter_map(|d| handed_over(d)) {
-        out.extend(h.handover_records()?);
+    for d in &st.devices {
+        out.extend(d.save()?);
     }
     Ok(out)
 }
@@ -283,39 +259,23 @@ impl Successor {
 }
 
 fn send_and_confirm(
-    server: &crate::server::Server,
+    server: &Server,
     st: &State,
     sock: &OwnedFd,
-    records: Vec<super::Record>,
+    records: Vec<Record>,
     successor: &mut Successor,
 ) -> Result<()> {
-    let metrics = crate::metrics::listener_copy();
-    let snap = ServerSnapshot::of(server, st, metrics.as_ref().map(|(_, a)| *a));
+    let snap = ServerSnapshot::of(server, st);
     let s = sock.as_fd();
-    wire::send(s, Op::Record, CONFIG_KEY, &serde_json::to_vec(&snap)?, &[])
+    channel::send(s, Op::Record, CONFIG_KEY, &serde_json::to_vec(&snap)?, &[])
         .context("handover: cannot send the configuration")?;
-    if let Some(l) = crate::rpc::listener_copy() {
-        wire::send(s, Op::Record, RPC_LISTENER_KEY, &[], &[l.as_fd()])?;
+    for r in records {
+        let fds: Vec<_> = r.fds.iter().map(|f| f.as_fd()).collect();
+        channel::send(s, Op::Record, &r.key, &r.bytes, &fds)
+            .with_context(|| format!("handover: cannot send record {}", r.key))?;
     }
-    if let Some((l, _)) = &metrics {
-        wire::send(
-            s,
-            Op::Record,
-            super::METRICS_LISTENER_KEY,
-            &[],
-            &[l.as_fd()],
-        )?;
-    }
-    {
-        {
-            for (key, bytes, fds) in records {
-                let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
-                wire::send(s, Op::Record, &key, &bytes, &fds)
-                    .with_context(|| format!("handover: cannot send record {key}"))?;
-            }
-        }
-    }
-    wire::send_all(s, &crate::supervise::local_records())
+    // What the devices keep as they run, and the control plane's listeners.
+    channel::send_all(s, server.process().own_records())
         .context("handover: cannot send the devices' records")?;
     wait_confirm(sock, successor)
 }
@@ -330,7 +290,7 @@ fn wait_confirm(sock: &OwnedFd, successor: &mut Successor) -> Result<()> {
     successor.pid = peer;
     successor.started = peer.and_then(proc_stat).map(|(_, t)| t);
     let until = Instant::now() + CONFIRM_LIMIT;
-    let mut buf = vec![0u8; wire::MAX_MSG];
+    let mut buf = vec![0u8; channel::MAX_MSG];
     loop {
         let left = until.saturating_duration_since(Instant::now());
         let ms = u16::try_from(left.as_millis().min(u128::from(u16::MAX))).unwrap_or(u16::MAX);
@@ -351,8 +311,8 @@ fn wait_confirm(sock: &OwnedFd, successor: &mut Successor) -> Result<()> {
             }
             bail!("the new process did not confirm within {CONFIRM_LIMIT:?}; it was killed");
         }
-        match wire::recv(sock.as_fd(), &mut buf)? {
-            Some(m) if m.op == Op::Record && m.key == super::CLIENT_KEY => {
+        match channel::recv(sock.as_fd(), &mut buf)? {
+            Some(m) if m.op == Op::Record && m.key == CLIENT_KEY => {
                 let addr = String::from_utf8_lossy(&m.bytes).into_owned();
                 if successor.clients.len() < 64 && !successor.clients.contains(&addr) {
                     successor.clients.push(addr);
@@ -369,7 +329,6 @@ fn wait_confirm(sock: &OwnedFd, successor: &mut Successor) -> Result<()> {
     }
 }
 
-#[cfg(test)]
 #[cfg(test)]
 mod tests {
     #[test]

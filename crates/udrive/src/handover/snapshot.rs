@@ -70,14 +70,14 @@ impl QosEntry {
 
 impl ServerSnapshot {
     /// The server as it runs now (`st`: its locked state).
-    pub fn of(server: &Server, st: &State, metrics: Option<std::net::SocketAddr>) -> Self {
+    pub fn of(server: &Server, st: &State) -> Self {
         let defaults = server.socket_defaults();
         let mut snap = ServerSnapshot {
             version: VERSION,
             cpus: server.cpus.clone(),
             rbd_cpus: server.rbd_cpus.clone(),
-            rpc: crate::rpc::listening_path(),
-            metrics_listen: metrics,
+            rpc: server.rpc.clone(),
+            metrics_listen: server.metrics_listen,
             socket_mode: defaults.socket_mode.clone(),
             socket_group: defaults.socket_group.clone(),
             controllers: Vec::new(),

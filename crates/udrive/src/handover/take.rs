@@ -1,22 +1,23 @@
-//! The new process's side: `udrive serve --takeover RPC_SOCKET`.
+//! The new process's side (`udrive serve --takeover RPC_SOCKET`): asks the running
+//! process to hand over, receives its records, and confirms or aborts once
+//! `serve` has started the devices from them.
 
-use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use lifecycle::channel::{self, Op};
+use lifecycle::{Kept, KeptRecords};
 use nix::sys::socket::{
     bind, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr,
 };
 use serde_json::json;
-use signal_hook::consts::{SIGINT, SIGTERM};
-use signal_hook::iterator::Signals;
-use vfio_user::Kept;
 
 use super::snapshot::ServerSnapshot;
-use super::{CONFIG_KEY, METRICS_LISTENER_KEY, RPC_LISTENER_KEY};
-use crate::supervise::wire::{self, Op};
+use super::CONFIG_KEY;
+use crate::rpc_client::CallError;
 
 /// How long the running process may take to connect and send everything.
 const RECEIVE_LIMIT: Duration = Duration::from_secs(30);
@@ -53,105 +54,141 @@ fn listen_at(dir: &Path) -> Result<TempSocket> {
     Ok(s)
 }
 
-/// Takes every device over from the process serving `from` and serves them.
-pub fn run(from: &Path) -> Result<()> {
-    let t0 = Instant::now();
-    let dir = from
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let ours = listen_at(dir)?;
-    // The request returns when the handover is over: run it beside us.
-    let (from2, ours_path) = (from.to_path_buf(), ours.path.clone());
-    let request = std::thread::Builder::new()
-        .name("takeover-rpc".into())
-        .spawn(move || {
-            crate::rpc::client::call(
-                &from2,
-                "handover",
-                json!({"socket": ours_path}),
-                Duration::from_secs(120),
-            )
+/// A takeover in progress, the new process's side: the running process has sent
+/// everything and waits for [`Takeover::confirm`] or [`Takeover::abort`].
+pub struct Takeover {
+    from: PathBuf,
+    conn: OwnedFd,
+    /// The `handover` control request, answered when the handover is over.
+    request: JoinHandle<std::result::Result<serde_json::Value, CallError>>,
+    t0: Instant,
+    received: Duration,
+}
+
+/// What the running process sent: its configuration and the records to restore
+/// the devices from.
+pub struct Received {
+    pub takeover: Takeover,
+    pub snapshot: ServerSnapshot,
+    pub records: KeptRecords,
+}
+
+impl Takeover {
+    /// Asks the process serving the control socket `from` to hand its devices over,
+    /// and receives them.
+    pub fn receive(from: &Path) -> Result<Received> {
+        let t0 = Instant::now();
+        let dir = from
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let ours = listen_at(dir)?;
+        // The request returns when the handover is over: run it beside us.
+        let (from2, ours_path) = (from.to_path_buf(), ours.path.clone());
+        let request = std::thread::Builder::new()
+            .name("takeover-rpc".into())
+            .spawn(move || {
+                crate::rpc_client::call(
+                    &from2,
+                    "handover",
+                    json!({"socket": ours_path}),
+                    Duration::from_secs(120),
+                )
+            })
+            .context("takeover: cannot start a thread")?;
+        let conn = match accept_within(&ours, RECEIVE_LIMIT, &request) {
+            Ok(c) => c,
+            Err(e) => return Err(refusal_or(request, e)),
+        };
+        drop(ours);
+        fail_point("receive");
+        let mut records = match receive(&conn) {
+            Ok(r) => r,
+            Err(e) => {
+                // The running process connects before it checks what it can hand
+                // over: a refusal closes the connection, and its reason is the
+                // request's answer.
+                engine::wait_until(Duration::from_secs(5), Duration::from_millis(20), || {
+                    request.is_finished()
+                });
+                return Err(refusal_or(request, e));
+            }
+        };
+        let config = records
+            .remove(CONFIG_KEY)
+            .ok_or_else(|| anyhow!("no configuration in the handover"))?;
+        let snapshot: ServerSnapshot =
+            serde_json::from_slice(&config.bytes).context("takeover: bad configuration")?;
+        let takeover = Takeover {
+            from: from.to_path_buf(),
+            conn,
+            request,
+            t0,
+            received: t0.elapsed(),
+        };
+        Ok(Received {
+            takeover,
+            snapshot,
+            records,
         })
-        .context("takeover: cannot start a thread")?;
-    let conn = match accept_within(&ours, RECEIVE_LIMIT, &request) {
-        Ok(c) => c,
-        Err(e) => {
-            if request.is_finished() {
-                if let Ok(Err(r)) = request.join() {
-                    bail!("the running udrive refused the handover: {r}");
-                }
-            }
-            return Err(e);
+    }
+
+    /// The channel to the running process, for the process's announcements while
+    /// it takes over (`crate::process::Process::taking_over`).
+    pub fn channel(&self) -> Result<OwnedFd> {
+        self.conn
+            .try_clone()
+            .context("takeover: cannot duplicate the channel")
+    }
+
+    /// We could not start: the running process resumes its devices.
+    pub fn abort(self, why: &anyhow::Error) {
+        let why = format!("{why:#}");
+        let _ = channel::send(self.conn.as_fd(), Op::Abort, &why, &[], &[]);
+        let _ = self.request.join();
+    }
+
+    /// Our devices are up (paused): from here the running process lets go and they
+    /// are ours to serve. Returns once it answered.
+    pub fn confirm(self) -> Result<()> {
+        fail_point("confirm");
+        channel::send(self.conn.as_fd(), Op::Confirm, "", &[], &[])
+            .context("takeover: cannot confirm to the running udrive")?;
+        match self.request.join() {
+            Ok(Ok(v)) => tracing::info!(
+                received_us = self.received.as_micros() as u64,
+                total_us = self.t0.elapsed().as_micros() as u64,
+                old = %v,
+                "took every device over"
+            ),
+            Ok(Err(e)) => tracing::warn!("handover request ended with: {e}"),
+            Err(_) => tracing::warn!("handover request thread failed"),
         }
-    };
-    drop(ours);
-    fail_point("receive");
-    let mut records = match receive(&conn) {
-        Ok(r) => r,
-        Err(e) => {
-            // The running process connects before it checks what it can hand over:
-            // a refusal closes the connection, and its reason is the request's answer.
-            let until = Instant::now() + Duration::from_secs(5);
-            while !request.is_finished() && Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            if request.is_finished() {
-                if let Ok(Err(r)) = request.join() {
-                    bail!("the running udrive refused the handover: {r}");
-                }
-            }
-            return Err(e);
-        }
-    };
-    let received = t0.elapsed();
-    fail_point("start");
-    super::TAKING_OVER.store(true, std::sync::atomic::Ordering::Release);
-    *super::TO_OLD.lock().unwrap_or_else(|p| p.into_inner()) = conn.try_clone().ok();
-    let started = take_over(&mut records);
-    *super::TO_OLD.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    let running = match started {
-        Ok(r) => r,
-        Err(e) => {
-            let why = format!("{e:#}");
-            let _ = wire::send(conn.as_fd(), Op::Abort, &why, &[], &[]);
-            let _ = request.join();
-            return Err(e.context("takeover failed; the running udrive resumed its devices"));
-        }
-    };
-    let signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
-    fail_point("confirm");
-    // From here the old process lets go: ours to serve.
-    wire::send(conn.as_fd(), Op::Confirm, "", &[], &[])
-        .context("takeover: cannot confirm to the running udrive")?;
-    super::TAKING_OVER.store(false, std::sync::atomic::Ordering::Release);
-    for d in running.server.lock().devices.iter_mut() {
-        if let Some(h) = super::handed_over_mut(d) {
-            h.start_after_takeover();
+        println!(
+            "udrive: took over from {} in {:.1} ms",
+            self.from.display(),
+            self.t0.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(())
+    }
+}
+
+/// The running process's refusal if its answer came, else `e`.
+fn refusal_or(
+    request: JoinHandle<std::result::Result<serde_json::Value, CallError>>,
+    e: anyhow::Error,
+) -> anyhow::Error {
+    if request.is_finished() {
+        if let Ok(Err(r)) = request.join() {
+            return anyhow!("the running udrive refused the handover: {r}");
         }
     }
-    match request.join() {
-        Ok(Ok(v)) => tracing::info!(
-            received_us = received.as_micros() as u64,
-            total_us = t0.elapsed().as_micros() as u64,
-            old = %v,
-            "took every device over"
-        ),
-        Ok(Err(e)) => tracing::warn!("handover request ended with: {e}"),
-        Err(_) => tracing::warn!("handover request thread failed"),
-    }
-    println!(
-        "udrive: took over from {} in {:.1} ms",
-        from.display(),
-        t0.elapsed().as_secs_f64() * 1e3
-    );
-    running.print_banner();
-    running.run_until_signal(signals)
+    e
 }
 
 /// Tests make the takeover die at a step (`UDRIVE_TAKEOVER_DIE_AT=receive|start|
 /// confirm`) to check that the running process rolls back.
-fn fail_point(step: &str) {
+pub fn fail_point(step: &str) {
     if std::env::var("UDRIVE_TAKEOVER_DIE_AT").is_ok_and(|s| s == step) {
         eprintln!("udrive: UDRIVE_TAKEOVER_DIE_AT={step}: dying here");
         std::process::abort();
@@ -163,7 +200,7 @@ fn fail_point(step: &str) {
 fn accept_within(
     l: &TempSocket,
     limit: Duration,
-    request: &std::thread::JoinHandle<Result<serde_json::Value, crate::rpc::client::CallError>>,
+    request: &JoinHandle<std::result::Result<serde_json::Value, CallError>>,
 ) -> Result<OwnedFd> {
     let until = Instant::now() + limit;
     loop {
@@ -172,7 +209,7 @@ fn accept_within(
             nix::poll::PollFlags::POLLIN,
         )];
         if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(50u16)).unwrap_or(0) > 0 {
-            return vfio_user::sock::accept(l.fd.as_fd()).context("takeover: accept failed");
+            return lifecycle::fdpass::accept(l.fd.as_fd()).context("takeover: accept failed");
         }
         if request.is_finished() {
             bail!("the running udrive answered without connecting");
@@ -183,9 +220,9 @@ fn accept_within(
     }
 }
 
-fn receive(conn: &OwnedFd) -> Result<BTreeMap<String, Kept>> {
-    let mut buf = vec![0u8; wire::MAX_MSG];
-    let mut out = BTreeMap::new();
+fn receive(conn: &OwnedFd) -> Result<KeptRecords> {
+    let mut buf = vec![0u8; channel::MAX_MSG];
+    let mut out = KeptRecords::new();
     let until = Instant::now() + RECEIVE_LIMIT;
     loop {
         let left = until.saturating_duration_since(Instant::now());
@@ -197,7 +234,7 @@ fn receive(conn: &OwnedFd) -> Result<BTreeMap<String, Kept>> {
         if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)).unwrap_or(0) == 0 {
             bail!("takeover: the running udrive sent nothing for {RECEIVE_LIMIT:?}");
         }
-        match wire::recv(conn.as_fd(), &mut buf).context("takeover: receiving")? {
+        match channel::recv(conn.as_fd(), &mut buf).context("takeover: receiving")? {
             Some(m) if m.op == Op::Record => {
                 out.insert(
                     m.key,
@@ -212,36 +249,4 @@ fn receive(conn: &OwnedFd) -> Result<BTreeMap<String, Kept>> {
             None => bail!("takeover: the running udrive closed the connection"),
         }
     }
-}
-
-/// Starts everything from the records: configuration, listeners, devices.
-fn take_over(records: &mut BTreeMap<String, Kept>) -> Result<crate::serve::Running> {
-    let config = records
-        .remove(CONFIG_KEY)
-        .ok_or_else(|| anyhow!("no configuration in the handover"))?;
-    let snap: ServerSnapshot =
-        serde_json::from_slice(&config.bytes).context("takeover: bad configuration")?;
-    let cfg = snap.config()?;
-    let take_fd = |records: &mut BTreeMap<String, Kept>, key: &str| {
-        records.remove(key).and_then(|mut k| k.fds.pop())
-    };
-    let listeners = crate::serve::Listeners {
-        rpc: take_fd(records, RPC_LISTENER_KEY).map(std::os::unix::net::UnixListener::from),
-        metrics: take_fd(records, METRICS_LISTENER_KEY).map(std::net::TcpListener::from),
-    };
-    crate::supervise::inherit(std::mem::take(records));
-    let running = crate::serve::start(&cfg, 0o600, listeners)?;
-    for q in &snap.qos {
-        running
-            .server
-            .with_qos(&q.socket, Some(q.nsid), |d| Ok(d.set_limits(q.limits())?))
-            .with_context(|| format!("cannot restore QoS of {}", q.socket.display()))?;
-    }
-    for d in &running.server.lock().devices {
-        if let Some(h) = super::handed_over(d) {
-            h.check_takeover_state()?;
-        }
-    }
-    crate::supervise::ready();
-    Ok(running)
 }

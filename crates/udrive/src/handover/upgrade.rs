@@ -22,7 +22,7 @@ pub struct UpgradeArgs {
 }
 
 fn server_pid(rpc: &std::path::Path) -> Result<u64> {
-    let v = crate::rpc::client::call(rpc, "get_version", json!({}), Duration::from_secs(10))
+    let v = crate::rpc_client::call(rpc, "get_version", json!({}), Duration::from_secs(10))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     v.get("pid")
         .and_then(|p| p.as_u64())

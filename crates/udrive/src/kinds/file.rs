@@ -83,7 +83,12 @@ impl KindSpec for FileSpec {
             resource,
         }))
     }
-    fn open(&self, block_size: Option<u32>, read_only: bool) -> Result<Arc<dyn BlockDevice>> {
+    fn open(
+        &self,
+        _env: &dyn super::OpenEnv,
+        block_size: Option<u32>,
+        read_only: bool,
+    ) -> Result<Arc<dyn BlockDevice>> {
         let opts = FileOptions {
             direct: self.direct,
             read_only,

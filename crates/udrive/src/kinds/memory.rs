@@ -102,7 +102,12 @@ impl KindSpec for MemorySpec {
             "a ram disk's data lives in this process's memory and would not move with a handover",
         )
     }
-    fn open(&self, block_size: Option<u32>, _read_only: bool) -> Result<Arc<dyn BlockDevice>> {
+    fn open(
+        &self,
+        _env: &dyn super::OpenEnv,
+        block_size: Option<u32>,
+        _read_only: bool,
+    ) -> Result<Arc<dyn BlockDevice>> {
         (self.open)(self.size, block_size.unwrap_or(512), self.huge)
     }
     fn resized(&self, bytes: u64) -> Option<Arc<dyn KindSpec>> {

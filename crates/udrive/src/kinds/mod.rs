@@ -69,8 +69,14 @@ pub trait KindSpec: Debug + Send + Sync {
     /// What the data is kept in, if namespaces may share it; resolving it can fail
     /// (a file that does not exist).
     fn backing(&self) -> Result<Option<Backing>>;
-    /// Opens the device with the namespace's block size (None: the kind's default).
-    fn open(&self, block_size: Option<u32>, read_only: bool) -> Result<Arc<dyn BlockDevice>>;
+    /// Opens the device with the namespace's block size (None: the kind's default),
+    /// in the environment `env` of the running process.
+    fn open(
+        &self,
+        env: &dyn OpenEnv,
+        block_size: Option<u32>,
+        read_only: bool,
+    ) -> Result<Arc<dyn BlockDevice>>;
     /// The spec after an online resize to `bytes`, when the size is part of it
     /// (`ram:SIZE`); `None`: the spec stays (the size is the backend's own, e.g. a
     /// file's length).
@@ -84,6 +90,37 @@ pub trait KindSpec: Debug + Send + Sync {
         None
     }
 }
+
+/// What opening a backend needs from the running process rather than from its
+/// spec: where a library's own threads may run, and who held the backend's
+/// exclusive claims before this process (decision 0025). `serve` gives the
+/// process's ([`crate::process::Process`]); tests and tools give [`NoEnv`].
+pub trait OpenEnv: Send + Sync {
+    /// CPUs for a backend library's own threads (librbd); empty: no restriction.
+    fn library_cpus(&self) -> Vec<usize> {
+        Vec::new()
+    }
+    /// Whether the address of a cluster client must be recorded (with
+    /// [`OpenEnv::record_owner`]) before a claim is taken with it: a successor or
+    /// a supervisor outlives this process and must know whose claims it may break.
+    fn records_owners(&self) -> bool {
+        false
+    }
+    /// Records a cluster client's address before a claim is taken with it.
+    fn record_owner(&self, addr: &str) {
+        let _ = addr;
+    }
+    /// Clients known dead (earlier processes of this service) whose claims may be
+    /// broken.
+    fn dead_owners(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// An environment without a supervisor or a predecessor, with no CPU restriction.
+pub struct NoEnv;
+
+impl OpenEnv for NoEnv {}
 
 /// A parsed kind in a namespace spec; two are equal when they write back the same.
 #[derive(Clone, Debug)]

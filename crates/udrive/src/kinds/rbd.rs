@@ -8,14 +8,14 @@
 //! Namespaces on the same image share one opened image (one exclusive lock), so
 //! slices of an image work as they do for files.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bdev::rbd::{ClusterOptions, ImageSpec, RbdDisk, RbdOptions, DEFAULT_TIMEOUT};
 use bdev::BlockDevice;
 
-use super::{BackendKind, Backing, KindSpec};
+use super::{BackendKind, Backing, KindSpec, OpenEnv};
 
 pub struct Rbd;
 
@@ -30,30 +30,18 @@ pub struct RbdSpec {
     pub timeout: Duration,
 }
 
-/// Where librados' and librbd's threads run: set by `serve` before it opens
-/// backends; empty, no restriction (e.g. `perf --rbd`).
-static THREAD_CPUS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-
-/// Records where the threads of RBD images opened later run: `explicit`
-/// (`--rbd-cpus`), or else the process's allowed CPUs minus the reactors'
-/// (`reactors`), so that a polling reactor and librbd do not share a CPU; no
-/// restriction when that leaves none (a one-CPU process).
-pub fn set_thread_cpus(reactors: &[usize], explicit: Option<&[usize]>) {
-    let cpus = match explicit {
+/// Where librados' and librbd's threads run: `explicit` (`--rbd-cpus`), or else the
+/// process's allowed CPUs minus the reactors' (`reactors`), so that a polling
+/// reactor and librbd do not share a CPU; no restriction when that leaves none (a
+/// one-CPU process). `serve` hands the result to the process's open environment.
+pub fn thread_cpus(reactors: &[usize], explicit: Option<&[usize]>) -> Vec<usize> {
+    match explicit {
         Some(cpus) => cpus.to_vec(),
         None => engine::allowed_cpus()
             .into_iter()
             .filter(|c| !reactors.contains(c))
             .collect(),
-    };
-    *THREAD_CPUS.lock().unwrap_or_else(|p| p.into_inner()) = cpus;
-}
-
-fn thread_cpus() -> Vec<usize> {
-    THREAD_CPUS
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone()
+    }
 }
 
 impl BackendKind for Rbd {
@@ -117,63 +105,25 @@ impl BackendKind for Rbd {
     }
 }
 
-/// Supervisor notes naming the RADOS clients of this service's processes
-/// (`note/rbd-client/<address>`, decision 0024).
-const CLIENT_PREFIX: &str = "rbd-client/";
-
-/// Tells the supervisor (once per connection) or, while taking over, the old
-/// process which client address this process uses, before it takes a lock with it.
-fn record_client(c: &bdev::rbd::Cluster) {
-    static SENT: Mutex<Vec<String>> = Mutex::new(Vec::new());
-    let addr = match c.client_addrs() {
-        Ok(a) if !a.is_empty() => a,
-        Ok(_) => return,
-        Err(e) => {
-            tracing::warn!("cannot read our Ceph client address: {e}");
-            return;
-        }
-    };
-    if crate::handover::taking_over() {
-        crate::handover::announce_client(&addr);
+/// Records the client address of `c` with whoever outlives this process (a
+/// supervisor, or the process it takes over from), before a claim is taken with it.
+fn record_client(env: &dyn OpenEnv, c: &bdev::rbd::Cluster) {
+    match c.client_addrs() {
+        Ok(a) if !a.is_empty() => env.record_owner(&a),
+        Ok(_) => {}
+        Err(e) => tracing::warn!("cannot read our Ceph client address: {e}"),
     }
-    if !crate::supervise::supervised() {
-        return;
-    }
-    let mut sent = SENT.lock().unwrap_or_else(|p| p.into_inner());
-    if sent.contains(&addr) {
-        return;
-    }
-    let key = format!("{}{CLIENT_PREFIX}{addr}", crate::supervise::NOTE_PREFIX);
-    crate::supervise::keeper().put(&key, addr.as_bytes(), &[]);
-    sent.push(addr);
-}
-
-/// The client addresses earlier children of our supervisor recorded. The
-/// supervisor starts a child only once the previous one was reaped, so every one
-/// of them is dead: a lock one of them holds may be broken. Empty unless
-/// supervised (a handover's predecessor is alive; it releases its locks itself).
-fn dead_predecessors() -> Vec<String> {
-    static DEAD: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-    if !crate::supervise::supervised() {
-        return Vec::new();
-    }
-    DEAD.get_or_init(|| {
-        crate::supervise::notes(CLIENT_PREFIX)
-            .into_iter()
-            .map(|(addr, _)| addr)
-            .collect()
-    })
-    .clone()
 }
 
 impl RbdSpec {
-    pub fn cluster(&self) -> ClusterOptions {
+    /// How to reach the cluster; librados' threads run on `thread_cpus`.
+    pub fn cluster(&self, thread_cpus: Vec<usize>) -> ClusterOptions {
         ClusterOptions {
             conf: self.conf.clone(),
             id: self.id.clone(),
             keyring: self.keyring.clone(),
             timeout: self.timeout,
-            thread_cpus: thread_cpus(),
+            thread_cpus,
         }
     }
 }
@@ -196,17 +146,21 @@ impl KindSpec for RbdSpec {
             resource,
         }))
     }
-    fn open(&self, block_size: Option<u32>, read_only: bool) -> Result<Arc<dyn BlockDevice>> {
-        let cluster = self.cluster();
+    fn open(
+        &self,
+        env: &dyn OpenEnv,
+        block_size: Option<u32>,
+        read_only: bool,
+    ) -> Result<Arc<dyn BlockDevice>> {
+        let cluster = self.cluster(env.library_cpus());
         // Under a supervisor, or taking over from a running process: our client's
         // address is recorded with the supervisor (our successor's) or sent to
         // the old process before we may take any lock with it, so that whoever
         // outlives us knows whose locks it may break once we are dead.
-        let announce = crate::supervise::supervised() || crate::handover::taking_over();
-        let _connection = if announce && !read_only {
+        let _connection = if env.records_owners() && !read_only {
             let c = bdev::rbd::Cluster::connect(&cluster)
                 .with_context(|| format!("rbd:{}", self.image))?;
-            record_client(&c);
+            record_client(env, &c);
             Some(c)
         } else {
             None
@@ -218,7 +172,7 @@ impl KindSpec for RbdSpec {
             create: self.create,
             read_only,
             block_size,
-            dead_owners: dead_predecessors(),
+            dead_owners: env.dead_owners(),
         };
         let disk = RbdDisk::open(&opts).with_context(|| format!("rbd:{}", self.image))?;
         Ok(Arc::new(disk))

@@ -28,7 +28,16 @@ pub fn register_all(r: &mut Registry) {
     r.register(
         "handover",
         "hand every device to a new udrive process (`udrive serve --takeover`); this one exits",
-        crate::handover::handover,
+        |rpc, p| {
+            /// The new process's private handover socket.
+            #[derive(serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct Params {
+                socket: std::path::PathBuf,
+            }
+            let p: Params = parse_params(p)?;
+            Ok(crate::handover::handover(&rpc.server, &p.socket)?)
+        },
     );
     r.register(
         "get_devices",

@@ -15,8 +15,6 @@
 //! connection may idle [`IDLE_TIMEOUT`] between messages, but a message must arrive
 //! whole within `sockfile::message_deadline()` once it has started.
 
-pub mod client;
-pub(crate) mod framing;
 pub mod methods;
 #[cfg(feature = "rbd")]
 mod rbd_methods;
@@ -35,7 +33,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::server::Server;
-use framing::{Framer, Push};
+use crate::framing::{Framer, Push};
 
 /// Largest request message (one object or one batch).
 pub const MAX_MESSAGE: usize = 1 << 20;
@@ -223,25 +221,6 @@ pub struct RpcServer {
     thread: Option<JoinHandle<()>>,
 }
 
-/// The control socket's path and a copy of its listener, for a handover.
-static LISTENING: std::sync::Mutex<Option<(PathBuf, Arc<UnixListener>)>> =
-    std::sync::Mutex::new(None);
-
-fn listening() -> std::sync::MutexGuard<'static, Option<(PathBuf, Arc<UnixListener>)>> {
-    LISTENING.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Where this process's control socket listens, if it has one.
-pub fn listening_path() -> Option<PathBuf> {
-    listening().as_ref().map(|(p, _)| p.clone())
-}
-
-/// A copy of the control socket's listener (for a process taking over).
-pub fn listener_copy() -> Option<std::os::fd::OwnedFd> {
-    let l = listening().as_ref().map(|(_, l)| l.clone())?;
-    l.try_clone().ok().map(Into::into)
-}
-
 impl RpcServer {
     /// Binds `path` with file mode `mode` (refusing a path a live process serves,
     /// replacing a stale socket) and starts accepting.
@@ -252,7 +231,12 @@ impl RpcServer {
 
     /// Accepts on `listener`, bound to `path` (by this process or one it took over from).
     pub fn start_on(path: &Path, listener: UnixListener, rpc: Arc<Rpc>) -> io::Result<RpcServer> {
-        *listening() = Some((path.to_path_buf(), Arc::new(listener.try_clone()?)));
+        // Kept with the process's records: a handover passes it on.
+        rpc.server.process().keep_listener(
+            crate::process::RPC_LISTENER_KEY,
+            path.as_os_str().as_encoded_bytes(),
+            &listener,
+        );
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
@@ -472,7 +456,7 @@ fn serve_connection(mut s: UnixStream, rpc: &Rpc, slot: &ConnSlot) {
                 }
             }
             // A handover just completed: the new process serves everything.
-            crate::handover::exit_if_handed_over();
+            rpc.server.process().exit_if_handed_over();
         }
     }
 }

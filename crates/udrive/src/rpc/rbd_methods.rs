@@ -25,7 +25,7 @@ pub fn register(r: &mut Registry) {
     r.register(
         "rbd_create_image",
         "create an RBD image (format 2, default features)",
-        |_, p| {
+        |rpc, p| {
             let a: RbdParams = parse_params(p)?;
             let size = match &a.size {
                 Some(s) => s.value("size")?,
@@ -35,7 +35,7 @@ pub fn register(r: &mut Registry) {
                 return Err(RpcError::params("size: a non-zero multiple of 512 bytes"));
             };
             let spec = a.spec()?;
-            a.connect()?
+            a.connect(&rpc.server)?
                 .create_image(&spec, size)
                 .map_err(anyhow::Error::from)?;
             Ok(json!({"image": spec.to_string(), "size": size}))
@@ -47,7 +47,7 @@ pub fn register(r: &mut Registry) {
         |rpc, p| {
             let a: RbdParams = parse_params(p)?;
             refuse_if_attached(&rpc.server, &a, "remove")?;
-            a.connect()?
+            a.connect(&rpc.server)?
                 .remove_image(&a.spec()?)
                 .map_err(anyhow::Error::from)?;
             Ok(Value::Bool(true))
@@ -56,7 +56,7 @@ pub fn register(r: &mut Registry) {
     r.register(
         "rbd_clone_image",
         "clone a protected snapshot into a new image (attach it with nvme_add_namespace or vhost_user_blk_add)",
-        |_, p| {
+        |rpc, p| {
             let a: RbdParams = parse_params(p)?;
             let parent = a.spec()?;
             let snap = a.snap_name()?;
@@ -64,7 +64,7 @@ pub fn register(r: &mut Registry) {
                 return Err(RpcError::params("clone (the new POOL/IMAGE) is missing"));
             };
             let child: ImageSpec = clone.parse().map_err(RpcError::params)?;
-            a.connect()?
+            a.connect(&rpc.server)?
                 .clone_image(&parent, &snap, &child)
                 .map_err(anyhow::Error::from)?;
             Ok(json!({"image": child.to_string(), "parent": format!("{parent}@{snap}")}))
@@ -127,7 +127,7 @@ pub fn register(r: &mut Registry) {
             }
             refuse_if_attached(&rpc.server, &a, "roll back")?;
             let h = a
-                .connect()?
+                .connect(&rpc.server)?
                 .open_image(&a.spec()?)
                 .map_err(anyhow::Error::from)?;
             h.snap_rollback(&name)
@@ -178,11 +178,13 @@ impl RbdParams {
             timeout: self.timeout.map_or(DEFAULT_TIMEOUT, Duration::from_secs),
         })
     }
-    fn cluster(&self) -> Result<ClusterOptions, RpcError> {
-        Ok(self.rbd_spec()?.cluster())
+    fn cluster(&self, server: &Server) -> Result<ClusterOptions, RpcError> {
+        Ok(self.rbd_spec()?.cluster(server.library_cpus()))
     }
-    fn connect(&self) -> Result<Cluster, RpcError> {
-        Ok(Cluster::connect(&self.cluster()?).map_err(anyhow::Error::from)?)
+    /// A connection for this call, its threads where the server's backends put
+    /// librados'.
+    fn connect(&self, server: &Server) -> Result<Cluster, RpcError> {
+        Ok(Cluster::connect(&self.cluster(server)?).map_err(anyhow::Error::from)?)
     }
     fn snap_name(&self) -> Result<String, RpcError> {
         let Some(snap) = &self.snap else {
@@ -209,7 +211,7 @@ fn with_image<R>(
     let handle = match (&t.socket, &t.image) {
         (Some(socket), None) => device_image(server, socket, t.nsid)?,
         (None, Some(_)) if t.nsid.is_none() => t
-            .connect()?
+            .connect(server)?
             .open_image(&t.spec()?)
             .map_err(anyhow::Error::from)?,
         _ => {

@@ -7,17 +7,11 @@
 //! (docs/decisions/0021-supervise.md).
 //!
 //! The supervisor parses no guest input and runs no device logic: it stores opaque
-//! records ([`vfio_user::keep`]) under keys the child chooses and replays them to
-//! the next child. vhost-user-blk devices need none of this: their clients
-//! reconnect and replay the inflight log.
+//! records (`lifecycle::keep`) under keys the child chooses and replays them to
+//! the next child. The child's side is `crate::process` (a supervised
+//! [`crate::process::Process`]). vhost-user-blk devices need none of this: their
+//! clients reconnect and replay the inflight log.
 
-mod child;
-mod store;
 mod supervisor;
-pub(crate) mod wire;
 
-pub use child::{
-    attach, inherit, keeper, local_records, notes, ready, supervised, take, take_one, NOTE_PREFIX,
-};
-pub use store::RecordStore;
 pub use supervisor::run;

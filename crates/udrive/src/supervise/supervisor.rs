@@ -17,9 +17,9 @@ use nix::unistd::Pid;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
-use super::wire::{self, Op};
+use lifecycle::channel::{self as wire, Op};
 
-use super::store::RecordStore;
+use lifecycle::RecordStore;
 
 /// A child that ran this long before dying is restarted at once, and so is the
 /// first one that died sooner; further quick deaths in a row back off (100 ms,

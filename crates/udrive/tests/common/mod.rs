@@ -21,6 +21,11 @@ use udrive::config::ControllerConfig;
 use udrive::device::NvmeDevice;
 use udrive::nsspec::NsSpec;
 
+/// A device's part of a process of its own.
+pub fn standalone(cfg: &ControllerConfig) -> udrive::process::DeviceLife {
+    udrive::process::DeviceLife::standalone(&NvmeDevice::keep_prefix(&cfg.socket))
+}
+
 /// Generous bound for one command; only reached when something is broken.
 pub const T: Duration = Duration::from_secs(10);
 
@@ -76,7 +81,7 @@ impl TestDev {
             .expect("open backends")
             .remove(0);
         let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
-        let dev = NvmeDevice::start(&cfg, devs, cntlid, engine, 1).expect("start device");
+        let dev = NvmeDevice::start(&cfg, devs, cntlid, engine, 1, standalone(&cfg)).expect("start device");
         TestDev {
             dev: Some(dev),
             sock,
@@ -108,7 +113,7 @@ impl TestDev {
             .zip(dirs)
             .map(|((cfg, devs), dir)| {
                 let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
-                let dev = NvmeDevice::start(cfg, devs, cntlid, &engine(), 1).expect("start device");
+                let dev = NvmeDevice::start(cfg, devs, cntlid, &engine(), 1, standalone(cfg)).expect("start device");
                 TestDev {
                     dev: Some(dev),
                     sock: cfg.socket.clone(),

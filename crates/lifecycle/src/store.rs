@@ -1,12 +1,12 @@
-//! Records by key: opaque bytes and file descriptors ([`vfio_user::keep`]). The
+//! Records by key: opaque bytes and file descriptors ([`crate::keep`]). A
 //! supervisor holds one for its child; an unsupervised server holds its own, so
-//! that a handover can pass them on (`crate::handover`).
+//! that a handover can pass them on.
 
 use std::collections::BTreeMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard};
 
-use vfio_user::Keeper;
+use crate::Keeper;
 
 /// Bounds on what a store holds: a confused (or compromised) server must not make
 /// the supervisor run out of memory or descriptors. Far above what real clients

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
-use super::framing::{Framer, Push};
+use crate::framing::{Framer, Push};
 
 pub const DEFAULT_SOCKET: &str = "./udrive-rpc.sock";
 

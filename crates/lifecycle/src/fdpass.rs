@@ -1,15 +1,18 @@
-//! The only `unsafe` of this crate: `recvmsg`/`sendmsg` with SCM_RIGHTS, `poll` and
-//! `accept` (std accepts stream sockets only).
-//! `recv`/`send` are public so the initiator shares them instead of its own copy.
-//! Everything above works on byte slices and `OwnedFd`s.
+//! File descriptors over Unix sockets: `recvmsg`/`sendmsg` with SCM_RIGHTS, `poll`
+//! and `accept` (std accepts stream sockets only). The only `unsafe` of this crate;
+//! the transports (vfio-user), the initiator, the supervisor and the handover
+//! channel all use these, and everything above them works on byte slices and
+//! `OwnedFd`s.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
-use crate::proto::MAX_MSG_FDS;
+
+/// Most descriptors one message carries (vfio-user's limit, which this matches).
+pub const MAX_MSG_FDS: usize = 16;
 
 /// Control buffer for `MAX_MSG_FDS` descriptors (u64 keeps cmsghdr alignment). Sized
-/// so that a client sending more gets MSG_CTRUNC and the kernel closes the excess.
+/// so that a peer sending more gets MSG_CTRUNC and the kernel closes the excess.
 const CMSG_WORDS: usize = 16;
 
 fn cmsg_space(nfds: usize) -> usize {
@@ -25,7 +28,7 @@ pub fn recv(
     fds: &mut Vec<OwnedFd>,
 ) -> io::Result<(usize, bool)> {
     let mut cbuf = [0u64; CMSG_WORDS];
-    let space = cmsg_space(MAX_MSG_FDS as usize).min(std::mem::size_of_val(&cbuf));
+    let space = cmsg_space(MAX_MSG_FDS).min(std::mem::size_of_val(&cbuf));
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
@@ -80,7 +83,7 @@ pub fn send(sock: BorrowedFd<'_>, parts: &[&[u8]], fds: &[BorrowedFd<'_>]) -> io
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = iov.len() as _;
-    let nfds = fds.len().min(MAX_MSG_FDS as usize);
+    let nfds = fds.len().min(MAX_MSG_FDS);
     if nfds > 0 {
         let space = cmsg_space(nfds);
         msg.msg_control = cbuf.as_mut_ptr().cast();
@@ -108,7 +111,7 @@ pub fn send(sock: BorrowedFd<'_>, parts: &[&[u8]], fds: &[BorrowedFd<'_>]) -> io
 }
 
 /// Waits until one of `fds` is readable (or hung up); returns which ones.
-pub(crate) fn poll_in(fds: &[BorrowedFd<'_>], timeout_ms: i32) -> io::Result<Vec<bool>> {
+pub fn poll_in(fds: &[BorrowedFd<'_>], timeout_ms: i32) -> io::Result<Vec<bool>> {
     let mut pfds: Vec<libc::pollfd> = fds
         .iter()
         .map(|f| libc::pollfd {

@@ -1,5 +1,6 @@
-//! Messages between supervisor and child over a SOCK_SEQPACKET pair: one datagram
-//! each, `[op][key length: u16 LE][key][bytes]`, fds as SCM_RIGHTS.
+//! The channel between two udrive processes — a supervisor and its child, or the
+//! old and the new process of a live handover: a SOCK_SEQPACKET socket, one
+//! datagram per message, `[op][key length: u16 LE][key][bytes]`, fds as SCM_RIGHTS.
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -70,12 +71,12 @@ pub fn send(
     let mut head = [0u8; 3];
     head[0] = op as u8;
     head[1..].copy_from_slice(&klen.to_le_bytes());
-    vfio_user::sock::send(sock, &[&head, key.as_bytes(), bytes], fds)?;
+    crate::fdpass::send(sock, &[&head, key.as_bytes(), bytes], fds)?;
     Ok(())
 }
 
 /// Every record of `store` (as `Record`s), then `End`.
-pub fn send_all(sock: BorrowedFd<'_>, store: &super::store::RecordStore) -> io::Result<()> {
+pub fn send_all(sock: BorrowedFd<'_>, store: &crate::RecordStore) -> io::Result<()> {
     let st = store.lock();
     for (k, (bytes, fds)) in st.map.iter() {
         let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
@@ -88,7 +89,7 @@ pub fn send_all(sock: BorrowedFd<'_>, store: &super::store::RecordStore) -> io::
 /// The next message; `None` at end of stream (the peer exited).
 pub fn recv(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Option<Message>> {
     let mut fds = Vec::new();
-    let (n, truncated) = vfio_user::sock::recv(sock, buf, &mut fds)?;
+    let (n, truncated) = crate::fdpass::recv(sock, buf, &mut fds)?;
     if n == 0 {
         return Ok(None);
     }
@@ -151,7 +152,7 @@ mod tests {
         let (a, b) = pair();
         let mut buf = vec![0u8; MAX_MSG];
         for junk in [&[9u8][..], &[1, 200, 0, b'x'], &[1, 1, 0, 0xff]] {
-            vfio_user::sock::send(a.as_fd(), &[junk], &[]).unwrap();
+            crate::fdpass::send(a.as_fd(), &[junk], &[]).unwrap();
             assert!(recv(b.as_fd(), &mut buf).is_err());
         }
     }
