@@ -7,7 +7,6 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
-
 /// Most descriptors one message carries (vfio-user's limit, which this matches).
 pub const MAX_MSG_FDS: usize = 16;
 

@@ -7,16 +7,16 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use guest_mem::DmaSpace;
-use vfio_user::proto::SparseArea;
 use lifecycle::{KeepHandle, Kept, Record};
+use vfio_user::proto::SparseArea;
 use vfio_user::{BarSpec, Irqs, MsixSpec, PciBackend, PciDeviceSpec, PciIds, VfioUserServer};
 
 use bdev::{BlockDevice, QosDisk};
 
 use crate::config::ControllerConfig;
 use crate::frontend::{DiskRef, FrontEnd};
-use crate::process::DeviceLife;
 use crate::nsspec::NsSpec;
+use crate::process::DeviceLife;
 use crate::resize::{ResizeError, ResizeRequest, Resized};
 
 /// PCI identity of udrive's NVMe function; the vendor ID is the one Identify

@@ -354,7 +354,11 @@ fn run_rbd(a: &PerfArgs, spec: &str, cfg: &WorkloadConfig) -> Result<Report> {
     let disk = ns
         .kind
         .0
-        .open(&crate::kinds::NoEnv, ns.block_size, read_only || ns.read_only)
+        .open(
+            &crate::kinds::NoEnv,
+            ns.block_size,
+            read_only || ns.read_only,
+        )
         .with_context(|| format!("cannot open rbd:{spec}"))?;
     if !a.json {
         announce(&format!("rbd:{spec}"), cfg, &disk.describe());

@@ -304,9 +304,7 @@ fn start_control(
                 Some(l) => RpcServer::start_on(path, UnixListener::from(l), rpc),
                 None => RpcServer::start(path, rpc_mode, rpc),
             };
-            Some(r.with_context(|| {
-                format!("cannot listen on control socket {}", path.display())
-            })?)
+            Some(r.with_context(|| format!("cannot listen on control socket {}", path.display()))?)
         }
         None => None,
     };

@@ -387,8 +387,12 @@ mod tests {
             ..Default::default()
         };
         let open = |c: &crate::config::Config| {
-            crate::backends::open_all_set(Arc::new(crate::kinds::NoEnv), &c.controllers, &disk_specs(c))
-                .map(|(_, n, b)| (n, b))
+            crate::backends::open_all_set(
+                Arc::new(crate::kinds::NoEnv),
+                &c.controllers,
+                &disk_specs(c),
+            )
+            .map(|(_, n, b)| (n, b))
         };
         let err = open(&cfg(disk("2M"))).err().expect("overlap refused");
         assert!(format!("{err:#}").contains("overlap"), "{err:#}");

@@ -40,7 +40,8 @@ impl Dev {
             devs[i] = Arc::new(QosDisk::new(faulty, QosLimits::default()).expect("qos disk"));
         }
         let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
-        let dev = NvmeDevice::start(&cfg, devs, cntlid, &engine(), 1, standalone(&cfg)).expect("start device");
+        let dev = NvmeDevice::start(&cfg, devs, cntlid, &engine(), 1, standalone(&cfg))
+            .expect("start device");
         Dev {
             dev: Some(dev),
             _dir: dir,

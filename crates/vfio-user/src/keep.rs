@@ -52,4 +52,3 @@ pub(crate) fn irq_key(index: u32, vector: usize) -> String {
 pub(crate) fn irq_prefix(index: u32) -> String {
     format!("irq/{index}/")
 }
-

@@ -6,8 +6,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use lifecycle::channel::{self, Op};
 use bdev::BlockDevice;
+use lifecycle::channel::{self, Op};
 use lifecycle::Record;
 use nix::sys::socket::{
     connect, getsockopt, socket, sockopt, AddressFamily, SockFlag, SockType, UnixAddr,
@@ -154,7 +154,10 @@ fn resume_backends(st: &State, dead: &[String]) {
     for d in &st.devices {
         for r in d.disks() {
             if let Err(e) = r.disk.take_back(dead) {
-                tracing::error!("handover rollback: {}: cannot resume its backend: {e}", r.name);
+                tracing::error!(
+                    "handover rollback: {}: cannot resume its backend: {e}",
+                    r.name
+                );
             }
         }
     }

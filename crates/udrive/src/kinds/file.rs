@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use bdev::{BlockDevice, FileDisk, FileEngine, FileOptions};
 
-use super::{BackendKind, Backing, KindSpec};
+use super::kind::{BackendKind, Backing, KindSpec, OpenEnv};
 
 pub struct File;
 
@@ -85,7 +85,7 @@ impl KindSpec for FileSpec {
     }
     fn open(
         &self,
-        _env: &dyn super::OpenEnv,
+        _env: &dyn OpenEnv,
         block_size: Option<u32>,
         read_only: bool,
     ) -> Result<Arc<dyn BlockDevice>> {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use bdev::{BlockDevice, NullDisk, RamDisk};
 
-use super::{parse_sized, BackendKind, Backing, KindSpec};
+use super::kind::{parse_sized, BackendKind, Backing, KindSpec, OpenEnv};
 use crate::size::format_size;
 
 /// How a memory device of `size` bytes with `block_size`-byte blocks opens
@@ -104,7 +104,7 @@ impl KindSpec for MemorySpec {
     }
     fn open(
         &self,
-        _env: &dyn super::OpenEnv,
+        _env: &dyn OpenEnv,
         block_size: Option<u32>,
         _read_only: bool,
     ) -> Result<Arc<dyn BlockDevice>> {

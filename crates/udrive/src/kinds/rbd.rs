@@ -15,7 +15,7 @@ use anyhow::{Context, Result};
 use bdev::rbd::{ClusterOptions, ImageSpec, RbdDisk, RbdOptions, DEFAULT_TIMEOUT};
 use bdev::BlockDevice;
 
-use super::{BackendKind, Backing, KindSpec, OpenEnv};
+use super::kind::{BackendKind, Backing, KindSpec, OpenEnv};
 
 pub struct Rbd;
 
@@ -86,8 +86,10 @@ impl BackendKind for Rbd {
                 "keyring" => spec.keyring = nonempty(k, v)?,
                 "snap" => spec.snap = nonempty(k, v)?,
                 "create" => {
-                    spec.create =
-                        Some(super::parse_sized(v, None).map_err(|e| format!("create={v}: {e}"))?);
+                    spec.create = Some(
+                        super::kind::parse_sized(v, None)
+                            .map_err(|e| format!("create={v}: {e}"))?,
+                    );
                 }
                 "timeout" => {
                     let secs: u64 = v

@@ -240,8 +240,7 @@ impl crate::kinds::OpenEnv for Process {
     /// with it: whoever outlives us then knows whose claims it may break.
     fn record_owner(&self, addr: &str) {
         if let Some(p) = lock(&self.predecessor).as_ref() {
-            if let Err(e) = channel::send(p.as_fd(), Op::Record, CLIENT_KEY, addr.as_bytes(), &[])
-            {
+            if let Err(e) = channel::send(p.as_fd(), Op::Record, CLIENT_KEY, addr.as_bytes(), &[]) {
                 tracing::warn!("takeover: cannot tell the old process our client address: {e}");
             }
         }

@@ -7,12 +7,12 @@ use std::path::PathBuf;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::{parse_params, Registry, Rpc, RpcError};
+use super::api::{parse_params, Registry, Rpc, RpcError, SERVER_ERROR};
+use super::params::{device_json_by_socket, DeviceFilter, Empty, Rate};
 use crate::config::ControllerConfig;
 use crate::nsspec::NsSpec;
-use crate::server::Server;
 
-pub fn register_all(r: &mut Registry) {
+pub fn register(r: &mut Registry) {
     r.register("get_version", "udrive's name and version", |_, p| {
         parse_params::<Empty>(p)?;
         Ok(json!({"name": "udrive", "version": env!("CARGO_PKG_VERSION"), "pid": std::process::id()}))
@@ -114,21 +114,6 @@ pub fn register_all(r: &mut Registry) {
             Ok(Value::Bool(true))
         },
     );
-    super::trace_methods::register(r);
-    super::vhost_methods::register(r);
-    #[cfg(feature = "rbd")]
-    super::rbd_methods::register(r);
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Empty {}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct DeviceFilter {
-    #[serde(default)]
-    pub socket: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -170,26 +155,6 @@ struct SetPlacement {
     socket: PathBuf,
     #[serde(with = "crate::serde_str")]
     placement: engine::Placement,
-}
-
-/// A rate or a size: a number, or a string with a K/M/G suffix ("100M").
-#[derive(Deserialize)]
-#[serde(untagged)]
-pub(super) enum Rate {
-    N(u64),
-    S(String),
-}
-
-impl Rate {
-    pub(super) fn value(&self, name: &str) -> Result<Option<u64>, RpcError> {
-        let v = match self {
-            Rate::N(n) => *n,
-            Rate::S(s) => {
-                crate::size::parse_size(s).map_err(|e| RpcError::params(format!("{name}: {e}")))?
-            }
-        };
-        Ok(Some(v).filter(|v| *v > 0))
-    }
 }
 
 #[derive(Deserialize)]
@@ -282,18 +247,8 @@ fn resize(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
             "notice": r.notice,
         })),
         Err(e @ ResizeError::BadSize { .. }) => Err(RpcError::params(e.to_string())),
-        Err(e) => Err(RpcError::new(super::SERVER_ERROR, e.to_string())),
+        Err(e) => Err(RpcError::new(SERVER_ERROR, e.to_string())),
     }
-}
-
-pub(super) fn device_json_by_socket(
-    server: &Server,
-    socket: &std::path::Path,
-) -> Result<Value, RpcError> {
-    let st = server.lock();
-    st.find(socket)
-        .map(|d| d.json())
-        .ok_or_else(|| st.not_found(socket).into())
 }
 
 fn get_devices(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {

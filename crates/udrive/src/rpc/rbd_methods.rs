@@ -16,7 +16,7 @@ use bdev::rbd::{Cluster, ClusterOptions, ImageHandle, ImageSpec, RbdDisk, DEFAUL
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::{parse_params, Registry, RpcError};
+use super::api::{parse_params, Registry, RpcError};
 use crate::kinds::rbd::RbdSpec;
 use crate::kinds::KindSpec;
 use crate::server::Server;
@@ -154,7 +154,7 @@ struct RbdParams {
     /// Seconds; default 30.
     timeout: Option<u64>,
     /// rbd_create_image: bytes, or a string with a K/M/G/T suffix.
-    size: Option<super::methods::Rate>,
+    size: Option<super::params::Rate>,
     snap: Option<String>,
     /// rbd_clone_image: the new image (same cluster).
     clone: Option<String>,

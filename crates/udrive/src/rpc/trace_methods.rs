@@ -9,8 +9,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use trace::StatsSnapshot;
 
-use super::methods::{DeviceFilter, Empty};
-use super::{parse_params, Registry, RpcError};
+use super::api::{parse_params, Registry, RpcError, INTERNAL_ERROR};
+use super::params::{DeviceFilter, Empty};
 use crate::frontend::FrontEnd;
 use crate::server::{Server, State};
 use crate::stats;
@@ -26,7 +26,7 @@ pub fn register(r: &mut Registry) {
         |rpc, p| {
             let a: DeviceFilter = parse_params(p)?;
             let s = snapshot(&rpc.server, a.socket.as_deref())?;
-            serde_json::to_value(s).map_err(|e| RpcError::new(super::INTERNAL_ERROR, e.to_string()))
+            serde_json::to_value(s).map_err(|e| RpcError::new(INTERNAL_ERROR, e.to_string()))
         },
     );
     r.register(
@@ -78,7 +78,7 @@ pub fn register(r: &mut Registry) {
             let st = rpc.server.lock();
             let devs = select(&st, a.socket.as_deref())?;
             let b = stats::trace_read(&devs);
-            serde_json::to_value(b).map_err(|e| RpcError::new(super::INTERNAL_ERROR, e.to_string()))
+            serde_json::to_value(b).map_err(|e| RpcError::new(INTERNAL_ERROR, e.to_string()))
         },
     );
 }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{parse_params, Registry, RpcError};
+use super::api::{parse_params, Registry, RpcError};
 use crate::config::VhostBlkConfig;
 use crate::nsspec::NsSpec;
 
@@ -20,7 +20,7 @@ pub fn register(r: &mut Registry) {
             let cfg = parse_params::<AddVhostBlk>(p)?.into_config()?;
             let socket = cfg.socket.clone();
             rpc.server.add_vhost_blk(cfg)?;
-            super::methods::device_json_by_socket(&rpc.server, &socket)
+            super::params::device_json_by_socket(&rpc.server, &socket)
         },
     );
     r.register(

@@ -81,7 +81,8 @@ impl TestDev {
             .expect("open backends")
             .remove(0);
         let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
-        let dev = NvmeDevice::start(&cfg, devs, cntlid, engine, 1, standalone(&cfg)).expect("start device");
+        let dev = NvmeDevice::start(&cfg, devs, cntlid, engine, 1, standalone(&cfg))
+            .expect("start device");
         TestDev {
             dev: Some(dev),
             sock,
@@ -113,7 +114,8 @@ impl TestDev {
             .zip(dirs)
             .map(|((cfg, devs), dir)| {
                 let cntlid = CNTLID.fetch_add(1, Ordering::Relaxed);
-                let dev = NvmeDevice::start(cfg, devs, cntlid, &engine(), 1, standalone(cfg)).expect("start device");
+                let dev = NvmeDevice::start(cfg, devs, cntlid, &engine(), 1, standalone(cfg))
+                    .expect("start device");
                 TestDev {
                     dev: Some(dev),
                     sock: cfg.socket.clone(),

@@ -1,0 +1,129 @@
+//! What a backend kind is: its parser ([`BackendKind`]), a parsed spec
+//! ([`KindSpec`]) and what opening one needs from the running process
+//! ([`OpenEnv`]). The kinds themselves are the sibling modules.
+
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use anyhow::Result;
+use bdev::BlockDevice;
+
+use crate::size::parse_size;
+
+pub trait BackendKind: Sync {
+    /// The word before the colon.
+    fn name(&self) -> &'static str;
+    /// A spec to show in error messages, e.g. `file:/var/lib/vm1.img`.
+    fn example(&self) -> &'static str;
+    /// Options of this kind only (`key` of `key=value`, or a bare `key`).
+    fn options(&self) -> &'static [&'static str] {
+        &[]
+    }
+    /// Whether `ro` applies (a kind whose data is gone on exit has no use for it).
+    fn read_only_ok(&self) -> bool {
+        false
+    }
+    /// Parses the argument after the colon and this kind's options (`block_size`:
+    /// the namespace's `bs=`, if given).
+    fn parse(
+        &self,
+        arg: &str,
+        opts: &[(&str, &str)],
+        block_size: Option<u32>,
+    ) -> Result<Arc<dyn KindSpec>, String>;
+}
+
+/// What an opened namespace keeps its data in, when other namespaces may use it
+/// too.
+pub struct Backing {
+    /// The resource: namespaces on the same one are checked for overlapping slices
+    /// (a canonical file path).
+    pub resource: String,
+    /// Namespaces with the same key share one opened device (the resource plus the
+    /// options the device is opened with).
+    pub open_key: String,
+}
+
+/// A parsed backend of one kind.
+pub trait KindSpec: Debug + Send + Sync {
+    /// The spec written back in its shortest form (`ram:1G`), or None to keep the
+    /// text the user gave.
+    fn canonical(&self) -> Option<String>;
+    /// What the data is kept in, if namespaces may share it; resolving it can fail
+    /// (a file that does not exist).
+    fn backing(&self) -> Result<Option<Backing>>;
+    /// Opens the device with the namespace's block size (None: the kind's default),
+    /// in the environment `env` of the running process.
+    fn open(
+        &self,
+        env: &dyn OpenEnv,
+        block_size: Option<u32>,
+        read_only: bool,
+    ) -> Result<Arc<dyn BlockDevice>>;
+    /// The spec after an online resize to `bytes`, when the size is part of it
+    /// (`ram:SIZE`); `None`: the spec stays (the size is the backend's own, e.g. a
+    /// file's length).
+    fn resized(&self, bytes: u64) -> Option<Arc<dyn KindSpec>> {
+        let _ = bytes;
+        None
+    }
+    /// Why another process cannot take a device of this kind over (a handover),
+    /// or `None` when it can reopen it by its spec and find the same data.
+    fn handover_refusal(&self) -> Option<&'static str> {
+        None
+    }
+}
+
+/// What opening a backend needs from the running process rather than from its
+/// spec: where a library's own threads may run, and who held the backend's
+/// exclusive claims before this process (decision 0025). `serve` gives the
+/// process's ([`crate::process::Process`]); tests and tools give [`NoEnv`].
+pub trait OpenEnv: Send + Sync {
+    /// CPUs for a backend library's own threads (librbd); empty: no restriction.
+    fn library_cpus(&self) -> Vec<usize> {
+        Vec::new()
+    }
+    /// Whether the address of a cluster client must be recorded (with
+    /// [`OpenEnv::record_owner`]) before a claim is taken with it: a successor or
+    /// a supervisor outlives this process and must know whose claims it may break.
+    fn records_owners(&self) -> bool {
+        false
+    }
+    /// Records a cluster client's address before a claim is taken with it.
+    fn record_owner(&self, addr: &str) {
+        let _ = addr;
+    }
+    /// Clients known dead (earlier processes of this service) whose claims may be
+    /// broken.
+    fn dead_owners(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// An environment without a supervisor or a predecessor, with no CPU restriction.
+pub struct NoEnv;
+
+impl OpenEnv for NoEnv {}
+
+/// A parsed kind in a namespace spec; two are equal when they write back the same.
+#[derive(Clone, Debug)]
+pub struct NsKind(pub Arc<dyn KindSpec>);
+
+impl PartialEq for NsKind {
+    fn eq(&self, other: &NsKind) -> bool {
+        format!("{:?}", self.0) == format!("{:?}", other.0)
+    }
+}
+impl Eq for NsKind {}
+
+/// A size argument (`ram:SIZE`, `null:SIZE`): a non-zero multiple of the block size.
+pub(super) fn parse_sized(arg: &str, block_size: Option<u32>) -> Result<u64, String> {
+    let size = parse_size(arg)?;
+    let bs = u64::from(block_size.unwrap_or(512));
+    if size == 0 || !size.is_multiple_of(bs) {
+        return Err(format!(
+            "size must be a non-zero multiple of the block size {bs}"
+        ));
+    }
+    Ok(size)
+}
