@@ -11,10 +11,10 @@ use engine::{Engine, Placer, PollerId, Waker};
 use guest_mem::{Access, DmaSpace};
 
 use crate::admin::features::Features;
-use crate::admin::format::FormatRun;
+use crate::admin::format_job::FormatRun;
 use crate::io::{GroupPoller, QueueGroup, Shadow};
 use crate::log::{ErrorEntry, GroupCounters, Totals};
-use crate::namespaces::Ns;
+use crate::ns::Ns;
 use crate::queue::{db_index, ring_ranges, CqRing, SqRing, Sqe, CQE_SIZE, SQE_SIZE};
 use crate::regs::{self, Regs};
 pub(crate) use crate::shared::Shared;

@@ -6,8 +6,9 @@ use hdrhistogram::Histogram;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use super::config::{IoDone, IoTarget, JobQueue, Op, WorkloadConfig};
+use super::pattern;
 use super::report::{rate, JobReport, LatStats, Report};
-use super::{pattern, IoDone, IoTarget, JobQueue, Op, WorkloadConfig};
 use crate::error::{Error, Result};
 
 /// Generation of a block whose content we do not know (never written, failed write).

@@ -1,6 +1,6 @@
 //! Drives an NVMe namespace of an `NvmeDriver`: one queue pair per job.
 
-use super::{IoDone, IoTarget, JobQueue, Op};
+use super::config::{IoDone, IoTarget, JobQueue, Op};
 use crate::cmd::Completion;
 use crate::error::{Error, Result};
 use crate::nvme::NvmeDriver;

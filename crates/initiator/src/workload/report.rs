@@ -67,7 +67,7 @@ pub struct Report {
     /// The longest pauses between consecutive completions, longest first
     /// (`WorkloadConfig::gaps`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub gaps: Vec<super::Gap>,
+    pub gaps: Vec<super::gaps::Gap>,
     /// The initiator's layer table, with `WorkloadConfig::trace`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trace: Option<trace::Breakdown>,

@@ -30,17 +30,17 @@
     clippy::cast_sign_loss
 )]
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use bdev::{BlockDevice, BlockInfo, FormatSupport, IoChannel, IoOp, IoRequest, IoStatus};
 
+use super::format_job::{FormatRun, Job};
 use super::{err, ok, Done};
 use crate::ctrl::{Inner, State};
 use crate::identify::lba_formats;
 use crate::io::NsChange;
-use crate::namespaces::Ns;
+use crate::ns::Ns;
 use crate::queue::Sqe;
 use crate::status::{Nvme, Status};
 
@@ -53,9 +53,6 @@ const NSID_ALL: u32 = 0xffff_ffff;
 /// each is one `fallocate` for files (or 64 MiB of written zeroes where the
 /// filesystem cannot zero a range) and one `madvise` for memory.
 pub(crate) const ERASE_CHUNK: u64 = 64 << 20;
-
-/// How long a cancel waits for the erase request at the backend.
-const CANCEL_WAIT: Duration = Duration::from_secs(10);
 
 /// Secure Erase Settings: 1 = User Data Erase. 0 (none) erases too (see
 /// `Inner::format_nvm`); 2 (cryptographic erase) is not supported (FNA bit 2 = 0).
@@ -162,67 +159,6 @@ struct Target {
     nsid: u32,
     dev: Arc<dyn BlockDevice>,
     info: BlockInfo,
-}
-
-/// The Format NVM in progress (`State::format`).
-pub(crate) struct FormatRun {
-    /// The command's CID; `None` once a controller reset took its queue away.
-    pub cid: Option<u16>,
-    pub nsids: Vec<u32>,
-    job: Arc<Job>,
-}
-
-/// What the control path and the erase thread share.
-#[derive(Default)]
-struct Job {
-    cancel: AtomicBool,
-    /// An erase request is at the backend.
-    busy: Mutex<bool>,
-    idle: Condvar,
-}
-
-/// The status a cancelled format ends with: it is cancelled only when a target
-/// namespace is removed (or the controller stops, when nothing is posted).
-const CANCELLED: Status = Status::INVALID_NAMESPACE;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl Job {
-    /// Runs one backend request unless the job was cancelled.
-    fn step(&self, f: impl FnOnce() -> Result<(), Status>) -> Result<(), Status> {
-        {
-            let mut busy = lock(&self.busy);
-            if self.cancel.load(Ordering::Acquire) {
-                return Err(CANCELLED);
-            }
-            *busy = true;
-        }
-        let r = f();
-        *lock(&self.busy) = false;
-        self.idle.notify_all();
-        r
-    }
-
-    /// Stops the erase after the request at the backend, which it waits for.
-    fn cancel(&self) {
-        let mut busy = lock(&self.busy);
-        self.cancel.store(true, Ordering::Release);
-        let deadline = Instant::now() + CANCEL_WAIT;
-        while *busy {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                tracing::warn!("nvme: a format's erase request did not finish within 10 s");
-                return;
-            }
-            busy = self
-                .idle
-                .wait_timeout(busy, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-    }
 }
 
 /// One request on the erase thread's own channel, polled until it completes.
