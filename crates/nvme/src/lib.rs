@@ -66,7 +66,6 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bdev::BlockDevice;
 use engine::{Engine, Placer, PollMode};
 use guest_mem::{DmaSpace, SharedMem};
 
@@ -76,7 +75,7 @@ pub use handover::{
     SqState, StateLimits, STATE_VERSION,
 };
 pub use identify::VENDOR_ID;
-pub use ns::{NsError, NsNotice};
+pub use ns::{Namespace, NsError, NsLabel, NsNotice, NsView};
 pub use status::{Nvme, Status};
 
 /// Smallest BAR0: registers, doorbells, MSI-X table, MSI-X PBA, a page each. 16 KiB
@@ -228,9 +227,9 @@ pub enum ControllerError {
 impl Controller {
     /// Creates the controller with namespaces `nsid = index + 1` (`None`: that NSID
     /// is inactive) and starts its admin thread.
-    pub fn new(
+    pub fn new<N: Into<Namespace>>(
         cfg: ControllerConfig,
-        namespaces: Vec<Option<Arc<dyn BlockDevice>>>,
+        namespaces: Vec<Option<N>>,
         engine: Arc<Engine>,
         placer: Placer,
         mem: Arc<DmaSpace>,
@@ -242,9 +241,9 @@ impl Controller {
     /// [`Controller::new`] on a doorbell page of an earlier process
     /// ([`DOORBELL_PAGE_LEN`] bytes, `SharedMem::adopt`): a client that mapped it
     /// keeps writing where this controller looks. `None`: a new page.
-    pub fn with_doorbells(
+    pub fn with_doorbells<N: Into<Namespace>>(
         cfg: ControllerConfig,
-        namespaces: Vec<Option<Arc<dyn BlockDevice>>>,
+        namespaces: Vec<Option<N>>,
         engine: Arc<Engine>,
         placer: Placer,
         mem: Arc<DmaSpace>,
@@ -266,11 +265,15 @@ impl Controller {
                 max: cfg.max_namespaces,
             });
         }
+        let namespaces: Vec<Option<Namespace>> =
+            namespaces.into_iter().map(|n| n.map(Into::into)).collect();
         for (i, d) in namespaces.iter().enumerate() {
             if let Some(d) = d {
-                ns::check_block_size(d.as_ref()).map_err(|source| ControllerError::Namespace {
-                    nsid: i as u32 + 1,
-                    source,
+                ns::check_block_size(d.dev.as_ref()).map_err(|source| {
+                    ControllerError::Namespace {
+                        nsid: i as u32 + 1,
+                        source,
+                    }
                 })?;
             }
         }
@@ -497,54 +500,67 @@ impl Controller {
         self.inner.stop_own_reactor();
     }
 
-    /// Activates namespace `nsid` at run time. Queue groups get a channel on their
-    /// reactor's next iteration; the host gets a Namespace Attribute Changed event.
-    pub fn add_namespace(&self, nsid: u32, dev: Arc<dyn BlockDevice>) -> Result<(), NsError> {
-        self.inner.add_namespace(nsid, dev)
+    /// Activates namespace `nsid` (`None`: the lowest inactive one) at run time;
+    /// returns its NSID. Queue groups get a channel on their reactor's next
+    /// iteration; the host gets a Namespace Attribute Changed event.
+    pub fn add_namespace(
+        &self,
+        nsid: impl Into<Option<u32>>,
+        ns: impl Into<Namespace>,
+    ) -> Result<u32, NsError> {
+        self.inner.add_namespace(nsid.into(), ns.into())
+    }
+
+    /// The lowest inactive NSID (what [`Controller::add_namespace`] takes when
+    /// given none).
+    pub fn free_nsid(&self) -> Result<u32, NsError> {
+        let st = self.inner.lock();
+        self.inner.free_nsid(&st)
     }
 
     /// Deactivates namespace `nsid`: commands in flight finish, new ones get Invalid
-    /// Namespace. Returns its backend.
-    pub fn remove_namespace(&self, nsid: u32) -> Result<Arc<dyn BlockDevice>, NsError> {
+    /// Namespace. Returns it.
+    pub fn remove_namespace(&self, nsid: u32) -> Result<Namespace, NsError> {
         self.inner.remove_namespace(nsid)
     }
 
     /// Gives namespace `nsid` a size of `bytes` (a non-zero multiple of its current
     /// LBA size) while I/O runs: `resize` makes the backend's new handle (for
-    /// example `|b| disk.resize(b)`); it is called with the controller's lock held,
-    /// after the checks, so no Format NVM starts in between. Queue groups switch to
-    /// the new handle (commands in flight finish on the old one), Identify reports
-    /// the new NSZE/NCAP/NUSE and the host is told with a Namespace Attribute
-    /// Changed event; the answer says how. Refused while a Format NVM erases it.
-    pub fn resize_namespace(
+    /// example `|b| disk.resize(b)`) and, if it changes, the label; it is called
+    /// with the controller's lock held, after the checks, so no Format NVM starts
+    /// in between. Queue groups switch to the new handle (commands in flight finish
+    /// on the old one), Identify reports the new NSZE/NCAP/NUSE and the host is
+    /// told with a Namespace Attribute Changed event; the answer says how. Refused
+    /// while a Format NVM erases it.
+    pub fn resize_namespace<N: Into<Namespace>>(
         &self,
         nsid: u32,
         bytes: u64,
-        resize: impl FnOnce(u64) -> std::io::Result<Arc<dyn BlockDevice>>,
+        resize: impl FnOnce(u64) -> std::io::Result<N>,
     ) -> Result<NsNotice, NsError> {
-        self.inner.resize_namespace(nsid, bytes, resize)
+        self.inner
+            .resize_namespace(nsid, bytes, |b| resize(b).map(Into::into))
     }
 
-    /// Active namespaces as (nsid, backend).
-    pub fn namespaces(&self) -> Vec<(u32, Arc<dyn BlockDevice>)> {
+    /// The active namespaces, by NSID.
+    pub fn namespaces(&self) -> Vec<NsView> {
         let st = self.inner.lock();
         st.ns
             .iter()
             .enumerate()
-            .filter_map(|(i, n)| n.as_ref().map(|n| (i as u32 + 1, n.dev.clone())))
+            .filter_map(|(i, n)| Some(n.as_ref()?.view(u32::try_from(i + 1).ok()?)))
             .collect()
+    }
+
+    /// Namespace `nsid`, if it is active.
+    pub fn namespace(&self, nsid: u32) -> Option<NsView> {
+        self.inner.lock().ns(nsid).map(|n| n.view(nsid))
     }
 
     /// Namespace `nsid` as the host sees it: the backend's facts in the current LBA
     /// format (a Format NVM changes the block size and count, not the backend).
     pub fn namespace_info(&self, nsid: u32) -> Option<bdev::BlockInfo> {
-        let i = (nsid as usize).checked_sub(1)?;
-        self.inner
-            .lock()
-            .ns
-            .get(i)?
-            .as_ref()
-            .map(|n| n.info.clone())
+        self.namespace(nsid).map(|n| n.info)
     }
 
     pub fn max_namespaces(&self) -> u32 {

@@ -15,14 +15,12 @@
 //! retires with the requests it holds, and commands from then on are checked
 //! against the new size (beyond it: LBA Out of Range).
 
-use std::sync::Arc;
-
-use bdev::{BlockDevice, BlockInfo};
+use bdev::BlockInfo;
 
 use crate::ctrl::{Inner, State};
 use crate::io::{NsChan, NsChange};
 pub(crate) use crate::ns::{
-    check_block_size, Ns, NsError, NsNotice, AEC_NS_ATTR, EVENT_NS_CHANGED,
+    check_block_size, Namespace, Ns, NsError, NsNotice, AEC_NS_ATTR, EVENT_NS_CHANGED,
 };
 
 /// Entries the Changed Namespace List holds before it reports "more than 1024".
@@ -36,19 +34,27 @@ impl Inner {
         Ok(nsid as usize - 1)
     }
 
-    pub(crate) fn add_namespace(
-        &self,
-        nsid: u32,
-        dev: Arc<dyn BlockDevice>,
-    ) -> Result<(), NsError> {
-        let i = self.ns_range(nsid)?;
-        check_block_size(dev.as_ref())?;
+    /// The lowest inactive NSID.
+    pub(crate) fn free_nsid(&self, st: &State) -> Result<u32, NsError> {
+        let max = self.cfg.max_namespaces;
+        (1..=max)
+            .find(|n| st.ns(*n).is_none())
+            .ok_or(NsError::Full(max))
+    }
+
+    pub(crate) fn add_namespace(&self, nsid: Option<u32>, ns: Namespace) -> Result<u32, NsError> {
+        check_block_size(ns.dev.as_ref())?;
         let mut st = self.lock();
+        let nsid = match nsid {
+            Some(n) => n,
+            None => self.free_nsid(&st)?,
+        };
+        let i = self.ns_range(nsid)?;
         if st.ns.get(i).is_some_and(Option::is_some) {
             return Err(NsError::Exists(nsid));
         }
         // Channels are opened first so a failure changes nothing.
-        let ns = Ns::new(dev);
+        let ns = Ns::new(ns);
         let mut chans = Vec::new();
         for _ in 0..st.groups.len() {
             chans.push(NsChan::open(&ns).map_err(NsError::Channel)?);
@@ -59,10 +65,10 @@ impl Inner {
         st.ns[i] = Some(ns);
         self.change_groups(&mut st, || chans.pop().map(|c| NsChange::Add(nsid, c)));
         self.namespace_changed(&mut st, nsid);
-        Ok(())
+        Ok(nsid)
     }
 
-    pub(crate) fn remove_namespace(&self, nsid: u32) -> Result<Arc<dyn BlockDevice>, NsError> {
+    pub(crate) fn remove_namespace(&self, nsid: u32) -> Result<Namespace, NsError> {
         let i = self.ns_range(nsid)?;
         let mut st = self.lock();
         if st.ns.get(i).is_none_or(Option::is_none) {
@@ -73,29 +79,29 @@ impl Inner {
         if st.format.as_ref().is_some_and(|f| f.nsids.contains(&nsid)) {
             self.cancel_format(&st);
         }
-        let dev = st
+        let ns = st
             .ns
             .get_mut(i)
             .and_then(Option::take)
-            .map(|n| n.dev)
+            .map(Ns::namespace)
             .ok_or(NsError::NotFound(nsid))?;
         while st.ns.last().is_some_and(Option::is_none) {
             st.ns.pop();
         }
         self.change_groups(&mut st, || Some(NsChange::Remove(nsid)));
         self.namespace_changed(&mut st, nsid);
-        Ok(dev)
+        Ok(ns)
     }
 
     /// Gives namespace `nsid` `bytes` bytes: `resize` makes the backend's new handle
-    /// (called under the controller's lock after the checks, so no Format NVM can
-    /// start in between), every queue group switches to a channel on it, and the
-    /// host is told. The LBA size stays the one the host formatted.
+    /// and label (called under the controller's lock after the checks, so no
+    /// Format NVM can start in between), every queue group switches to a channel on
+    /// it, and the host is told. The LBA size stays the one the host formatted.
     pub(crate) fn resize_namespace(
         &self,
         nsid: u32,
         bytes: u64,
-        resize: impl FnOnce(u64) -> std::io::Result<Arc<dyn BlockDevice>>,
+        resize: impl FnOnce(u64) -> std::io::Result<Namespace>,
     ) -> Result<NsNotice, NsError> {
         let i = self.ns_range(nsid)?;
         let mut st = self.lock();
@@ -113,14 +119,15 @@ impl Inner {
             });
         }
         let old = ns.info.clone();
-        let dev = resize(bytes).map_err(NsError::Backend)?;
-        check_block_size(dev.as_ref())?;
+        let new = resize(bytes).map_err(NsError::Backend)?;
+        check_block_size(new.dev.as_ref())?;
         let ns = Ns {
             info: BlockInfo {
-                num_blocks: dev.info().size_bytes() / u64::from(bs),
+                num_blocks: new.dev.info().size_bytes() / u64::from(bs),
                 ..old
             },
-            dev,
+            dev: new.dev,
+            label: new.label,
             formatting: false,
         };
         let mut chans = Vec::new();

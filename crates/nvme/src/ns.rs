@@ -2,6 +2,7 @@
 //! leaf of the crate: the control path (`namespaces.rs`, `ctrl.rs`), Identify and
 //! the queue groups all read it.
 
+use std::any::Any;
 use std::sync::Arc;
 
 use bdev::{BlockDevice, BlockInfo};
@@ -30,6 +31,8 @@ pub enum NsError {
     Size { bytes: u64, block_size: u32 },
     #[error("the backend cannot take the new size: {0}")]
     Backend(std::io::Error),
+    #[error("all {0} namespace IDs are in use")]
+    Full(u32),
 }
 
 /// What the host was told of a namespace change ([`crate::Controller::resize_namespace`]).
@@ -49,10 +52,78 @@ pub enum NsNotice {
     NotReady,
 }
 
+/// What the controller's owner keeps with a namespace and the controller never
+/// looks at (udrive: how it was specified and its QoS handle), so that the
+/// controller's namespace table is the only one.
+#[derive(Clone)]
+pub struct NsLabel(Arc<dyn Any + Send + Sync>);
+
+impl NsLabel {
+    pub fn new<T: Any + Send + Sync>(v: T) -> NsLabel {
+        NsLabel(Arc::new(v))
+    }
+
+    /// The label as the `T` it was made from.
+    pub fn get<T: Any>(&self) -> Option<&T> {
+        self.0.downcast_ref()
+    }
+}
+
+impl Default for NsLabel {
+    fn default() -> NsLabel {
+        NsLabel::new(())
+    }
+}
+
+impl std::fmt::Debug for NsLabel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NsLabel")
+    }
+}
+
+/// A namespace as its owner hands it to the controller: the backend and a label.
+#[derive(Clone)]
+pub struct Namespace {
+    pub dev: Arc<dyn BlockDevice>,
+    pub label: NsLabel,
+}
+
+impl Namespace {
+    pub fn new(dev: Arc<dyn BlockDevice>, label: NsLabel) -> Namespace {
+        Namespace { dev, label }
+    }
+}
+
+/// A backend alone is a namespace without a label.
+impl<D: BlockDevice + 'static> From<Arc<D>> for Namespace {
+    fn from(dev: Arc<D>) -> Namespace {
+        Namespace::new(dev, NsLabel::default())
+    }
+}
+
+impl From<Arc<dyn BlockDevice>> for Namespace {
+    fn from(dev: Arc<dyn BlockDevice>) -> Namespace {
+        Namespace::new(dev, NsLabel::default())
+    }
+}
+
+/// An active namespace as the controller's table shows it.
+#[derive(Clone)]
+pub struct NsView {
+    pub nsid: u32,
+    /// Its backend's facts in the current LBA format (after a Format NVM the block
+    /// size and count are the host's, not the backend's).
+    pub info: BlockInfo,
+    pub label: NsLabel,
+    /// Its backend.
+    pub dev: Arc<dyn BlockDevice>,
+}
+
 /// An active namespace: its backend and what the host sees of it.
 #[derive(Clone)]
 pub(crate) struct Ns {
     pub dev: Arc<dyn BlockDevice>,
+    pub label: NsLabel,
     /// The backend's facts in the current LBA format: after a Format NVM the block
     /// size and count differ from `dev.info()` (the backend addresses bytes).
     pub info: BlockInfo,
@@ -61,12 +132,26 @@ pub(crate) struct Ns {
 }
 
 impl Ns {
-    pub fn new(dev: Arc<dyn BlockDevice>) -> Ns {
+    pub fn new(ns: Namespace) -> Ns {
         Ns {
-            info: dev.info().clone(),
-            dev,
+            info: ns.dev.info().clone(),
+            dev: ns.dev,
+            label: ns.label,
             formatting: false,
         }
+    }
+
+    pub fn view(&self, nsid: u32) -> NsView {
+        NsView {
+            nsid,
+            info: self.info.clone(),
+            label: self.label.clone(),
+            dev: self.dev.clone(),
+        }
+    }
+
+    pub fn namespace(self) -> Namespace {
+        Namespace::new(self.dev, self.label)
     }
 }
 

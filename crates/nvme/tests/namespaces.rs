@@ -128,7 +128,7 @@ fn hot_add_and_remove_with_event_and_log() {
         h.ctrl.remove_namespace(9),
         Err(nvme::NsError::NotFound(9))
     ));
-    let ns: Vec<u32> = h.ctrl.namespaces().iter().map(|(n, _)| *n).collect();
+    let ns: Vec<u32> = h.ctrl.namespaces().iter().map(|n| n.nsid).collect();
     assert_eq!(ns, vec![1, 2]);
 }
 

@@ -51,12 +51,7 @@ fn identify_ns(h: &mut Host, buf: u64, nsid: u32) -> (u64, u64, u64, u8) {
 
 /// Resizes namespace `nsid` of `h` through the backend's own `resize`.
 fn resize(h: &Host, nsid: u32, bytes: u64) -> Result<NsNotice, NsError> {
-    let dev = h
-        .ctrl
-        .namespaces()
-        .into_iter()
-        .find(|(n, _)| *n == nsid)
-        .map(|(_, d)| d);
+    let dev = h.ctrl.namespace(nsid).map(|n| n.dev);
     h.ctrl.resize_namespace(nsid, bytes, |b| match dev {
         Some(d) => d.resize(b),
         None => Err(std::io::Error::other("no such namespace")),
@@ -273,7 +268,7 @@ fn no_resize_while_a_format_erases() {
     let mut called = false;
     let r = h.ctrl.resize_namespace(1, 32 * MIB, |_| {
         called = true;
-        Err(std::io::Error::other("must not be called"))
+        Err::<nvme::Namespace, _>(std::io::Error::other("must not be called"))
     });
     assert!(matches!(r, Err(NsError::Formatting(1))), "{r:?}");
     assert!(!called, "the backend is not touched");

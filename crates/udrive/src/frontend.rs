@@ -16,10 +16,10 @@ use crate::stats::Traced;
 
 /// One disk of a device as the lifecycle sees it: named for messages, with its spec
 /// (whose kind says whether another process may open it) and its handle.
-pub struct DiskRef<'a> {
+pub struct DiskRef {
     pub name: String,
-    pub spec: &'a NsSpec,
-    pub disk: &'a bdev::QosDisk,
+    pub spec: NsSpec,
+    pub disk: std::sync::Arc<bdev::QosDisk>,
 }
 
 pub trait FrontEnd: Traced + Send {
@@ -38,7 +38,7 @@ pub trait FrontEnd: Traced + Send {
     /// How to attach a VM (and measure the device), printed at start-up.
     fn attach_hint(&self) -> String;
     /// The QoS wrapper of disk `nsid` (`None`: the device's only disk).
-    fn qos(&self, nsid: Option<u32>) -> Result<&bdev::QosDisk>;
+    fn qos(&self, nsid: Option<u32>) -> Result<std::sync::Arc<bdev::QosDisk>>;
     /// How its queues wait for work, applied while they run.
     fn set_poll_mode(&mut self, mode: engine::PollMode) -> Result<()>;
     /// Gives disk `nsid` (`None`: the device's only disk) a new size while the
@@ -70,7 +70,7 @@ pub trait FrontEnd: Traced + Send {
         Ok(())
     }
     /// Its disks.
-    fn disks(&self) -> Vec<DiskRef<'_>>;
+    fn disks(&self) -> Vec<DiskRef>;
 
     /// The concrete device, for what one kind alone has: `as_nvme_mut` (in
     /// `device.rs`) and `as_vhost`/`as_vhost_mut` (in `vhost_device.rs`) downcast

@@ -204,6 +204,7 @@ fn run_takeover(from: &Path) -> Result<()> {
     for d in running.server.lock().devices.iter_mut() {
         d.resume();
     }
+    got.takeover.finish();
     running.print_banner();
     running.run_until_signal(signals)
 }

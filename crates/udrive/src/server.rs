@@ -13,7 +13,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use crate::backends::{BackendSet, Backends};
 use crate::config::VhostBlkConfig;
 use crate::config::{Config, ControllerConfig};
-use crate::device::{Namespace, NvmeDevice};
+use crate::device::NvmeDevice;
 use crate::nsspec::NsSpec;
 use crate::process::Process;
 use crate::vhost_device::VhostBlkDevice;
@@ -79,6 +79,17 @@ impl State {
             .as_nvme_mut()
             .ok_or_else(|| anyhow!("{} is {what}, not an NVMe controller", socket.display()))
     }
+}
+
+/// `d` as the NVMe controller on `socket`.
+fn nvme_of<'a>(d: &'a Device, socket: &Path) -> Result<&'a NvmeDevice> {
+    d.as_nvme().ok_or_else(|| {
+        anyhow!(
+            "{} is {}, not an NVMe controller",
+            socket.display(),
+            d.what()
+        )
+    })
 }
 
 pub struct Server {
@@ -319,34 +330,20 @@ impl Server {
     pub fn add_namespace(&self, socket: &Path, spec: NsSpec, nsid: Option<u32>) -> Result<u32> {
         let mut guard = self.lock();
         let st = &mut *guard;
-        let dev = st.nvme_mut(socket)?;
-        let max = dev.ctrl.max_namespaces();
-        let nsid = match nsid {
-            Some(n) => n,
-            None => (1..=max)
-                .find(|n| !dev.namespaces.contains_key(n))
-                .ok_or_else(|| {
-                    anyhow!(
-                        "controller {} has all {max} namespace IDs in use",
-                        socket.display()
-                    )
-                })?,
+        let Some(at) = st.position(socket) else {
+            return Err(st.not_found(socket));
         };
-        if nsid == 0 || nsid > max {
-            bail!("nsid {nsid} is out of range 1..={max}");
+        let (devices, backends) = (&st.devices, &mut st.backends);
+        let dev = nvme_of(&devices[at], socket)?;
+        let mut opened = None;
+        let r = dev.add_namespace(nsid, spec.clone(), |nsid| {
+            opened = Some(nsid);
+            backends.open(&spec, &dev.socket, nsid)
+        });
+        if let (Err(_), Some(n)) = (&r, opened) {
+            backends.release(&dev.socket, n);
         }
-        if dev.namespaces.contains_key(&nsid) {
-            bail!("namespace {nsid} of {} already exists", socket.display());
-        }
-        let socket_buf: PathBuf = dev.socket.clone();
-        let qos = st.backends.open(&spec, &socket_buf, nsid)?;
-        let dev = st.nvme_mut(socket)?;
-        if let Err(e) = dev.ctrl.add_namespace(nsid, qos.clone()) {
-            st.backends.release(&socket_buf, nsid);
-            return Err(anyhow!(e).context(format!("cannot add namespace {nsid}")));
-        }
-        dev.namespaces.insert(nsid, Namespace { spec, qos });
-        Ok(nsid)
+        r
     }
 
     /// Removes namespace `nsid`: commands in flight finish, new ones fail with
@@ -355,10 +352,7 @@ impl Server {
         let mut guard = self.lock();
         let st = &mut *guard;
         let dev = st.nvme_mut(socket)?;
-        dev.ctrl
-            .remove_namespace(nsid)
-            .with_context(|| format!("controller {}", socket.display()))?;
-        dev.namespaces.remove(&nsid);
+        dev.remove_namespace(nsid)?;
         let sock = dev.socket.clone();
         st.backends.release(&sock, nsid);
         Ok(())
@@ -375,7 +369,7 @@ impl Server {
     ) -> Result<R> {
         let st = self.lock();
         let d = st.find(socket).ok_or_else(|| st.not_found(socket))?;
-        f(d.qos(nsid)?)
+        f(&*d.qos(nsid)?)
     }
 
     /// Gives disk `nsid` of the device on `socket` (NVMe: a namespace;

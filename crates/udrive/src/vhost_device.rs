@@ -169,14 +169,14 @@ impl FrontEnd for VhostBlkDevice {
             crate::frontend::measure_hint("vhost-user", &self.cfg.socket)
         )
     }
-    fn qos(&self, nsid: Option<u32>) -> Result<&bdev::QosDisk> {
+    fn qos(&self, nsid: Option<u32>) -> Result<Arc<bdev::QosDisk>> {
         if nsid.is_some_and(|n| n != 1) {
             anyhow::bail!(
                 "{} is a vhost-user-blk device: its one disk is nsid 1 (or leave nsid out)",
                 self.cfg.socket.display()
             );
         }
-        Ok(&self.disk)
+        Ok(self.disk.clone())
     }
     fn set_poll_mode(&mut self, mode: PollMode) -> Result<()> {
         self.dev.set_poll_mode(mode);
@@ -283,11 +283,11 @@ impl FrontEnd for VhostBlkDevice {
         Ok(out)
     }
 
-    fn disks(&self) -> Vec<DiskRef<'_>> {
+    fn disks(&self) -> Vec<DiskRef> {
         vec![DiskRef {
             name: self.cfg.what(),
-            spec: &self.cfg.disk,
-            disk: &self.disk,
+            spec: self.cfg.disk.clone(),
+            disk: self.disk.clone(),
         }]
     }
     fn as_any(&self) -> &dyn std::any::Any {

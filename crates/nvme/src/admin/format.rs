@@ -414,7 +414,7 @@ mod tests {
     }
 
     fn ns(dev: impl BlockDevice + 'static) -> Ns {
-        Ns::new(Arc::new(dev))
+        Ns::new(Arc::new(dev).into())
     }
 
     #[test]

@@ -87,9 +87,10 @@ impl ServerSnapshot {
         for d in &st.devices {
             if let Some(n) = d.as_nvme() {
                 let mut cfg = n.cfg.clone();
-                cfg.namespaces = n.namespaces.values().map(|ns| ns.spec.clone()).collect();
-                cfg.nsids = Some(n.namespaces.keys().copied().collect());
-                for (id, ns) in &n.namespaces {
+                let namespaces = n.namespaces();
+                cfg.namespaces = namespaces.iter().map(|(_, ns)| ns.spec.clone()).collect();
+                cfg.nsids = Some(namespaces.iter().map(|(id, _)| *id).collect());
+                for (id, ns) in &namespaces {
                     let l = ns.qos.limits();
                     if l != bdev::QosLimits::default() {
                         snap.qos.push(QosEntry::new(n.socket.clone(), *id, l));

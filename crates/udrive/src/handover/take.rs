@@ -149,11 +149,15 @@ impl Takeover {
     }
 
     /// Our devices are up (paused): from here the running process lets go and they
-    /// are ours to serve. Returns once it answered.
-    pub fn confirm(self) -> Result<()> {
+    /// are ours to serve.
+    pub fn confirm(&self) -> Result<()> {
         fail_point("confirm");
         channel::send(self.conn.as_fd(), Op::Confirm, "", &[], &[])
-            .context("takeover: cannot confirm to the running udrive")?;
+            .context("takeover: cannot confirm to the running udrive")
+    }
+
+    /// After [`Takeover::confirm`]: waits for the running process's answer.
+    pub fn finish(self) {
         match self.request.join() {
             Ok(Ok(v)) => tracing::info!(
                 received_us = self.received.as_micros() as u64,
@@ -169,7 +173,6 @@ impl Takeover {
             self.from.display(),
             self.t0.elapsed().as_secs_f64() * 1e3
         );
-        Ok(())
     }
 }
 
