@@ -10,7 +10,7 @@
 # calls `spdk_cleanup` from its EXIT trap.
 #
 # Every SPDK process runs with `-g` (one hugetlbfs file for all segments; udrive refuses a
-# DMA map past the end of its file, README). DPDK names its files after the process id
+# DMA map past the end of its file, docs/attach.md). DPDK names its files after the process id
 # (`spdk_pid<PID>`): hugetlbfs files in the hugetlbfs mount and a runtime directory in
 # /var/run/dpdk. They outlive the process, so each is removed once its process is gone.
 
