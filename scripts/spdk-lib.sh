@@ -1,8 +1,8 @@
 # Helpers for running SPDK's userspace NVMe tools (and SPDK's nvmf_tgt) against udrive;
 # sourced by scripts/spdk-client and scripts/bench (BENCH_PARTS=spdk). Not run on its own.
 #
-# SPDK is not built here: /work/shared/tools/build-spdk.sh (or any SPDK v24+ built with
-# --with-vfio-user) provides $SPDK_DIR/build/bin/{spdk_nvme_identify,spdk_nvme_perf,nvmf_tgt}.
+# SPDK is not built here: any SPDK v24+ built with `./configure --with-vfio-user` (v26.05
+# was used) provides $SPDK_DIR/build/bin/{spdk_nvme_identify,spdk_nvme_perf,nvmf_tgt}.
 # CI cannot build it (its sources come from GitHub, CI has only Debian apt, crates.io and
 # PyPI), so everything using this file is opt-in.
 #
@@ -22,8 +22,8 @@ spdk_check() {
   local b
   for b in spdk_nvme_identify spdk_nvme_perf; do
     [ -x "$spdk_dir/build/bin/$b" ] || {
-      echo "no $spdk_dir/build/bin/$b: set SPDK_DIR to an SPDK tree built with --with-vfio-user" \
-        "(/work/shared/tools/build-spdk.sh builds one)" >&2
+      echo "no $spdk_dir/build/bin/$b: set SPDK_DIR to an SPDK tree built with" \
+        "./configure --with-vfio-user" >&2
       return 1
     }
   done
