@@ -235,16 +235,7 @@ impl Successor {
             None => true,
             Some((state, t)) => t != started || state == 'Z',
         };
-        let wait = |limit: Duration| {
-            let until = Instant::now() + limit;
-            while !gone() {
-                if Instant::now() >= until {
-                    return false;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            true
-        };
+        let wait = |limit: Duration| engine::wait_until(limit, Duration::from_millis(10), gone);
         if !wait(Duration::from_secs(5)) {
             if !gone() {
                 let _ = nix::sys::signal::kill(

@@ -58,28 +58,39 @@ pub fn run(a: UpgradeArgs) -> Result<()> {
         binary.display(),
         child.id()
     );
-    loop {
-        if let Some(st) = child.try_wait()? {
-            bail!(
-                "the new server exited ({st}) before taking over; pid {old} still serves{}",
-                a.log
-                    .as_ref()
-                    .map(|l| format!(" (its output: {})", l.display()))
-                    .unwrap_or_default()
-            );
+    // The old process answers until it has handed over; then the new one does.
+    let mut exited = None;
+    let served = engine::wait_until(Duration::from_secs(180), Duration::from_millis(20), || {
+        match child.try_wait() {
+            Ok(Some(st)) => {
+                exited = Some(st.to_string());
+                return true;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                exited = Some(e.to_string());
+                return true;
+            }
         }
-        if matches!(server_pid(&a.rpc), Ok(p) if p == u64::from(child.id())) {
-            println!(
-                "udrive upgrade: pid {} serves {} ({:.0} ms); pid {old} exited",
-                child.id(),
-                a.rpc.display(),
-                t0.elapsed().as_secs_f64() * 1e3
-            );
-            return Ok(());
-        }
-        if t0.elapsed() > Duration::from_secs(180) {
-            bail!("no answer from the new server after 3 minutes");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+        matches!(server_pid(&a.rpc), Ok(p) if p == u64::from(child.id()))
+    });
+    if let Some(st) = exited {
+        bail!(
+            "the new server exited ({st}) before taking over; pid {old} still serves{}",
+            a.log
+                .as_ref()
+                .map(|l| format!(" (its output: {})", l.display()))
+                .unwrap_or_default()
+        );
     }
+    if !served {
+        bail!("no answer from the new server after 3 minutes");
+    }
+    println!(
+        "udrive upgrade: pid {} serves {} ({:.0} ms); pid {old} exited",
+        child.id(),
+        a.rpc.display(),
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(())
 }
