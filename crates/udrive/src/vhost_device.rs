@@ -83,9 +83,9 @@ pub fn start(
         poll: cfg.poll,
         access,
     };
-    // A handover: the device as the old process exported it, started quiesced.
+    // A handover: the device as the old process saved it, restored paused.
     if let Some((state, fds)) = crate::handover::vhost_state(&cfg.socket)? {
-        return VhostUserBlk::start_resumed(&cfg.socket, disk, opts, engine, &reactors, state, fds)
+        return VhostUserBlk::restore(&cfg.socket, disk, opts, engine, &reactors, state, fds)
             .with_context(|| format!("cannot take over {}", cfg.what()));
     }
     VhostUserBlk::start(&cfg.socket, disk, opts, engine, &reactors)

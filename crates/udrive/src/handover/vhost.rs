@@ -1,6 +1,6 @@
 //! vhost-user-blk devices in a handover (the device side: decision 0024): the old
-//! process quiesces and exports each device, the new one starts it resumed and,
-//! once the old one let go, lets it run.
+//! process pauses and saves each device, the new one restores it (paused) and,
+//! once the old one let go, resumes it.
 
 use std::os::fd::OwnedFd;
 use std::time::Duration;
@@ -17,15 +17,15 @@ fn prefix(d: &VhostBlkDevice) -> String {
 impl super::HandedOver for VhostBlkDevice {
     /// Old process: stop taking requests and finish those in flight (bounded).
     fn pause_for_handover(&self, limit: Duration) -> Result<()> {
-        self.dev.quiesce(limit).map_err(|e| {
-            self.dev.unquiesce();
-            anyhow!(e).context(format!("{}: cannot quiesce", self.cfg.what()))
+        self.dev.pause(limit).map_err(|e| {
+            self.dev.resume();
+            anyhow!(e).context(format!("{}: cannot pause", self.cfg.what()))
         })
     }
 
     /// Old process: the handover failed; serve on.
     fn resume_after_handover_failed(&self) {
-        self.dev.unquiesce();
+        self.dev.resume();
     }
 
     /// Old process: the device's state and its fds, one record per fd (a message
@@ -33,8 +33,8 @@ impl super::HandedOver for VhostBlkDevice {
     fn handover_records(&self) -> Result<Vec<super::Record>> {
         let (state, fds) = self
             .dev
-            .export()
-            .with_context(|| format!("{}: cannot export it", self.cfg.what()))?;
+            .save()
+            .with_context(|| format!("{}: cannot save it", self.cfg.what()))?;
         let p = prefix(self);
         let mut out = vec![(format!("{p}state"), serde_json::to_vec(&state)?, Vec::new())];
         for (i, fd) in fds.into_iter().enumerate() {
@@ -49,8 +49,8 @@ impl super::HandedOver for VhostBlkDevice {
 
     /// New process: the old one let go; run.
     fn start_after_takeover(&mut self) {
-        if self.dev.quiesced() {
-            self.dev.unquiesce();
+        if self.dev.paused() {
+            self.dev.resume();
         }
     }
 }
