@@ -108,8 +108,12 @@ pub(crate) fn set_table(
     if table.len() > MAX_MEM_SLOTS {
         return Err(MemError::TooMany);
     }
-    let mut regions = Vec::with_capacity(table.len());
-    for (m, f) in table.iter().zip(files) {
+    // vm-memory wants the regions in address order; a table built with
+    // ADD_MEM_REG (then saved) is in the order they came.
+    let mut pairs: Vec<(&Mapping, File)> = table.iter().zip(files).collect();
+    pairs.sort_by_key(|(m, _)| m.gpa);
+    let mut regions = Vec::with_capacity(pairs.len());
+    for (m, f) in pairs {
         regions.push(map(m, f)?);
     }
     let mem = Mem::from_arc_regions(regions).map_err(MemError::Layout)?;

@@ -400,10 +400,12 @@ fn restore_vring(h: &Handler, index: usize, v: &VringRecord, taker: &mut FdTaker
             });
         }
         st.queue.set_next_used(used);
+        // `is_valid` looks at a ready queue only.
+        st.queue.set_ready(true);
         if !st.queue.is_valid(&*mem) {
+            st.queue.set_ready(false);
             return Err(bad("rings outside guest memory"));
         }
-        st.queue.set_ready(true);
     }
     h.update_kick(index, &st).map_err(|_| bad("cannot watch its kick eventfd"))?;
     Ok(())
