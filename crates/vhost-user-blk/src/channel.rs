@@ -27,7 +27,7 @@ use vhost::vhost_user::message::{
 use vm_memory::ByteValued;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-use crate::conn::{lock, Conn, ConfigNotice};
+use crate::conn::{lock, ConfigNotice, Conn};
 
 /// A message header: request, flags, payload size (vhost keeps its header type
 /// to itself).
@@ -135,10 +135,7 @@ fn peek_header(sock: &UnixStream) -> io::Result<Option<Hdr>> {
 /// front end hung up (then the library reads the end of the stream and reports
 /// it), by `deadline` from the first byte. A header that announces more than a
 /// message may carry is left to the library, which refuses it.
-pub(crate) fn wait_whole(
-    sock: &UnixStream,
-    limit: Duration,
-) -> Result<Option<Hdr>, WireError> {
+pub(crate) fn wait_whole(sock: &UnixStream, limit: Duration) -> Result<Option<Hdr>, WireError> {
     let deadline = Instant::now() + limit;
     loop {
         let have = queued(sock).map_err(WireError::Io)?;
@@ -177,11 +174,7 @@ pub(crate) fn wait_whole(
 /// Takes SET_BACKEND_REQ_FD off the socket (its header was peeked: `hdr`) and
 /// keeps the channel; answers when asked to. A channel that cannot be used is
 /// refused (and the connection goes on): a resize is then not announced.
-pub(crate) fn take_backend_req(
-    sock: &UnixStream,
-    hdr: &Hdr,
-    conn: &Conn,
-) -> io::Result<()> {
+pub(crate) fn take_backend_req(sock: &UnixStream, hdr: &Hdr, conn: &Conn) -> io::Result<()> {
     let mut head = [0u8; HDR];
     let mut fds = [-1 as RawFd; MAX_FDS];
     let mut iov = [libc::iovec {
@@ -233,7 +226,8 @@ pub(crate) enum ChannelError {
 }
 
 fn keep_channel(mut files: Vec<OwnedFd>, conn: &Conn) -> Result<(), ChannelError> {
-    let acked = VhostUserProtocolFeatures::from_bits_truncate(conn.protocol.load(Ordering::Acquire));
+    let acked =
+        VhostUserProtocolFeatures::from_bits_truncate(conn.protocol.load(Ordering::Acquire));
     if !acked.contains(VhostUserProtocolFeatures::BACKEND_REQ) {
         return Err(ChannelError::NotNegotiated);
     }

@@ -37,17 +37,6 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// SET_VRING_ADDR as the front end sent it (user addresses), kept for a handover
-/// and for dirty logging.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct RingAddrs {
-    pub flags: u32,
-    pub desc: u64,
-    pub used: u64,
-    pub avail: u64,
-    pub log: u64,
-}
-
 /// One vring of a connection.
 pub(crate) struct VringState {
     /// Sizes, guest addresses, indices; `ready()` is "started" (a kick eventfd
@@ -58,7 +47,9 @@ pub(crate) struct VringState {
     pub err: Option<File>,
     /// SET_VRING_ENABLE (or SET_FEATURES without PROTOCOL_FEATURES).
     pub enabled: bool,
-    pub addrs: Option<RingAddrs>,
+    /// SET_VRING_ADDR as the front end sent it (user addresses, flags and the
+    /// log address).
+    pub addrs: Option<crate::state::VringAddr>,
 }
 
 impl VringState {

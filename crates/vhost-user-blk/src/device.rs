@@ -190,7 +190,9 @@ impl VhostUserBlk {
         } = parts;
         let started = (|| {
             let ctl = Arc::new(ServeCtl::new(held).map_err(io("create an eventfd"))?);
-            let copy = listener.try_clone().map_err(io("copy the listening socket"))?;
+            let copy = listener
+                .try_clone()
+                .map_err(io("copy the listening socket"))?;
             listener
                 .set_nonblocking(true)
                 .map_err(io("make the listening socket non-blocking"))?;
@@ -553,7 +555,11 @@ fn check_opts(opts: &BlkDeviceOptions, reactors: &[usize]) -> Result<()> {
     Ok(())
 }
 
-fn check_state(state: &HandoverState, opts: &BlkDeviceOptions, disk_bytes: u64) -> Result<(), StateError> {
+fn check_state(
+    state: &HandoverState,
+    opts: &BlkDeviceOptions,
+    disk_bytes: u64,
+) -> Result<(), StateError> {
     if state.version != HANDOVER_VERSION {
         return Err(StateError::Version {
             got: state.version,
@@ -642,4 +648,3 @@ impl Parts {
         remove_pollers(engine, &self.pollers);
     }
 }
-

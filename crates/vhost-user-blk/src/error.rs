@@ -100,7 +100,7 @@ pub enum StateError {
         source: crate::memory::MemError,
     },
     #[error("inflight area refused")]
-    Inflight(#[source] io::Error),
+    Inflight(#[source] crate::inflight::InflightError),
     #[error("cannot inspect a handed-over fd")]
     Io(#[source] io::Error),
     #[error("the vhost-user library refused the negotiated features")]

@@ -16,10 +16,10 @@ use std::sync::{Arc, MutexGuard};
 use std::time::Duration;
 
 use vhost::vhost_user::message::{
-    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags,
-    VhostUserInflight, VhostUserLog, VhostUserMemoryRegion, VhostUserProtocolFeatures,
-    VhostUserShMemConfig, VhostUserSharedMsg, VhostUserSingleMemoryRegion,
-    VhostUserVirtioFeatures, VhostUserVringAddrFlags, VhostUserVringState,
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags, VhostUserInflight,
+    VhostUserLog, VhostUserMemoryRegion, VhostUserProtocolFeatures, VhostUserShMemConfig,
+    VhostUserSharedMsg, VhostUserSingleMemoryRegion, VhostUserVirtioFeatures,
+    VhostUserVringAddrFlags, VhostUserVringState,
 };
 use vhost::vhost_user::{Backend, Error as VuError, GpuBackend, VhostUserBackendReqHandlerMut};
 use vhost::VhostUserMemoryRegionBase;
@@ -27,8 +27,9 @@ use virtio_bindings::bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddress, GuestAddressSpace};
 
-use crate::conn::{lock, Conn, RingAddrs, Shared, VringState};
+use crate::conn::{lock, Conn, Shared, VringState};
 use crate::memory::{self, Mapping};
+use crate::state::VringAddr;
 
 type VuResult<T> = Result<T, VuError>;
 
@@ -182,7 +183,11 @@ impl Handler {
     }
 
     /// Maps and installs the inflight area (SET_INFLIGHT_FD, or a restore).
-    pub fn install_inflight(&mut self, req: &VhostUserInflight, file: File) -> io::Result<()> {
+    pub fn install_inflight(
+        &mut self,
+        req: &VhostUserInflight,
+        file: File,
+    ) -> Result<(), crate::inflight::InflightError> {
         let region = crate::inflight::Region::map(
             &file,
             (req.mmap_size, req.mmap_offset),
@@ -196,7 +201,7 @@ impl Handler {
     }
 
     /// Sets vring `index`'s addresses from the front end's user addresses.
-    pub fn set_addrs(&self, index: u32, a: RingAddrs) -> VuResult<()> {
+    pub fn set_addrs(&self, index: u32, a: VringAddr) -> VuResult<()> {
         if self.table.is_empty() {
             return Err(VuError::InvalidParam);
         }
@@ -288,7 +293,7 @@ impl VhostUserBackendReqHandlerMut for Handler {
         available: u64,
         log: u64,
     ) -> VuResult<()> {
-        let a = RingAddrs {
+        let a = VringAddr {
             flags: flags.bits(),
             desc: descriptor,
             used,
@@ -391,10 +396,9 @@ impl VhostUserBackendReqHandlerMut for Handler {
     }
 
     fn set_config(&mut self, offset: u32, buf: &[u8], flags: VhostUserConfigFlags) -> VuResult<()> {
-        self.shared
-            .cfg
-            .write(offset, buf)
-            .map_err(|e| VuError::ReqHandlerError(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
+        self.shared.cfg.write(offset, buf).map_err(|e| {
+            VuError::ReqHandlerError(io::Error::new(io::ErrorKind::InvalidInput, e))
+        })?;
         self.note_config(offset, flags.bits(), buf);
         Ok(())
     }
@@ -419,7 +423,7 @@ impl VhostUserBackendReqHandlerMut for Handler {
             crate::inflight::Region::allocate(inflight.num_queues, inflight.queue_size).map_err(
                 |e| {
                     trace::limited!(self.conn.log, warn, error = %e, "GET_INFLIGHT_FD refused");
-                    VuError::ReqHandlerError(e)
+                    VuError::ReqHandlerError(io::Error::other(e))
                 },
             )?;
         let file = File::from(
@@ -463,7 +467,8 @@ impl VhostUserBackendReqHandlerMut for Handler {
 
     fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VuResult<()> {
         let m = Mapping::of(region);
-        memory::remove(&self.conn, &m).map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
+        memory::remove(&self.conn, &m)
+            .map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
         self.table.retain(|t| t.gpa != m.gpa);
         Ok(())
     }

@@ -34,6 +34,7 @@ pub use device::{BlkDeviceOptions, VhostUserBlk};
 pub use engine::PollMode;
 pub use error::{Error, Result, StateError};
 pub use handler::ConfigWrite;
+pub use inflight::InflightError;
 pub use memory::MemError;
 pub use state::{
     ConnectionState, HandoverState, InflightArea, MemRegion, VringAddr, VringRecord,

@@ -69,7 +69,11 @@ pub enum MemError {
 /// would SIGBUS. (A file shrunk later is caught by the fault guard.)
 fn check_file(m: &Mapping, file: &File) -> Result<(), MemError> {
     let meta = file.metadata().map_err(MemError::Stat)?;
-    if meta.is_file() && m.offset.checked_add(m.size).is_none_or(|end| end > meta.len()) {
+    if meta.is_file()
+        && m.offset
+            .checked_add(m.size)
+            .is_none_or(|end| end > meta.len())
+    {
         return Err(MemError::FileTooShort {
             len: meta.len(),
             offset: m.offset,
@@ -100,11 +104,7 @@ fn install(conn: &Conn, mem: Mem) -> Result<(), MemError> {
 }
 
 /// SET_MEM_TABLE: the whole table replaced.
-pub(crate) fn set_table(
-    conn: &Conn,
-    table: &[Mapping],
-    files: Vec<File>,
-) -> Result<(), MemError> {
+pub(crate) fn set_table(conn: &Conn, table: &[Mapping], files: Vec<File>) -> Result<(), MemError> {
     if table.len() > MAX_MEM_SLOTS {
         return Err(MemError::TooMany);
     }

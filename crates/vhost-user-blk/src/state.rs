@@ -21,7 +21,7 @@ use vhost::vhost_user::BackendReqHandler;
 use virtio_queue::QueueT;
 use vm_memory::{ByteValued, GuestAddressSpace};
 
-use crate::conn::{lock, RingAddrs, Shared};
+use crate::conn::{lock, Shared};
 use crate::error::StateError;
 use crate::handler::{ConfigWrite, Handler, MAX_CONFIG_WRITES};
 use crate::memory::{self, Mapping, MAX_MEM_SLOTS};
@@ -95,7 +95,7 @@ pub struct InflightArea {
 }
 
 /// SET_VRING_ADDR's payload.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct VringAddr {
     pub flags: u32,
     pub desc: u64,
@@ -173,7 +173,8 @@ pub(crate) fn save(
     let conn = &h.conn;
     let mut mem = Vec::with_capacity(h.table.len());
     for m in &h.table {
-        let f = memory::file_of(conn, m.gpa).map_err(crate::error::io("find a memory region's file"))?;
+        let f = memory::file_of(conn, m.gpa)
+            .map_err(crate::error::io("find a memory region's file"))?;
         mem.push(MemRegion {
             guest_phys_addr: m.gpa,
             memory_size: m.size,
@@ -197,7 +198,9 @@ pub(crate) fn save(
         None => None,
     };
     if h.config_overflow {
-        return Err(crate::Error::Unsaveable("too many distinct config space writes"));
+        return Err(crate::Error::Unsaveable(
+            "too many distinct config space writes",
+        ));
     }
     let mut vrings = Vec::with_capacity(conn.vrings.len());
     for v in &conn.vrings {
@@ -213,13 +216,7 @@ pub(crate) fn save(
         };
         vrings.push(VringRecord {
             num: q.size(),
-            addr: st.addrs.map(|a| VringAddr {
-                flags: a.flags,
-                desc: a.desc,
-                used: a.used,
-                avail: a.avail,
-                log: a.log,
-            }),
+            addr: st.addrs,
             base: q.next_avail(),
             kick: fd(&st.kick)?,
             call: fd(&st.call)?,
@@ -242,14 +239,19 @@ pub(crate) fn save(
 }
 
 /// Bounds a state before anything of it is used.
-pub(crate) fn validate(c: &ConnectionState, num_queues: u16, queue_size: u16) -> Result<(), StateError> {
+pub(crate) fn validate(
+    c: &ConnectionState,
+    num_queues: u16,
+    queue_size: u16,
+) -> Result<(), StateError> {
     if c.vrings.len() != usize::from(num_queues) {
         return Err(StateError::Range("the number of vrings"));
     }
     if c.mem.len() > MAX_MEM_SLOTS {
         return Err(StateError::Range("the number of memory regions"));
     }
-    if c.config.len() > MAX_CONFIG_WRITES || c.config.iter().any(|w| w.data.len() > MAX_CONFIG_LEN) {
+    if c.config.len() > MAX_CONFIG_WRITES || c.config.iter().any(|w| w.data.len() > MAX_CONFIG_LEN)
+    {
         return Err(StateError::Range("the config space writes"));
     }
     for (index, v) in c.vrings.iter().enumerate() {
@@ -319,7 +321,8 @@ pub(crate) fn restore(
             num_queues: a.num_queues,
             queue_size: a.queue_size,
         };
-        h.install_inflight(&req, file).map_err(StateError::Inflight)?;
+        h.install_inflight(&req, file)
+            .map_err(StateError::Inflight)?;
     }
     if let Some(i) = c.backend_req {
         let s = crate::channel::stream_socket(OwnedFd::from(taker.take(i)?))
@@ -340,7 +343,11 @@ pub(crate) fn restore(
     Ok(est)
 }
 
-fn restore_memory(h: &mut Handler, c: &ConnectionState, taker: &mut FdTaker) -> Result<(), StateError> {
+fn restore_memory(
+    h: &mut Handler,
+    c: &ConnectionState,
+    taker: &mut FdTaker,
+) -> Result<(), StateError> {
     let mut table = Vec::with_capacity(c.mem.len());
     let mut files = Vec::with_capacity(c.mem.len());
     for r in &c.mem {
@@ -354,24 +361,24 @@ fn restore_memory(h: &mut Handler, c: &ConnectionState, taker: &mut FdTaker) -> 
     }
     if !table.is_empty() {
         let gpa = table[0].gpa;
-        memory::set_table(&h.conn, &table, files).map_err(|source| StateError::Memory { gpa, source })?;
+        memory::set_table(&h.conn, &table, files)
+            .map_err(|source| StateError::Memory { gpa, source })?;
     }
     h.table = table;
     Ok(())
 }
 
-fn restore_vring(h: &Handler, index: usize, v: &VringRecord, taker: &mut FdTaker) -> Result<(), StateError> {
+fn restore_vring(
+    h: &Handler,
+    index: usize,
+    v: &VringRecord,
+    taker: &mut FdTaker,
+) -> Result<(), StateError> {
     let bad = |what| StateError::Vring { index, what };
-    let i32_ = u32::try_from(index).map_err(|_| bad("index"))?;
-    if let Some(a) = &v.addr {
-        let a = RingAddrs {
-            flags: a.flags,
-            desc: a.desc,
-            used: a.used,
-            avail: a.avail,
-            log: a.log,
-        };
-        h.set_addrs(i32_, a).map_err(|_| bad("addresses outside the memory table"))?;
+    let index32 = u32::try_from(index).map_err(|_| bad("index"))?;
+    if let Some(a) = v.addr {
+        h.set_addrs(index32, a)
+            .map_err(|_| bad("addresses outside the memory table"))?;
     }
     let kick = taker.take_opt(v.kick)?;
     let call = taker.take_opt(v.call)?;
@@ -407,6 +414,7 @@ fn restore_vring(h: &Handler, index: usize, v: &VringRecord, taker: &mut FdTaker
             return Err(bad("rings outside guest memory"));
         }
     }
-    h.update_kick(index, &st).map_err(|_| bad("cannot watch its kick eventfd"))?;
+    h.update_kick(index, &st)
+        .map_err(|_| bad("cannot watch its kick eventfd"))?;
     Ok(())
 }
