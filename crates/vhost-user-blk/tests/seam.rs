@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use bdev::BlockDevice;
 use vhost::vhost_user::message::{
-    VhostUserConfigFlags, VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+    VhostUserConfigFlags, VhostUserHeaderFlag, VhostUserInflight, VhostUserProtocolFeatures,
+    VhostUserVirtioFeatures,
 };
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
@@ -94,6 +95,9 @@ fn features(fe: &mut Frontend) {
         VhostUserProtocolFeatures::INFLIGHT_SHMFD | VhostUserProtocolFeatures::BACKEND_REQ
     ));
     fe.set_protocol_features(offered).unwrap();
+    // Ask for an answer to every request, as QEMU does with REPLY_ACK: each call
+    // returns once the device applied it.
+    fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
 }
 
 impl Guest {
@@ -314,7 +318,6 @@ fn hostile_messages_end_that_connection_only() {
     // A memory file shorter than the region claims: refused (and said so).
     let mut fe = Frontend::connect(&path, 1).unwrap();
     features(&mut fe);
-    fe.set_hdr_flags(vhost::vhost_user::message::VhostUserHeaderFlag::NEED_REPLY);
     let short = memfd(4096);
     let region = VhostUserMemoryRegionInfo {
         guest_phys_addr: 0,
