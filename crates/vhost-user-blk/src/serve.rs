@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use vhost::vhost_user::message::FrontendReq;
+use vhost::vhost_user::message::{FrontendReq, VhostUserProtocolFeatures, MAX_MSG_SIZE};
 use vhost::vhost_user::BackendReqHandler;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
@@ -266,16 +266,23 @@ fn one_message(est: &mut Established) -> bool {
         }
     };
     if let Some(h) = &hdr {
-        if h.code() == Some(FrontendReq::SET_BACKEND_REQ_FD) {
+        // (One announcing more than a message carries is left to the library,
+        // which refuses it: its body is not queued whole.)
+        if h.code() == Some(FrontendReq::SET_BACKEND_REQ_FD) && h.size() <= MAX_MSG_SIZE {
             return crate::channel::take_backend_req(&est.conn.front, h, &est.conn)
                 .inspect_err(|e| trace::limited!(log, info, error = %e, "vhost-user front end connection ended"))
                 .is_ok();
         }
     }
+    // The library answers a refusal when the front end asked and REPLY_ACK was
+    // negotiated.
+    let acks =
+        VhostUserProtocolFeatures::from_bits_truncate(est.conn.protocol.load(Ordering::Acquire))
+            .contains(VhostUserProtocolFeatures::REPLY_ACK);
     match est.req.handle_request() {
         Ok(()) => true,
         // Refused, and the front end was told: it may go on.
-        Err(e) if is_refusal(&e) && hdr.is_some_and(|h| h.need_reply()) => true,
+        Err(e) if is_refusal(&e) && acks && hdr.is_some_and(|h| h.need_reply()) => true,
         Err(vhost::vhost_user::Error::Disconnected) => false,
         Err(e) => {
             trace::limited!(log, info, error = %e, "vhost-user front end connection ended");

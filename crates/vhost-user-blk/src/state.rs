@@ -418,3 +418,89 @@ fn restore_vring(
         .map_err(|_| bad("cannot watch its kick eventfd"))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fd() -> OwnedFd {
+        OwnedFd::from(File::open("/dev/null").unwrap())
+    }
+
+    fn vring() -> VringRecord {
+        VringRecord {
+            num: 128,
+            addr: Some(VringAddr::default()),
+            base: 0,
+            kick: Some(1),
+            call: None,
+            err: None,
+            enabled: true,
+            started: true,
+        }
+    }
+
+    fn conn() -> ConnectionState {
+        ConnectionState {
+            front_fd: 0,
+            owner: true,
+            features: Some(1 << 30),
+            protocol_features: Some(0),
+            mem: Vec::new(),
+            inflight: None,
+            backend_req: None,
+            config: Vec::new(),
+            vrings: vec![vring()],
+        }
+    }
+
+    #[test]
+    fn fd_indices_are_used_once_and_all() {
+        let mut t = FdTaker::new(vec![fd()]);
+        assert!(matches!(
+            t.take(1),
+            Err(StateError::FdIndex { index: 1, count: 1 })
+        ));
+        assert!(t.take(0).is_ok());
+        assert!(matches!(t.take(0), Err(StateError::FdTwice(0))));
+        t.finish().unwrap();
+        assert!(matches!(
+            FdTaker::new(vec![fd()]).finish(),
+            Err(StateError::FdsLeft(1))
+        ));
+    }
+
+    #[test]
+    fn hostile_states_are_bounded() {
+        validate(&conn(), 1, 256).unwrap();
+        let refused = |f: &dyn Fn(&mut ConnectionState)| {
+            let mut c = conn();
+            f(&mut c);
+            validate(&c, 1, 256).is_err()
+        };
+        assert!(refused(&|c| c.vrings[0].num = 0));
+        assert!(refused(&|c| c.vrings[0].num = 512));
+        assert!(refused(&|c| c.vrings.push(vring())));
+        assert!(refused(&|c| c.vrings[0].kick = None));
+        assert!(refused(&|c| c.vrings[0].addr = None));
+        assert!(refused(&|c| c.config = vec![
+            ConfigWrite {
+                offset: 0,
+                flags: 0,
+                data: vec![0; 300]
+            };
+            1
+        ]));
+        assert!(refused(&|c| {
+            c.mem = (0..=MAX_MEM_SLOTS as u64)
+                .map(|i| MemRegion {
+                    guest_phys_addr: i << 20,
+                    memory_size: 1 << 20,
+                    userspace_addr: 0,
+                    mmap_offset: 0,
+                    fd: 0,
+                })
+                .collect()
+        }));
+    }
+}
