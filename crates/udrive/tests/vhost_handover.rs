@@ -309,7 +309,7 @@ fn corrupt_exports_are_refused() {
             "fd used twice",
             Box::new(|s, _| {
                 let c = s.connection.as_mut().unwrap();
-                c.vrings[0].call = c.vrings[0].kick.clone();
+                c.vrings[0].call = c.vrings[0].kick;
             }),
         ),
         (
