@@ -15,8 +15,8 @@ use vm_memory::{
 
 use crate::conn::Conn;
 
-/// Most regions a front end may map (vhost-user-backend's number; QEMU asks for
-/// GET_MAX_MEM_SLOTS and stays below it).
+/// Most regions a front end may map (rust-vmm vhost-user-backend's number; QEMU
+/// asks for GET_MAX_MEM_SLOTS and stays below it).
 pub(crate) const MAX_MEM_SLOTS: usize = 509;
 
 /// A region as the front end described it: guest and user addresses, its place in
