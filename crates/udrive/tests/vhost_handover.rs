@@ -3,7 +3,7 @@
 //! stop A; the front end (libblkio at QD32 doing verified I/O, or a hand-driven
 //! front end) never notices beyond a pause. Also: calling a handover off, a
 //! handover with no front end or with one halfway through its setup, and corrupt
-//! exports.
+//! saved states.
 
 mod common;
 
@@ -40,7 +40,7 @@ fn start(sock: &Path, disk: &Arc<dyn BlockDevice>, poll: PollMode) -> VhostUserB
     VhostUserBlk::start(sock, disk.clone(), opts(poll), &engine(), &[0]).unwrap()
 }
 
-/// A's export through JSON (as it would cross processes) and B started from it.
+/// A's saved state through JSON (as it would cross processes) and B started from it.
 fn hand_over(
     a: &VhostUserBlk,
     sock: &Path,
@@ -78,7 +78,7 @@ fn handover_loop(poll: PollMode, rounds: usize) {
     assert!(tally.verified > 0);
     pauses.sort();
     eprintln!(
-        "{poll:?}: {rounds} handovers, pause (quiesce A .. B runs): median {:?}, max {:?}; {tally:?}",
+        "{poll:?}: {rounds} handovers, pause (pause A .. B runs): median {:?}, max {:?}; {tally:?}",
         pauses[rounds / 2],
         pauses[rounds - 1]
     );
@@ -105,7 +105,7 @@ fn handover_under_qd32_io_event_mode() {
 }
 
 #[test]
-fn quiesce_then_unquiesce_under_io() {
+fn pause_then_resume_under_io() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("blk.sock");
     let disk = disk();
@@ -114,7 +114,7 @@ fn quiesce_then_unquiesce_under_io() {
     for _ in 0..20 {
         dev.pause(PAUSE).unwrap();
         assert!(dev.paused());
-        // Nothing moves while quiesced (once the client has reaped what was
+        // Nothing moves while paused (once the client has reaped what was
         // completed while draining).
         std::thread::sleep(Duration::from_millis(20));
         let before = client.progress.load(Ordering::Relaxed);
@@ -244,10 +244,10 @@ fn handover_with_a_front_end_halfway_through_setup() {
     c.stop();
 }
 
-/// Corrupt exports are refused with an error (no panic, nothing taken from the
-/// rings), and the old device runs on after `unquiesce`.
+/// Corrupt saved states are refused with an error (no panic, nothing taken from the
+/// rings), and the old device runs on after `resume`.
 #[test]
-fn corrupt_exports_are_refused() {
+fn corrupt_states_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("blk.sock");
     let disk = disk();
@@ -366,7 +366,7 @@ fn corrupt_exports_are_refused() {
 }
 
 #[test]
-fn export_needs_quiesce() {
+fn save_needs_a_pause() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("blk.sock");
     let disk = disk();

@@ -585,8 +585,8 @@ fn check_state(
 
 impl Parts {
     /// The device's shared state and its queue pollers, on their reactors.
-    /// `paused`: the queues start quiesced (a resumed device, until its replay
-    /// is checked).
+    /// `paused`: the queues start paused (a restored device, until its state
+    /// is installed and checked).
     fn new(
         disk: &Arc<dyn BlockDevice>,
         opts: &BlkDeviceOptions,

@@ -84,7 +84,7 @@ impl VirtqPoller {
     }
 
     /// Picks up a new connection (or its loss) once nothing is in flight on the old
-    /// one; acknowledges a quiesce ([`PAUSED`]) the same way.
+    /// one; acknowledges a pause ([`PAUSED`]) the same way.
     #[inline]
     fn refresh(&mut self) {
         let gen = self.shared.queues[self.index].gen.load(Ordering::Acquire);
@@ -101,7 +101,7 @@ impl VirtqPoller {
         }
         let ctl = &self.shared.queues[self.index];
         if gen & PAUSED != 0 {
-            // Quiesced: everything taken is on the used ring (and the guest was
+            // Paused: everything taken is on the used ring (and the guest was
             // signalled in the poll that completed it); take nothing new until the
             // bit is cleared. The connection is looked at again then.
             ctl.paused_ack.store(gen, Ordering::Release);
@@ -292,7 +292,7 @@ impl Poller for VirtqPoller {
         let ctl = &self.shared.queues[self.index];
         let gen = ctl.gen.load(Ordering::Acquire);
         if gen & PAUSED != 0 && ctl.paused_ack.load(Ordering::Acquire) == gen {
-            // Quiesced with nothing in flight: sleep until resumed (which wakes us).
+            // Paused with nothing in flight: sleep until resumed (which wakes us).
             return true;
         }
         if gen != self.gen || ctl.disk_gen.load(Ordering::Acquire) != self.disk_gen {
