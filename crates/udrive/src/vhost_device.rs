@@ -94,9 +94,9 @@ pub fn start(
         poll: cfg.poll,
         access,
     };
-    // A handover: the device as the old process saved it, started paused.
+    // A handover: the device as the old process saved it, restored paused.
     if let Some((state, fds)) = saved_state(&cfg.socket, restore)? {
-        return VhostUserBlk::start_resumed(&cfg.socket, disk, opts, engine, &reactors, state, fds)
+        return VhostUserBlk::restore(&cfg.socket, disk, opts, engine, &reactors, state, fds)
             .with_context(|| format!("cannot take over {}", cfg.what()));
     }
     VhostUserBlk::start(&cfg.socket, disk, opts, engine, &reactors)
@@ -253,15 +253,15 @@ impl FrontEnd for VhostBlkDevice {
     /// The device takes no new requests and finishes those in flight (bounded);
     /// the front end's socket is not read meanwhile (decision 0024).
     fn pause(&self, limit: std::time::Duration) -> Result<()> {
-        self.dev.quiesce(limit).map_err(|e| {
-            self.dev.unquiesce();
+        self.dev.pause(limit).map_err(|e| {
+            self.dev.resume();
             anyhow!(e).context(format!("{}: cannot pause", self.cfg.what()))
         })
     }
 
     fn resume(&mut self) {
-        if self.dev.quiesced() {
-            self.dev.unquiesce();
+        if self.dev.paused() {
+            self.dev.resume();
         }
     }
 
@@ -269,7 +269,7 @@ impl FrontEnd for VhostBlkDevice {
     fn save(&self) -> Result<Vec<Record>> {
         let (state, fds) = self
             .dev
-            .export()
+            .save()
             .with_context(|| format!("{}: cannot save it", self.cfg.what()))?;
         let p = self.prefix();
         let mut out = vec![Record::new(

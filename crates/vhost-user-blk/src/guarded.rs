@@ -1,8 +1,7 @@
 //! Keeps a connection's guest memory registered with `guest_mem`'s SIGBUS guard.
 //!
-//! vhost-user-backend maps the front end's memory itself (vm-memory), so we cannot
-//! register a region as it is mapped, only after: the handler installs a new memory
-//! snapshot and then calls `update_memory`, which lands in [`GuardedMem::sync`]. Until
+//! vm-memory maps the front end's regions and builds the new snapshot, which the
+//! handler installs (`memory.rs`) and then hands to [`GuardedMem::sync`]. Until
 //! then the pollers must not touch the new snapshot (a file shrunk in that window
 //! would SIGBUS unguarded), so they use a snapshot only once it is
 //! [`GuardedMem::is_guarded`]. A region must stay registered until it is unmapped,

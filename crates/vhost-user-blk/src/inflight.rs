@@ -21,16 +21,35 @@ pub(crate) struct Region {
     queue_size: u16,
 }
 
-fn invalid(msg: String) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidInput, msg)
+/// Why an inflight area was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum InflightError {
+    #[error("inflight area for {num_queues} queues of {queue_size} entries is out of range")]
+    Geometry { num_queues: u16, queue_size: u16 },
+    #[error("inflight area of {have} bytes is smaller than the {need} that {num_queues} queues of {queue_size} entries need")]
+    TooSmall {
+        have: u64,
+        need: u64,
+        num_queues: u16,
+        queue_size: u16,
+    },
+    #[error("cannot create the inflight area")]
+    Create(#[source] io::Error),
+    #[error("cannot map the inflight area at offset {offset:#x}")]
+    Map {
+        offset: u64,
+        #[source]
+        source: io::Error,
+    },
 }
 
-fn area_size(num_queues: u16, queue_size: u16) -> io::Result<u64> {
+fn area_size(num_queues: u16, queue_size: u16) -> Result<u64, InflightError> {
     if num_queues == 0 || num_queues > MAX_QUEUES || queue_size == 0 || queue_size > MAX_QUEUE_SIZE
     {
-        return Err(invalid(format!(
-            "inflight area for {num_queues} queues of {queue_size} entries is out of range"
-        )));
+        return Err(InflightError::Geometry {
+            num_queues,
+            queue_size,
+        });
     }
     Ok(u64::from(num_queues) * queue_region_size(queue_size) as u64)
 }
@@ -38,9 +57,9 @@ fn area_size(num_queues: u16, queue_size: u16) -> io::Result<u64> {
 impl Region {
     /// A fresh, zeroed area for GET_INFLIGHT_FD: returns the memfd to hand out and
     /// its size.
-    pub fn allocate(num_queues: u16, queue_size: u16) -> io::Result<(SharedMem, u64)> {
+    pub fn allocate(num_queues: u16, queue_size: u16) -> Result<(SharedMem, u64), InflightError> {
         let size = area_size(num_queues, queue_size)?;
-        let mem = SharedMem::new("udrive-vhost-inflight", size)?;
+        let mem = SharedMem::new("udrive-vhost-inflight", size).map_err(InflightError::Create)?;
         Ok((mem, size))
     }
 
@@ -52,18 +71,24 @@ impl Region {
         num_queues: u16,
         queue_size: u16,
         signal: &Arc<FaultSignal>,
-    ) -> io::Result<Region> {
+    ) -> Result<Region, InflightError> {
         let (mmap_size, mmap_offset) = req;
         let need = area_size(num_queues, queue_size)?;
         if mmap_size < need {
-            return Err(invalid(format!(
-                "inflight area of {mmap_size} bytes is smaller than the {need} that \
-                 {num_queues} queues of {queue_size} entries need"
-            )));
+            return Err(InflightError::TooSmall {
+                have: mmap_size,
+                need,
+                num_queues,
+                queue_size,
+            });
         }
         // Refuses an area past the end of the file (its pages would SIGBUS).
         let map =
-            MappedRegion::map_fd_watched(file.as_fd(), mmap_offset, 0, need, Prot::RW, signal)?;
+            MappedRegion::map_fd_watched(file.as_fd(), mmap_offset, 0, need, Prot::RW, signal)
+                .map_err(|source| InflightError::Map {
+                    offset: mmap_offset,
+                    source,
+                })?;
         Ok(Region {
             mem: Arc::new(InflightMem::Mapped(map)),
             queue_size,

@@ -1,27 +1,43 @@
-//! vhost-user-blk: rust-vmm's `vhost-user-backend` speaks the protocol (socket,
-//! memory table, vring setup); the virtio-blk model does the requests; engine
-//! reactors poll the virtqueues.
+//! vhost-user-blk: udrive's handler of rust-vmm's public vhost-user seam (vhost's
+//! `VhostUserBackendReqHandlerMut`, served by its `BackendReqHandler`) in front of
+//! the virtio-blk model; engine reactors poll the virtqueues
+//! (docs/decisions/0032-vhost-user-seam.md).
 //!
-//! Threads: one accept/message thread per device (vhost-user-backend's), one
-//! kick-watcher thread per connection (its vring worker, which only wakes sleeping
-//! reactors), and the reactors, which own the queues: they pop, submit, complete and
-//! signal the call eventfd. See docs/decisions/0006-virtio-blk-on-reactors.md.
+//! Threads: one serve thread per device (accepts one front end at a time and runs
+//! its connection loop: message deadline, parsing by vhost, our handler), one
+//! kick-watcher thread per connection (it only wakes sleeping reactors), and the
+//! reactors, which own the queues: they pop, submit, complete and signal the call
+//! eventfd. See docs/decisions/0006-virtio-blk-on-reactors.md.
+//!
+//! Lifecycle: [`VhostUserBlk::pause`], [`VhostUserBlk::resume`],
+//! [`VhostUserBlk::save`] and [`VhostUserBlk::restore`] hand a connected front end
+//! over to a device in another process (docs/decisions/0024-vhost-user-handover.md).
 
-mod backend;
+mod channel;
+mod conn;
 mod device;
+mod error;
 mod fd_limit;
+mod fdswap;
 mod guarded;
-mod handover;
+mod handler;
 mod inflight;
+mod kick;
+mod memory;
 mod poller;
-mod proxy;
+mod serve;
+mod state;
 mod stats;
 
-pub use backend::ConfigNotice;
+pub use conn::ConfigNotice;
 pub use device::{BlkDeviceOptions, VhostUserBlk};
 pub use engine::PollMode;
-pub use handover::{
-    ConfigWrite, ConnRecord, ConnectionState, EventArg, HandoverState, InflightArea, MemRegion,
-    VringAddr, VringRecord, HANDOVER_VERSION,
+pub use error::{Error, Result, StateError};
+pub use handler::ConfigWrite;
+pub use inflight::InflightError;
+pub use memory::MemError;
+pub use state::{
+    ConnectionState, HandoverState, InflightArea, MemRegion, VringAddr, VringRecord,
+    HANDOVER_VERSION,
 };
 pub use virtio_blk::{DeviceOptions, DISK_NSID};

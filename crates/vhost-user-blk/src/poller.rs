@@ -5,19 +5,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use engine::Poller;
-use vhost_user_backend::{VringStateMutGuard, VringT};
 use virtio_blk::{Mem, QueueWorker};
 use virtio_queue::QueueT;
 use vm_memory::GuestAddressSpace;
 
-use crate::backend::{Conn, Shared, Vring, PAUSED};
+use crate::conn::{lock, Conn, Shared, PAUSED};
 
 pub(crate) struct VirtqPoller {
     pub index: usize,
     pub shared: Arc<Shared>,
     pub worker: QueueWorker,
     gen: u64,
-    conn: Option<(Arc<Conn>, Vring)>,
+    /// The connection served; its vring `index` is this queue's.
+    conn: Option<Arc<Conn>>,
     mem: Arc<Mem>,
     /// Guest notifications are off (we are polling) for the current vring.
     quiet: bool,
@@ -84,7 +84,7 @@ impl VirtqPoller {
     }
 
     /// Picks up a new connection (or its loss) once nothing is in flight on the old
-    /// one; acknowledges a quiesce ([`PAUSED`]) the same way.
+    /// one; acknowledges a pause ([`PAUSED`]) the same way.
     #[inline]
     fn refresh(&mut self) {
         let gen = self.shared.queues[self.index].gen.load(Ordering::Acquire);
@@ -101,18 +101,16 @@ impl VirtqPoller {
         }
         let ctl = &self.shared.queues[self.index];
         if gen & PAUSED != 0 {
-            // Quiesced: everything taken is on the used ring (and the guest was
+            // Paused: everything taken is on the used ring (and the guest was
             // signalled in the poll that completed it); take nothing new until the
             // bit is cleared. The connection is looked at again then.
             ctl.paused_ack.store(gen, Ordering::Release);
             return;
         }
         self.gen = gen;
-        let conn = ctl.conn.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        self.conn = conn.and_then(|c| {
-            let v = c.vrings.lock().ok()?.as_ref()?.get(self.index)?.clone();
-            Some((c, v))
-        });
+        self.conn = lock(&ctl.conn)
+            .clone()
+            .filter(|c| c.vrings.len() > self.index);
         // Let go of the old connection's memory table and inflight log: the front
         // end may be gone, and its mappings (and file descriptors) with it.
         self.mem = Arc::new(Mem::default());
@@ -188,7 +186,7 @@ impl Poller for VirtqPoller {
     fn poll(&mut self) -> usize {
         self.refresh();
         let disk_current = self.disk_current();
-        let Some((conn, vring)) = &self.conn else {
+        let Some(conn) = &self.conn else {
             // Still answer stats readers and pick up trace start/stop.
             self.worker.finish_poll(|| false);
             return 0;
@@ -201,20 +199,18 @@ impl Poller for VirtqPoller {
             let g = conn.mem.memory();
             if !conn.guarded.is_guarded(&g) {
                 // A new memory table is being installed: wait until it is guarded.
-                // Every guest-memory access of this poller (the vring helpers of
-                // vhost-user-backend included, which would read the newest
-                // snapshot) goes through `self.mem`, so none touches memory that a
-                // shrinking file could turn into an unrecoverable SIGBUS.
+                // Every guest-memory access of this poller goes through
+                // `self.mem`, so none touches memory that a shrinking file could
+                // turn into an unrecoverable SIGBUS.
                 return self.idle();
             }
             if !std::ptr::eq(&*g, &*self.mem) {
                 self.mem = g.into_inner();
             }
         }
-        // The vring state belongs to vhost-user-backend, which changes it only on
-        // control messages; this lock is uncontended on the I/O path.
-        let mut st = <Vring as VringT<_>>::get_mut(vring);
-        let st: &mut <Vring as VringStateMutGuard<'_, _>>::G = &mut st;
+        // The handler changes the vring only on control messages; this lock is
+        // uncontended on the I/O path.
+        let mut st = lock(&conn.vrings[self.index]);
         // A newer connection (or none) waits for our in-flight requests: take no new ones.
         let current = self.shared.queues[self.index].gen.load(Ordering::Relaxed) == self.gen;
         // Read under the vring lock: a stop counted before the vring was restarted is
@@ -226,7 +222,7 @@ impl Poller for VirtqPoller {
             self.quiet = false;
             self.recover = true;
         }
-        let pop = current && disk_current && st.get_queue().ready() && st.is_enabled();
+        let pop = current && disk_current && st.running();
         if pop && self.recover && self.worker.in_flight() == 0 {
             // SET_INFLIGHT_FD comes before the rings are started, so the log of
             // this start is in place now.
@@ -238,12 +234,12 @@ impl Poller for VirtqPoller {
                 .as_ref()
                 .and_then(|r| r.queue(self.index));
             self.worker.set_inflight(log);
-            self.worker.recover(st.get_queue_mut(), &self.mem);
+            self.worker.recover(&mut st.queue, &self.mem);
         }
         if pop && !self.quiet {
             // Polling: ask the guest not to kick (no-op with EVENT_IDX beyond not
             // moving avail_event, which is what suppresses kicks there).
-            let _ = st.get_queue_mut().disable_notification(&*self.mem);
+            let _ = st.queue.disable_notification(&*self.mem);
             self.quiet = true;
         }
         // Buffers are translated with the snapshot taken after the avail index read
@@ -258,15 +254,12 @@ impl Poller for VirtqPoller {
         };
         let p = self
             .worker
-            .process_with(st.get_queue_mut(), &mut self.mem, &mut latest, pop);
+            .process_with(&mut st.queue, &mut self.mem, &mut latest, pop);
         // With EVENT_IDX the guest may not want this interrupt: then `notify` is 0.
         self.worker.finish_poll(|| {
             p.used > 0
-                && st
-                    .get_queue_mut()
-                    .needs_notification(&*self.mem)
-                    .unwrap_or(true)
-                && st.signal_used_queue().is_ok()
+                && st.queue.needs_notification(&*self.mem).unwrap_or(true)
+                && st.signal_used()
         });
         self.shared.queues[self.index]
             .in_flight
@@ -299,29 +292,27 @@ impl Poller for VirtqPoller {
         let ctl = &self.shared.queues[self.index];
         let gen = ctl.gen.load(Ordering::Acquire);
         if gen & PAUSED != 0 && ctl.paused_ack.load(Ordering::Acquire) == gen {
-            // Quiesced with nothing in flight: sleep until resumed (which wakes us).
+            // Paused with nothing in flight: sleep until resumed (which wakes us).
             return true;
         }
         if gen != self.gen || ctl.disk_gen.load(Ordering::Acquire) != self.disk_gen {
             return false;
         }
-        let Some((_, vring)) = &self.conn else {
+        let Some(conn) = &self.conn else {
             return true;
         };
-        let mut st = <Vring as VringT<_>>::get_mut(vring);
-        if !(st.get_queue().ready() && st.is_enabled()) || self.worker.broken().is_some() {
+        let mut st = lock(&conn.vrings[self.index]);
+        if !st.running() || self.worker.broken().is_some() {
             return true;
         }
         if self.defers_kicks() {
             // Notifications stay off (`quiet` with it): the next completion wakes us.
-            return !defer_kicks(st.get_queue_mut(), &self.mem).unwrap_or(true);
+            return !defer_kicks(&mut st.queue, &self.mem).unwrap_or(true);
         }
         self.quiet = false;
         // Re-enable kicks; if the guest added work meanwhile, stay awake. (Through
         // our snapshot, not the vring's: see the guarded-memory note in `poll`.)
-        !st.get_queue_mut()
-            .enable_notification(&*self.mem)
-            .unwrap_or(true)
+        !st.queue.enable_notification(&*self.mem).unwrap_or(true)
     }
 
     fn wake_fds<'a>(&'a self, add: &mut dyn FnMut(std::os::fd::BorrowedFd<'a>)) {

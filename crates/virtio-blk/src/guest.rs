@@ -5,7 +5,7 @@ use std::sync::Arc;
 use guest_mem::DmaSlice;
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
-/// Guest memory as vhost-user-backend hands it to us (no dirty bitmap).
+/// Guest memory as the vhost-user handler maps it (vm-memory, no dirty bitmap).
 pub type Mem = GuestMemoryMmap<()>;
 
 /// A window of `len` bytes of guest memory at `addr`, or `None` when the range is not
