@@ -57,8 +57,9 @@ pub struct Process {
     /// While taking over: the channel to the old process, and devices start paused.
     predecessor: Mutex<Option<OwnedFd>>,
     start_paused: AtomicBool,
-    /// A handover to a successor was confirmed: exit once its reply is out.
-    handed_over: AtomicBool,
+    /// A handover to a successor was confirmed by the control request running on
+    /// this thread: it exits once its reply is out.
+    handed_over: Mutex<Option<std::thread::ThreadId>>,
     /// Cluster client addresses already noted with the supervisor.
     noted_owners: Mutex<Vec<String>>,
     /// CPUs for the threads of backend libraries (librbd); empty: no restriction.
@@ -110,7 +111,7 @@ impl Process {
             notes,
             start_paused: AtomicBool::new(predecessor.is_some()),
             predecessor: Mutex::new(predecessor),
-            handed_over: AtomicBool::new(false),
+            handed_over: Mutex::new(None),
             noted_owners: Mutex::new(Vec::new()),
             library_cpus: Mutex::new(Vec::new()),
         }
@@ -202,17 +203,19 @@ impl Process {
         *lock(&self.predecessor) = None;
     }
 
-    /// A handover to a successor was confirmed.
+    /// A handover to a successor was confirmed by the control request running on
+    /// the calling thread.
     pub fn set_handed_over(&self) {
-        self.handed_over.store(true, Ordering::Release);
+        *lock(&self.handed_over) = Some(std::thread::current().id());
     }
 
     /// Called by the control socket after each reply: once the `handover` reply is
-    /// out this process has nothing left to do — it exits at once, without the
-    /// teardown that would disconnect clients or remove socket files the new
-    /// process now serves.
+    /// out — on the thread that ran the request, so that no other request's reply
+    /// ends the process before that one reached the new process — this process has
+    /// nothing left to do. It exits at once, without the teardown that would
+    /// disconnect clients or remove socket files the new process now serves.
     pub fn exit_if_handed_over(&self) {
-        if self.handed_over.load(Ordering::Acquire) {
+        if *lock(&self.handed_over) == Some(std::thread::current().id()) {
             tracing::info!("handover complete: this process exits; the new one serves");
             std::process::exit(0);
         }
