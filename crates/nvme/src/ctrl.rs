@@ -82,10 +82,10 @@ pub(crate) struct State {
     /// When the Keep Alive Timer expires (KATO set and not 0); restarted by each
     /// Keep Alive command.
     pub keep_alive: Option<Instant>,
-    /// Quiesced for a handover (`handover.rs`): no admin or I/O command is
+    /// Paused for a handover (`handover/`): no admin or I/O command is
     /// fetched, queue groups are parked off their reactors, the Keep Alive Timer
     /// is stopped.
-    pub quiesced: bool,
+    pub paused: bool,
 }
 
 impl State {
@@ -129,7 +129,7 @@ pub(crate) struct Inner {
     /// Requests for such a pass (see [`Inner::admin_elsewhere`]).
     pub admin_kicks: AtomicU64,
     /// Its state was saved for another controller that takes the client over
-    /// (`handover.rs`): it must not touch the doorbell page again (a reset or
+    /// (`handover/`): it must not touch the doorbell page again (a reset or
     /// shutdown clears it otherwise). Cleared by `resume`.
     pub handed_over: AtomicBool,
 }
@@ -171,7 +171,7 @@ impl Inner {
                 ns_event_masked: false,
                 placer,
                 keep_alive: None,
-                quiesced: false,
+                paused: false,
             }),
             stop: AtomicBool::new(false),
             messages: AtomicBool::new(false),
@@ -484,12 +484,12 @@ impl Inner {
     }
 
     /// Parks a group without SQs (nothing to poll) or while the controller is
-    /// quiesced, or hands it to its reactor.
+    /// paused, or hands it to its reactor.
     pub fn place_group(&self, st: &mut State, g: Box<QueueGroup>) -> Result<(), Status> {
         let cqid = g.out.cq.qid;
         let counters = g.out.counters();
         let mailbox = g.out.rec.mailbox();
-        let place = if g.sqs.is_empty() || st.quiesced {
+        let place = if g.sqs.is_empty() || st.paused {
             let mut g = g;
             g.park();
             db_targets(&self.shared, &g, None, false);
@@ -547,7 +547,7 @@ impl Inner {
     /// finished commands to post, or an expired Keep Alive Timer.
     pub fn admin_pending(&self, st: &State) -> bool {
         let Some(q) = st.admin else { return false };
-        if st.quiesced {
+        if st.paused {
             return !st.done.is_empty();
         }
         if st.keep_alive.is_some_and(|t| Instant::now() > t) {
@@ -593,9 +593,9 @@ impl Inner {
             return 0;
         }
         q.cq.head = head as u16;
-        // Quiesced (`handover.rs`): only commands that finished already are posted;
+        // Paused (`handover/`): only commands that finished already are posted;
         // nothing new is fetched and events wait.
-        let fetch = !st.quiesced;
+        let fetch = !st.paused;
         let pending_aer = fetch && !st.events.is_empty() && !st.aer.is_empty();
         let new_cmds = fetch && tail as u16 != q.sq.head;
         if !new_cmds && !pending_aer && st.done.is_empty() {
@@ -644,7 +644,7 @@ impl Inner {
         // (below) those this pass fetches, or an event queued while that request's
         // doorbell was on its way would wait for the next admin command.
         let post_events = |st: &mut State, q: &mut AdminQueues, posted: &mut usize| {
-            while !st.quiesced && q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
+            while !st.paused && q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
                 let (Some(ev), cid) = (st.events.pop_front(), st.aer.remove(0)) else {
                     break;
                 };
