@@ -1,5 +1,6 @@
-//! The control path of a controller: registers, the admin queue, the registry of
-//! queue groups and where they run. What reactors read is in `shared.rs`.
+//! The control path of a controller: registers, the admin queue (its pass is
+//! `admin/pass.rs`), the registry of queue groups and where they run. What reactors
+//! read is in `shared.rs`.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -8,14 +9,14 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use engine::{Engine, Placer, PollerId, Waker};
-use guest_mem::{Access, DmaSpace};
+use guest_mem::DmaSpace;
 
 use crate::admin::features::Features;
 use crate::admin::format_job::FormatRun;
 use crate::io::{GroupPoller, QueueGroup, Shadow};
-use crate::log::{ErrorEntry, GroupCounters, Totals};
+use crate::log::{GroupCounters, Totals};
 use crate::ns::Ns;
-use crate::queue::{db_index, ring_ranges, CqRing, SqRing, Sqe, CQE_SIZE, SQE_SIZE};
+use crate::queue::{CqRing, SqRing};
 use crate::regs::{self, Regs};
 pub(crate) use crate::shared::Shared;
 use crate::status::Status;
@@ -82,10 +83,10 @@ pub(crate) struct State {
     /// When the Keep Alive Timer expires (KATO set and not 0); restarted by each
     /// Keep Alive command.
     pub keep_alive: Option<Instant>,
-    /// Quiesced for a handover (`handover.rs`): no admin or I/O command is
+    /// Paused for a handover (`handover/`): no admin or I/O command is
     /// fetched, queue groups are parked off their reactors, the Keep Alive Timer
     /// is stopped.
-    pub quiesced: bool,
+    pub paused: bool,
 }
 
 impl State {
@@ -129,7 +130,7 @@ pub(crate) struct Inner {
     /// Requests for such a pass (see [`Inner::admin_elsewhere`]).
     pub admin_kicks: AtomicU64,
     /// Its state was saved for another controller that takes the client over
-    /// (`handover.rs`): it must not touch the doorbell page again (a reset or
+    /// (`handover/`): it must not touch the doorbell page again (a reset or
     /// shutdown clears it otherwise). Cleared by `resume`.
     pub handed_over: AtomicBool,
 }
@@ -171,7 +172,7 @@ impl Inner {
                 ns_event_masked: false,
                 placer,
                 keep_alive: None,
-                quiesced: false,
+                paused: false,
             }),
             stop: AtomicBool::new(false),
             messages: AtomicBool::new(false),
@@ -484,12 +485,12 @@ impl Inner {
     }
 
     /// Parks a group without SQs (nothing to poll) or while the controller is
-    /// quiesced, or hands it to its reactor.
+    /// paused, or hands it to its reactor.
     pub fn place_group(&self, st: &mut State, g: Box<QueueGroup>) -> Result<(), Status> {
         let cqid = g.out.cq.qid;
         let counters = g.out.counters();
         let mailbox = g.out.rec.mailbox();
-        let place = if g.sqs.is_empty() || st.quiesced {
+        let place = if g.sqs.is_empty() || st.paused {
             let mut g = g;
             g.park();
             db_targets(&self.shared, &g, None, false);
@@ -541,165 +542,6 @@ impl Inner {
             },
         );
         Ok(())
-    }
-
-    /// Whether [`Inner::admin_poll`] has something to do: commands, events or
-    /// finished commands to post, or an expired Keep Alive Timer.
-    pub fn admin_pending(&self, st: &State) -> bool {
-        let Some(q) = st.admin else { return false };
-        if st.quiesced {
-            return !st.done.is_empty();
-        }
-        if st.keep_alive.is_some_and(|t| Instant::now() > t) {
-            return true;
-        }
-        let tail = self
-            .shared
-            .doorbells
-            .all()
-            .load_u32(DOORBELL_OFFSET as usize + db_index(0, false))
-            .map(u32::from_le)
-            .unwrap_or(0);
-        tail != u32::from(q.sq.head)
-            || (!st.events.is_empty() && !st.aer.is_empty())
-            || !st.done.is_empty()
-    }
-
-    /// One pass over the admin queue. Returns the number of commands handled.
-    pub fn admin_poll(&self, st: &mut State) -> usize {
-        let Some(mut q) = st.admin else { return 0 };
-        if self.shared.fatal.load(Ordering::Acquire) {
-            return 0;
-        }
-        if st.keep_alive.is_some_and(|t| Instant::now() > t) {
-            // NVMe 1.4 §7.12: the host stopped sending Keep Alive within KATO.
-            st.keep_alive = None;
-            self.shared.set_fatal(&format!(
-                "keep alive timeout expired (KATO {} ms)",
-                st.features.kato
-            ));
-            return 0;
-        }
-        let page = self.shared.doorbells.all();
-        let db = |qid, cq| {
-            page.load_u32(DOORBELL_OFFSET as usize + db_index(qid, cq))
-                .map(u32::from_le)
-                .unwrap_or(0)
-        };
-        let tail = db(0, false);
-        let head = db(0, true);
-        if tail >= u32::from(q.sq.size) || head >= u32::from(q.cq.size) {
-            self.shared.set_fatal("admin doorbell beyond queue size");
-            return 0;
-        }
-        q.cq.head = head as u16;
-        // Quiesced (`handover.rs`): only commands that finished already are posted;
-        // nothing new is fetched and events wait.
-        let fetch = !st.quiesced;
-        let pending_aer = fetch && !st.events.is_empty() && !st.aer.is_empty();
-        let new_cmds = fetch && tail as u16 != q.sq.head;
-        if !new_cmds && !pending_aer && st.done.is_empty() {
-            return 0;
-        }
-        let (_, map) = self.mem.snapshot();
-        let (Ok(sq_ring), Ok(cq_ring)) = (
-            map.translate(q.sq.base, q.sq.ring_bytes(), Access::Read),
-            map.translate(q.cq.base, q.cq.ring_bytes(), Access::Write),
-        ) else {
-            self.shared.set_fatal("admin queue memory unmapped");
-            return 0;
-        };
-        // Unshared client memory (docs/decisions/0020-dma-messages.md): the new
-        // entries come over first; what we post goes over before the interrupt.
-        if new_cmds {
-            let new = ring_ranges(q.sq.base, q.sq.head, tail as u16, q.sq.size, SQE_SIZE);
-            if map.fetch(&new).is_err() {
-                self.shared
-                    .set_fatal("cannot fetch admin SQ entries from the client");
-                return 0;
-            }
-        }
-        let first = q.cq.tail;
-        let mut posted = 0usize;
-        while q.cq.free() > 0 {
-            let Some((cid, status)) = st.done.pop_front() else {
-                break;
-            };
-            if !status.is_ok() {
-                self.shared.record_error(ErrorEntry {
-                    count: 0,
-                    sqid: 0,
-                    cid,
-                    status,
-                    lba: 0,
-                    nsid: 0,
-                });
-            }
-            if !q.cq.post(&cq_ring, 0, q.sq.head, 0, cid, status) {
-                break;
-            }
-            posted += 1;
-        }
-        // Events wait for an Asynchronous Event Request: those outstanding now, and
-        // (below) those this pass fetches, or an event queued while that request's
-        // doorbell was on its way would wait for the next admin command.
-        let post_events = |st: &mut State, q: &mut AdminQueues, posted: &mut usize| {
-            while !st.quiesced && q.cq.free() > 0 && !st.events.is_empty() && !st.aer.is_empty() {
-                let (Some(ev), cid) = (st.events.pop_front(), st.aer.remove(0)) else {
-                    break;
-                };
-                if !q.cq.post(&cq_ring, ev, q.sq.head, 0, cid, Status::SUCCESS) {
-                    break;
-                }
-                *posted += 1;
-            }
-        };
-        post_events(st, &mut q, &mut posted);
-        while fetch && q.sq.head != tail as u16 && q.cq.free() > 0 {
-            let Some(sqe) = Sqe::fetch(&sq_ring, q.sq.head) else {
-                self.shared.set_fatal("cannot read admin SQ entry");
-                return posted;
-            };
-            q.sq.advance();
-            st.admin_commands = st.admin_commands.wrapping_add(1);
-            if let Some((dw0, status)) = self.exec_admin_pcie(st, &map, &sqe) {
-                if !status.is_ok() {
-                    tracing::debug!(
-                        opcode = sqe.opcode(),
-                        cdw10 = format_args!("{:#x}", sqe.cdw(10)),
-                        status = format_args!("{:#x}", status.0),
-                        "nvme: admin command failed"
-                    );
-                    self.shared.record_error(ErrorEntry {
-                        count: 0,
-                        sqid: 0,
-                        cid: sqe.cid(),
-                        status,
-                        lba: 0,
-                        nsid: sqe.nsid(),
-                    });
-                }
-                if !q.cq.post(&cq_ring, dw0, q.sq.head, 0, sqe.cid(), status) {
-                    self.shared.set_fatal("cannot write admin CQ entry");
-                    return posted;
-                }
-                posted += 1;
-            }
-        }
-        post_events(st, &mut q, &mut posted);
-        if st.admin.is_some() {
-            st.admin = Some(q);
-        }
-        if posted > 0 {
-            let written = ring_ranges(q.cq.base, first, q.cq.tail, q.cq.size, CQE_SIZE);
-            if map.push(&written).is_err() {
-                self.shared
-                    .set_fatal("cannot send admin CQ entries to the client");
-                return posted;
-            }
-            self.shared.irqs.signal(0);
-        }
-        posted.max(1)
     }
 
     /// Takes the controller out of the admin service (see `service`).

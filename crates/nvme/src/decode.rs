@@ -82,12 +82,28 @@ fn lba_range(sqe: &Sqe, disk: &Disk<'_>) -> Result<(u64, u64, u64), Status> {
 }
 
 /// The I/O command `sqe` asks of a namespace with `ns` facts (`None`: no such
-/// active namespace).
+/// active namespace). Per command on the I/O path: the per-command decoders are
+/// `#[inline]` so that this stays one function after optimization.
 pub(crate) fn decode(sqe: &Sqe, ns: Option<Facts<'_>>) -> Result<IoCmd, Status> {
     let op = sqe.opcode();
     if !matches!(op, OP_FLUSH | OP_WRITE | OP_READ | OP_WRITE_ZEROES | OP_DSM) {
         return Err(Status::INVALID_OPCODE);
     }
+    let ns = usable_namespace(sqe, ns)?;
+    match op {
+        OP_FLUSH => Ok(IoCmd::Flush),
+        OP_READ => read_write(sqe, &ns, IoOp::Read),
+        OP_WRITE => read_write(sqe, &ns, IoOp::Write),
+        OP_WRITE_ZEROES => write_zeroes(sqe, &ns),
+        _ => Ok(dataset_management(sqe)),
+    }
+}
+
+/// What every command of the set checks after its opcode, in the order the
+/// statuses are reported: no fused operation, an active namespace, not being
+/// formatted.
+#[inline]
+fn usable_namespace<'a>(sqe: &Sqe, ns: Option<Facts<'a>>) -> Result<Facts<'a>, Status> {
     if sqe.fuse() != 0 {
         return Err(Status::INVALID_FIELD);
     }
@@ -97,46 +113,52 @@ pub(crate) fn decode(sqe: &Sqe, ns: Option<Facts<'_>>) -> Result<IoCmd, Status> 
     if ns.formatting {
         return Err(Status::FORMAT_IN_PROGRESS);
     }
-    let info = ns.info;
+    Ok(ns)
+}
+
+/// Read or Write (`io`): range, MDTS, the disk's policy on `io` and FUA.
+#[inline]
+fn read_write(sqe: &Sqe, ns: &Facts<'_>, io: IoOp) -> Result<IoCmd, Status> {
     let disk = ns.disk();
-    let fua_bit = sqe.cdw(12) & FUA != 0;
-    match op {
-        OP_FLUSH => Ok(IoCmd::Flush),
-        OP_READ | OP_WRITE => {
-            let write = op == OP_WRITE;
-            let io = if write { IoOp::Write } else { IoOp::Read };
-            let (slba, offset, bytes) = lba_range(sqe, &disk)?;
-            if bytes > ns.mdts_bytes {
-                return Err(Status::INVALID_FIELD);
-            }
-            disk.allows(io).map_err(Nvme::refused)?;
-            // With the write cache turned off by the host, every write is made durable.
-            let fua = disk.fua(io, fua_bit);
-            Ok(IoCmd::Rw {
-                write,
-                slba,
-                offset,
-                bytes,
-                fua,
-            })
-        }
-        OP_WRITE_ZEROES => {
-            if !info.write_zeroes {
-                return Err(Status::INVALID_OPCODE);
-            }
-            let (slba, offset, len) = lba_range(sqe, &disk)?;
-            disk.allows(IoOp::WriteZeroes).map_err(Nvme::refused)?;
-            Ok(IoCmd::WriteZeroes {
-                slba,
-                offset,
-                len,
-                fua: disk.fua(IoOp::WriteZeroes, fua_bit),
-            })
-        }
-        _ => Ok(IoCmd::Dsm {
-            ranges: (sqe.cdw(10) & 0xff) as usize + 1,
-            deallocate: sqe.cdw(11) & (1 << 2) != 0,
-        }),
+    let (slba, offset, bytes) = lba_range(sqe, &disk)?;
+    if bytes > ns.mdts_bytes {
+        return Err(Status::INVALID_FIELD);
+    }
+    disk.allows(io).map_err(Nvme::refused)?;
+    // With the write cache turned off by the host, every write is made durable.
+    let fua = disk.fua(io, sqe.cdw(12) & FUA != 0);
+    Ok(IoCmd::Rw {
+        write: io == IoOp::Write,
+        slba,
+        offset,
+        bytes,
+        fua,
+    })
+}
+
+/// Write Zeroes: only on a namespace whose backend offers it; no MDTS, no data.
+#[inline]
+fn write_zeroes(sqe: &Sqe, ns: &Facts<'_>) -> Result<IoCmd, Status> {
+    if !ns.info.write_zeroes {
+        return Err(Status::INVALID_OPCODE);
+    }
+    let disk = ns.disk();
+    let (slba, offset, len) = lba_range(sqe, &disk)?;
+    disk.allows(IoOp::WriteZeroes).map_err(Nvme::refused)?;
+    Ok(IoCmd::WriteZeroes {
+        slba,
+        offset,
+        len,
+        fua: disk.fua(IoOp::WriteZeroes, sqe.cdw(12) & FUA != 0),
+    })
+}
+
+/// Dataset Management: its ranges are in the data buffer, checked when read.
+#[inline]
+fn dataset_management(sqe: &Sqe) -> IoCmd {
+    IoCmd::Dsm {
+        ranges: (sqe.cdw(10) & 0xff) as usize + 1,
+        deallocate: sqe.cdw(11) & (1 << 2) != 0,
     }
 }
 
@@ -167,40 +189,54 @@ mod tests {
         }
     }
 
-    #[test]
-    fn decoding_table() {
-        let plain = info(false, true);
-        let cached = info(true, false);
-        let ro = BlockInfo {
+    fn read_only_info() -> BlockInfo {
+        BlockInfo {
             read_only: true,
             ..info(false, true)
-        };
-        let facts = |info, wce| {
-            Some(Facts {
-                info,
-                wce,
-                mdts_bytes: 128 << 10,
-                formatting: false,
-            })
-        };
-        let formatting = Some(Facts {
-            info: &plain,
-            wce: true,
+        }
+    }
+
+    fn facts(info: &BlockInfo, wce: bool) -> Option<Facts<'_>> {
+        Some(Facts {
+            info,
+            wce,
             mdts_bytes: 128 << 10,
+            formatting: false,
+        })
+    }
+
+    fn formatting(info: &BlockInfo) -> Option<Facts<'_>> {
+        Some(Facts {
             formatting: true,
-        });
-        let rw = |write, slba, nlb: u64, fua| {
-            Ok(IoCmd::Rw {
-                write,
-                slba,
-                offset: slba * 512,
-                bytes: nlb * 512,
-                fua,
-            })
-        };
-        use Status as S;
-        type Case<'a> = (&'a str, Sqe, Option<Facts<'a>>, Result<IoCmd, Status>);
-        let cases: &[Case] = &[
+            ..facts(info, true)?
+        })
+    }
+
+    fn rw(write: bool, slba: u64, nlb: u64, fua: bool) -> Result<IoCmd, Status> {
+        Ok(IoCmd::Rw {
+            write,
+            slba,
+            offset: slba * 512,
+            bytes: nlb * 512,
+            fua,
+        })
+    }
+
+    type Case<'a> = (&'a str, Sqe, Option<Facts<'a>>, Result<IoCmd, Status>);
+
+    fn check(cases: &[Case<'_>]) {
+        for (what, s, ns, want) in cases {
+            assert_eq!(decode(s, *ns), *want, "{what}");
+        }
+    }
+
+    /// Read and Write: the range in blocks, MDTS, and FUA as the host's write cache
+    /// setting makes it.
+    #[test]
+    fn reads_and_writes() {
+        let plain = info(false, true);
+        let cached = info(true, false);
+        check(&[
             (
                 "read",
                 sqe(OP_READ, 0, 1, [10, 0, 7]),
@@ -241,25 +277,25 @@ mod tests {
                 "past the end",
                 sqe(OP_READ, 0, 1, [999, 0, 1]),
                 facts(&plain, true),
-                Err(S::LBA_OUT_OF_RANGE),
+                Err(Status::LBA_OUT_OF_RANGE),
             ),
             (
                 "SLBA high dword",
                 sqe(OP_READ, 0, 1, [0, 1, 0]),
                 facts(&plain, true),
-                Err(S::LBA_OUT_OF_RANGE),
+                Err(Status::LBA_OUT_OF_RANGE),
             ),
             (
                 "SLBA wraps",
                 sqe(OP_WRITE, 0, 1, [u32::MAX, u32::MAX, 0xffff]),
                 facts(&plain, true),
-                Err(S::LBA_OUT_OF_RANGE),
+                Err(Status::LBA_OUT_OF_RANGE),
             ),
             (
                 "beyond MDTS",
                 sqe(OP_READ, 0, 1, [0, 0, 256]),
                 facts(&plain, true),
-                Err(S::INVALID_FIELD),
+                Err(Status::INVALID_FIELD),
             ),
             (
                 "at MDTS",
@@ -267,54 +303,72 @@ mod tests {
                 facts(&plain, true),
                 rw(false, 0, 256, false),
             ),
+        ]);
+    }
+
+    /// Statuses in the order NVMe reports them: opcode, fused operation, namespace,
+    /// a Format NVM in progress.
+    #[test]
+    fn refusals_in_status_order() {
+        let plain = info(false, true);
+        check(&[
             (
                 "unknown opcode",
                 sqe(0x7f, 0, 1, [0; 3]),
                 facts(&plain, true),
-                Err(S::INVALID_OPCODE),
+                Err(Status::INVALID_OPCODE),
             ),
             (
                 "unknown opcode, no namespace",
                 sqe(0x7f, 0, 9, [0; 3]),
                 None,
-                Err(S::INVALID_OPCODE),
+                Err(Status::INVALID_OPCODE),
             ),
             (
                 "fused",
                 sqe(OP_READ, 1, 1, [0; 3]),
                 facts(&plain, true),
-                Err(S::INVALID_FIELD),
+                Err(Status::INVALID_FIELD),
             ),
             (
                 "fused, no namespace",
                 sqe(OP_READ, 2, 9, [0; 3]),
                 None,
-                Err(S::INVALID_FIELD),
+                Err(Status::INVALID_FIELD),
             ),
             (
                 "no namespace",
                 sqe(OP_READ, 0, 9, [0; 3]),
                 None,
-                Err(S::INVALID_NAMESPACE),
+                Err(Status::INVALID_NAMESPACE),
             ),
             (
                 "read while formatting",
                 sqe(OP_READ, 0, 1, [0; 3]),
-                formatting,
-                Err(S::FORMAT_IN_PROGRESS),
+                formatting(&plain),
+                Err(Status::FORMAT_IN_PROGRESS),
             ),
             (
                 "flush while formatting",
                 sqe(OP_FLUSH, 0, 1, [0; 3]),
-                formatting,
-                Err(S::FORMAT_IN_PROGRESS),
+                formatting(&plain),
+                Err(Status::FORMAT_IN_PROGRESS),
             ),
             (
                 "unknown opcode while formatting",
                 sqe(0x7f, 0, 1, [0; 3]),
-                formatting,
-                Err(S::INVALID_OPCODE),
+                formatting(&plain),
+                Err(Status::INVALID_OPCODE),
             ),
+        ]);
+    }
+
+    /// Flush, Write Zeroes (only where the backend has it) and Dataset Management.
+    #[test]
+    fn flush_write_zeroes_and_dsm() {
+        let plain = info(false, true);
+        let cached = info(true, false);
+        check(&[
             (
                 "flush",
                 sqe(OP_FLUSH, 0, 1, [0; 3]),
@@ -336,43 +390,13 @@ mod tests {
                 "write zeroes past the end",
                 sqe(OP_WRITE_ZEROES, 0, 1, [999, 0, 1]),
                 facts(&plain, true),
-                Err(S::LBA_OUT_OF_RANGE),
+                Err(Status::LBA_OUT_OF_RANGE),
             ),
             (
                 "write zeroes unsupported",
                 sqe(OP_WRITE_ZEROES, 0, 1, [0; 3]),
                 facts(&cached, true),
-                Err(S::INVALID_OPCODE),
-            ),
-            (
-                "read, read-only",
-                sqe(OP_READ, 0, 1, [0, 0, 0]),
-                facts(&ro, true),
-                rw(false, 0, 1, false),
-            ),
-            (
-                "write, read-only",
-                sqe(OP_WRITE, 0, 1, [0, 0, 0]),
-                facts(&ro, true),
-                Err(S::WRITE_TO_READ_ONLY),
-            ),
-            (
-                "write past the end, read-only",
-                sqe(OP_WRITE, 0, 1, [999, 0, 1]),
-                facts(&ro, true),
-                Err(S::LBA_OUT_OF_RANGE),
-            ),
-            (
-                "write zeroes, read-only",
-                sqe(OP_WRITE_ZEROES, 0, 1, [0, 0, 0]),
-                facts(&ro, true),
-                Err(S::WRITE_TO_READ_ONLY),
-            ),
-            (
-                "flush, read-only",
-                sqe(OP_FLUSH, 0, 1, [0; 3]),
-                facts(&ro, true),
-                Ok(IoCmd::Flush),
+                Err(Status::INVALID_OPCODE),
             ),
             (
                 "DSM deallocate",
@@ -392,9 +416,44 @@ mod tests {
                     deallocate: false,
                 }),
             ),
-        ];
-        for (what, s, ns, want) in cases {
-            assert_eq!(decode(s, *ns), *want, "{what}");
-        }
+        ]);
+    }
+
+    /// A read-only namespace refuses what writes, after the range check.
+    #[test]
+    fn read_only_namespace() {
+        let ro = read_only_info();
+        check(&[
+            (
+                "read, read-only",
+                sqe(OP_READ, 0, 1, [0, 0, 0]),
+                facts(&ro, true),
+                rw(false, 0, 1, false),
+            ),
+            (
+                "write, read-only",
+                sqe(OP_WRITE, 0, 1, [0, 0, 0]),
+                facts(&ro, true),
+                Err(Status::WRITE_TO_READ_ONLY),
+            ),
+            (
+                "write past the end, read-only",
+                sqe(OP_WRITE, 0, 1, [999, 0, 1]),
+                facts(&ro, true),
+                Err(Status::LBA_OUT_OF_RANGE),
+            ),
+            (
+                "write zeroes, read-only",
+                sqe(OP_WRITE_ZEROES, 0, 1, [0, 0, 0]),
+                facts(&ro, true),
+                Err(Status::WRITE_TO_READ_ONLY),
+            ),
+            (
+                "flush, read-only",
+                sqe(OP_FLUSH, 0, 1, [0; 3]),
+                facts(&ro, true),
+                Ok(IoCmd::Flush),
+            ),
+        ]);
     }
 }

@@ -30,10 +30,11 @@
 //! blocks and erases it on a thread of its own; the admin command completes when
 //! the erase is done.
 //!
-//! A running controller can be handed to another process (`handover.rs`,
-//! docs/decisions/0023-nvme-controller-state.md): [`Controller::quiesce`],
+//! A running controller can be handed to another process (`handover/`,
+//! docs/decisions/0023-nvme-controller-state.md): [`Controller::pause`],
 //! [`Controller::save`], and [`Controller::restore`] on a fresh
-//! controller over the same memory, doorbell page and namespaces.
+//! controller over the same memory, doorbell page and namespaces
+//! ([`Controller::resume`] if the handover fails).
 //!
 //! Not implemented: namespace management/attach, firmware commands, SGL Bit
 //! Bucket descriptors, metadata and protection information, cryptographic erase.
@@ -450,27 +451,27 @@ impl Controller {
     /// stay outstanding; the Keep Alive Timer stops. Doorbells the host writes
     /// meanwhile stay where it wrote them, for whoever serves it next.
     ///
-    /// On error the controller runs on as before. A quiesced controller is
+    /// On error the controller runs on as before. A paused controller is
     /// resumed with [`Controller::resume`] or its state handed to another one
     /// with [`Controller::save`]. Refused for a client whose memory moves by
     /// DMA messages. The I/O path is untouched: queue groups are taken off their
     /// reactors as queue deletion does. Call it from the control path (not from
-    /// a reactor thread); quiescing a quiesced controller does nothing.
+    /// a reactor thread); pausing a paused controller does nothing.
     pub fn pause(&self, timeout: Duration) -> Result<(), PauseError> {
         self.inner.pause(timeout)
     }
 
-    /// Undoes [`Controller::quiesce`] (also after a [`Controller::save`]
+    /// Undoes [`Controller::pause`] (also after a [`Controller::save`]
     /// whose handover failed): queues go back to their reactors, admin commands
     /// written meanwhile are fetched, the Keep Alive Timer restarts in full. Does
-    /// nothing if the controller is not quiesced.
+    /// nothing if the controller is not paused.
     pub fn resume(&self) {
         self.inner.resume()
     }
 
     /// Everything a controller in another process needs to take this one's client
     /// over (registers, queues and their positions, features, outstanding AERs and
-    /// queued events, shadow doorbells, logs, counters): only while quiesced.
+    /// queued events, shadow doorbells, logs, counters): only while paused.
     /// From then on this controller leaves the doorbell page alone (a reset or
     /// [`Controller::shutdown`] would clear it) until [`Controller::resume`].
     pub fn save(&self) -> Result<ControllerState, SaveError> {

@@ -1,4 +1,4 @@
-//! Tracing overhead benchmark (issue 5): one in-process NVMe controller (`null` and
+//! Tracing overhead benchmark: one in-process NVMe controller (`null` and
 //! `ram` namespaces) on one reactor pinned to CPU 0, udrive's initiator on CPU 1,
 //! 4 KiB random reads at QD1 and QD32, tracing off and on (every I/O) alternating.
 //! Prints a Markdown table of IOPS (median, min–max) and the overhead; then, with
@@ -32,6 +32,16 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// One measured configuration: a namespace at a queue depth, tracing off or on,
+/// and the IOPS of each repetition.
+struct Row {
+    ns: &'static str,
+    nsid: u32,
+    qd: u32,
+    trace: bool,
+    iops: Vec<f64>,
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let reps: usize = args.first().map_or(Ok(5), |s| s.parse())?;
@@ -42,11 +52,35 @@ fn main() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let sock = dir.path().join("bench.sock");
     let file_dir = std::env::var("TRACE_BENCH_FILE_DIR").unwrap_or_else(|_| "/var/tmp".into());
+    let file = data_file(&file_dir)?;
+    let dev = start_device(&engine, &sock, file.path())?;
+    // The initiator's job threads inherit this.
+    pin(if ncpu > 1 { 1 } else { 0 })?;
+    let base = WorkloadConfig {
+        bs: 4096,
+        jobs: 1,
+        time: Duration::from_secs_f64(secs),
+        ..Default::default()
+    };
+    let driver = connect_and_fill(&sock, &base)?;
+    let mut rows = measure_overhead(&dev.ctrl, &driver, &base, reps, secs)?;
+    print_overhead(&mut rows, reps);
+    if let Some(out) = out {
+        write_breakdowns(&dev.ctrl, &driver, &base, &out, &file_dir)?;
+    }
+    drop(Arc::clone(&engine));
+    dev.stop();
+    engine.shutdown();
+    Ok(())
+}
+
+/// A 256 MiB file in `dir` for the `file` namespace, of written blocks, not holes:
+/// reads of holes never reach the disk.
+fn data_file(dir: &str) -> Result<tempfile::NamedTempFile> {
     let file = tempfile::Builder::new()
         .prefix("udrive-trace-bench")
-        .tempfile_in(&file_dir)
-        .with_context(|| format!("temp file in {file_dir}"))?;
-    // Written blocks, not holes: reads of holes never reach the disk.
+        .tempfile_in(dir)
+        .with_context(|| format!("temp file in {dir}"))?;
     {
         use std::io::Write;
         let mut f = file.as_file();
@@ -56,31 +90,37 @@ fn main() -> Result<()> {
         }
         f.sync_all()?;
     }
-    let file_spec = format!("file:{},direct=on", file.path().display());
+    Ok(file)
+}
+
+/// The controller on `sock`: namespaces 1 `null`, 2 `ram`, 3 `file` (O_DIRECT).
+fn start_device(
+    engine: &Arc<engine::Engine>,
+    sock: &std::path::Path,
+    file: &std::path::Path,
+) -> Result<NvmeDevice> {
+    let file_spec = format!("file:{},direct=on", file.display());
     let specs: Vec<NsSpec> = ["null:64G", "ram:1G", file_spec.as_str()]
         .iter()
         .map(|s| s.parse().map_err(anyhow::Error::msg))
         .collect::<Result<_>>()?;
-    let cfg = ControllerConfig::new(sock.clone(), specs);
+    let cfg = ControllerConfig::new(sock.to_path_buf(), specs);
     let devs = udrive::backends::open_all(std::slice::from_ref(&cfg))?.remove(0);
-    let dev = NvmeDevice::start(
+    NvmeDevice::start(
         &cfg,
         devs,
         1,
-        &engine,
+        engine,
         engine.num_reactors(),
         udrive::process::DeviceLife::standalone(&NvmeDevice::keep_prefix(&cfg.socket)),
-    )?;
-    // The initiator's job threads inherit this.
-    pin(if ncpu > 1 { 1 } else { 0 })?;
-    let base = WorkloadConfig {
-        bs: 4096,
-        jobs: 1,
-        time: Duration::from_secs_f64(secs),
-        ..Default::default()
-    };
+    )
+}
+
+/// The initiator on one queue pair, with the `ram` namespace written all over so
+/// that reads copy real pages.
+fn connect_and_fill(sock: &std::path::Path, base: &WorkloadConfig) -> Result<NvmeDriver> {
     let driver = NvmeDriver::connect(
-        &sock,
+        sock,
         DriverOpts {
             pool_bytes: workload::pool_bytes_for(&WorkloadConfig {
                 qd: 32,
@@ -91,7 +131,6 @@ fn main() -> Result<()> {
         },
     )?;
     let ram = NvmeTarget::new(&driver, 2, DataMode::Prp)?;
-    // Fill the ram namespace so reads copy real pages.
     workload::run(
         &ram,
         &WorkloadConfig {
@@ -102,23 +141,38 @@ fn main() -> Result<()> {
             ..base.clone()
         },
     )?;
-    let ctrl = &dev.ctrl;
+    Ok(driver)
+}
+
+/// Random reads on `null` and `ram` at QD1 and QD32, tracing off and on (every
+/// I/O), each configuration once per repetition, in turn.
+fn measure_overhead(
+    ctrl: &nvme::Controller,
+    driver: &NvmeDriver,
+    base: &WorkloadConfig,
+    reps: usize,
+    secs: f64,
+) -> Result<Vec<Row>> {
     let t = Duration::from_secs(2);
-    let mut rows: Vec<(String, u32, bool, Vec<f64>)> = Vec::new();
+    let mut rows = Vec::new();
     for (ns, nsid) in [("null", 1u32), ("ram", 2)] {
         for qd in [1u32, 32] {
-            for on in [false, true] {
-                rows.push((ns.to_string(), qd, on, Vec::new()));
+            for trace in [false, true] {
+                rows.push(Row {
+                    ns,
+                    nsid,
+                    qd,
+                    trace,
+                    iops: Vec::new(),
+                });
             }
         }
-        let _ = nsid;
     }
     eprintln!("{reps} reps x {} configs x {secs}s ...", rows.len());
     for r in 0..reps {
         for row in rows.iter_mut() {
-            let nsid = if row.0 == "null" { 1 } else { 2 };
-            let target = NvmeTarget::new(&driver, nsid, DataMode::Prp)?;
-            if row.2 {
+            let target = NvmeTarget::new(driver, row.nsid, DataMode::Prp)?;
+            if row.trace {
                 ctrl.trace_start(1, t);
             } else {
                 ctrl.trace_stop(t);
@@ -126,16 +180,22 @@ fn main() -> Result<()> {
             let rep = workload::run(
                 &target,
                 &WorkloadConfig {
-                    qd: row.1,
+                    qd: row.qd,
                     seed: r as u64 + 1,
                     ..base.clone()
                 },
             )?;
-            row.3.push(rep.iops);
-            eprint!("\r  rep {r} {} qd{} trace={}   ", row.0, row.1, row.2);
+            row.iops.push(rep.iops);
+            eprint!("\r  rep {r} {} qd{} trace={}   ", row.ns, row.qd, row.trace);
         }
     }
     eprintln!();
+    Ok(rows)
+}
+
+/// The Markdown table: per namespace and QD, IOPS tracing off and on (median,
+/// min–max) and the difference of the medians.
+fn print_overhead(rows: &mut [Row], reps: usize) {
     println!("| backend | QD | tracing off IOPS (k) | every I/O IOPS (k) | overhead |");
     println!("|---|---|---|---|---|");
     for pair in rows.chunks_mut(2) {
@@ -146,14 +206,14 @@ fn main() -> Result<()> {
             let hi = v.iter().copied().fold(0.0, f64::max) / 1e3;
             (lo, hi)
         };
-        let (ol, oh) = fmt(&off.3);
-        let (nl, nh) = fmt(&on.3);
-        let mo = median(&mut off.3);
-        let mn = median(&mut on.3);
+        let (ol, oh) = fmt(&off.iops);
+        let (nl, nh) = fmt(&on.iops);
+        let mo = median(&mut off.iops);
+        let mn = median(&mut on.iops);
         println!(
             "| {} | {} | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}) | {:+.1} % |",
-            off.0,
-            off.1,
+            off.ns,
+            off.qd,
             mo / 1e3,
             ol,
             oh,
@@ -164,41 +224,48 @@ fn main() -> Result<()> {
         );
     }
     println!("\n{reps} runs each, alternating; median (min–max).");
-    if let Some(out) = out {
-        std::fs::create_dir_all(&out)?;
-        for (ns, nsid) in [("null", 1u32), ("ram", 2), ("file", 3)] {
-            let target = NvmeTarget::new(&driver, nsid, DataMode::Prp)?;
-            ctrl.trace_start(1, t);
-            let rep = workload::run(
-                &target,
-                &WorkloadConfig {
-                    rw: Rw::RandRw { read_pct: 50 },
-                    qd: 1,
-                    trace: true,
-                    ..base.clone()
-                },
-            )?;
-            ctrl.trace_stop(t);
-            let server = Breakdown::from_queues(&ctrl.queue_stats(t));
-            let init = rep.trace.clone().context("initiator trace")?;
-            let full = Breakdown::full_path(&init, &server);
-            let text = udrive::trace_view::table(&full);
-            let what = if ns == "file" {
-                format!("file ({file_dir}, O_DIRECT)")
-            } else {
-                ns.to_string()
-            };
-            println!("\n{what}, 4 KiB randrw50, QD1 (µs):\n{text}");
-            std::fs::write(out.join(format!("trace-{ns}.txt")), &text)?;
-            udrive::trace_view::plot(
-                &full,
-                &format!("udrive {ns} namespace, 4 KiB randrw QD1: mean time per layer"),
-                &out.join(format!("trace-{ns}.png")),
-            )?;
-        }
+}
+
+/// With tracing on in the server and the initiator, the full path's breakdown per
+/// namespace at 4 KiB randrw50 QD1, printed and written to `out` as text and PNG.
+fn write_breakdowns(
+    ctrl: &nvme::Controller,
+    driver: &NvmeDriver,
+    base: &WorkloadConfig,
+    out: &std::path::Path,
+    file_dir: &str,
+) -> Result<()> {
+    let t = Duration::from_secs(2);
+    std::fs::create_dir_all(out)?;
+    for (ns, nsid) in [("null", 1u32), ("ram", 2), ("file", 3)] {
+        let target = NvmeTarget::new(driver, nsid, DataMode::Prp)?;
+        ctrl.trace_start(1, t);
+        let rep = workload::run(
+            &target,
+            &WorkloadConfig {
+                rw: Rw::RandRw { read_pct: 50 },
+                qd: 1,
+                trace: true,
+                ..base.clone()
+            },
+        )?;
+        ctrl.trace_stop(t);
+        let server = Breakdown::from_queues(&ctrl.queue_stats(t));
+        let init = rep.trace.clone().context("initiator trace")?;
+        let full = Breakdown::full_path(&init, &server);
+        let text = udrive::trace_view::table(&full);
+        let what = if ns == "file" {
+            format!("file ({file_dir}, O_DIRECT)")
+        } else {
+            ns.to_string()
+        };
+        println!("\n{what}, 4 KiB randrw50, QD1 (µs):\n{text}");
+        std::fs::write(out.join(format!("trace-{ns}.txt")), &text)?;
+        udrive::trace_view::plot(
+            &full,
+            &format!("udrive {ns} namespace, 4 KiB randrw QD1: mean time per layer"),
+            &out.join(format!("trace-{ns}.png")),
+        )?;
     }
-    drop(Arc::clone(&engine));
-    dev.stop();
-    engine.shutdown();
     Ok(())
 }

@@ -1,5 +1,5 @@
-//! Handing a running NVMe controller over to another one (issue 15) under a client
-//! that keeps doing verified I/O on its existing queues: quiesce, save, JSON,
+//! Handing a running NVMe controller over to another one under a client
+//! that keeps doing verified I/O on its existing queues: pause, save, JSON,
 //! restore into a second controller over the same guest memory and doorbell page,
 //! switch the transport, shut the old one down. The client must not notice more
 //! than a pause: no reset, no request lost or completed twice, every byte right.
@@ -208,11 +208,11 @@ impl Rig {
         self.handover_with_pause(Duration::ZERO)
     }
 
-    /// A handover that stays quiesced for `pause` before saving.
+    /// A handover that stays paused for `pause` before saving.
     fn handover_with_pause(&self, pause: Duration) -> Duration {
         let t = Instant::now();
         let mut cur = self.switch.0.write().unwrap();
-        cur.pause(Duration::from_secs(5)).expect("quiesce");
+        cur.pause(Duration::from_secs(5)).expect("pause");
         std::thread::sleep(pause);
         let st = cur.save().expect("save state");
         let json = serde_json::to_string(&st).expect("to JSON");
@@ -478,10 +478,10 @@ fn handovers_event_mode_every_doorbell_a_message() {
     }
 }
 
-/// Quiesce and resume (and a save that is rolled back) under I/O: nothing is
-/// fetched while quiesced, and everything goes on afterwards.
+/// Pause and resume (and a save that is rolled back) under I/O: nothing is
+/// fetched while paused, and everything goes on afterwards.
 #[test]
-fn quiesce_rollback_under_io() {
+fn pause_rollback_under_io() {
     let rig = Rig::start(PollMode::Busy);
     let d = rig.connect(opts(Some(false)));
     let mut qps = qpairs(&d);
@@ -496,8 +496,8 @@ fn quiesce_rollback_under_io() {
                 std::thread::sleep(Duration::from_millis(1));
             }
             let ctrl = rig.ctrl();
-            ctrl.pause(Duration::from_secs(5)).expect("quiesce");
-            // Completions posted by the quiesce may still reach the client; the
+            ctrl.pause(Duration::from_secs(5)).expect("pause");
+            // Completions posted by the pause may still reach the client; the
             // controller's own counters must not move.
             let before = ctrl.stats();
             std::thread::sleep(Duration::from_millis(5));
@@ -509,7 +509,7 @@ fn quiesce_rollback_under_io() {
             assert_eq!(
                 (before.reads, before.writes),
                 (after.reads, after.writes),
-                "commands ran while quiesced"
+                "commands ran while paused"
             );
             ctrl.resume();
         }
@@ -520,15 +520,15 @@ fn quiesce_rollback_under_io() {
     assert!(!rig.ctrl().stats().fatal);
 }
 
-/// A refused handover leaves the old controller serving: quiesce refuses a
+/// A refused handover leaves the old controller serving: pause refuses a
 /// controller whose client's memory moves by DMA messages, save refuses one
-/// that is not quiesced.
+/// that is not paused.
 #[test]
 fn refusals() {
     let rig = Rig::start(PollMode::Busy);
     let d = rig.connect(opts(Some(false)));
     let ctrl = rig.ctrl();
-    assert!(matches!(ctrl.save(), Err(nvme::SaveError::NotQuiesced)));
+    assert!(matches!(ctrl.save(), Err(nvme::SaveError::NotPaused)));
     // Restoring into a controller that is running is refused.
     ctrl.pause(Duration::from_secs(1)).unwrap();
     let st = ctrl.save().unwrap();
@@ -812,11 +812,11 @@ fn keep_alive_timer_moves_over() {
     });
 }
 
-/// Requests slower than the quiesce timeout: the quiesce fails and the controller
-/// runs on (they complete, once); with time enough, the quiesce returns only when
+/// Requests slower than the pause timeout: the pause fails and the controller
+/// runs on (they complete, once); with time enough, the pause returns only when
 /// their completions are posted.
 #[test]
-fn quiesce_waits_for_the_backend_or_times_out() {
+fn pause_waits_for_the_backend_or_times_out() {
     let slow = bdev::FaultDisk::new(
         ram(16 << 20),
         bdev::FaultConfig {
@@ -848,7 +848,7 @@ fn quiesce_waits_for_the_backend_or_times_out() {
     let cids = submit(&mut qp);
     match ctrl.pause(Duration::from_millis(30)) {
         Err(nvme::PauseError::Timeout { requests, .. }) => assert_eq!(requests, 8),
-        other => panic!("quiesce with slow requests: {other:?}"),
+        other => panic!("pause with slow requests: {other:?}"),
     }
     for cid in cids {
         let c = qp.wait(cid, Duration::from_secs(5)).expect("completion");
@@ -856,13 +856,13 @@ fn quiesce_waits_for_the_backend_or_times_out() {
     }
     assert!(qp.poll(16).unwrap().is_empty(), "a completion came twice");
     let cids = submit(&mut qp);
-    ctrl.pause(Duration::from_secs(5)).expect("quiesce");
-    // Posted before the quiesce returned.
+    ctrl.pause(Duration::from_secs(5)).expect("pause");
+    // Posted before the pause returned.
     for cid in cids {
         let c = qp
             .try_take(cid)
             .unwrap()
-            .expect("completion posted by the quiesce");
+            .expect("completion posted by the pause");
         assert!(c.status.is_ok());
     }
     ctrl.resume();

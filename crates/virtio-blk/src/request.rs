@@ -127,11 +127,37 @@ impl Slot {
     fn finish(&mut self, status: u8) {
         self.outcome = Outcome::Finish(status);
     }
+
+    /// Refused while parsing: VIRTIO_BLK_S_IOERR, for `cause`.
+    fn fail(&mut self, cause: &'static str) {
+        self.cause = cause;
+        self.finish(S_IOERR);
+    }
+
+    /// Taken for the chain `head`: what a previous request left is cleared.
+    fn start(&mut self, head: u16, mem: &Arc<Mem>) {
+        self.head = head;
+        self.mem = Some(mem.clone());
+        self.status = None;
+        self.data.clear();
+        self.used_len = 0;
+        self.len = 0;
+        self.fua = false;
+        self.outcome = Outcome::Finish(S_IOERR);
+        self.cause = "";
+        self.class = OpClass::Other;
+        self.stamps = Stamps::default();
+    }
 }
 
 /// Reads the chain with head `head` (its descriptors in `chain`) into `slot`,
 /// checking it against the disk `info` the queue serves. `segs` is scratch space
 /// whose capacity bounds the number of descriptors accepted.
+///
+/// Parsing (the chain's framing, then the header) is apart from preparing (each
+/// type's checks against the device's features and the disk, and the slot filled
+/// for the backend), as rust-vmm's `Request::parse` is apart from its executor.
+/// GET_ID is answered here: it needs no backend.
 pub(crate) fn parse(
     head: u16,
     chain: impl Iterator<Item = Descriptor>,
@@ -140,19 +166,48 @@ pub(crate) fn parse(
     segs: &mut Vec<Seg>,
     slot: &mut Slot,
 ) {
-    slot.head = head;
-    slot.mem = Some(mem.clone());
-    slot.status = None;
-    slot.data.clear();
-    slot.used_len = 0;
-    slot.len = 0;
-    slot.fua = false;
-    slot.outcome = Outcome::Finish(S_IOERR);
-    slot.cause = "";
-    slot.class = OpClass::Other;
-    slot.stamps = Stamps::default();
+    slot.start(head, mem);
     segs.clear();
+    let framing = frame(chain, mem, segs);
+    // Without a writable last byte there is nowhere to put a status: the chain is
+    // returned with nothing written.
+    let Some(last) = framing.last.filter(|l| l.writable) else {
+        slot.fail("no writable status byte (or it is outside guest memory)");
+        return;
+    };
+    slot.status = last.s.sub(last.s.len() - 1, 1);
+    slot.used_len = 1;
+    if let Some(cause) = framing.fault {
+        slot.fail(cause);
+        return;
+    }
+    let Some(hdr) = Header::read(segs) else {
+        slot.fail("short request header");
+        return;
+    };
+    slot.class = hdr.class();
+    let status = prepare(&hdr, (cfg, info), segs, slot);
+    if status != S_OK || slot.outcome != Outcome::Submit {
+        if status == S_IOERR {
+            slot.cause = "bad request (range, alignment, read-only or segment)";
+        }
+        slot.finish(status);
+    }
+}
 
+/// A chain read as byte streams.
+struct Framing {
+    /// The last descriptor with bytes, if it lies in guest memory: its last byte
+    /// takes the status.
+    last: Option<Seg>,
+    /// Why the chain is refused, if it is (the status byte still says so).
+    fault: Option<&'static str>,
+}
+
+/// Reads the descriptors into `segs` (as many as its capacity takes), noting what
+/// makes the chain unusable: a descriptor outside guest memory, more of them than
+/// `seg_max`, a readable one after a writable one.
+fn frame(chain: impl Iterator<Item = Descriptor>, mem: &Arc<Mem>, segs: &mut Vec<Seg>) -> Framing {
     let (mut overflow, mut bad_addr, mut bad_order, mut seen_w) = (false, false, false, false);
     let mut last: Option<Seg> = None;
     for d in chain {
@@ -180,88 +235,108 @@ pub(crate) fn parse(
             }
         }
     }
-
-    // Without a writable last byte there is nowhere to put a status: the chain is
-    // returned with nothing written.
-    let Some(last) = last.filter(|l| l.writable) else {
-        slot.cause = "no writable status byte (or it is outside guest memory)";
-        slot.finish(S_IOERR);
-        return;
+    let fault = if bad_addr {
+        Some("a descriptor is outside the guest memory table")
+    } else if overflow {
+        Some("more descriptors than seg_max allows")
+    } else if bad_order {
+        Some("a readable descriptor follows a writable one")
+    } else {
+        None
     };
-    slot.status = last.s.sub(last.s.len() - 1, 1);
-    slot.used_len = 1;
-    if overflow || bad_addr || bad_order {
-        slot.cause = if bad_addr {
-            "a descriptor is outside the guest memory table"
-        } else if overflow {
-            "more descriptors than seg_max allows"
-        } else {
-            "a readable descriptor follows a writable one"
-        };
-        slot.finish(S_IOERR);
-        return;
+    Framing { last, fault }
+}
+
+/// The request header: type and first sector (the reserved field is ignored).
+struct Header {
+    req_type: u32,
+    sector: u64,
+}
+
+impl Header {
+    /// The header at the start of the readable stream; `None` if it is shorter.
+    fn read(segs: &[Seg]) -> Option<Header> {
+        let mut hdr = [0u8; HEADER];
+        if !gather(segs, false, 0, &mut hdr) {
+            return None;
+        }
+        Some(Header {
+            req_type: u32::from_le_bytes(hdr[0..4].try_into().unwrap_or_default()),
+            sector: u64::from_le_bytes(hdr[8..16].try_into().unwrap_or_default()),
+        })
     }
 
-    let mut hdr = [0u8; HEADER];
-    if !gather(segs, false, 0, &mut hdr) {
-        slot.cause = "short request header";
-        slot.finish(S_IOERR);
-        return;
+    /// What the request is for the counters, also when it is refused.
+    fn class(&self) -> OpClass {
+        match self.req_type {
+            vb::VIRTIO_BLK_T_IN => OpClass::Read,
+            vb::VIRTIO_BLK_T_OUT => OpClass::Write,
+            vb::VIRTIO_BLK_T_FLUSH => OpClass::Flush,
+            _ => OpClass::Other,
+        }
     }
-    let req_type = u32::from_le_bytes(hdr[0..4].try_into().unwrap_or_default());
-    slot.class = match req_type {
-        vb::VIRTIO_BLK_T_IN => OpClass::Read,
-        vb::VIRTIO_BLK_T_OUT => OpClass::Write,
-        vb::VIRTIO_BLK_T_FLUSH => OpClass::Flush,
-        _ => OpClass::Other,
-    };
-    let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap_or_default());
-    let writable_data = total(segs, true).saturating_sub(1);
-    let readable_data = total(segs, false).saturating_sub(HEADER as u64);
+}
 
-    let status = match req_type {
+/// Checks a parsed request of each type and fills the slot: marked for the
+/// backend (`Outcome::Submit`, status `S_OK`), or the status to write now.
+fn prepare(hdr: &Header, f: Facts<'_>, segs: &[Seg], slot: &mut Slot) -> u8 {
+    let cfg = f.0;
+    match hdr.req_type {
         vb::VIRTIO_BLK_T_IN => {
-            let len = collect(segs, true, 0, writable_data, &mut slot.data);
+            let len = collect(segs, true, 0, writable_data(segs), &mut slot.data);
             slot.used_len = u32::try_from(len + 1).unwrap_or(u32::MAX);
-            rw((cfg, info), slot, IoOp::Read, sector, len)
+            rw(f, slot, IoOp::Read, hdr.sector, len)
         }
         vb::VIRTIO_BLK_T_OUT => {
-            let len = collect(segs, false, HEADER as u64, readable_data, &mut slot.data);
-            rw((cfg, info), slot, IoOp::Write, sector, len)
+            let len = collect(
+                segs,
+                false,
+                HEADER as u64,
+                readable_data(segs),
+                &mut slot.data,
+            );
+            rw(f, slot, IoOp::Write, hdr.sector, len)
         }
         vb::VIRTIO_BLK_T_FLUSH => {
             if cfg.features & features::FLUSH == 0 {
-                S_UNSUPP
-            } else {
-                slot.op = IoOp::Flush;
-                slot.offset = 0;
-                return submit(slot);
+                return S_UNSUPP;
             }
+            slot.op = IoOp::Flush;
+            slot.offset = 0;
+            submit(slot);
+            S_OK
         }
-        vb::VIRTIO_BLK_T_GET_ID => {
-            let mut id = [0u8; ID_BYTES];
-            let n = cfg.opts.serial.len().min(ID_BYTES);
-            id[..n].copy_from_slice(&cfg.opts.serial.as_bytes()[..n]);
-            let want = (writable_data as usize).min(ID_BYTES);
-            if scatter(segs, &id[..want]) {
-                slot.used_len = want as u32 + 1;
-                S_OK
-            } else {
-                S_IOERR
-            }
-        }
-        vb::VIRTIO_BLK_T_DISCARD => range_op((cfg, info), segs, slot, readable_data, IoOp::Discard),
+        vb::VIRTIO_BLK_T_GET_ID => get_id(cfg, segs, slot),
+        vb::VIRTIO_BLK_T_DISCARD => range_op(f, segs, slot, readable_data(segs), IoOp::Discard),
         vb::VIRTIO_BLK_T_WRITE_ZEROES => {
-            range_op((cfg, info), segs, slot, readable_data, IoOp::WriteZeroes)
+            range_op(f, segs, slot, readable_data(segs), IoOp::WriteZeroes)
         }
         _ => S_UNSUPP,
-    };
-    if status != S_OK || slot.outcome != Outcome::Submit {
-        if status == S_IOERR {
-            slot.cause = "bad request (range, alignment, read-only or segment)";
-        }
-        slot.finish(status);
     }
+}
+
+/// Writes the device's serial (up to 20 bytes, as much as the buffer takes).
+fn get_id(cfg: &BlkConfig, segs: &[Seg], slot: &mut Slot) -> u8 {
+    let mut id = [0u8; ID_BYTES];
+    let n = cfg.opts.serial.len().min(ID_BYTES);
+    id[..n].copy_from_slice(&cfg.opts.serial.as_bytes()[..n]);
+    let want = (writable_data(segs) as usize).min(ID_BYTES);
+    if scatter(segs, &id[..want]) {
+        slot.used_len = want as u32 + 1;
+        S_OK
+    } else {
+        S_IOERR
+    }
+}
+
+/// Bytes of the writable stream before the status byte.
+fn writable_data(segs: &[Seg]) -> u64 {
+    total(segs, true).saturating_sub(1)
+}
+
+/// Bytes of the readable stream after the header.
+fn readable_data(segs: &[Seg]) -> u64 {
+    total(segs, false).saturating_sub(HEADER as u64)
 }
 
 fn submit(slot: &mut Slot) {

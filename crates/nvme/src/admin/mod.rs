@@ -4,6 +4,7 @@ mod data;
 pub(crate) mod features;
 pub(crate) mod format;
 pub(crate) mod format_job;
+mod pass;
 mod queues;
 
 use std::sync::atomic::Ordering;

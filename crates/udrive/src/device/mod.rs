@@ -112,32 +112,16 @@ impl NvmeDevice {
         let placer = placer(cfg.placement, cntlid, base_reactors);
         let devs = namespaces::by_nsid(cfg, devs);
         let mem = DmaSpace::try_new()?;
-        let nvme_cfg = nvme::ControllerConfig {
-            serial: cfg.serial(),
-            model: "udrive NVMe".into(),
-            firmware: env!("CARGO_PKG_VERSION").into(),
-            max_io_queues: cfg.io_queues,
-            msix_vectors: cfg.io_queues + 1,
-            cntlid,
-            max_namespaces: cfg.max_namespaces,
-            poll: cfg.poll,
-            adaptive_idle: std::time::Duration::from_micros(cfg.poll_idle_us),
-            ..Default::default()
-        };
+        let nvme_cfg = nvme_config(cfg, cntlid);
         let bar0 = nvme::bar0_layout(nvme_cfg.msix_vectors);
-        let msix = MsixSpec {
-            vectors: nvme_cfg.msix_vectors,
-            table_bar: 0,
-            table_offset: bar0.msix_table as u32,
-            pba_bar: 0,
-            pba_offset: bar0.msix_pba as u32,
-        };
+        let msix = msix_spec(&bar0, nvme_cfg.msix_vectors);
         let irqs = Irqs::new(msix.vectors);
         let DeviceLife {
             keep,
             restore: mut kept,
             paused,
         } = life;
+        // A handover's doorbell page: the client may have it mapped.
         let doorbells = kept
             .remove("bar")
             .and_then(Kept::into_fd)
@@ -165,41 +149,14 @@ impl NvmeDevice {
             .fd()
             .try_clone_to_owned()
             .context("cannot duplicate the doorbell memfd")?;
-        let spec = PciDeviceSpec {
-            ids: PciIds {
-                vendor: PCI_VENDOR,
-                device: PCI_DEVICE_NVME,
-                subsystem_vendor: PCI_VENDOR,
-                subsystem: PCI_DEVICE_NVME,
-                class_code: NVME_CLASS,
-                revision: 1,
-            },
-            bar0: BarSpec {
-                size: bar0.size,
-                mmap_fd: Some(doorbell_fd),
-                fd_offset: 0,
-                sparse: vec![SparseArea {
-                    offset: nvme::DOORBELL_OFFSET,
-                    size: 0x1000,
-                }],
-            },
-            msix,
-        };
+        let spec = pci_spec(bar0.size, doorbell_fd, msix);
         let backend = Arc::new(NvmeFunction {
             ctrl: ctrl.clone(),
             state_follows: state.is_some(),
             bar_mmap: Default::default(),
         });
         let server = VfioUserServer::restore(
-            vfio_user::ServerConfig {
-                socket: cfg.socket.clone(),
-                access: cfg.socket_perms().access()?,
-                name: cfg.serial(),
-                dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
-                keep: Some(keep.child("c/")),
-                listener,
-                start_paused: paused,
-            },
+            server_config(cfg, &keep, listener, paused)?,
             spec,
             backend.clone(),
             mem,
@@ -269,6 +226,80 @@ impl NvmeDevice {
         );
         self.ctrl.shutdown();
     }
+}
+
+/// The NVMe model's configuration for udrive's controller `cfg`: one MSI-X vector
+/// per I/O queue plus the admin queue's.
+fn nvme_config(cfg: &ControllerConfig, cntlid: u16) -> nvme::ControllerConfig {
+    nvme::ControllerConfig {
+        serial: cfg.serial(),
+        model: "udrive NVMe".into(),
+        firmware: env!("CARGO_PKG_VERSION").into(),
+        max_io_queues: cfg.io_queues,
+        msix_vectors: cfg.io_queues + 1,
+        cntlid,
+        max_namespaces: cfg.max_namespaces,
+        poll: cfg.poll,
+        adaptive_idle: std::time::Duration::from_micros(cfg.poll_idle_us),
+        ..Default::default()
+    }
+}
+
+/// MSI-X table and PBA where the NVMe model lays them out in BAR0.
+fn msix_spec(bar0: &nvme::Bar0Layout, vectors: u16) -> MsixSpec {
+    MsixSpec {
+        vectors,
+        table_bar: 0,
+        table_offset: bar0.msix_table as u32,
+        pba_bar: 0,
+        pba_offset: bar0.msix_pba as u32,
+    }
+}
+
+/// The PCI function: udrive's NVMe identity, and BAR0 whose doorbell page is a
+/// sparse-mmap area backed by `doorbell_fd`, so that the client's doorbell writes
+/// cost no message.
+fn pci_spec(bar0_size: u64, doorbell_fd: std::os::fd::OwnedFd, msix: MsixSpec) -> PciDeviceSpec {
+    PciDeviceSpec {
+        ids: PciIds {
+            vendor: PCI_VENDOR,
+            device: PCI_DEVICE_NVME,
+            subsystem_vendor: PCI_VENDOR,
+            subsystem: PCI_DEVICE_NVME,
+            class_code: NVME_CLASS,
+            revision: 1,
+        },
+        bar0: BarSpec {
+            size: bar0_size,
+            mmap_fd: Some(doorbell_fd),
+            fd_offset: 0,
+            sparse: vec![SparseArea {
+                offset: nvme::DOORBELL_OFFSET,
+                size: 0x1000,
+            }],
+        },
+        msix,
+    }
+}
+
+/// The vfio-user server's configuration: connections keep their records under
+/// `c/`; `listener` is a predecessor's listening socket; `paused`: a process
+/// taking devices over must not serve before the old one has let go.
+fn server_config(
+    cfg: &ControllerConfig,
+    keep: &KeepHandle,
+    listener: Option<Arc<std::os::fd::OwnedFd>>,
+    paused: bool,
+) -> Result<vfio_user::ServerConfig> {
+    Ok(vfio_user::ServerConfig {
+        socket: cfg.socket.clone(),
+        access: cfg.socket_perms().access()?,
+        name: cfg.serial(),
+        dma_reply_timeout: vfio_user::DEFAULT_DMA_REPLY_TIMEOUT,
+        keep: Some(keep.child("c/")),
+        listener,
+        start_paused: paused,
+    })
 }
 
 /// NVMe queues use the server's shared reactors (`--cpus`) only: reactors the engine

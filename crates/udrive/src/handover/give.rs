@@ -42,7 +42,7 @@ pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
     let t0 = Instant::now();
     refuse_what_cannot_move(&st)?;
     let (paused, records) = pause_and_save(&mut st)?;
-    let quiesced = t0.elapsed();
+    let pause_took = t0.elapsed();
     if let Err(e) = pause_backends(&st) {
         resume_backends(&st, &[]);
         resume_all(&mut st);
@@ -64,8 +64,8 @@ pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
     std::mem::forget(st);
     tracing::info!(
         devices = paused,
-        pause_us = quiesced.as_micros() as u64,
-        backends_us = (pause_done - quiesced).as_micros() as u64,
+        pause_us = pause_took.as_micros() as u64,
+        backends_us = (pause_done - pause_took).as_micros() as u64,
         total_us = total.as_micros() as u64,
         "handover confirmed by the new process"
     );

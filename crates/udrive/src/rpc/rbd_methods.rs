@@ -16,7 +16,7 @@ use bdev::rbd::{Cluster, ClusterOptions, ImageHandle, ImageSpec, RbdDisk, DEFAUL
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::api::{parse_params, Registry, RpcError};
+use super::api::{parse_params, Registry, Rpc, RpcError};
 use crate::kinds::rbd::RbdSpec;
 use crate::kinds::KindSpec;
 use crate::server::Server;
@@ -25,117 +25,133 @@ pub fn register(r: &mut Registry) {
     r.register(
         "rbd_create_image",
         "create an RBD image (format 2, default features)",
-        |rpc, p| {
-            let a: RbdParams = parse_params(p)?;
-            let size = match &a.size {
-                Some(s) => s.value("size")?,
-                None => None,
-            };
-            let Some(size) = size.filter(|s| s % 512 == 0) else {
-                return Err(RpcError::params("size: a non-zero multiple of 512 bytes"));
-            };
-            let spec = a.spec()?;
-            a.connect(&rpc.server)?
-                .create_image(&spec, size)
-                .map_err(anyhow::Error::from)?;
-            Ok(json!({"image": spec.to_string(), "size": size}))
-        },
+        create_image,
     );
     r.register(
         "rbd_remove_image",
         "remove an RBD image no device has open (its snapshots must be gone)",
-        |rpc, p| {
-            let a: RbdParams = parse_params(p)?;
-            refuse_if_attached(&rpc.server, &a, "remove")?;
-            a.connect(&rpc.server)?
-                .remove_image(&a.spec()?)
-                .map_err(anyhow::Error::from)?;
-            Ok(Value::Bool(true))
-        },
+        remove_image,
     );
     r.register(
         "rbd_clone_image",
         "clone a protected snapshot into a new image (attach it with nvme_add_namespace or vhost_user_blk_add)",
-        |rpc, p| {
-            let a: RbdParams = parse_params(p)?;
-            let parent = a.spec()?;
-            let snap = a.snap_name()?;
-            let Some(clone) = &a.clone else {
-                return Err(RpcError::params("clone (the new POOL/IMAGE) is missing"));
-            };
-            let child: ImageSpec = clone.parse().map_err(RpcError::params)?;
-            a.connect(&rpc.server)?
-                .clone_image(&parent, &snap, &child)
-                .map_err(anyhow::Error::from)?;
-            Ok(json!({"image": child.to_string(), "parent": format!("{parent}@{snap}")}))
-        },
+        clone_image,
     );
     r.register(
         "rbd_snapshot_create",
         "snapshot a device's RBD image (or a detached image)",
-        |rpc, p| {
-            let a: RbdParams = parse_params(p)?;
-            let name = a.snap_name()?;
-            with_image(&rpc.server, &a, |h| h.snap_create(&name))?;
-            Ok(json!({"snapshot": name}))
-        },
+        snapshot_create,
     );
     r.register(
         "rbd_snapshot_list",
         "snapshots of a device's RBD image (or a detached image)",
-        |rpc, p| {
-            let a: RbdParams = parse_params(p)?;
-            let snaps = with_image(&rpc.server, &a, |h| h.snap_list())?;
-            Ok(json!(snaps
-                .iter()
-                .map(|s| json!({"name": s.name, "id": s.id, "size": s.size, "protected": s.protected}))
-                .collect::<Vec<_>>()))
-        },
+        snapshot_list,
     );
     r.register(
         "rbd_snapshot_remove",
         "remove a snapshot (unprotecting it first; refused while clones of it exist)",
-        |rpc, p| {
-            let a: RbdParams = parse_params(p)?;
-            let name = a.snap_name()?;
-            with_image(&rpc.server, &a, |h| h.snap_remove(&name))?;
-            Ok(Value::Bool(true))
-        },
+        snapshot_remove,
     );
     r.register(
         "rbd_snapshot_protect",
         "protect a snapshot so that it can be cloned",
-        |rpc, p| {
-            let a: RbdParams = parse_params(p)?;
-            let name = a.snap_name()?;
-            with_image(&rpc.server, &a, |h| h.snap_protect(&name))?;
-            Ok(Value::Bool(true))
-        },
+        snapshot_protect,
     );
     r.register(
         "rbd_snapshot_rollback",
         "roll a detached image back to a snapshot (refused while a device has it open)",
-        |rpc, p| {
-            let a: RbdParams = parse_params(p)?;
-            let name = a.snap_name()?;
-            if a.image.is_none() || a.socket.is_some() {
-                return Err(RpcError::new(
-                    -32000,
-                    "rollback is refused while a device has the image open: remove the \
-                     namespace or device, then roll back by `image`",
-                ));
-            }
-            refuse_if_attached(&rpc.server, &a, "roll back")?;
-            let h = a
-                .connect(&rpc.server)?
-                .open_image(&a.spec()?)
-                .map_err(anyhow::Error::from)?;
-            h.snap_rollback(&name)
-                .map_err(|e| anyhow!("{e}"))
-                .with_context(|| format!("{}@{name}", h.spec()))?;
-            Ok(Value::Bool(true))
-        },
+        snapshot_rollback,
     );
+}
+
+fn create_image(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: RbdParams = parse_params(p)?;
+    let size = match &a.size {
+        Some(s) => s.value("size")?,
+        None => None,
+    };
+    let Some(size) = size.filter(|s| s % 512 == 0) else {
+        return Err(RpcError::params("size: a non-zero multiple of 512 bytes"));
+    };
+    let spec = a.spec()?;
+    a.connect(&rpc.server)?
+        .create_image(&spec, size)
+        .map_err(anyhow::Error::from)?;
+    Ok(json!({"image": spec.to_string(), "size": size}))
+}
+
+fn remove_image(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: RbdParams = parse_params(p)?;
+    refuse_if_attached(&rpc.server, &a, "remove")?;
+    a.connect(&rpc.server)?
+        .remove_image(&a.spec()?)
+        .map_err(anyhow::Error::from)?;
+    Ok(Value::Bool(true))
+}
+
+fn clone_image(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: RbdParams = parse_params(p)?;
+    let parent = a.spec()?;
+    let snap = a.snap_name()?;
+    let Some(clone) = &a.clone else {
+        return Err(RpcError::params("clone (the new POOL/IMAGE) is missing"));
+    };
+    let child: ImageSpec = clone.parse().map_err(RpcError::params)?;
+    a.connect(&rpc.server)?
+        .clone_image(&parent, &snap, &child)
+        .map_err(anyhow::Error::from)?;
+    Ok(json!({"image": child.to_string(), "parent": format!("{parent}@{snap}")}))
+}
+
+fn snapshot_create(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: RbdParams = parse_params(p)?;
+    let name = a.snap_name()?;
+    with_image(&rpc.server, &a, |h| h.snap_create(&name))?;
+    Ok(json!({"snapshot": name}))
+}
+
+fn snapshot_list(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: RbdParams = parse_params(p)?;
+    let snaps = with_image(&rpc.server, &a, |h| h.snap_list())?;
+    Ok(json!(snaps
+        .iter()
+        .map(|s| json!({"name": s.name, "id": s.id, "size": s.size, "protected": s.protected}))
+        .collect::<Vec<_>>()))
+}
+
+fn snapshot_remove(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: RbdParams = parse_params(p)?;
+    let name = a.snap_name()?;
+    with_image(&rpc.server, &a, |h| h.snap_remove(&name))?;
+    Ok(Value::Bool(true))
+}
+
+fn snapshot_protect(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: RbdParams = parse_params(p)?;
+    let name = a.snap_name()?;
+    with_image(&rpc.server, &a, |h| h.snap_protect(&name))?;
+    Ok(Value::Bool(true))
+}
+
+fn snapshot_rollback(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: RbdParams = parse_params(p)?;
+    let name = a.snap_name()?;
+    if a.image.is_none() || a.socket.is_some() {
+        return Err(RpcError::new(
+            -32000,
+            "rollback is refused while a device has the image open: remove the \
+             namespace or device, then roll back by `image`",
+        ));
+    }
+    refuse_if_attached(&rpc.server, &a, "roll back")?;
+    let h = a
+        .connect(&rpc.server)?
+        .open_image(&a.spec()?)
+        .map_err(anyhow::Error::from)?;
+    h.snap_rollback(&name)
+        .map_err(|e| anyhow!("{e}"))
+        .with_context(|| format!("{}@{name}", h.spec()))?;
+    Ok(Value::Bool(true))
 }
 
 /// The parameters of every RBD method; each method takes the ones it needs (one

@@ -2,15 +2,16 @@
 //! mapped without a file descriptor (docs/decisions/0020-dma-messages.md).
 //!
 //! One [`Port`] per connection, made at the first DMA_MAP without an fd; it is the
-//! [`RemoteDma`] of that client's mirror regions. Any thread may call
-//! [`RemoteDma::transfer`]: the controller's queue groups on their reactor, the
-//! admin path on whatever thread runs it. The client's replies and its own requests
-//! share the socket, so **whoever waits for a reply reads the socket when nobody
-//! else does** (the "reader"): replies go to their waiters by message id, the
-//! client's requests are queued for the connection's thread, which serves them in
-//! order ([`Port::next_request`]). Therefore a waiter never depends on the
-//! connection's thread, which may itself be blocked (on a lock a waiter holds, on
-//! readers it is resetting), and the connection's thread never waits for a reply.
+//! [`guest_mem::RemoteDma`] of that client's mirror regions. Any thread may call
+//! [`guest_mem::RemoteDma::transfer`] (`transfer.rs`): the controller's queue
+//! groups on their reactor, the admin path on whatever thread runs it. The client's
+//! replies and its own requests share the socket, so **whoever waits for a reply
+//! reads the socket when nobody else does** (the "reader"): replies go to their
+//! waiters by message id, the client's requests are queued for the connection's
+//! thread, which serves them in order ([`Port::next_request`]). Therefore a waiter
+//! never depends on the connection's thread, which may itself be blocked (on a lock
+//! a waiter holds, on readers it is resetting), and the connection's thread never
+//! waits for a reply.
 //!
 //! Every wait is bounded: no reply within the port's timeout fails the transfer
 //! (its reader then sees a Data Transfer Error or a fatal controller), and the ids
@@ -30,10 +31,12 @@ use std::time::{Duration, Instant};
 
 use std::io::{Read, Write};
 
-use guest_mem::{RemoteDir, RemoteDma, RemoteError, RemoteOp};
+use guest_mem::RemoteError;
 
 use crate::msg::{self, Msg, ReadError};
 use crate::proto::{Command, DmaWire};
+
+mod transfer;
 
 /// Bytes of DMA_WRITE data sent and not yet acknowledged per transfer.
 const WINDOW: usize = 192 * 1024;
@@ -149,16 +152,6 @@ impl std::fmt::Debug for Port {
 
 /// The last headers through a port ('>' sent, '<' read) and where the next goes.
 type Recent = (usize, [Option<(char, crate::proto::Header)>; 16]);
-
-/// One message's share of an op.
-struct Piece {
-    op: usize,
-    off: usize,
-    len: u32,
-    iova: u64,
-    id: u16,
-    done: bool,
-}
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -560,233 +553,6 @@ impl Port {
         drop(st);
         self.cv.notify_all();
         r
-    }
-
-    fn fail_timeout(&self) {
-        self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
-        trace::limited!(
-            self.log,
-            warn,
-            "vfio-user: the client did not answer a DMA request within {:?}; \
-             the transfer fails",
-            self.timeout
-        );
-    }
-
-    /// Checks one reply against its piece and, for a read, copies its data in.
-    fn apply(
-        &self,
-        wire: DmaWire,
-        op: &RemoteOp<'_>,
-        p: &Piece,
-        m: &Msg,
-    ) -> Result<(), RemoteError> {
-        let cmd = match op.dir {
-            RemoteDir::FromClient => Command::DmaRead,
-            RemoteDir::ToClient => Command::DmaWrite,
-        };
-        if m.hdr.cmd != cmd as u16 || !m.fds.is_empty() {
-            return Err(RemoteError::BadReply);
-        }
-        if m.hdr.is_error() {
-            return Err(RemoteError::Refused(
-                i32::try_from(m.hdr.error).unwrap_or(libc::EIO),
-            ));
-        }
-        match op.dir {
-            RemoteDir::FromClient => {
-                let data = wire
-                    .read_reply_data(&m.payload, p.iova, p.len)
-                    .ok_or(RemoteError::BadReply)?;
-                op.buf
-                    .write_from(p.off, data)
-                    .map_err(|_| RemoteError::BadReply)
-            }
-            RemoteDir::ToClient => wire
-                .write_reply_ok(&m.payload, p.iova, p.len)
-                .then_some(())
-                .ok_or(RemoteError::BadReply),
-        }
-    }
-
-    fn send_piece(&self, wire: DmaWire, op: &RemoteOp<'_>, p: &Piece) -> Result<u16, RemoteError> {
-        match op.dir {
-            RemoteDir::FromClient => {
-                let req = wire.read_request(p.iova, p.len);
-                let id = self.send_request(Command::DmaRead, &[&req])?;
-                self.stats.reads.fetch_add(1, Ordering::Relaxed);
-                Ok(id)
-            }
-            RemoteDir::ToClient => {
-                let (head, tail) = wire.write_request_head(p.iova, p.len);
-                let mut data = vec![0u8; p.len as usize + tail];
-                op.buf
-                    .read_into(p.off, &mut data[..p.len as usize])
-                    .map_err(|_| RemoteError::BadReply)?;
-                let id = self.send_request(Command::DmaWrite, &[&head, &data])?;
-                self.stats.writes.fetch_add(1, Ordering::Relaxed);
-                Ok(id)
-            }
-        }
-    }
-}
-
-impl RemoteDma for Port {
-    fn transfer(&self, ops: &mut [RemoteOp<'_>]) {
-        let Some(first) = ops.iter().find(|o| !o.buf.is_empty()).map(|o| o.iova) else {
-            return;
-        };
-        let wire = match self.layout(first) {
-            Ok(w) => w,
-            Err(e) => {
-                if e == RemoteError::Timeout {
-                    self.fail_timeout();
-                }
-                for op in ops.iter_mut() {
-                    op.result = Err(e);
-                }
-                return;
-            }
-        };
-        let mut pieces = Vec::new();
-        for (i, op) in ops.iter_mut().enumerate() {
-            op.result = Ok(());
-            let max = match op.dir {
-                RemoteDir::FromClient => (self.max_xfer as usize).min(READ_PIECE),
-                RemoteDir::ToClient => self.max_xfer as usize,
-            };
-            let mut off = 0;
-            while off < op.buf.len() {
-                let n = (op.buf.len() - off).min(max);
-                let Some(iova) = op.iova.checked_add(off as u64) else {
-                    op.result = Err(RemoteError::BadReply);
-                    break;
-                };
-                pieces.push(Piece {
-                    op: i,
-                    off,
-                    len: u32::try_from(n).unwrap_or(u32::MAX),
-                    iova,
-                    id: 0,
-                    done: false,
-                });
-                off += n;
-            }
-        }
-        let mut next = 0;
-        let mut out: Vec<usize> = Vec::new();
-        // Data in flight: (DMA_READ, DMA_WRITE).
-        let mut in_flight = (0usize, 0usize);
-        let mut deadline = Instant::now() + self.timeout;
-        let mut failure = None;
-        let fits = |in_flight: (usize, usize), dir: RemoteDir, n: usize| match dir {
-            RemoteDir::FromClient => in_flight.0 == 0 || in_flight.0 + n <= READ_WINDOW,
-            RemoteDir::ToClient => in_flight.1 == 0 || in_flight.1 + n <= WINDOW,
-        };
-        'run: loop {
-            while next < pieces.len()
-                && fits(
-                    in_flight,
-                    ops[pieces[next].op].dir,
-                    pieces[next].len as usize,
-                )
-            {
-                let p = &mut pieces[next];
-                next += 1;
-                if ops[p.op].result.is_err() {
-                    p.done = true;
-                    continue;
-                }
-                match self.send_piece(wire, &ops[p.op], p) {
-                    Ok(id) => {
-                        p.id = id;
-                        match ops[p.op].dir {
-                            RemoteDir::FromClient => in_flight.0 += p.len as usize,
-                            RemoteDir::ToClient => in_flight.1 += p.len as usize,
-                        }
-                        out.push(next - 1);
-                    }
-                    Err(e) => {
-                        p.done = true;
-                        ops[p.op].result = Err(e);
-                        if matches!(e, RemoteError::Closed | RemoteError::Paused) {
-                            failure = Some(e);
-                            break 'run;
-                        }
-                    }
-                }
-            }
-            if out.is_empty() {
-                break;
-            }
-            let ids: Vec<u16> = out.iter().map(|&i| pieces[i].id).collect();
-            match self.wait_any(&ids, deadline) {
-                Ok(replies) => {
-                    deadline = Instant::now() + self.timeout;
-                    for (id, m) in replies {
-                        let Some(at) = out.iter().position(|&i| pieces[i].id == id) else {
-                            continue;
-                        };
-                        let pi = out.swap_remove(at);
-                        let p = &mut pieces[pi];
-                        p.done = true;
-                        match ops[p.op].dir {
-                            RemoteDir::FromClient => in_flight.0 -= p.len as usize,
-                            RemoteDir::ToClient => in_flight.1 -= p.len as usize,
-                        }
-                        let r = self.apply(wire, &ops[p.op], p, &m);
-                        match r {
-                            Ok(()) => {
-                                let ctr = match ops[p.op].dir {
-                                    RemoteDir::FromClient => &self.stats.bytes_read,
-                                    RemoteDir::ToClient => &self.stats.bytes_written,
-                                };
-                                ctr.fetch_add(u64::from(p.len), Ordering::Relaxed);
-                            }
-                            Err(e) => {
-                                self.stats.bad_replies.fetch_add(1, Ordering::Relaxed);
-                                trace::limited!(
-                                    self.log,
-                                    warn,
-                                    "vfio-user: DMA request for {:#x}+{:#x} failed: {e}",
-                                    p.iova,
-                                    p.len
-                                );
-                                if ops[p.op].result.is_ok() {
-                                    ops[p.op].result = Err(e);
-                                }
-                            }
-                        }
-                    }
-                }
-                Err(e) => {
-                    self.abandon(&ids);
-                    if e == RemoteError::Timeout {
-                        self.fail_timeout();
-                    }
-                    failure = Some(e);
-                    break;
-                }
-            }
-        }
-        if let Some(e) = failure {
-            for p in pieces.iter().filter(|p| !p.done) {
-                if ops[p.op].result.is_ok() {
-                    ops[p.op].result = Err(e);
-                }
-            }
-        }
-    }
-
-    fn set_paused(&self, paused: bool) {
-        let mut st = lock(&self.st);
-        if paused {
-            st.paused += 1;
-        } else {
-            st.paused = st.paused.saturating_sub(1);
-        }
-        drop(st);
-        self.cv.notify_all();
     }
 }
 
