@@ -10,8 +10,8 @@ mod common;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::ceph::{self, Cluster};
 use common::Rng;
+use test_support::ceph::{self, Cluster};
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     Rng::new(seed).bytes(len)

@@ -188,8 +188,8 @@ fn many_handovers_lose_nothing_under_verified_qd32() {
     // libblkio at QD32 with verify on each vhost-user-blk device; it does not
     // reconnect, so a handover that dropped its connection fails it.
     let vhost = [
-        common::blkio_load::Client::start(&s.path("v.sock")),
-        common::blkio_load::Client::start(&s.path("w.sock")),
+        test_support::blkio_load::Qd32Client::start(&s.path("v.sock")),
+        test_support::blkio_load::Qd32Client::start(&s.path("w.sock")),
     ];
     common::wait_until("clients running", Duration::from_secs(30), || {
         clients.iter().all(|c| c.ops() > 0)

@@ -10,12 +10,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::ceph::Cluster;
 use common::served::Service;
 use common::*;
 use initiator::workload::{self, NvmeTarget, Rw, WorkloadConfig};
 use initiator::{DataMode, IoOp, NvmeDriver};
 use serde_json::{json, Value};
+use test_support::ceph::Cluster;
 
 const MIB: u64 = 1 << 20;
 
@@ -48,7 +48,7 @@ fn verified(d: &NvmeDriver, rw: Rw, qd: u32, time: Duration) -> workload::Report
 
 #[test]
 fn verified_io_through_the_nvme_initiator_and_back_with_rbd_export() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -108,7 +108,7 @@ fn verified_io_through_the_nvme_initiator_and_back_with_rbd_export() {
 /// through every OSD round trip; the I/O stays verified.
 #[test]
 fn a_deep_queue_on_rbd_lets_the_adaptive_reactor_sleep_between_completions() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -142,7 +142,7 @@ fn a_deep_queue_on_rbd_lets_the_adaptive_reactor_sleep_between_completions() {
 
 #[test]
 fn write_zeroes_and_reads_past_the_end() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -176,7 +176,7 @@ fn write_zeroes_and_reads_past_the_end() {
 
 #[test]
 fn a_snapshot_is_read_only_and_a_vhost_disk_works_through_libblkio() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -303,7 +303,7 @@ impl Drop for Serve {
 
 #[test]
 fn snapshots_rollback_clones_and_online_resize_over_rpc() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -462,7 +462,7 @@ fn read_ns(qp: &mut initiator::QueuePair, buf: &initiator::DmaBuf, ns: u32, slba
 
 #[test]
 fn an_osd_killed_and_restarted_during_verified_io_gives_no_errors() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start_bluestore();
@@ -485,7 +485,7 @@ fn an_osd_killed_and_restarted_during_verified_io_gives_no_errors() {
 
 #[test]
 fn an_unreachable_cluster_fails_requests_after_the_timeout_then_recovers() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -549,7 +549,7 @@ fn refused(spec: &str, want: &str) {
 
 #[test]
 fn cluster_configuration_errors_are_clear() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -647,7 +647,7 @@ fn librbd_threads(pid: u32) -> Vec<ThreadCpus> {
 /// image in a RADOS namespace.
 #[test]
 fn librbd_threads_stay_off_the_reactor_cpu() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let all = engine::allowed_cpus();
@@ -880,7 +880,7 @@ fn log_numbers<'a>(log: &'a str, line_has: &'a str, key: &'a str) -> Vec<u64> {
 
 #[test]
 fn an_rbd_namespace_survives_handovers_under_verified_io() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -947,7 +947,7 @@ fn an_rbd_namespace_survives_handovers_under_verified_io() {
 
 #[test]
 fn an_rbd_handover_that_dies_rolls_back_and_the_old_process_writes() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -1079,7 +1079,7 @@ fn sv_check(qp: &mut initiator::QueuePair, buf: &initiator::DmaBuf, want: &[u64]
 
 #[test]
 fn a_supervised_server_killed_with_an_rbd_namespace_reopens_the_image_at_once() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();

@@ -15,11 +15,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::vhost_fe::{Raw, DATA, HDR, MEM, STATUS, T_IN, T_OUT};
 use common::{opts, Rng, T};
 use guest_mem::SharedMem;
 use initiator::{DataMode, DmaBuf, IoOp, NvmeDriver, QueuePair};
 use serde_json::{json, Value};
+use test_support::vhost_fe::{Connect, FakeFrontend, DATA, HDR, MEM, STATUS, T_IN, T_OUT};
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
 use vhost::vhost_user::VhostUserFrontend;
 
@@ -500,13 +500,13 @@ fn a_block_device_namespace_follows_its_volume() {
 }
 
 /// One 4 KiB request of the raw front end at byte `at`; its virtio status.
-fn vio(r: &mut Raw, t: u32, at: u64) -> u8 {
+fn vio(r: &mut FakeFrontend, t: u32, at: u64) -> u8 {
     r.header(t, at / 512);
     r.request(&[(HDR, 16, false), (DATA, 4096, t == T_IN), (STATUS, 1, true)])
 }
 
 /// The capacity (in 512-byte sectors) the front end reads from the config space.
-fn capacity(r: &mut Raw) -> u64 {
+fn capacity(r: &mut FakeFrontend) -> u64 {
     let (_, buf) =
         r.fe.get_config(0, 8, VhostUserConfigFlags::empty(), &[0u8; 8])
             .unwrap();
@@ -540,7 +540,13 @@ fn vhost_user_blk_front_end_gets_the_config_change() {
     let v = s.path("v.sock");
     let pf = VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::BACKEND_REQ;
     let mem = SharedMem::new("guest", MEM).unwrap();
-    let mut r = Raw::connect_features(&v, mem, None, None, pf);
+    let mut r = FakeFrontend::connect_with(
+        &v,
+        Connect {
+            protocol: pf,
+            ..Connect::new(mem)
+        },
+    );
     let (mut mine, theirs) = UnixStream::pair().unwrap();
     mine.set_read_timeout(Some(T)).unwrap();
     r.fe.set_backend_request_fd(&theirs).unwrap();
@@ -583,7 +589,13 @@ fn vhost_user_blk_front_end_gets_the_config_change() {
     // A front end that hands over a pipe instead of a socket: refused; the resize
     // still happens and says the front end was not told.
     let mem = SharedMem::new("guest", MEM).unwrap();
-    let mut r = Raw::connect_features(&v, mem, None, None, pf);
+    let mut r = FakeFrontend::connect_with(
+        &v,
+        Connect {
+            protocol: pf,
+            ..Connect::new(mem)
+        },
+    );
     let (_rd, wr) = nix_pipe();
     let _ = r.fe.set_backend_request_fd(&wr);
     let res = s.ok("resize", json!({"socket": v, "size": "12M"}));
@@ -599,7 +611,7 @@ fn vhost_user_blk_front_end_gets_the_config_change() {
 
     // One that did not negotiate BACKEND_REQ: the same.
     let mem = SharedMem::new("guest", MEM).unwrap();
-    let mut r = Raw::connect_with(&v, mem, None);
+    let mut r = FakeFrontend::connect_with(&v, Connect::new(mem));
     let res = s.ok("resize", json!({"socket": v, "size": "16M"}));
     assert_eq!(res["notified"], false);
     assert!(
@@ -615,7 +627,7 @@ fn vhost_user_blk_front_end_gets_the_config_change() {
     wait_disconnected(&s, "v.sock", 3);
 
     // libblkio reads the capacity when it connects.
-    let mut c = common::vhost_fe::BlkioClient::connect(&v).unwrap();
+    let mut c = test_support::blkio::BlkioSession::open(&v).unwrap();
     c.round(16 * MIB - 4096, 0x99).unwrap();
     assert!(!s.log().contains(" ERROR "), "{}", s.log());
 }
@@ -650,7 +662,7 @@ fn vhost_user_blk_resizes_under_libblkio_io() {
     let io = {
         let (stop, ops, w) = (stop.clone(), ops.clone(), w.clone());
         std::thread::spawn(move || -> Result<(), String> {
-            let mut c = common::vhost_fe::BlkioClient::connect(&w)?;
+            let mut c = test_support::blkio::BlkioSession::open(&w)?;
             let mut rng = Rng::new(3);
             while !stop.load(Ordering::Relaxed) {
                 c.round(rng.below(1024) * 4096, rng.below(255) as u8 + 1)?;

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bdev::{BlockDevice, HeldDisk, HeldGate};
-use common::vhost_fe::*;
 use engine::{Engine, PollMode, DEFER_QUEUE};
 use guest_mem::SharedMem;
+use test_support::vhost_fe::*;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost_user_blk::{BlkDeviceOptions, VhostUserBlk};
 
@@ -22,7 +22,7 @@ struct Setup {
     engine: Arc<Engine>,
     gate: Arc<HeldGate>,
     dev: Option<VhostUserBlk>,
-    r: Raw,
+    r: FakeFrontend,
 }
 
 /// An adaptive vhost-user-blk device on `disk` with a reactor of its own (no other
@@ -31,7 +31,7 @@ fn start_device(
     sock: &Path,
     disk: Arc<dyn BlockDevice>,
     event_idx: bool,
-) -> (Arc<Engine>, VhostUserBlk, Raw) {
+) -> (Arc<Engine>, VhostUserBlk, FakeFrontend) {
     let engine = Engine::start(&[None]).unwrap();
     let opts = BlkDeviceOptions {
         poll: PollMode::Adaptive,
@@ -44,13 +44,13 @@ fn start_device(
         0
     };
     let mem = SharedMem::new("deferred-kicks", MEM).unwrap();
-    let r = Raw::connect_virtio(
+    let r = FakeFrontend::connect_with(
         sock,
-        mem,
-        None,
-        None,
-        VhostUserProtocolFeatures::CONFIG,
-        extra,
+        Connect {
+            protocol: VhostUserProtocolFeatures::CONFIG,
+            virtio: extra,
+            ..Connect::new(mem)
+        },
     );
     (engine, dev, r)
 }
@@ -106,7 +106,7 @@ impl Drop for Setup {
 
 /// Queues read `i`: 4 KiB of its own (header, buffer, status byte); kicks only if
 /// the device asked for it. Returns whether it kicked.
-fn read(r: &mut Raw, i: u64) -> bool {
+fn read(r: &mut FakeFrontend, i: u64) -> bool {
     let hdr = HDR + 16 * i;
     let mut h = [0u8; 16];
     h[0..4].copy_from_slice(&T_IN.to_le_bytes());

@@ -13,10 +13,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bdev::BlockDevice;
-use common::blkio_load::Client;
 use common::engine;
-use common::vhost_fe::*;
 use guest_mem::SharedMem;
+use test_support::blkio::blkio_round;
+use test_support::blkio_load::Qd32Client;
+use test_support::vhost_fe::*;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_user_blk::{BlkDeviceOptions, EventArg, HandoverState, PollMode, VhostUserBlk};
@@ -59,7 +60,7 @@ fn handover_loop(poll: PollMode, rounds: usize) {
     let sock = dir.path().join("blk.sock");
     let disk = disk();
     let mut dev = start(&sock, &disk, poll);
-    let client = Client::start(&sock);
+    let client = Qd32Client::start(&sock);
     let mut pauses = Vec::with_capacity(rounds);
     for i in 0..rounds {
         let t = Instant::now();
@@ -110,7 +111,7 @@ fn quiesce_then_unquiesce_under_io() {
     let sock = dir.path().join("blk.sock");
     let disk = disk();
     let dev = start(&sock, &disk, PollMode::Adaptive);
-    let client = Client::start(&sock);
+    let client = Qd32Client::start(&sock);
     for _ in 0..20 {
         dev.quiesce(QUIESCE).unwrap();
         assert!(dev.quiesced());
@@ -142,7 +143,7 @@ fn rollback_after_the_new_device_started() {
     let sock = dir.path().join("blk.sock");
     let disk = disk();
     let a = start(&sock, &disk, PollMode::Adaptive);
-    let client = Client::start(&sock);
+    let client = Qd32Client::start(&sock);
     for i in 0..10 {
         let b = hand_over(&a, &sock, &disk, PollMode::Adaptive).unwrap();
         if i % 2 == 0 {
@@ -214,7 +215,7 @@ fn handover_with_a_front_end_halfway_through_setup() {
     let a = start(&sock, &disk, PollMode::Adaptive);
     // Features negotiated and the memory table set, no vring yet.
     let fe = negotiate(&sock, VhostUserProtocolFeatures::CONFIG);
-    let mut raw = Raw {
+    let mut raw = FakeFrontend {
         fe,
         mem: SharedMem::new("halfway", MEM).unwrap().into(),
         next_desc: 0,
@@ -252,7 +253,7 @@ fn corrupt_exports_are_refused() {
     let sock = dir.path().join("blk.sock");
     let disk = disk();
     let a = start(&sock, &disk, PollMode::Adaptive);
-    let mut raw = Raw::connect(&sock);
+    let mut raw = FakeFrontend::connect(&sock);
     raw.header(T_OUT, 0);
     raw.put(DATA, &[0x77; 512]);
     assert_eq!(
@@ -403,7 +404,14 @@ fn inflight_area_and_backend_channel_move() {
         | VhostUserProtocolFeatures::BACKEND_REQ
         | VhostUserProtocolFeatures::REPLY_ACK;
     let mem = SharedMem::new("guest", MEM).unwrap();
-    let mut raw = Raw::connect_features(&sock, mem, None, Some(&area), pf);
+    let mut raw = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            inflight: Some(&area),
+            protocol: pf,
+            ..Connect::new(mem)
+        },
+    );
     let (mut mine, theirs) = UnixStream::pair().unwrap();
     mine.set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();

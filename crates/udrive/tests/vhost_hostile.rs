@@ -11,9 +11,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::engine;
-use common::vhost_fe::*;
 use guest_mem::SharedMem;
 use std::os::fd::AsRawFd;
+use test_support::blkio::blkio_round;
+use test_support::vhost_fe::*;
 use udrive::vhost_device::{self, VhostBlkConfig};
 use vhost::vhost_user::message::{
     VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
@@ -42,7 +43,7 @@ fn hostile_front_end() {
     let vs = dir.path().join("victim.sock");
     let bs = dir.path().join("bystander.sock");
 
-    let mut r = Raw::connect(&vs);
+    let mut r = FakeFrontend::connect(&vs);
     let hdr = (HDR, 16, false);
     let st = (STATUS, 1, true);
 
@@ -109,7 +110,7 @@ fn hostile_front_end() {
     drop(r);
 
     // A new client queues requests and vanishes without waiting for them.
-    let mut r2 = Raw::connect(&vs);
+    let mut r2 = FakeFrontend::connect(&vs);
     r2.header(T_OUT, 16);
     for _ in 0..5 {
         r2.push(&[hdr, (DATA, 512, false), st]);
@@ -138,7 +139,7 @@ fn reconnect_completes_each_request_once() {
     let sock = dir.path().join("r.sock");
     let n: u16 = 12;
 
-    let mut r = Raw::connect(&sock);
+    let mut r = FakeFrontend::connect(&sock);
     for i in 0..n {
         let hdr_at = r.stage_write(u64::from(i));
         // Three descriptors per request: five fit in the table at once, so request i
@@ -153,7 +154,7 @@ fn reconnect_completes_each_request_once() {
             (STATUSES + u64::from(i), 1, true),
         ]);
     }
-    let Raw { fe, mem, .. } = r;
+    let FakeFrontend { fe, mem, .. } = r;
     drop(fe);
     // QEMU restarts the ring at the used index it sees once the backend is gone:
     // wait until the device let go of the connection, which it does after finishing
@@ -173,7 +174,13 @@ fn reconnect_completes_each_request_once() {
         mem.all().read_into((USED + 2) as usize, &mut b).unwrap();
         u16::from_le_bytes(b)
     };
-    let r2 = Raw::connect_with(&sock, mem, Some((used_now, n)));
+    let r2 = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            resume: Some((used_now, n)),
+            ..Connect::new(mem)
+        },
+    );
     r2.kick.write(1).unwrap();
     assert!(
         r2.wait_used(n),
@@ -235,7 +242,7 @@ fn restart_resubmits_inflight_requests_once() {
 
     let mem = SharedMem::new("inflight-guest", MEM).unwrap();
     mem.all().fill(0);
-    let r = Raw {
+    let r = FakeFrontend {
         fe: Frontend::connect(&sock, 1).unwrap(),
         mem: mem.into(),
         next_desc: 0,
@@ -265,11 +272,18 @@ fn restart_resubmits_inflight_requests_once() {
     log_desc(&log, 3, 0, 2);
     log_desc(&log, 6, 1, 3);
     log_desc(&log, 9, 1, 4);
-    let Raw { fe, mem, .. } = r;
+    let FakeFrontend { fe, mem, .. } = r;
     drop(fe);
 
     // QEMU restarts the ring at the used index after a crash.
-    let r2 = Raw::connect_log(&sock, mem, Some((2, 4)), Some(&log));
+    let r2 = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            resume: Some((2, 4)),
+            inflight: Some(&log),
+            ..Connect::new(mem)
+        },
+    );
     r2.kick.write(1).unwrap();
     assert!(r2.wait_used(4), "the requests in flight were not redone");
     std::thread::sleep(Duration::from_millis(50));
@@ -324,7 +338,7 @@ fn hostile_inflight_area() {
         log_desc(&log, h, 1, u64::from(h).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     }
     let mem = SharedMem::new("inflight-hostile", MEM).unwrap();
-    let r = Raw {
+    let r = FakeFrontend {
         fe: Frontend::connect(&sock, 1).unwrap(),
         mem: mem.into(),
         next_desc: 0,
@@ -341,9 +355,16 @@ fn hostile_inflight_area() {
             _ => r.desc(i, 0, 64, 4 | NEXT, (i + 1) % QSIZE),
         }
     }
-    let Raw { fe, mem, .. } = r;
+    let FakeFrontend { fe, mem, .. } = r;
     drop(fe);
-    let r2 = Raw::connect_log(&sock, mem, Some((0, 0)), Some(&log));
+    let r2 = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            resume: Some((0, 0)),
+            inflight: Some(&log),
+            ..Connect::new(mem)
+        },
+    );
     r2.kick.write(1).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     drop(r2);
@@ -425,7 +446,13 @@ fn sigkill_with_requests_in_flight() {
     std::thread::sleep(Duration::from_millis(50));
     let log = get_inflight_area(&sock);
     let mem = SharedMem::new("sigkill-guest", MEM).unwrap();
-    let mut r = Raw::connect_log(&sock, mem, None, Some(&log));
+    let mut r = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            inflight: Some(&log),
+            ..Connect::new(mem)
+        },
+    );
     let n: u16 = 5;
     for i in 0..n {
         let hdr_at = r.stage_write(u64::from(i));
@@ -463,12 +490,19 @@ fn sigkill_with_requests_in_flight() {
             "log: used {log_used}, {marked} marked; ring used {used}"
         );
     }
-    let Raw { fe, mem, .. } = r;
+    let FakeFrontend { fe, mem, .. } = r;
     drop(fe);
 
     let _second = serve_child(&sock, &format!("file:{}", img.display()));
     std::thread::sleep(Duration::from_millis(50));
-    let r2 = Raw::connect_log(&sock, mem, Some((used, n)), Some(&log));
+    let r2 = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            resume: Some((used, n)),
+            inflight: Some(&log),
+            ..Connect::new(mem)
+        },
+    );
     r2.kick.write(1).unwrap();
     assert!(r2.wait_used(n), "requests in flight at the kill were lost");
     std::thread::sleep(Duration::from_millis(100));

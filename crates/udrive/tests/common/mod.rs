@@ -3,12 +3,8 @@
 //! and a "bystander" controller with a well-behaved client doing verified I/O.
 #![allow(dead_code, unused_imports)]
 
-pub mod blkio_load;
-pub mod ceph;
-pub mod layers;
 pub mod serve;
 pub mod served;
-pub mod vhost_fe;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
@@ -21,8 +17,7 @@ use udrive::config::ControllerConfig;
 use udrive::device::NvmeDevice;
 use udrive::nsspec::NsSpec;
 
-/// Generous bound for one command; only reached when something is broken.
-pub const T: Duration = Duration::from_secs(10);
+pub use test_support::{wait_until, Rng, T};
 
 /// An IOVA no test ever maps (the driver pool lives at 0x1_0000_0000).
 pub const UNMAPPED: u64 = 0x7_0000_0000;
@@ -160,39 +155,6 @@ pub fn opts() -> DriverOpts {
         io_queues: 8,
         admin_timeout: Duration::from_secs(5),
         ..Default::default()
-    }
-}
-
-/// xorshift64*: deterministic, seeded, no dependency.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-    pub fn fill(&mut self, b: &mut [u8]) {
-        for c in b.chunks_mut(8) {
-            let v = self.next_u64().to_le_bytes();
-            c.copy_from_slice(&v[..c.len()]);
-        }
-    }
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        let mut v = vec![0u8; n];
-        self.fill(&mut v);
-        v
     }
 }
 
@@ -365,15 +327,6 @@ pub fn write_read(qp: &mut QueuePair, buf: &DmaBuf, slba: u64, data: &[u8], mode
     let mut back = vec![0u8; data.len()];
     buf.read(0, &mut back).expect("read back");
     assert!(back == data, "data mismatch at LBA {slba}");
-}
-
-/// Waits until `f` holds (bounded; a behaviour check, not a timing one).
-pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < timeout, "gave up waiting for {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 /// How often reactor `r` of `e` went to sleep.

@@ -18,8 +18,8 @@ use initiator::regs::{AQA, CC, CC_EN};
 use initiator::{DataMode, IoOp, NvmeDriver, VfioUserClient};
 use vfio_user::proto::PCI_BAR0_REGION;
 
-use super::vhost_fe::BlkioClient;
 use super::{opts, Rng};
+use test_support::blkio::BlkioSession;
 
 pub const SOCKETS: [&str; 5] = [
     "rpc.sock",
@@ -291,7 +291,7 @@ pub fn nvme_loop(sock: &Path, ops: &AtomicU64, stop: &AtomicBool) -> Result<(), 
 
 /// As `nvme_loop`, through libblkio.
 pub fn vhost_loop(sock: &Path, ops: &AtomicU64, stop: &AtomicBool) -> Result<(), String> {
-    let mut c = BlkioClient::connect(sock)?;
+    let mut c = BlkioSession::open(sock)?;
     let mut rng = Rng::new(11);
     while !stop.load(Ordering::Relaxed) {
         let off = rng.below(256) * 4096;

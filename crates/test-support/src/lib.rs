@@ -1,0 +1,29 @@
+//! What the workspace's tests share: fakes of the parties udrive talks to, and the
+//! helpers every test needs once.
+//!
+//! | module | what it is |
+//! |---|---|
+//! | [`vhost_fe`] | a fake vhost-user front end (VMM + guest driver) that builds its own rings |
+//! | [`blkio`], [`blkio_load`] | libblkio sessions: an independent vhost-user-blk client, and a QD32 verifier |
+//! | [`ceph`] | a throwaway Ceph cluster (one mon, one OSD) for the rbd backend |
+//! | [`layers`] | checks on a trace layer breakdown that hold on a busy machine |
+//! | [`pattern`] | data patterns a verifier writes and checks |
+//! | [`wait`] | waiting for a condition, with a bound for broken builds |
+//! | [`rng`] | the seeded random number generator |
+//!
+//! Each module's documentation says what its fake models and what it leaves out.
+//! This crate never depends on `udrive`: udrive's own tests build on it, and
+//! what needs udrive's API (in-process servers, `udrive serve` children) lives in
+//! crates/udrive/tests/common.
+
+pub mod blkio;
+pub mod blkio_load;
+pub mod ceph;
+pub mod layers;
+pub mod pattern;
+pub mod rng;
+pub mod vhost_fe;
+pub mod wait;
+
+pub use rng::Rng;
+pub use wait::{poll_until, wait_until, T};
