@@ -5,10 +5,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bdev::{
-    overlaps, Armed, BlockDevice, FaultConfig, FaultDisk, FaultOps, HeldDisk, IoChannel, IoOp,
-    IoRequest, IoStatus, NullDisk, QosClock, QosDisk, QosLimits, RamDisk, SliceDisk, QOS_MAX_NAP,
+    overlaps, Armed, BlockDevice, FaultConfig, FaultDisk, FaultOps, IoChannel, IoOp, IoRequest,
+    IoStatus, NullDisk, QosClock, QosDisk, QosLimits, RamDisk, SliceDisk, QOS_MAX_NAP,
 };
 use guest_mem::SharedMem;
+use test_support::held::HeldDisk;
 
 const MIB: u64 = 1 << 20;
 

@@ -11,8 +11,9 @@ use common::*;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bdev::{BlockDevice, HeldDisk, HeldGate};
+use bdev::BlockDevice;
 use engine::{PollMode, DEFER_QUEUE};
+use test_support::held::{HeldDisk, HeldGate};
 
 struct Setup {
     h: Host,

@@ -268,7 +268,7 @@ fn interrupt_coalescing_holds_interrupts_until_threshold_or_time() {
 /// held when nothing else is coming still arrives once its time is up.
 #[test]
 fn coalescing_holds_across_sleeps_on_a_slow_backend() {
-    use bdev::HeldDisk;
+    use test_support::held::HeldDisk;
     let (disk, gate) = HeldDisk::new(1 << 20, 4096).unwrap();
     let mut h = host_with_irq_queue(PollMode::Event, std::sync::Arc::new(disk));
     let a = h.alloc(4);

@@ -5,6 +5,7 @@
 //! |---|---|
 //! | [`vhost_fe`] | a fake vhost-user front end (VMM + guest driver) that builds its own rings |
 //! | [`blkio`], [`blkio_load`] | libblkio sessions: an independent vhost-user-blk client, and a QD32 verifier |
+//! | [`held`] | a backend whose completions wait for the test (a network backend's stand-in) |
 //! | [`ceph`] | a throwaway Ceph cluster (one mon, one OSD) for the rbd backend |
 //! | [`layers`] | checks on a trace layer breakdown that hold on a busy machine |
 //! | [`pattern`] | data patterns a verifier writes and checks |
@@ -19,6 +20,7 @@
 pub mod blkio;
 pub mod blkio_load;
 pub mod ceph;
+pub mod held;
 pub mod layers;
 pub mod pattern;
 pub mod rng;

@@ -11,9 +11,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bdev::{BlockDevice, HeldDisk, HeldGate};
+use bdev::BlockDevice;
 use engine::{Engine, PollMode, DEFER_QUEUE};
 use guest_mem::SharedMem;
+use test_support::held::{HeldDisk, HeldGate};
 use test_support::vhost_fe::*;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost_user_blk::{BlkDeviceOptions, VhostUserBlk};
