@@ -5,8 +5,9 @@
 //! (docs/decisions/0029-deferred-doorbells.md). Below the threshold a sleeping
 //! group asks for the doorbell as before.
 
-mod common;
-use common::*;
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::{wait_until, T};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,7 +63,7 @@ impl Setup {
     /// Waits until the group sleeps with `submitted` requests taken by the backend.
     fn asleep_with(&self, submitted: usize) {
         let before = self.sleeps();
-        wait_until("the group took the commands and went to sleep", || {
+        wait_until("the group took the commands and went to sleep", T, || {
             self.submitted() == submitted && self.sleeps() > before
         });
     }
@@ -114,9 +115,11 @@ fn a_deep_slow_queue_sleeps_without_asking_for_doorbells() {
     s.release(1);
     let c = s.h.reap(1);
     assert!(c.ok(), "{c:?}");
-    wait_until("the waiting command was fetched after the wake-up", || {
-        s.submitted() == DEFER_QUEUE + 1
-    });
+    wait_until(
+        "the waiting command was fetched after the wake-up",
+        T,
+        || s.submitted() == DEFER_QUEUE + 1,
+    );
     s.release(DEFER_QUEUE);
     for _ in 0..DEFER_QUEUE {
         let c = s.h.reap(1);
@@ -140,14 +143,14 @@ fn commands_held_for_tokens_defer_doorbells() {
     let (mut h, ei) = adaptive_host(vec![Arc::new(bdev::QosDisk::new(ram, limits).unwrap())]);
     let buf = h.alloc(1);
     let n = DEFER_QUEUE as u64 + 2;
-    let cmds: Vec<[u32; 16]> = (0..n).map(|i| rw(2, 1, i, 1, buf, 0)).collect();
+    let cmds: Vec<Sqe> = (0..n).map(|i| rw(2, 1, i, 1, buf, 0)).collect();
     h.submit_batch(1, &cmds);
     for _ in 0..2 {
         assert!(h.reap(1).ok());
     }
     // Asleep between two tokens (100 ms apart; awake ~1 ms around each).
     let slept = h.sleeps();
-    wait_until("the group sleeps while reads wait for tokens", || {
+    wait_until("the group sleeps while reads wait for tokens", T, || {
         h.sleeps() > slept
     });
     let event_idx = h.sq1_event_idx(ei);
@@ -174,12 +177,12 @@ fn a_fast_namespace_beside_keeps_doorbells() {
     let ram = Arc::new(bdev::RamDisk::new(1 << 20, 4096).unwrap());
     let (mut h, ei) = adaptive_host(vec![Arc::new(held), ram]);
     let buf = h.alloc(1);
-    let cmds: Vec<[u32; 16]> = (0..DEFER_QUEUE as u64)
+    let cmds: Vec<Sqe> = (0..DEFER_QUEUE as u64)
         .map(|i| rw(2, 1, i, 1, buf, 0))
         .collect();
     let slept = h.sleeps();
     h.submit_batch(1, &cmds);
-    wait_until("deep on the slow namespace and asleep", || {
+    wait_until("deep on the slow namespace and asleep", T, || {
         gate.submitted() == DEFER_QUEUE && h.sleeps() > slept
     });
     let event_idx = h.sq1_event_idx(ei);

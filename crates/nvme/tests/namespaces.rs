@@ -1,12 +1,13 @@
 //! Namespaces added and removed at run time: the Namespace Attribute Changed event,
 //! the Changed Namespace List log, Identify updates, and commands in flight on a
 //! namespace that goes away.
-mod common;
-use common::*;
+use test_support::held::HeldDisk;
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::{wait_until, T};
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bdev::{BlockDevice, RamDisk};
 
@@ -18,8 +19,8 @@ fn ram(mib: u64) -> Arc<dyn BlockDevice> {
 
 fn set_aec(h: &mut Host, v: u32) {
     let mut s = sqe(0x09, 0);
-    s[10] = 0x0b;
-    s[11] = v;
+    s.cdw10 = 0x0b;
+    s.cdw11 = v;
     assert!(h.admin(s).ok());
 }
 
@@ -30,7 +31,7 @@ fn aer(h: &mut Host) -> u16 {
 fn changed_log(h: &mut Host, buf: u64, retain: bool) -> Vec<u32> {
     let mut s = sqe(0x02, 0);
     set_prp(&mut s, buf, 0);
-    s[10] = 0x04 | (1023 << 16) | (u32::from(retain) << 15);
+    s.cdw10 = 0x04 | (1023 << 16) | (u32::from(retain) << 15);
     assert!(h.admin(s).ok());
     ids(&h.read_mem(buf, 4096))
 }
@@ -38,7 +39,7 @@ fn changed_log(h: &mut Host, buf: u64, retain: bool) -> Vec<u32> {
 fn active_list(h: &mut Host, buf: u64) -> Vec<u32> {
     let mut s = sqe(0x06, 0);
     set_prp(&mut s, buf, 0);
-    s[10] = 2;
+    s.cdw10 = 2;
     assert!(h.admin(s).ok());
     ids(&h.read_mem(buf, 4096))
 }
@@ -50,10 +51,10 @@ fn ids(b: &[u8]) -> Vec<u32> {
         .collect()
 }
 
-fn identify_ns_size(h: &mut Host, buf: u64, nsid: u32) -> Cqe {
+fn identify_ns_size(h: &mut Host, buf: u64, nsid: u32) -> Completion {
     let mut s = sqe(0x06, nsid);
     set_prp(&mut s, buf, 0);
-    s[10] = 0;
+    s.cdw10 = 0;
     h.admin(s)
 }
 
@@ -146,35 +147,27 @@ fn no_event_when_host_did_not_enable_notices() {
 
 #[test]
 fn removal_lets_commands_in_flight_finish() {
-    let open = Arc::new(AtomicBool::new(false));
-    let gated: Arc<dyn BlockDevice> = Arc::new(Gated {
-        ram: RamDisk::new(16 << 20, 512).unwrap(),
-        open: open.clone(),
-    });
-    let mut h = Host::with(nvme::ControllerConfig::default(), vec![ram(16), gated]);
+    let (held, gate) = HeldDisk::new(16 << 20, 512).unwrap();
+    let mut h = Host::with(
+        nvme::ControllerConfig::default(),
+        vec![ram(16), Arc::new(held)],
+    );
     h.ready(false);
     let data = h.alloc(4);
     let cids: Vec<u16> = (0..4u64)
         .map(|i| h.submit(1, rw(2, 2, i * 8, 8, data + i * 4096, 0)))
         .collect();
-    std::thread::sleep(Duration::from_millis(5));
+    wait_until("the reads at the backend", T, || gate.submitted() == 4);
     assert!(h.try_reap(1).is_none(), "held by the backend");
     h.ctrl.remove_namespace(2).unwrap();
     // New commands to the removed namespace fail at once; the others still run.
     let c = h.io(rw(2, 2, 0, 8, data, 0));
     assert_eq!(c.code(), (0, 0x0b));
     assert!(h.io(rw(2, 1, 0, 8, data, 0)).ok());
-    open.store(true, Ordering::Release);
-    let mut got = Vec::new();
-    let t = Instant::now();
-    while got.len() < 4 && t.elapsed() < Duration::from_secs(5) {
-        if let Some(c) = h.try_reap(1) {
-            assert!(c.ok(), "in-flight command finishes normally: {c:?}");
-            got.push(c.cid);
-        }
-    }
+    gate.open();
+    let done = h.reap_n(1, cids.len());
+    assert!(done.iter().all(|c| c.ok()), "in flight, finished: {done:?}");
+    let mut got: Vec<u16> = done.iter().map(|c| c.cid).collect();
     got.sort_unstable();
-    let mut want = cids.clone();
-    want.sort_unstable();
-    assert_eq!(got, want);
+    assert_eq!(got, cids, "every command in flight finishes");
 }

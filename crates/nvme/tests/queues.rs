@@ -1,12 +1,13 @@
-mod common;
-use common::*;
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::{wait_until, T};
 
-fn create_cq_raw(h: &mut Host, qid: u16, qsize0: u16, cdw11: u32) -> Cqe {
+fn create_cq_raw(h: &mut Host, qid: u16, qsize0: u16, cdw11: u32) -> Completion {
     let cq = h.alloc(16);
     let mut s = sqe(0x05, 0);
     set_prp(&mut s, cq, 0);
-    s[10] = u32::from(qid) | (u32::from(qsize0) << 16);
-    s[11] = cdw11;
+    s.cdw10 = u32::from(qid) | (u32::from(qsize0) << 16);
+    s.cdw11 = cdw11;
     h.admin(s)
 }
 
@@ -34,8 +35,8 @@ fn queue_create_delete_errors() {
     );
     let mut s = sqe(0x05, 0);
     set_prp(&mut s, 0x1000, 0);
-    s[10] = 1 | (15 << 16);
-    s[11] = 1;
+    s.cdw10 = 1 | (15 << 16);
+    s.cdw11 = 1;
     assert_eq!(h.admin(s).code(), (0, 0x02), "CQ memory unmapped");
     assert_eq!(h.create_sq(1, 16, 1).code(), (1, 0x00), "missing CQ");
     assert!(h.create_cq(1, 16, true, 1).ok());
@@ -57,14 +58,14 @@ fn queue_create_delete_errors() {
     let cid = h.submit(1, rw(2, 1, 0, 1, a, 0));
     assert_eq!(h.reap(1).cid, cid);
     let mut del = sqe(0x04, 0);
-    del[10] = 1;
+    del.cdw10 = 1;
     assert_eq!(h.admin(del).code(), (1, 0x0c), "CQ with SQs");
     let mut dsq = sqe(0x00, 0);
-    dsq[10] = 1;
+    dsq.cdw10 = 1;
     assert!(h.admin(dsq).ok());
     assert_eq!(h.admin(dsq).code(), (1, 0x01), "SQ already gone");
     assert_eq!(h.admin(del).code(), (1, 0x0c), "SQ 2 still attached");
-    dsq[10] = 2;
+    dsq.cdw10 = 2;
     assert!(h.admin(dsq).ok());
     assert!(h.admin(del).ok());
     assert_eq!(h.admin(del).code(), (1, 0x01), "CQ already gone");
@@ -155,7 +156,7 @@ fn interrupts_only_with_ien() {
     assert_eq!(h.irq_count(1), 0, "polled queue never signals");
     assert!(h.cmd(2, rw(2, 1, 0, 1, a, 0)).ok());
     // The interrupt follows the entry (the end of the poll that posted it).
-    wait_until("vector 2 signalled", || h.irq_count(2) >= 1);
+    wait_until("vector 2 signalled", T, || h.irq_count(2) >= 1);
 }
 
 /// A controller with I/O SQ 1 (16 entries) on a 4-entry CQ, and a one-page buffer.

@@ -3,6 +3,8 @@
 //!
 //! | module | what it is |
 //! |---|---|
+//! | [`nvme_host`] | a fake NVMe host driving `nvme::Controller` with fake guest memory, no socket |
+//! | [`nvme_cmd`] | NVMe command builders (SQE, PRP, SGL) and completion checks |
 //! | [`vhost_fe`] | a fake vhost-user front end (VMM + guest driver) that builds its own rings |
 //! | [`blkio`], [`blkio_load`] | libblkio sessions: an independent vhost-user-blk client, and a QD32 verifier |
 //! | [`held`] | a backend whose completions wait for the test (a network backend's stand-in) |
@@ -22,6 +24,8 @@ pub mod blkio_load;
 pub mod ceph;
 pub mod held;
 pub mod layers;
+pub mod nvme_cmd;
+pub mod nvme_host;
 pub mod pattern;
 pub mod rng;
 pub mod vhost_fe;
