@@ -5,6 +5,8 @@
 //! |---|---|
 //! | [`nvme_host`] | a fake NVMe host driving `nvme::Controller` with fake guest memory, no socket |
 //! | [`nvme_cmd`] | NVMe command builders (SQE, PRP, SGL) and completion checks |
+//! | [`vfio_server`] | a vfio-user server on a temp socket in front of a fake PCI device |
+//! | [`vfio_client`] | a raw vfio-user client that sends anything |
 //! | [`vhost_fe`] | a fake vhost-user front end (VMM + guest driver) that builds its own rings |
 //! | [`blkio`], [`blkio_load`] | libblkio sessions: an independent vhost-user-blk client, and a QD32 verifier |
 //! | [`held`] | a backend whose completions wait for the test (a network backend's stand-in) |
@@ -28,6 +30,8 @@ pub mod nvme_cmd;
 pub mod nvme_host;
 pub mod pattern;
 pub mod rng;
+pub mod vfio_client;
+pub mod vfio_server;
 pub mod vhost_fe;
 pub mod wait;
 
