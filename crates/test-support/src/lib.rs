@@ -7,6 +7,7 @@
 //! | [`nvme_cmd`] | NVMe command builders (SQE, PRP, SGL) and completion checks |
 //! | [`vfio_server`] | a vfio-user server on a temp socket in front of a fake PCI device |
 //! | [`vfio_client`] | a raw vfio-user client that sends anything |
+//! | [`fake_nvme`] | a fake vfio-user NVMe controller, for udrive's initiator |
 //! | [`vhost_fe`] | a fake vhost-user front end (VMM + guest driver) that builds its own rings |
 //! | [`blkio`], [`blkio_load`] | libblkio sessions: an independent vhost-user-blk client, and a QD32 verifier |
 //! | [`held`] | a backend whose completions wait for the test (a network backend's stand-in) |
@@ -24,6 +25,7 @@
 pub mod blkio;
 pub mod blkio_load;
 pub mod ceph;
+pub mod fake_nvme;
 pub mod held;
 pub mod layers;
 pub mod nvme_cmd;

@@ -6,8 +6,9 @@
 //! hostile and protocol-level tests of a server (and of its DMA messages, which the
 //! test answers by hand).
 
+use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
@@ -76,15 +77,8 @@ impl RawClient {
 
     /// Reads one message; None on EOF, reset or timeout.
     pub fn recv(&mut self) -> Option<RawReply> {
-        let mut hb = [0u8; HEADER_SIZE];
-        let (n, fd) = self.s.recv_with_fd(&mut hb).ok()?;
-        if n == 0 {
-            return None;
-        }
-        self.s.read_exact(&mut hb[n..]).ok()?;
-        let hdr: Header = proto::parse(&hb)?;
-        let mut payload = vec![0u8; (hdr.msg_size as usize).checked_sub(HEADER_SIZE)?];
-        self.s.read_exact(&mut payload).ok()?;
+        let (hdr, payload, fds) = recv_message(&mut self.s)?;
+        let fd = fds.into_iter().next();
         Some(RawReply { hdr, payload, fd })
     }
 
@@ -175,6 +169,35 @@ impl RawClient {
             ),
         }
     }
+}
+
+/// Reads one whole message from `s` (either side of a connection) with the fds
+/// that came with its first bytes (at most 16); None on EOF, reset, timeout or a
+/// header that does not parse.
+pub fn recv_message(s: &mut UnixStream) -> Option<(Header, Vec<u8>, Vec<File>)> {
+    let mut hb = [0u8; HEADER_SIZE];
+    let mut raw = [-1 as RawFd; 16];
+    let mut iov = [libc::iovec {
+        iov_base: hb.as_mut_ptr().cast(),
+        iov_len: HEADER_SIZE,
+    }];
+    // SAFETY: the iovec points at `hb`, which outlives the call and is not used
+    // otherwise meanwhile.
+    let (n, nfds) = unsafe { s.recv_with_fds(&mut iov, &mut raw) }.ok()?;
+    let files: Vec<File> = raw[..nfds]
+        .iter()
+        // SAFETY: the kernel installed these descriptors for us; nothing else owns
+        // them.
+        .map(|fd| unsafe { File::from_raw_fd(*fd) })
+        .collect();
+    if n == 0 {
+        return None;
+    }
+    s.read_exact(&mut hb[n..]).ok()?;
+    let hdr: Header = proto::parse(&hb)?;
+    let mut payload = vec![0u8; (hdr.msg_size as usize).checked_sub(HEADER_SIZE)?];
+    s.read_exact(&mut payload).ok()?;
+    Some((hdr, payload, files))
 }
 
 /// The raw fd of `s`, to pass in a message.
