@@ -5,6 +5,9 @@
 //! |---|---|
 //! | [`nvme_host`] | a fake NVMe host driving `nvme::Controller` with fake guest memory, no socket |
 //! | [`nvme_cmd`] | NVMe command builders (SQE, PRP, SGL) and completion checks |
+//! | [`driver`] | helpers over udrive's initiator: one command, verified I/O, a well-behaved client |
+//! | [`gens`] | generation-stamped verified I/O that survives a server's handover or restart |
+//! | [`reactor`] | a reactor's sleep and poll counters |
 //! | [`vfio_server`] | a vfio-user server on a temp socket in front of a fake PCI device |
 //! | [`vfio_client`] | a raw vfio-user client that sends anything |
 //! | [`fake_nvme`] | a fake vfio-user NVMe controller, for udrive's initiator |
@@ -25,12 +28,15 @@
 pub mod blkio;
 pub mod blkio_load;
 pub mod ceph;
+pub mod driver;
 pub mod fake_nvme;
+pub mod gens;
 pub mod held;
 pub mod layers;
 pub mod nvme_cmd;
 pub mod nvme_host;
 pub mod pattern;
+pub mod reactor;
 pub mod rng;
 pub mod vfio_client;
 pub mod vfio_server;

@@ -205,7 +205,7 @@ fn refused_or_garbled_transfers_fail_the_command_only() {
     assert!(counts(&dev, "bad_replies") > 0);
     assert!(!dev.json()["state"]["fatal"].as_bool().unwrap());
     // An address outside every mapping fails before any message.
-    let c = raw(&mut qp, rw_prp(WRITE, 1, 0, 8, UNMAPPED, 0));
+    let c = raw(&mut qp, rw(WRITE, 1, 0, 8, UNMAPPED, 0));
     assert_status(&c, 0, DTE, "unmapped PRP");
 }
 
@@ -270,7 +270,7 @@ fn unmapping_unshared_memory_answers_at_once() {
         .expect("map");
     let mut qp = d.create_qpair(16, false).expect("queue pair");
     assert_ok(
-        &raw(&mut qp, rw_prp(WRITE, 1, 0, 8, iova, 0)),
+        &raw(&mut qp, rw(WRITE, 1, 0, 8, iova, 0)),
         "write from the extra region",
     );
     svc.set_mode(DmaServeMode::Silent);
@@ -282,7 +282,7 @@ fn unmapping_unshared_memory_answers_at_once() {
         t0.elapsed()
     );
     svc.set_mode(DmaServeMode::Normal);
-    let c = raw(&mut qp, rw_prp(WRITE, 1, 0, 8, iova, 0));
+    let c = raw(&mut qp, rw(WRITE, 1, 0, 8, iova, 0));
     assert_status(&c, 0, DTE, "after unmap");
     qp_still_works(&mut qp, 200, 9);
 }
@@ -335,7 +335,7 @@ fn a_client_mixing_shared_and_unshared_memory_works() {
     assert!(!on(0), "moved to the controller's own reactor");
     let data = Rng::new(12).bytes(4096);
     extra.slice(0, 4096).unwrap().write_from(0, &data).unwrap();
-    assert_ok(&raw(&mut qp, rw_prp(WRITE, 1, 40, 8, iova, 0)), "write");
+    assert_ok(&raw(&mut qp, rw(WRITE, 1, 40, 8, iova, 0)), "write");
     let buf = qp.alloc_buf(4096).unwrap();
     assert_ok(
         &io(&mut qp, IoOp::Read, 1, 40, 8, Some(&buf), DataMode::Prp),
@@ -346,10 +346,7 @@ fn a_client_mixing_shared_and_unshared_memory_works() {
     assert!(back == data, "data written from unshared memory");
     // And the other way round.
     extra.slice(0, 4096).unwrap().fill(0);
-    assert_ok(
-        &raw(&mut qp, rw_prp(READ, 1, 40, 8, iova + 4096, 0)),
-        "read",
-    );
+    assert_ok(&raw(&mut qp, rw(READ, 1, 40, 8, iova + 4096, 0)), "read");
     let mut back2 = vec![0u8; 4096];
     extra
         .slice(4096, 4096)
@@ -390,7 +387,7 @@ fn read_only_unshared_memory_alone_keeps_the_fast_path() {
             .all(|g| g["reactor"].as_u64() == Some(0)),
         "{groups}"
     );
-    let c = raw(&mut qp, rw_prp(WRITE, 1, 0, 8, iova, 0));
+    let c = raw(&mut qp, rw(WRITE, 1, 0, 8, iova, 0));
     assert_status(&c, 0, DTE, "I/O from read-only unshared memory");
     qp_still_works(&mut qp, 400, 14);
     assert_eq!(counts(&dev, "reads"), 0, "no message");

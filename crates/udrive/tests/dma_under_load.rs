@@ -111,15 +111,13 @@ fn dma_map_and_unmap_under_sustained_load() {
     let data = Rng::new(7).bytes(4096);
     extra.all().write_from(0, &data).unwrap();
     for round in 0..5u64 {
-        let cid = qp
-            .submit(rw_prp(WRITE, 1, 1000 + round * 8, 8, xi, 0))
-            .unwrap();
+        let cid = qp.submit(rw(WRITE, 1, 1000 + round * 8, 8, xi, 0)).unwrap();
         qp.ring().unwrap();
         let c = load.until(&mut qp, cid);
         assert_ok(&c, "write from a region mapped under load");
     }
     extra.all().fill(0);
-    let cid = qp.submit(rw_prp(READ, 1, 1000, 8, xi, 0)).unwrap();
+    let cid = qp.submit(rw(READ, 1, 1000, 8, xi, 0)).unwrap();
     qp.ring().unwrap();
     assert_ok(&load.until(&mut qp, cid), "read into it");
     let mut back = vec![0u8; 4096];
@@ -128,7 +126,7 @@ fn dma_map_and_unmap_under_sustained_load() {
 
     // An unmap under load waits for the command still using the region, and for no
     // more than the commands in flight: well before the 2 s give-up.
-    let cid = qp.submit(rw_prp(READ, 1, 1000, 8, xi, 0)).unwrap();
+    let cid = qp.submit(rw(READ, 1, 1000, 8, xi, 0)).unwrap();
     qp.ring().unwrap();
     std::thread::sleep(Duration::from_micros(LATENCY_US / 4));
     let t = Instant::now();

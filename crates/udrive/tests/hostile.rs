@@ -54,21 +54,21 @@ fn prp_entries_outside_the_dma_map() {
         let list = qp.alloc_buf(4096).unwrap();
         let pg = data.iova();
         for opc in [READ, WRITE] {
-            let c = raw(&mut qp, rw_prp(opc, 1, 0, 1, UNMAPPED, 0));
+            let c = raw(&mut qp, rw(opc, 1, 0, 1, UNMAPPED, 0));
             generic(&c, DTE, "PRP1 unmapped");
-            let c = raw(&mut qp, rw_prp(opc, 1, 0, 8, 0xffff_ffff_ffff_f000, 0));
+            let c = raw(&mut qp, rw(opc, 1, 0, 8, 0xffff_ffff_ffff_f000, 0));
             generic(&c, DTE, "PRP1 at the top of the address space");
-            let c = raw(&mut qp, rw_prp(opc, 1, 0, 8, POOL_END - 2048, 0));
+            let c = raw(&mut qp, rw(opc, 1, 0, 8, POOL_END - 2048, 0));
             generic(&c, DTE, "PRP1 runs off the end of the mapping");
-            let c = raw(&mut qp, rw_prp(opc, 1, 0, 16, pg, UNMAPPED));
+            let c = raw(&mut qp, rw(opc, 1, 0, 16, pg, UNMAPPED));
             generic(&c, DTE, "PRP2 data page unmapped");
-            let c = raw(&mut qp, rw_prp(opc, 1, 0, 24, pg, UNMAPPED));
+            let c = raw(&mut qp, rw(opc, 1, 0, 24, pg, UNMAPPED));
             generic(&c, DTE, "PRP2 list pointer unmapped");
             put_u64s(&list, 0, &[pg + 4096, UNMAPPED]);
-            let c = raw(&mut qp, rw_prp(opc, 1, 0, 24, pg, list.iova()));
+            let c = raw(&mut qp, rw(opc, 1, 0, 24, pg, list.iova()));
             generic(&c, DTE, "PRP list entry unmapped");
             put_u64s(&list, 0, &[POOL_END - 4096, POOL_END]);
-            let c = raw(&mut qp, rw_prp(opc, 1, 0, 24, pg, list.iova()));
+            let c = raw(&mut qp, rw(opc, 1, 0, 24, pg, list.iova()));
             generic(&c, DTE, "PRP list entry just past the mapping");
         }
         qp_still_works(&mut qp, 100, 2);
@@ -84,22 +84,22 @@ fn misaligned_prp_entries() {
         let data = qp.alloc_buf(16384).unwrap();
         let list = qp.alloc_buf(4096).unwrap();
         let pg = data.iova();
-        let c = raw(&mut qp, rw_prp(READ, 1, 0, 1, pg + 2, 0));
+        let c = raw(&mut qp, rw(READ, 1, 0, 1, pg + 2, 0));
         generic(&c, 0x13, "PRP1 not dword aligned");
-        let c = raw(&mut qp, rw_prp(READ, 1, 0, 16, pg, pg + 4096 + 512));
+        let c = raw(&mut qp, rw(READ, 1, 0, 16, pg, pg + 4096 + 512));
         generic(&c, 0x13, "PRP2 data pointer with an offset");
         put_u64s(&list, 0, &[pg + 4096 + 8, pg + 8192]);
-        let c = raw(&mut qp, rw_prp(WRITE, 1, 0, 24, pg, list.iova()));
+        let c = raw(&mut qp, rw(WRITE, 1, 0, 24, pg, list.iova()));
         generic(&c, 0x13, "PRP list entry with an offset");
         put_u64s(&list, 0, &[pg + 4096, pg + 8192 + 4]);
-        let c = raw(&mut qp, rw_prp(READ, 1, 0, 24, pg, list.iova()));
+        let c = raw(&mut qp, rw(READ, 1, 0, 24, pg, list.iova()));
         generic(&c, 0x13, "second PRP list entry with an offset");
-        let c = raw(&mut qp, rw_prp(READ, 1, 0, 24, pg, list.iova() + 4));
+        let c = raw(&mut qp, rw(READ, 1, 0, 24, pg, list.iova() + 4));
         generic(&c, 0x13, "PRP list pointer not qword aligned");
         // A list that starts inside its page (qword aligned) is legal.
         put_u64s(&list, 8, &[pg + 4096, pg + 8192]);
         assert_ok(
-            &raw(&mut qp, rw_prp(READ, 1, 0, 24, pg, list.iova() + 8)),
+            &raw(&mut qp, rw(READ, 1, 0, 24, pg, list.iova() + 8)),
             "PRP list at a page offset",
         );
         qp_still_works(&mut qp, 200, 4);
@@ -117,7 +117,7 @@ fn prp_list_that_loops_on_itself() {
         // chains; the chain pointer names the same list page.
         put_u64s(&list, 4080, &[pg + 4096, l]);
         for opc in [READ, WRITE] {
-            let c = raw(&mut qp, rw_prp(opc, 1, 0, 128, pg, l + 4080));
+            let c = raw(&mut qp, rw(opc, 1, 0, 128, pg, l + 4080));
             assert!(
                 c.status.sct == 0 && [0x02, DTE, 0x13].contains(&c.status.sc),
                 "looping PRP list: {}",
@@ -130,7 +130,7 @@ fn prp_list_that_loops_on_itself() {
         put_u64s(&list2, 0, &rest);
         put_u64s(&list, 4080, &[pg + 4096, list2.iova()]);
         assert_ok(
-            &raw(&mut qp, rw_prp(WRITE, 1, 0, 128, pg, l + 4080)),
+            &raw(&mut qp, rw(WRITE, 1, 0, 128, pg, l + 4080)),
             "list chained from a page offset",
         );
         qp_still_works(&mut qp, 300, 6);
@@ -241,7 +241,7 @@ fn unknown_opcodes() {
         }
         // Fused operations are not supported: Invalid Field.
         let buf = qp.alloc_buf(512).unwrap();
-        let mut s = rw_prp(READ, 1, 0, 1, buf.iova(), 0);
+        let mut s = rw(READ, 1, 0, 1, buf.iova(), 0);
         s.flags |= 1;
         generic(&raw(&mut qp, s), 0x02, "fused first command");
         qp_still_works(&mut qp, 600, 12);
@@ -255,7 +255,7 @@ fn invalid_namespace_ids() {
         let buf = qp.alloc_buf(4096).unwrap();
         for nsid in [0u32, 0xffff_ffff, 2, 0x8000_0000] {
             for opc in [READ, WRITE] {
-                let c = raw(&mut qp, rw_prp(opc, nsid, 0, 1, buf.iova(), 0));
+                let c = raw(&mut qp, rw(opc, nsid, 0, 1, buf.iova(), 0));
                 generic(&c, 0x0b, &format!("opcode {opc} nsid {nsid:#x}"));
             }
             let c = raw(&mut qp, Sqe::rw(op::WRITE_ZEROES, nsid, 0, 1));
@@ -290,7 +290,7 @@ fn lba_range_overflow_and_out_of_range() {
             ] {
                 let c = raw(
                     &mut qp,
-                    rw_prp(opc, 1, slba, nlb, buf.iova(), buf.iova() + 4096),
+                    rw(opc, 1, slba, nlb, buf.iova(), buf.iova() + 4096),
                 );
                 generic(&c, 0x80, &format!("opcode {opc} LBA {slba:#x} x{nlb}"));
             }
@@ -325,7 +325,7 @@ fn transfer_beyond_mdts() {
         let buf = qp.alloc_buf(mdts as usize).unwrap();
         for opc in [READ, WRITE] {
             for nlb in [257u32, 1024, 32768] {
-                let c = raw(&mut qp, rw_prp(opc, 1, 0, nlb, buf.iova(), 0));
+                let c = raw(&mut qp, rw(opc, 1, 0, nlb, buf.iova(), 0));
                 generic(&c, 0x02, &format!("opcode {opc}: {nlb} blocks"));
             }
         }
@@ -554,7 +554,7 @@ impl RawQueues {
         }
     }
     fn rw(&mut self, d: &NvmeDriver, opc: u8, slba: u64) -> Completion {
-        let cid = self.submit(d, rw_prp(opc, 1, slba, 8, self.data(), 0));
+        let cid = self.submit(d, rw(opc, 1, slba, 8, self.data(), 0));
         let c = self.wait(d);
         assert_eq!(c.cid, cid);
         c
@@ -574,13 +574,13 @@ fn dma_unmap_of_memory_in_use() {
         let mut qp = d.create_qpair(16, false).unwrap();
         let data = Rng::new(24).bytes(4096);
         extra.all().write_from(0, &data).unwrap();
-        assert_ok(&raw(&mut qp, rw_prp(WRITE, 1, 10, 8, xi, 0)), "write");
+        assert_ok(&raw(&mut qp, rw(WRITE, 1, 10, 8, xi, 0)), "write");
         d.client()
             .dma_unmap(xi, 64 << 10)
             .expect("server answers the unmap");
         for opc in [READ, WRITE] {
             generic(
-                &raw(&mut qp, rw_prp(opc, 1, 10, 8, xi, 0)),
+                &raw(&mut qp, rw(opc, 1, 10, 8, xi, 0)),
                 DTE,
                 "unmapped data",
             );
@@ -590,10 +590,7 @@ fn dma_unmap_of_memory_in_use() {
             .dma_map(extra.fd(), 0, xi, 64 << 10, Prot::RW)
             .unwrap();
         extra.all().fill(0);
-        assert_ok(
-            &raw(&mut qp, rw_prp(READ, 1, 10, 8, xi, 0)),
-            "read after remap",
-        );
+        assert_ok(&raw(&mut qp, rw(READ, 1, 10, 8, xi, 0)), "read after remap");
         let mut back = vec![0u8; 4096];
         extra.all().read_into(0, &mut back).unwrap();
         assert!(back == data);
@@ -607,7 +604,7 @@ fn dma_unmap_of_memory_in_use() {
         d.client()
             .dma_unmap(ri, RQ_BYTES)
             .expect("server answers the unmap of queue memory");
-        rq.submit(&d, rw_prp(READ, 1, 2000, 8, rq.data(), 0));
+        rq.submit(&d, rw(READ, 1, 2000, 8, rq.data(), 0));
         // The controller cannot post to a CQ it cannot reach: fatal, never a crash.
         wait_fatal(&d);
         assert!(dev.ctrl().stats().fatal);
@@ -953,7 +950,7 @@ fn dma_unmap_with_an_fd_attached_takes_effect() {
             .unwrap();
         let mut qp = d.create_qpair(16, false).unwrap();
         a.all().write_from(0, &[0xa5; 4096]).unwrap();
-        assert_ok(&raw(&mut qp, rw_prp(WRITE, 1, 10, 8, x, 0)), "write from a");
+        assert_ok(&raw(&mut qp, rw(WRITE, 1, 10, 8, x, 0)), "write from a");
         a.all().write_from(0, &[0; 4096]).unwrap();
         let mut unmap = u32s(&[24, 0]);
         unmap.extend_from_slice(&x.to_le_bytes());
@@ -964,7 +961,7 @@ fn dma_unmap_with_an_fd_attached_takes_effect() {
         d.client()
             .dma_map(b.fd(), 0, x, 64 << 10, Prot::RW)
             .expect("the IOVA is free again");
-        assert_ok(&raw(&mut qp, rw_prp(READ, 1, 10, 8, x, 0)), "read into b");
+        assert_ok(&raw(&mut qp, rw(READ, 1, 10, 8, x, 0)), "read into b");
         let (mut in_a, mut in_b) = (vec![0u8; 4096], vec![0u8; 4096]);
         a.all().read_into(0, &mut in_a).unwrap();
         b.all().read_into(0, &mut in_b).unwrap();

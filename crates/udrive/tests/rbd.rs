@@ -16,6 +16,8 @@ use initiator::workload::{self, NvmeTarget, Rw, WorkloadConfig};
 use initiator::{DataMode, IoOp, NvmeDriver};
 use serde_json::{json, Value};
 use test_support::ceph::Cluster;
+use test_support::gens::{self, verify, write_gen, GenClient, BLOCK, QD};
+use test_support::pattern::{block, is_block};
 
 const MIB: u64 = 1 << 20;
 
@@ -707,16 +709,11 @@ fn librbd_threads_stay_off_the_reactor_cpu() {
     assert!(!sock.exists());
 }
 
-// ---- Issue 15 with RBD: live handover and supervised restart ----
+// ---- live handover and supervised restart with RBD ----
 
-const HO_BLOCK: usize = 4096;
-const HO_BLOCKS: u64 = 512;
-const HO_QD: usize = 32;
+/// Blocks of the handover and supervise tests' images.
+const BLOCKS: u64 = 512;
 const UDRIVE: &str = env!("CARGO_BIN_EXE_udrive");
-
-fn ho_block(gen: u64, lba: u64) -> Vec<u8> {
-    Rng::new(gen << 32 | lba).bytes(HO_BLOCK)
-}
 
 /// A server with one NVMe controller on an RBD image and a control socket, run
 /// detached (the processes that take it over are not our children).
@@ -737,128 +734,15 @@ fn ho_service_with(c: &Cluster, image: &str, top: &str) -> Service {
     })
 }
 
-/// A client writing generations of blocks at QD32 and reading a sample back after
-/// every burst; at the end it reads every block and returns what it expects each
-/// to hold (generation per block, 0 = never written).
-struct HoClient {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    ops: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    thread: std::thread::JoinHandle<Result<Vec<u64>, String>>,
-}
-
-impl HoClient {
-    fn start(sock: PathBuf, seed: u64) -> HoClient {
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let ops = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let (st, op) = (stop.clone(), ops.clone());
-        let thread = std::thread::spawn(move || ho_client(&sock, seed, &st, &op));
-        HoClient { stop, ops, thread }
-    }
-
-    fn ops(&self) -> u64 {
-        self.ops.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    fn finish(self) -> Result<Vec<u64>, String> {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.thread
-            .join()
-            .map_err(|_| "client panicked".to_string())?
-    }
-}
-
-fn ho_burst(
-    qp: &mut initiator::QueuePair,
-    bufs: &[initiator::DmaBuf],
-    op: IoOp,
-    lbas: &[u64],
-    fill: impl Fn(usize, u64),
-) -> Result<(), String> {
-    let mut cids = Vec::with_capacity(lbas.len());
-    for (i, lba) in lbas.iter().enumerate() {
-        fill(i, *lba);
-        let cid = qp
-            .submit_io(op, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
-            .map_err(|e| format!("submit: {e}"))?;
-        cids.push((cid, *lba));
-    }
-    qp.ring().map_err(|e| format!("ring: {e}"))?;
-    for (cid, lba) in cids {
-        let c = qp
-            .wait(cid, Duration::from_secs(30))
-            .map_err(|e| format!("{op:?} of block {lba}: no completion: {e}"))?;
-        if !c.status.is_ok() {
-            return Err(format!("{op:?} of block {lba}: status {}", c.status));
-        }
-    }
-    Ok(())
-}
-
-fn ho_client(
-    sock: &Path,
-    seed: u64,
-    stop: &std::sync::atomic::AtomicBool,
-    ops: &std::sync::atomic::AtomicU64,
-) -> Result<Vec<u64>, String> {
-    use std::sync::atomic::Ordering;
-    let d = NvmeDriver::connect(sock, opts()).map_err(|e| format!("attach: {e}"))?;
-    let mut qp = d.create_qpair(64, false).map_err(|e| e.to_string())?;
-    let bufs: Vec<initiator::DmaBuf> = (0..HO_QD).map(|_| d.alloc_buf(HO_BLOCK).unwrap()).collect();
-    let mut gens = vec![0u64; HO_BLOCKS as usize];
-    let mut rng = Rng::new(seed);
-    let mut gen = 0u64;
-    let check = |qp: &mut initiator::QueuePair, lbas: &[u64], gens: &[u64]| {
-        ho_burst(qp, &bufs, IoOp::Read, lbas, |i, _| bufs[i].fill(0))?;
-        let mut back = vec![0u8; HO_BLOCK];
-        for (i, lba) in lbas.iter().enumerate() {
-            bufs[i].read(0, &mut back).unwrap();
-            let want = gens[*lba as usize];
-            let ok = if want == 0 {
-                back.iter().all(|b| *b == 0)
-            } else {
-                back == ho_block(want, *lba)
-            };
-            if !ok {
-                return Err(format!("block {lba}: not generation {want}"));
-            }
-        }
-        Ok::<(), String>(())
-    };
-    while !stop.load(Ordering::Relaxed) {
-        gen += 1;
-        let start = rng.below(HO_BLOCKS);
-        let lbas: Vec<u64> = (0..HO_QD as u64)
-            .map(|i| (start + i * 13) % HO_BLOCKS)
-            .collect();
-        let g = seed << 40 | gen;
-        ho_burst(&mut qp, &bufs, IoOp::Write, &lbas, |i, lba| {
-            bufs[i].write(0, &ho_block(g, lba)).unwrap()
-        })?;
-        for lba in &lbas {
-            gens[*lba as usize] = g;
-        }
-        let mut sample: Vec<u64> = (0..HO_QD as u64).map(|_| rng.below(HO_BLOCKS)).collect();
-        sample.sort_unstable();
-        sample.dedup();
-        check(&mut qp, &sample, &gens)?;
-        ops.fetch_add((lbas.len() + sample.len()) as u64, Ordering::Relaxed);
-    }
-    let all: Vec<u64> = (0..HO_BLOCKS).collect();
-    for chunk in all.chunks(HO_QD) {
-        check(&mut qp, chunk, &gens)?;
-    }
-    Ok(gens)
-}
-
 /// The image as the client expects it, checked with `rbd export`.
 fn check_export(c: &Cluster, image: &str, gens: &[u64]) {
     let data = c.export(image);
     for (lba, g) in gens.iter().enumerate() {
-        let got = &data[lba * HO_BLOCK..(lba + 1) * HO_BLOCK];
+        let got = &data[lba * BLOCK..(lba + 1) * BLOCK];
         let ok = if *g == 0 {
             got.iter().all(|b| *b == 0)
         } else {
-            got == ho_block(*g, lba as u64).as_slice()
+            is_block(got, *g, lba as u64)
         };
         assert!(ok, "rbd export: block {lba} is not generation {g}");
     }
@@ -884,12 +768,12 @@ fn an_rbd_namespace_survives_handovers_under_verified_io() {
         return;
     }
     let c = Cluster::start();
-    c.create_image("ho", HO_BLOCKS * HO_BLOCK as u64);
+    c.create_image("ho", BLOCKS * BLOCK as u64);
     // librbd's threads on every CPU (decision 0030): each new process keeps that.
     let all = engine::allowed_cpus();
     let list = engine::format_cpu_list(&all);
     let s = ho_service_with(&c, "ho", &format!("rbd_cpus = \"{list}\"\n"));
-    let client = HoClient::start(s.path("nvme.sock"), 7);
+    let client = GenClient::start(s.path("nvme.sock"), 7, BLOCKS);
     common::wait_until("client running", Duration::from_secs(60), || {
         client.ops() > 0
     });
@@ -951,9 +835,9 @@ fn an_rbd_handover_that_dies_rolls_back_and_the_old_process_writes() {
         return;
     }
     let c = Cluster::start();
-    c.create_image("rb", HO_BLOCKS * HO_BLOCK as u64);
+    c.create_image("rb", BLOCKS * BLOCK as u64);
     let s = ho_service(&c, "rb");
-    let client = HoClient::start(s.path("nvme.sock"), 9);
+    let client = GenClient::start(s.path("nvme.sock"), 9, BLOCKS);
     common::wait_until("client running", Duration::from_secs(60), || {
         client.ops() > 0
     });
@@ -1024,66 +908,13 @@ fn an_rbd_handover_that_dies_rolls_back_and_the_old_process_writes() {
     check_export(&c, "rb", &gens);
 }
 
-/// Writes `lbas` with generation `gen`, QD at a time; returns those completed
-/// (all unless the server dies meanwhile).
-fn sv_write(
-    qp: &mut initiator::QueuePair,
-    bufs: &[initiator::DmaBuf],
-    gen: u64,
-    lbas: &[u64],
-) -> Vec<u64> {
-    let mut done = Vec::new();
-    for chunk in lbas.chunks(HO_QD) {
-        let mut cids = Vec::new();
-        for (i, lba) in chunk.iter().enumerate() {
-            bufs[i].write(0, &ho_block(gen, *lba)).unwrap();
-            let cid = qp
-                .submit_io(IoOp::Write, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
-                .unwrap();
-            cids.push((cid, *lba));
-        }
-        qp.ring().unwrap();
-        for (cid, lba) in cids {
-            match qp.wait(cid, Duration::from_secs(30)) {
-                Ok(c) => {
-                    assert!(c.status.is_ok(), "write of block {lba}: {}", c.status);
-                    done.push(lba);
-                }
-                Err(_) => return done,
-            }
-        }
-    }
-    done
-}
-
-fn sv_check(qp: &mut initiator::QueuePair, buf: &initiator::DmaBuf, want: &[u64]) {
-    let mut back = vec![0u8; HO_BLOCK];
-    for (lba, gen) in want.iter().enumerate() {
-        let c = common::io(
-            qp,
-            IoOp::Read,
-            1,
-            lba as u64 * 8,
-            8,
-            Some(buf),
-            DataMode::Prp,
-        );
-        common::assert_ok(&c, "read");
-        buf.read(0, &mut back).unwrap();
-        assert!(
-            back == ho_block(*gen, lba as u64),
-            "block {lba}: not generation {gen}"
-        );
-    }
-}
-
 #[test]
 fn a_supervised_server_killed_with_an_rbd_namespace_reopens_the_image_at_once() {
     if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
-    c.create_image("sv", HO_BLOCKS * HO_BLOCK as u64);
+    c.create_image("sv", BLOCKS * BLOCK as u64);
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let sock = dir.path().join("nvme.sock");
     let logp = dir.path().join("stderr.log");
@@ -1106,18 +937,18 @@ fn a_supervised_server_killed_with_an_rbd_namespace_reopens_the_image_at_once() 
     };
     common::wait_until("device socket", Duration::from_secs(60), || sock.exists());
     let d = NvmeDriver::connect(&sock, opts()).expect("attach");
-    let bufs: Vec<initiator::DmaBuf> = (0..HO_QD).map(|_| d.alloc_buf(HO_BLOCK).unwrap()).collect();
+    let bufs = gens::bufs(&d);
     let mut qp = d.create_qpair(64, false).unwrap();
-    let all: Vec<u64> = (0..HO_BLOCKS).collect();
-    assert_eq!(sv_write(&mut qp, &bufs, 1, &all).len(), all.len());
-    let mut want = vec![1u64; HO_BLOCKS as usize];
+    let all: Vec<u64> = (0..BLOCKS).collect();
+    assert_eq!(write_gen(&mut qp, &bufs, 1, &all).len(), all.len());
+    let mut want = vec![1u64; BLOCKS as usize];
     let rounds = 2u64;
     for round in 0..rounds {
         let gen = round + 2;
         let first = server_pid().expect("a server child");
-        let lbas: Vec<u64> = (0..HO_QD as u64).map(|i| i * 7 % HO_BLOCKS).collect();
+        let lbas: Vec<u64> = (0..QD as u64).map(|i| i * 7 % BLOCKS).collect();
         for (i, lba) in lbas.iter().enumerate() {
-            bufs[i].write(0, &ho_block(gen, *lba)).unwrap();
+            bufs[i].write(0, &block(gen, *lba, BLOCK)).unwrap();
             qp.submit_io(IoOp::Write, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
                 .unwrap();
         }
@@ -1141,7 +972,7 @@ fn a_supervised_server_killed_with_an_rbd_namespace_reopens_the_image_at_once() 
         d.reset_controller().expect("reset after the crash");
         qp = d.create_qpair(64, false).unwrap();
         assert_eq!(
-            sv_write(&mut qp, &bufs, gen, &lbas).len(),
+            write_gen(&mut qp, &bufs, gen, &lbas).len(),
             lbas.len(),
             "round {round}: writes after the restart\n{}",
             log()
@@ -1150,7 +981,7 @@ fn a_supervised_server_killed_with_an_rbd_namespace_reopens_the_image_at_once() 
         for lba in &lbas {
             want[*lba as usize] = gen;
         }
-        sv_check(&mut qp, &bufs[0], &want);
+        verify(&mut qp, &bufs, &all, &want).unwrap();
         eprintln!(
             "round {round}: SIGKILL to the new child answering {} ms, to writes done after the reset {} ms",
             answered.as_millis(),

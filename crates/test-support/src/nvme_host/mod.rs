@@ -28,6 +28,7 @@ use nvme::{Controller, ControllerConfig, InterruptSink};
 
 pub use queues::Q;
 
+use crate::reactor::{polls_on, sleeps_on};
 use crate::wait::wait_until;
 
 /// Guest address of the fake host's memory.
@@ -213,20 +214,12 @@ impl Host {
 
     /// How often the controller's reactor went to sleep.
     pub fn sleeps(&self) -> u64 {
-        self.engine
-            .stats(0)
-            .expect("reactor 0")
-            .sleeps
-            .load(Ordering::Relaxed)
+        sleeps_on(&self.engine, 0)
     }
 
     /// The reactor's poll iterations (published every 4096).
     pub fn reactor_iterations(&self) -> u64 {
-        self.engine
-            .stats(0)
-            .expect("reactor 0")
-            .iterations
-            .load(Ordering::Relaxed)
+        polls_on(&self.engine, 0)
     }
 }
 

@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 
 use guest_mem::Prot;
 use initiator::regs::{AQA, CC, CC_EN};
-use initiator::{DataMode, IoOp, NvmeDriver, VfioUserClient};
+use initiator::{NvmeDriver, VfioUserClient};
 use vfio_user::proto::PCI_BAR0_REGION;
 
-use super::{opts, Rng};
+use super::{opts, verified_io, Rng, Verifier};
 use test_support::blkio::BlkioSession;
 
 pub const SOCKETS: [&str; 5] = [
@@ -256,37 +256,16 @@ impl Bystanders {
     }
 }
 
-/// Write, read back and compare random 4 KiB blocks until `stop`.
+/// Verified I/O of up to 4 KiB within the disk's first 1 MiB until `stop`.
 pub fn nvme_loop(sock: &Path, ops: &AtomicU64, stop: &AtomicBool) -> Result<(), String> {
     let d = NvmeDriver::connect(sock, opts()).map_err(|e| format!("nvme connect: {e}"))?;
-    let mut qp = d.create_qpair(16, false).map_err(|e| e.to_string())?;
-    let buf = qp.alloc_buf(4096).map_err(|e| e.to_string())?;
-    let mut rng = Rng::new(7);
-    while !stop.load(Ordering::Relaxed) {
-        let slba = rng.below(256) * 8;
-        let data = rng.bytes(4096);
-        buf.write(0, &data).map_err(|e| e.to_string())?;
-        for op in [IoOp::Write, IoOp::Read] {
-            if op == IoOp::Read {
-                buf.fill(0);
-            }
-            let c = qp
-                .submit_io(op, 1, slba, 8, Some(&buf), DataMode::Prp)
-                .and_then(|cid| qp.ring().map(|_| cid))
-                .and_then(|cid| qp.wait(cid, Duration::from_secs(10)))
-                .map_err(|e| format!("nvme bystander {op:?}: {e}"))?;
-            if !c.status.is_ok() {
-                return Err(format!("nvme bystander {op:?}: {}", c.status));
-            }
-        }
-        let mut back = vec![0u8; 4096];
-        buf.read(0, &mut back).map_err(|e| e.to_string())?;
-        if back != data {
-            return Err(format!("nvme bystander: data mismatch at LBA {slba}"));
-        }
-        ops.fetch_add(1, Ordering::Relaxed);
-    }
-    Ok(())
+    let v = Verifier {
+        seed: 7,
+        max_nlb: 8,
+        lbas: 2048,
+        pause: Duration::ZERO,
+    };
+    verified_io(&d, v, stop, ops).map_err(|e| format!("nvme bystander: {e}"))
 }
 
 /// As `nvme_loop`, through libblkio.
