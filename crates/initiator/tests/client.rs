@@ -1,11 +1,10 @@
-use test_support::fake_nvme;
-
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 
 use guest_mem::{Prot, SharedMem};
 use initiator::{Error, VfioUserClient};
+use test_support::fake_nvme;
 use vfio_user::proto::{self, Command, Header};
 use vmm_sys_util::eventfd::EventFd;
 use zerocopy::IntoBytes;

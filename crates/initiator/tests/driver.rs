@@ -1,6 +1,3 @@
-use test_support::fake_nvme::{self, FakeNvme};
-use test_support::{wait_until, T};
-
 use std::time::Duration;
 
 use initiator::workload::{self, NvmeTarget};
@@ -8,6 +5,8 @@ use initiator::{
     DataMode, DriverOpts, Error, IoOp, NvmeDriver, QpairOpts, Rw, Sqe, VfioUserClient,
     WorkloadConfig,
 };
+use test_support::fake_nvme::{self, FakeNvme};
+use test_support::{wait_until, T};
 
 fn driver(opts: DriverOpts) -> (FakeNvme, NvmeDriver) {
     let (f, sock) = fake_nvme::start(Default::default());

@@ -1,10 +1,10 @@
 //! A backend that completes later (from `poll`) exercises the per-command slots.
-use test_support::nvme_cmd::*;
-use test_support::nvme_host::*;
 
 use std::sync::Arc;
 
 use bdev::{BlockDevice, BlockInfo, IoChannel, IoRequest, IoStatus, RamDisk};
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
 
 struct Later(RamDisk);
 struct LaterChan {

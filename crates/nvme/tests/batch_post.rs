@@ -2,14 +2,14 @@
 //! finished inside its submit call is posted before the next command of the same
 //! batch is submitted, so a polling client can resubmit while the reactor is still
 //! copying the rest (docs/decisions/0028-post-each-completion.md).
-use test_support::nvme_cmd::*;
-use test_support::nvme_host::*;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bdev::{BlockDevice, BlockInfo, IoChannel, IoRequest, IoStatus, RamDisk};
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
 
 const N: usize = 4;
 /// How long the last submit of the batch waits for the host to see the first CQE.

@@ -5,16 +5,15 @@
 //! (docs/decisions/0029-deferred-doorbells.md). Below the threshold a sleeping
 //! group asks for the doorbell as before.
 
-use test_support::nvme_cmd::*;
-use test_support::nvme_host::*;
-use test_support::{wait_until, T};
-
 use std::sync::Arc;
 use std::time::Duration;
 
 use bdev::BlockDevice;
 use engine::{PollMode, DEFER_QUEUE};
 use test_support::held::{HeldDisk, HeldGate};
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::{wait_until, T};
 
 struct Setup {
     h: Host,

@@ -1,14 +1,14 @@
 //! Format NVM at controller level: new LBA format and erase, the event, I/O while
 //! the erase runs, refusals, and a namespace removed under a running format.
-use test_support::held::{HeldDisk, HeldGate};
-use test_support::nvme_cmd::*;
-use test_support::nvme_host::*;
-use test_support::{wait_until, T};
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bdev::{BlockDevice, RamDisk};
+use test_support::held::{HeldDisk, HeldGate};
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::{wait_until, T};
 
 const EVENT_NS_CHANGED: u32 = 0x0004_0002;
 const FORMAT_NVM: u8 = 0x80;
@@ -32,26 +32,6 @@ fn identify_ns(h: &mut Host, buf: u64, nsid: u32) -> (u64, u8, u8, [u8; 2]) {
     let b = h.read_mem(buf, 4096);
     let nsze = u64::from_le_bytes(b[..8].try_into().unwrap());
     (nsze, b[25], b[26], [b[128 + 2], b[132 + 2]])
-}
-
-fn changed_log(h: &mut Host, buf: u64) -> Vec<u32> {
-    let mut s = sqe(0x02, 0);
-    set_prp(&mut s, buf, 0);
-    s.cdw10 = 0x04 | (1023 << 16);
-    assert!(h.admin(s).ok());
-    h.read_mem(buf, 4096)
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .take_while(|n| *n != 0)
-        .collect()
-}
-
-fn enable_events(h: &mut Host) -> u16 {
-    let mut s = sqe(0x09, 0);
-    s.cdw10 = 0x0b;
-    s.cdw11 = 1 << 8;
-    assert!(h.admin(s).ok());
-    h.submit(0, sqe(0x0c, 0))
 }
 
 /// Reaps admin completions until the one with `cid`; returns it and the others.
@@ -88,7 +68,7 @@ fn format_changes_the_lba_size_erases_and_tells_the_host() {
     h.write_mem(data, &[0x5a; 8192]);
     assert!(h.io(rw(1, 1, 0, 16, data, data + 4096)).ok());
     assert!(h.io(rw(1, 2, 0, 16, data, data + 4096)).ok());
-    let aer = enable_events(&mut h);
+    let aer = h.enable_ns_events();
     let cid = h.submit(0, format(1, 1, 1));
     let (c, others) = reap_cid(&mut h, cid);
     assert!(c.ok(), "format to 4096: {c:?}");
@@ -97,7 +77,7 @@ fn format_changes_the_lba_size_erases_and_tells_the_host() {
         None => h.reap(0),
     };
     assert_eq!((ev.cid, ev.dw0), (aer, EVENT_NS_CHANGED));
-    assert_eq!(changed_log(&mut h, buf), vec![1]);
+    assert_eq!(h.changed_ns_log(buf, false), vec![1]);
     assert_eq!(identify_ns(&mut h, buf, 1), (4096, 1, 1, [9, 12]));
     assert_eq!(h.ctrl.namespace_info(1).unwrap().block_size, 4096);
 

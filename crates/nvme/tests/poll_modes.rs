@@ -1,13 +1,12 @@
 //! Queue groups in `busy`, `adaptive` and `event` mode with doorbells that arrive as
 //! register writes (vfio-user messages): sleeping, EventIdx, wake-ups, switching.
 
-use test_support::nvme_cmd::*;
-use test_support::nvme_host::*;
-use test_support::{wait_until, T};
-
 use std::time::Duration;
 
 use engine::PollMode;
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::{wait_until, T};
 
 /// A host with Doorbell Buffer Config (shadow + EventIdx, as Linux uses it) and
 /// one I/O queue pair, on a controller in `mode`.

@@ -2,41 +2,21 @@
 //! event and the Changed Namespace List, Identify's new size, I/O beyond the old
 //! end and beyond a new smaller end, commands in flight on the old handle, and the
 //! refusals (unknown namespace, bad size, a running format, a backend that cannot).
-use test_support::held::HeldDisk;
-use test_support::nvme_cmd::*;
-use test_support::nvme_host::*;
-use test_support::{wait_until, T};
 
 use std::sync::Arc;
 
 use bdev::{BlockDevice, RamDisk};
 use nvme::{NsError, NsNotice};
+use test_support::held::HeldDisk;
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::{wait_until, T};
 
 const EVENT_NS_CHANGED: u32 = 0x0004_0002;
 const MIB: u64 = 1 << 20;
 
 fn ram(mib: u64) -> Arc<dyn BlockDevice> {
     Arc::new(RamDisk::new(mib * MIB, 512).unwrap())
-}
-
-fn enable_events(h: &mut Host) -> u16 {
-    let mut s = sqe(0x09, 0);
-    s.cdw10 = 0x0b;
-    s.cdw11 = 1 << 8;
-    assert!(h.admin(s).ok());
-    h.submit(0, sqe(0x0c, 0))
-}
-
-fn changed_log(h: &mut Host, buf: u64) -> Vec<u32> {
-    let mut s = sqe(0x02, 0);
-    set_prp(&mut s, buf, 0);
-    s.cdw10 = 0x04 | (1023 << 16);
-    assert!(h.admin(s).ok());
-    h.read_mem(buf, 4096)
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .take_while(|n| *n != 0)
-        .collect()
 }
 
 /// Identify Namespace: (NSZE, NCAP, NUSE, FLBAS).
@@ -69,7 +49,7 @@ fn grow_and_shrink_tell_the_host_and_move_the_end() {
     h.ready(false);
     let buf = h.alloc(1);
     let data = h.alloc(1);
-    let cid = enable_events(&mut h);
+    let cid = h.enable_ns_events();
     let last = (16 * MIB / 512) - 8;
     h.write_mem(data, &[0x5a; 4096]);
     assert!(h.io(rw(1, 1, last, 8, data, 0)).ok());
@@ -79,7 +59,7 @@ fn grow_and_shrink_tell_the_host_and_move_the_end() {
     assert_eq!(resize(&h, 1, 32 * MIB).unwrap(), NsNotice::Event);
     let c = h.reap(0);
     assert_eq!((c.cid, c.dw0), (cid, EVENT_NS_CHANGED));
-    assert_eq!(changed_log(&mut h, buf), vec![1]);
+    assert_eq!(h.changed_ns_log(buf, false), vec![1]);
     let blocks = 32 * MIB / 512;
     assert_eq!(identify_ns(&mut h, buf, 1), (blocks, blocks, blocks, 0));
     h.write_mem(data, &[0xc3; 4096]);
@@ -106,7 +86,7 @@ fn grow_and_shrink_tell_the_host_and_move_the_end() {
     assert!(h.io(rw(1, 1, small - 8, 8, data, 0)).ok());
     // A second change before the log is read: listed, no second event.
     assert_eq!(resize(&h, 2, 12 * MIB).unwrap(), NsNotice::Pending);
-    assert_eq!(changed_log(&mut h, buf), vec![1, 2]);
+    assert_eq!(h.changed_ns_log(buf, false), vec![1, 2]);
     assert_eq!(identify_ns(&mut h, buf, 2).0, 12 * MIB / 512);
     assert!(h.io(rw(2, 2, 12 * MIB / 512 - 8, 8, data, 0)).ok());
 }
@@ -164,12 +144,8 @@ fn commands_in_flight_finish_on_the_old_handle() {
         vec![ram(16), Arc::new(held)],
     );
     h.ready(false);
-    let data = h.alloc(4);
-    let cids: Vec<u16> = (0..4u64)
-        .map(|i| h.submit(1, rw(2, 2, i * 8, 8, data + i * 4096, 0)))
-        .collect();
-    wait_until("the reads at the backend", T, || gate.submitted() == 4);
-    assert!(h.try_reap(1).is_none(), "held by the old handle");
+    let cids = h.reads_held(2, 4, &gate);
+    let data = h.alloc(1);
     resize(&h, 2, 32 * MIB).unwrap();
     // New commands go to the new handle (its gate is open), past the old end too.
     h.write_mem(data, &[0x11; 4096]);
@@ -179,12 +155,7 @@ fn commands_in_flight_finish_on_the_old_handle() {
     let mut s = sqe(0x80, 2);
     s.cdw10 = 1;
     assert_eq!(h.admin(s).code(), (0, 0x0c), "Command Sequence Error");
-    gate.open();
-    let done = h.reap_n(1, cids.len());
-    assert!(done.iter().all(|c| c.ok()), "in flight, finished: {done:?}");
-    let mut got: Vec<u16> = done.iter().map(|c| c.cid).collect();
-    got.sort_unstable();
-    assert_eq!(got, cids, "every command in flight finishes");
+    h.release_held(&gate, &cids);
     let mut s = sqe(0x80, 2);
     s.cdw10 = 1;
     assert!(h.admin(s).ok(), "format once the old requests are done");

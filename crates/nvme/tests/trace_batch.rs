@@ -4,16 +4,16 @@
 //! With a backend that spends a long time inside each (inline) submit, every
 //! command's `backend` layer must be its own submit call only, and the waiting for
 //! the submits before it must show in its `queue` layer.
-use test_support::layers::{assert_add_up, layer_p50};
-use test_support::nvme_cmd::*;
-use test_support::nvme_host::*;
-use test_support::T;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bdev::{BlockDevice, BlockInfo, IoChannel, IoRequest, IoStatus, RamDisk};
 use frontend_core::Observed;
+use test_support::layers::{assert_add_up, layer_p50};
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::T;
 use trace::Breakdown;
 
 /// Time each submit takes.

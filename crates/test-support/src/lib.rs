@@ -15,6 +15,7 @@
 //! | [`blkio`], [`blkio_load`] | libblkio sessions: an independent vhost-user-blk client, and a QD32 verifier |
 //! | [`held`] | a backend whose completions wait for the test (a network backend's stand-in) |
 //! | [`ceph`] | a throwaway Ceph cluster (one mon, one OSD) for the rbd backend |
+//! | [`files`] | sparse disk images and loop devices |
 //! | [`layers`] | checks on a trace layer breakdown that hold on a busy machine |
 //! | [`pattern`] | data patterns a verifier writes and checks |
 //! | [`wait`] | waiting for a condition, with a bound for broken builds |
@@ -30,6 +31,7 @@ pub mod blkio_load;
 pub mod ceph;
 pub mod driver;
 pub mod fake_nvme;
+pub mod files;
 pub mod gens;
 pub mod held;
 pub mod layers;

@@ -10,8 +10,9 @@ mod common;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::Rng;
 use test_support::ceph::{self, Cluster};
+
+use common::Rng;
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     Rng::new(seed).bytes(len)

@@ -15,6 +15,7 @@
 //! not delivered), several hosts on one controller, or a driver's timeouts and
 //! retries: a command that never completes fails the test after 5 s.
 
+mod commands;
 mod queues;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +27,7 @@ use engine::{Engine, Placement, Placer};
 use guest_mem::{DmaSpace, MappedRegion};
 use nvme::{Controller, ControllerConfig, InterruptSink};
 
+pub use commands::AEC_NS_ATTR;
 pub use queues::Q;
 
 use crate::reactor::{polls_on, sleeps_on};

@@ -153,10 +153,7 @@ impl Drop for TestDev {
 /// O_DIRECT works; removed with the returned directory.
 pub fn disk_file(name: &str, len: u64) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("temp dir on disk");
-    let p = dir.path().join(name);
-    std::fs::File::create(&p)
-        .and_then(|f| f.set_len(len))
-        .expect("create image file");
+    let p = test_support::files::sized_file(dir.path(), name, len);
     (dir, p)
 }
 

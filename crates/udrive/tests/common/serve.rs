@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 use guest_mem::Prot;
 use initiator::regs::{AQA, CC, CC_EN};
 use initiator::{NvmeDriver, VfioUserClient};
+use test_support::blkio::BlkioSession;
 use vfio_user::proto::PCI_BAR0_REGION;
 
 use super::{opts, verified_io, Rng, Verifier};
-use test_support::blkio::BlkioSession;
 
 pub const SOCKETS: [&str; 5] = [
     "rpc.sock",
