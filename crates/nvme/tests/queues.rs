@@ -173,9 +173,13 @@ fn four_entry_cq() -> (Host, u64) {
 fn cq_full_is_respected() {
     let (mut h, a) = four_entry_cq();
     let cids: Vec<u16> = (0..6).map(|_| h.submit(1, rw(2, 1, 0, 1, a, 0))).collect();
-    std::thread::sleep(std::time::Duration::from_millis(20));
     // Only 3 fit (size - 1): the controller reads the CQ head doorbell only when
     // the CQ seems full, and must never post over an entry the host still owns.
+    wait_until("three completions posted", T, || {
+        h.cq_phases(1)[..3] == [true; 3]
+    });
+    // Nothing to wait for: give a wrongly posted fourth entry time to show.
+    std::thread::sleep(std::time::Duration::from_millis(20));
     assert_eq!(h.cq_phases(1), [true, true, true, false]);
     // Reaping frees room for the rest.
     let mut got = Vec::new();
@@ -196,7 +200,9 @@ fn cq_head_beyond_size_is_fatal_once_read() {
     for _ in 0..2 {
         h.submit(1, rw(2, 1, 0, 1, a, 0));
     }
-    std::thread::sleep(std::time::Duration::from_millis(20));
+    wait_until("two completions posted", T, || {
+        h.cq_phases(1)[..2] == [true; 2]
+    });
     assert!(!h.ctrl.stats().fatal);
     for _ in 0..2 {
         h.submit(1, rw(2, 1, 0, 1, a, 0));

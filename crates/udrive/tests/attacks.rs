@@ -22,6 +22,7 @@ use guest_mem::{Prot, SharedMem};
 use initiator::regs::{CC, CC_EN};
 use initiator::{NvmeDriver, VfioUserClient};
 use test_support::blkio::{blkio_round, BlkioSession};
+use test_support::poll_until;
 use test_support::vhost_fe::*;
 use vfio_user::proto::PCI_BAR0_REGION;
 use vhost::vhost_user::message::{VhostUserHeaderFlag, VhostUserProtocolFeatures};
@@ -54,10 +55,7 @@ fn under_attack(attack: impl FnOnce(&Server)) {
     let open1 = s.fd_targets();
     let rss1 = s.rss_kib();
     let ops = by.ops();
-    let until = Instant::now() + Duration::from_secs(30);
-    while by.ops() < ops + 50 && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    poll_until(Duration::from_secs(30), || by.ops() >= ops + 50);
     let (total, errors) = by.finish();
     assert!(errors.is_empty(), "bystanders saw errors: {errors:?}");
     assert!(total >= ops + 50, "bystanders stalled after the attack");

@@ -120,6 +120,12 @@ impl TestDev {
         &self.dev.as_ref().expect("device running").ctrl
     }
 
+    /// What the server sent the client as DMA messages so far (read without the
+    /// controller's lock, so it answers while a command waits for the client).
+    pub fn dma_counts(&self) -> vfio_user::DmaMessageCounts {
+        self.dev.as_ref().expect("device running").dma_messages()
+    }
+
     /// What `get_devices` reports for this controller.
     pub fn json(&self) -> serde_json::Value {
         use udrive::frontend::FrontEnd;
