@@ -8,9 +8,9 @@
 mod common;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::engine;
+use common::{engine, wait_until, T};
 use guest_mem::SharedMem;
 use std::os::fd::AsRawFd;
 use test_support::blkio::blkio_round;
@@ -159,21 +159,15 @@ fn reconnect_completes_each_request_once() {
     // QEMU restarts the ring at the used index it sees once the backend is gone:
     // wait until the device let go of the connection, which it does after finishing
     // what it took (a fixed wait raced with those completions under load).
-    let until = Instant::now() + Duration::from_secs(10);
-    while dev.disconnections() < 1 || {
-        let mut b = [0u8; 2];
-        mem.all().read_into((USED + 2) as usize, &mut b).unwrap();
-        u16::from_le_bytes(b) == 0
-    } {
-        assert!(Instant::now() < until, "nothing completed");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    std::thread::sleep(Duration::from_millis(50));
-    let used_now = {
+    let used_idx = || {
         let mut b = [0u8; 2];
         mem.all().read_into((USED + 2) as usize, &mut b).unwrap();
         u16::from_le_bytes(b)
     };
+    wait_until("the device to let go after completing", T, || {
+        dev.disconnections() >= 1 && used_idx() > 0
+    });
+    let used_now = used_idx();
     let r2 = FakeFrontend::connect_with(
         &sock,
         Connect {
@@ -423,15 +417,13 @@ fn serve_child(sock: &Path, disk: &str) -> Child {
             .spawn()
             .expect("spawn udrive serve"),
     );
-    let until = Instant::now() + Duration::from_secs(30);
-    while std::os::unix::net::UnixStream::connect(sock).is_err() {
-        assert!(Instant::now() < until, "udrive serve did not come up");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until("udrive serve to come up", Duration::from_secs(30), || {
+        std::os::unix::net::UnixStream::connect(sock).is_ok()
+    });
     c
 }
 
-/// A real crash: `udrive serve` on a throttled file disk (5 IOPS, so requests sit
+/// A real crash: `udrive serve` on a throttled file disk (1 IOPS, so requests sit
 /// in flight) is SIGKILLed after the first of five writes completed; a new process
 /// gets the same inflight area and the rings restarted at the used index, as QEMU
 /// does. Every write completes exactly once and lands in the file.
@@ -441,9 +433,10 @@ fn sigkill_with_requests_in_flight() {
     let img = dir.path().join("disk.img");
     std::fs::File::create(&img).unwrap().set_len(DISK).unwrap();
     let sock = dir.path().join("k.sock");
-    let mut first = serve_child(&sock, &format!("file:{},iops=5", img.display()));
-    // The probe connection above counts as a front end; wait until it is gone.
-    std::thread::sleep(Duration::from_millis(50));
+    // 1 IOPS: after the first write, the next completes a second later, so the
+    // kill lands with four in flight however slowly this test runs up to it. (The
+    // probe connection of serve_child goes first; the next waits in the backlog.)
+    let mut first = serve_child(&sock, &format!("file:{},iops=1", img.display()));
     let log = get_inflight_area(&sock);
     let mem = SharedMem::new("sigkill-guest", MEM).unwrap();
     let mut r = FakeFrontend::connect_with(
@@ -494,7 +487,6 @@ fn sigkill_with_requests_in_flight() {
     drop(fe);
 
     let _second = serve_child(&sock, &format!("file:{}", img.display()));
-    std::thread::sleep(Duration::from_millis(50));
     let r2 = FakeFrontend::connect_with(
         &sock,
         Connect {
