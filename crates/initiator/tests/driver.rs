@@ -223,7 +223,8 @@ fn workload_against_fake_verifies() {
             ..Default::default()
         };
         let r = workload::run(&t, &cfg).unwrap();
-        assert!(r.ios > 10, "{r}");
+        // Every slot of both jobs went round (how many more depends on the machine).
+        assert!(r.ios >= 8, "{r}");
         assert_eq!((r.errors, r.verify_errors), (0, 0), "{r}");
         if rw == Rw::RandRead {
             assert_eq!(r.unverified_reads, 0, "prefilled");

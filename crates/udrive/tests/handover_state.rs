@@ -1,4 +1,4 @@
-//! Handing a running NVMe controller over to another one (issue 15) under a client
+//! Handing a running NVMe controller over to another one under a client
 //! that keeps doing verified I/O on its existing queues: quiesce, save, JSON,
 //! restore into a second controller over the same guest memory and doorbell page,
 //! switch the transport, shut the old one down. The client must not notice more

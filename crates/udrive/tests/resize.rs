@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{opts, Rng, T};
+use common::{opts, wait_until, Rng, T};
 use guest_mem::SharedMem;
 use initiator::{DataMode, DmaBuf, IoOp, NvmeDriver, QueuePair};
 use serde_json::{json, Value};
@@ -245,9 +245,7 @@ fn nvme_ram_and_file_namespaces_grow_and_shrink_under_verified_io() {
     };
     let wait_ops = |more: u64| {
         let until = ops.load(Ordering::Relaxed) + more;
-        while ops.load(Ordering::Relaxed) < until {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_until("verified I/O", T, || ops.load(Ordering::Relaxed) >= until);
     };
     wait_ops(50);
 
@@ -673,11 +671,7 @@ fn vhost_user_blk_resizes_under_libblkio_io() {
     };
     let wait_ops = |more: u64| {
         let until = ops.load(Ordering::Relaxed) + more;
-        let t = Instant::now();
-        while ops.load(Ordering::Relaxed) < until {
-            assert!(t.elapsed() < T, "libblkio stalled");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_until("libblkio I/O", T, || ops.load(Ordering::Relaxed) >= until);
     };
     wait_ops(20);
     for (mib, shrink) in [(20, false), (24, false), (12, true), (32, false), (8, true)] {

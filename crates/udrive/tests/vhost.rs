@@ -386,7 +386,15 @@ fn layers_add_up_and_fit_in_what_libblkio_measured() {
 #[test]
 fn sampling_one_in_n_and_stats_of_sleeping_queues() {
     // Event mode: the reactor sleeps between requests, and stats readers wake it.
-    let d = start("null:64M", 2, "event");
+    // A reactor of its own: other tests' busy queues would keep a shared one awake.
+    let engine = engine::Engine::start(&[None]).unwrap();
+    let d = start_on(
+        &engine,
+        tempfile::tempdir().unwrap(),
+        "null:64M",
+        2,
+        "event",
+    );
     let mut s = BlkioSession::open(&d.sock).unwrap();
     let reads = |s: &mut BlkioSession, n: u64| {
         for i in 0..n {
@@ -409,12 +417,16 @@ fn sampling_one_in_n_and_stats_of_sleeping_queues() {
     d.blk().trace_stop(T);
     reads(&mut s, 50);
     assert_eq!(traced(&d), 50, "a new start clears, a stop stops");
-    // Idle long enough for the reactor to sleep: readers still get every queue.
-    std::thread::sleep(Duration::from_millis(50));
+    // Idle, the reactor goes to sleep at once (it did between the reads): readers
+    // still get every queue.
+    assert!(sleeps_on(&engine, 0) > 0, "the reactor never slept");
     let (ops, bytes, errors) = d.totals();
     assert_eq!(ops.read, 1200);
     assert_eq!(bytes.read, 1200 * 4096);
     assert!(errors.is_empty());
+    drop(s);
+    drop(d);
+    engine.shutdown();
 }
 
 /// Reads throttled by QoS wait for tokens, which only time brings: an event-mode
