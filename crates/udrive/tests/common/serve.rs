@@ -14,12 +14,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use guest_mem::Prot;
-use initiator::regs::{AQA, CC, CC_EN};
+use initiator::regs::{AQA, CC, CC_EN, CSTS, CSTS_RDY};
 use initiator::{NvmeDriver, VfioUserClient};
 use test_support::blkio::BlkioSession;
 use vfio_user::proto::PCI_BAR0_REGION;
 
-use super::{opts, verified_io, Rng, Verifier};
+use super::{opts, verified_io, Rng, Verifier, T};
+use test_support::poll_until;
 
 pub const SOCKETS: [&str; 5] = [
     "rpc.sock",
@@ -302,10 +303,20 @@ pub fn vfio_shrink(sock: &Path) -> Option<VfioUserClient> {
     let _ = c.region_write(PCI_BAR0_REGION, 0x28, &asq, false);
     let _ = c.region_write(PCI_BAR0_REGION, 0x30, &acq, false);
     let _ = c.region_write_u32(PCI_BAR0_REGION, CC, CC_EN | (6 << 16) | (4 << 20));
-    std::thread::sleep(Duration::from_millis(20));
+    // Ready, so the doorbell below makes it read the admin queue.
+    let ready = poll_until(T, || {
+        let mut csts = [0u8; 4];
+        c.region_read(PCI_BAR0_REGION, CSTS, &mut csts)
+            .is_ok_and(|()| u32::from_le_bytes(csts) & CSTS_RDY != 0)
+    });
+    if !ready {
+        return None;
+    }
     let _ = file.set_len(0);
     // Admin SQ tail doorbell.
     let _ = c.region_write_u32(PCI_BAR0_REGION, 0x1000, 1);
+    // Time for the fault before a caller that drops the client at once (the
+    // protocol fuzzer); callers that check the outcome wait for it.
     std::thread::sleep(Duration::from_millis(50));
     Some(c)
 }
