@@ -51,28 +51,27 @@ fn refusals() {
     common::check_io(&d, 13);
 }
 
-/// Corrupt and hostile states: each is refused with an error (no panic), and the
-/// controller that refused them is still fresh and takes the good state after.
-#[test]
-fn hostile_states_are_refused() {
-    let rig = Rig::start(PollMode::Busy);
-    let d = rig.connect(opts(Some(true)));
-    let mut qp = d.create_qpair(16, true).expect("queue pair");
-    common::qp_still_works(&mut qp, 10, 1);
-    let mut qp2 = d.create_qpair(16, false).expect("queue pair");
-    let cur = rig.ctrl();
-    cur.quiesce(Duration::from_secs(1)).unwrap();
-    let good = serde_json::to_value(cur.save_state().unwrap()).unwrap();
-    let next = rig.successor(&cur);
+use nvme::RestoreError as E;
+use serde_json::json;
 
-    use nvme::RestoreError as E;
-    use serde_json::json;
-    type Check = fn(&E) -> bool;
-    type Change = Box<dyn Fn(&mut serde_json::Value)>;
-    let invalid: Check = |e| matches!(e, E::Invalid(_));
-    let unmapped: Check = |e| matches!(e, E::Unmapped { .. });
-    let config: Check = |e| matches!(e, E::Config(_));
-    let cases: Vec<(&str, Change, Check)> = vec![
+type Check = fn(&E) -> bool;
+type Change = Box<dyn Fn(&mut serde_json::Value)>;
+
+fn invalid(e: &E) -> bool {
+    matches!(e, E::Invalid(_))
+}
+
+fn unmapped(e: &E) -> bool {
+    matches!(e, E::Unmapped { .. })
+}
+
+fn config(e: &E) -> bool {
+    matches!(e, E::Config(_))
+}
+
+/// Hostile queue state: ids, sizes, bases, vectors, heads and tails.
+fn queue_cases() -> Vec<(&'static str, Change, Check)> {
+    vec![
         (
             "unknown version",
             Box::new(|v| v["version"] = json!(2)),
@@ -144,6 +143,13 @@ fn hostile_states_are_refused() {
             }),
             invalid,
         ),
+    ]
+}
+
+/// Hostile controller state: registers, shadow doorbells, features, events,
+/// namespaces and limits.
+fn controller_cases() -> Vec<(&'static str, Change, Check)> {
+    vec![
         (
             "admin SQ head",
             Box::new(|v| v["admin"]["sq_head"] = json!(4095)),
@@ -214,8 +220,25 @@ fn hostile_states_are_refused() {
             Box::new(|v| v["admin"] = serde_json::Value::Null),
             invalid,
         ),
-    ];
-    for (what, change, expect) in &cases {
+    ]
+}
+
+/// Corrupt and hostile states: each is refused with an error (no panic), and the
+/// controller that refused them is still fresh and takes the good state after.
+#[test]
+fn hostile_states_are_refused() {
+    let rig = Rig::start(PollMode::Busy);
+    let d = rig.connect(opts(Some(true)));
+    let mut qp = d.create_qpair(16, true).expect("queue pair");
+    common::qp_still_works(&mut qp, 10, 1);
+    let mut qp2 = d.create_qpair(16, false).expect("queue pair");
+    let cur = rig.ctrl();
+    cur.quiesce(Duration::from_secs(1)).unwrap();
+    let good = serde_json::to_value(cur.save_state().unwrap()).unwrap();
+    let next = rig.successor(&cur);
+
+    let cases = queue_cases().into_iter().chain(controller_cases());
+    for (what, change, expect) in cases {
         let mut v = good.clone();
         change(&mut v);
         let st: nvme::ControllerState = serde_json::from_value(v).expect(what);

@@ -192,6 +192,37 @@ fn file_len(s: &Serve, name: &str) -> u64 {
     std::fs::metadata(s.path(name)).unwrap().len()
 }
 
+/// Verified 4 KiB writes and reads on namespaces 1 and 2 (first 4 MiB) on `bq`
+/// until `stop`; rounds in `ops`, failures or mismatches in `bad`. Gives the queue
+/// pair back.
+fn spawn_verifier(
+    mut bq: QueuePair,
+    stop: Arc<AtomicBool>,
+    ops: Arc<AtomicU64>,
+    bad: Arc<AtomicU64>,
+) -> std::thread::JoinHandle<QueuePair> {
+    std::thread::spawn(move || {
+        let b = bq.alloc_buf(4096).unwrap();
+        let mut rng = Rng::new(7);
+        while !stop.load(Ordering::Relaxed) {
+            let nsid = 1 + (rng.below(2) as u32);
+            let at = rng.below(1024) * 4096;
+            let data = rng.bytes(4096);
+            b.write(0, &data).unwrap();
+            let w = rw(&mut bq, IoOp::Write, nsid, at, &b);
+            b.fill(0);
+            let r = rw(&mut bq, IoOp::Read, nsid, at, &b);
+            let mut back = vec![0u8; 4096];
+            b.read(0, &mut back).unwrap();
+            if w != (0, 0) || r != (0, 0) || back != data {
+                bad.fetch_add(1, Ordering::Relaxed);
+            }
+            ops.fetch_add(1, Ordering::Relaxed);
+        }
+        bq
+    })
+}
+
 #[test]
 fn nvme_ram_and_file_namespaces_grow_and_shrink_under_verified_io() {
     let s = Serve::start(
@@ -219,30 +250,8 @@ fn nvme_ram_and_file_namespaces_grow_and_shrink_under_verified_io() {
     // Verified I/O on both namespaces (first 4 MiB) for the whole test.
     let stop = Arc::new(AtomicBool::new(false));
     let (ops, bad) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let mut bq = d.create_qpair(16, false).unwrap();
-    let bg = {
-        let (stop, ops, bad) = (stop.clone(), ops.clone(), bad.clone());
-        std::thread::spawn(move || {
-            let b = bq.alloc_buf(4096).unwrap();
-            let mut rng = Rng::new(7);
-            while !stop.load(Ordering::Relaxed) {
-                let nsid = 1 + (rng.below(2) as u32);
-                let at = rng.below(1024) * 4096;
-                let data = rng.bytes(4096);
-                b.write(0, &data).unwrap();
-                let w = rw(&mut bq, IoOp::Write, nsid, at, &b);
-                b.fill(0);
-                let r = rw(&mut bq, IoOp::Read, nsid, at, &b);
-                let mut back = vec![0u8; 4096];
-                b.read(0, &mut back).unwrap();
-                if w != (0, 0) || r != (0, 0) || back != data {
-                    bad.fetch_add(1, Ordering::Relaxed);
-                }
-                ops.fetch_add(1, Ordering::Relaxed);
-            }
-            bq
-        })
-    };
+    let bq = d.create_qpair(16, false).unwrap();
+    let bg = spawn_verifier(bq, stop.clone(), ops.clone(), bad.clone());
     let wait_ops = |more: u64| {
         let until = ops.load(Ordering::Relaxed) + more;
         wait_until("verified I/O", T, || ops.load(Ordering::Relaxed) >= until);
