@@ -70,6 +70,29 @@ pub fn burst(
     Ok(())
 }
 
+/// Submits writes of `lbas` with generation `gen` (one buffer each) and rings,
+/// without waiting: a burst in flight for a test to disturb.
+pub fn submit_gen(qp: &mut QueuePair, bufs: &[DmaBuf], gen: u64, lbas: &[u64]) -> Vec<u16> {
+    let cids = lbas
+        .iter()
+        .enumerate()
+        .map(|(i, lba)| {
+            write_block(&bufs[i], gen, *lba);
+            qp.submit_io(
+                IoOp::Write,
+                1,
+                lba * u64::from(NLB),
+                NLB,
+                Some(&bufs[i]),
+                DataMode::Prp,
+            )
+            .expect("submit write")
+        })
+        .collect();
+    qp.ring().expect("ring");
+    cids
+}
+
 /// Writes `lbas` with generation `gen`, `bufs.len()` at a time; the blocks whose
 /// completions came (all, unless the server died meanwhile: the first completion
 /// that does not come ends it).

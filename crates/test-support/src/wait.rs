@@ -5,7 +5,7 @@
 //! here is a bound for a broken build, never a measurement: a test must not assert
 //! how soon something happened.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Generous bound for one step (a command, a reply, a reconnect); reached only
 /// when something is broken.
@@ -15,18 +15,16 @@ pub const T: Duration = Duration::from_secs(10);
 /// polls grows from 20 µs to 2 ms, so a quick condition is seen at once and a slow
 /// one costs little CPU.
 pub fn poll_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
     let mut pause = Duration::from_micros(20);
-    loop {
+    // The control path's bounded wait, with the pause taken here so it can grow.
+    engine::wait_until(timeout, Duration::ZERO, || {
         if f() {
             return true;
         }
-        if start.elapsed() >= timeout {
-            return false;
-        }
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(2));
-    }
+        false
+    })
 }
 
 /// Polls `f` until it holds; fails the test with `what` after `timeout`.

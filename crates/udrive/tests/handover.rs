@@ -81,13 +81,7 @@ fn many_handovers_lose_nothing_under_verified_qd32() {
     let mut pid = s.pid();
     for i in 0..n {
         let before: Vec<u64> = clients.iter().map(GenClient::ops).collect();
-        let out = s.upgrade();
-        assert!(
-            out.status.success(),
-            "handover {i}: {}\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            s.log()
-        );
+        s.upgrade_ok(&format!("handover {i}"));
         let now = s.pid();
         assert_ne!(now, pid, "handover {i}: a new process serves");
         pid = now;
@@ -185,12 +179,7 @@ fn changes_made_over_rpc_survive_a_handover() {
     s.rpc("set_poll_mode", json!({"socket": a, "mode": "event"}))
         .unwrap();
     let before = device_summary(&s);
-    let out = s.upgrade();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    s.upgrade_ok("handover");
     let after = device_summary(&s);
     assert_eq!(before, after);
     // A client attaches to the new process as to any.

@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 use common::rbd::{librbd_threads, rbd_ns};
 use common::served::Service;
 use common::*;
-use initiator::{DataMode, IoOp, NvmeDriver};
+use initiator::NvmeDriver;
 use test_support::ceph::Cluster;
-use test_support::gens::{self, verify, write_gen, GenClient, BLOCK, QD};
-use test_support::pattern::{block, is_block};
+use test_support::gens::{self, submit_gen, verify, write_gen, GenClient, BLOCK, QD};
+use test_support::pattern::is_block;
 
 /// Blocks of the handover and supervise tests' images.
 const BLOCKS: u64 = 512;
@@ -96,13 +96,7 @@ fn an_rbd_namespace_survives_handovers_under_verified_io() {
         std::thread::sleep(Duration::from_millis(gap));
         let before = client.ops();
         let t = Instant::now();
-        let out = s.upgrade();
-        assert!(
-            out.status.success(),
-            "handover {i}: {}\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            s.log()
-        );
+        s.upgrade_ok(&format!("handover {i}"));
         let upgrade_ms = t.elapsed().as_millis();
         let now = s.pid();
         assert_ne!(now, pid, "handover {i}: a new process serves");
@@ -181,13 +175,7 @@ fn an_rbd_handover_that_dies_rolls_back_and_the_old_process_writes() {
         );
     }
     // And a real handover still works afterwards.
-    let out = s.upgrade();
-    assert!(
-        out.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        s.log()
-    );
+    s.upgrade_ok("the handover after the rollbacks");
     let before = client.ops();
     common::wait_until("I/O after the handover", Duration::from_secs(60), || {
         client.ops() > before
@@ -251,12 +239,7 @@ fn a_supervised_server_killed_with_an_rbd_namespace_reopens_the_image_at_once() 
         let gen = round + 2;
         let first = server_pid().expect("a server child");
         let lbas: Vec<u64> = (0..QD as u64).map(|i| i * 7 % BLOCKS).collect();
-        for (i, lba) in lbas.iter().enumerate() {
-            bufs[i].write(0, &block(gen, *lba, BLOCK)).unwrap();
-            qp.submit_io(IoOp::Write, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
-                .unwrap();
-        }
-        qp.ring().unwrap();
+        submit_gen(&mut qp, &bufs, gen, &lbas);
         let t = Instant::now();
         let _ = Command::new("kill")
             .args(["-9", &first.to_string()])

@@ -10,9 +10,8 @@ use std::time::Duration;
 
 use common::{opts, wait_until, T};
 use initiator::regs::{CSTS, CSTS_CFS, CSTS_RDY};
-use initiator::{DataMode, IoOp, NvmeDriver};
-use test_support::gens::{bufs, verify, write_gen, BLOCK, QD};
-use test_support::pattern::block;
+use initiator::NvmeDriver;
+use test_support::gens::{bufs, submit_gen, verify, write_gen, BLOCK, QD};
 
 const BLOCKS: u64 = 256;
 
@@ -111,12 +110,7 @@ fn an_nvme_client_survives_sigkill_of_the_server() {
         let first = s.server_pid().unwrap();
         // A burst in flight, then the server dies under it.
         let lbas: Vec<u64> = (0..QD as u64).map(|i| i * 7 % BLOCKS).collect();
-        for (i, lba) in lbas.iter().enumerate() {
-            b[i].write(0, &block(gen, *lba, BLOCK)).unwrap();
-            qp.submit_io(IoOp::Write, 1, lba * 8, 8, Some(&b[i]), DataMode::Prp)
-                .unwrap();
-        }
-        qp.ring().unwrap();
+        submit_gen(&mut qp, &b, gen, &lbas);
         s.kill_server();
         // The new server answers for the controller: enabled, fatal status.
         let csts = d.read_reg32(CSTS).expect("CSTS after the crash");

@@ -66,6 +66,14 @@ fn start_on(
     }
 }
 
+/// A device on a reactor of its own (shut it down after the device): other tests'
+/// busy queues keep the shared one polling.
+fn start_alone(disk: &str, queues: u16, poll: &str) -> (Arc<engine::Engine>, Dev) {
+    let engine = engine::Engine::start(&[None]).unwrap();
+    let d = start_on(&engine, tempfile::tempdir().unwrap(), disk, queues, poll);
+    (engine, d)
+}
+
 fn run(sock: &Path, rw: Rw, jobs: u32, qd: u32) -> workload::Report {
     let cfg = WorkloadConfig {
         rw,
@@ -386,15 +394,7 @@ fn layers_add_up_and_fit_in_what_libblkio_measured() {
 #[test]
 fn sampling_one_in_n_and_stats_of_sleeping_queues() {
     // Event mode: the reactor sleeps between requests, and stats readers wake it.
-    // A reactor of its own: other tests' busy queues would keep a shared one awake.
-    let engine = engine::Engine::start(&[None]).unwrap();
-    let d = start_on(
-        &engine,
-        tempfile::tempdir().unwrap(),
-        "null:64M",
-        2,
-        "event",
-    );
+    let (engine, d) = start_alone("null:64M", 2, "event");
     let mut s = BlkioSession::open(&d.sock).unwrap();
     let reads = |s: &mut BlkioSession, n: u64| {
         for i in 0..n {
@@ -434,16 +434,8 @@ fn sampling_one_in_n_and_stats_of_sleeping_queues() {
 /// until the last one was admitted), and each still completes.
 #[test]
 fn qos_throttled_reads_let_the_reactor_sleep() {
-    // A reactor of its own: other tests' queues keep the shared one polling.
-    let engine = engine::Engine::start(&[None]).unwrap();
     // 20 IOPS: three reads go at once (the burst), the other three 50 ms apart.
-    let d = start_on(
-        &engine,
-        tempfile::tempdir().unwrap(),
-        "ram:1M,iops=20",
-        1,
-        "event",
-    );
+    let (engine, d) = start_alone("ram:1M,iops=20", 1, "event");
     let mut s = BlkioSession::open(&d.sock).unwrap();
     let (polls, slept) = (polls_on(&engine, 0), sleeps_on(&engine, 0));
     let start = std::time::Instant::now();

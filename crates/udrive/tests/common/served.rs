@@ -80,6 +80,19 @@ impl Service {
             .unwrap()
     }
 
+    /// `udrive upgrade`, which must succeed (else the test fails with its stderr
+    /// and every server's log; `what` says which handover).
+    #[track_caller]
+    pub fn upgrade_ok(&self, what: &str) {
+        let out = self.upgrade();
+        assert!(
+            out.status.success(),
+            "{what}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.log()
+        );
+    }
+
     /// Every server's log so far.
     pub fn log(&self) -> String {
         let a = std::fs::read_to_string(self.path("serve.log")).unwrap_or_default();
