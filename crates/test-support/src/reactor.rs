@@ -17,3 +17,12 @@ pub fn polls_on(e: &Engine, r: usize) -> u64 {
         .iterations
         .load(Ordering::Relaxed)
 }
+
+/// Reactor `r` of `e`'s sleeps that ran to their time limit (500 ms) without a
+/// wake-up: after one, the reactor polls whatever nothing woke it for.
+pub fn sleep_timeouts_on(e: &Engine, r: usize) -> u64 {
+    e.stats(r)
+        .expect("reactor")
+        .sleep_timeouts
+        .load(Ordering::Relaxed)
+}

@@ -30,7 +30,7 @@ use nvme::{Controller, ControllerConfig, InterruptSink};
 pub use commands::AEC_NS_ATTR;
 pub use queues::Q;
 
-use crate::reactor::{polls_on, sleeps_on};
+use crate::reactor::{polls_on, sleep_timeouts_on, sleeps_on};
 use crate::wait::wait_until;
 
 /// Guest address of the fake host's memory.
@@ -217,6 +217,11 @@ impl Host {
     /// How often the controller's reactor went to sleep.
     pub fn sleeps(&self) -> u64 {
         sleeps_on(&self.engine, 0)
+    }
+
+    /// The reactor's sleeps that ran to their time limit (500 ms).
+    pub fn sleep_timeouts(&self) -> u64 {
+        sleep_timeouts_on(&self.engine, 0)
     }
 
     /// The reactor's poll iterations (published every 4096).
