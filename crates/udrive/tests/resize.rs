@@ -666,21 +666,32 @@ fn vhost_user_blk_resizes_under_libblkio_io() {
     let w = s.path("w.sock");
     let stop = Arc::new(AtomicBool::new(false));
     let ops = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(std::sync::Mutex::new(None::<String>));
     let io = {
-        let (stop, ops, w) = (stop.clone(), ops.clone(), w.clone());
-        std::thread::spawn(move || -> Result<(), String> {
-            let mut c = test_support::blkio::BlkioSession::open(&w)?;
-            let mut rng = Rng::new(3);
-            while !stop.load(Ordering::Relaxed) {
-                c.round(rng.below(1024) * 4096, rng.below(255) as u8 + 1)?;
-                ops.fetch_add(1, Ordering::Relaxed);
+        let (stop, ops, w, failed) = (stop.clone(), ops.clone(), w.clone(), failed.clone());
+        std::thread::spawn(move || {
+            let run = || -> Result<(), String> {
+                let mut c = test_support::blkio::BlkioSession::open(&w)?;
+                let mut rng = Rng::new(3);
+                while !stop.load(Ordering::Relaxed) {
+                    c.round(rng.below(1024) * 4096, rng.below(255) as u8 + 1)?;
+                    ops.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            };
+            if let Err(e) = run() {
+                *failed.lock().unwrap() = Some(e);
             }
-            Ok(())
         })
     };
     let wait_ops = |more: u64| {
         let until = ops.load(Ordering::Relaxed) + more;
-        wait_until("libblkio I/O", T, || ops.load(Ordering::Relaxed) >= until);
+        wait_until("libblkio I/O", T, || {
+            if let Some(e) = failed.lock().unwrap().as_ref() {
+                panic!("libblkio I/O: {e}\n{}", s.log());
+            }
+            ops.load(Ordering::Relaxed) >= until
+        });
     };
     wait_ops(20);
     for (mib, shrink) in [(20, false), (24, false), (12, true), (32, false), (8, true)] {
@@ -693,6 +704,7 @@ fn vhost_user_blk_resizes_under_libblkio_io() {
         wait_ops(20);
     }
     stop.store(true, Ordering::Relaxed);
-    io.join().unwrap().expect("libblkio I/O");
+    io.join().unwrap();
+    assert_eq!(failed.lock().unwrap().take(), None, "libblkio I/O");
     assert!(!s.log().contains(" ERROR "), "{}", s.log());
 }
