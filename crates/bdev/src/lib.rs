@@ -3,7 +3,6 @@
 //! path needs no locks: a channel belongs to one thread.
 
 mod fault;
-mod held;
 mod null;
 mod qos;
 mod ram;
@@ -14,7 +13,6 @@ mod slice;
 mod uring;
 
 pub use fault::{FaultConfig, FaultDisk, FaultOps};
-pub use held::{HeldDisk, HeldGate};
 pub use null::NullDisk;
 pub use qos::{QosClock, QosDisk, QosLimits, BURST, QOS_MAX_NAP, QOS_QUEUE_DEPTH};
 pub use ram::RamDisk;

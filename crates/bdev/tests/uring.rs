@@ -5,19 +5,13 @@ use std::time::{Duration, Instant};
 
 use bdev::{BlockDevice, FileDisk, FileEngine, FileOptions, IoChannel, IoOp, IoRequest, IoStatus};
 use guest_mem::{DmaSlice, SharedMem};
+use test_support::files::{sized_file, LoopDev};
 
 const SIZE: u64 = 1 << 20;
 
 /// A temp dir on a real disk (the target dir), where O_DIRECT usually works.
 fn disk_dir() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
-}
-
-fn make_file(dir: &tempfile::TempDir, name: &str, size: u64) -> std::path::PathBuf {
-    let p = dir.path().join(name);
-    let f = std::fs::File::create(&p).unwrap();
-    f.set_len(size).unwrap();
-    p
 }
 
 fn open(p: &std::path::Path, direct: bool, read_only: bool) -> FileDisk {
@@ -92,7 +86,7 @@ fn round_trip(direct: bool) {
 
 fn round_trip_with(direct: bool, engine: FileEngine) {
     let dir = disk_dir();
-    let p = make_file(&dir, "d.img", SIZE);
+    let p = sized_file(dir.path(), "d.img", SIZE);
     let d = open_with(&p, direct, false, engine);
     assert_eq!(d.info().num_blocks, SIZE / 512);
     assert!(!d.info().volatile && d.info().write_cache && d.info().discard_zeroes);
@@ -128,7 +122,7 @@ fn round_trip_direct() {
 #[test]
 fn direct_is_used_on_disk_and_tmpfs_falls_back() {
     let dir = disk_dir();
-    let p = make_file(&dir, "d.img", SIZE);
+    let p = sized_file(dir.path(), "d.img", SIZE);
     let d = open(&p, true, false);
     eprintln!("{}", d.describe());
     // O_DIRECT works on ext4/xfs; just make sure describe reports the mode in effect.
@@ -137,7 +131,7 @@ fn direct_is_used_on_disk_and_tmpfs_falls_back() {
         .contains(if d.direct() { ":direct" } else { ":buffered" }));
     if std::path::Path::new("/dev/shm").is_dir() {
         let shm = tempfile::tempdir_in("/dev/shm").unwrap();
-        let p = make_file(&shm, "s.img", SIZE);
+        let p = sized_file(shm.path(), "s.img", SIZE);
         let d = open(&p, true, false);
         eprintln!("{}", d.describe());
         let mut ch = d.channel().unwrap();
@@ -163,7 +157,7 @@ fn unaligned_and_multi_segment_direct() {
 
 fn unaligned_and_multi_segment(engine: FileEngine) {
     let dir = disk_dir();
-    let p = make_file(&dir, "d.img", SIZE);
+    let p = sized_file(dir.path(), "d.img", SIZE);
     let d = open_with(&p, true, false, engine);
     let mut ch = d.channel().unwrap();
     let mem = SharedMem::new("g", 1 << 20).unwrap();
@@ -205,7 +199,7 @@ fn unaligned_and_multi_segment(engine: FileEngine) {
 
 fn zeroing(direct: bool, engine: FileEngine) {
     let dir = disk_dir();
-    let p = make_file(&dir, "d.img", SIZE);
+    let p = sized_file(dir.path(), "d.img", SIZE);
     let d = open_with(&p, direct, false, engine);
     let mut ch = d.channel().unwrap();
     let mem = SharedMem::new("g", 65536).unwrap();
@@ -243,7 +237,7 @@ fn write_zeroes_and_discard_read_back_zeroes() {
 #[test]
 fn many_in_flight() {
     let dir = disk_dir();
-    let p = make_file(&dir, "d.img", 4 << 20);
+    let p = sized_file(dir.path(), "d.img", 4 << 20);
     let d = open(&p, true, false);
     let mut ch = d.channel().unwrap();
     let mem = SharedMem::new("g", 4 << 20).unwrap();
@@ -295,7 +289,7 @@ fn range_and_read_only_errors() {
 
 fn range_and_read_only(engine: FileEngine) {
     let dir = disk_dir();
-    let p = make_file(&dir, "d.img", SIZE);
+    let p = sized_file(dir.path(), "d.img", SIZE);
     let d = open_with(&p, true, false, engine);
     let mut ch = d.channel().unwrap();
     let mem = SharedMem::new("g", 8192).unwrap();
@@ -342,22 +336,22 @@ fn open_errors_name_the_path() {
         .err()
         .unwrap();
     assert!(e.to_string().contains("nope.img"), "{e}");
-    let odd = make_file(&dir, "odd.img", 1000);
+    let odd = sized_file(dir.path(), "odd.img", 1000);
     let e = FileDisk::open(&odd, FileOptions::default()).err().unwrap();
     assert!(e.to_string().contains("odd.img"), "{e}");
-    let empty = make_file(&dir, "empty.img", 0);
+    let empty = sized_file(dir.path(), "empty.img", 0);
     assert!(FileDisk::open(&empty, FileOptions::default()).is_err());
     let e = FileDisk::open(dir.path(), FileOptions::default())
         .err()
         .unwrap();
     assert!(e.to_string().contains("not a regular file"), "{e}");
-    let k512 = make_file(&dir, "k.img", 512 * 3);
+    let k512 = sized_file(dir.path(), "k.img", 512 * 3);
     let opts = FileOptions {
         block_size: Some(4096),
         ..FileOptions::default()
     };
     assert!(FileDisk::open(&k512, opts.clone()).is_err());
-    let k4 = make_file(&dir, "k4.img", 4096 * 3);
+    let k4 = sized_file(dir.path(), "k4.img", 4096 * 3);
     let d = FileDisk::open(&k4, opts).unwrap();
     assert_eq!(d.info().block_size, 4096);
     assert_eq!(d.info().num_blocks, 3);
@@ -371,7 +365,7 @@ fn open_errors_name_the_path() {
 #[test]
 fn inline_completes_in_submit_and_reports_a_shrunk_file() {
     let dir = disk_dir();
-    let p = make_file(&dir, "d.img", SIZE);
+    let p = sized_file(dir.path(), "d.img", SIZE);
     let d = open_with(&p, false, false, FileEngine::Inline);
     assert!(d.describe().starts_with("inline:"), "{}", d.describe());
     let mut ch = d.channel().unwrap();
@@ -413,7 +407,7 @@ fn inline_completes_in_submit_and_reports_a_shrunk_file() {
 #[test]
 fn auto_engine_is_io_uring_on_a_disk_filesystem() {
     let dir = disk_dir();
-    let p = make_file(&dir, "d.img", SIZE);
+    let p = sized_file(dir.path(), "d.img", SIZE);
     let d = FileDisk::open(&p, FileOptions::default()).unwrap();
     assert!(!d.inline(), "{}", d.describe());
     if !std::path::Path::new("/dev/shm").is_dir() {
@@ -422,7 +416,7 @@ fn auto_engine_is_io_uring_on_a_disk_filesystem() {
     // On tmpfs, auto is inline exactly when io_uring would punt reads to workers
     // (tmpfs without FMODE_NOWAIT); either way the data round-trips.
     let shm = tempfile::tempdir_in("/dev/shm").unwrap();
-    let p = make_file(&shm, "s.img", SIZE);
+    let p = sized_file(shm.path(), "s.img", SIZE);
     let d = FileDisk::open(&p, FileOptions::default()).unwrap();
     eprintln!("{}", d.describe());
     let mut ch = d.channel().unwrap();
@@ -441,7 +435,7 @@ fn auto_engine_is_io_uring_on_a_disk_filesystem() {
 #[test]
 fn resize_sets_the_file_length() {
     let dir = disk_dir();
-    let p = make_file(&dir, "r.img", SIZE);
+    let p = sized_file(dir.path(), "r.img", SIZE);
     let d = open(&p, false, false);
     let big = d.resize(4 * SIZE).unwrap();
     assert_eq!(big.info().size_bytes(), 4 * SIZE);
@@ -497,7 +491,7 @@ fn resize_sets_the_file_length() {
 #[test]
 fn alignment_below_the_block_size() {
     let dir = disk_dir();
-    let p = make_file(&dir, "a.img", SIZE);
+    let p = sized_file(dir.path(), "a.img", SIZE);
     for direct in [false, true] {
         let d = FileDisk::open(
             &p,
@@ -539,8 +533,8 @@ fn alignment_below_the_block_size() {
 #[test]
 fn block_device_alignment_is_its_sector_size() {
     let dir = disk_dir();
-    let p = make_file(&dir, "loop.img", SIZE);
-    let Some(dev) = LoopDev::attach(&p, 4096) else {
+    let p = sized_file(dir.path(), "loop.img", SIZE);
+    let Some(dev) = LoopDev::attach(&p, 4096).ok() else {
         eprintln!("skipped: cannot attach a loop device (not root?)");
         return;
     };
@@ -560,8 +554,8 @@ fn block_device_alignment_is_its_sector_size() {
 #[test]
 fn block_device_resizes_only_to_its_own_size() {
     let dir = disk_dir();
-    let p = make_file(&dir, "grow.img", SIZE);
-    let Some(dev) = LoopDev::attach(&p, 512) else {
+    let p = sized_file(dir.path(), "grow.img", SIZE);
+    let Some(dev) = LoopDev::attach(&p, 512).ok() else {
         eprintln!("skipped: cannot attach a loop device (not root?)");
         return;
     };
@@ -580,12 +574,7 @@ fn block_device_resizes_only_to_its_own_size() {
         .unwrap()
         .set_len(2 * SIZE)
         .unwrap();
-    let ok = std::process::Command::new("losetup")
-        .arg("--set-capacity")
-        .arg(&dev.path)
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok, "losetup --set-capacity");
+    assert!(dev.set_capacity(), "losetup --set-capacity");
     let big = d.resize(2 * SIZE).unwrap();
     assert_eq!(big.info().size_bytes(), 2 * SIZE);
     let mut ch = big.channel().unwrap();
@@ -595,33 +584,4 @@ fn block_device_resizes_only_to_its_own_size() {
         run(ch.as_mut(), IoOp::Write, 2 * SIZE - 4096, &iov, false),
         IoStatus::Ok
     );
-}
-
-/// A loop device attached for one test, detached on drop.
-struct LoopDev {
-    path: std::path::PathBuf,
-}
-
-impl LoopDev {
-    fn attach(file: &std::path::Path, sector: u32) -> Option<LoopDev> {
-        let out = std::process::Command::new("losetup")
-            .args(["--find", "--show", "--sector-size", &sector.to_string()])
-            .arg(file)
-            .output()
-            .ok()?;
-        if !out.status.success() {
-            return None;
-        }
-        let path = String::from_utf8(out.stdout).ok()?.trim().to_string();
-        Some(LoopDev { path: path.into() })
-    }
-}
-
-impl Drop for LoopDev {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("losetup")
-            .arg("-d")
-            .arg(&self.path)
-            .status();
-    }
 }

@@ -1,30 +1,19 @@
-mod fake;
-
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 
 use guest_mem::{Prot, SharedMem};
 use initiator::{Error, VfioUserClient};
+use test_support::fake_nvme;
 use vfio_user::proto::{self, Command, Header};
 use vmm_sys_util::eventfd::EventFd;
 use zerocopy::IntoBytes;
 
-fn logged(f: &fake::Fake, cmd: Command) -> Vec<fake::Logged> {
-    f.log
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|l| l.cmd == cmd as u16)
-        .cloned()
-        .collect()
-}
-
 #[test]
 fn negotiation_info_and_regions() {
-    let (f, sock) = fake::start(Default::default());
+    let (f, sock) = fake_nvme::start(Default::default());
     let mut c = VfioUserClient::from_stream(sock).unwrap();
-    let v = &logged(&f, Command::Version)[0];
+    let v = &f.logged(Command::Version)[0];
     let json = std::str::from_utf8(&v.payload[4..v.payload.len() - 1]).unwrap();
     assert!(
         json.contains("\"max_msg_fds\":16") && json.contains("\"max_data_xfer_size\":1048576"),
@@ -42,7 +31,7 @@ fn negotiation_info_and_regions() {
     assert_eq!(di.num_regions, proto::PCI_NUM_REGIONS);
 
     let r = c.region_info(0).unwrap();
-    assert_eq!(r.size, fake::BAR0_SIZE);
+    assert_eq!(r.size, fake_nvme::BAR0_SIZE);
     assert_eq!(
         r.sparse_areas,
         vec![proto::SparseArea {
@@ -51,7 +40,7 @@ fn negotiation_info_and_regions() {
         }]
     );
     assert!(r.fd.is_some());
-    let asks = logged(&f, Command::DeviceGetRegionInfo);
+    let asks = f.logged(Command::DeviceGetRegionInfo);
     assert_eq!(asks.len(), 2, "asked again with the larger argsz");
     assert_eq!(
         proto::parse::<proto::RegionInfo>(&asks[1].payload)
@@ -71,7 +60,7 @@ fn negotiation_info_and_regions() {
 
 #[test]
 fn region_access_chunks_and_no_reply() {
-    let (f, sock) = fake::start(Default::default());
+    let (f, sock) = fake_nvme::start(Default::default());
     let mut c = VfioUserClient::from_stream(sock).unwrap();
     let mut cap = [0u8; 8];
     c.region_read(0, 0, &mut cap).unwrap();
@@ -85,13 +74,14 @@ fn region_access_chunks_and_no_reply() {
     c.region_read(0, 0x24, &mut b).unwrap();
     assert_eq!(u32::from_le_bytes(b[..4].try_into().unwrap()), 0x001f_001f);
     assert_eq!(u64::from_le_bytes(b[4..].try_into().unwrap()), 0x1234_5000);
-    let w = logged(&f, Command::RegionWrite);
+    let w = f.logged(Command::RegionWrite);
     assert_eq!(w[1].flags & proto::FLAG_NO_REPLY, proto::FLAG_NO_REPLY);
 
     // 100 KiB with a 64 KiB server limit: two messages.
     let mut big = vec![0u8; 100 << 10];
     c.region_read(7, 0, &mut big).unwrap();
-    let r: Vec<_> = logged(&f, Command::RegionRead)
+    let r: Vec<_> = f
+        .logged(Command::RegionRead)
         .iter()
         .map(|l| proto::parse::<proto::RegionAccess>(&l.payload).unwrap())
         .filter(|a| a.region == 7)
@@ -102,7 +92,7 @@ fn region_access_chunks_and_no_reply() {
 
 #[test]
 fn irqs_dma_and_reset() {
-    let (f, sock) = fake::start(Default::default());
+    let (f, sock) = fake_nvme::start(Default::default());
     let mut c = VfioUserClient::from_stream(sock).unwrap();
     let info = c.irq_info(proto::PCI_MSIX_IRQ).unwrap();
     assert_eq!(info.count, 64);
@@ -117,7 +107,8 @@ fn irqs_dma_and_reset() {
         .collect();
     let fds: Vec<_> = files.iter().map(|f| f.as_fd()).collect();
     c.set_irqs(proto::PCI_MSIX_IRQ, 2, &fds).unwrap();
-    let s: Vec<_> = logged(&f, Command::DeviceSetIrqs)
+    let s: Vec<_> = f
+        .logged(Command::DeviceSetIrqs)
         .iter()
         .map(|l| {
             let si = proto::parse::<proto::SetIrqs>(&l.payload).unwrap();
@@ -130,7 +121,7 @@ fn irqs_dma_and_reset() {
     c.dma_map(m.fd(), 0, 0x1_0000_0000, m.len(), Prot::RW)
         .unwrap();
     assert_eq!(f.ctrl.lock().unwrap().mem.len(), 1);
-    let l = &logged(&f, Command::DmaMap)[0];
+    let l = &f.logged(Command::DmaMap)[0];
     assert_eq!(l.nfds, 1);
     let dm = proto::parse::<proto::DmaMap>(&l.payload).unwrap();
     assert_eq!((dm.addr, dm.size, dm.flags), (0x1_0000_0000, 1 << 20, 3));
@@ -145,7 +136,7 @@ fn irqs_dma_and_reset() {
 
 #[test]
 fn raw_messages() {
-    let (_f, sock) = fake::start(Default::default());
+    let (_f, sock) = fake_nvme::start(Default::default());
     let mut c = VfioUserClient::from_stream(sock).unwrap();
     let h = Header {
         msg_id: 0x7777,

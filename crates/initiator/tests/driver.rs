@@ -1,5 +1,3 @@
-mod fake;
-
 use std::time::Duration;
 
 use initiator::workload::{self, NvmeTarget};
@@ -7,11 +5,11 @@ use initiator::{
     DataMode, DriverOpts, Error, IoOp, NvmeDriver, QpairOpts, Rw, Sqe, VfioUserClient,
     WorkloadConfig,
 };
+use test_support::fake_nvme::{self, FakeNvme};
+use test_support::{wait_until, T};
 
-const T: Duration = Duration::from_secs(5);
-
-fn driver(opts: DriverOpts) -> (fake::Fake, NvmeDriver) {
-    let (f, sock) = fake::start(Default::default());
+fn driver(opts: DriverOpts) -> (FakeNvme, NvmeDriver) {
+    let (f, sock) = fake_nvme::start(Default::default());
     let c = VfioUserClient::from_stream(sock).unwrap();
     let d = NvmeDriver::with_client(
         c,
@@ -68,7 +66,7 @@ fn bring_up_and_identify() {
     assert!(d.controller().volatile_write_cache());
     assert_eq!(d.max_xfer(), Some(128 << 10));
     let ns = d.namespace(1).unwrap();
-    assert_eq!((ns.lba_size, ns.nsze), (512, fake::ctrl::NS_BLOCKS));
+    assert_eq!((ns.lba_size, ns.nsze), (512, fake_nvme::ctrl::NS_BLOCKS));
     assert_eq!(d.io_queue_count(), 8);
     assert_eq!(d.read_reg32(initiator::regs::CSTS).unwrap() & 1, 1);
     // A bogus admin command completes with an error status, not a driver error.
@@ -172,10 +170,10 @@ fn batch_poll_and_full_queue() {
     ));
     qp.ring().unwrap();
     let mut got = Vec::new();
-    let start = std::time::Instant::now();
-    while got.len() < 3 && start.elapsed() < T {
+    wait_until("three completions", T, || {
         qp.poll_into(16, &mut got).unwrap();
-    }
+        got.len() >= 3
+    });
     let mut seen: Vec<u16> = got.iter().map(|c| c.cid).collect();
     seen.sort();
     assert_eq!(seen, cids);
@@ -225,7 +223,8 @@ fn workload_against_fake_verifies() {
             ..Default::default()
         };
         let r = workload::run(&t, &cfg).unwrap();
-        assert!(r.ios > 10, "{r}");
+        // Every slot of both jobs went round (how many more depends on the machine).
+        assert!(r.ios >= 8, "{r}");
         assert_eq!((r.errors, r.verify_errors), (0, 0), "{r}");
         if rw == Rw::RandRead {
             assert_eq!(r.unverified_reads, 0, "prefilled");

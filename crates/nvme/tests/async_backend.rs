@@ -1,10 +1,10 @@
 //! A backend that completes later (from `poll`) exercises the per-command slots.
-mod common;
-use common::*;
 
 use std::sync::Arc;
 
 use bdev::{BlockDevice, BlockInfo, IoChannel, IoRequest, IoStatus, RamDisk};
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
 
 struct Later(RamDisk);
 struct LaterChan {
@@ -70,8 +70,8 @@ fn asynchronous_completions() {
     h.write_mem(ranges, &r);
     let mut s = sqe(0x09, 1);
     set_prp(&mut s, ranges, 0);
-    s[10] = 2;
-    s[11] = 1 << 2;
+    s.cdw10 = 2;
+    s.cdw11 = 1 << 2;
     assert!(h.io(s).ok());
     assert!(h.try_reap(1).is_none(), "exactly one completion");
     let out = h.alloc(1);
@@ -134,7 +134,7 @@ fn commands_wait_in_the_sq_while_the_backend_has_no_room() {
     h.ready(true);
     let a = h.alloc(1);
     h.write_mem(a, &[0x3c; 4096]);
-    let cmds: Vec<[u32; 16]> = (0..32u64).map(|i| rw(1, 1, i, 1, a, 0)).collect();
+    let cmds: Vec<Sqe> = (0..32u64).map(|i| rw(1, 1, i, 1, a, 0)).collect();
     let cids = h.submit_batch(1, &cmds);
     let mut got: Vec<u16> = (0..32)
         .map(|_| {

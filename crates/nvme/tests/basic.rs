@@ -1,5 +1,6 @@
-mod common;
-use common::*;
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::{wait_until, T};
 
 #[test]
 fn registers_after_reset() {
@@ -25,7 +26,7 @@ fn enable_identify_and_io_roundtrip() {
     // Identify controller.
     let mut s = sqe(0x06, 0);
     set_prp(&mut s, buf, 0);
-    s[10] = 1;
+    s.cdw10 = 1;
     assert!(h.admin(s).ok());
     let id = h.read_mem(buf, 4096);
     assert_eq!(u16::from_le_bytes([id[0], id[1]]), nvme::VENDOR_ID);
@@ -56,12 +57,12 @@ fn enable_identify_and_io_roundtrip() {
     // Active namespace list and descriptors.
     let mut s = sqe(0x06, 0);
     set_prp(&mut s, buf, 0);
-    s[10] = 2;
+    s.cdw10 = 2;
     assert!(h.admin(s).ok());
     assert_eq!(h.read_mem(buf, 8), [1, 0, 0, 0, 0, 0, 0, 0]);
     let mut s = sqe(0x06, 1);
     set_prp(&mut s, buf, 0);
-    s[10] = 3;
+    s.cdw10 = 3;
     assert!(h.admin(s).ok());
     let d = h.read_mem(buf, 40);
     assert_eq!((d[0], d[1], d[20], d[21]), (2, 16, 3, 16));
@@ -71,7 +72,7 @@ fn enable_identify_and_io_roundtrip() {
     h.write_mem(data, &pattern);
     let c = h.io(rw(1, 1, 100, 8, data, 0));
     assert!(c.ok(), "{c:?}");
-    assert_eq!(c.sqid, 1);
+    assert_eq!(c.sq_id, 1);
     let out = h.alloc(1);
     assert!(h.io(rw(2, 1, 100, 8, out, 0)).ok());
     assert_eq!(h.read_mem(out, 4096), pattern);
@@ -80,8 +81,8 @@ fn enable_identify_and_io_roundtrip() {
     assert_eq!((st.reads, st.writes, st.flushes), (1, 1, 1));
     assert_eq!(st.io_queues, 1);
     // Each interrupt follows its entry (the end of the poll that posted it).
-    wait_until("IEN=1 signals vector 1", || h.irq_count(1) >= 3);
-    wait_until("admin vector", || h.irq_count(0) >= 1);
+    wait_until("IEN=1 signals vector 1", T, || h.irq_count(1) >= 3);
+    wait_until("admin vector", T, || h.irq_count(0) >= 1);
 }
 
 #[test]
@@ -90,37 +91,37 @@ fn features_logs_and_aer() {
     h.enable();
     // Number of queues.
     let mut s = sqe(0x09, 0);
-    s[10] = 0x07;
-    s[11] = 0x0003_0003;
+    s.cdw10 = 0x07;
+    s.cdw11 = 0x0003_0003;
     let c = h.admin(s);
     assert!(c.ok());
     assert_eq!(c.dw0, (31 << 16) | 31);
     // VWC absent on a RAM disk: Set fails.
     let mut s = sqe(0x09, 0);
-    s[10] = 0x06;
-    s[11] = 1;
+    s.cdw10 = 0x06;
+    s.cdw11 = 1;
     assert_eq!(h.admin(s).code(), (0, 0x02));
     // Save not supported.
     let mut s = sqe(0x09, 0);
-    s[10] = 0x01 | (1 << 31);
+    s.cdw10 = 0x01 | (1 << 31);
     assert_eq!(h.admin(s).code(), (1, 0x0d));
     // Temperature threshold round trip.
     let mut s = sqe(0x09, 0);
-    s[10] = 0x04;
-    s[11] = 330;
+    s.cdw10 = 0x04;
+    s.cdw11 = 330;
     assert!(h.admin(s).ok());
     let mut s = sqe(0x0a, 0);
-    s[10] = 0x04;
+    s.cdw10 = 0x04;
     assert_eq!(h.admin(s).dw0, 330);
     // Unknown feature.
     let mut s = sqe(0x0a, 0);
-    s[10] = 0x55;
+    s.cdw10 = 0x55;
     assert_eq!(h.admin(s).code(), (0, 0x02));
     // SMART log.
     let buf = h.alloc(1);
     let mut s = sqe(0x02, 0xffff_ffff);
     set_prp(&mut s, buf, 0);
-    s[10] = 0x02 | (127 << 16);
+    s.cdw10 = 0x02 | (127 << 16);
     assert!(h.admin(s).ok());
     let smart = h.read_mem(buf, 512);
     assert_eq!(u16::from_le_bytes([smart[1], smart[2]]), 300);
@@ -128,7 +129,7 @@ fn features_logs_and_aer() {
     assert_eq!(h.admin(sqe(0xee, 0)).code(), (0, 0x01));
     let mut s = sqe(0x02, 0);
     set_prp(&mut s, buf, 0);
-    s[10] = 0x01 | (15 << 16);
+    s.cdw10 = 0x01 | (15 << 16);
     assert!(h.admin(s).ok());
     let e = h.read_mem(buf, 64);
     assert!(u64::from_le_bytes(e[0..8].try_into().unwrap()) >= 1);
@@ -136,7 +137,7 @@ fn features_logs_and_aer() {
     // Invalid log page.
     let mut s = sqe(0x02, 0);
     set_prp(&mut s, buf, 0);
-    s[10] = 0x70 | (15 << 16);
+    s.cdw10 = 0x70 | (15 << 16);
     assert_eq!(h.admin(s).code(), (1, 0x09));
     // AERs are held: AERL+1 = 4 accepted, the fifth fails at once.
     for _ in 0..4 {

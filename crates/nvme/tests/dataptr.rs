@@ -1,5 +1,5 @@
-mod common;
-use common::*;
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -125,8 +125,8 @@ fn write_zeroes_and_deallocate_read_zero() {
     assert!(h.io(rw(1, 1, 0, 16, a, a + 4096)).ok());
     // Write Zeroes blocks 2..4.
     let mut s = sqe(0x08, 1);
-    s[10] = 2;
-    s[12] = 1;
+    s.cdw10 = 2;
+    s.cdw12 = 1;
     assert!(h.io(s).ok());
     // Deallocate blocks 8..10 and 12.
     let ranges = h.alloc(1);
@@ -138,8 +138,8 @@ fn write_zeroes_and_deallocate_read_zero() {
     h.write_mem(ranges, &r);
     let mut s = sqe(0x09, 1);
     set_prp(&mut s, ranges, 0);
-    s[10] = 1; // two ranges
-    s[11] = 1 << 2;
+    s.cdw10 = 1; // two ranges
+    s.cdw11 = 1 << 2;
     assert!(h.io(s).ok());
     let out = h.alloc(2);
     assert!(h.io(rw(2, 1, 0, 16, out, out + 4096)).ok());

@@ -1,13 +1,14 @@
 //! Format NVM at controller level: new LBA format and erase, the event, I/O while
 //! the erase runs, refusals, and a namespace removed under a running format.
-mod common;
-use common::*;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bdev::{BlockDevice, RamDisk};
+use test_support::held::{HeldDisk, HeldGate};
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::{wait_until, T};
 
 const EVENT_NS_CHANGED: u32 = 0x0004_0002;
 const FORMAT_NVM: u8 = 0x80;
@@ -17,9 +18,9 @@ fn ram(mib: u64, bs: u32) -> Arc<dyn BlockDevice> {
 }
 
 /// Format NVM of `nsid` to LBA format `lbaf` with Secure Erase Settings `ses`.
-fn format(lbaf: u32, ses: u32, nsid: u32) -> [u32; 16] {
+fn format(lbaf: u32, ses: u32, nsid: u32) -> Sqe {
     let mut s = sqe(FORMAT_NVM, nsid);
-    s[10] = lbaf | (ses << 9);
+    s.cdw10 = lbaf | (ses << 9);
     s
 }
 
@@ -33,28 +34,8 @@ fn identify_ns(h: &mut Host, buf: u64, nsid: u32) -> (u64, u8, u8, [u8; 2]) {
     (nsze, b[25], b[26], [b[128 + 2], b[132 + 2]])
 }
 
-fn changed_log(h: &mut Host, buf: u64) -> Vec<u32> {
-    let mut s = sqe(0x02, 0);
-    set_prp(&mut s, buf, 0);
-    s[10] = 0x04 | (1023 << 16);
-    assert!(h.admin(s).ok());
-    h.read_mem(buf, 4096)
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .take_while(|n| *n != 0)
-        .collect()
-}
-
-fn enable_events(h: &mut Host) -> u16 {
-    let mut s = sqe(0x09, 0);
-    s[10] = 0x0b;
-    s[11] = 1 << 8;
-    assert!(h.admin(s).ok());
-    h.submit(0, sqe(0x0c, 0))
-}
-
 /// Reaps admin completions until the one with `cid`; returns it and the others.
-fn reap_cid(h: &mut Host, cid: u16) -> (Cqe, Vec<Cqe>) {
+fn reap_cid(h: &mut Host, cid: u16) -> (Completion, Vec<Completion>) {
     let mut others = Vec::new();
     loop {
         let c = h.reap(0);
@@ -77,7 +58,7 @@ fn format_changes_the_lba_size_erases_and_tells_the_host() {
     // Identify Controller: OACS announces Format NVM; FNA: per namespace, no crypto.
     let mut s = sqe(0x06, 0);
     set_prp(&mut s, buf, 0);
-    s[10] = 1;
+    s.cdw10 = 1;
     assert!(h.admin(s).ok());
     let id = h.read_mem(buf, 4096);
     assert_eq!(u16::from_le_bytes([id[256], id[257]]) & 0b10, 0b10, "OACS");
@@ -87,7 +68,7 @@ fn format_changes_the_lba_size_erases_and_tells_the_host() {
     h.write_mem(data, &[0x5a; 8192]);
     assert!(h.io(rw(1, 1, 0, 16, data, data + 4096)).ok());
     assert!(h.io(rw(1, 2, 0, 16, data, data + 4096)).ok());
-    let aer = enable_events(&mut h);
+    let aer = h.enable_ns_events();
     let cid = h.submit(0, format(1, 1, 1));
     let (c, others) = reap_cid(&mut h, cid);
     assert!(c.ok(), "format to 4096: {c:?}");
@@ -96,7 +77,7 @@ fn format_changes_the_lba_size_erases_and_tells_the_host() {
         None => h.reap(0),
     };
     assert_eq!((ev.cid, ev.dw0), (aer, EVENT_NS_CHANGED));
-    assert_eq!(changed_log(&mut h, buf), vec![1]);
+    assert_eq!(h.changed_ns_log(buf, false), vec![1]);
     assert_eq!(identify_ns(&mut h, buf, 1), (4096, 1, 1, [9, 12]));
     assert_eq!(h.ctrl.namespace_info(1).unwrap().block_size, 4096);
 
@@ -138,7 +119,7 @@ fn refusals_change_nothing() {
     let data = h.alloc(1);
     h.write_mem(data, &[0x11; 4096]);
     assert!(h.io(rw(1, 1, 0, 8, data, 0)).ok());
-    let cases: &[(&str, [u32; 16], (u8, u8))] = &[
+    let cases: &[(&str, Sqe, (u8, u8))] = &[
         ("LBAF 2", format(2, 0, 1), (1, 0x0a)),
         ("LBAFU", format(1 << 12, 0, 1), (1, 0x0a)),
         ("PI type 1", format(1 | 1 << 5, 0, 1), (1, 0x0a)),
@@ -178,45 +159,41 @@ fn all_namespaces_at_once() {
     assert_eq!(identify_ns(&mut h, buf, 2), (8192, 1, 0, [9, 12]));
 }
 
-fn gated(open: &Arc<AtomicBool>) -> Arc<dyn BlockDevice> {
-    Arc::new(Gated {
-        ram: RamDisk::new(8 << 20, 512).unwrap(),
-        open: open.clone(),
-    })
+/// A RAM namespace whose completions wait for the gate.
+fn held() -> (Arc<dyn BlockDevice>, Arc<HeldGate>) {
+    let (disk, gate) = HeldDisk::new(8 << 20, 512).unwrap();
+    (Arc::new(disk), gate)
 }
 
 #[test]
 fn io_in_flight_refuses_and_io_during_the_erase_waits() {
-    let open = Arc::new(AtomicBool::new(false));
-    let mut h = Host::with(
-        nvme::ControllerConfig::default(),
-        vec![ram(4, 512), gated(&open)],
-    );
+    let (disk, gate) = held();
+    let mut h = Host::with(nvme::ControllerConfig::default(), vec![ram(4, 512), disk]);
     h.ready(false);
     let buf = h.alloc(1);
     let data = h.alloc(1);
     // A read held by the backend: the format is refused (§5.23).
     let read = h.submit(1, rw(2, 2, 0, 8, data, 0));
-    std::thread::sleep(Duration::from_millis(5));
+    wait_until("the read at the backend", T, || gate.submitted() == 1);
     assert_eq!(h.admin(format(1, 1, 2)).code(), (0, 0x0c));
-    open.store(true, Ordering::Release);
+    gate.open();
     assert_eq!(h.reap(1).cid, read);
-    open.store(false, Ordering::Release);
+    gate.close();
 
     // The erase is held: the namespace's I/O gets Format In Progress (no DNR: the
     // host may retry), a second format too; the other namespace works.
     let cid = h.submit(0, format(1, 1, 2));
-    std::thread::sleep(Duration::from_millis(20));
+    wait_until("the erase at the backend", T, || gate.submitted() > 1);
     assert!(h.try_reap(0).is_none(), "the format waits for its erase");
     let c = h.io(rw(2, 2, 0, 8, data, 0));
     assert_eq!(c.code(), (0, 0x84));
-    assert_eq!(c.status & (1 << 14), 0, "no DNR");
+    assert!(!c.status.dnr, "no DNR");
     assert_eq!(h.io(sqe(0x00, 2)).code(), (0, 0x84), "flush");
     assert_eq!(h.admin(format(1, 1, 1)).code(), (0, 0x84));
     assert!(h.io(rw(2, 1, 0, 8, data, 0)).ok());
     // Identify still shows the old format until the erase ends.
     assert_eq!(identify_ns(&mut h, buf, 2), (16384, 1, 0, [9, 12]));
-    open.store(true, Ordering::Release);
+    gate.open();
     let (c, _) = reap_cid(&mut h, cid);
     assert!(c.ok(), "{c:?}");
     assert_eq!(identify_ns(&mut h, buf, 2), (2048, 1, 1, [9, 12]));
@@ -225,42 +202,41 @@ fn io_in_flight_refuses_and_io_during_the_erase_waits() {
 
 #[test]
 fn removal_and_reset_under_a_running_format() {
-    let open = Arc::new(AtomicBool::new(false));
-    let mut h = Host::with(
-        nvme::ControllerConfig::default(),
-        vec![ram(4, 512), gated(&open)],
-    );
+    let (disk, gate) = held();
+    let mut h = Host::with(nvme::ControllerConfig::default(), vec![ram(4, 512), disk]);
     h.ready(false);
     let buf = h.alloc(1);
-    // Removal cancels the erase; it waits for the request at the backend (the gate
-    // opens meanwhile) and the format ends with Invalid Namespace.
+    // Removal cancels the erase and waits for the request at the backend (the gate
+    // opens meanwhile); the format ends with Invalid Namespace. Nothing outside the
+    // controller's lock shows that the removal is waiting, so the gate opens 50 ms
+    // after the call begins: the removal must take the lock within those 50 ms,
+    // which only a thread stalled between two instructions for that long misses.
     let cid = h.submit(0, format(1, 1, 2));
-    std::thread::sleep(Duration::from_millis(20));
-    let o = open.clone();
-    let opener = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(50));
-        o.store(true, Ordering::Release);
+    wait_until("the erase at the backend", T, || gate.submitted() > 0);
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            std::thread::sleep(Duration::from_millis(50));
+            gate.open();
+        });
+        h.ctrl.remove_namespace(2).unwrap();
     });
-    h.ctrl.remove_namespace(2).unwrap();
-    opener.join().unwrap();
     let (c, _) = reap_cid(&mut h, cid);
     assert_eq!(c.code(), (0, 0x0b));
     assert!(h.admin(format(1, 1, 1)).ok(), "the next format runs");
 
     // A reset drops the command of a running format; the format still ends and
     // the namespace has its new format.
-    open.store(false, Ordering::Release);
-    h.ctrl.add_namespace(2, gated(&open)).unwrap();
+    let (disk, gate) = held();
+    h.ctrl.add_namespace(2, disk).unwrap();
     h.submit(0, format(1, 1, 2));
-    std::thread::sleep(Duration::from_millis(20));
+    wait_until("the erase at the backend", T, || gate.submitted() > 0);
     h.disable();
     h.ready(false);
-    open.store(true, Ordering::Release);
-    let t = std::time::Instant::now();
-    while h.ctrl.namespace_info(2).unwrap().block_size != 4096 {
-        assert!(t.elapsed() < Duration::from_secs(5), "format never ended");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    gate.open();
+    wait_until("the format to end", T, || {
+        h.ctrl.namespace_info(2).unwrap().block_size == 4096
+    });
+    // Nothing can be waited for here: give a wrongly posted completion time to show.
     std::thread::sleep(Duration::from_millis(10));
     assert!(h.try_reap(0).is_none(), "nothing posted for the old queue");
     assert_eq!(identify_ns(&mut h, buf, 2), (2048, 1, 1, [9, 12]));

@@ -1,5 +1,5 @@
-mod common;
-use common::*;
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
 
 #[test]
 fn bad_data_pointers() {
@@ -45,7 +45,7 @@ fn bad_data_pointers() {
     assert_eq!(h.io(rw(2, 1, 0, 24, a, l)).code(), (0, 0x04));
     // Reserved PSDT.
     let mut s = rw(2, 1, 0, 1, a, 0);
-    s[0] |= 3 << 14;
+    s.flags |= 3 << 6;
     assert_eq!(h.io(s).code(), (0, 0x02));
     // The controller is still fine.
     assert!(h.io(rw(2, 1, 0, 1, a, 0)).ok());
@@ -132,15 +132,15 @@ fn bad_commands() {
     );
     assert!(h.io(rw(2, 1, blocks - 1, 1, a, 0)).ok(), "last block");
     let mut wz = sqe(0x08, 1);
-    wz[10] = (blocks - 1) as u32;
-    wz[12] = 1;
+    wz.cdw10 = (blocks - 1) as u32;
+    wz.cdw12 = 1;
     assert_eq!(h.io(wz).code(), (0, 0x80), "write zeroes beyond");
     // 256 KiB > MDTS (128 KiB).
     let l = h.alloc(1);
     assert_eq!(h.io(rw(2, 1, 0, 512, a, l)).code(), (0, 0x02));
     // Fused operations are not supported.
     let mut s = rw(2, 1, 0, 1, a, 0);
-    s[0] |= 1 << 8;
+    s.flags |= 1;
     assert_eq!(h.io(s).code(), (0, 0x02));
     let st = h.ctrl.stats();
     assert!(st.io_errors >= 10, "{st:?}");

@@ -1,14 +1,14 @@
 //! Namespaces added and removed at run time: the Namespace Attribute Changed event,
 //! the Changed Namespace List log, Identify updates, and commands in flight on a
 //! namespace that goes away.
-mod common;
-use common::*;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bdev::{BlockDevice, RamDisk};
+use test_support::held::HeldDisk;
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
 
 const EVENT_NS_CHANGED: u32 = 0x0004_0002;
 
@@ -16,29 +16,10 @@ fn ram(mib: u64) -> Arc<dyn BlockDevice> {
     Arc::new(RamDisk::new(mib << 20, 512).unwrap())
 }
 
-fn set_aec(h: &mut Host, v: u32) {
-    let mut s = sqe(0x09, 0);
-    s[10] = 0x0b;
-    s[11] = v;
-    assert!(h.admin(s).ok());
-}
-
-fn aer(h: &mut Host) -> u16 {
-    h.submit(0, sqe(0x0c, 0))
-}
-
-fn changed_log(h: &mut Host, buf: u64, retain: bool) -> Vec<u32> {
-    let mut s = sqe(0x02, 0);
-    set_prp(&mut s, buf, 0);
-    s[10] = 0x04 | (1023 << 16) | (u32::from(retain) << 15);
-    assert!(h.admin(s).ok());
-    ids(&h.read_mem(buf, 4096))
-}
-
 fn active_list(h: &mut Host, buf: u64) -> Vec<u32> {
     let mut s = sqe(0x06, 0);
     set_prp(&mut s, buf, 0);
-    s[10] = 2;
+    s.cdw10 = 2;
     assert!(h.admin(s).ok());
     ids(&h.read_mem(buf, 4096))
 }
@@ -50,10 +31,10 @@ fn ids(b: &[u8]) -> Vec<u32> {
         .collect()
 }
 
-fn identify_ns_size(h: &mut Host, buf: u64, nsid: u32) -> Cqe {
+fn identify_ns_size(h: &mut Host, buf: u64, nsid: u32) -> Completion {
     let mut s = sqe(0x06, nsid);
     set_prp(&mut s, buf, 0);
-    s[10] = 0;
+    s.cdw10 = 0;
     h.admin(s)
 }
 
@@ -62,8 +43,8 @@ fn hot_add_and_remove_with_event_and_log() {
     let mut h = Host::with(nvme::ControllerConfig::default(), vec![ram(16)]);
     h.ready(false);
     let buf = h.alloc(1);
-    set_aec(&mut h, 1 << 8);
-    let cid = aer(&mut h);
+    h.set_async_events(1 << 8);
+    let cid = h.aer();
     std::thread::sleep(Duration::from_millis(5));
     assert!(h.try_reap(0).is_none(), "no event before a change");
 
@@ -73,19 +54,15 @@ fn hot_add_and_remove_with_event_and_log() {
     assert!(c.ok());
     // A second change before the log is read extends the list without an event.
     h.ctrl.add_namespace(2, ram(8)).unwrap();
-    let cid2 = aer(&mut h);
+    let cid2 = h.aer();
     std::thread::sleep(Duration::from_millis(5));
     assert!(
         h.try_reap(0).is_none(),
         "event masked until the log is read"
     );
-    assert_eq!(changed_log(&mut h, buf, true), vec![2, 3], "retained");
-    assert_eq!(changed_log(&mut h, buf, false), vec![2, 3]);
-    assert_eq!(
-        changed_log(&mut h, buf, false),
-        Vec::<u32>::new(),
-        "cleared"
-    );
+    assert_eq!(h.changed_ns_log(buf, true), vec![2, 3], "retained");
+    assert_eq!(h.changed_ns_log(buf, false), vec![2, 3]);
+    assert_eq!(h.changed_ns_log(buf, false), Vec::<u32>::new(), "cleared");
     assert_eq!(active_list(&mut h, buf), vec![1, 2, 3]);
     assert!(identify_ns_size(&mut h, buf, 3).ok());
     let nsze = u64::from_le_bytes(h.read_mem(buf, 8).try_into().unwrap());
@@ -103,7 +80,7 @@ fn hot_add_and_remove_with_event_and_log() {
     h.ctrl.remove_namespace(3).unwrap();
     let c = h.reap(0);
     assert_eq!((c.cid, c.dw0), (cid2, EVENT_NS_CHANGED));
-    assert_eq!(changed_log(&mut h, buf, false), vec![3]);
+    assert_eq!(h.changed_ns_log(buf, false), vec![3]);
     assert_eq!(h.io(rw(2, 3, 0, 8, data, 0)).code(), (0, 0x0b));
     assert!(
         h.io(rw(2, 1, 0, 8, data, 0)).ok(),
@@ -137,44 +114,27 @@ fn no_event_when_host_did_not_enable_notices() {
     let mut h = Host::with(nvme::ControllerConfig::default(), vec![ram(16)]);
     h.ready(false);
     let buf = h.alloc(1);
-    aer(&mut h);
+    h.aer();
     h.ctrl.add_namespace(2, ram(8)).unwrap();
     std::thread::sleep(Duration::from_millis(5));
     assert!(h.try_reap(0).is_none());
-    assert_eq!(changed_log(&mut h, buf, false), vec![2], "the log is kept");
+    assert_eq!(h.changed_ns_log(buf, false), vec![2], "the log is kept");
 }
 
 #[test]
 fn removal_lets_commands_in_flight_finish() {
-    let open = Arc::new(AtomicBool::new(false));
-    let gated: Arc<dyn BlockDevice> = Arc::new(Gated {
-        ram: RamDisk::new(16 << 20, 512).unwrap(),
-        open: open.clone(),
-    });
-    let mut h = Host::with(nvme::ControllerConfig::default(), vec![ram(16), gated]);
+    let (held, gate) = HeldDisk::new(16 << 20, 512).unwrap();
+    let mut h = Host::with(
+        nvme::ControllerConfig::default(),
+        vec![ram(16), Arc::new(held)],
+    );
     h.ready(false);
-    let data = h.alloc(4);
-    let cids: Vec<u16> = (0..4u64)
-        .map(|i| h.submit(1, rw(2, 2, i * 8, 8, data + i * 4096, 0)))
-        .collect();
-    std::thread::sleep(Duration::from_millis(5));
-    assert!(h.try_reap(1).is_none(), "held by the backend");
+    let cids = h.reads_held(2, 4, &gate);
+    let data = h.alloc(1);
     h.ctrl.remove_namespace(2).unwrap();
     // New commands to the removed namespace fail at once; the others still run.
     let c = h.io(rw(2, 2, 0, 8, data, 0));
     assert_eq!(c.code(), (0, 0x0b));
     assert!(h.io(rw(2, 1, 0, 8, data, 0)).ok());
-    open.store(true, Ordering::Release);
-    let mut got = Vec::new();
-    let t = Instant::now();
-    while got.len() < 4 && t.elapsed() < Duration::from_secs(5) {
-        if let Some(c) = h.try_reap(1) {
-            assert!(c.ok(), "in-flight command finishes normally: {c:?}");
-            got.push(c.cid);
-        }
-    }
-    got.sort_unstable();
-    let mut want = cids.clone();
-    want.sort_unstable();
-    assert_eq!(got, want);
+    h.release_held(&gate, &cids);
 }

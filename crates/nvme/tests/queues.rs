@@ -1,12 +1,13 @@
-mod common;
-use common::*;
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::{wait_until, T};
 
-fn create_cq_raw(h: &mut Host, qid: u16, qsize0: u16, cdw11: u32) -> Cqe {
+fn create_cq_raw(h: &mut Host, qid: u16, qsize0: u16, cdw11: u32) -> Completion {
     let cq = h.alloc(16);
     let mut s = sqe(0x05, 0);
     set_prp(&mut s, cq, 0);
-    s[10] = u32::from(qid) | (u32::from(qsize0) << 16);
-    s[11] = cdw11;
+    s.cdw10 = u32::from(qid) | (u32::from(qsize0) << 16);
+    s.cdw11 = cdw11;
     h.admin(s)
 }
 
@@ -34,8 +35,8 @@ fn queue_create_delete_errors() {
     );
     let mut s = sqe(0x05, 0);
     set_prp(&mut s, 0x1000, 0);
-    s[10] = 1 | (15 << 16);
-    s[11] = 1;
+    s.cdw10 = 1 | (15 << 16);
+    s.cdw11 = 1;
     assert_eq!(h.admin(s).code(), (0, 0x02), "CQ memory unmapped");
     assert_eq!(h.create_sq(1, 16, 1).code(), (1, 0x00), "missing CQ");
     assert!(h.create_cq(1, 16, true, 1).ok());
@@ -57,14 +58,14 @@ fn queue_create_delete_errors() {
     let cid = h.submit(1, rw(2, 1, 0, 1, a, 0));
     assert_eq!(h.reap(1).cid, cid);
     let mut del = sqe(0x04, 0);
-    del[10] = 1;
+    del.cdw10 = 1;
     assert_eq!(h.admin(del).code(), (1, 0x0c), "CQ with SQs");
     let mut dsq = sqe(0x00, 0);
-    dsq[10] = 1;
+    dsq.cdw10 = 1;
     assert!(h.admin(dsq).ok());
     assert_eq!(h.admin(dsq).code(), (1, 0x01), "SQ already gone");
     assert_eq!(h.admin(del).code(), (1, 0x0c), "SQ 2 still attached");
-    dsq[10] = 2;
+    dsq.cdw10 = 2;
     assert!(h.admin(dsq).ok());
     assert!(h.admin(del).ok());
     assert_eq!(h.admin(del).code(), (1, 0x01), "CQ already gone");
@@ -118,6 +119,7 @@ fn shadow_doorbells() {
     set_prp(&mut bad, db + 8, ei);
     assert_eq!(h.admin(bad).code(), (0, 0x02));
     h.shadow = Some(db);
+    h.ctrl.set_poll_mode(engine::PollMode::Busy);
     assert!(h.create_cq(1, 64, true, 1).ok());
     assert!(h.create_sq(1, 64, 1).ok());
     let a = h.alloc(1);
@@ -130,7 +132,8 @@ fn shadow_doorbells() {
     // The MMIO doorbell page was never written for queue 1.
     assert_eq!(h.ctrl.doorbells().all().load_u32(0x1008), Some(0));
     // Polling: EventIdx behind the last tail processed, so a driver that honours
-    // it does not ring (tests/poll_modes.rs has the details).
+    // it does not ring (tests/poll_modes.rs has the details). Busy, so the group is
+    // still polling however late this test looks (asleep it asks to be rung).
     let e = u32::from_le_bytes(h.read_mem(ei + 8, 4).try_into().unwrap());
     assert!(e < 5 || e == 63, "EventIdx {e} not behind tail 5");
     h.disable();
@@ -155,7 +158,7 @@ fn interrupts_only_with_ien() {
     assert_eq!(h.irq_count(1), 0, "polled queue never signals");
     assert!(h.cmd(2, rw(2, 1, 0, 1, a, 0)).ok());
     // The interrupt follows the entry (the end of the poll that posted it).
-    wait_until("vector 2 signalled", || h.irq_count(2) >= 1);
+    wait_until("vector 2 signalled", T, || h.irq_count(2) >= 1);
 }
 
 /// A controller with I/O SQ 1 (16 entries) on a 4-entry CQ, and a one-page buffer.
@@ -172,9 +175,13 @@ fn four_entry_cq() -> (Host, u64) {
 fn cq_full_is_respected() {
     let (mut h, a) = four_entry_cq();
     let cids: Vec<u16> = (0..6).map(|_| h.submit(1, rw(2, 1, 0, 1, a, 0))).collect();
-    std::thread::sleep(std::time::Duration::from_millis(20));
     // Only 3 fit (size - 1): the controller reads the CQ head doorbell only when
     // the CQ seems full, and must never post over an entry the host still owns.
+    wait_until("three completions posted", T, || {
+        h.cq_phases(1)[..3] == [true; 3]
+    });
+    // Nothing to wait for: give a wrongly posted fourth entry time to show.
+    std::thread::sleep(std::time::Duration::from_millis(20));
     assert_eq!(h.cq_phases(1), [true, true, true, false]);
     // Reaping frees room for the rest.
     let mut got = Vec::new();
@@ -195,7 +202,9 @@ fn cq_head_beyond_size_is_fatal_once_read() {
     for _ in 0..2 {
         h.submit(1, rw(2, 1, 0, 1, a, 0));
     }
-    std::thread::sleep(std::time::Duration::from_millis(20));
+    wait_until("two completions posted", T, || {
+        h.cq_phases(1)[..2] == [true; 2]
+    });
     assert!(!h.ctrl.stats().fatal);
     for _ in 0..2 {
         h.submit(1, rw(2, 1, 0, 1, a, 0));

@@ -2,41 +2,21 @@
 //! event and the Changed Namespace List, Identify's new size, I/O beyond the old
 //! end and beyond a new smaller end, commands in flight on the old handle, and the
 //! refusals (unknown namespace, bad size, a running format, a backend that cannot).
-mod common;
-use common::*;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use bdev::{BlockDevice, RamDisk};
 use nvme::{NsError, NsNotice};
+use test_support::held::HeldDisk;
+use test_support::nvme_cmd::*;
+use test_support::nvme_host::*;
+use test_support::{wait_until, T};
 
 const EVENT_NS_CHANGED: u32 = 0x0004_0002;
 const MIB: u64 = 1 << 20;
 
 fn ram(mib: u64) -> Arc<dyn BlockDevice> {
     Arc::new(RamDisk::new(mib * MIB, 512).unwrap())
-}
-
-fn enable_events(h: &mut Host) -> u16 {
-    let mut s = sqe(0x09, 0);
-    s[10] = 0x0b;
-    s[11] = 1 << 8;
-    assert!(h.admin(s).ok());
-    h.submit(0, sqe(0x0c, 0))
-}
-
-fn changed_log(h: &mut Host, buf: u64) -> Vec<u32> {
-    let mut s = sqe(0x02, 0);
-    set_prp(&mut s, buf, 0);
-    s[10] = 0x04 | (1023 << 16);
-    assert!(h.admin(s).ok());
-    h.read_mem(buf, 4096)
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .take_while(|n| *n != 0)
-        .collect()
 }
 
 /// Identify Namespace: (NSZE, NCAP, NUSE, FLBAS).
@@ -64,7 +44,7 @@ fn grow_and_shrink_tell_the_host_and_move_the_end() {
     h.ready(false);
     let buf = h.alloc(1);
     let data = h.alloc(1);
-    let cid = enable_events(&mut h);
+    let cid = h.enable_ns_events();
     let last = (16 * MIB / 512) - 8;
     h.write_mem(data, &[0x5a; 4096]);
     assert!(h.io(rw(1, 1, last, 8, data, 0)).ok());
@@ -74,7 +54,7 @@ fn grow_and_shrink_tell_the_host_and_move_the_end() {
     assert_eq!(resize(&h, 1, 32 * MIB).unwrap(), NsNotice::Event);
     let c = h.reap(0);
     assert_eq!((c.cid, c.dw0), (cid, EVENT_NS_CHANGED));
-    assert_eq!(changed_log(&mut h, buf), vec![1]);
+    assert_eq!(h.changed_ns_log(buf, false), vec![1]);
     let blocks = 32 * MIB / 512;
     assert_eq!(identify_ns(&mut h, buf, 1), (blocks, blocks, blocks, 0));
     h.write_mem(data, &[0xc3; 4096]);
@@ -101,7 +81,7 @@ fn grow_and_shrink_tell_the_host_and_move_the_end() {
     assert!(h.io(rw(1, 1, small - 8, 8, data, 0)).ok());
     // A second change before the log is read: listed, no second event.
     assert_eq!(resize(&h, 2, 12 * MIB).unwrap(), NsNotice::Pending);
-    assert_eq!(changed_log(&mut h, buf), vec![1, 2]);
+    assert_eq!(h.changed_ns_log(buf, false), vec![1, 2]);
     assert_eq!(identify_ns(&mut h, buf, 2).0, 12 * MIB / 512);
     assert!(h.io(rw(2, 2, 12 * MIB / 512 - 8, 8, data, 0)).ok());
 }
@@ -113,7 +93,7 @@ fn the_formatted_lba_size_stays_and_decides_what_sizes_fit() {
     let buf = h.alloc(1);
     // Format NVM to 4096-byte blocks (LBAF 1).
     let mut s = sqe(0x80, 1);
-    s[10] = 1;
+    s.cdw10 = 1;
     assert!(h.admin(s).ok());
     assert_eq!(identify_ns(&mut h, buf, 1), (4096, 4096, 4096, 1));
     assert!(matches!(
@@ -149,80 +129,18 @@ fn refusals_change_nothing() {
     assert_eq!(identify_ns(&mut h, buf, 2).0, MIB / 512);
 }
 
-/// A RAM disk whose requests complete only while its gate is open; a resized
-/// handle gets a gate of its own, open.
-struct Gate {
-    inner: Arc<dyn BlockDevice>,
-    open: Arc<AtomicBool>,
-}
-struct GateChan {
-    inner: Box<dyn bdev::IoChannel>,
-    open: Arc<AtomicBool>,
-    held: Vec<(u64, bdev::IoStatus)>,
-}
-impl BlockDevice for Gate {
-    fn describe(&self) -> String {
-        "gate".into()
-    }
-    fn info(&self) -> &bdev::BlockInfo {
-        self.inner.info()
-    }
-    fn channel(&self) -> std::io::Result<Box<dyn bdev::IoChannel>> {
-        Ok(Box::new(GateChan {
-            inner: self.inner.channel()?,
-            open: self.open.clone(),
-            held: Vec::new(),
-        }))
-    }
-    fn resize(&self, bytes: u64) -> std::io::Result<Arc<dyn BlockDevice>> {
-        Ok(Arc::new(Gate {
-            inner: self.inner.resize(bytes)?,
-            open: Arc::new(AtomicBool::new(true)),
-        }))
-    }
-    fn format_support(&self) -> bdev::FormatSupport {
-        self.inner.format_support()
-    }
-}
-impl bdev::IoChannel for GateChan {
-    fn submit(&mut self, tag: u64, req: &bdev::IoRequest<'_>) -> Option<bdev::IoStatus> {
-        let st = self
-            .inner
-            .submit(tag, req)
-            .unwrap_or(bdev::IoStatus::IoError);
-        if self.open.load(Ordering::Acquire) {
-            return Some(st);
-        }
-        self.held.push((tag, st));
-        None
-    }
-    fn poll(&mut self, done: &mut dyn FnMut(u64, bdev::IoStatus)) -> usize {
-        if !self.open.load(Ordering::Acquire) {
-            return 0;
-        }
-        let n = self.held.len();
-        for (t, s) in self.held.drain(..) {
-            done(t, s);
-        }
-        n
-    }
-}
-
+/// Namespace 2 holds its completions until its gate opens; a resized handle gets
+/// a gate of its own, open.
 #[test]
 fn commands_in_flight_finish_on_the_old_handle() {
-    let open = Arc::new(AtomicBool::new(false));
-    let gate: Arc<dyn BlockDevice> = Arc::new(Gate {
-        inner: ram(16),
-        open: open.clone(),
-    });
-    let mut h = Host::with(nvme::ControllerConfig::default(), vec![ram(16), gate]);
+    let (held, gate) = HeldDisk::over(ram(16));
+    let mut h = Host::with(
+        nvme::ControllerConfig::default(),
+        vec![ram(16), Arc::new(held)],
+    );
     h.ready(false);
-    let data = h.alloc(4);
-    let cids: Vec<u16> = (0..4u64)
-        .map(|i| h.submit(1, rw(2, 2, i * 8, 8, data + i * 4096, 0)))
-        .collect();
-    std::thread::sleep(Duration::from_millis(5));
-    assert!(h.try_reap(1).is_none(), "held by the old handle");
+    let cids = h.reads_held(2, 4, &gate);
+    let data = h.alloc(1);
     resize(&h, 2, 32 * MIB).unwrap();
     // New commands go to the new handle (its gate is open), past the old end too.
     h.write_mem(data, &[0x11; 4096]);
@@ -230,41 +148,25 @@ fn commands_in_flight_finish_on_the_old_handle() {
     assert!(h.io(rw(1, 1, 0, 8, data, 0)).ok(), "namespace 1 unaffected");
     // The old handle still holds requests of namespace 2: no format now.
     let mut s = sqe(0x80, 2);
-    s[10] = 1;
+    s.cdw10 = 1;
     assert_eq!(h.admin(s).code(), (0, 0x0c), "Command Sequence Error");
-    open.store(true, Ordering::Release);
-    let mut got = Vec::new();
-    let t = Instant::now();
-    while got.len() < 4 && t.elapsed() < Duration::from_secs(5) {
-        if let Some(c) = h.try_reap(1) {
-            assert!(c.ok(), "in-flight command finishes normally: {c:?}");
-            got.push(c.cid);
-        }
-    }
-    got.sort_unstable();
-    let mut want = cids.clone();
-    want.sort_unstable();
-    assert_eq!(got, want);
+    h.release_held(&gate, &cids);
     let mut s = sqe(0x80, 2);
-    s[10] = 1;
+    s.cdw10 = 1;
     assert!(h.admin(s).ok(), "format once the old requests are done");
 }
 
 #[test]
 fn no_resize_while_a_format_erases() {
-    let open = Arc::new(AtomicBool::new(false));
-    let gate: Arc<dyn BlockDevice> = Arc::new(Gate {
-        inner: ram(16),
-        open: open.clone(),
-    });
-    let mut h = Host::with(nvme::ControllerConfig::default(), vec![gate]);
+    let (held, gate) = HeldDisk::over(ram(16));
+    let mut h = Host::with(nvme::ControllerConfig::default(), vec![Arc::new(held)]);
     h.ready(false);
     let buf = h.alloc(1);
     // The erase is held by the gate: the format command stays outstanding.
     let mut s = sqe(0x80, 1);
-    s[10] = 1;
+    s.cdw10 = 1;
     let cid = h.submit(0, s);
-    std::thread::sleep(Duration::from_millis(20));
+    wait_until("the erase at the backend", T, || gate.submitted() > 0);
     let mut called = false;
     let r = h.ctrl.resize_namespace(1, 32 * MIB, |_| {
         called = true;
@@ -272,7 +174,7 @@ fn no_resize_while_a_format_erases() {
     });
     assert!(matches!(r, Err(NsError::Formatting(1))), "{r:?}");
     assert!(!called, "the backend is not touched");
-    open.store(true, Ordering::Release);
+    gate.open();
     let c = h.reap(0);
     assert_eq!(c.cid, cid);
     assert!(c.ok());

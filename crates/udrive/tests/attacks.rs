@@ -17,11 +17,13 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::serve::{trickle, vfio_shrink, Bystanders, Server, SOCKETS};
-use common::vhost_fe::*;
 use common::{check_io, opts, wait_until};
 use guest_mem::{Prot, SharedMem};
 use initiator::regs::{CC, CC_EN};
 use initiator::{NvmeDriver, VfioUserClient};
+use test_support::blkio::{blkio_round, BlkioSession};
+use test_support::poll_until;
+use test_support::vhost_fe::*;
 use vfio_user::proto::PCI_BAR0_REGION;
 use vhost::vhost_user::message::{VhostUserHeaderFlag, VhostUserProtocolFeatures};
 use vhost::vhost_user::Frontend;
@@ -53,10 +55,7 @@ fn under_attack(attack: impl FnOnce(&Server)) {
     let open1 = s.fd_targets();
     let rss1 = s.rss_kib();
     let ops = by.ops();
-    let until = Instant::now() + Duration::from_secs(30);
-    while by.ops() < ops + 50 && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    poll_until(Duration::from_secs(30), || by.ops() >= ops + 50);
     let (total, errors) = by.finish();
     assert!(errors.is_empty(), "bystanders saw errors: {errors:?}");
     assert!(total >= ops + 50, "bystanders stalled after the attack");
@@ -71,7 +70,7 @@ fn under_attack(attack: impl FnOnce(&Server)) {
         .expect("the attacked controller serves a new client");
     check_io(&d, 5);
     drop(d);
-    BlkioClient::connect(&s.path("vhost-a.sock"))
+    BlkioSession::open(&s.path("vhost-a.sock"))
         .and_then(|mut c| c.round(0, 0x5a))
         .expect("the attacked vhost-user-blk device serves a new front end");
     assert!(s.alive(), "udrive died; its log:\n{}", s.log());
@@ -196,7 +195,8 @@ fn vhost_memory_region_larger_than_its_file_is_refused() {
 #[test]
 fn vhost_memory_file_truncated_under_a_running_queue() {
     under_attack(|s| {
-        let mut r = Raw::connect_with(&s.path("vhost-a.sock"), GuestRam::file(MEM), None);
+        let mut r =
+            FakeFrontend::connect_with(&s.path("vhost-a.sock"), Connect::new(GuestRam::file(MEM)));
         r.put(DATA, &[0x42; 512]);
         r.header(T_OUT, 3);
         assert_eq!(
@@ -227,7 +227,13 @@ fn vhost_inflight_area_truncated_under_a_running_queue() {
         );
         let log = small_file(sealed.metadata().unwrap().len());
         drop(sealed);
-        let mut r = Raw::connect_log(&vs, SharedMem::new("g", MEM).unwrap(), None, Some(&log));
+        let mut r = FakeFrontend::connect_with(
+            &vs,
+            Connect {
+                inflight: Some(&log),
+                ..Connect::new(SharedMem::new("g", MEM).unwrap())
+            },
+        );
         let req = [(HDR, 16, false), (DATA, 512, false), (STATUS, 1, true)];
         r.put(DATA, &[0x17; 512]);
         r.header(T_OUT, 1);

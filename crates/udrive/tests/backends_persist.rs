@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use initiator::{DataMode, IoOp, QpairOpts};
+use test_support::files::LoopDev;
 
 fn flush(qp: &mut initiator::QueuePair) {
     assert_ok(&io(qp, IoOp::Flush, 1, 0, 0, None, DataMode::Prp), "flush");
@@ -215,44 +216,18 @@ fn unaligned_guest_buffers_with_o_direct() {
     }
 }
 
-/// Detaches the loop device on drop.
-struct Loop(String);
-
-impl Drop for Loop {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").args(["-d", &self.0]).status();
-    }
-}
-
-fn attach_loop(img: &Path, sector: u32) -> Result<Loop, String> {
-    let out = Command::new("losetup")
-        .args(["-f", "--show", "--sector-size", &sector.to_string()])
-        .arg(img)
-        .output()
-        .map_err(|e| format!("cannot run losetup: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "losetup failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(Loop(
-        String::from_utf8_lossy(&out.stdout).trim().to_string(),
-    ))
-}
-
 #[test]
 fn loop_block_device_512_and_4096() {
     let (_dir, img) = disk_file("loop.img", 24 << 20);
     for sector in [512u32, 4096] {
-        let lo = match attach_loop(&img, sector) {
+        let lo = match LoopDev::attach(&img, sector) {
             Ok(l) => l,
             Err(why) => {
                 eprintln!("skipping the block-device test ({sector}-byte sectors): {why}");
                 return;
             }
         };
-        let dev = TestDev::start("loopdev", &[&format!("file:{}", lo.0)]);
+        let dev = TestDev::start("loopdev", &[&format!("file:{}", lo.path.display())]);
         let d = dev.connect();
         let ns = d.namespace(1).expect("namespace 1").clone();
         assert_eq!(ns.lba_size, sector, "logical block size from the device");

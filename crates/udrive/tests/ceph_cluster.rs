@@ -10,7 +10,8 @@ mod common;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::ceph::{self, Cluster};
+use test_support::ceph::{self, Cluster};
+
 use common::Rng;
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -151,8 +152,10 @@ fn memstore_osd_kill_is_refused_clearly() {
     );
     assert!(err.contains("--bluestore"), "no hint at bluestore: {err}");
     assert!(err.contains("killed"), "{err}");
+    // Refused, not left to wait the script's 30 s for the pool (a bound that tells
+    // the two apart, not a speed).
     assert!(
-        t.elapsed() < Duration::from_secs(10),
+        t.elapsed() < Duration::from_secs(20),
         "took {:?}",
         t.elapsed()
     );
@@ -226,8 +229,9 @@ fn wrong_key_refused_and_mon_down_times_out() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(13), "wrong key: {err}");
     assert!(err.contains("(13) Permission denied"), "{err}");
+    // Refused, not left to `client_mount_timeout` (300 s by default).
     assert!(
-        t.elapsed() < Duration::from_secs(10),
+        t.elapsed() < Duration::from_secs(60),
         "refusal took {:?}",
         t.elapsed()
     );

@@ -3,6 +3,8 @@
 
 use std::process::Command;
 
+use test_support::files::sized_file;
+
 fn serve(args: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
         .arg("serve")
@@ -13,12 +15,6 @@ fn serve(args: &[&str]) -> (bool, String) {
         out.status.success(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
-}
-
-fn sized_file(dir: &std::path::Path, name: &str, len: u64) -> std::path::PathBuf {
-    let p = dir.join(name);
-    std::fs::File::create(&p).unwrap().set_len(len).unwrap();
-    p
 }
 
 #[test]

@@ -7,6 +7,7 @@ mod common;
 use common::*;
 use initiator::cmd::opc;
 use initiator::{Completion, NvmeDriver, Sqe};
+use test_support::files::LoopDev;
 
 const ERROR_RECOVERY: u32 = 0x05;
 const QUEUES: u32 = 0x07;
@@ -366,30 +367,6 @@ fn format_nvm_refusals() {
     dev.check_fresh_client(8);
 }
 
-/// A loop device for one test, detached on drop (needs root; `None` otherwise).
-struct LoopDev(std::path::PathBuf);
-
-impl LoopDev {
-    fn attach(file: &std::path::Path, sector: u32) -> Option<LoopDev> {
-        let out = std::process::Command::new("losetup")
-            .args(["--find", "--show", "--sector-size", &sector.to_string()])
-            .arg(file)
-            .output()
-            .ok()?;
-        let path = String::from_utf8(out.stdout).ok()?.trim().to_string();
-        (out.status.success() && !path.is_empty()).then(|| LoopDev(path.into()))
-    }
-}
-
-impl Drop for LoopDev {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("losetup")
-            .arg("-d")
-            .arg(&self.0)
-            .status();
-    }
-}
-
 /// Block devices through O_DIRECT: one with 4096-byte sectors cannot present
 /// 512-byte blocks (Invalid Format) but can be erased in its own format; one with
 /// 512-byte sectors opened with `bs=4096` can go down to 512. Needs root for the
@@ -398,14 +375,15 @@ impl Drop for LoopDev {
 fn format_nvm_follows_the_device_sector_size() {
     let (_dir, img4k) = disk_file("4k.img", 4 << 20);
     let (_dir2, img512) = disk_file("512.img", 4 << 20);
-    let (Some(dev4k), Some(dev512)) =
-        (LoopDev::attach(&img4k, 4096), LoopDev::attach(&img512, 512))
-    else {
+    let (Some(dev4k), Some(dev512)) = (
+        LoopDev::attach(&img4k, 4096).ok(),
+        LoopDev::attach(&img512, 512).ok(),
+    ) else {
         eprintln!("skipped: cannot attach loop devices (not root?)");
         return;
     };
-    let ns4k = format!("file:{}", dev4k.0.display());
-    let ns512 = format!("file:{},bs=4096", dev512.0.display());
+    let ns4k = format!("file:{}", dev4k.path.display());
+    let ns512 = format!("file:{},bs=4096", dev512.path.display());
     let dev = TestDev::start("fmtsector", &[&ns4k, &ns512]);
     let d = dev.connect();
     assert_eq!(lba_formats(&d, 1), (1, 1, [9, 12]), "4Kn device: 4096 now");

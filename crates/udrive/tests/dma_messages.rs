@@ -205,7 +205,7 @@ fn refused_or_garbled_transfers_fail_the_command_only() {
     assert!(counts(&dev, "bad_replies") > 0);
     assert!(!dev.json()["state"]["fatal"].as_bool().unwrap());
     // An address outside every mapping fails before any message.
-    let c = raw(&mut qp, rw_prp(WRITE, 1, 0, 8, UNMAPPED, 0));
+    let c = raw(&mut qp, rw(WRITE, 1, 0, 8, UNMAPPED, 0));
     assert_status(&c, 0, DTE, "unmapped PRP");
 }
 
@@ -227,9 +227,11 @@ fn a_silent_client_costs_a_bounded_wait_and_its_own_controller() {
     qp.ring().unwrap();
     by.check();
     wait_fatal(&d);
+    // It waited for the reply timeout (5 s; load only lengthens a wait), and the
+    // timeout, nothing else, ended the wait: wait_fatal's own bound bounds it.
     let waited = t0.elapsed();
     assert!(
-        waited >= Duration::from_secs(4) && waited < Duration::from_secs(9),
+        waited >= Duration::from_secs(4),
         "fatal after {waited:?} (reply timeout 5 s)"
     );
     assert!(qp.try_take(cid).unwrap().is_none(), "no completion");
@@ -270,19 +272,18 @@ fn unmapping_unshared_memory_answers_at_once() {
         .expect("map");
     let mut qp = d.create_qpair(16, false).expect("queue pair");
     assert_ok(
-        &raw(&mut qp, rw_prp(WRITE, 1, 0, 8, iova, 0)),
+        &raw(&mut qp, rw(WRITE, 1, 0, 8, iova, 0)),
         "write from the extra region",
     );
     svc.set_mode(DmaServeMode::Silent);
     let t0 = Instant::now();
     d.client().dma_unmap(iova, 1 << 20).expect("unmap");
-    assert!(
-        t0.elapsed() < Duration::from_millis(500),
-        "{:?}",
-        t0.elapsed()
-    );
+    // Nothing was waited for: a wait for the (silent) client ends only with its
+    // reply timeout. (The line between at once and waiting, not a speed.)
+    let took = t0.elapsed();
+    assert!(took < vfio_user::DEFAULT_DMA_REPLY_TIMEOUT, "{took:?}");
     svc.set_mode(DmaServeMode::Normal);
-    let c = raw(&mut qp, rw_prp(WRITE, 1, 0, 8, iova, 0));
+    let c = raw(&mut qp, rw(WRITE, 1, 0, 8, iova, 0));
     assert_status(&c, 0, DTE, "after unmap");
     qp_still_works(&mut qp, 200, 9);
 }
@@ -335,7 +336,7 @@ fn a_client_mixing_shared_and_unshared_memory_works() {
     assert!(!on(0), "moved to the controller's own reactor");
     let data = Rng::new(12).bytes(4096);
     extra.slice(0, 4096).unwrap().write_from(0, &data).unwrap();
-    assert_ok(&raw(&mut qp, rw_prp(WRITE, 1, 40, 8, iova, 0)), "write");
+    assert_ok(&raw(&mut qp, rw(WRITE, 1, 40, 8, iova, 0)), "write");
     let buf = qp.alloc_buf(4096).unwrap();
     assert_ok(
         &io(&mut qp, IoOp::Read, 1, 40, 8, Some(&buf), DataMode::Prp),
@@ -346,10 +347,7 @@ fn a_client_mixing_shared_and_unshared_memory_works() {
     assert!(back == data, "data written from unshared memory");
     // And the other way round.
     extra.slice(0, 4096).unwrap().fill(0);
-    assert_ok(
-        &raw(&mut qp, rw_prp(READ, 1, 40, 8, iova + 4096, 0)),
-        "read",
-    );
+    assert_ok(&raw(&mut qp, rw(READ, 1, 40, 8, iova + 4096, 0)), "read");
     let mut back2 = vec![0u8; 4096];
     extra
         .slice(4096, 4096)
@@ -390,7 +388,7 @@ fn read_only_unshared_memory_alone_keeps_the_fast_path() {
             .all(|g| g["reactor"].as_u64() == Some(0)),
         "{groups}"
     );
-    let c = raw(&mut qp, rw_prp(WRITE, 1, 0, 8, iova, 0));
+    let c = raw(&mut qp, rw(WRITE, 1, 0, 8, iova, 0));
     assert_status(&c, 0, DTE, "I/O from read-only unshared memory");
     qp_still_works(&mut qp, 400, 14);
     assert_eq!(counts(&dev, "reads"), 0, "no message");
@@ -404,20 +402,24 @@ fn the_client_is_served_while_an_admin_command_waits() {
     let dev = TestDev::start("msgs-admin", &["ram:16M"]);
     let d = dev.connect_with(unshared());
     let svc = d.dma_service().unwrap();
+    // One command answered first, layout probe included: the one below then waits
+    // for the DMA read of its own entry (the admin queue is in the client's
+    // memory), which the server counts as it sends it.
+    d.admin(Sqe::identify(1, 0)).expect("identify");
     svc.set_mode(DmaServeMode::Silent);
     std::thread::scope(|s| {
+        let before = dev.dma_counts();
         let waiting = s.spawn(|| d.admin(Sqe::identify(1, 0)));
-        std::thread::sleep(Duration::from_millis(200));
-        let t0 = Instant::now();
+        wait_until("the admin command's DMA read", T, || {
+            dev.dma_counts().reads > before.reads
+        });
         let mut id = [0u8; 4];
         d.client()
             .region_read(vfio_user::proto::PCI_CONFIG_REGION, 0, &mut id)
             .expect("config read");
-        assert!(
-            t0.elapsed() < Duration::from_secs(1),
-            "config read took {:?} while an admin command waited",
-            t0.elapsed()
-        );
+        // Answered while the command still waited for its reply.
+        let now = dev.dma_counts();
+        assert_eq!(now.timeouts, before.timeouts, "the command gave up first");
         assert_eq!(
             u16::from_le_bytes([id[0], id[1]]),
             udrive::device::PCI_VENDOR

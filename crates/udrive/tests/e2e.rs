@@ -552,7 +552,7 @@ fn chained_prp_lists() {
         let bytes = data.sub(0, (pages * 4096) as usize).unwrap();
         let want = rng.bytes(bytes.len());
         bytes.write(0, &want).unwrap();
-        let sqe = rw_prp(WRITE, 1, slba, nlb, page(0), lists.iova() + first as u64);
+        let sqe = rw(WRITE, 1, slba, nlb, page(0), lists.iova() + first as u64);
         assert_ok(&raw(&mut qp, sqe), &format!("round {round}: chained write"));
         bytes.fill(0);
         let c = io(
@@ -570,7 +570,7 @@ fn chained_prp_lists() {
         assert!(back == want, "round {round}: chained PRP write mismatch");
         // And a chained read into the same pages.
         bytes.fill(0);
-        let sqe = rw_prp(READ, 1, slba, nlb, page(0), lists.iova() + first as u64);
+        let sqe = rw(READ, 1, slba, nlb, page(0), lists.iova() + first as u64);
         assert_ok(&raw(&mut qp, sqe), "chained read");
         bytes.read(0, &mut back).unwrap();
         assert!(back == want, "round {round}: chained PRP read mismatch");

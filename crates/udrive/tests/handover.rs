@@ -7,21 +7,16 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
+use common::opts;
 use common::served::Service;
-use common::{opts, Rng};
-use initiator::{DataMode, DmaBuf, IoOp, NvmeDriver, QueuePair};
+use initiator::NvmeDriver;
 use serde_json::{json, Value};
+use test_support::gens::{GenClient, BLOCK};
 
-const BLOCK: usize = 4096;
 const BLOCKS: u64 = 512;
-const QD: usize = 32;
 const UDRIVE: &str = env!("CARGO_BIN_EXE_udrive");
 
 /// A server from a config with two controllers on files (one in busy mode, whose
@@ -59,118 +54,6 @@ fn start_service() -> Service {
     })
 }
 
-fn block(gen: u64, lba: u64) -> Vec<u8> {
-    Rng::new(gen << 32 | lba).bytes(BLOCK)
-}
-
-/// A client writing generations of blocks at QD32 and reading a sample back after
-/// every burst, checking each against what it last wrote.
-struct Client {
-    stop: Arc<AtomicBool>,
-    ops: Arc<AtomicU64>,
-    thread: JoinHandle<Result<(), String>>,
-}
-
-impl Client {
-    fn start(sock: PathBuf, seed: u64) -> Client {
-        let stop = Arc::new(AtomicBool::new(false));
-        let ops = Arc::new(AtomicU64::new(0));
-        let (st, op) = (stop.clone(), ops.clone());
-        let thread = std::thread::spawn(move || run_client(&sock, seed, &st, &op));
-        Client { stop, ops, thread }
-    }
-
-    fn ops(&self) -> u64 {
-        self.ops.load(Ordering::Relaxed)
-    }
-
-    fn finish(self) -> Result<u64, String> {
-        self.stop.store(true, Ordering::Relaxed);
-        let r = self
-            .thread
-            .join()
-            .map_err(|_| "client panicked".to_string())?;
-        r.map(|()| self.ops.load(Ordering::Relaxed))
-    }
-}
-
-fn burst(
-    qp: &mut QueuePair,
-    bufs: &[DmaBuf],
-    op: IoOp,
-    lbas: &[u64],
-    fill: impl Fn(usize, u64),
-) -> Result<(), String> {
-    let mut cids = Vec::with_capacity(lbas.len());
-    for (i, lba) in lbas.iter().enumerate() {
-        fill(i, *lba);
-        let cid = qp
-            .submit_io(op, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
-            .map_err(|e| format!("submit: {e}"))?;
-        cids.push((cid, *lba));
-    }
-    qp.ring().map_err(|e| format!("ring: {e}"))?;
-    for (cid, lba) in cids {
-        let c = qp
-            .wait(cid, Duration::from_secs(20))
-            .map_err(|e| format!("{op:?} of block {lba}: no completion: {e}"))?;
-        if !c.status.is_ok() {
-            return Err(format!("{op:?} of block {lba}: status {}", c.status));
-        }
-    }
-    Ok(())
-}
-
-fn run_client(sock: &Path, seed: u64, stop: &AtomicBool, ops: &AtomicU64) -> Result<(), String> {
-    let d = NvmeDriver::connect(sock, opts()).map_err(|e| format!("attach: {e}"))?;
-    let mut qp = d.create_qpair(64, false).map_err(|e| e.to_string())?;
-    let bufs: Vec<DmaBuf> = (0..QD).map(|_| d.alloc_buf(BLOCK).unwrap()).collect();
-    let mut gens = vec![0u64; BLOCKS as usize];
-    let mut rng = Rng::new(seed);
-    let mut gen = 0u64;
-    let check = |qp: &mut QueuePair, lbas: &[u64], gens: &[u64]| -> Result<(), String> {
-        burst(qp, &bufs, IoOp::Read, lbas, |i, _| bufs[i].fill(0))?;
-        let mut back = vec![0u8; BLOCK];
-        for (i, lba) in lbas.iter().enumerate() {
-            bufs[i].read(0, &mut back).unwrap();
-            let want = gens[*lba as usize];
-            let ok = if want == 0 {
-                back.iter().all(|b| *b == 0)
-            } else {
-                back == block(want, *lba)
-            };
-            if !ok {
-                return Err(format!("block {lba}: not generation {want}"));
-            }
-        }
-        Ok(())
-    };
-    while !stop.load(Ordering::Relaxed) {
-        gen += 1;
-        // Distinct blocks per burst, so the order of completions does not matter.
-        let start = rng.below(BLOCKS);
-        let lbas: Vec<u64> = (0..QD as u64).map(|i| (start + i * 13) % BLOCKS).collect();
-        let g = seed << 40 | gen;
-        burst(&mut qp, &bufs, IoOp::Write, &lbas, |i, lba| {
-            bufs[i].write(0, &block(g, lba)).unwrap()
-        })?;
-        for lba in &lbas {
-            gens[*lba as usize] = g;
-        }
-        let sample: Vec<u64> = (0..QD as u64).map(|_| rng.below(BLOCKS)).collect();
-        let mut sample = sample;
-        sample.sort_unstable();
-        sample.dedup();
-        check(&mut qp, &sample, &gens)?;
-        ops.fetch_add((lbas.len() + sample.len()) as u64, Ordering::Relaxed);
-    }
-    let all: Vec<u64> = (0..BLOCKS).collect();
-    for chunk in all.chunks(QD) {
-        check(&mut qp, chunk, &gens)?;
-    }
-    Ok(())
-}
-
 fn handovers() -> usize {
     std::env::var("UDRIVE_TEST_HANDOVERS")
         .ok()
@@ -182,14 +65,14 @@ fn handovers() -> usize {
 fn many_handovers_lose_nothing_under_verified_qd32() {
     let s = start_service();
     let clients = [
-        Client::start(s.path("a.sock"), 1),
-        Client::start(s.path("b.sock"), 2),
+        GenClient::start(s.path("a.sock"), 1, BLOCKS),
+        GenClient::start(s.path("b.sock"), 2, BLOCKS),
     ];
     // libblkio at QD32 with verify on each vhost-user-blk device; it does not
     // reconnect, so a handover that dropped its connection fails it.
     let vhost = [
-        common::blkio_load::Client::start(&s.path("v.sock")),
-        common::blkio_load::Client::start(&s.path("w.sock")),
+        test_support::blkio_load::Qd32Client::start(&s.path("v.sock")),
+        test_support::blkio_load::Qd32Client::start(&s.path("w.sock")),
     ];
     common::wait_until("clients running", Duration::from_secs(30), || {
         clients.iter().all(|c| c.ops() > 0)
@@ -197,14 +80,8 @@ fn many_handovers_lose_nothing_under_verified_qd32() {
     let n = handovers();
     let mut pid = s.pid();
     for i in 0..n {
-        let before: Vec<u64> = clients.iter().map(Client::ops).collect();
-        let out = s.upgrade();
-        assert!(
-            out.status.success(),
-            "handover {i}: {}\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            s.log()
-        );
+        let before: Vec<u64> = clients.iter().map(GenClient::ops).collect();
+        s.upgrade_ok(&format!("handover {i}"));
         let now = s.pid();
         assert_ne!(now, pid, "handover {i}: a new process serves");
         pid = now;
@@ -230,7 +107,7 @@ fn many_handovers_lose_nothing_under_verified_qd32() {
 #[test]
 fn a_takeover_that_dies_at_any_step_rolls_back() {
     let s = start_service();
-    let client = Client::start(s.path("a.sock"), 3);
+    let client = GenClient::start(s.path("a.sock"), 3, BLOCKS);
     common::wait_until("client running", Duration::from_secs(30), || {
         client.ops() > 0
     });
@@ -302,12 +179,7 @@ fn changes_made_over_rpc_survive_a_handover() {
     s.rpc("set_poll_mode", json!({"socket": a, "mode": "event"}))
         .unwrap();
     let before = device_summary(&s);
-    let out = s.upgrade();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    s.upgrade_ok("handover");
     let after = device_summary(&s);
     assert_eq!(before, after);
     // A client attaches to the new process as to any.

@@ -97,7 +97,9 @@ fn switching_modes_under_verified_io() {
             std::thread::sleep(Duration::from_millis(40));
         }
         let r = io.join().unwrap();
-        assert!(i > 10);
+        // Each mode was set at least once while the I/O ran (the count of switches
+        // depends on how busy the machine is; only this does not).
+        assert!(i >= modes.len(), "{i} switches");
         assert!(r.ios > 0);
         assert_eq!((r.errors, r.verify_errors), (0, 0), "{r:?}");
     });

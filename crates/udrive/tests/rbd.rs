@@ -10,22 +10,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::ceph::Cluster;
-use common::served::Service;
+use common::rbd::{librbd_threads, rbd_ns, thread_cpus};
 use common::*;
 use initiator::workload::{self, NvmeTarget, Rw, WorkloadConfig};
 use initiator::{DataMode, IoOp, NvmeDriver};
 use serde_json::{json, Value};
+use test_support::ceph::Cluster;
 
 const MIB: u64 = 1 << 20;
-
-fn rbd_ns(c: &Cluster, image: &str, extra: &str) -> String {
-    format!(
-        "rbd:{},conf={}{extra}",
-        c.image_spec(image),
-        c.conf().display()
-    )
-}
 
 fn ns_bytes(d: &NvmeDriver) -> u64 {
     let n = &d.namespaces()[0];
@@ -48,7 +40,7 @@ fn verified(d: &NvmeDriver, rw: Rw, qd: u32, time: Duration) -> workload::Report
 
 #[test]
 fn verified_io_through_the_nvme_initiator_and_back_with_rbd_export() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -62,7 +54,8 @@ fn verified_io_through_the_nvme_initiator_and_back_with_rbd_export() {
         16,
         Duration::from_millis(1500),
     );
-    assert!(r.ios > 100, "{r:?}");
+    // Every slot went round at least once (how many more depends on the machine).
+    assert!(r.ios >= 16, "{r:?}");
     assert_eq!((r.errors, r.verify_errors), (0, 0), "{r:?}");
 
     // Known data at known places, PRP and SGL, then flush: `rbd export` sees it.
@@ -108,7 +101,7 @@ fn verified_io_through_the_nvme_initiator_and_back_with_rbd_export() {
 /// through every OSD round trip; the I/O stays verified.
 #[test]
 fn a_deep_queue_on_rbd_lets_the_adaptive_reactor_sleep_between_completions() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -128,7 +121,8 @@ fn a_deep_queue_on_rbd_lets_the_adaptive_reactor_sleep_between_completions() {
     let slept = sleeps() - before;
     eprintln!("deep queue: {slept} sleeps in {} I/Os", r.ios);
     assert_eq!((r.errors, r.verify_errors), (0, 0), "{r:?}");
-    assert!(r.ios > 100, "{r:?}");
+    // Every slot went round at least once (how many more depends on the machine).
+    assert!(r.ios >= 16, "{r:?}");
     // Spinning through the round trips, it would not sleep at all under load.
     assert!(
         slept * 10 >= r.ios,
@@ -142,7 +136,7 @@ fn a_deep_queue_on_rbd_lets_the_adaptive_reactor_sleep_between_completions() {
 
 #[test]
 fn write_zeroes_and_reads_past_the_end() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -176,7 +170,7 @@ fn write_zeroes_and_reads_past_the_end() {
 
 #[test]
 fn a_snapshot_is_read_only_and_a_vhost_disk_works_through_libblkio() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -208,7 +202,8 @@ fn a_snapshot_is_read_only_and_a_vhost_disk_works_through_libblkio() {
         ..Default::default()
     };
     let r = workload::run(&t, &cfg).expect("workload");
-    assert!(r.ios > 50, "{r:?}");
+    // Every slot went round at least once (how many more depends on the machine).
+    assert!(r.ios >= 8, "{r:?}");
     assert_eq!((r.errors, r.verify_errors), (0, 0), "{r:?}");
     drop(t);
     serve.stop();
@@ -303,7 +298,7 @@ impl Drop for Serve {
 
 #[test]
 fn snapshots_rollback_clones_and_online_resize_over_rpc() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -462,7 +457,7 @@ fn read_ns(qp: &mut initiator::QueuePair, buf: &initiator::DmaBuf, ns: u32, slba
 
 #[test]
 fn an_osd_killed_and_restarted_during_verified_io_gives_no_errors() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start_bluestore();
@@ -471,7 +466,15 @@ fn an_osd_killed_and_restarted_during_verified_io_gives_no_errors() {
     let d = dev.connect();
     let io_thread = std::thread::scope(|sc| {
         let h = sc.spawn(|| verified(&d, Rw::RandRw { read_pct: 50 }, 8, Duration::from_secs(8)));
-        std::thread::sleep(Duration::from_secs(2));
+        // The OSD goes down under running I/O (not after a guess at when it runs).
+        wait_until(
+            "verified I/O before the kill",
+            Duration::from_secs(60),
+            || {
+                let st = dev.ctrl().stats();
+                st.reads + st.writes > 100
+            },
+        );
         c.osd_stop();
         std::thread::sleep(Duration::from_secs(1));
         c.osd_start();
@@ -485,7 +488,7 @@ fn an_osd_killed_and_restarted_during_verified_io_gives_no_errors() {
 
 #[test]
 fn an_unreachable_cluster_fails_requests_after_the_timeout_then_recovers() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -549,7 +552,7 @@ fn refused(spec: &str, want: &str) {
 
 #[test]
 fn cluster_configuration_errors_are_clear() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let c = Cluster::start();
@@ -593,53 +596,12 @@ fn cluster_configuration_errors_are_clear() {
         &format!("rbd:rbd/held,conf={},timeout=2", dead.display()),
         "no monitor answered",
     );
-    assert!(start.elapsed() < Duration::from_secs(20));
+    // Within the 2 s asked for, not librados' 300 s default (a bound that tells the
+    // two apart, not a speed).
+    assert!(start.elapsed() < Duration::from_secs(60));
     // create= makes a missing image.
     let dev = TestDev::start("rbdnew", &[&rbd_ns(&c, "fresh", ",create=4M")]);
     assert_eq!(ns_bytes(&dev.connect()), 4 * MIB);
-}
-
-/// A thread's name and the CPUs it may run on.
-type ThreadCpus = (String, Vec<usize>);
-
-/// The CPUs each thread of process `pid` may run on, reactors and librados'/librbd's
-/// threads apart (udrive's own other threads left out).
-fn thread_cpus(pid: u32) -> (Vec<Vec<usize>>, Vec<ThreadCpus>) {
-    let (mut reactors, mut librbd) = (Vec::new(), Vec::new());
-    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .flatten()
-    {
-        let read = |f: &str| std::fs::read_to_string(t.path().join(f));
-        let (Ok(comm), Ok(status)) = (read("comm"), read("status")) else {
-            continue; // the thread ended while we looked: it runs nowhere
-        };
-        let cpus = status
-            .lines()
-            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-            .map(|l| l.trim().to_string())
-            .unwrap_or_default();
-        let comm = comm.trim();
-        let allowed = engine::parse_cpu_list(&cpus).unwrap();
-        if comm.starts_with("reactor") {
-            reactors.push(allowed);
-        } else if !["udrive", "nvme-admin", "vfu-hub", "rpc-accept"].contains(&comm) {
-            librbd.push((comm.to_string(), allowed));
-        }
-    }
-    (reactors, librbd)
-}
-
-/// The librados/librbd threads of process `pid` and their CPUs; there are always
-/// several once an image is open.
-fn librbd_threads(pid: u32) -> Vec<ThreadCpus> {
-    let librbd = thread_cpus(pid).1;
-    assert!(
-        librbd.len() >= 5,
-        "only {} librados/librbd threads found",
-        librbd.len()
-    );
-    librbd
 }
 
 /// librados/librbd start their threads while udrive opens the image; they inherit
@@ -647,7 +609,7 @@ fn librbd_threads(pid: u32) -> Vec<ThreadCpus> {
 /// image in a RADOS namespace.
 #[test]
 fn librbd_threads_stay_off_the_reactor_cpu() {
-    if !common::ceph::available() {
+    if !test_support::ceph::available() {
         return;
     }
     let all = engine::allowed_cpus();
@@ -705,473 +667,4 @@ fn librbd_threads_stay_off_the_reactor_cpu() {
         "{err}"
     );
     assert!(!sock.exists());
-}
-
-// ---- Issue 15 with RBD: live handover and supervised restart ----
-
-const HO_BLOCK: usize = 4096;
-const HO_BLOCKS: u64 = 512;
-const HO_QD: usize = 32;
-const UDRIVE: &str = env!("CARGO_BIN_EXE_udrive");
-
-fn ho_block(gen: u64, lba: u64) -> Vec<u8> {
-    Rng::new(gen << 32 | lba).bytes(HO_BLOCK)
-}
-
-/// A server with one NVMe controller on an RBD image and a control socket, run
-/// detached (the processes that take it over are not our children).
-fn ho_service(c: &Cluster, image: &str) -> Service {
-    ho_service_with(c, image, "")
-}
-
-/// As `ho_service`, with `top` (TOML lines) before the controller.
-fn ho_service_with(c: &Cluster, image: &str, top: &str) -> Service {
-    Service::start(|dir| {
-        let p = |n: &str| dir.join(n).display().to_string();
-        format!(
-            "cpus = \"0\"\n{top}rpc = \"{}\"\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"{}\"]\n",
-            p("rpc.sock"),
-            p("nvme.sock"),
-            rbd_ns(c, image, "")
-        )
-    })
-}
-
-/// A client writing generations of blocks at QD32 and reading a sample back after
-/// every burst; at the end it reads every block and returns what it expects each
-/// to hold (generation per block, 0 = never written).
-struct HoClient {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    ops: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    thread: std::thread::JoinHandle<Result<Vec<u64>, String>>,
-}
-
-impl HoClient {
-    fn start(sock: PathBuf, seed: u64) -> HoClient {
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let ops = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let (st, op) = (stop.clone(), ops.clone());
-        let thread = std::thread::spawn(move || ho_client(&sock, seed, &st, &op));
-        HoClient { stop, ops, thread }
-    }
-
-    fn ops(&self) -> u64 {
-        self.ops.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    fn finish(self) -> Result<Vec<u64>, String> {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.thread
-            .join()
-            .map_err(|_| "client panicked".to_string())?
-    }
-}
-
-fn ho_burst(
-    qp: &mut initiator::QueuePair,
-    bufs: &[initiator::DmaBuf],
-    op: IoOp,
-    lbas: &[u64],
-    fill: impl Fn(usize, u64),
-) -> Result<(), String> {
-    let mut cids = Vec::with_capacity(lbas.len());
-    for (i, lba) in lbas.iter().enumerate() {
-        fill(i, *lba);
-        let cid = qp
-            .submit_io(op, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
-            .map_err(|e| format!("submit: {e}"))?;
-        cids.push((cid, *lba));
-    }
-    qp.ring().map_err(|e| format!("ring: {e}"))?;
-    for (cid, lba) in cids {
-        let c = qp
-            .wait(cid, Duration::from_secs(30))
-            .map_err(|e| format!("{op:?} of block {lba}: no completion: {e}"))?;
-        if !c.status.is_ok() {
-            return Err(format!("{op:?} of block {lba}: status {}", c.status));
-        }
-    }
-    Ok(())
-}
-
-fn ho_client(
-    sock: &Path,
-    seed: u64,
-    stop: &std::sync::atomic::AtomicBool,
-    ops: &std::sync::atomic::AtomicU64,
-) -> Result<Vec<u64>, String> {
-    use std::sync::atomic::Ordering;
-    let d = NvmeDriver::connect(sock, opts()).map_err(|e| format!("attach: {e}"))?;
-    let mut qp = d.create_qpair(64, false).map_err(|e| e.to_string())?;
-    let bufs: Vec<initiator::DmaBuf> = (0..HO_QD).map(|_| d.alloc_buf(HO_BLOCK).unwrap()).collect();
-    let mut gens = vec![0u64; HO_BLOCKS as usize];
-    let mut rng = Rng::new(seed);
-    let mut gen = 0u64;
-    let check = |qp: &mut initiator::QueuePair, lbas: &[u64], gens: &[u64]| {
-        ho_burst(qp, &bufs, IoOp::Read, lbas, |i, _| bufs[i].fill(0))?;
-        let mut back = vec![0u8; HO_BLOCK];
-        for (i, lba) in lbas.iter().enumerate() {
-            bufs[i].read(0, &mut back).unwrap();
-            let want = gens[*lba as usize];
-            let ok = if want == 0 {
-                back.iter().all(|b| *b == 0)
-            } else {
-                back == ho_block(want, *lba)
-            };
-            if !ok {
-                return Err(format!("block {lba}: not generation {want}"));
-            }
-        }
-        Ok::<(), String>(())
-    };
-    while !stop.load(Ordering::Relaxed) {
-        gen += 1;
-        let start = rng.below(HO_BLOCKS);
-        let lbas: Vec<u64> = (0..HO_QD as u64)
-            .map(|i| (start + i * 13) % HO_BLOCKS)
-            .collect();
-        let g = seed << 40 | gen;
-        ho_burst(&mut qp, &bufs, IoOp::Write, &lbas, |i, lba| {
-            bufs[i].write(0, &ho_block(g, lba)).unwrap()
-        })?;
-        for lba in &lbas {
-            gens[*lba as usize] = g;
-        }
-        let mut sample: Vec<u64> = (0..HO_QD as u64).map(|_| rng.below(HO_BLOCKS)).collect();
-        sample.sort_unstable();
-        sample.dedup();
-        check(&mut qp, &sample, &gens)?;
-        ops.fetch_add((lbas.len() + sample.len()) as u64, Ordering::Relaxed);
-    }
-    let all: Vec<u64> = (0..HO_BLOCKS).collect();
-    for chunk in all.chunks(HO_QD) {
-        check(&mut qp, chunk, &gens)?;
-    }
-    Ok(gens)
-}
-
-/// The image as the client expects it, checked with `rbd export`.
-fn check_export(c: &Cluster, image: &str, gens: &[u64]) {
-    let data = c.export(image);
-    for (lba, g) in gens.iter().enumerate() {
-        let got = &data[lba * HO_BLOCK..(lba + 1) * HO_BLOCK];
-        let ok = if *g == 0 {
-            got.iter().all(|b| *b == 0)
-        } else {
-            got == ho_block(*g, lba as u64).as_slice()
-        };
-        assert!(ok, "rbd export: block {lba} is not generation {g}");
-    }
-}
-
-fn log_numbers<'a>(log: &'a str, line_has: &'a str, key: &'a str) -> Vec<u64> {
-    log.lines()
-        .filter(|l| l.contains(line_has))
-        .filter_map(|l| {
-            let at = l.find(&format!("{key}="))? + key.len() + 1;
-            l[at..]
-                .split(|c: char| !c.is_ascii_digit())
-                .next()?
-                .parse()
-                .ok()
-        })
-        .collect()
-}
-
-#[test]
-fn an_rbd_namespace_survives_handovers_under_verified_io() {
-    if !common::ceph::available() {
-        return;
-    }
-    let c = Cluster::start();
-    c.create_image("ho", HO_BLOCKS * HO_BLOCK as u64);
-    // librbd's threads on every CPU (decision 0030): each new process keeps that.
-    let all = engine::allowed_cpus();
-    let list = engine::format_cpu_list(&all);
-    let s = ho_service_with(&c, "ho", &format!("rbd_cpus = \"{list}\"\n"));
-    let client = HoClient::start(s.path("nvme.sock"), 7);
-    common::wait_until("client running", Duration::from_secs(60), || {
-        client.ops() > 0
-    });
-    let n = std::env::var("UDRIVE_TEST_HANDOVERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(5);
-    // Pause between handovers (ms): back to back, a handover's release waits for
-    // the previous one's lock notification to time out (see decision 0024).
-    let gap = std::env::var("UDRIVE_TEST_HANDOVER_GAP_MS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(5500);
-    let mut pid = s.pid();
-    for i in 0..n {
-        std::thread::sleep(Duration::from_millis(gap));
-        let before = client.ops();
-        let t = Instant::now();
-        let out = s.upgrade();
-        assert!(
-            out.status.success(),
-            "handover {i}: {}\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            s.log()
-        );
-        let upgrade_ms = t.elapsed().as_millis();
-        let now = s.pid();
-        assert_ne!(now, pid, "handover {i}: a new process serves");
-        pid = now;
-        for (comm, cpus) in librbd_threads(now as u32) {
-            assert_eq!(cpus, all, "handover {i}: {comm} lost rbd_cpus = {list:?}");
-        }
-        common::wait_until("I/O after the handover", Duration::from_secs(60), || {
-            client.ops() > before
-        });
-        eprintln!("handover {i}: `udrive upgrade` took {upgrade_ms} ms");
-    }
-    let gens = client
-        .finish()
-        .unwrap_or_else(|e| panic!("client: {e}\n{}", s.log()));
-    let log = s.log();
-    assert_eq!(log.matches("took every device over").count(), n, "{log}");
-    assert!(!log.contains("panicked"), "{log}");
-    for l in log
-        .lines()
-        .filter(|l| l.contains("handover confirmed") || l.contains("took every device over"))
-    {
-        eprintln!("{l}");
-    }
-    let totals = log_numbers(&log, "handover confirmed", "total_us");
-    eprintln!("old process's handover (pause to confirm), µs: {totals:?}");
-    s.stop();
-    check_export(&c, "ho", &gens);
-}
-
-#[test]
-fn an_rbd_handover_that_dies_rolls_back_and_the_old_process_writes() {
-    if !common::ceph::available() {
-        return;
-    }
-    let c = Cluster::start();
-    c.create_image("rb", HO_BLOCKS * HO_BLOCK as u64);
-    let s = ho_service(&c, "rb");
-    let client = HoClient::start(s.path("nvme.sock"), 9);
-    common::wait_until("client running", Duration::from_secs(60), || {
-        client.ops() > 0
-    });
-    let pid = s.pid();
-    let steps: Vec<String> = std::env::var("UDRIVE_TEST_DIE_AT")
-        .map(|v| v.split(',').map(String::from).collect())
-        .unwrap_or_else(|_| ["receive", "start", "confirm"].map(String::from).to_vec());
-    for step in &steps {
-        let out = Command::new(UDRIVE)
-            .args(["serve", "--takeover"])
-            .arg(s.path("rpc.sock"))
-            .env("UDRIVE_TAKEOVER_DIE_AT", step)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{step}: the takeover died");
-        eprintln!(
-            "takeover dying at {step}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert_eq!(s.pid(), pid, "{step}: the old process still serves");
-        // Writes go through: the old process holds the image's lock again.
-        let before = client.ops();
-        let t = Instant::now();
-        while client.ops() <= before + 200 {
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "no I/O after the rollback at {step}:\n{}",
-                s.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        eprintln!(
-            "died at {step}: rolled back; 200 more verified ops within {} ms",
-            t.elapsed().as_millis()
-        );
-    }
-    // And a real handover still works afterwards.
-    let out = s.upgrade();
-    assert!(
-        out.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        s.log()
-    );
-    let before = client.ops();
-    common::wait_until("I/O after the handover", Duration::from_secs(60), || {
-        client.ops() > before
-    });
-    let gens = client
-        .finish()
-        .unwrap_or_else(|e| panic!("client: {e}\n{}", s.log()));
-    let log = s.log();
-    assert_eq!(
-        log.matches("handover failed, devices resumed").count(),
-        steps.len(),
-        "{log}"
-    );
-    assert!(!log.contains("cannot take its backend back"), "{log}");
-    for l in log
-        .lines()
-        .filter(|l| l.contains("broke the exclusive lock"))
-    {
-        eprintln!("{l}");
-    }
-    s.stop();
-    check_export(&c, "rb", &gens);
-}
-
-/// Writes `lbas` with generation `gen`, QD at a time; returns those completed
-/// (all unless the server dies meanwhile).
-fn sv_write(
-    qp: &mut initiator::QueuePair,
-    bufs: &[initiator::DmaBuf],
-    gen: u64,
-    lbas: &[u64],
-) -> Vec<u64> {
-    let mut done = Vec::new();
-    for chunk in lbas.chunks(HO_QD) {
-        let mut cids = Vec::new();
-        for (i, lba) in chunk.iter().enumerate() {
-            bufs[i].write(0, &ho_block(gen, *lba)).unwrap();
-            let cid = qp
-                .submit_io(IoOp::Write, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
-                .unwrap();
-            cids.push((cid, *lba));
-        }
-        qp.ring().unwrap();
-        for (cid, lba) in cids {
-            match qp.wait(cid, Duration::from_secs(30)) {
-                Ok(c) => {
-                    assert!(c.status.is_ok(), "write of block {lba}: {}", c.status);
-                    done.push(lba);
-                }
-                Err(_) => return done,
-            }
-        }
-    }
-    done
-}
-
-fn sv_check(qp: &mut initiator::QueuePair, buf: &initiator::DmaBuf, want: &[u64]) {
-    let mut back = vec![0u8; HO_BLOCK];
-    for (lba, gen) in want.iter().enumerate() {
-        let c = common::io(
-            qp,
-            IoOp::Read,
-            1,
-            lba as u64 * 8,
-            8,
-            Some(buf),
-            DataMode::Prp,
-        );
-        common::assert_ok(&c, "read");
-        buf.read(0, &mut back).unwrap();
-        assert!(
-            back == ho_block(*gen, lba as u64),
-            "block {lba}: not generation {gen}"
-        );
-    }
-}
-
-#[test]
-fn a_supervised_server_killed_with_an_rbd_namespace_reopens_the_image_at_once() {
-    if !common::ceph::available() {
-        return;
-    }
-    let c = Cluster::start();
-    c.create_image("sv", HO_BLOCKS * HO_BLOCK as u64);
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let sock = dir.path().join("nvme.sock");
-    let logp = dir.path().join("stderr.log");
-    let mut sup = Command::new(UDRIVE)
-        .args(["serve", "--supervise", "--cpus", "0", "--vfio-user"])
-        .arg(&sock)
-        .arg("--ns")
-        .arg(rbd_ns(&c, "sv", ""))
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&logp).unwrap())
-        .spawn()
-        .unwrap();
-    let log = || std::fs::read_to_string(&logp).unwrap_or_default();
-    let me = sup.id();
-    let server_pid = || -> Option<u32> {
-        let kids = std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")).ok()?;
-        kids.split_whitespace().next()?.parse().ok()
-    };
-    common::wait_until("device socket", Duration::from_secs(60), || sock.exists());
-    let d = NvmeDriver::connect(&sock, opts()).expect("attach");
-    let bufs: Vec<initiator::DmaBuf> = (0..HO_QD).map(|_| d.alloc_buf(HO_BLOCK).unwrap()).collect();
-    let mut qp = d.create_qpair(64, false).unwrap();
-    let all: Vec<u64> = (0..HO_BLOCKS).collect();
-    assert_eq!(sv_write(&mut qp, &bufs, 1, &all).len(), all.len());
-    let mut want = vec![1u64; HO_BLOCKS as usize];
-    let rounds = 2u64;
-    for round in 0..rounds {
-        let gen = round + 2;
-        let first = server_pid().expect("a server child");
-        let lbas: Vec<u64> = (0..HO_QD as u64).map(|i| i * 7 % HO_BLOCKS).collect();
-        for (i, lba) in lbas.iter().enumerate() {
-            bufs[i].write(0, &ho_block(gen, *lba)).unwrap();
-            qp.submit_io(IoOp::Write, 1, lba * 8, 8, Some(&bufs[i]), DataMode::Prp)
-                .unwrap();
-        }
-        qp.ring().unwrap();
-        let t = Instant::now();
-        let _ = Command::new("kill")
-            .args(["-9", &first.to_string()])
-            .status();
-        // The new child answers for the controller once it has opened the image.
-        let csts = d
-            .read_reg32(initiator::regs::CSTS)
-            .expect("CSTS after the crash");
-        let answered = t.elapsed();
-        assert_eq!(
-            csts & (initiator::regs::CSTS_CFS | initiator::regs::CSTS_RDY),
-            initiator::regs::CSTS_CFS | initiator::regs::CSTS_RDY,
-            "round {round}: CSTS {csts:#x}\n{}",
-            log()
-        );
-        assert_ne!(server_pid(), Some(first), "a new server process");
-        d.reset_controller().expect("reset after the crash");
-        qp = d.create_qpair(64, false).unwrap();
-        assert_eq!(
-            sv_write(&mut qp, &bufs, gen, &lbas).len(),
-            lbas.len(),
-            "round {round}: writes after the restart\n{}",
-            log()
-        );
-        let io_back = t.elapsed();
-        for lba in &lbas {
-            want[*lba as usize] = gen;
-        }
-        sv_check(&mut qp, &bufs[0], &want);
-        eprintln!(
-            "round {round}: SIGKILL to the new child answering {} ms, to writes done after the reset {} ms",
-            answered.as_millis(),
-            io_back.as_millis()
-        );
-    }
-    let l = log();
-    let broke = log_numbers(&l, "broke the exclusive lock", "ms");
-    eprintln!("lock breaks (ms each): {broke:?}");
-    assert_eq!(
-        broke.len() as u64,
-        rounds,
-        "one lock broken per crash:\n{l}"
-    );
-    let _ = Command::new("kill")
-        .args(["-TERM", &me.to_string()])
-        .status();
-    let until = Instant::now() + Duration::from_secs(30);
-    while sup.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < until, "supervisor did not stop");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    check_export(&c, "sv", &want);
 }

@@ -15,11 +15,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::vhost_fe::{Raw, DATA, HDR, MEM, STATUS, T_IN, T_OUT};
-use common::{opts, Rng, T};
+use common::{opts, wait_until, Rng, T};
 use guest_mem::SharedMem;
 use initiator::{DataMode, DmaBuf, IoOp, NvmeDriver, QueuePair};
 use serde_json::{json, Value};
+use test_support::vhost_fe::{Connect, FakeFrontend, DATA, HDR, MEM, STATUS, T_IN, T_OUT};
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
 use vhost::vhost_user::VhostUserFrontend;
 
@@ -192,6 +192,37 @@ fn file_len(s: &Serve, name: &str) -> u64 {
     std::fs::metadata(s.path(name)).unwrap().len()
 }
 
+/// Verified 4 KiB writes and reads on namespaces 1 and 2 (first 4 MiB) on `bq`
+/// until `stop`; rounds in `ops`, failures or mismatches in `bad`. Gives the queue
+/// pair back.
+fn spawn_verifier(
+    mut bq: QueuePair,
+    stop: Arc<AtomicBool>,
+    ops: Arc<AtomicU64>,
+    bad: Arc<AtomicU64>,
+) -> std::thread::JoinHandle<QueuePair> {
+    std::thread::spawn(move || {
+        let b = bq.alloc_buf(4096).unwrap();
+        let mut rng = Rng::new(7);
+        while !stop.load(Ordering::Relaxed) {
+            let nsid = 1 + (rng.below(2) as u32);
+            let at = rng.below(1024) * 4096;
+            let data = rng.bytes(4096);
+            b.write(0, &data).unwrap();
+            let w = rw(&mut bq, IoOp::Write, nsid, at, &b);
+            b.fill(0);
+            let r = rw(&mut bq, IoOp::Read, nsid, at, &b);
+            let mut back = vec![0u8; 4096];
+            b.read(0, &mut back).unwrap();
+            if w != (0, 0) || r != (0, 0) || back != data {
+                bad.fetch_add(1, Ordering::Relaxed);
+            }
+            ops.fetch_add(1, Ordering::Relaxed);
+        }
+        bq
+    })
+}
+
 #[test]
 fn nvme_ram_and_file_namespaces_grow_and_shrink_under_verified_io() {
     let s = Serve::start(
@@ -219,35 +250,11 @@ fn nvme_ram_and_file_namespaces_grow_and_shrink_under_verified_io() {
     // Verified I/O on both namespaces (first 4 MiB) for the whole test.
     let stop = Arc::new(AtomicBool::new(false));
     let (ops, bad) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let mut bq = d.create_qpair(16, false).unwrap();
-    let bg = {
-        let (stop, ops, bad) = (stop.clone(), ops.clone(), bad.clone());
-        std::thread::spawn(move || {
-            let b = bq.alloc_buf(4096).unwrap();
-            let mut rng = Rng::new(7);
-            while !stop.load(Ordering::Relaxed) {
-                let nsid = 1 + (rng.below(2) as u32);
-                let at = rng.below(1024) * 4096;
-                let data = rng.bytes(4096);
-                b.write(0, &data).unwrap();
-                let w = rw(&mut bq, IoOp::Write, nsid, at, &b);
-                b.fill(0);
-                let r = rw(&mut bq, IoOp::Read, nsid, at, &b);
-                let mut back = vec![0u8; 4096];
-                b.read(0, &mut back).unwrap();
-                if w != (0, 0) || r != (0, 0) || back != data {
-                    bad.fetch_add(1, Ordering::Relaxed);
-                }
-                ops.fetch_add(1, Ordering::Relaxed);
-            }
-            bq
-        })
-    };
+    let bq = d.create_qpair(16, false).unwrap();
+    let bg = spawn_verifier(bq, stop.clone(), ops.clone(), bad.clone());
     let wait_ops = |more: u64| {
         let until = ops.load(Ordering::Relaxed) + more;
-        while ops.load(Ordering::Relaxed) < until {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_until("verified I/O", T, || ops.load(Ordering::Relaxed) >= until);
     };
     wait_ops(50);
 
@@ -500,13 +507,13 @@ fn a_block_device_namespace_follows_its_volume() {
 }
 
 /// One 4 KiB request of the raw front end at byte `at`; its virtio status.
-fn vio(r: &mut Raw, t: u32, at: u64) -> u8 {
+fn vio(r: &mut FakeFrontend, t: u32, at: u64) -> u8 {
     r.header(t, at / 512);
     r.request(&[(HDR, 16, false), (DATA, 4096, t == T_IN), (STATUS, 1, true)])
 }
 
 /// The capacity (in 512-byte sectors) the front end reads from the config space.
-fn capacity(r: &mut Raw) -> u64 {
+fn capacity(r: &mut FakeFrontend) -> u64 {
     let (_, buf) =
         r.fe.get_config(0, 8, VhostUserConfigFlags::empty(), &[0u8; 8])
             .unwrap();
@@ -540,7 +547,13 @@ fn vhost_user_blk_front_end_gets_the_config_change() {
     let v = s.path("v.sock");
     let pf = VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::BACKEND_REQ;
     let mem = SharedMem::new("guest", MEM).unwrap();
-    let mut r = Raw::connect_features(&v, mem, None, None, pf);
+    let mut r = FakeFrontend::connect_with(
+        &v,
+        Connect {
+            protocol: pf,
+            ..Connect::new(mem)
+        },
+    );
     let (mut mine, theirs) = UnixStream::pair().unwrap();
     mine.set_read_timeout(Some(T)).unwrap();
     r.fe.set_backend_request_fd(&theirs).unwrap();
@@ -583,7 +596,13 @@ fn vhost_user_blk_front_end_gets_the_config_change() {
     // A front end that hands over a pipe instead of a socket: refused; the resize
     // still happens and says the front end was not told.
     let mem = SharedMem::new("guest", MEM).unwrap();
-    let mut r = Raw::connect_features(&v, mem, None, None, pf);
+    let mut r = FakeFrontend::connect_with(
+        &v,
+        Connect {
+            protocol: pf,
+            ..Connect::new(mem)
+        },
+    );
     let (_rd, wr) = nix_pipe();
     let _ = r.fe.set_backend_request_fd(&wr);
     let res = s.ok("resize", json!({"socket": v, "size": "12M"}));
@@ -599,7 +618,7 @@ fn vhost_user_blk_front_end_gets_the_config_change() {
 
     // One that did not negotiate BACKEND_REQ: the same.
     let mem = SharedMem::new("guest", MEM).unwrap();
-    let mut r = Raw::connect_with(&v, mem, None);
+    let mut r = FakeFrontend::connect_with(&v, Connect::new(mem));
     let res = s.ok("resize", json!({"socket": v, "size": "16M"}));
     assert_eq!(res["notified"], false);
     assert!(
@@ -615,7 +634,7 @@ fn vhost_user_blk_front_end_gets_the_config_change() {
     wait_disconnected(&s, "v.sock", 3);
 
     // libblkio reads the capacity when it connects.
-    let mut c = common::vhost_fe::BlkioClient::connect(&v).unwrap();
+    let mut c = test_support::blkio::BlkioSession::open(&v).unwrap();
     c.round(16 * MIB - 4096, 0x99).unwrap();
     assert!(!s.log().contains(" ERROR "), "{}", s.log());
 }
@@ -647,25 +666,32 @@ fn vhost_user_blk_resizes_under_libblkio_io() {
     let w = s.path("w.sock");
     let stop = Arc::new(AtomicBool::new(false));
     let ops = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(std::sync::Mutex::new(None::<String>));
     let io = {
-        let (stop, ops, w) = (stop.clone(), ops.clone(), w.clone());
-        std::thread::spawn(move || -> Result<(), String> {
-            let mut c = common::vhost_fe::BlkioClient::connect(&w)?;
-            let mut rng = Rng::new(3);
-            while !stop.load(Ordering::Relaxed) {
-                c.round(rng.below(1024) * 4096, rng.below(255) as u8 + 1)?;
-                ops.fetch_add(1, Ordering::Relaxed);
+        let (stop, ops, w, failed) = (stop.clone(), ops.clone(), w.clone(), failed.clone());
+        std::thread::spawn(move || {
+            let run = || -> Result<(), String> {
+                let mut c = test_support::blkio::BlkioSession::open(&w)?;
+                let mut rng = Rng::new(3);
+                while !stop.load(Ordering::Relaxed) {
+                    c.round(rng.below(1024) * 4096, rng.below(255) as u8 + 1)?;
+                    ops.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            };
+            if let Err(e) = run() {
+                *failed.lock().unwrap() = Some(e);
             }
-            Ok(())
         })
     };
     let wait_ops = |more: u64| {
         let until = ops.load(Ordering::Relaxed) + more;
-        let t = Instant::now();
-        while ops.load(Ordering::Relaxed) < until {
-            assert!(t.elapsed() < T, "libblkio stalled");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_until("libblkio I/O", T, || {
+            if let Some(e) = failed.lock().unwrap().as_ref() {
+                panic!("libblkio I/O: {e}\n{}", s.log());
+            }
+            ops.load(Ordering::Relaxed) >= until
+        });
     };
     wait_ops(20);
     for (mib, shrink) in [(20, false), (24, false), (12, true), (32, false), (8, true)] {
@@ -678,6 +704,7 @@ fn vhost_user_blk_resizes_under_libblkio_io() {
         wait_ops(20);
     }
     stop.store(true, Ordering::Relaxed);
-    io.join().unwrap().expect("libblkio I/O");
+    io.join().unwrap();
+    assert_eq!(failed.lock().unwrap().take(), None, "libblkio I/O");
     assert!(!s.log().contains(" ERROR "), "{}", s.log());
 }

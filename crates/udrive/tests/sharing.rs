@@ -53,7 +53,8 @@ fn disjoint_slices_verify_concurrently() {
         (a.join().expect("A"), b.join().expect("B"))
     });
     for (name, r) in [("A", &ra), ("B", &rb)] {
-        assert!(r.ios > 100, "{name} did too little I/O: {}", r.ios);
+        // Every slot of both jobs went round (how many more depends on the machine).
+        assert!(r.ios >= 32, "{name} did too little I/O: {}", r.ios);
         assert!(r.reads > 0 && r.writes > 0, "{name}: {r:?}");
         assert_eq!(r.errors, 0, "{name} had I/O errors");
         assert_eq!(r.verify_errors, 0, "{name} read back wrong data");

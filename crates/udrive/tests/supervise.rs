@@ -6,15 +6,14 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{opts, Rng};
+use common::{opts, wait_until, T};
 use initiator::regs::{CSTS, CSTS_CFS, CSTS_RDY};
-use initiator::{DataMode, DmaBuf, IoOp, NvmeDriver, QueuePair};
+use initiator::NvmeDriver;
+use test_support::gens::{bufs, submit_gen, verify, write_gen, BLOCK, QD};
 
-const BLOCK: usize = 4096;
 const BLOCKS: u64 = 256;
-const QD: usize = 32;
 
 struct Supervised {
     child: Child,
@@ -63,14 +62,12 @@ impl Supervised {
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
-        let until = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            assert!(Instant::now() < until, "supervisor did not stop on SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let mut status = None;
+        wait_until("the supervisor to stop on SIGTERM", 2 * T, || {
+            status = self.child.try_wait().unwrap();
+            status.is_some()
+        });
+        status.expect("exited")
     }
 }
 
@@ -82,72 +79,6 @@ impl Drop for Supervised {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn wait_for(path: &Path) {
-    let until = Instant::now() + Duration::from_secs(30);
-    while !path.exists() {
-        assert!(Instant::now() < until, "{} did not appear", path.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// One block's contents for `gen` (what a verifier expects).
-fn block(gen: u64, lba: u64) -> Vec<u8> {
-    Rng::new(gen << 32 | lba).bytes(BLOCK)
-}
-
-/// Writes `lbas` with generation `gen`, `QD` at a time, and returns those whose
-/// completion was seen (all of them unless the server dies meanwhile).
-fn write_all(qp: &mut QueuePair, bufs: &[DmaBuf], gen: u64, lbas: &[u64]) -> Vec<u64> {
-    let mut done = Vec::new();
-    for chunk in lbas.chunks(QD) {
-        let mut cids = Vec::new();
-        for (i, lba) in chunk.iter().enumerate() {
-            bufs[i].write(0, &block(gen, *lba)).unwrap();
-            let nlb = (BLOCK / 512) as u32;
-            let cid = qp
-                .submit_io(IoOp::Write, 1, lba * 8, nlb, Some(&bufs[i]), DataMode::Prp)
-                .unwrap();
-            cids.push((cid, *lba));
-        }
-        qp.ring().unwrap();
-        for (cid, lba) in cids {
-            match qp.wait(cid, Duration::from_secs(2)) {
-                Ok(c) => {
-                    assert!(c.status.is_ok(), "write of block {lba}: {}", c.status);
-                    done.push(lba);
-                }
-                Err(_) => return done,
-            }
-        }
-    }
-    done
-}
-
-fn read_check(qp: &mut QueuePair, buf: &DmaBuf, want: &[u64]) {
-    let mut back = vec![0u8; BLOCK];
-    for (lba, gen) in want.iter().enumerate() {
-        let c = common::io(
-            qp,
-            IoOp::Read,
-            1,
-            lba as u64 * 8,
-            8,
-            Some(buf),
-            DataMode::Prp,
-        );
-        common::assert_ok(&c, "read");
-        buf.read(0, &mut back).unwrap();
-        assert!(
-            back == block(*gen, lba as u64),
-            "block {lba}: not generation {gen}"
-        );
-    }
-}
-
-fn bufs(d: &NvmeDriver) -> Vec<DmaBuf> {
-    (0..QD).map(|_| d.alloc_buf(BLOCK).unwrap()).collect()
 }
 
 #[test]
@@ -164,12 +95,14 @@ fn an_nvme_client_survives_sigkill_of_the_server() {
         ]
     });
     let sock = s.path("nvme.sock");
-    wait_for(&sock);
+    wait_until("the device socket", Duration::from_secs(30), || {
+        sock.exists()
+    });
     let d = NvmeDriver::connect(&sock, opts()).expect("attach");
     let b = bufs(&d);
     let mut qp = d.create_qpair(64, false).unwrap();
     let all: Vec<u64> = (0..BLOCKS).collect();
-    assert_eq!(write_all(&mut qp, &b, 1, &all).len(), all.len());
+    assert_eq!(write_gen(&mut qp, &b, 1, &all).len(), all.len());
     // Generation of each block as the client knows it.
     let mut want = vec![1u64; BLOCKS as usize];
     for round in 0..2u64 {
@@ -177,12 +110,7 @@ fn an_nvme_client_survives_sigkill_of_the_server() {
         let first = s.server_pid().unwrap();
         // A burst in flight, then the server dies under it.
         let lbas: Vec<u64> = (0..QD as u64).map(|i| i * 7 % BLOCKS).collect();
-        for (i, lba) in lbas.iter().enumerate() {
-            b[i].write(0, &block(gen, *lba)).unwrap();
-            qp.submit_io(IoOp::Write, 1, lba * 8, 8, Some(&b[i]), DataMode::Prp)
-                .unwrap();
-        }
-        qp.ring().unwrap();
+        submit_gen(&mut qp, &b, gen, &lbas);
         s.kill_server();
         // The new server answers for the controller: enabled, fatal status.
         let csts = d.read_reg32(CSTS).expect("CSTS after the crash");
@@ -195,11 +123,11 @@ fn an_nvme_client_survives_sigkill_of_the_server() {
         // What a driver does: reset, new queues, retry what was in flight.
         d.reset_controller().expect("reset after the crash");
         qp = d.create_qpair(64, false).unwrap();
-        assert_eq!(write_all(&mut qp, &b, gen, &lbas).len(), lbas.len());
+        assert_eq!(write_gen(&mut qp, &b, gen, &lbas).len(), lbas.len());
         for lba in &lbas {
             want[*lba as usize] = gen;
         }
-        read_check(&mut qp, &b[0], &want);
+        verify(&mut qp, &b, &all, &want).unwrap();
     }
     let log = s.log();
     assert_eq!(
@@ -226,14 +154,12 @@ fn a_server_that_cannot_start_is_not_restarted() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let until = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(st) = c.try_wait().unwrap() {
-            break st;
-        }
-        assert!(Instant::now() < until, "the supervisor kept restarting");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let mut status = None;
+    wait_until("the supervisor to give up", Duration::from_secs(30), || {
+        status = c.try_wait().unwrap();
+        status.is_some()
+    });
+    let status = status.expect("exited");
     let mut err = String::new();
     use std::io::Read;
     c.stderr.take().unwrap().read_to_string(&mut err).unwrap();

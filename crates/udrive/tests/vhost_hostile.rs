@@ -8,12 +8,13 @@
 mod common;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::engine;
-use common::vhost_fe::*;
+use common::{engine, wait_until, T};
 use guest_mem::SharedMem;
 use std::os::fd::AsRawFd;
+use test_support::blkio::blkio_round;
+use test_support::vhost_fe::*;
 use udrive::vhost_device::{self, VhostBlkConfig};
 use vhost::vhost_user::message::{
     VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
@@ -42,7 +43,7 @@ fn hostile_front_end() {
     let vs = dir.path().join("victim.sock");
     let bs = dir.path().join("bystander.sock");
 
-    let mut r = Raw::connect(&vs);
+    let mut r = FakeFrontend::connect(&vs);
     let hdr = (HDR, 16, false);
     let st = (STATUS, 1, true);
 
@@ -109,7 +110,7 @@ fn hostile_front_end() {
     drop(r);
 
     // A new client queues requests and vanishes without waiting for them.
-    let mut r2 = Raw::connect(&vs);
+    let mut r2 = FakeFrontend::connect(&vs);
     r2.header(T_OUT, 16);
     for _ in 0..5 {
         r2.push(&[hdr, (DATA, 512, false), st]);
@@ -138,7 +139,7 @@ fn reconnect_completes_each_request_once() {
     let sock = dir.path().join("r.sock");
     let n: u16 = 12;
 
-    let mut r = Raw::connect(&sock);
+    let mut r = FakeFrontend::connect(&sock);
     for i in 0..n {
         let hdr_at = r.stage_write(u64::from(i));
         // Three descriptors per request: five fit in the table at once, so request i
@@ -153,27 +154,27 @@ fn reconnect_completes_each_request_once() {
             (STATUSES + u64::from(i), 1, true),
         ]);
     }
-    let Raw { fe, mem, .. } = r;
+    let FakeFrontend { fe, mem, .. } = r;
     drop(fe);
     // QEMU restarts the ring at the used index it sees once the backend is gone:
     // wait until the device let go of the connection, which it does after finishing
     // what it took (a fixed wait raced with those completions under load).
-    let until = Instant::now() + Duration::from_secs(10);
-    while dev.disconnections() < 1 || {
-        let mut b = [0u8; 2];
-        mem.all().read_into((USED + 2) as usize, &mut b).unwrap();
-        u16::from_le_bytes(b) == 0
-    } {
-        assert!(Instant::now() < until, "nothing completed");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    std::thread::sleep(Duration::from_millis(50));
-    let used_now = {
+    let used_idx = || {
         let mut b = [0u8; 2];
         mem.all().read_into((USED + 2) as usize, &mut b).unwrap();
         u16::from_le_bytes(b)
     };
-    let r2 = Raw::connect_with(&sock, mem, Some((used_now, n)));
+    wait_until("the device to let go after completing", T, || {
+        dev.disconnections() >= 1 && used_idx() > 0
+    });
+    let used_now = used_idx();
+    let r2 = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            resume: Some((used_now, n)),
+            ..Connect::new(mem)
+        },
+    );
     r2.kick.write(1).unwrap();
     assert!(
         r2.wait_used(n),
@@ -235,7 +236,7 @@ fn restart_resubmits_inflight_requests_once() {
 
     let mem = SharedMem::new("inflight-guest", MEM).unwrap();
     mem.all().fill(0);
-    let r = Raw {
+    let r = FakeFrontend {
         fe: Frontend::connect(&sock, 1).unwrap(),
         mem: mem.into(),
         next_desc: 0,
@@ -265,11 +266,18 @@ fn restart_resubmits_inflight_requests_once() {
     log_desc(&log, 3, 0, 2);
     log_desc(&log, 6, 1, 3);
     log_desc(&log, 9, 1, 4);
-    let Raw { fe, mem, .. } = r;
+    let FakeFrontend { fe, mem, .. } = r;
     drop(fe);
 
     // QEMU restarts the ring at the used index after a crash.
-    let r2 = Raw::connect_log(&sock, mem, Some((2, 4)), Some(&log));
+    let r2 = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            resume: Some((2, 4)),
+            inflight: Some(&log),
+            ..Connect::new(mem)
+        },
+    );
     r2.kick.write(1).unwrap();
     assert!(r2.wait_used(4), "the requests in flight were not redone");
     std::thread::sleep(Duration::from_millis(50));
@@ -324,7 +332,7 @@ fn hostile_inflight_area() {
         log_desc(&log, h, 1, u64::from(h).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     }
     let mem = SharedMem::new("inflight-hostile", MEM).unwrap();
-    let r = Raw {
+    let r = FakeFrontend {
         fe: Frontend::connect(&sock, 1).unwrap(),
         mem: mem.into(),
         next_desc: 0,
@@ -341,9 +349,16 @@ fn hostile_inflight_area() {
             _ => r.desc(i, 0, 64, 4 | NEXT, (i + 1) % QSIZE),
         }
     }
-    let Raw { fe, mem, .. } = r;
+    let FakeFrontend { fe, mem, .. } = r;
     drop(fe);
-    let r2 = Raw::connect_log(&sock, mem, Some((0, 0)), Some(&log));
+    let r2 = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            resume: Some((0, 0)),
+            inflight: Some(&log),
+            ..Connect::new(mem)
+        },
+    );
     r2.kick.write(1).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     drop(r2);
@@ -402,15 +417,13 @@ fn serve_child(sock: &Path, disk: &str) -> Child {
             .spawn()
             .expect("spawn udrive serve"),
     );
-    let until = Instant::now() + Duration::from_secs(30);
-    while std::os::unix::net::UnixStream::connect(sock).is_err() {
-        assert!(Instant::now() < until, "udrive serve did not come up");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until("udrive serve to come up", Duration::from_secs(30), || {
+        std::os::unix::net::UnixStream::connect(sock).is_ok()
+    });
     c
 }
 
-/// A real crash: `udrive serve` on a throttled file disk (5 IOPS, so requests sit
+/// A real crash: `udrive serve` on a throttled file disk (1 IOPS, so requests sit
 /// in flight) is SIGKILLed after the first of five writes completed; a new process
 /// gets the same inflight area and the rings restarted at the used index, as QEMU
 /// does. Every write completes exactly once and lands in the file.
@@ -420,12 +433,19 @@ fn sigkill_with_requests_in_flight() {
     let img = dir.path().join("disk.img");
     std::fs::File::create(&img).unwrap().set_len(DISK).unwrap();
     let sock = dir.path().join("k.sock");
-    let mut first = serve_child(&sock, &format!("file:{},iops=5", img.display()));
-    // The probe connection above counts as a front end; wait until it is gone.
-    std::thread::sleep(Duration::from_millis(50));
+    // 1 IOPS: after the first write, the next completes a second later, so the
+    // kill lands with four in flight however slowly this test runs up to it. (The
+    // probe connection of serve_child goes first; the next waits in the backlog.)
+    let mut first = serve_child(&sock, &format!("file:{},iops=1", img.display()));
     let log = get_inflight_area(&sock);
     let mem = SharedMem::new("sigkill-guest", MEM).unwrap();
-    let mut r = Raw::connect_log(&sock, mem, None, Some(&log));
+    let mut r = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            inflight: Some(&log),
+            ..Connect::new(mem)
+        },
+    );
     let n: u16 = 5;
     for i in 0..n {
         let hdr_at = r.stage_write(u64::from(i));
@@ -463,12 +483,18 @@ fn sigkill_with_requests_in_flight() {
             "log: used {log_used}, {marked} marked; ring used {used}"
         );
     }
-    let Raw { fe, mem, .. } = r;
+    let FakeFrontend { fe, mem, .. } = r;
     drop(fe);
 
     let _second = serve_child(&sock, &format!("file:{}", img.display()));
-    std::thread::sleep(Duration::from_millis(50));
-    let r2 = Raw::connect_log(&sock, mem, Some((used, n)), Some(&log));
+    let r2 = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            resume: Some((used, n)),
+            inflight: Some(&log),
+            ..Connect::new(mem)
+        },
+    );
     r2.kick.write(1).unwrap();
     assert!(r2.wait_used(n), "requests in flight at the kill were lost");
     std::thread::sleep(Duration::from_millis(100));

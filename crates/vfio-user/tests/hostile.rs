@@ -1,10 +1,9 @@
 //! Malformed input: each class gets an error reply (connection continues) or a
 //! disconnect, and a well-behaved client works afterwards.
 
-mod common;
-
-use common::*;
 use guest_mem::SharedMem;
+use test_support::vfio_client::*;
+use test_support::vfio_server::*;
 use vfio_user::proto::*;
 use zerocopy::IntoBytes;
 

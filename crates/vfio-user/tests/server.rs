@@ -1,13 +1,12 @@
 //! The server against rust-vmm's independent `vfio_user::Client` and our raw client.
 
-mod common;
-
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::*;
 use guest_mem::{Access, MappedRegion, Prot, SharedMem};
+use test_support::vfio_client::*;
+use test_support::vfio_server::*;
 use vfio_user::proto::*;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use zerocopy::IntoBytes;
@@ -480,8 +479,8 @@ fn stop_removes_socket_and_restart_replaces_stale() {
     };
     assert_eq!(start().unwrap_err().kind(), std::io::ErrorKind::AddrInUse);
     drop(l);
+    // The socket listens once start returns.
     let s = start().unwrap();
-    std::thread::sleep(Duration::from_millis(10));
     let _c = rv(&f);
     s.stop();
 }

@@ -89,7 +89,8 @@ fn randrw_verify_is_clean_on_a_good_target() {
         corrupt_every: 0,
     };
     let r = run(&t, &cfg(Rw::RandRw { read_pct: 50 }, true)).unwrap();
-    assert!(r.ios > 100, "{r}");
+    // Every slot of every job went round (how many more depends on the machine).
+    assert!(r.ios >= 24, "{r}");
     assert_eq!(r.ios, r.reads + r.writes);
     assert_eq!((r.errors, r.verify_errors), (0, 0));
     assert_eq!(r.jobs.len(), 3);

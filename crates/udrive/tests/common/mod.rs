@@ -1,14 +1,13 @@
-//! Shared setup for udrive's integration tests: in-process controllers on temp
-//! sockets, drivers connected to them, raw SQE helpers, status checks, a seeded RNG
-//! and a "bystander" controller with a well-behaved client doing verified I/O.
+//! What udrive's integration tests share that needs udrive's own API: in-process
+//! controllers on temp sockets (`TestDev`), the one engine of a test process, and a
+//! "bystander" controller with a well-behaved client doing verified I/O. The rest
+//! (initiator helpers, SQE builders, fakes) comes from the test-support crate,
+//! re-exported here as the tests' prelude.
 #![allow(dead_code, unused_imports)]
 
-pub mod blkio_load;
-pub mod ceph;
-pub mod layers;
+pub mod rbd;
 pub mod serve;
 pub mod served;
-pub mod vhost_fe;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
@@ -26,11 +25,10 @@ pub fn standalone(cfg: &ControllerConfig) -> udrive::process::DeviceLife {
     udrive::process::DeviceLife::standalone(&NvmeDevice::keep_prefix(&cfg.socket))
 }
 
-/// Generous bound for one command; only reached when something is broken.
-pub const T: Duration = Duration::from_secs(10);
-
-/// An IOVA no test ever maps (the driver pool lives at 0x1_0000_0000).
-pub const UNMAPPED: u64 = 0x7_0000_0000;
+pub use test_support::driver::*;
+pub use test_support::nvme_cmd::*;
+pub use test_support::reactor::*;
+pub use test_support::{wait_until, Rng, T};
 
 /// One engine (one unpinned reactor) per test process: the machine has 2 cores and
 /// every reactor with queues busy-polls.
@@ -130,6 +128,12 @@ impl TestDev {
         &self.dev.as_ref().expect("device running").ctrl
     }
 
+    /// What the server sent the client as DMA messages so far (read without the
+    /// controller's lock, so it answers while a command waits for the client).
+    pub fn dma_counts(&self) -> vfio_user::DmaMessageCounts {
+        self.dev.as_ref().expect("device running").dma_messages()
+    }
+
     /// What `get_devices` reports for this controller.
     pub fn json(&self) -> serde_json::Value {
         use udrive::frontend::FrontEnd;
@@ -159,190 +163,11 @@ impl Drop for TestDev {
     }
 }
 
-/// Driver options for tests: small pool, 8 I/O queues, admin timeout short enough
-/// that a wedged controller fails a test instead of hanging it.
-pub fn opts() -> DriverOpts {
-    DriverOpts {
-        pool_bytes: 16 << 20,
-        io_queues: 8,
-        admin_timeout: Duration::from_secs(5),
-        ..Default::default()
-    }
-}
-
-/// xorshift64*: deterministic, seeded, no dependency.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-    pub fn fill(&mut self, b: &mut [u8]) {
-        for c in b.chunks_mut(8) {
-            let v = self.next_u64().to_le_bytes();
-            c.copy_from_slice(&v[..c.len()]);
-        }
-    }
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        let mut v = vec![0u8; n];
-        self.fill(&mut v);
-        v
-    }
-}
-
-/// Submits a raw SQE, rings, waits; the completion whatever its status.
-pub fn raw(qp: &mut QueuePair, sqe: Sqe) -> Completion {
-    let cid = qp.submit(sqe).expect("submit");
-    qp.ring().expect("ring");
-    qp.wait(cid, T).expect("completion")
-}
-
-/// Read/Write/Flush/Write Zeroes through the driver's PRP/SGL builder.
-pub fn io(
-    qp: &mut QueuePair,
-    op: IoOp,
-    nsid: u32,
-    slba: u64,
-    nlb: u32,
-    buf: Option<&DmaBuf>,
-    mode: DataMode,
-) -> Completion {
-    let cid = qp
-        .submit_io(op, nsid, slba, nlb, buf, mode)
-        .expect("submit_io");
-    qp.ring().expect("ring");
-    qp.wait(cid, T).expect("completion")
-}
-
-#[track_caller]
-pub fn assert_ok(c: &Completion, what: &str) {
-    assert!(c.status.is_ok(), "{what}: status {}", c.status);
-}
-
-/// Checks SCT/SC of a completion.
-#[track_caller]
-pub fn assert_status(c: &Completion, sct: u8, sc: u8, what: &str) {
-    assert_eq!(
-        (c.status.sct, c.status.sc),
-        (sct, sc),
-        "{what}: got {}, want sct={sct:#x} sc={sc:#04x}",
-        c.status
-    );
-}
-
-/// Read/Write SQE with explicit PRP1/PRP2.
-pub fn rw_prp(op: u8, nsid: u32, slba: u64, nlb: u32, prp1: u64, prp2: u64) -> Sqe {
-    let mut s = Sqe::rw(op, nsid, slba, nlb);
-    s.dptr = [prp1, prp2];
-    s
-}
-
-/// Read/Write SQE whose SGL1 is `desc`.
-pub fn rw_sgl(op: u8, nsid: u32, slba: u64, nlb: u32, desc: [u8; 16]) -> Sqe {
-    let mut s = Sqe::rw(op, nsid, slba, nlb);
-    s.dptr = [
-        u64::from_le_bytes(desc[..8].try_into().expect("8 bytes")),
-        u64::from_le_bytes(desc[8..].try_into().expect("8 bytes")),
-    ];
-    s.flags |= PSDT_SGL;
-    s
-}
-
-pub fn sgl_data(addr: u64, len: u32) -> [u8; 16] {
-    initiator::dptr::sgl_desc(addr, len, initiator::dptr::SGL_DATA_BLOCK)
-}
-pub fn sgl_segment(addr: u64, count: u32) -> [u8; 16] {
-    initiator::dptr::sgl_desc(addr, count * 16, initiator::dptr::SGL_SEGMENT)
-}
-pub fn sgl_last(addr: u64, count: u32) -> [u8; 16] {
-    initiator::dptr::sgl_desc(addr, count * 16, initiator::dptr::SGL_LAST_SEGMENT)
-}
-
-/// Writes u64 little-endian entries (PRP list) at `off` of `buf`.
-pub fn put_u64s(buf: &DmaBuf, off: usize, v: &[u64]) {
-    let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    buf.write(off, &b).expect("list fits");
-}
-
-/// Writes SGL descriptors at `off` of `buf`.
-pub fn put_descs(buf: &DmaBuf, off: usize, d: &[[u8; 16]]) {
-    let b: Vec<u8> = d.iter().flatten().copied().collect();
-    buf.write(off, &b).expect("descriptors fit");
-}
-
-/// A good read and write on `qp` (namespace 1, 512-byte blocks assumed at LBA
-/// `slba`): proves the queue still works after a rejected command.
-#[track_caller]
-pub fn qp_still_works(qp: &mut QueuePair, slba: u64, seed: u64) {
-    let buf = qp.alloc_buf(4096).expect("buffer");
-    let data = Rng::new(seed).bytes(4096);
-    buf.write(0, &data).expect("fill");
-    assert_ok(
-        &io(qp, IoOp::Write, 1, slba, 8, Some(&buf), DataMode::Prp),
-        "write after hostile command",
-    );
-    buf.fill(0);
-    assert_ok(
-        &io(qp, IoOp::Read, 1, slba, 8, Some(&buf), DataMode::Sgl),
-        "read after hostile command",
-    );
-    let mut back = vec![0u8; 4096];
-    buf.read(0, &mut back).expect("read back");
-    assert!(back == data, "data mismatch after hostile command");
-}
-
-/// Verified writes and reads at random LBAs, PRP and SGL, on a new queue pair.
-pub fn check_io(d: &NvmeDriver, seed: u64) {
-    let ns = d.namespace(1).expect("namespace 1").clone();
-    let bs = u64::from(ns.lba_size);
-    let mut qp = d.create_qpair(16, false).expect("create queue pair");
-    let buf = qp.alloc_buf(64 << 10).expect("buffer");
-    let mut rng = Rng::new(seed);
-    for i in 0..8u32 {
-        let nlb = rng.range(1, (64 << 10) / bs);
-        let slba = rng.below(ns.nsze - nlb + 1);
-        let len = (nlb * bs) as usize;
-        let b = buf.sub(0, len).expect("sub buffer");
-        let data = rng.bytes(len);
-        b.write(0, &data).expect("fill");
-        let mode = if i.is_multiple_of(2) {
-            DataMode::Prp
-        } else {
-            DataMode::Sgl
-        };
-        let c = io(&mut qp, IoOp::Write, 1, slba, nlb as u32, Some(&b), mode);
-        assert_ok(&c, "check_io write");
-        b.fill(0);
-        let c = io(&mut qp, IoOp::Read, 1, slba, nlb as u32, Some(&b), mode);
-        assert_ok(&c, "check_io read");
-        let mut back = vec![0u8; len];
-        b.read(0, &mut back).expect("read back");
-        assert!(back == data, "check_io: data mismatch at LBA {slba} x{nlb}");
-    }
-    d.delete_qpair(qp).expect("delete queue pair");
-}
-
 /// A sparse file of `len` bytes in a directory on a real disk (the target dir), where
 /// O_DIRECT works; removed with the returned directory.
 pub fn disk_file(name: &str, len: u64) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("temp dir on disk");
-    let p = dir.path().join(name);
-    std::fs::File::create(&p)
-        .and_then(|f| f.set_len(len))
-        .expect("create image file");
+    let p = test_support::files::sized_file(dir.path(), name, len);
     (dir, p)
 }
 
@@ -354,53 +179,6 @@ pub fn file_bytes(path: &std::path::Path, off: u64, len: usize) -> Vec<u8> {
         .and_then(|f| f.read_exact_at(&mut b, off))
         .expect("read image file");
     b
-}
-
-/// Writes `data` at `slba` (namespace 1, 512-byte blocks) from the start of `buf`
-/// and reads it back into the same (cleared) buffer.
-#[track_caller]
-pub fn write_read(qp: &mut QueuePair, buf: &DmaBuf, slba: u64, data: &[u8], mode: DataMode) {
-    let nlb = (data.len() / 512) as u32;
-    let buf = buf.sub(0, data.len()).expect("buffer large enough");
-    buf.write(0, data).expect("fill");
-    assert_ok(
-        &io(qp, IoOp::Write, 1, slba, nlb, Some(&buf), mode),
-        "write",
-    );
-    buf.fill(0);
-    assert_ok(&io(qp, IoOp::Read, 1, slba, nlb, Some(&buf), mode), "read");
-    let mut back = vec![0u8; data.len()];
-    buf.read(0, &mut back).expect("read back");
-    assert!(back == data, "data mismatch at LBA {slba}");
-}
-
-/// Waits until `f` holds (bounded; a behaviour check, not a timing one).
-pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < timeout, "gave up waiting for {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-/// How often reactor `r` of `e` went to sleep.
-pub fn sleeps_on(e: &engine::Engine, r: usize) -> u64 {
-    e.stats(r).expect("reactor").sleeps.load(Ordering::Relaxed)
-}
-
-/// Reactor `r` of `e`'s poll iterations (published every 4096).
-pub fn polls_on(e: &engine::Engine, r: usize) -> u64 {
-    e.stats(r)
-        .expect("reactor")
-        .iterations
-        .load(Ordering::Relaxed)
-}
-
-/// Waits for CSTS.CFS through the register interface.
-pub fn wait_fatal(d: &NvmeDriver) {
-    wait_until("CSTS.CFS", T, || {
-        d.read_reg32(initiator::regs::CSTS).expect("read CSTS") & initiator::regs::CSTS_CFS != 0
-    });
 }
 
 /// A second controller with a well-behaved client doing verified I/O for the whole
@@ -440,51 +218,17 @@ fn bystander_loop(
     errors: Arc<Mutex<Vec<String>>>,
     stop: Arc<AtomicBool>,
 ) {
-    let fail = |m: String| errors.lock().unwrap_or_else(|e| e.into_inner()).push(m);
-    let mut qp = match d.create_qpair(16, false) {
-        Ok(q) => q,
-        Err(e) => return fail(format!("bystander: create queue pair: {e}")),
+    let v = Verifier {
+        seed: 0xb157a,
+        max_nlb: 64,
+        lbas: u64::MAX,
+        pause: Duration::from_millis(1),
     };
-    let Ok(buf) = qp.alloc_buf(32 << 10) else {
-        return fail("bystander: buffer".into());
-    };
-    let nsze = d.namespace(1).map_or(0, |n| n.nsze);
-    let mut rng = Rng::new(0xb157a);
-    let mut i = 0u64;
-    while !stop.load(Ordering::Relaxed) {
-        let nlb = rng.range(1, 64);
-        let slba = rng.below(nsze - nlb + 1);
-        let len = (nlb * 512) as usize;
-        let Some(b) = buf.sub(0, len) else { break };
-        let data = rng.bytes(len);
-        let _ = b.write(0, &data);
-        let mode = if i.is_multiple_of(2) {
-            DataMode::Prp
-        } else {
-            DataMode::Sgl
-        };
-        i += 1;
-        for op in [IoOp::Write, IoOp::Read] {
-            if op == IoOp::Read {
-                b.fill(0);
-            }
-            let r = qp
-                .submit_io(op, 1, slba, nlb as u32, Some(&b), mode)
-                .and_then(|cid| qp.ring().map(|_| cid))
-                .and_then(|cid| qp.wait(cid, T));
-            match r {
-                Ok(c) if c.status.is_ok() => {}
-                Ok(c) => return fail(format!("bystander {op:?} LBA {slba}: {}", c.status)),
-                Err(e) => return fail(format!("bystander {op:?} LBA {slba}: {e}")),
-            }
-        }
-        let mut back = vec![0u8; len];
-        let _ = b.read(0, &mut back);
-        if back != data {
-            return fail(format!("bystander: data mismatch at LBA {slba} x{nlb}"));
-        }
-        ops.fetch_add(1, Ordering::Relaxed);
-        std::thread::sleep(Duration::from_millis(1));
+    if let Err(e) = verified_io(&d, v, &stop, &ops) {
+        errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(format!("bystander: {e}"));
     }
 }
 

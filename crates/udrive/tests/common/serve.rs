@@ -14,12 +14,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use guest_mem::Prot;
-use initiator::regs::{AQA, CC, CC_EN};
-use initiator::{DataMode, IoOp, NvmeDriver, VfioUserClient};
+use initiator::regs::{AQA, CC, CC_EN, CSTS, CSTS_RDY};
+use initiator::{NvmeDriver, VfioUserClient};
+use test_support::blkio::BlkioSession;
 use vfio_user::proto::PCI_BAR0_REGION;
 
-use super::vhost_fe::BlkioClient;
-use super::{opts, Rng};
+use super::{opts, verified_io, Rng, Verifier, T};
+use test_support::poll_until;
 
 pub const SOCKETS: [&str; 5] = [
     "rpc.sock",
@@ -256,42 +257,21 @@ impl Bystanders {
     }
 }
 
-/// Write, read back and compare random 4 KiB blocks until `stop`.
+/// Verified I/O of up to 4 KiB within the disk's first 1 MiB until `stop`.
 pub fn nvme_loop(sock: &Path, ops: &AtomicU64, stop: &AtomicBool) -> Result<(), String> {
     let d = NvmeDriver::connect(sock, opts()).map_err(|e| format!("nvme connect: {e}"))?;
-    let mut qp = d.create_qpair(16, false).map_err(|e| e.to_string())?;
-    let buf = qp.alloc_buf(4096).map_err(|e| e.to_string())?;
-    let mut rng = Rng::new(7);
-    while !stop.load(Ordering::Relaxed) {
-        let slba = rng.below(256) * 8;
-        let data = rng.bytes(4096);
-        buf.write(0, &data).map_err(|e| e.to_string())?;
-        for op in [IoOp::Write, IoOp::Read] {
-            if op == IoOp::Read {
-                buf.fill(0);
-            }
-            let c = qp
-                .submit_io(op, 1, slba, 8, Some(&buf), DataMode::Prp)
-                .and_then(|cid| qp.ring().map(|_| cid))
-                .and_then(|cid| qp.wait(cid, Duration::from_secs(10)))
-                .map_err(|e| format!("nvme bystander {op:?}: {e}"))?;
-            if !c.status.is_ok() {
-                return Err(format!("nvme bystander {op:?}: {}", c.status));
-            }
-        }
-        let mut back = vec![0u8; 4096];
-        buf.read(0, &mut back).map_err(|e| e.to_string())?;
-        if back != data {
-            return Err(format!("nvme bystander: data mismatch at LBA {slba}"));
-        }
-        ops.fetch_add(1, Ordering::Relaxed);
-    }
-    Ok(())
+    let v = Verifier {
+        seed: 7,
+        max_nlb: 8,
+        lbas: 2048,
+        pause: Duration::ZERO,
+    };
+    verified_io(&d, v, stop, ops).map_err(|e| format!("nvme bystander: {e}"))
 }
 
 /// As `nvme_loop`, through libblkio.
 pub fn vhost_loop(sock: &Path, ops: &AtomicU64, stop: &AtomicBool) -> Result<(), String> {
-    let mut c = BlkioClient::connect(sock)?;
+    let mut c = BlkioSession::open(sock)?;
     let mut rng = Rng::new(11);
     while !stop.load(Ordering::Relaxed) {
         let off = rng.below(256) * 4096;
@@ -323,10 +303,20 @@ pub fn vfio_shrink(sock: &Path) -> Option<VfioUserClient> {
     let _ = c.region_write(PCI_BAR0_REGION, 0x28, &asq, false);
     let _ = c.region_write(PCI_BAR0_REGION, 0x30, &acq, false);
     let _ = c.region_write_u32(PCI_BAR0_REGION, CC, CC_EN | (6 << 16) | (4 << 20));
-    std::thread::sleep(Duration::from_millis(20));
+    // Ready, so the doorbell below makes it read the admin queue.
+    let ready = poll_until(T, || {
+        let mut csts = [0u8; 4];
+        c.region_read(PCI_BAR0_REGION, CSTS, &mut csts)
+            .is_ok_and(|()| u32::from_le_bytes(csts) & CSTS_RDY != 0)
+    });
+    if !ready {
+        return None;
+    }
     let _ = file.set_len(0);
     // Admin SQ tail doorbell.
     let _ = c.region_write_u32(PCI_BAR0_REGION, 0x1000, 1);
+    // Time for the fault before a caller that drops the client at once (the
+    // protocol fuzzer); callers that check the outcome wait for it.
     std::thread::sleep(Duration::from_millis(50));
     Some(c)
 }

@@ -31,7 +31,7 @@ pub struct Cluster {
     store: Store,
 }
 
-/// The cluster script, from this crate's sources.
+/// The cluster script, from the workspace's sources.
 pub fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph-cluster")
 }
