@@ -160,7 +160,7 @@ fn resume(devices: &[crate::server::Device]) {
 fn let_go_all(st: &State) -> Result<()> {
     for h in st.devices.iter().filter_map(|d| handed_over(d)) {
         for (name, _, disk) in h.backends() {
-            disk.let_go()
+            disk.pause()
                 .with_context(|| format!("{name}: cannot let go of its backend"))?;
         }
     }
@@ -173,7 +173,7 @@ fn let_go_all(st: &State) -> Result<()> {
 fn take_back_all(st: &State, dead: &[String]) {
     for h in st.devices.iter().filter_map(|d| handed_over(d)) {
         for (name, _, disk) in h.backends() {
-            if let Err(e) = disk.take_back(dead) {
+            if let Err(e) = disk.resume(dead) {
                 tracing::error!("handover rollback: {name}: cannot take its backend back: {e}");
             }
         }
