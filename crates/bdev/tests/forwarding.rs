@@ -3,6 +3,9 @@
 //! lifecycle (pause, resume), resize and format support, and the typed errors they
 //! refuse with.
 
+mod common;
+use common::{batch, req};
+
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
@@ -11,21 +14,11 @@ use std::time::{Duration, Instant};
 use bdev::{
     typed, Armed, Batch, BlockDevice, BlockInfo, FaultConfig, FaultDisk, FaultError, FixedSize,
     FormatSupport, GeometryError, HeldDisk, IoChannel, IoOp, IoRequest, IoStatus, NullDisk,
-    QosDisk, QosError, QosLimits, RamDisk, RequestList, SliceDisk, SliceError,
+    QosDisk, QosError, QosLimits, RamDisk, SliceDisk, SliceError,
 };
-use guest_mem::{DmaSlice, SharedMem};
+use guest_mem::SharedMem;
 
 const MIB: u64 = 1 << 20;
-
-fn req<'a>(op: IoOp, offset: u64, len: u64, iov: &'a [DmaSlice<'a>]) -> IoRequest<'a> {
-    IoRequest {
-        op,
-        offset,
-        len,
-        iov,
-        fua: false,
-    }
-}
 
 // ---------------------------------------------------------------- a probe backend
 
@@ -198,13 +191,6 @@ impl bdev::ChannelWrapper for BareChan {
     fn inner_mut(&mut self) -> &mut dyn IoChannel {
         &mut *self.inner
     }
-}
-
-/// Submits `reqs` as one batch (tags 0, 1, ...); their inline statuses.
-fn batch(ch: &mut dyn IoChannel, reqs: &[IoRequest<'_>]) -> Vec<Option<IoStatus>> {
-    let mut list = RequestList::new(reqs.iter().enumerate().map(|(i, r)| (i as u64, *r)));
-    ch.submit_batch(&mut list);
-    list.inline()
 }
 
 /// Calls every channel method on `ch` once; what each query answered.

@@ -1,34 +1,20 @@
 //! SliceDisk, FaultDisk and QosDisk.
 
+mod common;
+use common::{batch, req};
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bdev::{
     overlaps, Armed, BlockDevice, FaultConfig, FaultDisk, FaultOps, HeldDisk, IoChannel, IoOp,
-    IoRequest, IoStatus, NullDisk, QosClock, QosDisk, QosLimits, RamDisk, RequestList, SliceDisk,
-    SliceError, QOS_MAX_NAP,
+    IoRequest, IoStatus, NullDisk, QosClock, QosDisk, QosLimits, RamDisk, SliceDisk, SliceError,
+    QOS_MAX_NAP,
 };
 use guest_mem::{DmaSlice, SharedMem};
 
 const MIB: u64 = 1 << 20;
-
-/// Submits `reqs` as one batch (tags 0, 1, ...); their inline statuses.
-fn batch(ch: &mut dyn IoChannel, reqs: &[IoRequest<'_>]) -> Vec<Option<IoStatus>> {
-    let mut list = RequestList::new(reqs.iter().enumerate().map(|(i, r)| (i as u64, *r)));
-    ch.submit_batch(&mut list);
-    list.inline()
-}
-
-fn req<'a>(op: IoOp, offset: u64, len: u64, iov: &'a [guest_mem::DmaSlice<'a>]) -> IoRequest<'a> {
-    IoRequest {
-        op,
-        offset,
-        len,
-        iov,
-        fua: false,
-    }
-}
 
 // ---------------------------------------------------------------- slice
 
