@@ -1,8 +1,8 @@
 //! What a backend sees of one poll's reads and writes (docs/decisions/
 //! 0033-backend-batches.md): each run of commands to one namespace arrives as one
-//! `bdev::Batch`, in submission order; the batch's first request is announced
-//! before it arrives; a command that is not a read or write keeps its place and
-//! starts a new batch after it.
+//! `bdev::Batch` (a run of one as a plain submit), in submission order; the
+//! batch's first request is announced before it arrives; a command that is not a
+//! read or write keeps its place and starts a new batch after it.
 mod common;
 use common::*;
 
@@ -87,7 +87,8 @@ fn a_polls_reads_reach_each_backend_as_batches_the_first_announced() {
     h.ready(true);
     let buf = h.alloc(8);
     // Each block holds its namespace and LBA, written one command at a time.
-    for (nsid, lba) in [(1, 0), (1, 1), (2, 2), (1, 3), (1, 5)] {
+    let blocks = [(1, 0), (1, 1), (2, 2), (2, 6), (1, 3), (1, 5), (1, 4)];
+    for (nsid, lba) in blocks {
         h.write_mem(buf, &[nsid as u8, lba as u8]);
         assert!(h.cmd(1, rw(1, nsid, lba, 1, buf, 0)).ok());
     }
@@ -98,9 +99,11 @@ fn a_polls_reads_reach_each_backend_as_batches_the_first_announced() {
         read(0, 1, 0),
         read(1, 1, 1),
         read(2, 2, 2),
-        read(3, 1, 3),
+        read(3, 2, 6),
+        read(4, 1, 3),
         flush,
-        read(4, 1, 5),
+        read(5, 1, 5),
+        read(6, 1, 4),
     ];
     let n = cmds.len();
     h.submit_batch(1, &cmds);
@@ -108,10 +111,7 @@ fn a_polls_reads_reach_each_backend_as_batches_the_first_announced() {
         let c = h.reap(1);
         assert!(c.ok(), "{c:?}");
     }
-    for (i, (nsid, lba)) in [(1, 0), (1, 1), (2, 2), (1, 3), (1, 5)]
-        .into_iter()
-        .enumerate()
-    {
+    for (i, (nsid, lba)) in blocks.into_iter().enumerate() {
         let got = h.read_mem(buf + i as u64 * 4096, 2);
         assert_eq!(got, [nsid as u8, lba as u8], "read {i}");
     }
@@ -119,11 +119,11 @@ fn a_polls_reads_reach_each_backend_as_batches_the_first_announced() {
     let want = [
         Seen::Announced(1, IoOp::Read, at(0)),
         Seen::Batch(1, vec![at(0), at(1)]),
-        Seen::Batch(2, vec![at(2)]),
-        Seen::Batch(1, vec![at(3)]),
+        Seen::Batch(2, vec![at(2), at(6)]),
+        Seen::Submit(1, IoOp::Read),
         Seen::Submit(1, IoOp::Flush),
         Seen::Announced(1, IoOp::Read, at(5)),
-        Seen::Batch(1, vec![at(5)]),
+        Seen::Batch(1, vec![at(5), at(4)]),
     ];
     assert_eq!(*seen.lock().unwrap(), want);
 }

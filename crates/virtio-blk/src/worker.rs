@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bdev::{BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
+use bdev::{Batch as _, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
 use frontend_core::{Protocol, QueueCore};
 use trace::{Mailbox, TraceControl};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -452,7 +452,16 @@ impl QueueWorker {
                 mem,
                 p,
             };
-            chan.submit_batch(&mut Chains { ready, slots, post });
+            let mut chains = Chains { ready, slots, post };
+            if chains.ready.len() == 1 {
+                // Nothing to order: one request goes as one.
+                let started = chains.request(0).map(|(tag, req)| chan.submit(tag, &req));
+                if let Some(st) = started {
+                    chains.started(0, st);
+                }
+            } else {
+                chan.submit_batch(&mut chains);
+            }
         }
         self.ready.clear();
     }
