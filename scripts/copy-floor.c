@@ -1,5 +1,5 @@
 /*
- * What a `ram` namespace can reach on this host at best (issue 16; not a test).
+ * What a `ram` namespace can reach on this host at best (not a test).
  *
  * A server that copies each 4 KiB read out of a RAM disk is bound by one core
  * copying random blocks out of DRAM. This program measures that floor without

@@ -1,8 +1,8 @@
 # Helpers for running SPDK's userspace NVMe tools (and SPDK's nvmf_tgt) against udrive;
 # sourced by scripts/spdk-client and scripts/bench (BENCH_PARTS=spdk). Not run on its own.
 #
-# SPDK is not built here: /work/shared/tools/build-spdk.sh (or any SPDK v24+ built with
-# --with-vfio-user) provides $SPDK_DIR/build/bin/{spdk_nvme_identify,spdk_nvme_perf,nvmf_tgt}.
+# SPDK is not built here: any SPDK v24+ built with `./configure --with-vfio-user` (v26.05
+# was used) provides $SPDK_DIR/build/bin/{spdk_nvme_identify,spdk_nvme_perf,nvmf_tgt}.
 # CI cannot build it (its sources come from GitHub, CI has only Debian apt, crates.io and
 # PyPI), so everything using this file is opt-in.
 #
@@ -10,7 +10,7 @@
 # calls `spdk_cleanup` from its EXIT trap.
 #
 # Every SPDK process runs with `-g` (one hugetlbfs file for all segments; udrive refuses a
-# DMA map past the end of its file, README). DPDK names its files after the process id
+# DMA map past the end of its file, docs/attach.md). DPDK names its files after the process id
 # (`spdk_pid<PID>`): hugetlbfs files in the hugetlbfs mount and a runtime directory in
 # /var/run/dpdk. They outlive the process, so each is removed once its process is gone.
 
@@ -22,8 +22,8 @@ spdk_check() {
   local b
   for b in spdk_nvme_identify spdk_nvme_perf; do
     [ -x "$spdk_dir/build/bin/$b" ] || {
-      echo "no $spdk_dir/build/bin/$b: set SPDK_DIR to an SPDK tree built with --with-vfio-user" \
-        "(/work/shared/tools/build-spdk.sh builds one)" >&2
+      echo "no $spdk_dir/build/bin/$b: set SPDK_DIR to an SPDK tree built with" \
+        "./configure --with-vfio-user" >&2
       return 1
     }
   done

@@ -18,7 +18,7 @@ BOOKWORM_PKGS=qemu-system-x86,busybox-static
 BACKEND=${UDRIVE_VHOST_BACKEND:-udrive} # udrive | qsd
 QUEUES=${UDRIVE_VHOST_QUEUES:-2}
 VCPUS=${UDRIVE_VM_VCPUS:-$QUEUES}
-# 1: the live-handover scenario (issue 15) instead of the checks below: one boot of
+# 1: the live-handover scenario instead of the checks below: one boot of
 # tests/vm/guest-upgrade.sh (fio with verify) that asks UPGRADES times for
 # `udrive upgrade`; QEMU must not reconnect and the guest must see no error.
 UPGRADE=${UDRIVE_VM_VHOST_UPGRADE:-0}

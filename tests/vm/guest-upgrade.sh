@@ -1,5 +1,5 @@
 #!/bin/sh
-# /init of the live-handover VM tests (issue 15): UDRIVE_VM_UPGRADE=1 of tests/vm
+# /init of the live-handover VM tests: UDRIVE_VM_UPGRADE=1 of tests/vm
 # (NVMe, /dev/nvme0n1) and UDRIVE_VM_VHOST_UPGRADE=1 of tests/vm-vhost
 # (virtio-blk, /dev/vda; the virtio modules are in /lib/modules). See the READMEs.
 # One boot:

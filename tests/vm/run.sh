@@ -16,14 +16,14 @@ NS2=${UDRIVE_VM_NS2:-ram:64M}
 UDRIVE_CPUS=${UDRIVE_VM_UDRIVE_CPUS:-0}
 VCPUS=${UDRIVE_VM_VCPUS:-2}
 TIMEOUT=${UDRIVE_VM_TIMEOUT:-480}
-# 1: the crash-recovery scenario (issue 15) instead: udrive runs under
+# 1: the crash-recovery scenario instead: udrive runs under
 # `serve --supervise` with a file namespace, the guest (guest-supervise.sh) runs
 # fio with verify and twice asks the host to SIGKILL the server process; the guest's
 # driver notices within IO_TIMEOUT seconds (nvme_core.io_timeout) and resets.
 SUPERVISE=${UDRIVE_VM_SUPERVISE:-0}
 IO_TIMEOUT=${UDRIVE_VM_IO_TIMEOUT:-5}
 CRASHES=2
-# 1: the live-handover scenario (issue 15) instead: udrive runs unsupervised with a
+# 1: the live-handover scenario instead: udrive runs unsupervised with a
 # file namespace, the guest (guest-upgrade.sh) runs fio with verify and asks the
 # host UPGRADES times for `udrive upgrade`; it must see a pause, never a reset.
 UPGRADE=${UDRIVE_VM_UPGRADE:-0}
@@ -54,7 +54,7 @@ IDLE_SECS=${UDRIVE_VM_IDLE_SECS:-$DEFAULT_IDLE}
 # check the harness and guest script themselves (udrive-specific checks then fail).
 DEVICE=${UDRIVE_VM_DEVICE:-udrive}
 # 1: also a throwaway Ceph cluster; the guest has the host clone a protected RBD
-# snapshot and hot-add the clone as namespace 3, writes it and resizes it (issue 13).
+# snapshot and hot-add the clone as namespace 3, writes it and resizes it.
 RBD=${UDRIVE_VM_RBD:-0}
 # Guest RAM: shared (a memfd backend QEMU hands to udrive: the fast path) or private
 # (plain `-m`, not fd-backed: QEMU maps it without a file descriptor and udrive
