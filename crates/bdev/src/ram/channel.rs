@@ -19,7 +19,7 @@ const PREFETCH_MAX: usize = 8192;
 /// Bytes of an announced read ([`IoChannel::announce`]) loaded at once: two
 /// cache lines start the page walk and the DRAM access, and the copy streams the
 /// rest (measured against none, one, four and 64 lines: docs/decisions/
-/// 0027-prefetch-next-copy.md, stop 32).
+/// 0027-prefetch-next-copy.md, "The first command's own lines").
 const PREFETCH_NOW: usize = 128;
 
 pub(super) struct RamChannel {
@@ -124,9 +124,10 @@ impl RamChannel {
     /// its copy: by then the page walk its first lines started has filled the
     /// TLB, so the burst goes to DRAM at once, and the copy finds many lines on
     /// their way instead of the few its own loads and the hardware prefetcher keep
-    /// in flight (4 KiB from DRAM about 20 % faster, measured:
-    /// docs/decisions/0027-prefetch-next-copy.md, stop 33). Issued earlier, the
-    /// burst waits for the walk and stalls the poller's own loads behind it.
+    /// in flight (4 KiB from DRAM about 20 % faster, measured: docs/decisions/
+    /// 0027-prefetch-next-copy.md, "The rest of the first block right before its
+    /// copy"). Issued earlier, the burst waits for the walk and stalls the poller's
+    /// own loads behind it.
     fn transfer(&self, req: &IoRequest<'_>, next: Option<(u64, u64)>, announced: bool) -> IoStatus {
         // Checked before copying: buffers longer than `len` must not reach past the range.
         let total: u64 = req.iov.iter().map(|b| b.len() as u64).sum();

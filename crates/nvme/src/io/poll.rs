@@ -87,7 +87,7 @@ impl<'m> Pass<'m> {
     /// SPDK's driver rings the CQ head right after the next SQ tail, on the same
     /// cache line, so reading it on every poll takes that line back from the host's
     /// core and the SQ tail read that follows waits for it again
-    /// (docs/decisions/0027-prefetch-next-copy.md, stop 32).
+    /// (docs/decisions/0027-prefetch-next-copy.md, "the CQ head when needed").
     fn read_cq_head(&self, cq: &mut CqRing) -> Result<(), Fatal> {
         let head = read_db(&self.page, self.shadow_db.as_ref(), cq.qid, true);
         if head >= u32::from(cq.size) {
@@ -356,8 +356,9 @@ fn new_entries<'m>(
     // The next entry's line is requested together with the doorbell's: the host
     // writes the entry, then rings, so both lines come from its core, and two
     // misses in flight at once cost about one (docs/decisions/0027-prefetch-
-    // next-copy.md, stop 32). After the doorbell's load, so that a new tail comes
-    // with the entry written before it. Harmless when nothing new is there.
+    // next-copy.md, "the entries with the doorbell"). After the doorbell's load,
+    // so that a new tail comes with the entry written before it. Harmless when
+    // nothing new is there.
     if let Ok(r) = &ring {
         r.prefetch_line(usize::from(sq.ring.head) * SQE_SIZE);
     }
