@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::slice::overlaps;
-use crate::{BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus, Prefetch};
+use crate::{BlockDevice, ChannelWrapper, DeviceWrapper, IoChannel, IoOp, IoRequest, IoStatus};
 
 const PENDING_CAPACITY: usize = 4096;
 
@@ -69,6 +69,19 @@ impl Default for FaultConfig {
     }
 }
 
+/// A [`FaultConfig`] that cannot be used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FaultError {
+    #[error("error_rate {0} is not within 0..=1")]
+    ErrorRate(f64),
+}
+
+impl From<FaultError> for io::Error {
+    fn from(e: FaultError) -> io::Error {
+        io::Error::new(io::ErrorKind::InvalidInput, e)
+    }
+}
+
 pub struct FaultDisk {
     inner: Arc<dyn BlockDevice>,
     config: Arc<FaultConfig>,
@@ -76,12 +89,9 @@ pub struct FaultDisk {
 }
 
 impl FaultDisk {
-    pub fn new(inner: Arc<dyn BlockDevice>, config: FaultConfig) -> io::Result<FaultDisk> {
+    pub fn new(inner: Arc<dyn BlockDevice>, config: FaultConfig) -> Result<FaultDisk, FaultError> {
         if !(0.0..=1.0).contains(&config.error_rate) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("error_rate {} is not within 0..=1", config.error_rate),
-            ));
+            return Err(FaultError::ErrorRate(config.error_rate));
         }
         Ok(FaultDisk {
             inner,
@@ -91,31 +101,19 @@ impl FaultDisk {
     }
 }
 
-impl BlockDevice for FaultDisk {
-    fn describe(&self) -> String {
-        format!("fault:{}", self.inner.describe())
+impl DeviceWrapper for FaultDisk {
+    fn inner(&self) -> &dyn BlockDevice {
+        &*self.inner
     }
-    fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
+    fn kind(&self) -> &'static str {
+        "fault"
+    }
+    fn rewrap(&self, inner: Arc<dyn BlockDevice>) -> io::Result<Arc<dyn BlockDevice>> {
         Ok(Arc::new(FaultDisk {
-            inner: self.inner.resize(bytes)?,
+            inner,
             config: self.config.clone(),
             channels: AtomicU64::new(self.channels.load(Ordering::Relaxed)),
         }))
-    }
-    fn info(&self) -> &BlockInfo {
-        self.inner.info()
-    }
-    fn format_support(&self) -> crate::FormatSupport {
-        self.inner.format_support()
-    }
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        self.inner.as_any()
-    }
-    fn let_go(&self) -> io::Result<()> {
-        self.inner.let_go()
-    }
-    fn take_back(&self, dead_owners: &[String]) -> io::Result<()> {
-        self.inner.take_back(dead_owners)
     }
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
         let n = self.channels.fetch_add(1, Ordering::Relaxed);
@@ -196,7 +194,14 @@ impl FaultChannel {
     }
 }
 
-impl IoChannel for FaultChannel {
+impl ChannelWrapper for FaultChannel {
+    fn inner(&self) -> &dyn IoChannel {
+        &*self.inner
+    }
+    fn inner_mut(&mut self) -> &mut dyn IoChannel {
+        &mut *self.inner
+    }
+
     fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
         let status = match self.injected(req) {
             Some(err) => Some(err),
@@ -245,14 +250,6 @@ impl IoChannel for FaultChannel {
         n
     }
 
-    fn flush(&mut self) {
-        self.inner.flush()
-    }
-
-    fn room(&self) -> usize {
-        self.inner.room()
-    }
-
     /// Delayed completions wait for their deadline ([`IoChannel::wake_by`]); those
     /// still with the inner channel for its notifier.
     fn arm_notifier(&mut self) -> crate::Armed {
@@ -273,13 +270,5 @@ impl IoChannel for FaultChannel {
             .min();
         let inner = self.inner_counts().then(|| self.inner.wake_by()).flatten();
         crate::earliest(due, inner)
-    }
-
-    fn slow_completions(&self) -> bool {
-        self.inner.slow_completions()
-    }
-
-    fn prefetch(&mut self, req: &IoRequest<'_>, when: Prefetch) {
-        self.inner.prefetch(req, when)
     }
 }

@@ -2,6 +2,8 @@
 //! reactor opens its own [`IoChannel`] on it (SPDK's io_channel idea), so the I/O
 //! path needs no locks: a channel belongs to one thread.
 
+mod batch;
+mod error;
 mod fault;
 mod null;
 mod qos;
@@ -11,38 +13,23 @@ pub mod rbd;
 mod request;
 mod slice;
 mod uring;
+mod wrapper;
 
-pub use fault::{FaultConfig, FaultDisk, FaultOps};
+pub use batch::{submit_each, Batch, RequestList};
+pub use error::{typed, FixedSize, GeometryError};
+pub use fault::{FaultConfig, FaultDisk, FaultError, FaultOps};
 pub use null::NullDisk;
-pub use qos::{QosClock, QosDisk, QosLimits, BURST, QOS_MAX_NAP, QOS_QUEUE_DEPTH};
-pub use ram::RamDisk;
+pub use qos::{QosClock, QosDisk, QosError, QosLimits, BURST, QOS_MAX_NAP, QOS_QUEUE_DEPTH};
+pub use ram::{RamDisk, RamError};
 pub use request::{BlockInfo, IoOp, IoRequest, IoStatus};
-pub use slice::{overlaps, SliceDisk};
-pub use uring::{FileDisk, FileEngine, FileOptions};
+pub use slice::{overlaps, SliceDisk, SliceError};
+pub use uring::{FileDisk, FileEngine, FileError, FileOp, FileOptions};
+pub use wrapper::{ChannelWrapper, DeviceWrapper};
 
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// When a request given to [`IoChannel::prefetch`] will be submitted, which decides
-/// how much of its data is worth loading ahead, and when.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Prefetch {
-    /// Once the caller has finished its own bookkeeping for it (well under a
-    /// microsecond): only its first bytes, so that the page walk and the first
-    /// access to DRAM overlap that work. A whole block of loads would hold up the
-    /// caller's own loads until it has arrived; a backend may request the rest
-    /// when the request is submitted, once the walk is done.
-    Now,
-    /// After other work of the caller (more commands to parse, or a request on
-    /// another channel first): its first blocks at once.
-    Soon,
-    /// Right after the request the caller submits to this same channel now: loaded
-    /// while that one is copied, in pieces, so that the loads never pile up in
-    /// front of the caller's own.
-    AfterCurrent,
-}
 
 /// A block backend: describes itself and opens per-thread channels.
 ///
@@ -63,6 +50,17 @@ pub enum Prefetch {
 ///   return: the [`IoRequest`] and its iovec array live on the caller's stack. A
 ///   channel that needs the buffer list later copies it (into preallocated slots:
 ///   `guest_mem::HeldIov` keeps a copy together with the promise above).
+/// - **Batches.** A front end hands a channel the requests it parsed in one poll
+///   together ([`IoChannel::submit_batch`]), keeping them in its own slots while
+///   the channel reads them, and ends the poll with [`IoChannel::flush`]. The
+///   channel orders its own work: `ram` copies one request while the next one's
+///   data is on its way to the cache, io_uring queues them all for the one system
+///   call of `flush`, librbd takes them one at a time. Each request's start is
+///   reported as it happens ([`Batch::started`]), so an inline completion can be
+///   posted while the rest of the batch runs. The first request of a batch may be
+///   announced earlier, as soon as its range is known ([`IoChannel::announce`]):
+///   its latency is the one nothing else in the batch hides
+///   (docs/decisions/0033-backend-batches.md).
 /// - **Completions** of asynchronous requests are handed out by [`IoChannel::poll`]
 ///   on the channel's own thread, exactly once per request that `submit` did not
 ///   finish inline, in any order. Backends that complete on threads of their own
@@ -93,10 +91,10 @@ pub trait BlockDevice: Send + Sync {
     /// why ([`io::ErrorKind::Unsupported`]).
     fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
         let _ = bytes;
-        Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            format!("{} cannot change size", self.describe()),
-        ))
+        Err(FixedSize {
+            device: self.describe(),
+        }
+        .into())
     }
     /// The backend itself, for control operations of its kind (RBD snapshots);
     /// wrappers that leave the backend whole (QoS, fault injection) pass it on.
@@ -108,20 +106,21 @@ pub trait BlockDevice: Send + Sync {
     fn format_support(&self) -> FormatSupport {
         FormatSupport::Unsupported
     }
-    /// Live handover (udrive's decision 0022): the front end has quiesced (no
-    /// request in flight) and a successor process is about to open this backend
-    /// by its spec. Give up what would keep it from doing so (an RBD image's
-    /// exclusive lock); the device need not serve writes until
-    /// [`BlockDevice::take_back`]. Idempotent; the default has nothing to give up.
-    /// Wrappers pass it on.
-    fn let_go(&self) -> io::Result<()> {
+    /// The process pauses for a handover (udrive's decision 0022): the front end
+    /// has quiesced (no request in flight) and a successor process is about to
+    /// open this backend by its spec. Give up what would keep a successor from
+    /// opening it (an RBD image's exclusive lock); the device need not serve
+    /// writes until [`BlockDevice::resume`]. Idempotent; the default has nothing
+    /// to give up. Wrappers pass it on ([`DeviceWrapper`]).
+    fn pause(&self) -> io::Result<()> {
         Ok(())
     }
-    /// The handover failed: take back what [`BlockDevice::let_go`] gave up, so
-    /// that the device's channels work as before. `dead_owners` names clients
-    /// known dead (the failed successor's cluster clients, announced before it
-    /// took anything) whose claims may be broken. Idempotent.
-    fn take_back(&self, dead_owners: &[String]) -> io::Result<()> {
+    /// The handover failed and the process resumes: take back what
+    /// [`BlockDevice::pause`] gave up, so that the device's channels work as
+    /// before. `dead_owners` names clients known dead (the failed successor's
+    /// cluster clients, announced before it took anything) whose claims may be
+    /// broken. Idempotent.
+    fn resume(&self, dead_owners: &[String]) -> io::Result<()> {
         let _ = dead_owners;
         Ok(())
     }
@@ -145,11 +144,36 @@ pub enum FormatSupport {
 }
 
 /// Per-thread submission path to a backend (see [`BlockDevice`] for the contract).
+///
+/// Channels that wrap another one implement [`ChannelWrapper`] instead: a method
+/// added here gets its forwarding default there, once (and devices that wrap
+/// another one implement [`DeviceWrapper`]).
 pub trait IoChannel: Send {
     /// Starts `req`. Inline backends finish at once and return `Some(status)`;
     /// asynchronous ones return `None` and report `tag` from [`IoChannel::poll`] later.
     /// The request's buffers must stay valid until then.
     fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus>;
+
+    /// Starts every request of `batch`, in order, reporting each start to
+    /// [`Batch::started`] as it happens; returns how many did not finish inline
+    /// (they are reported by [`IoChannel::poll`]). A channel may read requests of
+    /// the batch ahead of the one it starts, to prepare them. The default starts
+    /// them one by one with [`IoChannel::submit`].
+    fn submit_batch(&mut self, batch: &mut dyn Batch) -> usize {
+        submit_each(batch, |tag, req| self.submit(tag, req))
+    }
+
+    /// The caller has decoded the request it will submit first in its next batch
+    /// on this channel, and is preparing its buffers now (mapping guest memory:
+    /// hundreds of nanoseconds). A channel may start work that needs only the
+    /// range: a copying backend starts loading the first bytes a read will copy,
+    /// so that their page walk and memory access overlap the caller's work. Only
+    /// the first request is announced: the channel prepares the others itself
+    /// while it works on the ones before them. The default does nothing, which is
+    /// right for every backend whose work starts with a system call or a message.
+    /// Never required for correctness: the range is not checked yet, and the
+    /// request may not come (its buffers fail to map).
+    fn announce(&mut self, _op: IoOp, _offset: u64, _len: u64) {}
 
     /// Hands finished asynchronous requests to `done`; returns how many.
     fn poll(&mut self, _done: &mut dyn FnMut(u64, IoStatus)) -> usize {
@@ -186,13 +210,6 @@ pub trait IoChannel: Send {
     fn notifier(&self) -> Option<BorrowedFd<'_>> {
         None
     }
-
-    /// A hint that `req` will be submitted to this channel (`when` says when): a
-    /// channel that copies can start loading the data it will read, so that its
-    /// memory latency overlaps work the caller does anyway
-    /// (docs/decisions/0027-prefetch-next-copy.md). Never required for
-    /// correctness; `req` is not validated yet.
-    fn prefetch(&mut self, _req: &IoRequest<'_>, _when: Prefetch) {}
 
     /// Whether a request takes a network round trip or longer (hundreds of µs) to
     /// complete. With a deep queue on such a channel an adaptive reactor sleeps on

@@ -1,6 +1,8 @@
 use std::io;
 
-use crate::{in_range, BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
+use crate::{
+    in_range, BlockDevice, BlockInfo, GeometryError, IoChannel, IoOp, IoRequest, IoStatus,
+};
 
 /// Completes every request at once without touching data: measures the software
 /// path. Reads leave the buffers as they were. Volatile by definition.
@@ -9,7 +11,7 @@ pub struct NullDisk {
 }
 
 impl NullDisk {
-    pub fn new(size: u64, block_size: u32) -> io::Result<Self> {
+    pub fn new(size: u64, block_size: u32) -> Result<Self, GeometryError> {
         let info = crate::ram::sized_info(size, block_size)?;
         Ok(NullDisk { info })
     }

@@ -44,7 +44,10 @@ use std::time::{Duration, Instant};
 
 use guest_mem::HeldIov;
 
-use crate::{BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus, Prefetch};
+use crate::{
+    submit_each, Batch, BlockDevice, ChannelWrapper, DeviceWrapper, IoChannel, IoOp, IoRequest,
+    IoStatus,
+};
 
 /// How much of a rate may be spent at once.
 pub const BURST: Duration = Duration::from_millis(100);
@@ -196,6 +199,19 @@ impl Buckets {
     }
 }
 
+/// Limits a [`QosDisk`] cannot have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QosError {
+    #[error("QoS limits must be positive (or unset): {0:?}")]
+    ZeroLimit(QosLimits),
+}
+
+impl From<QosError> for io::Error {
+    fn from(e: QosError) -> io::Error {
+        io::Error::new(io::ErrorKind::InvalidInput, e)
+    }
+}
+
 pub struct QosDisk {
     inner: Arc<dyn BlockDevice>,
     buckets: Arc<Buckets>,
@@ -203,7 +219,7 @@ pub struct QosDisk {
 }
 
 impl QosDisk {
-    pub fn new(inner: Arc<dyn BlockDevice>, limits: QosLimits) -> io::Result<QosDisk> {
+    pub fn new(inner: Arc<dyn BlockDevice>, limits: QosLimits) -> Result<QosDisk, QosError> {
         let base = Instant::now();
         Self::with_clock(
             inner,
@@ -217,7 +233,7 @@ impl QosDisk {
         inner: Arc<dyn BlockDevice>,
         limits: QosLimits,
         clock: QosClock,
-    ) -> io::Result<QosDisk> {
+    ) -> Result<QosDisk, QosError> {
         check_limits(&limits)?;
         let buckets = Arc::new(Buckets {
             active: AtomicBool::new(false),
@@ -243,24 +259,29 @@ impl QosDisk {
     /// The same namespace with its backend resized ([`BlockDevice::resize`]); the
     /// limits and their buckets are shared with this handle.
     pub fn resized(&self, bytes: u64) -> io::Result<QosDisk> {
-        Ok(QosDisk {
-            inner: self.inner.resize(bytes)?,
+        Ok(self.around(self.inner.resize(bytes)?))
+    }
+
+    /// These limits, their buckets and clock, on `inner`.
+    fn around(&self, inner: Arc<dyn BlockDevice>) -> QosDisk {
+        QosDisk {
+            inner,
             buckets: self.buckets.clone(),
             clock: self.clock.clone(),
-        })
+        }
     }
 
     /// Changes the limits at run time; every channel sees them at its next request.
     /// `QosLimits::default()` removes all limits. Requests already held back are
     /// admitted under the new limits.
-    pub fn set_limits(&self, limits: QosLimits) -> io::Result<()> {
+    pub fn set_limits(&self, limits: QosLimits) -> Result<(), QosError> {
         check_limits(&limits)?;
         self.buckets.set(limits);
         Ok(())
     }
 }
 
-fn check_limits(limits: &QosLimits) -> io::Result<()> {
+fn check_limits(limits: &QosLimits) -> Result<(), QosError> {
     let all = [
         limits.iops,
         limits.read_iops,
@@ -270,35 +291,21 @@ fn check_limits(limits: &QosLimits) -> io::Result<()> {
         limits.write_bw,
     ];
     if all.contains(&Some(0)) {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("QoS limits must be positive (or unset): {limits:?}"),
-        ));
+        return Err(QosError::ZeroLimit(*limits));
     }
     Ok(())
 }
 
-impl BlockDevice for QosDisk {
-    fn describe(&self) -> String {
-        format!("qos:{}", self.inner.describe())
+impl DeviceWrapper for QosDisk {
+    fn inner(&self) -> &dyn BlockDevice {
+        &*self.inner
     }
-    fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
-        Ok(Arc::new(self.resized(bytes)?))
+    fn kind(&self) -> &'static str {
+        "qos"
     }
-    fn info(&self) -> &BlockInfo {
-        self.inner.info()
-    }
-    fn format_support(&self) -> crate::FormatSupport {
-        self.inner.format_support()
-    }
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        self.inner.as_any()
-    }
-    fn let_go(&self) -> io::Result<()> {
-        self.inner.let_go()
-    }
-    fn take_back(&self, dead_owners: &[String]) -> io::Result<()> {
-        self.inner.take_back(dead_owners)
+    /// The limits stay with the resized namespace (their buckets are shared).
+    fn rewrap(&self, inner: Arc<dyn BlockDevice>) -> io::Result<Arc<dyn BlockDevice>> {
+        Ok(Arc::new(self.around(inner)))
     }
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
         Ok(Box::new(QosChannel {
@@ -376,7 +383,14 @@ impl QosChannel {
     }
 }
 
-impl IoChannel for QosChannel {
+impl ChannelWrapper for QosChannel {
+    fn inner(&self) -> &dyn IoChannel {
+        &*self.inner
+    }
+    fn inner_mut(&mut self) -> &mut dyn IoChannel {
+        &mut *self.inner
+    }
+
     fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
         if self.queue.is_empty()
             && (!self.buckets.active.load(Ordering::Relaxed)
@@ -391,6 +405,18 @@ impl IoChannel for QosChannel {
         } else {
             Some(IoStatus::IoError)
         }
+    }
+
+    /// Whole to the backend while no limit is set and nothing is held back (a
+    /// batch that starts then passes whole, as a request does); else request by
+    /// request, each admitted or held on its own.
+    fn submit_batch(&mut self, batch: &mut dyn Batch) -> usize {
+        if self.queue.is_empty() && !self.buckets.active.load(Ordering::Relaxed) {
+            let n = self.inner.submit_batch(batch);
+            self.inner_busy += n;
+            return n;
+        }
+        submit_each(batch, |tag, req| ChannelWrapper::submit(self, tag, req))
     }
 
     fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
@@ -425,10 +451,6 @@ impl IoChannel for QosChannel {
             self.free.push(idx);
         }
         n
-    }
-
-    fn flush(&mut self) {
-        self.inner.flush()
     }
 
     fn room(&self) -> usize {
@@ -472,9 +494,5 @@ impl IoChannel for QosChannel {
     /// and the timer ([`IoChannel::wake_by`]) or the inner notifier wakes it.
     fn slow_completions(&self) -> bool {
         !self.queue.is_empty() || self.inner.slow_completions()
-    }
-
-    fn prefetch(&mut self, req: &IoRequest<'_>, when: Prefetch) {
-        self.inner.prefetch(req, when)
     }
 }

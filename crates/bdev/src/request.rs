@@ -12,7 +12,7 @@ pub enum IoOp {
 }
 
 /// One block request: zero-copy buffers in client memory.
-#[derive(Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct IoRequest<'a> {
     pub op: IoOp,
     pub offset: u64,
@@ -79,14 +79,9 @@ impl BlockInfo {
     }
 
     /// The same device with a size of `bytes`: a non-zero multiple of the block size.
-    pub fn resized(&self, bytes: u64) -> std::io::Result<BlockInfo> {
+    pub fn resized(&self, bytes: u64) -> Result<BlockInfo, crate::GeometryError> {
         let bs = u64::from(self.block_size);
-        if bytes == 0 || !bytes.is_multiple_of(bs) {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("size {bytes} is not a non-zero multiple of the block size {bs}"),
-            ));
-        }
+        crate::GeometryError::check_size(bytes, bs)?;
         Ok(BlockInfo {
             num_blocks: bytes / bs,
             ..*self

@@ -5,7 +5,10 @@
 use std::io;
 use std::sync::Arc;
 
-use crate::{in_range, BlockDevice, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus, Prefetch};
+use crate::{
+    in_range, submit_each, Batch, BlockDevice, BlockInfo, ChannelWrapper, DeviceWrapper,
+    FormatSupport, IoChannel, IoOp, IoRequest, IoStatus,
+};
 
 /// Whether the byte ranges `(offset, len)` `a` and `b` share at least one byte.
 /// Empty ranges overlap nothing; ranges reaching past `u64::MAX` are clamped
@@ -19,6 +22,43 @@ pub fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
     a.0 < b_end && b.0 < a_end
 }
 
+/// Why a slice cannot be cut, or changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SliceError {
+    #[error("{device}: block size is 0")]
+    NoBlockSize { device: String },
+    #[error("slice size must not be 0")]
+    Empty,
+    #[error("slice offset {offset} is not a multiple of the block size {block_size}")]
+    UnalignedOffset { offset: u64, block_size: u64 },
+    #[error("slice size {size} is not a multiple of the block size {block_size}")]
+    UnalignedSize { size: u64, block_size: u64 },
+    #[error("slice offset {offset} + size {size} overflows")]
+    Overflow { offset: u64, size: u64 },
+    #[error("slice [{offset}, {end}) ends past the end of {device} ({device_size} bytes)")]
+    PastEnd {
+        offset: u64,
+        end: u64,
+        device: String,
+        device_size: u64,
+    },
+    /// A slice's extent is part of the configuration that keeps tenants apart.
+    #[error(
+        "a slice keeps the offset= and size= it was opened with; change them in the configuration"
+    )]
+    FixedExtent,
+}
+
+impl From<SliceError> for io::Error {
+    fn from(e: SliceError) -> io::Error {
+        let kind = match e {
+            SliceError::FixedExtent => io::ErrorKind::Unsupported,
+            _ => io::ErrorKind::InvalidInput,
+        };
+        io::Error::new(kind, e)
+    }
+}
+
 /// `[offset, offset+size)` of `inner`, seen as a device of `size` bytes.
 pub struct SliceDisk {
     inner: Arc<dyn BlockDevice>,
@@ -26,44 +66,42 @@ pub struct SliceDisk {
     info: BlockInfo,
 }
 
-fn invalid(msg: String) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidInput, msg)
-}
-
 impl SliceDisk {
-    pub fn new(inner: Arc<dyn BlockDevice>, offset: u64, size: u64) -> io::Result<SliceDisk> {
+    pub fn new(
+        inner: Arc<dyn BlockDevice>,
+        offset: u64,
+        size: u64,
+    ) -> Result<SliceDisk, SliceError> {
         let inner_info = inner.info().clone();
-        let bs = u64::from(inner_info.block_size);
-        let inner_size = inner_info.size_bytes();
-        if bs == 0 {
-            return Err(invalid(format!("{}: block size is 0", inner.describe())));
+        let block_size = u64::from(inner_info.block_size);
+        let device_size = inner_info.size_bytes();
+        if block_size == 0 {
+            return Err(SliceError::NoBlockSize {
+                device: inner.describe(),
+            });
         }
         if size == 0 {
-            return Err(invalid("slice size must not be 0".into()));
+            return Err(SliceError::Empty);
         }
-        if !offset.is_multiple_of(bs) {
-            return Err(invalid(format!(
-                "slice offset {offset} is not a multiple of the block size {bs}"
-            )));
+        if !offset.is_multiple_of(block_size) {
+            return Err(SliceError::UnalignedOffset { offset, block_size });
         }
-        if !size.is_multiple_of(bs) {
-            return Err(invalid(format!(
-                "slice size {size} is not a multiple of the block size {bs}"
-            )));
+        if !size.is_multiple_of(block_size) {
+            return Err(SliceError::UnalignedSize { size, block_size });
         }
         let Some(end) = offset.checked_add(size) else {
-            return Err(invalid(format!(
-                "slice offset {offset} + size {size} overflows"
-            )));
+            return Err(SliceError::Overflow { offset, size });
         };
-        if end > inner_size {
-            return Err(invalid(format!(
-                "slice [{offset}, {end}) ends past the end of {} ({inner_size} bytes)",
-                inner.describe()
-            )));
+        if end > device_size {
+            return Err(SliceError::PastEnd {
+                offset,
+                end,
+                device: inner.describe(),
+                device_size,
+            });
         }
         let info = BlockInfo {
-            num_blocks: size / bs,
+            num_blocks: size / block_size,
             ..inner_info
         };
         Ok(SliceDisk {
@@ -79,7 +117,13 @@ impl SliceDisk {
     }
 }
 
-impl BlockDevice for SliceDisk {
+impl DeviceWrapper for SliceDisk {
+    fn inner(&self) -> &dyn BlockDevice {
+        &*self.inner
+    }
+    fn kind(&self) -> &'static str {
+        "slice"
+    }
     fn describe(&self) -> String {
         format!(
             "slice:{}@{}+{}",
@@ -87,14 +131,6 @@ impl BlockDevice for SliceDisk {
             self.offset,
             self.info.size_bytes()
         )
-    }
-    /// A slice's extent is part of the configuration that keeps tenants apart
-    /// (checked for overlaps when it was opened): it does not change at run time.
-    fn resize(&self, _bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
-        Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            "a slice keeps the offset= and size= it was opened with; change them in the configuration",
-        ))
     }
     fn info(&self) -> &BlockInfo {
         &self.info
@@ -106,14 +142,21 @@ impl BlockDevice for SliceDisk {
             size: self.info.size_bytes(),
         }))
     }
-    fn format_support(&self) -> crate::FormatSupport {
-        crate::FormatSupport::Shared
+    /// A slice's extent is part of the configuration that keeps tenants apart
+    /// (checked for overlaps when it was opened): it does not change at run time.
+    fn resize(&self, _bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
+        Err(SliceError::FixedExtent.into())
     }
-    fn let_go(&self) -> io::Result<()> {
-        self.inner.let_go()
+    fn rewrap(&self, _inner: Arc<dyn BlockDevice>) -> io::Result<Arc<dyn BlockDevice>> {
+        Err(SliceError::FixedExtent.into())
     }
-    fn take_back(&self, dead_owners: &[String]) -> io::Result<()> {
-        self.inner.take_back(dead_owners)
+    /// Not the whole backend: control operations of its kind (an RBD image's
+    /// snapshots) would reach other tenants' data.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+    fn format_support(&self) -> FormatSupport {
+        FormatSupport::Shared
     }
 }
 
@@ -124,13 +167,26 @@ struct SliceChannel {
 }
 
 impl SliceChannel {
-    /// A prefetch hint in the backing device's offsets; `None` outside the slice.
-    fn translated<'r>(&self, req: &IoRequest<'r>) -> Option<IoRequest<'r>> {
-        let offset = self
-            .offset
-            .checked_add(req.offset)
-            .filter(|_| in_range(req.offset, req.len, self.size))?;
-        Some(IoRequest { offset, ..*req })
+    /// `req` in the backing device's offsets, or how it ends here: outside the
+    /// slice, or with buffers that do not add up to its length (the backend may
+    /// move data buffer by buffer before it compares the total with `len`;
+    /// buffers longer than `len` would then reach past the slice). A flush has no
+    /// range and passes as it is.
+    fn translate<'r>(&self, req: &IoRequest<'r>) -> Result<IoRequest<'r>, IoStatus> {
+        if req.op == IoOp::Flush {
+            return Ok(*req);
+        }
+        if !in_range(req.offset, req.len, self.size) {
+            return Err(IoStatus::OutOfRange);
+        }
+        if matches!(req.op, IoOp::Read | IoOp::Write) && iov_total(req) != Some(req.len) {
+            return Err(IoStatus::Invalid);
+        }
+        // Cannot overflow: offset + size <= inner size (checked in `new`).
+        Ok(IoRequest {
+            offset: self.offset + req.offset,
+            ..*req
+        })
     }
 }
 
@@ -141,61 +197,62 @@ fn iov_total(req: &IoRequest<'_>) -> Option<u64> {
         .try_fold(0u64, |acc, b| acc.checked_add(b.len() as u64))
 }
 
-impl IoChannel for SliceChannel {
-    fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
+/// A batch whose every request a slice has checked, seen in the backing
+/// device's offsets. The batch's requests do not change while it is submitted
+/// ([`Batch`]), so the check holds for every read of them.
+struct Shifted<'b> {
+    batch: &'b mut dyn Batch,
+    offset: u64,
+}
+
+impl Batch for Shifted<'_> {
+    fn request(&self, i: usize) -> Option<(u64, IoRequest<'_>)> {
+        let (tag, req) = self.batch.request(i)?;
         if req.op == IoOp::Flush {
-            return self.inner.submit(tag, req);
+            return Some((tag, req));
         }
-        if !in_range(req.offset, req.len, self.size) {
-            return Some(IoStatus::OutOfRange);
+        let offset = self.offset + req.offset;
+        Some((tag, IoRequest { offset, ..req }))
+    }
+
+    fn started(&mut self, i: usize, inline: Option<IoStatus>) {
+        self.batch.started(i, inline)
+    }
+}
+
+impl ChannelWrapper for SliceChannel {
+    fn inner(&self) -> &dyn IoChannel {
+        &*self.inner
+    }
+    fn inner_mut(&mut self) -> &mut dyn IoChannel {
+        &mut *self.inner
+    }
+
+    fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
+        match self.translate(req) {
+            Ok(r) => self.inner.submit(tag, &r),
+            Err(st) => Some(st),
         }
-        // The backend may move data buffer by buffer before it compares the total
-        // with `len`; buffers longer than `len` would then reach past the slice.
-        if matches!(req.op, IoOp::Read | IoOp::Write) && iov_total(req) != Some(req.len) {
-            return Some(IoStatus::Invalid);
+    }
+
+    /// Whole to the backend when every request lies inside the slice (the usual
+    /// case), else one by one (each refused request ends here).
+    fn submit_batch(&mut self, batch: &mut dyn Batch) -> usize {
+        let mut i = 0;
+        while let Some((_, req)) = batch.request(i) {
+            if self.translate(&req).is_err() {
+                return submit_each(batch, |tag, req| ChannelWrapper::submit(self, tag, req));
+            }
+            i += 1;
         }
-        // Cannot overflow: offset + size <= inner size (checked in `new`).
-        let translated = IoRequest {
-            op: req.op,
-            offset: self.offset + req.offset,
-            len: req.len,
-            iov: req.iov,
-            fua: req.fua,
-        };
-        self.inner.submit(tag, &translated)
+        let offset = self.offset;
+        self.inner.submit_batch(&mut Shifted { batch, offset })
     }
 
-    fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
-        self.inner.poll(done)
-    }
-
-    fn flush(&mut self) {
-        self.inner.flush()
-    }
-
-    fn room(&self) -> usize {
-        self.inner.room()
-    }
-
-    fn arm_notifier(&mut self) -> crate::Armed {
-        self.inner.arm_notifier()
-    }
-
-    fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        self.inner.notifier()
-    }
-
-    fn wake_by(&self) -> Option<std::time::Instant> {
-        self.inner.wake_by()
-    }
-
-    fn slow_completions(&self) -> bool {
-        self.inner.slow_completions()
-    }
-
-    fn prefetch(&mut self, req: &IoRequest<'_>, when: Prefetch) {
-        if let Some(r) = self.translated(req) {
-            self.inner.prefetch(&r, when)
+    /// Passed on in the backing device's offsets; dropped outside the slice.
+    fn announce(&mut self, op: IoOp, offset: u64, len: u64) {
+        if in_range(offset, len, self.size) {
+            self.inner.announce(op, self.offset + offset, len)
         }
     }
 }

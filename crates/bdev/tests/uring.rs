@@ -1,9 +1,12 @@
 //! File backend: data round trips, bounce path, zeroing, errors, through io_uring
 //! and through the inline engine.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use bdev::{BlockDevice, FileDisk, FileEngine, FileOptions, IoChannel, IoOp, IoRequest, IoStatus};
+use bdev::{
+    BlockDevice, FileDisk, FileEngine, FileError, FileOp, FileOptions, GeometryError, IoChannel,
+    IoOp, IoRequest, IoStatus,
+};
 use guest_mem::{DmaSlice, SharedMem};
 use test_support::files::{sized_file, LoopDev};
 
@@ -59,16 +62,16 @@ fn run_len(
     if let Some(st) = ch.submit(42, &req) {
         return st;
     }
-    let deadline = Instant::now() + Duration::from_secs(10);
     let mut out = None;
-    while out.is_none() {
-        assert!(Instant::now() < deadline, "request timed out");
+    let done = engine::wait_until(Duration::from_secs(10), Duration::ZERO, || {
         ch.flush();
         ch.poll(&mut |tag, st| {
             assert_eq!(tag, 42);
             out = Some(st);
         });
-    }
+        out.is_some()
+    });
+    assert!(done, "request timed out");
     out.unwrap()
 }
 
@@ -264,10 +267,8 @@ fn many_in_flight() {
         pending += 1;
         assert_eq!(ch.room(), room.saturating_sub(pending));
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
     let mut seen = vec![false; 1024];
-    while pending > 0 {
-        assert!(Instant::now() < deadline);
+    let done = engine::wait_until(Duration::from_secs(20), Duration::ZERO, || {
         ch.flush();
         ch.poll(&mut |tag, st| {
             assert_eq!(st, IoStatus::Ok);
@@ -275,7 +276,9 @@ fn many_in_flight() {
             seen[tag as usize] = true;
             pending -= 1;
         });
-    }
+        pending == 0
+    });
+    assert!(done, "requests timed out");
     assert_eq!(ch.room(), room, "every slot is free again");
     assert_eq!(std::fs::read(&p).unwrap(), data);
 }
@@ -335,16 +338,38 @@ fn open_errors_name_the_path() {
     let e = FileDisk::open(&missing, FileOptions::default())
         .err()
         .unwrap();
+    assert!(
+        matches!(&e, FileError::Io { path, op: FileOp::Stat, source }
+            if *path == missing && source.kind() == std::io::ErrorKind::NotFound),
+        "{e:?}"
+    );
     assert!(e.to_string().contains("nope.img"), "{e}");
     let odd = sized_file(dir.path(), "odd.img", 1000);
     let e = FileDisk::open(&odd, FileOptions::default()).err().unwrap();
-    assert!(e.to_string().contains("odd.img"), "{e}");
+    let size = GeometryError::Size {
+        size: 1000,
+        block_size: 512,
+    };
+    assert!(
+        matches!(&e, FileError::Geometry { path, source } if *path == odd && *source == size),
+        "{e:?}"
+    );
     let empty = sized_file(dir.path(), "empty.img", 0);
-    assert!(FileDisk::open(&empty, FileOptions::default()).is_err());
+    let e = FileDisk::open(&empty, FileOptions::default())
+        .err()
+        .unwrap();
+    assert!(matches!(e, FileError::Geometry { .. }), "{e:?}");
     let e = FileDisk::open(dir.path(), FileOptions::default())
         .err()
         .unwrap();
-    assert!(e.to_string().contains("not a regular file"), "{e}");
+    assert!(matches!(e, FileError::NotFileOrDevice { .. }), "{e:?}");
+    // Through the io::Error a trait returns, the typed error is still there.
+    let io: std::io::Error = e.into();
+    assert_eq!(io.kind(), std::io::ErrorKind::InvalidInput);
+    assert!(matches!(
+        bdev::typed::<FileError>(&io),
+        Some(FileError::NotFileOrDevice { .. })
+    ));
     let k512 = sized_file(dir.path(), "k.img", 512 * 3);
     let opts = FileOptions {
         block_size: Some(4096),
@@ -359,7 +384,11 @@ fn open_errors_name_the_path() {
         block_size: Some(1024),
         ..FileOptions::default()
     };
-    assert!(FileDisk::open(&k4, bad).is_err());
+    let e = FileDisk::open(&k4, bad).err().unwrap();
+    assert!(
+        matches!(&e, FileError::Geometry { source, .. } if *source == GeometryError::BlockSize(1024)),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -480,7 +509,15 @@ fn resize_sets_the_file_length() {
     assert!(b.iter().all(|x| *x == 0), "grown again: zeroes");
     // Read-only files keep their length: only the size they have is taken.
     let ro = open(&p, false, true);
-    assert!(ro.resize(8 * SIZE).is_err());
+    let e = ro.resize(8 * SIZE).err().unwrap();
+    assert!(matches!(
+        bdev::typed::<FileError>(&e),
+        Some(FileError::KeepsSize {
+            asked,
+            block_device: false,
+            ..
+        }) if *asked == 8 * SIZE
+    ));
     assert!(ro.resize(SIZE).is_err());
     assert_eq!(ro.resize(2 * SIZE).unwrap().info().size_bytes(), 2 * SIZE);
     assert_eq!(std::fs::metadata(&p).unwrap().len(), 2 * SIZE);
@@ -565,7 +602,17 @@ fn block_device_resizes_only_to_its_own_size() {
         .resize(2 * SIZE)
         .err()
         .expect("a device does not grow from here");
-    assert!(e.to_string().contains("the block device has"), "{e}");
+    assert!(
+        matches!(
+            bdev::typed::<FileError>(&e),
+            Some(FileError::KeepsSize {
+                block_device: true,
+                has,
+                ..
+            }) if *has == SIZE
+        ),
+        "{e:?}"
+    );
     assert!(d.resize(SIZE / 2).is_err(), "nor shrink");
     assert_eq!(d.resize(SIZE).unwrap().info().size_bytes(), SIZE);
     std::fs::OpenOptions::new()

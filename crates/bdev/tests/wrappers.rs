@@ -1,73 +1,80 @@
 //! SliceDisk, FaultDisk and QosDisk.
 
+mod common;
+use common::{batch, req};
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bdev::{
     overlaps, Armed, BlockDevice, FaultConfig, FaultDisk, FaultOps, IoChannel, IoOp, IoRequest,
-    IoStatus, NullDisk, QosClock, QosDisk, QosLimits, RamDisk, SliceDisk, QOS_MAX_NAP,
+    IoStatus, NullDisk, QosClock, QosDisk, QosLimits, RamDisk, SliceDisk, SliceError, QOS_MAX_NAP,
 };
-use guest_mem::SharedMem;
+use guest_mem::{DmaSlice, SharedMem};
 use test_support::held::HeldDisk;
 
 const MIB: u64 = 1 << 20;
-
-fn req<'a>(op: IoOp, offset: u64, len: u64, iov: &'a [guest_mem::DmaSlice<'a>]) -> IoRequest<'a> {
-    IoRequest {
-        op,
-        offset,
-        len,
-        iov,
-        fua: false,
-    }
-}
 
 // ---------------------------------------------------------------- slice
 
 #[test]
 fn slice_construction_checks() {
     let ram: Arc<dyn BlockDevice> = Arc::new(RamDisk::new(MIB, 512).unwrap());
-    let err = |o, s| SliceDisk::new(ram.clone(), o, s).err().unwrap().to_string();
-    assert!(err(0, 0).contains("must not be 0"));
-    assert!(err(100, 512).contains("offset 100"));
-    assert!(err(0, 1000).contains("size 1000"));
+    let err = |o, s| SliceDisk::new(ram.clone(), o, s).err().unwrap();
+    let block_size = 512;
+    assert_eq!(err(0, 0), SliceError::Empty);
+    assert_eq!(
+        err(100, 512),
+        SliceError::UnalignedOffset {
+            offset: 100,
+            block_size
+        }
+    );
+    assert_eq!(
+        err(0, 1000),
+        SliceError::UnalignedSize {
+            size: 1000,
+            block_size
+        }
+    );
     let top = u64::MAX / 512 * 512;
-    assert!(err(top, 512).contains("overflows"));
-    assert!(err(MIB - 512, 1024).contains("past the end"));
-    assert!(err(MIB, 512).contains("past the end"));
+    assert_eq!(
+        err(top, 512),
+        SliceError::Overflow {
+            offset: top,
+            size: 512
+        }
+    );
+    let past = |offset, end| SliceError::PastEnd {
+        offset,
+        end,
+        device: ram.describe(),
+        device_size: MIB,
+    };
+    assert_eq!(err(MIB - 512, 1024), past(MIB - 512, MIB + 512));
+    assert_eq!(err(MIB, 512), past(MIB, MIB + 512));
+    assert!(err(MIB, 512).to_string().contains("past the end"));
     let s = SliceDisk::new(ram.clone(), MIB / 2, MIB / 2).unwrap();
     assert_eq!(s.info().size_bytes(), MIB / 2);
     assert_eq!(s.info().block_size, 512);
     assert!(s.describe().starts_with("slice:ram:"));
 }
 
-#[test]
-fn slice_isolation_against_hostile_requests() {
-    let ram = Arc::new(RamDisk::new(MIB, 512).unwrap());
-    let mut raw = ram.channel().unwrap();
-    let big = SharedMem::new("big", MIB).unwrap();
-    let all = big.all();
-    all.fill(0xAA);
-    let iov = [all];
-    assert_eq!(
-        raw.submit(0, &req(IoOp::Write, 0, MIB, &iov)),
-        Some(IoStatus::Ok)
-    );
-
-    let (off, size) = (256 * 1024, 256 * 1024);
-    let slice = SliceDisk::new(ram.clone(), off, size).unwrap();
-    let mut ch = slice.channel().unwrap();
-    let buf = SharedMem::new("b", 8192).unwrap();
-    let b = buf.all();
-    b.fill(0x55);
-    let one = [b.sub(0, 512).unwrap()];
-    let two = [b.sub(0, 1024).unwrap()];
-    let whole = [b];
-
+/// Requests a slice of `size` bytes at `off` must refuse, with the status each
+/// ends in: ranges outside it (wrapping, past its end, valid only in the backing
+/// device), buffers that do not add up to the length.
+fn hostile<'a>(
+    off: u64,
+    size: u64,
+    one: &'a [DmaSlice<'a>],
+    two: &'a [DmaSlice<'a>],
+    whole: &'a [DmaSlice<'a>],
+) -> Vec<(IoRequest<'a>, IoStatus)> {
+    let mut v = Vec::new();
     for op in [IoOp::Read, IoOp::Write, IoOp::WriteZeroes, IoOp::Discard] {
         let (iov1, iov2): (&[_], &[_]) = if matches!(op, IoOp::Read | IoOp::Write) {
-            (&one, &two)
+            (one, two)
         } else {
             (&[], &[])
         };
@@ -81,47 +88,72 @@ fn slice_isolation_against_hostile_requests() {
             (u64::MAX - off + 1, 512, iov1), // would wrap to 0 after translation
             (MIB - off, 512, iov1),          // inner-valid, slice-invalid
         ] {
-            assert_eq!(
-                ch.submit(1, &req(op, o, l, iov)),
-                Some(IoStatus::OutOfRange),
-                "{op:?} {o} {l}"
-            );
+            v.push((req(op, o, l, iov), IoStatus::OutOfRange));
         }
     }
     // Buffers longer than `len` must not spill past the slice end.
-    assert_eq!(
-        ch.submit(2, &req(IoOp::Write, size - 512, 512, &whole)),
-        Some(IoStatus::Invalid)
-    );
-    assert_eq!(
-        ch.submit(2, &req(IoOp::Write, size - 512, 8192, &one)),
-        Some(IoStatus::OutOfRange)
-    );
-    assert_eq!(
-        ch.submit(2, &req(IoOp::Write, 0, 1024, &one)),
-        Some(IoStatus::Invalid)
-    );
+    v.push((req(IoOp::Write, size - 512, 512, whole), IoStatus::Invalid));
+    v.push((
+        req(IoOp::Write, size - 512, 8192, one),
+        IoStatus::OutOfRange,
+    ));
+    v.push((req(IoOp::Write, 0, 1024, one), IoStatus::Invalid));
+    v
+}
 
-    // Legit: fill the whole slice with 0x55 (32 x 8 KiB), then zero one block.
-    for i in 0..size / 8192 {
-        assert_eq!(
-            ch.submit(3, &req(IoOp::Write, i * 8192, 8192, &whole)),
-            Some(IoStatus::Ok)
-        );
+/// Every hostile request is refused alone and inside a batch (where the good
+/// requests around it still run); good ones, alone or batched, reach only the
+/// slice's bytes of the backing device, at slice-relative offsets.
+#[test]
+fn slice_isolation_against_hostile_requests() {
+    let ram = Arc::new(RamDisk::new(MIB, 512).unwrap());
+    let mut raw = ram.channel().unwrap();
+    let big = SharedMem::new("big", MIB).unwrap();
+    let all = big.all();
+    all.fill(0xAA);
+    let iov = [all];
+    let whole_disk = req(IoOp::Write, 0, MIB, &iov);
+    assert_eq!(raw.submit(0, &whole_disk), Some(IoStatus::Ok));
+
+    let (off, size) = (256 * 1024, 256 * 1024);
+    let slice = SliceDisk::new(ram.clone(), off, size).unwrap();
+    let mut ch = slice.channel().unwrap();
+    let buf = SharedMem::new("b", 8192).unwrap();
+    let b = buf.all();
+    b.fill(0x55);
+    let one = [b.sub(0, 512).unwrap()];
+    let two = [b.sub(0, 1024).unwrap()];
+    let whole = [b];
+    let bad = hostile(off, size, &one, &two, &whole);
+    for (r, want) in &bad {
+        assert_eq!(ch.submit(1, r), Some(*want), "{r:?}");
     }
-    assert_eq!(
-        ch.submit(4, &req(IoOp::WriteZeroes, size - 512, 512, &[])),
-        Some(IoStatus::Ok)
-    );
-    assert_eq!(
-        ch.submit(5, &req(IoOp::Flush, 0, 0, &[])),
-        Some(IoStatus::Ok)
-    );
-    // Flush passes through regardless of its (meaningless) offset.
-    assert_eq!(
-        ch.submit(5, &req(IoOp::Flush, u64::MAX, 0, &[])),
-        Some(IoStatus::Ok)
-    );
+    // In a batch, with good requests around them: the first 8 KiB of the slice.
+    let mut list: Vec<_> = bad.iter().map(|(r, _)| *r).collect();
+    list.insert(0, req(IoOp::Write, 0, 8192, &whole));
+    list.push(req(IoOp::Flush, u64::MAX, 0, &[]));
+    let mut want: Vec<_> = bad.iter().map(|(_, st)| Some(*st)).collect();
+    want.insert(0, Some(IoStatus::Ok));
+    want.push(Some(IoStatus::Ok));
+    assert_eq!(batch(&mut *ch, &list), want);
+
+    // The rest of the slice with 0x55 in batches of 8 KiB writes, then zero one
+    // block; flushes pass whatever their (meaningless) offset.
+    let fill: Vec<_> = (1..size / 8192)
+        .map(|i| req(IoOp::Write, i * 8192, 8192, &whole))
+        .collect();
+    for part in fill.chunks(7) {
+        assert!(batch(&mut *ch, part)
+            .iter()
+            .all(|st| *st == Some(IoStatus::Ok)));
+    }
+    let zero = req(IoOp::WriteZeroes, size - 512, 512, &[]);
+    let flushes = [
+        req(IoOp::Flush, 0, 0, &[]),
+        req(IoOp::Flush, u64::MAX, 0, &[]),
+    ];
+    assert_eq!(ch.submit(4, &zero), Some(IoStatus::Ok));
+    assert_eq!(batch(&mut *ch, &flushes), [Some(IoStatus::Ok); 2]);
 
     all.fill(0);
     assert_eq!(
@@ -269,11 +301,11 @@ fn fault_latency_withholds_completion() {
     assert_eq!(ch.submit(1, &req(IoOp::Write, 0, 512, &iov)), None);
     assert_eq!(ch.submit(2, &req(IoOp::Read, 0, 512, &iov)), None);
     let mut got = Vec::new();
-    while got.len() < 2 {
+    let done = engine::wait_until(Duration::from_secs(5), Duration::ZERO, || {
         ch.poll(&mut |t, s| got.push((t, s, start.elapsed())));
-        assert!(start.elapsed() < Duration::from_secs(5), "never completed");
-        std::thread::yield_now();
-    }
+        got.len() >= 2
+    });
+    assert!(done, "never completed");
     assert_eq!(got[0].0, 1);
     assert_eq!(got[0].1, IoStatus::Ok);
     assert_eq!(got[1].0, 2);
@@ -556,10 +588,11 @@ fn fault_latency_over_async_inner() {
         assert_eq!(ch.submit(t, &flush), None);
     }
     let mut got = Vec::new();
-    while got.len() < 2 {
+    let done = engine::wait_until(Duration::from_secs(5), Duration::ZERO, || {
         ch.poll(&mut |t, s| got.push((t, s)));
-        assert!(start.elapsed() < Duration::from_secs(5));
-    }
+        got.len() >= 2
+    });
+    assert!(done, "never completed");
     assert!(start.elapsed() >= lat);
     assert_eq!(got, [(1, IoStatus::Ok), (2, IoStatus::Ok)]);
     // The third is still throttled by the (fake) QoS clock.
@@ -679,109 +712,4 @@ fn fault_latency_asks_for_a_timer() {
     assert_eq!(ch.poll(&mut |_, _| {}), 0, "completed, but delayed");
     assert_eq!(ch.arm_notifier(), Armed::Timer);
     assert!(ch.wake_by().is_some());
-}
-
-// ---------------------------------------------------------------- resize
-
-/// Writes `byte` at `offset` through a fresh channel of `d`, then reads it back.
-fn write_read(d: &dyn BlockDevice, offset: u64, byte: u8) -> (IoStatus, u8) {
-    let mut ch = d.channel().unwrap();
-    let buf = SharedMem::new("r", 4096).unwrap();
-    let s = buf.all();
-    let one = [s.sub(0, 512).unwrap()];
-    s.fill(byte);
-    let w = ch.submit(1, &req(IoOp::Write, offset, 512, &one)).unwrap();
-    s.fill(0);
-    ch.submit(2, &req(IoOp::Read, offset, 512, &one)).unwrap();
-    let mut b = [0u8; 1];
-    s.read_into(0, &mut b).unwrap();
-    (w, b[0])
-}
-
-#[test]
-fn resize_gives_a_new_handle_over_the_same_data() {
-    let ram = RamDisk::new(4 * MIB, 512).unwrap();
-    assert_eq!(write_read(&ram, 0, 9), (IoStatus::Ok, 9));
-    let small = ram.resize(MIB).unwrap();
-    assert_eq!(small.info().size_bytes(), MIB);
-    assert_eq!(
-        ram.info().size_bytes(),
-        4 * MIB,
-        "the old handle keeps its size"
-    );
-    // Same data; the new size is enforced by the backend itself.
-    let mut ch = small.channel().unwrap();
-    let buf = SharedMem::new("r", 4096).unwrap();
-    let one = [buf.all().sub(0, 512).unwrap()];
-    assert_eq!(
-        ch.submit(1, &req(IoOp::Read, 0, 512, &one)),
-        Some(IoStatus::Ok)
-    );
-    let mut b = [0u8; 1];
-    one[0].read_into(0, &mut b).unwrap();
-    assert_eq!(b[0], 9);
-    assert_eq!(
-        ch.submit(2, &req(IoOp::Read, MIB, 512, &one)),
-        Some(IoStatus::OutOfRange)
-    );
-    // Back up, and beyond what was mapped at first: the data below stays.
-    assert_eq!(small.resize(4 * MIB).unwrap().info().size_bytes(), 4 * MIB);
-    let big = small.resize(8 * MIB).unwrap();
-    assert_eq!(big.info().size_bytes(), 8 * MIB);
-    assert_eq!(write_read(&*big, 0, 9), (IoStatus::Ok, 9));
-    assert_eq!(write_read(&*big, 8 * MIB - 512, 4), (IoStatus::Ok, 4));
-    assert!(
-        ram.resize(1000).is_err(),
-        "not a multiple of the block size"
-    );
-    assert!(ram.resize(0).is_err());
-
-    let null = NullDisk::new(MIB, 4096).unwrap();
-    assert_eq!(null.resize(64 * MIB).unwrap().info().num_blocks, 16384);
-}
-
-#[test]
-fn wrappers_resize_their_backend_and_keep_their_state() {
-    let ram: Arc<dyn BlockDevice> = Arc::new(RamDisk::new(4 * MIB, 512).unwrap());
-    let limits = QosLimits {
-        iops: Some(1000),
-        ..QosLimits::default()
-    };
-    let qos = QosDisk::new(ram.clone(), limits).unwrap();
-    let q2 = qos.resized(2 * MIB).unwrap();
-    assert_eq!(q2.info().size_bytes(), 2 * MIB);
-    assert_eq!(q2.limits(), limits);
-    // One set of buckets: a change through either handle reaches both.
-    qos.set_limits(QosLimits::default()).unwrap();
-    assert_eq!(q2.limits(), QosLimits::default());
-
-    let fault = FaultDisk::new(ram.clone(), FaultConfig::default()).unwrap();
-    assert_eq!(fault.resize(MIB).unwrap().info().size_bytes(), MIB);
-
-    let slice = SliceDisk::new(ram, 0, MIB).unwrap();
-    let e = slice.resize(2 * MIB).err().unwrap();
-    assert_eq!(e.kind(), std::io::ErrorKind::Unsupported);
-    assert!(e.to_string().contains("offset= and size="), "{e}");
-}
-
-// ---------------------------------------------------------------- format support
-
-/// Memory backends can take any block size; a slice is a window others may share;
-/// QoS and fault wrappers answer for what they wrap.
-#[test]
-fn format_support_through_wrappers() {
-    use bdev::FormatSupport;
-    let any = FormatSupport::Exclusive {
-        min_block_size: 512,
-    };
-    let ram: Arc<dyn BlockDevice> = Arc::new(RamDisk::new(MIB, 4096).unwrap());
-    let null: Arc<dyn BlockDevice> = Arc::new(NullDisk::new(MIB, 512).unwrap());
-    assert_eq!(ram.format_support(), any);
-    assert_eq!(null.format_support(), any);
-    let slice: Arc<dyn BlockDevice> = Arc::new(SliceDisk::new(ram.clone(), 0, MIB).unwrap());
-    assert_eq!(slice.format_support(), FormatSupport::Shared);
-    let qos = QosDisk::new(ram.clone(), QosLimits::default()).unwrap();
-    assert_eq!(qos.format_support(), any);
-    let fault = FaultDisk::new(slice, FaultConfig::default()).unwrap();
-    assert_eq!(fault.format_support(), FormatSupport::Shared);
 }

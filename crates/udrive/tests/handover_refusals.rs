@@ -22,10 +22,7 @@ fn refusals() {
     let rig = Rig::start(PollMode::Busy);
     let d = rig.connect(opts(Some(false)));
     let ctrl = rig.ctrl();
-    assert!(matches!(
-        ctrl.save(),
-        Err(nvme::SaveError::NotPaused)
-    ));
+    assert!(matches!(ctrl.save(), Err(nvme::SaveError::NotPaused)));
     // Restoring into a controller that is running is refused.
     ctrl.pause(Duration::from_secs(1)).unwrap();
     let st = ctrl.save().unwrap();

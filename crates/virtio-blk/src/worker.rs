@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bdev::{BlockInfo, IoChannel, IoOp, IoStatus, Prefetch};
+use bdev::{Batch as _, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
 use frontend_core::{Protocol, QueueCore};
 use trace::{Mailbox, TraceControl};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -410,42 +410,131 @@ impl QueueWorker {
         self.broken = Some(QueueError::AvailIndex);
     }
 
+    /// Completes the chains that failed to parse and hands the rest to the backend
+    /// as one batch: the channel orders its own work (a RAM disk copies one
+    /// request while the next one's data is on its way), and each inline
+    /// completion goes on the used ring as soon as the channel reports it
+    /// (docs/decisions/0033-backend-batches.md).
     fn submit(&mut self, q: &mut Queue, mem: &Arc<Mem>, p: &mut Progress) {
+        let mut kept = 0;
         for i in 0..self.ready.len() {
-            // While this one is copied, the next one's data is on its way to the
-            // cache (docs/decisions/0027-prefetch-next-copy.md).
-            if let Some(next) = self.ready.get(i + 1).map(|&n| &self.slots[usize::from(n)]) {
-                if next.outcome == Outcome::Submit {
-                    self.chan.prefetch(&next.request(), Prefetch::AfterCurrent);
+            let idx = self.ready[i];
+            match self.slots[usize::from(idx)].outcome {
+                Outcome::Finish(s) => self.complete(q, mem, idx, s, p),
+                Outcome::Submit => {
+                    self.ready[kept] = idx;
+                    kept += 1;
                 }
             }
-            let idx = self.ready[i];
-            let slot = &mut self.slots[usize::from(idx)];
-            let status = match slot.outcome {
-                Outcome::Finish(s) => Some(s),
-                Outcome::Submit => {
-                    slot.stamps.submitted = QueueCore::<VirtioBlk>::stamp(slot.stamps.kick);
-                    let op = slot.op;
-                    let st = self
-                        .chan
-                        .submit(u64::from(idx), &slot.request())
-                        .map(|st| VirtioBlk::from_io(st, op));
-                    if st.is_some() {
-                        // Inline backend: it completed inside the call.
-                        slot.stamps.completed = QueueCore::<VirtioBlk>::stamp(slot.stamps.kick);
-                    }
-                    st
-                }
+        }
+        self.ready.truncate(kept);
+        if let Some(&first) = self.ready.first() {
+            let slot = &mut self.slots[usize::from(first)];
+            slot.stamps.submitted = QueueCore::<VirtioBlk>::stamp(slot.stamps.kick);
+            let QueueWorker {
+                chan,
+                slots,
+                ready,
+                free,
+                rec,
+                cfg,
+                inflight,
+                broken,
+                ..
+            } = self;
+            let post = Post {
+                cfg,
+                rec,
+                free,
+                inflight,
+                broken,
+                q,
+                mem,
+                p,
             };
-            if let Some(s) = status {
-                self.complete(q, mem, idx, s, p);
+            let mut chains = Chains { ready, slots, post };
+            if chains.ready.len() == 1 {
+                // Nothing to order: one request goes as one.
+                let started = chains.request(0).map(|(tag, req)| chan.submit(tag, &req));
+                if let Some(st) = started {
+                    chains.started(0, st);
+                }
+            } else {
+                chan.submit_batch(&mut chains);
             }
         }
         self.ready.clear();
     }
 
     fn complete(&mut self, q: &mut Queue, mem: &Arc<Mem>, idx: u16, status: u8, p: &mut Progress) {
-        let slot = &mut self.slots[usize::from(idx)];
+        Post {
+            cfg: &self.cfg,
+            rec: &mut self.rec,
+            free: &mut self.free,
+            inflight: &self.inflight,
+            broken: &mut self.broken,
+            q,
+            mem,
+            p,
+        }
+        .complete(&mut self.slots, idx, status);
+    }
+}
+
+/// What putting a request on the used ring touches.
+struct Post<'a> {
+    cfg: &'a BlkConfig,
+    rec: &'a mut QueueCore<VirtioBlk>,
+    free: &'a mut Vec<u16>,
+    inflight: &'a Option<InflightQueue>,
+    broken: &'a mut Option<QueueError>,
+    q: &'a mut Queue,
+    mem: &'a Arc<Mem>,
+    p: &'a mut Progress,
+}
+
+/// A poll's parsed chains as the backend's batch: their slots' requests, each
+/// start completed (inline) or left in flight as the channel reports it.
+struct Chains<'a> {
+    ready: &'a [u16],
+    slots: &'a mut [Slot],
+    post: Post<'a>,
+}
+
+impl bdev::Batch for Chains<'_> {
+    fn request(&self, i: usize) -> Option<(u64, IoRequest<'_>)> {
+        let idx = *self.ready.get(i)?;
+        Some((u64::from(idx), self.slots.get(usize::from(idx))?.request()))
+    }
+
+    fn started(&mut self, i: usize, inline: Option<IoStatus>) {
+        let Some(&idx) = self.ready.get(i) else {
+            return;
+        };
+        let Some(slot) = self.slots.get_mut(usize::from(idx)) else {
+            return;
+        };
+        if let Some(st) = inline {
+            // Inline backend: it completed inside the call.
+            slot.stamps.completed = QueueCore::<VirtioBlk>::stamp(slot.stamps.kick);
+            let status = VirtioBlk::from_io(st, slot.op);
+            self.post.complete(self.slots, idx, status);
+        }
+        if let Some(next) = self
+            .ready
+            .get(i + 1)
+            .and_then(|&n| self.slots.get_mut(usize::from(n)))
+        {
+            next.stamps.submitted = QueueCore::<VirtioBlk>::stamp(next.stamps.kick);
+        }
+    }
+}
+
+impl Post<'_> {
+    fn complete(&mut self, slots: &mut [Slot], idx: u16, status: u8) {
+        let Some(slot) = slots.get_mut(usize::from(idx)) else {
+            return;
+        };
         let bytes = match (slot.outcome, slot.op) {
             (Outcome::Submit, IoOp::Read | IoOp::Write) => slot.len,
             _ => 0,
@@ -487,10 +576,10 @@ impl QueueWorker {
         let head = slot.head;
         slot.release();
         self.free.push(idx);
-        if let Some(log) = &self.inflight {
+        if let Some(log) = self.inflight {
             log.before_used(head);
         }
-        if q.add_used(&**mem, head, used_len).is_err() {
+        if self.q.add_used(&**self.mem, head, used_len).is_err() {
             if self.broken.is_none() {
                 trace::limited!(
                     self.cfg.log,
@@ -499,12 +588,12 @@ impl QueueWorker {
                     "cannot write the used ring; queue stopped until reset"
                 );
             }
-            self.broken = Some(QueueError::UsedRing);
+            *self.broken = Some(QueueError::UsedRing);
             return;
         }
-        if let Some(log) = &self.inflight {
-            log.used(head, q.next_used());
+        if let Some(log) = self.inflight {
+            log.used(head, self.q.next_used());
         }
-        p.used += 1;
+        self.p.used += 1;
     }
 }

@@ -4,9 +4,10 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::ffi::{Aio, Image, IoVecs, Sink};
+use super::aio::{Aio, IoVecs, Sink};
+use super::ffi::Image;
 use crate::{in_range, Armed, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
 
 /// Requests one channel has in flight at most. librbd queues without bound, so
@@ -76,11 +77,8 @@ impl RbdChannel {
                 Ok(())
             }
             Err(e) => {
-                tracing::warn!("rbd: {e}");
-                Err(status(
-                    slot.op,
-                    -i64::from(e.raw_os_error().unwrap_or(libc::EIO)),
-                ))
+                tracing::warn!(errno = e.errno(), "rbd: {e}");
+                Err(status(slot.op, -i64::from(e.errno().unwrap_or(libc::EIO))))
             }
         }
     }
@@ -189,28 +187,29 @@ impl IoChannel for RbdChannel {
     }
 }
 
+impl RbdChannel {
+    /// Drops the completions waiting in the sink; whether none is in flight now.
+    fn forget_done(&mut self) -> bool {
+        while self.sink.pop().is_some() {
+            self.inflight -= 1;
+        }
+        self.inflight == 0
+    }
+}
+
 impl Drop for RbdChannel {
     fn drop(&mut self) {
         // librbd may still write into the buffers of requests in flight; their
         // completions are not reported (the contract), but we must outlive them.
-        let start = Instant::now();
-        let mut warned = false;
-        while self.inflight > 0 {
-            while self.sink.pop().is_some() {
-                self.inflight -= 1;
-            }
-            if self.inflight == 0 {
-                break;
-            }
-            if !warned && start.elapsed() > Duration::from_secs(5) {
-                tracing::warn!(
-                    "rbd: waiting for {} requests before closing a channel (fd {})",
-                    self.inflight,
-                    self.sink.fd().as_raw_fd()
-                );
-                warned = true;
-            }
-            std::thread::sleep(Duration::from_millis(1));
+        let pause = Duration::from_millis(1);
+        if engine::wait_until(Duration::from_secs(5), pause, || self.forget_done()) {
+            return;
         }
+        tracing::warn!(
+            "rbd: waiting for {} requests before closing a channel (fd {})",
+            self.inflight,
+            self.sink.fd().as_raw_fd()
+        );
+        engine::wait_until(Duration::MAX, pause, || self.forget_done());
     }
 }

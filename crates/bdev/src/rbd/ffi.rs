@@ -2,7 +2,7 @@
 //! safe wrappers. Hand-written rather than generated: bindgen would pull libclang
 //! into every build for about thirty functions, and crates.io has no maintained
 //! binding (`librbd-sys` 0.1 predates readv/writev/write_zeroes). Every `unsafe`
-//! of the RBD backend is in this file.
+//! of the RBD backend is in this file and in `aio.rs` (the I/O path's calls).
 //!
 //! Thread safety: librados cluster handles, I/O contexts and librbd image handles
 //! are internally locked and documented as usable from several threads at once
@@ -14,20 +14,15 @@
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::io;
 use std::ptr;
+
+use super::RbdError;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crossbeam_queue::ArrayQueue;
-use std::fs::File;
-use std::io::{Read, Write};
-use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
-
 type rados_t = *mut c_void;
 type rados_ioctx_t = *mut c_void;
-type rbd_image_t = *mut c_void;
-type rbd_completion_t = *mut c_void;
+pub(super) type rbd_image_t = *mut c_void;
 type rbd_image_options_t = *mut c_void;
-type rbd_callback_t = extern "C" fn(rbd_completion_t, *mut c_void);
 type librbd_progress_fn_t = extern "C" fn(u64, u64, *mut c_void) -> c_int;
 
 /// librbd calls a resize's progress function unconditionally (a null one crashes
@@ -131,61 +126,23 @@ extern "C" {
     fn rbd_snap_list(image: rbd_image_t, snaps: *mut rbd_snap_info_t, max: *mut c_int) -> c_int;
     fn rbd_snap_list_end(snaps: *mut rbd_snap_info_t);
     fn rbd_flush(image: rbd_image_t) -> c_int;
-
-    fn rbd_aio_create_completion(
-        arg: *mut c_void,
-        cb: rbd_callback_t,
-        c: *mut rbd_completion_t,
-    ) -> c_int;
-    fn rbd_aio_get_return_value(c: rbd_completion_t) -> isize;
-    fn rbd_aio_release(c: rbd_completion_t);
-    fn rbd_aio_readv(
-        image: rbd_image_t,
-        iov: *const libc::iovec,
-        iovcnt: c_int,
-        off: u64,
-        c: rbd_completion_t,
-    ) -> c_int;
-    fn rbd_aio_writev(
-        image: rbd_image_t,
-        iov: *const libc::iovec,
-        iovcnt: c_int,
-        off: u64,
-        c: rbd_completion_t,
-    ) -> c_int;
-    fn rbd_aio_flush(image: rbd_image_t, c: rbd_completion_t) -> c_int;
-    fn rbd_aio_discard(image: rbd_image_t, off: u64, len: u64, c: rbd_completion_t) -> c_int;
-    fn rbd_aio_write_zeroes(
-        image: rbd_image_t,
-        off: u64,
-        len: usize,
-        c: rbd_completion_t,
-        zero_flags: c_int,
-        op_flags: c_int,
-    ) -> c_int;
 }
 
-/// An error from librados/librbd (a negative errno) with what was being done.
-pub fn ceph_err(ret: i64, what: impl std::fmt::Display) -> io::Error {
-    let errno = i32::try_from(-ret).unwrap_or(libc::EIO);
-    let os = io::Error::from_raw_os_error(errno);
-    io::Error::new(os.kind(), format!("{what}: {os}"))
-}
+type Result<T> = std::result::Result<T, RbdError>;
 
-fn check(ret: c_int, what: impl FnOnce() -> String) -> io::Result<()> {
+/// `Ok` for a librados/librbd return value that is not a negative errno; else the
+/// error, with `what` was being done.
+pub(super) fn check(ret: c_int, what: impl FnOnce() -> String) -> Result<()> {
     if ret < 0 {
-        Err(ceph_err(i64::from(ret), what()))
+        Err(RbdError::call(i64::from(ret), what()))
     } else {
         Ok(())
     }
 }
 
-fn cstr(s: &str) -> io::Result<CString> {
-    CString::new(s).map_err(|_| {
-        io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("{s:?} contains a NUL byte"),
-        )
+fn cstr(s: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| RbdError::Nul {
+        value: s.to_string(),
     })
 }
 
@@ -211,7 +168,7 @@ impl Rados {
         id: Option<&str>,
         conf: Option<&str>,
         settings: &[(&str, String)],
-    ) -> io::Result<Rados> {
+    ) -> Result<Rados> {
         let id = id.map(cstr).transpose()?;
         let mut raw: rados_t = ptr::null_mut();
         // SAFETY: `raw` is a valid out pointer; `id` is NUL-terminated or null.
@@ -243,7 +200,7 @@ impl Rados {
     }
 
     /// The value of a configuration option (after the conf file and overrides).
-    pub fn conf_get(&self, option: &str) -> io::Result<String> {
+    pub fn conf_get(&self, option: &str) -> Result<String> {
         let opt = cstr(option)?;
         let mut buf = [0 as c_char; 256];
         // SAFETY: live handle; `buf` is writable for its length and NUL-terminated
@@ -258,7 +215,7 @@ impl Rados {
 
     /// This client's addresses as the cluster sees them (`rados_getaddrs`), e.g.
     /// `127.0.0.1:0/3417622045`: what an exclusive lock's owner is named by.
-    pub fn addrs(&self) -> io::Result<String> {
+    pub fn addrs(&self) -> Result<String> {
         let mut out: *mut c_char = ptr::null_mut();
         // SAFETY: live, connected handle; valid out pointer.
         let ret = unsafe { rados_getaddrs(self.raw, &mut out) };
@@ -276,7 +233,7 @@ impl Rados {
     }
 
     /// An I/O context on `pool` (and RADOS namespace `ns`, if given).
-    pub fn ioctx(self: &Arc<Self>, pool: &str, ns: Option<&str>) -> io::Result<IoCtx> {
+    pub fn ioctx(self: &Arc<Self>, pool: &str, ns: Option<&str>) -> Result<IoCtx> {
         let p = cstr(pool)?;
         let mut raw: rados_ioctx_t = ptr::null_mut();
         // SAFETY: live handle, valid out pointer, NUL-terminated pool name.
@@ -347,7 +304,7 @@ impl Drop for ImageOptions {
 }
 
 impl IoCtx {
-    pub fn create_image(&self, name: &str, size: u64) -> io::Result<()> {
+    pub fn create_image(&self, name: &str, size: u64) -> Result<()> {
         let n = cstr(name)?;
         let opts = ImageOptions::new();
         // SAFETY: live ioctx, NUL-terminated name, live options.
@@ -355,7 +312,7 @@ impl IoCtx {
         check(ret, || format!("cannot create image {name:?}"))
     }
 
-    pub fn remove_image(&self, name: &str) -> io::Result<()> {
+    pub fn remove_image(&self, name: &str) -> Result<()> {
         let n = cstr(name)?;
         // SAFETY: live ioctx, NUL-terminated name.
         check(unsafe { rbd_remove(self.raw, n.as_ptr()) }, || {
@@ -365,13 +322,7 @@ impl IoCtx {
 
     /// Clones protected snapshot `snap` of `parent` (in this context) into `child`
     /// in context `dest`.
-    pub fn clone_image(
-        &self,
-        parent: &str,
-        snap: &str,
-        dest: &IoCtx,
-        child: &str,
-    ) -> io::Result<()> {
+    pub fn clone_image(&self, parent: &str, snap: &str, dest: &IoCtx, child: &str) -> Result<()> {
         let (p, s, c) = (cstr(parent)?, cstr(snap)?, cstr(child)?);
         let opts = ImageOptions::new();
         // SAFETY: live ioctxs, NUL-terminated names, live options.
@@ -393,7 +344,7 @@ impl IoCtx {
 
 /// An open image (`rbd_image_t`), shared by every channel of one device.
 pub struct Image {
-    raw: rbd_image_t,
+    pub(super) raw: rbd_image_t,
     locked: AtomicBool,
     /// The lock was released by [`Image::unlock`] and is to be taken back.
     released: AtomicBool,
@@ -418,12 +369,7 @@ pub struct SnapInfo {
 
 impl Image {
     /// Opens `name` (at snapshot `snap`, read-only, if given).
-    pub fn open(
-        io: &Arc<IoCtx>,
-        name: &str,
-        snap: Option<&str>,
-        read_only: bool,
-    ) -> io::Result<Image> {
+    pub fn open(io: &Arc<IoCtx>, name: &str, snap: Option<&str>, read_only: bool) -> Result<Image> {
         let n = cstr(name)?;
         let s = snap.map(cstr).transpose()?;
         let mut raw: rbd_image_t = ptr::null_mut();
@@ -447,7 +393,7 @@ impl Image {
         })
     }
 
-    pub fn size(&self) -> io::Result<u64> {
+    pub fn size(&self) -> Result<u64> {
         let mut size = 0u64;
         // SAFETY: live image, valid out pointer.
         check(unsafe { rbd_get_size(self.raw, &mut size) }, || {
@@ -456,7 +402,7 @@ impl Image {
         Ok(size)
     }
 
-    pub fn features(&self) -> io::Result<u64> {
+    pub fn features(&self) -> Result<u64> {
         let mut f = 0u64;
         // SAFETY: live image, valid out pointer.
         check(unsafe { rbd_get_features(self.raw, &mut f) }, || {
@@ -468,7 +414,7 @@ impl Image {
     /// Takes the image's exclusive lock and keeps it (librbd then does not hand
     /// it to another client that asks): a second writer is refused instead of
     /// trading the lock back and forth with this one.
-    pub fn lock_exclusive(&self) -> io::Result<()> {
+    pub fn lock_exclusive(&self) -> Result<()> {
         // SAFETY: live image.
         let ret = unsafe { rbd_lock_acquire(self.raw, RBD_LOCK_MODE_EXCLUSIVE) };
         check(ret, || "cannot take the image's exclusive lock".into())?;
@@ -479,7 +425,7 @@ impl Image {
     /// Releases the exclusive lock taken by [`Image::lock_exclusive`] (nothing if
     /// not held). Writes fail (EROFS) until it is taken again: librbd does not
     /// take it back by itself once `rbd_lock_acquire` chose the standard policy.
-    pub fn unlock(&self) -> io::Result<()> {
+    pub fn unlock(&self) -> Result<()> {
         if !self.locked.swap(false, Ordering::Relaxed) {
             return Ok(());
         }
@@ -494,18 +440,18 @@ impl Image {
     }
 
     /// Whether [`Image::unlock`] let the lock go (a successor may write now).
-    pub fn was_let_go(&self) -> bool {
+    pub fn was_released(&self) -> bool {
         self.released.load(Ordering::Relaxed)
     }
 
     /// Marks the lock as let go (a successor may hold it) or taken back.
-    pub fn set_let_go(&self, v: bool) {
+    pub fn set_released(&self, v: bool) {
         self.released.store(v, Ordering::Relaxed);
     }
 
     /// The exclusive lock's owners (client addresses, as `rados_getaddrs` gives
     /// them); empty when it is free.
-    pub fn lock_owners(&self) -> io::Result<Vec<String>> {
+    pub fn lock_owners(&self) -> Result<Vec<String>> {
         let mut max: usize = 4;
         loop {
             let mut owners: Vec<*mut c_char> = vec![ptr::null_mut(); max];
@@ -539,21 +485,21 @@ impl Image {
     /// Breaks the exclusive lock held by `owner` (an address from
     /// [`Image::lock_owners`]); librbd blocklists that client first
     /// (`rbd_blocklist_on_break_lock`, default on), so it can never write again.
-    pub fn break_lock(&self, owner: &str) -> io::Result<()> {
+    pub fn break_lock(&self, owner: &str) -> Result<()> {
         let o = cstr(owner)?;
         // SAFETY: live image, NUL-terminated owner.
         let ret = unsafe { rbd_lock_break(self.raw, RBD_LOCK_MODE_EXCLUSIVE, o.as_ptr()) };
         check(ret, || format!("cannot break the lock held by {owner}"))
     }
 
-    pub fn resize(&self, size: u64, allow_shrink: bool) -> io::Result<()> {
+    pub fn resize(&self, size: u64, allow_shrink: bool) -> Result<()> {
         // SAFETY: live image; `no_progress` matches librbd_progress_fn_t.
         let ret =
             unsafe { rbd_resize2(self.raw, size, allow_shrink, no_progress, ptr::null_mut()) };
         check(ret, || format!("cannot resize the image to {size} bytes"))
     }
 
-    pub fn flush(&self) -> io::Result<()> {
+    pub fn flush(&self) -> Result<()> {
         // SAFETY: live image.
         check(unsafe { rbd_flush(self.raw) }, || {
             "cannot flush the image".into()
@@ -565,7 +511,7 @@ impl Image {
         name: &str,
         what: &str,
         f: unsafe extern "C" fn(rbd_image_t, *const c_char) -> c_int,
-    ) -> io::Result<()> {
+    ) -> Result<()> {
         let n = cstr(name)?;
         // SAFETY: live image, NUL-terminated snapshot name; `f` is one of the
         // librbd snapshot calls taking exactly these arguments.
@@ -574,23 +520,23 @@ impl Image {
         })
     }
 
-    pub fn snap_create(&self, name: &str) -> io::Result<()> {
+    pub fn snap_create(&self, name: &str) -> Result<()> {
         self.snap_call(name, "create", rbd_snap_create)
     }
-    pub fn snap_remove(&self, name: &str) -> io::Result<()> {
+    pub fn snap_remove(&self, name: &str) -> Result<()> {
         self.snap_call(name, "remove", rbd_snap_remove)
     }
-    pub fn snap_rollback(&self, name: &str) -> io::Result<()> {
+    pub fn snap_rollback(&self, name: &str) -> Result<()> {
         self.snap_call(name, "roll back to", rbd_snap_rollback)
     }
-    pub fn snap_protect(&self, name: &str) -> io::Result<()> {
+    pub fn snap_protect(&self, name: &str) -> Result<()> {
         self.snap_call(name, "protect", rbd_snap_protect)
     }
-    pub fn snap_unprotect(&self, name: &str) -> io::Result<()> {
+    pub fn snap_unprotect(&self, name: &str) -> Result<()> {
         self.snap_call(name, "unprotect", rbd_snap_unprotect)
     }
 
-    pub fn snap_list(&self) -> io::Result<Vec<SnapInfo>> {
+    pub fn snap_list(&self) -> Result<Vec<SnapInfo>> {
         let mut max: c_int = 16;
         loop {
             let cap = usize::try_from(max).unwrap_or(16);
@@ -648,174 +594,16 @@ impl Drop for Image {
     }
 }
 
-/// Where librbd's threads hand finished requests back to one channel: a bounded
-/// lock-free queue of (slot, return value) the channel drains in `poll()` without
-/// a syscall, and an eventfd written only while the channel's reactor sleeps.
-pub struct Sink {
-    done: ArrayQueue<(u32, i64)>,
-    /// Set by a reactor about to sleep; the completing thread that clears it
-    /// writes `wake`.
-    armed: AtomicBool,
-    wake: File,
-    /// One callback argument per slot, at a stable address inside this Arc.
-    slots: Box<[SlotArg]>,
-}
-
-struct SlotArg {
-    index: u32,
-    sink: *const Sink,
-}
-
-// SAFETY: `SlotArg::sink` points at the Sink that contains it (inside an Arc that
-// each in-flight request keeps alive); it is only read.
-unsafe impl Send for SlotArg {}
-// SAFETY: as above.
-unsafe impl Sync for SlotArg {}
-
-impl Sink {
-    pub fn new(slots: u32) -> io::Result<Arc<Sink>> {
-        // SAFETY: plain syscall; the result is checked before use.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a new descriptor that nothing else owns.
-        let wake = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-        Ok(Arc::new_cyclic(|weak| Sink {
-            done: ArrayQueue::new(usize::try_from(slots).unwrap_or(1).max(1)),
-            armed: AtomicBool::new(false),
-            wake,
-            slots: (0..slots)
-                .map(|index| SlotArg {
-                    index,
-                    sink: weak.as_ptr(),
-                })
-                .collect(),
-        }))
-    }
-
-    pub fn pop(&self) -> Option<(u32, i64)> {
-        self.done.pop()
-    }
-
-    /// Before sleeping: returns false if completions are waiting (poll instead).
-    pub fn arm(&self) -> bool {
-        // Consume an old wake-up so that the fd polls readable only for new ones.
-        // Still armed from the last sleep means no completing thread wrote since
-        // (it clears the flag before writing): nothing to consume, no syscall.
-        if !self.armed.swap(true, Ordering::SeqCst) {
-            let _ = (&self.wake).read(&mut [0u8; 8]);
-        }
-        if self.done.is_empty() {
-            true
-        } else {
-            self.armed.store(false, Ordering::SeqCst);
-            false
-        }
-    }
-
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.wake.as_fd()
-    }
-
-    fn complete(&self, index: u32, ret: i64) {
-        // Each slot is in flight at most once and the queue holds one entry per
-        // slot, so this push cannot fail.
-        let _ = self.done.push((index, ret));
-        if self.armed.swap(false, Ordering::SeqCst) {
-            let _ = (&self.wake).write(&1u64.to_ne_bytes());
-        }
-    }
-}
-
-extern "C" fn on_complete(c: rbd_completion_t, arg: *mut c_void) {
-    // SAFETY: `arg` is the `SlotArg` passed to `rbd_aio_create_completion` by
-    // `submit`, inside a Sink kept alive by the strong count `submit` took.
-    let slot = unsafe { &*(arg as *const SlotArg) };
-    // SAFETY: `c` is this request's live completion; released exactly once here.
-    let ret = unsafe {
-        let ret = rbd_aio_get_return_value(c);
-        rbd_aio_release(c);
-        ret
-    };
-    // SAFETY: the Sink is alive (strong count held for this request).
-    let sink = unsafe { &*slot.sink };
-    sink.complete(
-        slot.index,
-        i64::try_from(ret).unwrap_or(-i64::from(libc::EIO)),
-    );
-    // SAFETY: drops the strong count `submit` took for this request; `slot` and
-    // `sink` are not touched after it.
-    unsafe { Arc::decrement_strong_count(slot.sink) };
-}
-
-/// One asynchronous librbd request.
-pub enum Aio<'a> {
-    Readv(&'a [libc::iovec], u64),
-    Writev(&'a [libc::iovec], u64),
-    Flush,
-    Discard(u64, u64),
-    WriteZeroes(u64, usize),
-}
-
-impl Image {
-    /// Starts `op`; its completion reaches `sink` as slot `slot`.
-    ///
-    /// # Safety
-    /// For reads and writes, the iovec array and the memory it points to must stay
-    /// valid until the completion for `slot` has been popped from `sink` (librbd
-    /// keeps the array's address for a read until it completes). `slot` must be
-    /// below the sink's slot count and not in flight.
-    pub unsafe fn submit(&self, sink: &Arc<Sink>, slot: u32, op: Aio<'_>) -> io::Result<()> {
-        let Some(arg) = sink.slots.get(usize::try_from(slot).unwrap_or(usize::MAX)) else {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "no such slot"));
-        };
-        let mut c: rbd_completion_t = ptr::null_mut();
-        // SAFETY: `arg` lives inside the Sink, which stays alive for the callback
-        // through the strong count taken below.
-        let ret = unsafe {
-            rbd_aio_create_completion(arg as *const SlotArg as *mut c_void, on_complete, &mut c)
-        };
-        check(ret, || "cannot create a librbd completion".into())?;
-        // The callback drops this count; it may run before the aio call returns.
-        // SAFETY: `arg.sink` is the pointer of a live Arc<Sink> (the caller's).
-        unsafe { Arc::increment_strong_count(arg.sink) };
-        let count = |iov: &[libc::iovec]| c_int::try_from(iov.len()).unwrap_or(c_int::MAX);
-        // SAFETY: live image and completion; buffers valid until completion per
-        // this function's contract.
-        let ret = unsafe {
-            match op {
-                Aio::Readv(iov, off) => rbd_aio_readv(self.raw, iov.as_ptr(), count(iov), off, c),
-                Aio::Writev(iov, off) => rbd_aio_writev(self.raw, iov.as_ptr(), count(iov), off, c),
-                Aio::Flush => rbd_aio_flush(self.raw, c),
-                Aio::Discard(off, len) => rbd_aio_discard(self.raw, off, len, c),
-                Aio::WriteZeroes(off, len) => rbd_aio_write_zeroes(self.raw, off, len, c, 0, 0),
-            }
-        };
-        if ret < 0 {
-            // Not queued: the callback will not run.
-            // SAFETY: the completion was never handed to librbd's I/O path; the
-            // count taken above is ours to drop.
-            unsafe {
-                rbd_aio_release(c);
-                Arc::decrement_strong_count(arg.sink);
-            }
-            return Err(ceph_err(i64::from(ret), "librbd refused the request"));
-        }
-        Ok(())
-    }
-}
-
 /// Runs `f` with the calling thread's CPU affinity set to `cpus` (threads `f`
 /// starts inherit it), then restores the previous mask. Errors setting the mask
 /// are returned without running `f`.
-pub fn with_affinity<T>(cpus: &[usize], f: impl FnOnce() -> T) -> io::Result<T> {
+pub fn with_affinity<T>(cpus: &[usize], f: impl FnOnce() -> T) -> Result<T> {
     // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
     let mut old: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: valid pointer and size; pid 0 = this thread.
     if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut old) } != 0
     {
-        return Err(io::Error::last_os_error());
+        return Err(RbdError::Affinity(io::Error::last_os_error()));
     }
     // SAFETY: as above.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
@@ -827,80 +615,10 @@ pub fn with_affinity<T>(cpus: &[usize], f: impl FnOnce() -> T) -> io::Result<T> 
     }
     // SAFETY: valid pointer and size.
     if unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } != 0 {
-        return Err(io::Error::last_os_error());
+        return Err(RbdError::Affinity(io::Error::last_os_error()));
     }
     let out = f();
     // SAFETY: restores the mask read above.
     unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &old) };
     Ok(out)
-}
-
-/// A request's buffer list as the iovec array librbd reads (and, for a read, keeps
-/// until completion). One per request slot, reused: allocation-free once its
-/// capacity has grown to the longest list.
-#[derive(Default)]
-pub struct IoVecs(Vec<libc::iovec>);
-
-// SAFETY: the raw pointers are addresses of the caller's request buffers, used
-// only by librbd for a request submitted from the owning channel's thread.
-unsafe impl Send for IoVecs {}
-
-impl IoVecs {
-    pub fn set(&mut self, iov: &[guest_mem::DmaSlice<'_>]) {
-        self.0.clear();
-        self.0.extend(iov.iter().map(|s| libc::iovec {
-            iov_base: s.as_ptr().cast(),
-            iov_len: s.len(),
-        }));
-    }
-
-    pub fn as_slice(&self) -> &[libc::iovec] {
-        &self.0
-    }
-
-    pub fn clear(&mut self) {
-        self.0.clear();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn readable(sink: &Sink) -> bool {
-        let mut fds = [libc::pollfd {
-            fd: std::os::fd::AsRawFd::as_raw_fd(&sink.fd()),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
-        // SAFETY: one valid pollfd, no timeout.
-        unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) == 1 }
-    }
-
-    /// The notifier is readable exactly when an armed sink got a completion, and
-    /// each wake-up is consumed by the next arm (whether or not that arm reads).
-    #[test]
-    fn the_notifier_fires_once_per_armed_sleep() {
-        let sink = Sink::new(4).unwrap();
-        sink.complete(0, 0);
-        assert!(!readable(&sink), "unarmed: no wake-up");
-        assert!(!sink.arm(), "a completion is waiting: poll instead");
-        assert_eq!(sink.pop(), Some((0, 0)));
-        for round in 0..3 {
-            assert!(sink.arm(), "round {round}: nothing waiting");
-            assert!(!readable(&sink), "round {round}: stale wake-up");
-            sink.complete(1, -5);
-            assert!(readable(&sink), "round {round}: armed sink not woken");
-            sink.complete(2, 0);
-            assert_eq!(sink.pop(), Some((1, -5)));
-            assert_eq!(sink.pop(), Some((2, 0)));
-        }
-        // Re-armed without a completion in between (the reactor woke for another
-        // reason): still quiet, and the next completion still wakes it.
-        assert!(sink.arm());
-        assert!(sink.arm());
-        assert!(!readable(&sink));
-        sink.complete(3, 0);
-        assert!(readable(&sink));
-    }
 }

@@ -21,7 +21,9 @@
 //! * FUA: a write with FUA is followed by a flush before it completes (with
 //!   librbd's cache off, as `rbd cache = false` sets, the flush costs nothing).
 
+mod aio;
 mod channel;
+mod error;
 mod ffi;
 
 use std::collections::HashMap;
@@ -29,8 +31,9 @@ use std::io;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use crate::{BlockDevice, BlockInfo, IoChannel};
+use crate::{BlockDevice, BlockInfo, GeometryError, IoChannel};
 
+pub use error::RbdError;
 pub use ffi::SnapInfo;
 use ffi::{Image, IoCtx, Rados};
 
@@ -145,34 +148,9 @@ fn clusters() -> &'static Mutex<HashMap<ClusterOptions, Weak<Rados>>> {
     C.get_or_init(Default::default)
 }
 
-/// What an errno from the cluster means for an operator, appended to the error.
-fn hint(e: io::Error, errno_hint: impl Fn(i32) -> Option<String>) -> io::Error {
-    match e
-        .raw_os_error()
-        .or_else(|| errno_of(&e))
-        .and_then(errno_hint)
-    {
-        Some(h) => io::Error::new(e.kind(), format!("{e} ({h})")),
-        None => e,
-    }
-}
-
-fn errno_of(e: &io::Error) -> Option<i32> {
-    use io::ErrorKind as K;
-    Some(match e.kind() {
-        K::NotFound => libc::ENOENT,
-        K::PermissionDenied => libc::EACCES,
-        K::TimedOut => libc::ETIMEDOUT,
-        K::ResourceBusy => libc::EBUSY,
-        K::ReadOnlyFilesystem => libc::EROFS,
-        K::AlreadyExists => libc::EEXIST,
-        _ => return None,
-    })
-}
-
 impl Cluster {
     /// The process's connection for `opts`, connecting if there is none.
-    pub fn connect(opts: &ClusterOptions) -> io::Result<Cluster> {
+    pub fn connect(opts: &ClusterOptions) -> Result<Cluster, RbdError> {
         let mut map = clusters().lock().unwrap_or_else(|p| p.into_inner());
         map.retain(|_, w| w.strong_count() > 0);
         if let Some(rados) = map.get(opts).and_then(Weak::upgrade) {
@@ -202,7 +180,7 @@ impl Cluster {
         let who = format!("client.{}", opts.id.as_deref().unwrap_or("admin"));
         let connect = || Rados::connect(opts.id.as_deref(), conf, &settings);
         let rados = affine(&opts.thread_cpus, connect).map_err(|e| {
-            hint(e, |errno| match errno {
+            e.hinted(|errno| match errno {
                 libc::ENOENT => Some(format!(
                     "no such configuration file, or no keyring for {who}: give conf= and keyring="
                 )),
@@ -224,12 +202,12 @@ impl Cluster {
         })
     }
 
-    fn ioctx(&self, spec: &ImageSpec) -> io::Result<Arc<IoCtx>> {
+    fn ioctx(&self, spec: &ImageSpec) -> Result<Arc<IoCtx>, RbdError> {
         let io = self
             .rados
             .ioctx(&spec.pool, spec.namespace.as_deref())
             .map_err(|e| {
-                hint(e, |errno| {
+                e.hinted(|errno| {
                     (errno == libc::ENOENT).then(|| {
                         format!(
                             "pool {:?} does not exist: `ceph osd pool create`",
@@ -242,28 +220,28 @@ impl Cluster {
     }
 
     /// This client's addresses (what a lock it holds is owned by).
-    pub fn client_addrs(&self) -> io::Result<String> {
+    pub fn client_addrs(&self) -> Result<String, RbdError> {
         self.rados.addrs()
     }
 
     /// A configuration value as this connection sees it.
-    pub fn conf_get(&self, option: &str) -> io::Result<String> {
+    pub fn conf_get(&self, option: &str) -> Result<String, RbdError> {
         self.rados.conf_get(option)
     }
 
-    pub fn create_image(&self, spec: &ImageSpec, size: u64) -> io::Result<()> {
+    pub fn create_image(&self, spec: &ImageSpec, size: u64) -> Result<(), RbdError> {
         self.ioctx(spec)?
             .create_image(&spec.name, size)
             .map_err(|e| {
-                hint(e, |errno| {
+                e.hinted(|errno| {
                     (errno == libc::EEXIST).then(|| format!("image {spec} exists already"))
                 })
             })
     }
 
-    pub fn remove_image(&self, spec: &ImageSpec) -> io::Result<()> {
+    pub fn remove_image(&self, spec: &ImageSpec) -> Result<(), RbdError> {
         self.ioctx(spec)?.remove_image(&spec.name).map_err(|e| {
-            hint(e, |errno| match errno {
+            e.hinted(|errno| match errno {
                 libc::ENOENT => Some(format!("image {spec} does not exist")),
                 libc::EBUSY => Some(format!(
                     "image {spec} is open by a client (or has watchers): detach it first"
@@ -275,12 +253,17 @@ impl Cluster {
     }
 
     /// Clones protected snapshot `snap` of `parent` into a new image `child`.
-    pub fn clone_image(&self, parent: &ImageSpec, snap: &str, child: &ImageSpec) -> io::Result<()> {
+    pub fn clone_image(
+        &self,
+        parent: &ImageSpec,
+        snap: &str,
+        child: &ImageSpec,
+    ) -> Result<(), RbdError> {
         let p = self.ioctx(parent)?;
         let c = self.ioctx(child)?;
         p.clone_image(&parent.name, snap, &c, &child.name)
             .map_err(|e| {
-                hint(e, |errno| match errno {
+                e.hinted(|errno| match errno {
                     libc::EINVAL => Some(format!(
                         "{parent}@{snap} must exist and be protected (snapshot_protect)"
                     )),
@@ -292,7 +275,7 @@ impl Cluster {
     }
 
     /// Opens `spec` for control operations (snapshots) while no device has it open.
-    pub fn open_image(&self, spec: &ImageSpec) -> io::Result<ImageHandle> {
+    pub fn open_image(&self, spec: &ImageSpec) -> Result<ImageHandle, RbdError> {
         let io = self.ioctx(spec)?;
         let image = affine(&self.opts.thread_cpus, || {
             Image::open(&io, &spec.name, None, false)
@@ -310,7 +293,7 @@ impl Cluster {
 /// asking for the lock: `rbd_lock_acquire` with a dead holder whose watch has not
 /// expired yet blocks ~30 s (it asks the holder, which never answers). A holder
 /// not known dead is left alone (taking the lock then fails as usual).
-fn break_dead_owners(image: &Image, spec: &ImageSpec, dead: &[String]) -> io::Result<()> {
+fn break_dead_owners(image: &Image, spec: &ImageSpec, dead: &[String]) -> Result<(), RbdError> {
     if dead.is_empty() {
         return Ok(());
     }
@@ -330,8 +313,8 @@ fn break_dead_owners(image: &Image, spec: &ImageSpec, dead: &[String]) -> io::Re
     Ok(())
 }
 
-fn open_hint(e: io::Error, spec: &ImageSpec) -> io::Error {
-    hint(e, |errno| match errno {
+fn open_hint(e: RbdError, spec: &ImageSpec) -> RbdError {
+    e.hinted(|errno| match errno {
         libc::ENOENT => Some(format!(
             "image {spec} (or the snapshot) does not exist: `rbd create`, or add create=SIZE"
         )),
@@ -341,7 +324,7 @@ fn open_hint(e: io::Error, spec: &ImageSpec) -> io::Error {
 }
 
 /// Runs `f` with librados/librbd's future threads confined to `cpus`.
-fn affine<T>(cpus: &[usize], f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+fn affine<T>(cpus: &[usize], f: impl FnOnce() -> Result<T, RbdError>) -> Result<T, RbdError> {
     if cpus.is_empty() {
         f()
     } else {
@@ -357,18 +340,20 @@ pub struct ImageHandle {
     spec: ImageSpec,
 }
 
+/// Its operations return [`io::Error`] (carrying an [`RbdError`]), as the control
+/// paths that run them on any device's handle expect.
 impl ImageHandle {
     pub fn spec(&self) -> &ImageSpec {
         &self.spec
     }
     pub fn size(&self) -> io::Result<u64> {
-        self.image.size()
+        Ok(self.image.size()?)
     }
     pub fn snap_create(&self, name: &str) -> io::Result<()> {
-        self.image.snap_create(name)
+        Ok(self.image.snap_create(name)?)
     }
     pub fn snap_list(&self) -> io::Result<Vec<SnapInfo>> {
-        self.image.snap_list()
+        Ok(self.image.snap_list()?)
     }
     /// Removes a snapshot (unprotecting it first if it is protected).
     pub fn snap_remove(&self, name: &str) -> io::Result<()> {
@@ -379,18 +364,18 @@ impl ImageHandle {
             .any(|s| s.name == name && s.protected);
         if protected {
             self.image.snap_unprotect(name).map_err(|e| {
-                hint(e, |errno| {
+                e.hinted(|errno| {
                     (errno == libc::EBUSY).then(|| "clones of it still exist".to_string())
                 })
             })?;
         }
-        self.image.snap_remove(name)
+        Ok(self.image.snap_remove(name)?)
     }
     pub fn snap_rollback(&self, name: &str) -> io::Result<()> {
-        self.image.snap_rollback(name)
+        Ok(self.image.snap_rollback(name)?)
     }
     pub fn snap_protect(&self, name: &str) -> io::Result<()> {
-        self.image.snap_protect(name)
+        Ok(self.image.snap_protect(name)?)
     }
 }
 
@@ -403,14 +388,14 @@ pub struct RbdDisk {
 }
 
 impl RbdDisk {
-    pub fn open(opts: &RbdOptions) -> io::Result<RbdDisk> {
+    pub fn open(opts: &RbdOptions) -> Result<RbdDisk, RbdError> {
         let cluster = Cluster::connect(&opts.cluster)?;
         let spec = &opts.image;
         let io = cluster.ioctx(spec)?;
         let read_only = opts.read_only || opts.snap.is_some();
         let open = || Image::open(&io, &spec.name, opts.snap.as_deref(), read_only);
         let image = match (affine(&opts.cluster.thread_cpus, open), opts.create) {
-            (Err(e), Some(size)) if e.kind() == io::ErrorKind::NotFound && opts.snap.is_none() => {
+            (Err(e), Some(size)) if e.errno() == Some(libc::ENOENT) && opts.snap.is_none() => {
                 cluster.create_image(spec, size)?;
                 tracing::info!("created RBD image {spec} ({size} bytes)");
                 affine(&opts.cluster.thread_cpus, open)
@@ -422,7 +407,7 @@ impl RbdDisk {
         if !read_only && image.features()? & EXCLUSIVE_LOCK != 0 {
             break_dead_owners(&image, spec, &opts.dead_owners)?;
             image.lock_exclusive().map_err(|e| {
-                hint(e, |errno| match errno {
+                e.hinted(|errno| match errno {
                     libc::EBUSY | libc::EROFS | libc::EAGAIN => Some(format!(
                         "image {spec} is in use by another client, which holds its exclusive \
                          lock (`rbd status {spec}` names it); detach it there first"
@@ -433,17 +418,16 @@ impl RbdDisk {
         }
         let size = image.size()?;
         let bs = opts.block_size.unwrap_or(512);
-        if bs != 512 && bs != 4096 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("block size {bs} is not 512 or 4096"),
-            ));
-        }
+        GeometryError::check_block_size(bs).map_err(|source| RbdError::Geometry {
+            image: spec.to_string(),
+            source,
+        })?;
         if size < u64::from(bs) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("image {spec} is {size} bytes, smaller than one {bs}-byte block"),
-            ));
+            return Err(RbdError::TooSmall {
+                image: spec.to_string(),
+                size,
+                block_size: bs,
+            });
         }
         if size % u64::from(bs) != 0 {
             tracing::warn!(
@@ -501,46 +485,68 @@ impl BlockDevice for RbdDisk {
     /// Resizes the image to `bytes` (`rbd_resize2`; shrinking discards the data
     /// beyond, like a file's truncate: front ends ask for a shrink explicitly).
     fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
-        let info = self.info.resized(bytes)?;
-        if self.info.read_only {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!("{} is read-only", self.describe()),
-            ));
-        }
-        if bytes != self.handle.image.size()? {
-            self.handle.image.resize(bytes, true)?;
-        }
-        Ok(Arc::new(RbdDisk {
-            info,
-            handle: self.handle.clone(),
-            snap: self.snap.clone(),
-            _cluster: self._cluster.clone(),
-        }))
+        Ok(Arc::new(self.resized(bytes)?))
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
     /// Releases the exclusive lock (librbd flushes first) so that a successor can
-    /// take it; writes fail until [`BlockDevice::take_back`].
-    fn let_go(&self) -> io::Result<()> {
+    /// take it; writes fail until [`BlockDevice::resume`].
+    fn pause(&self) -> io::Result<()> {
         self.handle
             .image
             .unlock()
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", self.describe())))
+            .map_err(|e| self.context(e).into())
     }
     /// Takes the lock back; if a dead successor (one of `dead_owners`) holds it,
     /// breaks it first (librbd blocklists that client).
-    fn take_back(&self, dead_owners: &[String]) -> io::Result<()> {
+    fn resume(&self, dead_owners: &[String]) -> io::Result<()> {
         let image = &self.handle.image;
-        if !image.was_let_go() {
+        if !image.was_released() {
             return Ok(());
         }
         break_dead_owners(image, &self.handle.spec, dead_owners)
             .and_then(|()| image.lock_exclusive())
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", self.describe())))?;
-        image.set_let_go(false);
+            .map_err(|e| self.context(e))?;
+        image.set_released(false);
         Ok(())
+    }
+}
+
+impl RbdDisk {
+    /// [`BlockDevice::resize`], typed: resizes the image to `bytes` (`rbd_resize2`;
+    /// shrinking discards the data beyond, like a file's truncate: front ends ask
+    /// for a shrink explicitly).
+    fn resized(&self, bytes: u64) -> Result<RbdDisk, RbdError> {
+        let info = self
+            .info
+            .resized(bytes)
+            .map_err(|source| RbdError::Geometry {
+                image: self.handle.spec.to_string(),
+                source,
+            })?;
+        if self.info.read_only {
+            return Err(RbdError::ReadOnly {
+                device: self.describe(),
+            });
+        }
+        if bytes != self.handle.image.size()? {
+            self.handle.image.resize(bytes, true)?;
+        }
+        Ok(RbdDisk {
+            info,
+            handle: self.handle.clone(),
+            snap: self.snap.clone(),
+            _cluster: self._cluster.clone(),
+        })
+    }
+
+    /// `e`, with this device named.
+    fn context(&self, e: RbdError) -> RbdError {
+        RbdError::Device {
+            device: self.describe(),
+            source: Box::new(e),
+        }
     }
 }
 
@@ -549,7 +555,7 @@ impl Drop for RbdDisk {
         // Writes librbd may still cache reach the cluster before the lock goes.
         if Arc::strong_count(&self.handle.image) == 1
             && !self.info.read_only
-            && !self.handle.image.was_let_go()
+            && !self.handle.image.was_released()
         {
             if let Err(e) = self.handle.image.flush() {
                 tracing::warn!("flushing {} on close: {e}", self.handle.spec);

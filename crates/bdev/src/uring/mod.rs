@@ -29,7 +29,7 @@ use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::{BlockDevice, BlockInfo, IoChannel};
+use crate::{BlockDevice, BlockInfo, GeometryError, IoChannel};
 
 /// How a [`FileDisk`] issues I/O.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -92,8 +92,80 @@ pub struct FileDisk {
     inline: bool,
 }
 
-fn err(path: &Path, kind: io::ErrorKind, msg: impl std::fmt::Display) -> io::Error {
-    io::Error::new(kind, format!("{}: {msg}", path.display()))
+/// Why a file or block device cannot be opened or resized.
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    #[error("{}: cannot {op}", path.display())]
+    Io {
+        path: PathBuf,
+        op: FileOp,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{}: not a regular file or block device", path.display())]
+    NotFileOrDevice { path: PathBuf },
+    #[error("{}: cannot be served with this size or block size", path.display())]
+    Geometry {
+        path: PathBuf,
+        #[source]
+        source: GeometryError,
+    },
+    #[error("{}: block size {block_size} is below the device's {device_block_size}", path.display())]
+    BelowDevice {
+        path: PathBuf,
+        block_size: u32,
+        device_block_size: u32,
+    },
+    #[error(
+        "{}: {asked} bytes asked, the {} has {has} and keeps that size",
+        path.display(),
+        if *block_device { "block device" } else { "read-only file" }
+    )]
+    KeepsSize {
+        path: PathBuf,
+        asked: u64,
+        has: u64,
+        block_device: bool,
+    },
+}
+
+/// What a [`FileError::Io`] was doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileOp {
+    Stat,
+    Open,
+    ReadGeometry,
+    SetLen,
+}
+
+impl std::fmt::Display for FileOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FileOp::Stat => "read its metadata",
+            FileOp::Open => "open it",
+            FileOp::ReadGeometry => "read the block device's size and sector size",
+            FileOp::SetLen => "change its size",
+        })
+    }
+}
+
+impl From<FileError> for io::Error {
+    fn from(e: FileError) -> io::Error {
+        let kind = match &e {
+            FileError::Io { source, .. } => source.kind(),
+            _ => io::ErrorKind::InvalidInput,
+        };
+        io::Error::new(kind, e)
+    }
+}
+
+/// `f` for `op` on `path`, typed.
+fn file_op(path: &Path, op: FileOp) -> impl FnOnce(io::Error) -> FileError + '_ {
+    move |source| FileError::Io {
+        path: path.to_path_buf(),
+        op,
+        source,
+    }
 }
 
 fn open_file(path: &Path, read_only: bool, direct: bool) -> io::Result<File> {
@@ -114,17 +186,15 @@ fn direct_works(f: &File, block_size: u32) -> bool {
 }
 
 impl FileDisk {
-    pub fn open(path: impl AsRef<Path>, opts: FileOptions) -> io::Result<FileDisk> {
+    pub fn open(path: impl AsRef<Path>, opts: FileOptions) -> Result<FileDisk, FileError> {
         let path = path.as_ref();
-        let meta = std::fs::metadata(path).map_err(|e| err(path, e.kind(), e))?;
+        let meta = std::fs::metadata(path).map_err(file_op(path, FileOp::Stat))?;
         let ft = meta.file_type();
         let blkdev = ft.is_block_device();
         if !blkdev && !ft.is_file() {
-            return Err(err(
-                path,
-                io::ErrorKind::InvalidInput,
-                "not a regular file or block device",
-            ));
+            return Err(FileError::NotFileOrDevice {
+                path: path.to_path_buf(),
+            });
         }
         let mut direct = opts.direct;
         let mut file = match open_file(path, opts.read_only, direct) {
@@ -135,38 +205,30 @@ impl FileDisk {
             }
             r => r,
         }
-        .map_err(|e| err(path, e.kind(), e))?;
+        .map_err(file_op(path, FileOp::Open))?;
         let (size, dev_bs) = if blkdev {
-            sys::blkdev_geometry(&file).map_err(|e| err(path, e.kind(), e))?
+            sys::blkdev_geometry(&file).map_err(file_op(path, FileOp::ReadGeometry))?
         } else {
             (meta.len(), 512)
         };
         let block_size = opts.block_size.unwrap_or(dev_bs);
-        if block_size != 512 && block_size != 4096 {
-            return Err(err(
-                path,
-                io::ErrorKind::InvalidInput,
-                format!("block size {block_size} is not 512 or 4096"),
-            ));
-        }
+        let geometry = |source| FileError::Geometry {
+            path: path.to_path_buf(),
+            source,
+        };
+        GeometryError::check_block_size(block_size).map_err(geometry)?;
         if blkdev && block_size < dev_bs {
-            return Err(err(
-                path,
-                io::ErrorKind::InvalidInput,
-                format!("block size {block_size} is below the device's {dev_bs}"),
-            ));
+            return Err(FileError::BelowDevice {
+                path: path.to_path_buf(),
+                block_size,
+                device_block_size: dev_bs,
+            });
         }
-        if size == 0 || !size.is_multiple_of(u64::from(block_size)) {
-            return Err(err(
-                path,
-                io::ErrorKind::InvalidInput,
-                format!("size {size} is not a non-zero multiple of the block size {block_size}"),
-            ));
-        }
+        GeometryError::check_size(size, u64::from(block_size)).map_err(geometry)?;
         if direct && !direct_works(&file, block_size) {
             tracing::warn!(path = %path.display(), "O_DIRECT I/O fails; using buffered I/O");
             direct = false;
-            file = open_file(path, opts.read_only, false).map_err(|e| err(path, e.kind(), e))?;
+            file = open_file(path, opts.read_only, false).map_err(file_op(path, FileOp::Open))?;
         }
         // A block size above what I/O needs (bs=4096 on a 512-byte device or
         // filesystem) leaves room to present smaller blocks later.
@@ -249,36 +311,50 @@ impl BlockDevice for FileDisk {
     /// size the device has now (grow the volume first, e.g. `lvextend`, then the
     /// disk).
     fn resize(&self, bytes: u64) -> io::Result<Arc<dyn BlockDevice>> {
-        let info = self.info.resized(bytes)?;
+        Ok(Arc::new(self.resized(bytes)?))
+    }
+    fn format_support(&self) -> crate::FormatSupport {
+        crate::FormatSupport::Exclusive {
+            min_block_size: self.align,
+        }
+    }
+}
+
+impl FileDisk {
+    /// [`BlockDevice::resize`], typed.
+    fn resized(&self, bytes: u64) -> Result<FileDisk, FileError> {
         let path = &self.path;
+        let info = self
+            .info
+            .resized(bytes)
+            .map_err(|source| FileError::Geometry {
+                path: path.clone(),
+                source,
+            })?;
         let have = if self.blkdev {
             sys::blkdev_geometry(&self.file)
-                .map_err(|e| err(path, e.kind(), e))?
+                .map_err(file_op(path, FileOp::ReadGeometry))?
                 .0
         } else {
             self.file
                 .metadata()
-                .map_err(|e| err(path, e.kind(), e))?
+                .map_err(file_op(path, FileOp::Stat))?
                 .len()
         };
         if bytes != have {
             if self.blkdev || self.info.read_only {
-                let what = if self.blkdev {
-                    "the block device has"
-                } else {
-                    "the read-only file has"
-                };
-                return Err(err(
-                    path,
-                    io::ErrorKind::InvalidInput,
-                    format!("{bytes} bytes asked, {what} {have} and keeps that size"),
-                ));
+                return Err(FileError::KeepsSize {
+                    path: path.clone(),
+                    asked: bytes,
+                    has: have,
+                    block_device: self.blkdev,
+                });
             }
             self.file
                 .set_len(bytes)
-                .map_err(|e| err(path, e.kind(), e))?;
+                .map_err(file_op(path, FileOp::SetLen))?;
         }
-        Ok(Arc::new(FileDisk {
+        Ok(FileDisk {
             path: path.clone(),
             file: self.file.clone(),
             info,
@@ -286,11 +362,6 @@ impl BlockDevice for FileDisk {
             blkdev: self.blkdev,
             inline: self.inline,
             align: self.align,
-        }))
-    }
-    fn format_support(&self) -> crate::FormatSupport {
-        crate::FormatSupport::Exclusive {
-            min_block_size: self.align,
-        }
+        })
     }
 }

@@ -3,9 +3,11 @@
 //! command: slots are preallocated per SQ and iovecs live on the stack.
 //!
 //! `poll.rs` runs the stages of one poll, `exec.rs` turns commands into backend
-//! requests, `completions.rs` posts and signals, `shadow.rs` reads doorbells and
+//! requests, `batch.rs` hands a poll's reads and writes to the backends in
+//! batches, `completions.rs` posts and signals, `shadow.rs` reads doorbells and
 //! writes EventIdx.
 
+mod batch;
 mod completions;
 mod exec;
 mod poll;

@@ -14,26 +14,21 @@
 use std::sync::atomic::Ordering;
 
 use guest_mem::{Access, DmaSlice, MemView, MemoryMap};
-use smallvec::SmallVec;
 use trace::Stamps;
 
+use super::batch::{submit_batch, tag, Batch, BATCH};
 use super::completions::Completions;
-use super::exec::{decode_rw, exec, facts, map_rw, Exec};
+use super::exec::{decode_rw, exec, facts, io_op, map_rw, Exec};
 use super::shadow::{keep_behind, read_db, shadow_page, Shadow};
 use super::{IoSq, NsTable, QueueGroup, Slot};
 use crate::decode::{OP_READ, OP_WRITE};
-use crate::iov::Iov;
 use crate::log::bump;
 use crate::queue::{ring_ranges, CqRing, Sqe, SQE_SIZE};
 use crate::shared::Shared;
-use crate::status::{Nvme, Status};
-use bdev::{IoOp, IoRequest, Prefetch};
-use frontend_core::Protocol;
+use crate::status::Status;
 
 /// Commands taken from one SQ per poll, so one busy queue cannot starve the others.
 const BUDGET: u32 = 128;
-/// Reads and writes parsed before they are submitted together (see `submit_batch`).
-const BATCH: usize = 32;
 
 /// The controller went fatal (CSTS.CFS, reason logged) during this poll; the poll
 /// stops where it is.
@@ -92,7 +87,7 @@ impl<'m> Pass<'m> {
     /// SPDK's driver rings the CQ head right after the next SQ tail, on the same
     /// cache line, so reading it on every poll takes that line back from the host's
     /// core and the SQ tail read that follows waits for it again
-    /// (docs/decisions/0027-prefetch-next-copy.md, stop 32).
+    /// (docs/decisions/0027-prefetch-next-copy.md, "the CQ head when needed").
     fn read_cq_head(&self, cq: &mut CqRing) -> Result<(), Fatal> {
         let head = read_db(&self.page, self.shadow_db.as_ref(), cq.qid, true);
         if head >= u32::from(cq.size) {
@@ -139,24 +134,6 @@ enum Next {
     Remap,
 }
 
-/// Reads and writes parsed and waiting to be submitted together, their iovecs one
-/// after the other in `iov`.
-struct Batch<'m> {
-    cmds: SmallVec<[u32; BATCH]>,
-    iov: Iov<'m>,
-}
-
-impl Batch<'_> {
-    fn full(&self) -> bool {
-        self.cmds.len() == BATCH || !self.iov.has_room()
-    }
-
-    fn clear(&mut self) {
-        self.cmds.clear();
-        self.iov.clear();
-    }
-}
-
 impl QueueGroup {
     pub fn poll(&mut self) -> usize {
         if self.shared.fatal.load(Ordering::Relaxed) {
@@ -189,10 +166,7 @@ impl QueueGroup {
             ns.reap(out, sqs, &pass)?;
         }
         let inflight_before = out.inflight;
-        let mut batch = Batch {
-            cmds: SmallVec::new(),
-            iov: Iov::new(),
-        };
+        let mut batch = Batch::new();
         for sq in sqs.iter_mut() {
             match fetch_and_submit(&pass, sq, ns, out, &mut batch, p)? {
                 Next::Sq => {}
@@ -289,40 +263,11 @@ fn fetch_and_submit<'m>(
     batch: &mut Batch<'m>,
     p: &mut Progress,
 ) -> Result<Next, Fatal> {
-    let ring = pass
-        .map
-        .translate(sq.ring.base, sq.ring.ring_bytes(), Access::Read);
-    let tail = pass.sq_tail(sq.ring.qid);
-    // The next entry's line is requested together with the doorbell's: the host
-    // writes the entry, then rings, so both lines come from its core, and two
-    // misses in flight at once cost about one (docs/decisions/0027-prefetch-
-    // next-copy.md, stop 32). After the doorbell's load, so that a new tail comes
-    // with the entry written before it. Harmless when nothing new is there.
-    if let Ok(r) = &ring {
-        r.prefetch_line(usize::from(sq.ring.head) * SQE_SIZE);
-    }
-    if tail >= u32::from(sq.ring.size) {
-        return Err(pass.fatal("SQ tail doorbell beyond queue size"));
-    }
-    let tail = tail as u16;
-    if tail == sq.ring.head {
-        return Ok(Next::Sq);
-    }
-    // The map may have changed after this poll's refresh but before the host rang
-    // (e.g. DMA_MAP, then a command using it): take the new one first.
-    if !pass.view.is_current() {
-        return Ok(Next::Remap);
-    }
-    if pass.shadow().is_some() {
-        bump(&out.pcie.shadow_reads, 1);
-    }
-    if pass.map.has_remote() {
-        fetch_entries(pass, sq, tail)?;
-    }
-    let Ok(sq_ring) = ring else {
-        return Err(pass.fatal("I/O SQ memory unmapped"));
+    let (sq_ring, tail) = match new_entries(pass, sq, out)? {
+        Entries::None => return Ok(Next::Sq),
+        Entries::Remap => return Ok(Next::Remap),
+        Entries::Up(ring, tail) => (ring, tail),
     };
-    prefetch_entries(&sq_ring, sq.ring.head, tail, sq.ring.size);
     // One doorbell-seen stamp serves the whole batch.
     let kick = out.rec.kick();
     // Back-pressure: what the backends cannot take now stays in the SQ.
@@ -344,6 +289,7 @@ fn fetch_and_submit<'m>(
             submit_batch(pass, sq, batch, ns, out)?;
             batch.clear();
         }
+        let qid = sq.ring.qid;
         let Some(slot) = sq.slots.get_mut(idx as usize) else {
             continue;
         };
@@ -352,42 +298,15 @@ fn fetch_and_submit<'m>(
             ..Stamps::default()
         };
         let done = if rw {
-            if !batch.iov.has_room() {
-                // Segments of failed walks only; no command holds any.
-                batch.iov.clear();
-            }
-            batch.iov.next_command();
-            let facts = ns.get(sqe.nsid()).map(|c| facts(pass.shared, c));
-            let decoded = decode_rw(facts, &sqe, slot);
-            // The batch's first read starts loading as soon as its range is known,
-            // under the walk of its data pointer: with more entries to parse
-            // first, its first blocks; else only its first lines (docs/decisions/
-            // 0027-prefetch-next-copy.md, stop 32).
-            if let (Ok(_), true, Some(c)) = (&decoded, batch.cmds.is_empty(), ns.get_mut(slot.nsid))
-            {
-                let when = if sq.ring.head == tail {
-                    Prefetch::Now
-                } else {
-                    Prefetch::Soon
-                };
-                c.chan.prefetch(&hint(slot), when);
-            }
-            match decoded.and_then(|access| map_rw(pass.map, &sqe, slot, access, &mut batch.iov)) {
-                Ok(()) => {
-                    batch.cmds.push(idx);
-                    None
-                }
-                Err(st) => Some(st),
-            }
+            parse_rw(pass, &sqe, idx, slot, ns, batch)
         } else {
             p.submitted = true;
-            let tag = (u64::from(sq.ring.qid) << 32) | u64::from(idx);
             match exec(
                 pass.map,
                 pass.shared,
                 ns.get_mut(sqe.nsid()),
                 &sqe,
-                tag,
+                tag(qid, idx),
                 slot,
             ) {
                 Exec::Done(st) => Some(st),
@@ -411,6 +330,92 @@ fn fetch_and_submit<'m>(
         keep_behind(pass.map, s, (sq.ring.qid, false), ring, in_use, &mut sq.ei);
     }
     Ok(Next::Sq)
+}
+
+/// What an SQ's doorbell says.
+enum Entries<'m> {
+    /// Nothing new.
+    None,
+    /// New entries, but the map changed after this poll's snapshot (see `Next`).
+    Remap,
+    /// New entries up to this tail, in this ring.
+    Up(DmaSlice<'m>, u16),
+}
+
+/// Reads the SQ's tail doorbell and, when entries are new, translates the ring and
+/// asks for their lines.
+fn new_entries<'m>(
+    pass: &Pass<'m>,
+    sq: &mut IoSq,
+    out: &Completions,
+) -> Result<Entries<'m>, Fatal> {
+    let ring = pass
+        .map
+        .translate(sq.ring.base, sq.ring.ring_bytes(), Access::Read);
+    let tail = pass.sq_tail(sq.ring.qid);
+    // The next entry's line is requested together with the doorbell's: the host
+    // writes the entry, then rings, so both lines come from its core, and two
+    // misses in flight at once cost about one (docs/decisions/0027-prefetch-
+    // next-copy.md, "the entries with the doorbell"). After the doorbell's load,
+    // so that a new tail comes with the entry written before it. Harmless when
+    // nothing new is there.
+    if let Ok(r) = &ring {
+        r.prefetch_line(usize::from(sq.ring.head) * SQE_SIZE);
+    }
+    if tail >= u32::from(sq.ring.size) {
+        return Err(pass.fatal("SQ tail doorbell beyond queue size"));
+    }
+    let tail = tail as u16;
+    if tail == sq.ring.head {
+        return Ok(Entries::None);
+    }
+    // The map may have changed after this poll's refresh but before the host rang
+    // (e.g. DMA_MAP, then a command using it): take the new one first.
+    if !pass.view.is_current() {
+        return Ok(Entries::Remap);
+    }
+    if pass.shadow().is_some() {
+        bump(&out.pcie.shadow_reads, 1);
+    }
+    if pass.map.has_remote() {
+        fetch_entries(pass, sq, tail)?;
+    }
+    let Ok(sq_ring) = ring else {
+        return Err(pass.fatal("I/O SQ memory unmapped"));
+    };
+    prefetch_entries(&sq_ring, sq.ring.head, tail, sq.ring.size);
+    Ok(Entries::Up(sq_ring, tail))
+}
+
+/// Decodes a read or write and maps its data pointer into `batch`; its status if
+/// it fails here. The batch's first request is announced to its channel as soon
+/// as its range is known, before its data pointer is walked: a backend can start
+/// on it under the walk (docs/decisions/0033-backend-batches.md).
+fn parse_rw<'m>(
+    pass: &Pass<'m>,
+    sqe: &Sqe,
+    idx: u32,
+    slot: &mut Slot,
+    ns: &mut NsTable,
+    batch: &mut Batch<'m>,
+) -> Option<Status> {
+    if !batch.iov.has_room() {
+        // Segments of failed walks only; no command holds any.
+        batch.iov.clear();
+    }
+    batch.iov.next_command();
+    let facts = ns.get(sqe.nsid()).map(|c| facts(pass.shared, c));
+    let decoded = decode_rw(facts, sqe, slot);
+    if let (Ok(_), true, Some(c)) = (&decoded, batch.cmds.is_empty(), ns.get_mut(slot.nsid)) {
+        c.chan.announce(io_op(slot.opcode), slot.offset, slot.bytes);
+    }
+    match decoded.and_then(|access| map_rw(pass.map, sqe, slot, access, &mut batch.iov)) {
+        Ok(()) => {
+            batch.cmds.push(idx);
+            None
+        }
+        Err(st) => Some(st),
+    }
 }
 
 /// Requests the lines of SQ entries after `head` up to `tail` (at most a batch; the
@@ -469,155 +474,4 @@ fn fetch_entries(pass: &Pass<'_>, sq: &mut IoSq, tail: u16) -> Result<(), Fatal>
     }
     sq.synced = tail;
     Ok(())
-}
-
-/// With mirrors of unshared client memory: the batch's write data comes over before
-/// the backend reads it (one message round for the whole batch), and each read's
-/// guest ranges are kept for the push before its completion. A write whose data
-/// the client refused fails with Data Transfer Error.
-#[cold]
-fn sync_batch(pass: &Pass<'_>, sq: &mut IoSq, batch: &Batch<'_>) {
-    let mut ranges: Vec<crate::iov::Run> = Vec::new();
-    for &idx in &batch.cmds {
-        let Some(slot) = sq.slots.get(idx as usize) else {
-            continue;
-        };
-        let runs = batch.iov.runs_of(slot.runs);
-        if !pass.map.any_remote(runs) {
-            continue;
-        }
-        if slot.opcode == OP_WRITE {
-            ranges.extend_from_slice(runs);
-        } else {
-            sq.keep_runs(idx, runs);
-            if let Some(slot) = sq.slots.get_mut(idx as usize) {
-                slot.push = true;
-            }
-        }
-    }
-    if ranges.is_empty() || pass.map.fetch(&ranges).is_ok() {
-        return;
-    }
-    for &idx in &batch.cmds {
-        let Some(slot) = sq.slots.get_mut(idx as usize) else {
-            continue;
-        };
-        if slot.opcode == OP_WRITE && pass.map.fetch(batch.iov.runs_of(slot.runs)).is_err() {
-            slot.status = Status::DATA_TRANSFER_ERROR;
-        }
-    }
-}
-
-/// A decoded read or write as a prefetch hint, before its data pointer is walked
-/// (a read's hint needs only its range).
-fn hint(slot: &Slot) -> IoRequest<'static> {
-    IoRequest {
-        op: if slot.opcode == OP_WRITE {
-            IoOp::Write
-        } else {
-            IoOp::Read
-        },
-        offset: slot.offset,
-        len: slot.bytes,
-        iov: &[],
-        fua: slot.fua,
-    }
-}
-
-/// The backend request of a parsed read or write in `batch`.
-fn request<'b>(slot: &Slot, batch: &'b Batch<'_>) -> IoRequest<'b> {
-    IoRequest {
-        iov: batch.iov.segments(slot.segs),
-        ..hint(slot)
-    }
-}
-
-/// Submits a batch of parsed reads and writes back to back, posting each one's CQE as
-/// soon as the backend finished it inline: a polling client resubmits while the rest
-/// of the batch is copied (docs/decisions/0028-post-each-completion.md). Parsing them
-/// all first lets one clock read between two submit calls be both the earlier
-/// command's "completed" and the later one's "submitted" stamp, without moving any
-/// command's fetch or parse into its backend layer: a traced batch of n reads the
-/// clock n + 1 times instead of 2n. The commands' `queue` layer includes the submits
-/// (and posts) before theirs.
-fn submit_batch(
-    pass: &Pass<'_>,
-    sq: &mut IoSq,
-    batch: &Batch<'_>,
-    ns: &mut NsTable,
-    out: &mut Completions,
-) -> Result<(), Fatal> {
-    if pass.map.has_remote() {
-        sync_batch(pass, sq, batch);
-    }
-    // The last clock read, if it was taken right after the previous submit call.
-    let mut last: Option<u64> = None;
-    for (i, &idx) in batch.cmds.iter().enumerate() {
-        // While this one is copied, the next one's data is on its way to the cache.
-        if let Some(next) = batch
-            .cmds
-            .get(i + 1)
-            .and_then(|&n| sq.slots.get(n as usize))
-        {
-            let same_channel = sq.slots.get(idx as usize).map(|s| s.nsid) == Some(next.nsid);
-            if let (true, Some(c)) = (next.status.is_ok(), ns.get_mut(next.nsid)) {
-                let when = if same_channel {
-                    Prefetch::AfterCurrent
-                } else {
-                    Prefetch::Soon
-                };
-                c.chan.prefetch(&request(next, batch), when);
-            }
-        }
-        if let Some(status) = submit_one(sq, idx, batch, ns, out, pass, &mut last) {
-            out.finish(pass, sq, idx, status)?;
-        }
-    }
-    Ok(())
-}
-
-/// Submits command `idx` of a batch to its namespace's channel; its status when it is
-/// done (completed inline, or failed before reaching the backend) and its CQE can go
-/// out.
-#[inline]
-fn submit_one(
-    sq: &mut IoSq,
-    idx: u32,
-    batch: &Batch<'_>,
-    ns: &mut NsTable,
-    out: &mut Completions,
-    pass: &Pass<'_>,
-    last: &mut Option<u64>,
-) -> Option<Status> {
-    let qid = sq.ring.qid;
-    let slot = sq.slots.get_mut(idx as usize)?;
-    let done = |slot: &Slot| (slot.pending == 0).then_some(slot.status);
-    if !slot.status.is_ok() {
-        // Its data never came over (see `sync_batch`).
-        return done(slot);
-    }
-    // `decode_rw` found the namespace, and the table only changes off the reactor.
-    let Some(c) = ns.get_mut(slot.nsid) else {
-        slot.status = Status::INVALID_NAMESPACE;
-        return done(slot);
-    };
-    let req = request(slot, batch);
-    let op = req.op;
-    let traced = slot.stamps.kick != 0;
-    if traced {
-        slot.stamps.submitted = last.unwrap_or_else(trace::clock::now);
-    }
-    let r = c.chan.submit(u64::from(qid) << 32 | u64::from(idx), &req);
-    *last = traced.then(trace::clock::now);
-    match r {
-        Some(st) => {
-            slot.status = Nvme::from_io(st, op);
-            slot.stamps.completed = last.unwrap_or(0);
-        }
-        None => {
-            c.inflight += 1;
-            out.hold(pass.view, slot, 1);
-        }
-    }
-    done(slot)
 }

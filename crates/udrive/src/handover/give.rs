@@ -140,7 +140,7 @@ fn pause_backends(st: &State) -> Result<()> {
     for d in &st.devices {
         for r in d.disks() {
             r.disk
-                .let_go()
+                .pause()
                 .with_context(|| format!("{}: cannot pause its backend", r.name))?;
         }
     }
@@ -153,7 +153,7 @@ fn pause_backends(st: &State) -> Result<()> {
 fn resume_backends(st: &State, dead: &[String]) {
     for d in &st.devices {
         for r in d.disks() {
-            if let Err(e) = r.disk.take_back(dead) {
+            if let Err(e) = r.disk.resume(dead) {
                 tracing::error!(
                     "handover rollback: {}: cannot resume its backend: {e}",
                     r.name

@@ -763,3 +763,5 @@ fn set_disk_moves_the_end() {
         IOERR
     );
 }
+
+mod batch;
