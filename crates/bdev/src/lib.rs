@@ -2,6 +2,7 @@
 //! reactor opens its own [`IoChannel`] on it (SPDK's io_channel idea), so the I/O
 //! path needs no locks: a channel belongs to one thread.
 
+mod claim;
 mod fault;
 mod held;
 mod null;
@@ -13,6 +14,7 @@ mod request;
 mod slice;
 mod uring;
 
+pub use claim::{DiskClaim, RangeClaim, WriterClaim};
 pub use fault::{FaultConfig, FaultDisk, FaultOps};
 pub use held::{HeldDisk, HeldGate};
 pub use null::NullDisk;

@@ -79,6 +79,9 @@ pub(crate) struct Slot {
     pub fua: bool,
     pub used_len: u32,
     pub outcome: Outcome,
+    /// `data` is what the device writes into guest memory (IN, GET_ID), which a
+    /// dirty-page log must hear of (`dirty.rs`).
+    pub into_guest: bool,
     /// Why the request gets VIRTIO_BLK_S_IOERR (for the log), when parsing decided it.
     pub cause: &'static str,
     /// What the request is for the counters (set from the header's type, also for
@@ -101,6 +104,7 @@ impl Slot {
             fua: false,
             used_len: 0,
             outcome: Outcome::Finish(S_IOERR),
+            into_guest: false,
             cause: "",
             class: OpClass::Other,
             stamps: Stamps::default(),
@@ -148,6 +152,7 @@ pub(crate) fn parse(
     slot.len = 0;
     slot.fua = false;
     slot.outcome = Outcome::Finish(S_IOERR);
+    slot.into_guest = false;
     slot.cause = "";
     slot.class = OpClass::Other;
     slot.stamps = Stamps::default();
@@ -222,6 +227,7 @@ pub(crate) fn parse(
     let status = match req_type {
         vb::VIRTIO_BLK_T_IN => {
             let len = collect(segs, true, 0, writable_data, &mut slot.data);
+            slot.into_guest = true;
             slot.used_len = u32::try_from(len + 1).unwrap_or(u32::MAX);
             rw((cfg, info), slot, IoOp::Read, sector, len)
         }
@@ -244,6 +250,8 @@ pub(crate) fn parse(
             id[..n].copy_from_slice(&cfg.opts.serial.as_bytes()[..n]);
             let want = (writable_data as usize).min(ID_BYTES);
             if scatter(segs, &id[..want]) {
+                collect(segs, true, 0, want as u64, &mut slot.data);
+                slot.into_guest = true;
                 slot.used_len = want as u32 + 1;
                 S_OK
             } else {
