@@ -3,6 +3,7 @@
 //! path needs no locks: a channel belongs to one thread.
 
 mod batch;
+mod claim;
 mod error;
 mod fault;
 mod null;
@@ -16,6 +17,7 @@ mod uring;
 mod wrapper;
 
 pub use batch::{submit_each, Batch, RequestList};
+pub use claim::{DiskClaim, RangeClaim, WriterClaim};
 pub use error::{typed, FixedSize, GeometryError};
 pub use fault::{FaultConfig, FaultDisk, FaultError, FaultOps};
 pub use null::NullDisk;

@@ -9,11 +9,14 @@
 //!   initiator's DMA pool) so another process can map the same pages.
 //! * [`DmaSlice`] — a bounds-checked window into any of those, with copy and atomic
 //!   accessors. Its lifetime ties it to the snapshot or mapping it came from.
+//! * [`DirtyLog`] — a VMM's dirty-page log during live migration: the pages we
+//!   write behind its back (DMA into guest buffers) are marked there.
 //! * [`HeldIov`] — a request's buffer list kept by a backend wrapper past `submit`.
 //! * Mirrors ([`MappedRegion::mirror`], [`RemoteDma`]) — client memory shared
 //!   without a file descriptor, kept in step by messages at the points the reader
 //!   names ([`MemoryMap::fetch`], [`MemoryMap::push`]); see `remote.rs`.
 
+mod dirty;
 mod fault;
 mod held;
 mod map;
@@ -24,6 +27,7 @@ mod shared;
 mod slice;
 mod space;
 
+pub use dirty::{DirtyLog, LOG_PAGE};
 pub use fault::{guard_range, repaired_faults, FaultGuard, FaultSignal, MAX_GUARDED_RANGES};
 pub use held::HeldIov;
 pub use map::{Access, MemError, MemoryMap};

@@ -237,6 +237,14 @@ impl<'a> DmaSlice<'a> {
             .map(|p| unsafe { AtomicU8::from_ptr(p) }.store(v, Ordering::Release))
     }
 
+    /// Sets the bits of `v` in a shared byte (a release read-modify-write: what this
+    /// thread wrote before is visible to whoever sees the bits); the old value.
+    pub fn fetch_or_u8(&self, off: usize, v: u8) -> Option<u8> {
+        // SAFETY: as in load_u8.
+        self.atomic_at::<u8>(off)
+            .map(|p| unsafe { AtomicU8::from_ptr(p) }.fetch_or(v, Ordering::Release))
+    }
+
     /// Acquire-load of a naturally aligned u16.
     pub fn load_u16(&self, off: usize) -> Option<u16> {
         // SAFETY: as in load_u8.

@@ -27,6 +27,11 @@ struct BackingUse {
     range: (u64, u64),
     writable: bool,
     shared: bool,
+    /// A vhost-user-blk disk: its device writes only while it holds the range's
+    /// writer claim.
+    claims: bool,
+    /// ... and receives a migrating VM (opened without the writer's claim).
+    incoming: bool,
     who: String,
     /// (controller socket, nsid): what `release` matches.
     owner: (PathBuf, u32),
@@ -60,8 +65,22 @@ impl BackendSet {
     /// Opens namespace `nsid` of the controller on `socket`. Nothing is kept on error.
     pub fn open(&mut self, ns: &NsSpec, socket: &Path, nsid: u32) -> Result<Arc<QosDisk>> {
         let who = format!("namespace {nsid} ({ns}) of {}", socket.display());
+        if ns.incoming {
+            bail!("{who}: `incoming` is for vhost-user-blk disks (NVMe over vfio-user has no live migration)");
+        }
         let owner = (socket.to_path_buf(), nsid);
-        self.open_one(ns, &who, owner).with_context(|| who.clone())
+        self.open_one(ns, &who, owner, false)
+            .with_context(|| who.clone())
+    }
+
+    /// Opens the disk of the vhost-user-blk device on `socket` (its "namespace
+    /// 1"). Its device writes only while it holds the writer claim of its range
+    /// (`KindSpec::writer_claim`), so an `incoming` disk may share the range of
+    /// another device's.
+    pub fn open_disk(&mut self, ns: &NsSpec, socket: &Path) -> Result<Arc<QosDisk>> {
+        let who = format!("disk {ns} of {}", socket.display());
+        self.open_one(ns, &who, (socket.to_path_buf(), 1), true)
+            .with_context(|| who.clone())
     }
 
     /// Forgets namespace `nsid` of `socket` (its file range is free again).
@@ -114,17 +133,31 @@ impl BackendSet {
         }
     }
 
-    fn open_one(&mut self, ns: &NsSpec, who: &str, owner: (PathBuf, u32)) -> Result<Arc<QosDisk>> {
+    fn open_one(
+        &mut self,
+        ns: &NsSpec,
+        who: &str,
+        owner: (PathBuf, u32),
+        claims: bool,
+    ) -> Result<Arc<QosDisk>> {
         let kind = &ns.kind.0;
         let mut new_use = None;
+        let open = |env: &dyn OpenEnv| match ns.incoming && !ns.read_only {
+            true => kind.open_incoming(env, ns.block_size),
+            false => kind.open(env, ns.block_size, ns.read_only),
+        };
         let base = match kind.backing()? {
-            None => kind.open(&*self.env, ns.block_size, ns.read_only)?,
+            None => open(&*self.env)?,
             Some(b) => {
-                // The block size and read-only flag are part of how a device opens.
-                let open_key = format!("{}\0{:?}\0{}", b.open_key, ns.block_size, ns.read_only);
+                // The block size, read-only and incoming flags are part of how a
+                // device opens.
+                let open_key = format!(
+                    "{}\0{:?}\0{}\0{}",
+                    b.open_key, ns.block_size, ns.read_only, ns.incoming
+                );
                 let disk = match self.opened.get(&open_key) {
                     Some(d) => d.clone(),
-                    None => kind.open(&*self.env, ns.block_size, ns.read_only)?,
+                    None => open(&*self.env)?,
                 };
                 let total = disk.info().size_bytes();
                 let (off, len) = slice_range(ns, total)?;
@@ -134,6 +167,8 @@ impl BackendSet {
                     range: (off, len),
                     writable: !ns.read_only,
                     shared: ns.shared,
+                    claims,
+                    incoming: ns.incoming,
                     who: who.to_string(),
                     owner,
                 };
@@ -186,8 +221,7 @@ pub fn open_all_set(
     }
     let mut disk_devs = Vec::new();
     for (socket, spec) in disks {
-        // A virtio-blk device has one disk; it is "namespace 1" of its socket.
-        disk_devs.push(set.open(spec, socket, 1)?);
+        disk_devs.push(set.open_disk(spec, socket)?);
     }
     Ok((set, out, disk_devs))
 }
@@ -209,9 +243,12 @@ fn slice_range(ns: &NsSpec, total: u64) -> Result<(u64, u64)> {
 fn check_overlap(uses: &[BackingUse], b: &BackingUse) -> Result<()> {
     for a in uses {
         let both_shared = a.shared && b.shared;
+        // A migration's source and destination: one writer at a time, by claim.
+        let migration = (a.incoming || b.incoming) && a.claims && b.claims;
         if a.resource == b.resource
             && (a.writable || b.writable)
             && !both_shared
+            && !migration
             && bdev::overlaps(a.range, b.range)
         {
             bail!(

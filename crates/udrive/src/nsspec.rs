@@ -8,7 +8,9 @@
 //! followed by options: `bs=512|4096`, `offset=SIZE,size=SIZE` (a slice of the
 //! backend: the namespace sees only those bytes), `direct=on|off` (file; default on),
 //! `engine=auto|uring|inline` (file; default auto: inline only for memory-filesystem
-//! files that io_uring would hand to kernel workers, see `bdev::FileEngine`), `ro`, `shared` (allow overlapping writable slices), and QoS limits `iops=`,
+//! files that io_uring would hand to kernel workers, see `bdev::FileEngine`), `ro`, `shared` (allow overlapping writable slices),
+//! `incoming` (a vhost-user-blk disk that receives a migrating VM: it opens without
+//! the writer's claim, which it takes when the VM starts there; docs/attach.md), and QoS limits `iops=`,
 //! `read_iops=`, `write_iops=`, `bw=`, `read_bw=`, `write_bw=` (bytes/s, with K/M/G).
 //! Example: `file:/var/lib/vm.img,offset=1G,size=8G,iops=5000`.
 //!
@@ -33,6 +35,9 @@ pub struct NsSpec {
     pub slice: Option<(u64, Option<u64>)>,
     pub read_only: bool,
     pub shared: bool,
+    /// The destination of a live migration (vhost-user-blk): opened without what
+    /// a writer holds, taken when the VM starts on this device.
+    pub incoming: bool,
     pub qos: bdev::QosLimits,
     /// Test-only error/latency injection.
     pub fault: Option<FaultSpec>,
@@ -92,6 +97,7 @@ impl std::str::FromStr for NsSpec {
         let mut block_size = None;
         let mut read_only = false;
         let mut shared = false;
+        let mut incoming = false;
         let mut qos = bdev::QosLimits::default();
         let mut fault: Option<FaultSpec> = None;
         let mut offset = None;
@@ -114,6 +120,7 @@ impl std::str::FromStr for NsSpec {
                 k if backend.options().contains(&k) => kind_opts.push((k, v)),
                 "ro" if backend.read_only_ok() => read_only = true,
                 "shared" => shared = true,
+                "incoming" => incoming = true,
                 "iops" => qos.iops = rate()?,
                 "read_iops" => qos.read_iops = rate()?,
                 "write_iops" => qos.write_iops = rate()?,
@@ -168,8 +175,12 @@ impl std::str::FromStr for NsSpec {
         {
             return Err(bad("QoS limits must be above 0".into()));
         }
+        let kind = backend.parse(arg, &kind_opts, block_size).map_err(&bad)?;
+        if let Some(why) = kind.migration_refusal().filter(|_| incoming) {
+            return Err(bad(format!("incoming: {why}")));
+        }
         Ok(NsSpec {
-            kind: NsKind(backend.parse(arg, &kind_opts, block_size).map_err(&bad)?),
+            kind: NsKind(kind),
             block_size,
             slice: match (offset, size) {
                 (None, None) => None,
@@ -177,6 +188,7 @@ impl std::str::FromStr for NsSpec {
             },
             read_only,
             shared,
+            incoming,
             qos,
             fault,
             text: s.to_string(),
@@ -225,6 +237,7 @@ fn unknown_option(opt: &str, kind: &dyn crate::kinds::BackendKind) -> String {
     }
     known.extend([
         "shared",
+        "incoming",
         "iops",
         "read_iops",
         "write_iops",

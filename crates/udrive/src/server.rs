@@ -212,7 +212,7 @@ impl Server {
             bail!("socket {} already has a device", cfg.socket.display());
         }
         self.check_reactor_budget(&cfg)?;
-        let disk = st.backends.open(&cfg.disk, &cfg.socket, 1)?;
+        let disk = st.backends.open_disk(&cfg.disk, &cfg.socket)?;
         if let Err(e) = self.start_vhost_blk(&mut st, &cfg, disk, Default::default()) {
             st.backends.release_all(&cfg.socket);
             return Err(e);

@@ -93,6 +93,7 @@ pub fn start(
         },
         poll: cfg.poll,
         access,
+        migration: migration_options(&cfg.disk, &disk)?,
     };
     // A handover: the device as the old process saved it, restored paused.
     if let Some((state, fds)) = saved_state(&cfg.socket, restore)? {
@@ -101,6 +102,28 @@ pub fn start(
     }
     VhostUserBlk::start(&cfg.socket, disk, opts, engine, &reactors)
         .with_context(|| format!("cannot start {}", cfg.what()))
+}
+
+/// How the device on `spec` (opened as `disk`) takes part in a live migration:
+/// whether its data can follow the VM, its writer claim (none for a `shared` or
+/// read-only disk: it writes beside others, or not at all) and whether it is the
+/// destination.
+fn migration_options(
+    spec: &NsSpec,
+    disk: &Arc<dyn bdev::BlockDevice>,
+) -> Result<vhost_user_blk::MigrationOptions> {
+    let kind = &spec.kind.0;
+    let claim = if spec.shared || spec.read_only {
+        None
+    } else {
+        let range = spec.slice.map_or((0, 0), |(o, s)| (o, s.unwrap_or(0)));
+        kind.writer_claim(disk, range)?
+    };
+    Ok(vhost_user_blk::MigrationOptions {
+        refusal: kind.migration_refusal().map(String::from),
+        claim,
+        incoming: spec.incoming,
+    })
 }
 
 /// How to attach QEMU to a device.
@@ -459,7 +482,7 @@ pub fn open_and_start(
     engine: &Arc<Engine>,
     base_reactors: usize,
 ) -> Result<VhostUserBlk> {
-    let disk = crate::backends::BackendSet::default().open(&cfg.disk, &cfg.socket, 1)?;
+    let disk = crate::backends::BackendSet::default().open_disk(&cfg.disk, &cfg.socket)?;
     start(cfg, disk, 0, engine, base_reactors, KeptRecords::new())
 }
 

@@ -8,11 +8,12 @@
 //! is uncontended on the I/O path: control messages that touch a running ring are
 //! rare (GET_VRING_BASE, SET_VRING_ENABLE, SET_VRING_CALL).
 //!
-//! Dirty-page logging (the vhost-user spec's migration: VHOST_F_LOG_ALL, LOG_SHMFD)
-//! fits here: the mapped log would sit in the [`Conn`] beside `mem` as an
-//! `ArcSwapOption`, loaded by each poller next to its memory snapshot (no lock), and
-//! each [`VringState`] already keeps SET_VRING_ADDR's flags and `log_guest_addr`
-//! (VHOST_VRING_F_LOG: where used-ring writes are logged).
+//! Dirty-page logging during a live migration (`migration.rs`) rides on the same
+//! lock: each [`VringState`] carries the log its poller marks (`data_log`,
+//! `used_log`), set by the handler, which the poller compares with its worker's at
+//! every poll — a pointer comparison, nothing more while no migration runs. A log
+//! the handler replaces is never marked again once it has taken every vring's lock
+//! after the swap, so the front end may drop it then.
 
 use std::fs::File;
 use std::io::Write;
@@ -23,7 +24,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use engine::{PollMode, Waker};
-use guest_mem::FaultSignal;
+use guest_mem::{DirtyLog, FaultSignal};
 use virtio_blk::{BlkConfig, Mem};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
@@ -50,6 +51,15 @@ pub(crate) struct VringState {
     /// SET_VRING_ADDR as the front end sent it (user addresses, flags and the
     /// log address).
     pub addrs: Option<crate::state::VringAddr>,
+    /// While the front end logs (VHOST_F_LOG_ALL and a log): where completed
+    /// requests mark the guest pages they wrote.
+    pub data_log: Option<Arc<DirtyLog>>,
+    /// ... and where used-ring writes are marked (VHOST_VRING_F_LOG), at the
+    /// ring's `log_guest_addr`.
+    pub used_log: Option<Arc<DirtyLog>>,
+    /// The front end asked for logging and gave no log yet: take no chains (what
+    /// they wrote could not be marked).
+    pub hold: bool,
 }
 
 impl VringState {
@@ -61,12 +71,25 @@ impl VringState {
             err: None,
             enabled: false,
             addrs: None,
+            data_log: None,
+            used_log: None,
+            hold: false,
         })
     }
 
     /// Whether its kicks matter (started and enabled).
     pub fn running(&self) -> bool {
         self.queue.ready() && self.enabled
+    }
+
+    /// Marks the used ring (entries, index, flags and avail_event) in the front
+    /// end's log after we wrote it, if it logs this ring.
+    #[cold]
+    pub fn log_used(&self) {
+        if let (Some(log), Some(a)) = (&self.used_log, &self.addrs) {
+            // virtq_used: flags, idx, ring[size], avail_event (virtio 1.2, 2.7.8).
+            log.mark(a.log, 6 + 8 * u64::from(self.queue.size()));
+        }
     }
 
     /// Signals the guest (the call eventfd, if it gave one).
@@ -228,6 +251,8 @@ pub(crate) struct Shared {
     /// Budget of the log lines its front ends can trigger (shared by connections,
     /// so reconnecting does not refill it).
     pub log: Arc<trace::LogLimiter>,
+    /// Whether and how the device takes part in a live migration.
+    pub migration: crate::migration::Migration,
 }
 
 impl Shared {

@@ -18,7 +18,7 @@ use crate::conn::{lock, ConfigNotice, QueueCtl, Shared, PAUSED};
 use crate::error::{io, Error, Result, StateError};
 use crate::poller::VirtqPoller;
 use crate::serve::{ConnCounts, Established, Phase, ServeArgs, ServeCtl};
-use crate::state::{FdTaker, HandoverState, HANDOVER_VERSION};
+use crate::state::{FdTaker, HandoverState, HANDOVER_VERSION, MIN_HANDOVER_VERSION};
 
 /// How a device is set up.
 #[derive(Clone, Debug, Default)]
@@ -27,6 +27,8 @@ pub struct BlkDeviceOptions {
     pub poll: PollMode,
     /// Mode and group of the socket file (default: owner only).
     pub access: sockfile::SocketAccess,
+    /// Whether and how the device takes part in a live migration of its VM.
+    pub migration: crate::MigrationOptions,
 }
 
 pub struct VhostUserBlk {
@@ -148,6 +150,7 @@ impl VhostUserBlk {
         // The queues stay paused until the state is installed and checked: on an
         // error they must not have taken anything the old device would take again.
         let parts = Parts::new(&disk, &opts, engine, reactors, true)?;
+        parts.shared.migration.set_wanted(state.writer);
         let first = match state.connection {
             None => None,
             Some(c) => match crate::state::restore(&parts.shared, c, &mut taker) {
@@ -283,6 +286,8 @@ impl VhostUserBlk {
             self.resume();
             return Err(Error::PauseTimeout(limit));
         }
+        // The successor takes the disk's writer claim.
+        self.shared.migration.pause();
         Ok(())
     }
 
@@ -314,6 +319,9 @@ impl VhostUserBlk {
         self.serve.hold(false);
         h.paused = false;
         h.handed_over = false;
+        if let Err(e) = self.shared.migration.serve() {
+            tracing::error!(socket = %self.socket.display(), error = %e, "resumed without the disk's writer claim");
+        }
     }
 
     /// Whether the device is paused ([`pause`](Self::pause)).
@@ -358,6 +366,7 @@ impl VhostUserBlk {
                 queue_size: cfg.opts.queue_size,
                 capacity_bytes: cfg.capacity_bytes(),
                 listener_fd: 0,
+                writer: self.shared.migration.wanted(),
                 connection,
             },
             fds,
@@ -560,7 +569,7 @@ fn check_state(
     opts: &BlkDeviceOptions,
     disk_bytes: u64,
 ) -> Result<(), StateError> {
-    if state.version != HANDOVER_VERSION {
+    if !(MIN_HANDOVER_VERSION..=HANDOVER_VERSION).contains(&state.version) {
         return Err(StateError::Version {
             got: state.version,
             want: HANDOVER_VERSION,
@@ -608,7 +617,15 @@ impl Parts {
             front: Mutex::new(None),
             poll: engine::AtomicPollMode::new(opts.poll),
             log: Arc::new(trace::LogLimiter::new()),
+            migration: crate::migration::Migration::new(&opts.migration),
         });
+        if let Some(why) = &shared.migration.refusal {
+            tracing::info!("vhost-user-blk device offers no live migration: {why}");
+        }
+        // A restored device takes it when it resumes.
+        if !paused {
+            shared.migration.serve()?;
+        }
         let trace = Arc::new(TraceControl::default());
         let mut mailboxes = Vec::with_capacity(nq);
         let mut pollers = Vec::with_capacity(nq);

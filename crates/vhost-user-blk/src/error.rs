@@ -62,13 +62,16 @@ pub enum Error {
     /// A handed-over state that this device cannot take.
     #[error("handover state refused")]
     State(#[from] StateError),
+    /// Another device writes the disk (it holds the disk's writer claim).
+    #[error("cannot serve the disk")]
+    Claim(#[from] crate::migration::ClaimError),
 }
 
 /// Why a handed-over state ([`crate::HandoverState`]) was refused: it crosses a
 /// process boundary and is checked like client input.
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
-    #[error("handover state version {got} (this device reads {want})")]
+    #[error("handover state version {got} (this device reads up to {want})")]
     Version { got: u32, want: u32 },
     #[error("the front end set up {state_queues} queues of up to {state_size} entries; this device has {dev_queues} of {dev_size}")]
     Geometry {
@@ -101,6 +104,8 @@ pub enum StateError {
     },
     #[error("inflight area refused")]
     Inflight(#[source] crate::inflight::InflightError),
+    #[error("dirty-page log refused")]
+    Log(#[source] crate::migration::LogError),
     #[error("cannot inspect a handed-over fd")]
     Io(#[source] io::Error),
     #[error("the vhost-user library refused the negotiated features")]

@@ -29,6 +29,7 @@ use vm_memory::{GuestAddress, GuestAddressSpace};
 
 use crate::conn::{lock, Conn, Shared, VringState};
 use crate::memory::{self, Mapping};
+use crate::migration::{LogError, LogRec};
 use crate::state::VringAddr;
 
 type VuResult<T> = Result<T, VuError>;
@@ -55,16 +56,22 @@ pub(crate) fn is_refusal(e: &VuError) -> bool {
     matches!(e, VuError::ReqHandlerError(io) if io.get_ref().is_some_and(|i| i.is::<Refused>()))
 }
 
-/// The protocol features the device offers.
-pub(crate) fn offered_protocol() -> VhostUserProtocolFeatures {
-    VhostUserProtocolFeatures::CONFIG
+/// The protocol features a device offers (`migrates`: it offers dirty-page
+/// logging, `migration.rs`).
+pub(crate) fn offered_protocol(migrates: bool) -> VhostUserProtocolFeatures {
+    let f = VhostUserProtocolFeatures::CONFIG
         | VhostUserProtocolFeatures::MQ
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
         | VhostUserProtocolFeatures::INFLIGHT_SHMFD
         // SET_BACKEND_REQ_FD is taken off the socket before the library sees it
         // (channel.rs).
-        | VhostUserProtocolFeatures::BACKEND_REQ
+        | VhostUserProtocolFeatures::BACKEND_REQ;
+    if migrates {
+        f | VhostUserProtocolFeatures::LOG_SHMFD
+    } else {
+        f
+    }
 }
 
 /// One SET_CONFIG, as a handover carries it.
@@ -96,6 +103,8 @@ pub(crate) struct Handler {
     /// More distinct config writes than a handover carries.
     pub config_overflow: bool,
     pub inflight: Option<InflightRec>,
+    /// SET_LOG_BASE: the dirty-page log.
+    pub log: Option<LogRec>,
 }
 
 impl Handler {
@@ -110,11 +119,71 @@ impl Handler {
             config: Vec::new(),
             config_overflow: false,
             inflight: None,
+            log: None,
         }
     }
 
     pub fn offered_features(&self) -> u64 {
-        self.shared.cfg.features | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+        let f = self.shared.cfg.features | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        if self.shared.migration.offers_logging() {
+            f | VhostUserVirtioFeatures::LOG_ALL.bits()
+        } else {
+            f
+        }
+    }
+
+    /// Whether the front end asked for every write to be logged (it migrates).
+    pub fn logging(&self) -> bool {
+        self.features
+            .is_some_and(|f| f & VhostUserVirtioFeatures::LOG_ALL.bits() != 0)
+    }
+
+    /// Sets what vring `st`'s poller marks in the dirty log (`conn.rs`).
+    fn vring_log(&self, st: &mut VringState) {
+        let logging = self.logging();
+        let on = self.log.as_ref().filter(|_| logging).map(|l| l.map.clone());
+        st.hold = logging && self.log.is_none();
+        let logs_used = st
+            .addrs
+            .is_some_and(|a| a.flags & VhostUserVringAddrFlags::VHOST_VRING_F_LOG.bits() != 0);
+        st.used_log = on.clone().filter(|_| logs_used);
+        st.data_log = on.filter(|_| self.shared.migration.log_data);
+    }
+
+    /// Applies the logging state to every vring (features, log or addresses
+    /// changed); wakes the pollers so that a held ring goes on at once.
+    pub fn apply_log(&self) {
+        for (i, v) in self.conn.vrings.iter().enumerate() {
+            self.vring_log(&mut lock(v));
+            if let Some(q) = self.shared.queues.get(i) {
+                q.waker.load().wake();
+            }
+        }
+    }
+
+    /// A ring is about to start (`kick_now`: its kick eventfd arrives now):
+    /// unless the device is its disk's writer already, it becomes it, or the
+    /// start is refused (another device writes the disk).
+    fn claim_if_starting(&self, index: u8, kick_now: bool) -> VuResult<()> {
+        let starts = {
+            let st = self.vring(u32::from(index))?;
+            !st.queue.ready() && (kick_now || st.kick.is_some())
+        };
+        if !starts {
+            return Ok(());
+        }
+        self.shared.migration.front_end_starts().map_err(|e| {
+            trace::limited!(self.conn.log, error, error = %e, "vhost-user front end started a ring, but the disk has another writer; ring not started");
+            VuError::ReqHandlerError(io::Error::other(e))
+        })
+    }
+
+    /// GET_VRING_BASE stopped a ring: if the front end logs and no ring runs any
+    /// more, the VM is moving to another device.
+    fn after_stop(&self) {
+        if self.logging() && self.conn.vrings.iter().all(|v| !lock(v).queue.ready()) {
+            self.shared.migration.migrated_away();
+        }
     }
 
     fn vring(&self, index: u32) -> VuResult<MutexGuard<'_, VringState>> {
@@ -165,7 +234,32 @@ impl Handler {
             st.queue.set_event_idx(event_idx);
             self.update_kick(i, &st)?;
         }
+        // LOG_ALL comes and goes with SET_FEATURES while the rings run.
+        self.apply_log();
         Ok(())
+    }
+
+    /// Maps and installs a dirty-page log (SET_LOG_BASE, or a restore). The log
+    /// it replaces is never marked again once this returns (`conn.rs`).
+    pub fn install_log(&mut self, req: &VhostUserLog, file: File) -> Result<(), LogError> {
+        if let Some(why) = &self.shared.migration.refusal {
+            return Err(LogError::NotOffered(why.clone()));
+        }
+        let rec = crate::migration::map_log(&self.conn, &self.table, req, file)?;
+        self.log = Some(rec);
+        self.apply_log();
+        Ok(())
+    }
+
+    /// Refuses a memory table the dirty log in use does not cover.
+    fn check_log_covers(&self, table: &[Mapping]) -> VuResult<()> {
+        match &self.log {
+            Some(l) => crate::migration::check_covers(&l.map, table).map_err(|e| {
+                trace::limited!(self.conn.log, warn, error = %e, "vhost-user memory table refused");
+                refused(e)
+            }),
+            None => Ok(()),
+        }
     }
 
     fn note_config(&mut self, offset: u32, flags: u32, data: &[u8]) {
@@ -221,6 +315,8 @@ impl Handler {
             .map_err(|_| VuError::BackendInternalError)?;
         q.set_next_used(idx.0);
         st.addrs = Some(a);
+        // VHOST_VRING_F_LOG comes with SET_VRING_ADDR.
+        self.vring_log(&mut st);
         Ok(())
     }
 }
@@ -239,6 +335,8 @@ impl VhostUserBackendReqHandlerMut for Handler {
         self.features = None;
         self.protocol = None;
         self.conn.protocol.store(0, Ordering::Release);
+        self.log = None;
+        self.apply_log();
         Ok(())
     }
 
@@ -264,6 +362,7 @@ impl VhostUserBackendReqHandlerMut for Handler {
         _postcopy_listening: Option<bool>,
     ) -> VuResult<Option<Vec<VhostUserMemoryRegionBase>>> {
         let table: Vec<Mapping> = ctx.iter().map(Mapping::of).collect();
+        self.check_log_covers(&table)?;
         memory::set_table(&self.conn, &table, files).map_err(|e| {
             trace::limited!(self.conn.log, warn, error = %e, "vhost-user memory table refused");
             refused(e)
@@ -332,14 +431,17 @@ impl VhostUserBackendReqHandlerMut for Handler {
         let mut st = self.vring(index)?;
         st.kick = None;
         st.call = None;
-        Ok(VhostUserVringState::new(
-            index,
-            u32::from(st.queue.next_avail()),
-        ))
+        let base = VhostUserVringState::new(index, u32::from(st.queue.next_avail()));
+        drop(st);
+        self.after_stop();
+        Ok(base)
     }
 
     fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
         let i = usize::from(index);
+        if fd.is_some() {
+            self.claim_if_starting(index, true)?;
+        }
         let mut st = self.vring(u32::from(index))?;
         if let Some(old) = &st.kick {
             let _ = self.conn.kicks.set(old.as_raw_fd(), i, false);
@@ -349,6 +451,7 @@ impl VhostUserBackendReqHandlerMut for Handler {
     }
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        self.claim_if_starting(index, false)?;
         let mut st = self.vring(u32::from(index))?;
         st.call = fd;
         self.start_if_kicked(usize::from(index), &mut st)
@@ -360,7 +463,7 @@ impl VhostUserBackendReqHandlerMut for Handler {
     }
 
     fn get_protocol_features(&mut self) -> VuResult<VhostUserProtocolFeatures> {
-        Ok(offered_protocol())
+        Ok(offered_protocol(self.shared.migration.offers_logging()))
     }
 
     fn set_protocol_features(&mut self, features: u64) -> VuResult<()> {
@@ -457,6 +560,9 @@ impl VhostUserBackendReqHandlerMut for Handler {
         _postcopy_listening: Option<bool>,
     ) -> VuResult<Option<VhostUserMemoryRegionBase>> {
         let m = Mapping::of(region);
+        let mut table = self.table.clone();
+        table.push(m);
+        self.check_log_covers(&table)?;
         memory::add(&self.conn, self.table.len(), &m, fd).map_err(|e| {
             trace::limited!(self.conn.log, warn, error = %e, "vhost-user memory region refused");
             refused(e)
@@ -490,9 +596,12 @@ impl VhostUserBackendReqHandlerMut for Handler {
         Err(VuError::InvalidOperation("SHMEM is not offered"))
     }
 
-    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VuResult<()> {
-        // Dirty logging (LOG_SHMFD) is not offered yet: the mapped log would go in
-        // the `Conn` beside `mem` (see conn.rs).
-        Err(VuError::InvalidOperation("LOG_SHMFD is not offered"))
+    fn set_log_base(&mut self, log: &VhostUserLog, file: File) -> VuResult<()> {
+        // Not a refusal the front end could go on after: the library answers
+        // SET_LOG_BASE only on success, so an error ends the connection.
+        self.install_log(log, file).map_err(|e| {
+            trace::limited!(self.conn.log, warn, error = %e, "vhost-user dirty log refused; disconnecting");
+            VuError::ReqHandlerError(io::Error::other(e))
+        })
     }
 }

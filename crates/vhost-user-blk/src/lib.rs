@@ -24,6 +24,7 @@ mod handler;
 mod inflight;
 mod kick;
 mod memory;
+mod migration;
 mod poller;
 mod serve;
 mod state;
@@ -36,8 +37,9 @@ pub use error::{Error, Result, StateError};
 pub use handler::ConfigWrite;
 pub use inflight::InflightError;
 pub use memory::MemError;
+pub use migration::{ClaimError, LogError, MigrationOptions, WriterClaim};
 pub use state::{
-    ConnectionState, HandoverState, InflightArea, MemRegion, VringAddr, VringRecord,
-    HANDOVER_VERSION,
+    ConnectionState, DirtyLogArea, HandoverState, InflightArea, MemRegion, VringAddr, VringRecord,
+    HANDOVER_VERSION, MIN_HANDOVER_VERSION,
 };
 pub use virtio_blk::{DeviceOptions, DISK_NSID};

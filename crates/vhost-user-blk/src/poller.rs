@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use engine::Poller;
+use guest_mem::DirtyLog;
 use virtio_blk::{Mem, QueueWorker};
 use virtio_queue::QueueT;
 use vm_memory::GuestAddressSpace;
@@ -157,6 +158,16 @@ impl VirtqPoller {
     }
 }
 
+/// Whether the worker marks the dirty log the vring says (both none, or one log).
+#[inline]
+fn same_log(a: Option<&Arc<DirtyLog>>, b: Option<&Arc<DirtyLog>>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        _ => false,
+    }
+}
+
 /// Leaves the guest's kicks off for a sleep that a completion will end: with
 /// EVENT_IDX `avail_event` goes one behind the next avail index (the driver kicks
 /// only when its index passes `avail_event`, which it already has), without it
@@ -211,6 +222,9 @@ impl Poller for VirtqPoller {
         // The handler changes the vring only on control messages; this lock is
         // uncontended on the I/O path.
         let mut st = lock(&conn.vrings[self.index]);
+        if !same_log(st.data_log.as_ref(), self.worker.dirty_log()) {
+            self.worker.set_dirty_log(st.data_log.clone());
+        }
         // A newer connection (or none) waits for our in-flight requests: take no new ones.
         let current = self.shared.queues[self.index].gen.load(Ordering::Relaxed) == self.gen;
         // Read under the vring lock: a stop counted before the vring was restarted is
@@ -222,7 +236,9 @@ impl Poller for VirtqPoller {
             self.quiet = false;
             self.recover = true;
         }
-        let pop = current && disk_current && st.running();
+        let pop = current && disk_current && st.running() && !st.hold;
+        // Whether this poll writes the used ring outside of completions.
+        let mut flags_written = false;
         if pop && self.recover && self.worker.in_flight() == 0 {
             // SET_INFLIGHT_FD comes before the rings are started, so the log of
             // this start is in place now.
@@ -235,12 +251,14 @@ impl Poller for VirtqPoller {
                 .and_then(|r| r.queue(self.index));
             self.worker.set_inflight(log);
             self.worker.recover(&mut st.queue, &self.mem);
+            flags_written = true;
         }
         if pop && !self.quiet {
             // Polling: ask the guest not to kick (no-op with EVENT_IDX beyond not
             // moving avail_event, which is what suppresses kicks there).
             let _ = st.queue.disable_notification(&*self.mem);
             self.quiet = true;
+            flags_written = true;
         }
         // Buffers are translated with the snapshot taken after the avail index read
         // (see `process_with`): the one loaded above may predate an ADD_MEM_REG whose
@@ -255,6 +273,9 @@ impl Poller for VirtqPoller {
         let p = self
             .worker
             .process_with(&mut st.queue, &mut self.mem, &mut latest, pop);
+        if st.used_log.is_some() && (p.used > 0 || flags_written) {
+            st.log_used();
+        }
         // With EVENT_IDX the guest may not want this interrupt: then `notify` is 0.
         self.worker.finish_poll(|| {
             p.used > 0
@@ -302,17 +323,24 @@ impl Poller for VirtqPoller {
             return true;
         };
         let mut st = lock(&conn.vrings[self.index]);
-        if !st.running() || self.worker.broken().is_some() {
+        // A held ring (logging asked, no log yet) is woken when the log comes.
+        if !st.running() || st.hold || self.worker.broken().is_some() {
             return true;
         }
-        if self.defers_kicks() {
+        let sleep = if self.defers_kicks() {
             // Notifications stay off (`quiet` with it): the next completion wakes us.
-            return !defer_kicks(&mut st.queue, &self.mem).unwrap_or(true);
+            !defer_kicks(&mut st.queue, &self.mem).unwrap_or(true)
+        } else {
+            self.quiet = false;
+            // Re-enable kicks; if the guest added work meanwhile, stay awake.
+            // (Through our snapshot, not the vring's: see the guarded-memory note
+            // in `poll`.)
+            !st.queue.enable_notification(&*self.mem).unwrap_or(true)
+        };
+        if st.used_log.is_some() {
+            st.log_used();
         }
-        self.quiet = false;
-        // Re-enable kicks; if the guest added work meanwhile, stay awake. (Through
-        // our snapshot, not the vring's: see the guarded-memory note in `poll`.)
-        !st.queue.enable_notification(&*self.mem).unwrap_or(true)
+        sleep
     }
 
     fn wake_fds<'a>(&'a self, add: &mut dyn FnMut(std::os::fd::BorrowedFd<'a>)) {

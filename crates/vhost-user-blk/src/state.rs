@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use vhost::vhost_user::message::{FrontendReq, VhostUserInflight, VhostUserU64};
+use vhost::vhost_user::message::{FrontendReq, VhostUserInflight, VhostUserLog, VhostUserU64};
 use vhost::vhost_user::BackendReqHandler;
 use virtio_queue::QueueT;
 use vm_memory::{ByteValued, GuestAddressSpace};
@@ -27,8 +27,13 @@ use crate::handler::{ConfigWrite, Handler, MAX_CONFIG_WRITES};
 use crate::memory::{self, Mapping, MAX_MEM_SLOTS};
 use crate::serve::Established;
 
-/// Format of [`HandoverState`]; a device refuses any other.
-pub const HANDOVER_VERSION: u32 = 2;
+/// Format of [`HandoverState`] a device saves.
+pub const HANDOVER_VERSION: u32 = 3;
+/// The oldest format a device restores: 2 has no dirty-page log and no writer
+/// flag (it predates live migration; its device was the writer). A device that
+/// reads only 2 refuses 3, so a migrating VM is never handed to a device that
+/// would stop logging.
+pub const MIN_HANDOVER_VERSION: u32 = 2;
 
 /// The split ring's largest size.
 const MAX_QUEUE_SIZE: u16 = 32768;
@@ -47,6 +52,10 @@ pub struct HandoverState {
     pub capacity_bytes: u64,
     /// Index in the fd list of the listening socket.
     pub listener_fd: usize,
+    /// The device is its disk's writer (holds the writer claim when it runs); not
+    /// when its VM migrated away, or it receives one that has not started here.
+    #[serde(default = "writer_by_default")]
+    pub writer: bool,
     /// The connected front end, if one is.
     pub connection: Option<ConnectionState>,
 }
@@ -66,6 +75,9 @@ pub struct ConnectionState {
     pub mem: Vec<MemRegion>,
     /// SET_INFLIGHT_FD.
     pub inflight: Option<InflightArea>,
+    /// SET_LOG_BASE (the front end migrates the VM).
+    #[serde(default)]
+    pub log: Option<DirtyLogArea>,
     /// Index of the backend request channel (SET_BACKEND_REQ_FD).
     pub backend_req: Option<usize>,
     /// SET_CONFIG writes, the latest per offset and size, in order.
@@ -92,6 +104,18 @@ pub struct InflightArea {
     pub num_queues: u16,
     pub queue_size: u16,
     pub fd: usize,
+}
+
+/// The dirty-page log (`VhostUserLog`) and the index of its file.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct DirtyLogArea {
+    pub mmap_size: u64,
+    pub mmap_offset: u64,
+    pub fd: usize,
+}
+
+fn writer_by_default() -> bool {
+    true
 }
 
 /// SET_VRING_ADDR's payload.
@@ -193,6 +217,14 @@ pub(crate) fn save(
         }),
         None => None,
     };
+    let log = match &h.log {
+        Some(l) => Some(DirtyLogArea {
+            mmap_size: l.size,
+            mmap_offset: l.offset,
+            fd: push(fds, &l.file).map_err(crate::error::io("copy a handed-over fd"))?,
+        }),
+        None => None,
+    };
     let backend_req = match lock(&conn.backend_req).as_ref() {
         Some(s) => Some(push(fds, s).map_err(crate::error::io("copy a handed-over fd"))?),
         None => None,
@@ -232,6 +264,7 @@ pub(crate) fn save(
         protocol_features: h.protocol,
         mem,
         inflight,
+        log,
         backend_req,
         config: h.config.clone(),
         vrings,
@@ -323,6 +356,14 @@ pub(crate) fn restore(
         };
         h.install_inflight(&req, file)
             .map_err(StateError::Inflight)?;
+    }
+    if let Some(l) = &c.log {
+        let file = taker.take(l.fd)?;
+        let req = VhostUserLog {
+            mmap_size: l.mmap_size,
+            mmap_offset: l.mmap_offset,
+        };
+        h.install_log(&req, file).map_err(StateError::Log)?;
     }
     if let Some(i) = c.backend_req {
         let s = crate::channel::stream_socket(OwnedFd::from(taker.take(i)?))
@@ -448,6 +489,7 @@ mod tests {
             protocol_features: Some(0),
             mem: Vec::new(),
             inflight: None,
+            log: None,
             backend_req: None,
             config: Vec::new(),
             vrings: vec![vring()],

@@ -8,6 +8,7 @@
 
 mod chain;
 mod config;
+mod dirty;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod guest;

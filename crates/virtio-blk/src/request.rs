@@ -79,6 +79,9 @@ pub(crate) struct Slot {
     pub fua: bool,
     pub used_len: u32,
     pub outcome: Outcome,
+    /// `data` is what the device writes into guest memory (IN, GET_ID), which a
+    /// dirty-page log must hear of (`dirty.rs`).
+    pub into_guest: bool,
     /// Why the request gets VIRTIO_BLK_S_IOERR (for the log), when parsing decided it.
     pub cause: &'static str,
     /// What the request is for the counters (set from the header's type, also for
@@ -101,6 +104,7 @@ impl Slot {
             fua: false,
             used_len: 0,
             outcome: Outcome::Finish(S_IOERR),
+            into_guest: false,
             cause: "",
             class: OpClass::Other,
             stamps: Stamps::default(),
@@ -144,6 +148,7 @@ impl Slot {
         self.len = 0;
         self.fua = false;
         self.outcome = Outcome::Finish(S_IOERR);
+        self.into_guest = false;
         self.cause = "";
         self.class = OpClass::Other;
         self.stamps = Stamps::default();
@@ -284,6 +289,7 @@ fn prepare(hdr: &Header, f: Facts<'_>, segs: &[Seg], slot: &mut Slot) -> u8 {
     match hdr.req_type {
         vb::VIRTIO_BLK_T_IN => {
             let len = collect(segs, true, 0, writable_data(segs), &mut slot.data);
+            slot.into_guest = true;
             slot.used_len = u32::try_from(len + 1).unwrap_or(u32::MAX);
             rw(f, slot, IoOp::Read, hdr.sector, len)
         }
@@ -322,6 +328,8 @@ fn get_id(cfg: &BlkConfig, segs: &[Seg], slot: &mut Slot) -> u8 {
     id[..n].copy_from_slice(&cfg.opts.serial.as_bytes()[..n]);
     let want = (writable_data(segs) as usize).min(ID_BYTES);
     if scatter(segs, &id[..want]) {
+        collect(segs, true, 0, want as u64, &mut slot.data);
+        slot.into_guest = true;
         slot.used_len = want as u32 + 1;
         S_OK
     } else {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use bdev::{Batch as _, BlockInfo, IoChannel, IoOp, IoRequest, IoStatus};
 use frontend_core::{Protocol, QueueCore};
+use guest_mem::DirtyLog;
 use trace::{Mailbox, TraceControl};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
@@ -70,6 +71,8 @@ pub struct QueueWorker {
     counter: u64,
     /// Scratch for recovery: `(counter, head)` of requests to resubmit.
     resubmit: Vec<(u64, u16)>,
+    /// The VMM's dirty-page log while it migrates the guest (`dirty.rs`).
+    dirty: Option<Arc<DirtyLog>>,
     /// Counters and layer times of this queue (docs/decisions/0007-tracing.md,
     /// 0015-front-end-core.md): the one place its requests are counted.
     rec: QueueCore<VirtioBlk>,
@@ -108,6 +111,7 @@ impl QueueWorker {
             inflight: None,
             counter: 1,
             resubmit: Vec::with_capacity(n),
+            dirty: None,
         }
     }
 
@@ -208,6 +212,18 @@ impl QueueWorker {
     /// Logs taken chains in `log` from now on (or stops logging).
     pub fn set_inflight(&mut self, log: Option<InflightQueue>) {
         self.inflight = log;
+    }
+
+    /// Marks the guest pages completed requests wrote in `log` from now on (or
+    /// stops marking): data of reads, status bytes. Used-ring writes are the
+    /// transport's to log (it knows where the VMM wants them logged).
+    pub fn set_dirty_log(&mut self, log: Option<Arc<DirtyLog>>) {
+        self.dirty = log;
+    }
+
+    /// The dirty-page log in use.
+    pub fn dirty_log(&self) -> Option<&Arc<DirtyLog>> {
+        self.dirty.as_ref()
     }
 
     /// Starts a queue that the front end (re)initialised while an inflight log is
@@ -440,6 +456,7 @@ impl QueueWorker {
                 cfg,
                 inflight,
                 broken,
+                dirty,
                 ..
             } = self;
             let post = Post {
@@ -448,6 +465,7 @@ impl QueueWorker {
                 free,
                 inflight,
                 broken,
+                dirty,
                 q,
                 mem,
                 p,
@@ -473,6 +491,7 @@ impl QueueWorker {
             free: &mut self.free,
             inflight: &self.inflight,
             broken: &mut self.broken,
+            dirty: &self.dirty,
             q,
             mem,
             p,
@@ -488,6 +507,7 @@ struct Post<'a> {
     free: &'a mut Vec<u16>,
     inflight: &'a Option<InflightQueue>,
     broken: &'a mut Option<QueueError>,
+    dirty: &'a Option<Arc<DirtyLog>>,
     q: &'a mut Queue,
     mem: &'a Arc<Mem>,
     p: &'a mut Progress,
@@ -573,6 +593,9 @@ impl Post<'_> {
             }
             None => 0,
         };
+        if let Some(log) = self.dirty {
+            crate::dirty::log_slot(log, slot);
+        }
         let head = slot.head;
         slot.release();
         self.free.push(idx);

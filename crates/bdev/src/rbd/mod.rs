@@ -113,6 +113,9 @@ pub struct RbdOptions {
     /// exclusive lock, the lock is broken (librbd blocklists that client first)
     /// instead of waiting ~30 s for its watch to expire.
     pub dead_owners: Vec<String>,
+    /// The destination of a live migration: open without the exclusive lock (the
+    /// source holds it); [`BlockDevice::resume`] takes it once the source paused.
+    pub incoming: bool,
 }
 
 /// Whether lock owner `owner` is one of `dead` (addresses as `rados_getaddrs` and
@@ -404,7 +407,11 @@ impl RbdDisk {
         }
         .map_err(|e| open_hint(e, spec))?;
         const EXCLUSIVE_LOCK: u64 = 1 << 2;
-        if !read_only && image.features()? & EXCLUSIVE_LOCK != 0 {
+        let locks = !read_only && image.features()? & EXCLUSIVE_LOCK != 0;
+        if locks && opts.incoming {
+            // Taken by `resume`, as after a `pause`.
+            image.set_released(true);
+        } else if locks {
             break_dead_owners(&image, spec, &opts.dead_owners)?;
             image.lock_exclusive().map_err(|e| {
                 e.hinted(|errno| match errno {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use bdev::{BlockDevice, FileDisk, FileEngine, FileOptions};
+use bdev::{BlockDevice, FileDisk, FileEngine, FileOptions, RangeClaim};
 
 use super::kind::{BackendKind, Backing, KindSpec, OpenEnv};
 
@@ -96,5 +96,17 @@ impl KindSpec for FileSpec {
             engine: self.engine,
         };
         Ok(Arc::new(FileDisk::open(self.canonical_path()?, opts)?))
+    }
+    /// A lock on the device's byte range of the file (`bdev::RangeClaim`).
+    fn writer_claim(
+        &self,
+        _disk: &Arc<dyn BlockDevice>,
+        (offset, len): (u64, u64),
+    ) -> Result<Option<Arc<dyn bdev::WriterClaim>>> {
+        Ok(Some(Arc::new(RangeClaim::new(
+            self.canonical_path()?,
+            offset,
+            len,
+        ))))
     }
 }

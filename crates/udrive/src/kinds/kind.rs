@@ -72,6 +72,34 @@ pub trait KindSpec: Debug + Send + Sync {
     fn handover_refusal(&self) -> Option<&'static str> {
         None
     }
+    /// Why a disk of this kind cannot follow its VM in a live migration (its data
+    /// would not be there), or `None` when a device elsewhere can open the same data.
+    fn migration_refusal(&self) -> Option<&'static str> {
+        self.handover_refusal()
+    }
+    /// Opens the device for a destination of a live migration (`incoming`): as
+    /// [`KindSpec::open`] (writable), but without taking what a writer holds
+    /// (an RBD image's exclusive lock): the source still writes; the device takes
+    /// it with its [`KindSpec::writer_claim`] when the VM starts here.
+    fn open_incoming(
+        &self,
+        env: &dyn OpenEnv,
+        block_size: Option<u32>,
+    ) -> Result<Arc<dyn BlockDevice>> {
+        self.open(env, block_size, false)
+    }
+    /// What keeps a second writer off bytes `range` (offset, length) of the
+    /// backend `disk` (opened from this spec) while a device writes them: `None`
+    /// when the kind has nothing another device could write (data in this
+    /// process, or no data).
+    fn writer_claim(
+        &self,
+        disk: &Arc<dyn BlockDevice>,
+        range: (u64, u64),
+    ) -> Result<Option<Arc<dyn bdev::WriterClaim>>> {
+        let _ = (disk, range);
+        Ok(None)
+    }
 }
 
 /// What opening a backend needs from the running process rather than from its

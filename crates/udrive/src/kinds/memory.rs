@@ -102,6 +102,12 @@ impl KindSpec for MemorySpec {
             "a ram disk's data lives in this process's memory and would not move with a handover",
         )
     }
+    fn migration_refusal(&self) -> Option<&'static str> {
+        (self.name == "ram").then_some(
+            "a ram disk's data lives in this udrive process's memory: the destination of a \
+             migration would serve an empty disk (use file: on shared storage or rbd:)",
+        )
+    }
     fn open(
         &self,
         _env: &dyn OpenEnv,

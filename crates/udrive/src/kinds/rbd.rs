@@ -154,6 +154,35 @@ impl KindSpec for RbdSpec {
         block_size: Option<u32>,
         read_only: bool,
     ) -> Result<Arc<dyn BlockDevice>> {
+        self.open_with(env, block_size, read_only, false)
+    }
+    /// Opens the image without its exclusive lock, which the source holds: the
+    /// device takes it ([`KindSpec::writer_claim`]) when the VM starts here.
+    fn open_incoming(
+        &self,
+        env: &dyn OpenEnv,
+        block_size: Option<u32>,
+    ) -> Result<Arc<dyn BlockDevice>> {
+        self.open_with(env, block_size, false, true)
+    }
+    /// The image's exclusive lock, which the device keeps while it writes.
+    fn writer_claim(
+        &self,
+        disk: &Arc<dyn BlockDevice>,
+        _range: (u64, u64),
+    ) -> Result<Option<Arc<dyn bdev::WriterClaim>>> {
+        Ok(Some(Arc::new(bdev::DiskClaim(disk.clone()))))
+    }
+}
+
+impl RbdSpec {
+    fn open_with(
+        &self,
+        env: &dyn OpenEnv,
+        block_size: Option<u32>,
+        read_only: bool,
+        incoming: bool,
+    ) -> Result<Arc<dyn BlockDevice>> {
         let cluster = self.cluster(env.library_cpus());
         // Under a supervisor, or taking over from a running process: our client's
         // address is recorded with the supervisor (our successor's) or sent to
@@ -175,6 +204,7 @@ impl KindSpec for RbdSpec {
             read_only,
             block_size,
             dead_owners: env.dead_owners(),
+            incoming,
         };
         let disk = RbdDisk::open(&opts).with_context(|| format!("rbd:{}", self.image))?;
         Ok(Arc::new(disk))
