@@ -25,7 +25,7 @@ static SERVICE: OnceLock<Service> = OnceLock::new();
 /// 150 µs to 5 ms keeps an idle controller's wake-ups, which preempt busy-polling
 /// reactors and initiators on a small host, at ~200/s instead of ~6700/s, while an
 /// admin command after a long idle period waits at most 5 ms (drivers allow
-/// seconds). Measured: disk QD1 added mean latency 13 µs → 1–7 µs (README, issue 3).
+/// seconds). Measured: disk QD1 added mean latency 13 µs → 1–7 µs (docs/benchmarks.md).
 const IDLE_SLEEP: (Duration, Duration) = (Duration::from_micros(150), Duration::from_millis(5));
 
 /// Longest park with nothing to poll (a safety net: every event that needs the

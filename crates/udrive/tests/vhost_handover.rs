@@ -1,5 +1,5 @@
 //! Live handover of a vhost-user-blk front end between two devices without a
-//! reconnect (issue 15): pause device A, save, restore device B from the saved state,
+//! reconnect: pause device A, save, restore device B from the saved state,
 //! stop A; the front end (libblkio at QD32 doing verified I/O, or a hand-driven
 //! front end) never notices beyond a pause. Also: calling a handover off, a
 //! handover with no front end or with one halfway through its setup, and corrupt
