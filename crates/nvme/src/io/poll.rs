@@ -52,6 +52,7 @@ enum Next {
 /// Stages 1 to 4 of one poll (the caller checked the controller is not fatal and
 /// refreshed `view`); returns the commands fetched, also when the poll stopped
 /// because the controller went fatal.
+#[inline]
 pub(super) fn run(
     shared: &Shared,
     view: &MemView,

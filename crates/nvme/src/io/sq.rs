@@ -55,6 +55,7 @@ pub(crate) struct IoSq {
 }
 
 impl IoSq {
+    #[inline]
     pub(super) fn new(ring: SqRing) -> IoSq {
         let n = u32::from(ring.size);
         IoSq {
@@ -69,6 +70,7 @@ impl IoSq {
 
     /// Keeps command `idx`'s guest data ranges for the push before its
     /// completion (mirrors of unshared client memory only).
+    #[inline]
     pub(super) fn keep_runs(&mut self, idx: u32, runs: &[Run]) {
         if self.runs.len() < self.slots.len() {
             self.runs.resize_with(self.slots.len(), Vec::new);
