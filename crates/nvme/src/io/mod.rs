@@ -102,15 +102,21 @@ impl QueueGroup {
         // On a reactor other controllers share, never wait for this one's client.
         let _no_waits =
             (!self.own && self.view.map().has_remote()).then(guest_mem::no_remote_waits);
-        let fetched = poll::run(
-            &self.shared,
-            &self.view,
-            self.shadow,
-            &mut self.sqs,
-            &mut self.ns,
-            &mut self.out,
-        );
+        let fetched = poll::run(self.parts());
         fetched as usize + self.out.posted()
+    }
+
+    /// What one poll works on.
+    #[inline]
+    fn parts(&mut self) -> poll::Group<'_> {
+        poll::Group {
+            shared: &self.shared,
+            view: &self.view,
+            shadow: self.shadow,
+            sqs: &mut self.sqs,
+            ns: &mut self.ns,
+            out: &mut self.out,
+        }
     }
 
     /// Quiesce (`handover.rs`), off the reactor: posts what the backends completed
@@ -125,14 +131,7 @@ impl QueueGroup {
         }
         self.out.begin_poll();
         self.view.refresh();
-        let _ = poll::settle(
-            &self.shared,
-            &self.view,
-            self.shadow,
-            &mut self.sqs,
-            &mut self.ns,
-            &mut self.out,
-        );
+        let _ = poll::settle(self.parts());
         let idle = self.out.inflight == 0;
         if idle {
             self.out.release_held_irq(&self.shared);

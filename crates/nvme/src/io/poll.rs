@@ -49,69 +49,57 @@ enum Next {
     Remap,
 }
 
+/// The parts of a queue group one poll works on, borrowed from it.
+pub(super) struct Group<'g> {
+    pub shared: &'g Shared,
+    pub view: &'g MemView,
+    pub shadow: Option<Shadow>,
+    pub sqs: &'g mut [IoSq],
+    pub ns: &'g mut NsTable,
+    pub out: &'g mut Completions,
+}
+
 /// Stages 1 to 4 of one poll (the caller checked the controller is not fatal and
-/// refreshed `view`); returns the commands fetched, also when the poll stopped
+/// refreshed the view); returns the commands fetched, also when the poll stopped
 /// because the controller went fatal.
 #[inline]
-pub(super) fn run(
-    shared: &Shared,
-    view: &MemView,
-    shadow: Option<Shadow>,
-    sqs: &mut [IoSq],
-    ns: &mut NsTable,
-    out: &mut Completions,
-) -> u32 {
+pub(super) fn run(g: Group<'_>) -> u32 {
     let mut p = Progress::default();
-    let _ = stages(shared, view, shadow, sqs, ns, out, &mut p);
+    let _ = stages(g, &mut p);
     p.fetched
 }
 
-fn stages(
-    shared: &Shared,
-    view: &MemView,
-    shadow: Option<Shadow>,
-    sqs: &mut [IoSq],
-    ns: &mut NsTable,
-    out: &mut Completions,
-    p: &mut Progress,
-) -> Result<(), Fatal> {
-    let pass = Pass::begin(shared, view, shadow, &mut out.cq)?;
-    if out.inflight > 0 {
-        ns.reap(out, sqs, &pass)?;
+fn stages(g: Group<'_>, p: &mut Progress) -> Result<(), Fatal> {
+    let pass = Pass::begin(g.shared, g.view, g.shadow, &mut g.out.cq)?;
+    if g.out.inflight > 0 {
+        g.ns.reap(g.out, g.sqs, &pass)?;
     }
-    let inflight_before = out.inflight;
+    let inflight_before = g.out.inflight;
     let mut batch = Batch::new();
-    for sq in sqs.iter_mut() {
-        match fetch_and_submit(&pass, sq, ns, out, &mut batch, p)? {
+    for sq in g.sqs.iter_mut() {
+        match fetch_and_submit(&pass, sq, g.ns, g.out, &mut batch, p)? {
             Next::Sq => {}
             Next::Remap => break,
         }
     }
     if p.submitted {
-        ns.flush();
+        g.ns.flush();
     }
-    out.end_poll(&pass, sqs, p.fetched + inflight_before)
+    g.out.end_poll(&pass, g.sqs, p.fetched + inflight_before)
 }
 
 /// Quiesce (`QueueGroup::settle`): stages 1 and 4 only, after flushing every
 /// channel; nothing is fetched.
-pub(super) fn settle(
-    shared: &Shared,
-    view: &MemView,
-    shadow: Option<Shadow>,
-    sqs: &mut [IoSq],
-    ns: &mut NsTable,
-    out: &mut Completions,
-) -> Result<(), Fatal> {
-    let pass = Pass::begin(shared, view, shadow, &mut out.cq)?;
-    let inflight = out.inflight;
+pub(super) fn settle(g: Group<'_>) -> Result<(), Fatal> {
+    let pass = Pass::begin(g.shared, g.view, g.shadow, &mut g.out.cq)?;
+    let inflight = g.out.inflight;
     if inflight > 0 {
-        for c in ns.all_mut() {
+        for c in g.ns.all_mut() {
             c.chan.flush();
         }
-        ns.reap(out, sqs, &pass)?;
+        g.ns.reap(g.out, g.sqs, &pass)?;
     }
-    out.end_poll(&pass, sqs, inflight)
+    g.out.end_poll(&pass, g.sqs, inflight)
 }
 
 impl NsTable {
