@@ -12,8 +12,9 @@ use smallvec::SmallVec;
 
 use super::completions::Completions;
 use super::exec::io_op;
-use super::poll::{Fatal, Pass};
-use super::{IoSq, NsTable, Slot};
+use super::ns_table::NsTable;
+use super::pass::{Fatal, Pass};
+use super::sq::{IoSq, Slot};
 use crate::decode::OP_WRITE;
 use crate::iov::Iov;
 use crate::status::{Nvme, Status};

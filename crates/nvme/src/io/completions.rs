@@ -17,9 +17,9 @@ use guest_mem::{MemPins, MemView};
 use trace::OpClass;
 
 use super::exec::io_op;
-use super::poll::{Fatal, Pass};
+use super::pass::{Fatal, Pass};
 use super::shadow::{keep_behind, NO_EI};
-use super::{IoSq, Slot};
+use super::sq::{IoSq, Slot};
 use crate::decode::{OP_FLUSH, OP_READ, OP_WRITE};
 use crate::iov::Run;
 use crate::log::{ErrorEntry, GroupCounters, PcieCounters};

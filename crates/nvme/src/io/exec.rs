@@ -9,7 +9,8 @@ use bdev::{BlockInfo, IoChannel, IoOp, IoRequest};
 use guest_mem::{Access, MemoryMap};
 use trace::{QueueRecorder, Stamps};
 
-use super::{NsChan, Slot};
+use super::ns_table::NsChan;
+use super::sq::Slot;
 use crate::decode::{decode, Facts, IoCmd};
 use crate::decode::{OP_DSM, OP_FLUSH, OP_WRITE, OP_WRITE_ZEROES};
 use crate::iov::Iov;

@@ -5,241 +5,41 @@
 //! `poll.rs` runs the stages of one poll, `exec.rs` turns commands into backend
 //! requests, `batch.rs` hands a poll's reads and writes to the backends in
 //! batches, `completions.rs` posts and signals, `shadow.rs` reads doorbells and
-//! writes EventIdx.
+//! writes EventIdx. What several stages share are leaves they take as parameters:
+//! `sq.rs` (an SQ and its command slots), `ns_table.rs` (the namespaces' channels)
+//! and `pass.rs` (what a poll reads once). Imports only go down: this file, then
+//! `poll.rs`, `batch.rs`, `completions.rs`, `exec.rs`, then the leaves.
 
 mod batch;
 mod completions;
 mod exec;
+mod ns_table;
+mod pass;
 mod poll;
 mod shadow;
+mod sq;
 
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bdev::{Armed, BlockInfo, IoChannel};
+use bdev::Armed;
 use crossbeam_channel::Sender;
 use frontend_core::QueueCore;
-use guest_mem::{DmaSpace, MemView, Pin};
-use trace::Stamps;
+use guest_mem::{DmaSpace, MemView};
 
 use crate::ns::Ns;
 use crate::queue::{CqRing, SqRing};
 use crate::shared::Shared;
-use crate::status::Status;
 
 pub(crate) use completions::Completions;
+use ns_table::NsTable;
+pub(crate) use ns_table::{NsChan, NsChange};
+use sq::IoSq;
 
 use shadow::{read_db, shadow_page, NO_EI};
 pub(crate) use shadow::{write_event_idx, write_shadow_db, Shadow};
-
-/// One command's state from fetch to completion, preallocated per SQ entry.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Slot {
-    cid: u16,
-    opcode: u8,
-    /// Backend requests still outstanding (DSM may issue several).
-    pending: u16,
-    status: Status,
-    nsid: u32,
-    slba: u64,
-    bytes: u64,
-    /// Read/Write, parsed and waiting in a batch: byte offset, FUA and where its
-    /// iovec is in the batch's `Iov`.
-    offset: u64,
-    fua: bool,
-    segs: (u16, u16),
-    /// Its guest ranges in the batch's `Iov` (with mirrors of unshared memory).
-    runs: (u16, u16),
-    /// Its data lies in unshared client memory: pushed before its completion.
-    push: bool,
-    /// Trace stamps; `kick == 0` when this command is not traced.
-    stamps: Stamps,
-    /// Keeps the memory map this command was translated against while the backend
-    /// has it.
-    pin: Pin,
-}
-
-pub(crate) struct IoSq {
-    pub ring: SqRing,
-    slots: Vec<Slot>,
-    free: Vec<u32>,
-    /// EventIdx we last wrote (`NO_EI`: unknown). Written only when it changes: the
-    /// driver reads it after every command, and a store per poll would keep its
-    /// cache line bouncing between the driver's CPU and ours.
-    ei: u16,
-    /// With the ring in unshared client memory: entries up to here (from `head`)
-    /// were fetched already.
-    synced: u16,
-    /// Per slot, with mirrors of unshared memory: the guest ranges a command's
-    /// data lands in, pushed to the client before its completion (empty, and never
-    /// allocated, otherwise).
-    runs: Vec<Vec<crate::iov::Run>>,
-}
-
-/// One namespace as a queue group sees it: its facts in the current LBA format and
-/// this group's channel on the backend. `inflight` counts backend requests this
-/// channel still owes a completion.
-pub(crate) struct NsChan {
-    info: BlockInfo,
-    /// A Format NVM is erasing the namespace: commands get Format In Progress.
-    formatting: bool,
-    chan: Box<dyn IoChannel>,
-    inflight: u32,
-}
-
-impl NsChan {
-    pub fn open(ns: &Ns) -> std::io::Result<NsChan> {
-        Ok(NsChan {
-            info: ns.info.clone(),
-            formatting: ns.formatting,
-            chan: ns.dev.channel()?,
-            inflight: 0,
-        })
-    }
-}
-
-/// A change of the namespace table, applied to each group while it is off its
-/// reactor (see `Inner::change_groups`).
-pub(crate) enum NsChange {
-    Add(u32, NsChan),
-    Remove(u32),
-    /// Format NVM: new facts and whether the erase is still running. The channel
-    /// stays: backends address bytes, so a new block size needs no new channel.
-    Format {
-        nsid: u32,
-        info: BlockInfo,
-        formatting: bool,
-    },
-}
-
-/// The namespaces a group submits to.
-struct NsTable {
-    /// Active namespaces by `nsid - 1`.
-    live: Vec<Option<NsChan>>,
-    /// Channels of removed (or replaced: resized) namespaces that still have
-    /// requests in flight, by NSID: polled until those complete, then dropped. New
-    /// commands never reach them.
-    retiring: Vec<(u32, NsChan)>,
-}
-
-impl NsTable {
-    fn get(&self, nsid: u32) -> Option<&NsChan> {
-        self.live
-            .get((nsid as usize).wrapping_sub(1))
-            .and_then(Option::as_ref)
-    }
-
-    fn get_mut(&mut self, nsid: u32) -> Option<&mut NsChan> {
-        self.live
-            .get_mut((nsid as usize).wrapping_sub(1))
-            .and_then(Option::as_mut)
-    }
-
-    /// Every channel that may owe completions.
-    fn all_mut(&mut self) -> impl Iterator<Item = &mut NsChan> {
-        self.live
-            .iter_mut()
-            .flatten()
-            .chain(self.retiring.iter_mut().map(|(_, c)| c))
-    }
-
-    fn all(&self) -> impl Iterator<Item = &NsChan> {
-        self.live
-            .iter()
-            .flatten()
-            .chain(self.retiring.iter().map(|(_, c)| c))
-    }
-
-    /// Whether every live namespace is on a slow channel, so that the driver's next
-    /// command, wherever it goes, could not complete before the next slow
-    /// completion anyway. A fast namespace beside a slow one keeps its doorbells:
-    /// its commands must not wait for the other's next completion (a throttled
-    /// namespace's next token may be milliseconds away).
-    fn only_slow(&self) -> bool {
-        self.live
-            .iter()
-            .flatten()
-            .all(|c| c.chan.slow_completions())
-    }
-
-    /// Requests the group's channels take now (back-pressure): the least of them.
-    fn room(&self) -> usize {
-        self.live
-            .iter()
-            .flatten()
-            .map(|c| c.chan.room())
-            .min()
-            .unwrap_or(usize::MAX)
-    }
-
-    fn flush(&mut self) {
-        for c in self.live.iter_mut().flatten() {
-            c.chan.flush();
-        }
-    }
-
-    fn drop_retired(&mut self) {
-        if !self.retiring.is_empty() {
-            self.retiring.retain(|(_, c)| c.inflight > 0);
-        }
-    }
-
-    fn retire(&mut self, nsid: u32, c: NsChan) {
-        if c.inflight > 0 {
-            self.retiring.push((nsid, c));
-        }
-    }
-
-    fn apply(&mut self, change: NsChange) {
-        match change {
-            NsChange::Add(nsid, chan) => {
-                let i = (nsid as usize).saturating_sub(1);
-                if self.live.len() <= i {
-                    self.live.resize_with(i + 1, || None);
-                }
-                // A replaced channel (the namespace was resized) finishes what it holds.
-                if let Some(old) = self.live[i].replace(chan) {
-                    self.retire(nsid, old);
-                }
-            }
-            NsChange::Remove(nsid) => {
-                let i = (nsid as usize).wrapping_sub(1);
-                if let Some(old) = self.live.get_mut(i).and_then(Option::take) {
-                    self.retire(nsid, old);
-                }
-                while self.live.last().is_some_and(Option::is_none) {
-                    self.live.pop();
-                }
-            }
-            NsChange::Format {
-                nsid,
-                info,
-                formatting,
-            } => {
-                if let Some(c) = self.get_mut(nsid) {
-                    c.info = info;
-                    c.formatting = formatting;
-                }
-            }
-        }
-    }
-}
-
-impl IoSq {
-    /// Keeps command `idx`'s guest data ranges for the push before its
-    /// completion (mirrors of unshared client memory only).
-    fn keep_runs(&mut self, idx: u32, runs: &[crate::iov::Run]) {
-        if self.runs.len() < self.slots.len() {
-            self.runs.resize_with(self.slots.len(), Vec::new);
-        }
-        if let Some(v) = self.runs.get_mut(idx as usize) {
-            v.clear();
-            v.extend_from_slice(runs);
-        }
-    }
-}
 
 pub(crate) struct QueueGroup {
     shared: Arc<Shared>,
@@ -278,10 +78,7 @@ impl QueueGroup {
             shared,
             view: MemView::new(mem),
             sqs: Vec::new(),
-            ns: NsTable {
-                live,
-                retiring: Vec::new(),
-            },
+            ns: NsTable::new(live),
             shadow,
             out: Completions::new(cq, rec),
             own: false,
@@ -289,15 +86,58 @@ impl QueueGroup {
     }
 
     pub fn add_sq(&mut self, ring: SqRing) {
-        let n = u32::from(ring.size);
-        self.sqs.push(IoSq {
-            ring,
-            slots: vec![Slot::default(); n as usize],
-            free: (0..n).rev().collect(),
-            ei: NO_EI,
-            synced: 0,
-            runs: Vec::new(),
-        });
+        self.sqs.push(IoSq::new(ring));
+    }
+
+    /// One poll on the reactor (`poll.rs`); returns the work it did: commands
+    /// fetched and completions posted.
+    pub fn poll(&mut self) -> usize {
+        if self.shared.fatal.load(Ordering::Relaxed) {
+            return 0;
+        }
+        self.out.begin_poll();
+        // Commands in flight keep the snapshots they use pinned, so the view moves
+        // on as soon as the client changes its map.
+        self.view.refresh();
+        // On a reactor other controllers share, never wait for this one's client.
+        let _no_waits =
+            (!self.own && self.view.map().has_remote()).then(guest_mem::no_remote_waits);
+        let fetched = poll::run(self.parts());
+        fetched as usize + self.out.posted()
+    }
+
+    /// What one poll works on.
+    #[inline]
+    fn parts(&mut self) -> poll::Group<'_> {
+        poll::Group {
+            shared: &self.shared,
+            view: &self.view,
+            shadow: self.shadow,
+            sqs: &mut self.sqs,
+            ns: &mut self.ns,
+            out: &mut self.out,
+        }
+    }
+
+    /// Quiesce (`handover.rs`), off the reactor: posts what the backends completed
+    /// and signals its interrupt, but fetches nothing. Returns whether nothing is
+    /// left in flight (then no interrupt is held back for coalescing either). A
+    /// controller in fatal status posts nothing: its requests are waited for and
+    /// dropped, as a reset would (the host resets it anyway).
+    pub fn settle(&mut self) -> bool {
+        if self.shared.fatal.load(Ordering::Relaxed) {
+            self.drain();
+            return true;
+        }
+        self.out.begin_poll();
+        self.view.refresh();
+        let _ = poll::settle(self.parts());
+        let idle = self.out.inflight == 0;
+        if idle {
+            self.out.release_held_irq(&self.shared);
+            self.view.park();
+        }
+        idle
     }
 
     /// Applies a namespace change. Called on the control path while the group is off

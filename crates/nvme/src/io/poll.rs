@@ -11,109 +11,24 @@
 //! (`completions.rs`). PRP lists and SGL segments come over as they are walked.
 //! Each of these costs one branch when the map has no mirror.
 
-use std::sync::atomic::Ordering;
-
-use guest_mem::{Access, DmaSlice, MemView, MemoryMap};
+use guest_mem::{Access, DmaSlice, MemView};
 use trace::Stamps;
 
 use super::batch::{submit_batch, tag, Batch, BATCH};
 use super::completions::Completions;
 use super::exec::{decode_rw, exec, facts, io_op, map_rw, Exec};
-use super::shadow::{keep_behind, read_db, shadow_page, Shadow};
-use super::{IoSq, NsTable, QueueGroup, Slot};
+use super::ns_table::NsTable;
+use super::pass::{Fatal, Pass};
+use super::shadow::{keep_behind, Shadow};
+use super::sq::{IoSq, Slot};
 use crate::decode::{OP_READ, OP_WRITE};
 use crate::log::bump;
-use crate::queue::{ring_ranges, CqRing, Sqe, SQE_SIZE};
+use crate::queue::{ring_ranges, Sqe, SQE_SIZE};
 use crate::shared::Shared;
 use crate::status::Status;
 
 /// Commands taken from one SQ per poll, so one busy queue cannot starve the others.
 const BUDGET: u32 = 128;
-
-/// The controller went fatal (CSTS.CFS, reason logged) during this poll; the poll
-/// stops where it is.
-pub(crate) struct Fatal;
-
-/// What one poll reads once: the controller, the memory map commands are translated
-/// against, the doorbells and the CQ ring.
-pub(crate) struct Pass<'m> {
-    pub shared: &'m Shared,
-    pub view: &'m MemView,
-    pub map: &'m MemoryMap,
-    page: DmaSlice<'m>,
-    shadow: Option<Shadow>,
-    shadow_db: Option<DmaSlice<'m>>,
-    cq_ring: DmaSlice<'m>,
-    /// The CQ lies in unshared client memory: completions go out at the end.
-    pub cq_remote: bool,
-}
-
-impl<'m> Pass<'m> {
-    /// Translates the CQ ring; with shadow doorbells also reads the CQ head (see
-    /// [`Pass::read_cq_head`]).
-    fn begin(
-        shared: &'m Shared,
-        view: &'m MemView,
-        shadow: Option<Shadow>,
-        cq: &mut CqRing,
-    ) -> Result<Pass<'m>, Fatal> {
-        let map = view.map();
-        let page = shared.doorbells.all();
-        let shadow_db = shadow_page(map, shadow);
-        let Ok(cq_ring) = map.translate(cq.base, cq.ring_bytes(), Access::Write) else {
-            shared.set_fatal("I/O CQ memory unmapped");
-            return Err(Fatal);
-        };
-        let cq_remote = map.touches_remote(cq.base, cq.ring_bytes() as u64);
-        let pass = Pass {
-            shared,
-            view,
-            map,
-            page,
-            shadow,
-            shadow_db,
-            cq_ring,
-            cq_remote,
-        };
-        // The CQ's EventIdx follows its head on every poll (`end_poll`).
-        if pass.shadow_db.is_some() {
-            pass.read_cq_head(cq)?;
-        }
-        Ok(pass)
-    }
-
-    /// Reads the CQ head doorbell into `cq`. Without shadow doorbells only when the
-    /// CQ seems too full to fetch more (a stale head only under-counts the room):
-    /// SPDK's driver rings the CQ head right after the next SQ tail, on the same
-    /// cache line, so reading it on every poll takes that line back from the host's
-    /// core and the SQ tail read that follows waits for it again
-    /// (docs/decisions/0027-prefetch-next-copy.md, "the CQ head when needed").
-    fn read_cq_head(&self, cq: &mut CqRing) -> Result<(), Fatal> {
-        let head = read_db(&self.page, self.shadow_db.as_ref(), cq.qid, true);
-        if head >= u32::from(cq.size) {
-            return Err(self.fatal("CQ head doorbell beyond queue size"));
-        }
-        cq.head = head as u16;
-        Ok(())
-    }
-
-    pub fn fatal(&self, why: &str) -> Fatal {
-        self.shared.set_fatal(why);
-        Fatal
-    }
-
-    pub fn cq_ring(&self) -> &DmaSlice<'m> {
-        &self.cq_ring
-    }
-
-    pub fn shadow(&self) -> Option<Shadow> {
-        self.shadow
-    }
-
-    fn sq_tail(&self, qid: u16) -> u32 {
-        read_db(&self.page, self.shadow_db.as_ref(), qid, false)
-    }
-}
 
 /// What a poll did so far.
 #[derive(Default)]
@@ -134,94 +49,57 @@ enum Next {
     Remap,
 }
 
-impl QueueGroup {
-    pub fn poll(&mut self) -> usize {
-        if self.shared.fatal.load(Ordering::Relaxed) {
-            return 0;
-        }
-        self.out.begin_poll();
-        // Commands in flight keep the snapshots they use pinned, so the view moves
-        // on as soon as the client changes its map.
-        self.view.refresh();
-        // On a reactor other controllers share, never wait for this one's client.
-        let _no_waits =
-            (!self.own && self.view.map().has_remote()).then(guest_mem::no_remote_waits);
-        let mut p = Progress::default();
-        let _ = self.stages(&mut p);
-        p.fetched as usize + self.out.posted()
-    }
-
-    fn stages(&mut self, p: &mut Progress) -> Result<(), Fatal> {
-        let QueueGroup {
-            shared,
-            view,
-            sqs,
-            ns,
-            shadow,
-            out,
-            own: _,
-        } = self;
-        let pass = Pass::begin(shared, view, *shadow, &mut out.cq)?;
-        if out.inflight > 0 {
-            ns.reap(out, sqs, &pass)?;
-        }
-        let inflight_before = out.inflight;
-        let mut batch = Batch::new();
-        for sq in sqs.iter_mut() {
-            match fetch_and_submit(&pass, sq, ns, out, &mut batch, p)? {
-                Next::Sq => {}
-                Next::Remap => break,
-            }
-        }
-        if p.submitted {
-            ns.flush();
-        }
-        out.end_poll(&pass, sqs, p.fetched + inflight_before)
-    }
+/// The parts of a queue group one poll works on, borrowed from it.
+pub(super) struct Group<'g> {
+    pub shared: &'g Shared,
+    pub view: &'g MemView,
+    pub shadow: Option<Shadow>,
+    pub sqs: &'g mut [IoSq],
+    pub ns: &'g mut NsTable,
+    pub out: &'g mut Completions,
 }
 
-impl QueueGroup {
-    /// Quiesce (`handover.rs`), off the reactor: posts what the backends completed
-    /// and signals its interrupt, but fetches nothing. Returns whether nothing is
-    /// left in flight (then no interrupt is held back for coalescing either). A
-    /// controller in fatal status posts nothing: its requests are waited for and
-    /// dropped, as a reset would (the host resets it anyway).
-    pub fn settle(&mut self) -> bool {
-        if self.shared.fatal.load(Ordering::Relaxed) {
-            self.drain();
-            return true;
-        }
-        self.out.begin_poll();
-        self.view.refresh();
-        let _ = self.settle_stages();
-        let idle = self.out.inflight == 0;
-        if idle {
-            self.out.release_held_irq(&self.shared);
-            self.view.park();
-        }
-        idle
-    }
+/// Stages 1 to 4 of one poll (the caller checked the controller is not fatal and
+/// refreshed the view); returns the commands fetched, also when the poll stopped
+/// because the controller went fatal.
+#[inline]
+pub(super) fn run(g: Group<'_>) -> u32 {
+    let mut p = Progress::default();
+    let _ = stages(g, &mut p);
+    p.fetched
+}
 
-    fn settle_stages(&mut self) -> Result<(), Fatal> {
-        let QueueGroup {
-            shared,
-            view,
-            sqs,
-            ns,
-            shadow,
-            out,
-            own: _,
-        } = self;
-        let pass = Pass::begin(shared, view, *shadow, &mut out.cq)?;
-        let inflight = out.inflight;
-        if inflight > 0 {
-            for c in ns.all_mut() {
-                c.chan.flush();
-            }
-            ns.reap(out, sqs, &pass)?;
-        }
-        out.end_poll(&pass, sqs, inflight)
+fn stages(g: Group<'_>, p: &mut Progress) -> Result<(), Fatal> {
+    let pass = Pass::begin(g.shared, g.view, g.shadow, &mut g.out.cq)?;
+    if g.out.inflight > 0 {
+        g.ns.reap(g.out, g.sqs, &pass)?;
     }
+    let inflight_before = g.out.inflight;
+    let mut batch = Batch::new();
+    for sq in g.sqs.iter_mut() {
+        match fetch_and_submit(&pass, sq, g.ns, g.out, &mut batch, p)? {
+            Next::Sq => {}
+            Next::Remap => break,
+        }
+    }
+    if p.submitted {
+        g.ns.flush();
+    }
+    g.out.end_poll(&pass, g.sqs, p.fetched + inflight_before)
+}
+
+/// Quiesce (`QueueGroup::settle`): stages 1 and 4 only, after flushing every
+/// channel; nothing is fetched.
+pub(super) fn settle(g: Group<'_>) -> Result<(), Fatal> {
+    let pass = Pass::begin(g.shared, g.view, g.shadow, &mut g.out.cq)?;
+    let inflight = g.out.inflight;
+    if inflight > 0 {
+        for c in g.ns.all_mut() {
+            c.chan.flush();
+        }
+        g.ns.reap(g.out, g.sqs, &pass)?;
+    }
+    g.out.end_poll(&pass, g.sqs, inflight)
 }
 
 impl NsTable {

@@ -88,6 +88,7 @@ pub(super) fn ei_stale(ei: u16, idx: u16, size: u16, in_use: u32) -> bool {
 
 /// While a queue is polled: moves its EventIdx (last written `ei`) up to just behind
 /// `head` once it lags more than `ei_stale` allows, so the driver keeps not ringing.
+#[inline]
 pub(super) fn keep_behind(
     map: &MemoryMap,
     shadow: Shadow,
