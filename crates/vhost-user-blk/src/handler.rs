@@ -27,10 +27,9 @@ use virtio_bindings::bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddress, GuestAddressSpace};
 
-use crate::conn::{lock, Conn, Shared, VringState};
+use crate::conn::{lock, Conn, Shared, VringAddr, VringState};
 use crate::memory::{self, Mapping};
 use crate::migration::{LogError, LogRec};
-use crate::state::VringAddr;
 
 type VuResult<T> = Result<T, VuError>;
 
@@ -245,7 +244,7 @@ impl Handler {
         if let Some(why) = &self.shared.migration.refusal {
             return Err(LogError::NotOffered(why.clone()));
         }
-        let rec = crate::migration::map_log(&self.conn, &self.table, req, file)?;
+        let rec = crate::migration::map_log(&self.conn.guarded.signal, &self.table, req, file)?;
         self.log = Some(rec);
         self.apply_log();
         Ok(())
@@ -363,7 +362,7 @@ impl VhostUserBackendReqHandlerMut for Handler {
     ) -> VuResult<Option<Vec<VhostUserMemoryRegionBase>>> {
         let table: Vec<Mapping> = ctx.iter().map(Mapping::of).collect();
         self.check_log_covers(&table)?;
-        memory::set_table(&self.conn, &table, files).map_err(|e| {
+        memory::set_table(&self.conn.mem, &self.conn.guarded, &table, files).map_err(|e| {
             trace::limited!(self.conn.log, warn, error = %e, "vhost-user memory table refused");
             refused(e)
         })?;
@@ -563,7 +562,7 @@ impl VhostUserBackendReqHandlerMut for Handler {
         let mut table = self.table.clone();
         table.push(m);
         self.check_log_covers(&table)?;
-        memory::add(&self.conn, self.table.len(), &m, fd).map_err(|e| {
+        memory::add(&self.conn.mem, &self.conn.guarded, self.table.len(), &m, fd).map_err(|e| {
             trace::limited!(self.conn.log, warn, error = %e, "vhost-user memory region refused");
             refused(e)
         })?;
@@ -573,7 +572,7 @@ impl VhostUserBackendReqHandlerMut for Handler {
 
     fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VuResult<()> {
         let m = Mapping::of(region);
-        memory::remove(&self.conn, &m)
+        memory::remove(&self.conn.mem, &self.conn.guarded, &m)
             .map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
         self.table.retain(|t| t.gpa != m.gpa);
         Ok(())

@@ -23,11 +23,11 @@ use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 
 pub use bdev::WriterClaim;
-use guest_mem::DirtyLog;
+use guest_mem::{DirtyLog, FaultSignal};
 use vhost::vhost_user::message::VhostUserLog;
 
-use crate::conn::{lock, Conn};
 use crate::memory::Mapping;
+use crate::sync::lock;
 
 /// Largest log a front end may hand over: a bit per 4 KiB page, so 4 GiB of log
 /// covers 128 TiB of guest-physical address space.
@@ -224,11 +224,11 @@ pub(crate) fn check_covers(log: &DirtyLog, table: &[Mapping]) -> Result<(), LogE
     Ok(())
 }
 
-/// Maps the log of SET_LOG_BASE (or of a handover) for `conn`: refused when it is
-/// empty, absurdly large, shorter than its file claims or too short for the
-/// memory table `table`.
+/// Maps the log of SET_LOG_BASE (or of a handover) under the connection's fault
+/// guard `signal`: refused when it is empty, absurdly large, shorter than its file
+/// claims or too short for the memory table `table`.
 pub(crate) fn map_log(
-    conn: &Conn,
+    signal: &Arc<FaultSignal>,
     table: &[Mapping],
     req: &VhostUserLog,
     file: File,
@@ -237,7 +237,7 @@ pub(crate) fn map_log(
     if size == 0 || size > MAX_LOG_BYTES {
         return Err(LogError::Size(size));
     }
-    let map = DirtyLog::map(file.as_fd(), offset, size, &conn.guarded.signal)
+    let map = DirtyLog::map(file.as_fd(), offset, size, signal)
         .map_err(|source| LogError::Map { offset, source })?;
     check_covers(&map, table)?;
     Ok(LogRec {
