@@ -26,6 +26,10 @@ TIMEOUT=${UDRIVE_VM_TIMEOUT:-240}
 # 1: the udrive processes do not mark read data in the dirty log (a test knob of
 # vhost-user-blk): the run must then report mismatches.
 SKIP_DIRTY=${UDRIVE_MIGRATE_SKIP_DIRTY_DATA:-0}
+# The disk options of both devices: `shared` (the default) lets both open the file
+# as writers; empty has the devices hand the file's writer claim (a lock on its
+# range) over at the switch-over.
+DISK_OPTS=${UDRIVE_MIGRATE_DISK_OPTS-,shared}
 QMP=$here/qmp.py
 
 TAG=vm-test-migrate
@@ -182,10 +186,9 @@ build_udrive
 
 phase "guest on QEMU 1 (udrive A)"
 truncate -s "${DISK_MIB}M" "$TMP/disk.img"
-# Two processes serve the same file: A the source, B the destination. Both
-# `shared` (the file is opened twice); B `incoming`.
-start_udrive a "file:$TMP/disk.img,shared"
-start_udrive b "file:$TMP/disk.img,shared,incoming"
+# Two processes serve the same file: A the source, B the destination (`incoming`).
+start_udrive a "file:$TMP/disk.img$DISK_OPTS"
+start_udrive b "file:$TMP/disk.img$DISK_OPTS,incoming"
 start_qemu 1 a
 wait_passes 1 "$PASSES" || HARNESS_FAIL+=("no migcheck passes on QEMU 1")
 
@@ -218,6 +221,21 @@ for n in "${!UDRIVE_PIDS[@]}"; do
     fi
 done
 phase ""
+
+# Without `shared` the file's writer claim moved at each switch-over: A gave it up
+# and took it back, B took it and gave it up.
+if [[ $DISK_OPTS != *shared* ]]; then
+    claims=''
+    for n in a b; do
+        claims+=" $n: $(grep -c 'this device no longer writes it' "$TMP/udrive-$n.log" || true) released,"
+        claims+=" $(grep -c 'this device writes it now' "$TMP/udrive-$n.log" || true) taken;"
+    done
+    if [ "$claims" = " a: 1 released, 1 taken; b: 1 released, 1 taken;" ]; then
+        host_result writer-claim-moved PASS "the file's range lock moved with the VM:$claims"
+    else
+        host_result writer-claim-moved FAIL "want each process to release and take the claim once:$claims"
+    fi
+fi
 
 cat "$TMP"/console-*.log >"$TMP/console.log"
 guest_results "$TMP/console.log"

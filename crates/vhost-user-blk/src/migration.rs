@@ -1,5 +1,5 @@
 //! Live migration of the VM a device serves (vhost-user "Migration";
-//! docs/decisions/0034-vhost-user-migration.md).
+//! docs/decisions/0035-vhost-user-migration.md).
 //!
 //! Two parts. **Dirty-page logging**: the device offers VHOST_F_LOG_ALL and
 //! LOG_SHMFD; SET_LOG_BASE hands it a shared log that is size-checked against the
