@@ -189,6 +189,11 @@ truncate -s "${DISK_MIB}M" "$TMP/disk.img"
 # Two processes serve the same file: A the source, B the destination (`incoming`).
 start_udrive a "file:$TMP/disk.img$DISK_OPTS"
 start_udrive b "file:$TMP/disk.img$DISK_OPTS,incoming"
+# The knob exists only in the udrive that `cargo test` builds (vhost-user-blk's
+# `test-knobs` feature); a product build would silently log as usual.
+if [ "$SKIP_DIRTY" = 1 ] && ! grep -q 'UDRIVE_TEST_SKIP_DIRTY_DATA=1: read data is not marked' "$TMP/udrive-a.log"; then
+    die "$UDRIVE has no test knobs (UDRIVE_TEST_SKIP_DIRTY_DATA): use the binary \`cargo test -p udrive\` builds"
+fi
 start_qemu 1 a
 wait_passes 1 "$PASSES" || HARNESS_FAIL+=("no migcheck passes on QEMU 1")
 

@@ -49,19 +49,25 @@ pub struct MigrationOptions {
 
 /// Whether the pollers mark read data in the front end's log. Off only for the
 /// test that proves the VM migration test can fail (`UDRIVE_TEST_SKIP_DIRTY_DATA=1`:
-/// used rings are still logged, read data is not).
+/// used rings are still logged, read data is not), and only in a build with the
+/// `test-knobs` feature: a product build always marks.
 pub(crate) fn logs_data() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        let skip = std::env::var("UDRIVE_TEST_SKIP_DIRTY_DATA").is_ok_and(|v| v == "1");
-        if skip {
-            tracing::warn!(
-                "UDRIVE_TEST_SKIP_DIRTY_DATA=1: read data is not marked in dirty-page logs \
-                 (a test knob: migrated guests will see stale data)"
-            );
-        }
-        !skip
-    })
+    #[cfg(feature = "test-knobs")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            let skip = std::env::var("UDRIVE_TEST_SKIP_DIRTY_DATA").is_ok_and(|v| v == "1");
+            if skip {
+                tracing::warn!(
+                    "UDRIVE_TEST_SKIP_DIRTY_DATA=1: read data is not marked in dirty-page logs \
+                     (a test knob: migrated guests will see stale data)"
+                );
+            }
+            !skip
+        })
+    }
+    #[cfg(not(feature = "test-knobs"))]
+    true
 }
 
 /// The device's part in migration, as its threads share it.
