@@ -10,13 +10,9 @@
 # Parameters on the kernel command line: udrive.mib=N (the region migcheck checks)
 
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin
-mount -t proc proc /proc
-mount -t sysfs sysfs /sys
-mount -t devtmpfs devtmpfs /dev 2>/dev/null
-mkdir -p /tmp && mount -t tmpfs tmpfs /tmp
-echo 1 >/proc/sys/kernel/printk
 # shellcheck source=tests/vm/guest-lib.sh
 . /guest-lib.sh
+guest_mounts
 MIB=$(sed -n 's/.*udrive\.mib=\([^ ]*\).*/\1/p' /proc/cmdline)
 
 for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk; do

@@ -87,13 +87,7 @@ start_qemu() {
     in_chroot "$BOOKWORM" qemu-system-x86_64 "${args[@]}" >"$TMP/qemu-$n.log" 2>&1 </dev/null &
     QEMU_PIDS[$n]=$!
     VM_EXTRA_PIDS+=("$!")
-    for _ in $(seq 100); do
-        [ -S "$TMP/qmp-$n.sock" ] && return 0
-        kill -0 "${QEMU_PIDS[$n]}" 2>/dev/null || break
-        sleep 0.1
-    done
-    tail -n 20 "$TMP/qemu-$n.log"
-    die "QEMU $n did not open its monitor"
+    wait_socket "$TMP/qmp-$n.sock" "${QEMU_PIDS[$n]}" "$TMP/qemu-$n.log" "QEMU $n"
 }
 
 qmp() { # qmp N COMMAND [JSON]
@@ -162,6 +156,18 @@ migrate() {
     fi
 }
 
+# hop FROM TO DEVICE: QEMU TO starts on udrive DEVICE's socket, incoming; the
+# guest migrates there from QEMU FROM, which quits; then PASSES passes on QEMU TO.
+# Nothing after a failure.
+hop() {
+    local from=$1 to=$2 dev=$3
+    [ ${#HARNESS_FAIL[@]} = 0 ] || return 0
+    start_qemu "$to" "$dev" incoming
+    migrate "$from" "$to"
+    quit_qemu "$from"
+    [ "$MIG_OK" = 1 ] && wait_passes "$to" "$PASSES" || HARNESS_FAIL+=("no migcheck passes on QEMU $to")
+}
+
 quit_qemu() { # quit_qemu N: QMP quit (the source after its guest left), then wait
     local n=$1 pid=${QEMU_PIDS[$1]}
     qmp "$n" quit >/dev/null 2>&1 || true
@@ -197,20 +203,10 @@ fi
 start_qemu 1 a
 wait_passes 1 "$PASSES" || HARNESS_FAIL+=("no migcheck passes on QEMU 1")
 
-if [ ${#HARNESS_FAIL[@]} = 0 ]; then
-    phase "migrate QEMU 1 (udrive A) -> QEMU 2 (udrive B)"
-    start_qemu 2 b incoming
-    migrate 1 2
-    quit_qemu 1
-    [ "$MIG_OK" = 1 ] && wait_passes 2 "$PASSES" || HARNESS_FAIL+=("no migcheck passes on QEMU 2")
-fi
-if [ ${#HARNESS_FAIL[@]} = 0 ]; then
-    phase "migrate back QEMU 2 (udrive B) -> QEMU 3 (udrive A)"
-    start_qemu 3 a incoming
-    migrate 2 3
-    quit_qemu 2
-    [ "$MIG_OK" = 1 ] && wait_passes 3 "$PASSES" || HARNESS_FAIL+=("no migcheck passes on QEMU 3")
-fi
+phase "migrate QEMU 1 (udrive A) -> QEMU 2 (udrive B)"
+hop 1 2 b
+phase "migrate back QEMU 2 (udrive B) -> QEMU 3 (udrive A)"
+hop 2 3 a
 LAST=${#QEMU_PIDS[@]}
 phase "final check on QEMU $LAST"
 timeout 5 sh -c 'printf "stop\n" >"$1"' - "$TMP/ctl-$LAST.in" || say "could not write to ttyS1 of QEMU $LAST"

@@ -67,6 +67,15 @@ fn connect(sock: &Path) -> FakeFrontend {
     r
 }
 
+/// A device on `disk` in a directory of its own, and a front end that may log.
+fn device(disk: Arc<dyn bdev::BlockDevice>) -> (tempfile::TempDir, VhostUserBlk, FakeFrontend) {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("dev.sock");
+    let dev = start(&sock, disk);
+    let r = connect(&sock);
+    (dir, dev, r)
+}
+
 /// A dirty log the front end shares: a memfd, or a plain file it can shrink.
 struct Log {
     file: File,
@@ -201,10 +210,7 @@ impl Bystander {
 
 #[test]
 fn reads_mark_exactly_the_pages_they_wrote() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("dev.sock");
-    let _dev = start(&sock, ram());
-    let mut r = connect(&sock);
+    let (_dir, _dev, mut r) = device(ram());
     let log = Log::memfd(LOG_BYTES);
     // Before logging starts nothing is marked.
     assert_eq!(read(&mut r, 8192), 0);
@@ -229,10 +235,7 @@ fn reads_mark_exactly_the_pages_they_wrote() {
 
 #[test]
 fn a_log_without_log_all_marks_nothing_until_log_all() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("dev.sock");
-    let _dev = start(&sock, ram());
-    let mut r = connect(&sock);
+    let (_dir, _dev, mut r) = device(ram());
     let log = Log::memfd(LOG_BYTES);
     // QEMU sends the log before LOG_ALL: accepted, and nothing is marked yet.
     log.send(&r, LOG_BYTES).unwrap();
@@ -246,10 +249,7 @@ fn a_log_without_log_all_marks_nothing_until_log_all() {
 
 #[test]
 fn a_repeated_log_base_replaces_the_log() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("dev.sock");
-    let _dev = start(&sock, ram());
-    let mut r = connect(&sock);
+    let (_dir, _dev, mut r) = device(ram());
     let (a, b) = (Log::memfd(LOG_BYTES), Log::memfd(4 * LOG_BYTES));
     start_logging(&r, &a);
     assert_eq!(read(&mut r, 4096), 0);
@@ -326,10 +326,7 @@ fn hostile_logs_end_that_connection_only() {
 
 #[test]
 fn a_memory_table_the_log_does_not_cover_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("dev.sock");
-    let _dev = start(&sock, ram());
-    let mut r = connect(&sock);
+    let (_dir, _dev, mut r) = device(ram());
     let log = Log::memfd(LOG_BYTES);
     start_logging(&r, &log);
     // A table that grows past the log's end is refused while the log is set; the
@@ -352,11 +349,8 @@ fn a_memory_table_the_log_does_not_cover_is_refused() {
 
 #[test]
 fn get_vring_base_answers_after_in_flight_reads_are_marked() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("dev.sock");
     let (disk, gate) = held();
-    let _dev = start(&sock, disk);
-    let mut r = connect(&sock);
+    let (_dir, _dev, mut r) = device(disk);
     let log = Log::memfd(LOG_BYTES);
     start_logging(&r, &log);
     // A read the backend holds.
