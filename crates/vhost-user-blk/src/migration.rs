@@ -70,10 +70,35 @@ pub(crate) fn logs_data() -> bool {
     true
 }
 
+/// Whether the device keeps a dirty-page log of its own, always on, whatever its
+/// front end negotiates: a test knob (`UDRIVE_TEST_FORCE_DIRTY_LOG=1`, builds with
+/// the `test-knobs` feature only) to measure what logging costs the I/O path with
+/// a benchmark client that never migrates.
+fn forces_log() -> bool {
+    #[cfg(feature = "test-knobs")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            let on = std::env::var("UDRIVE_TEST_FORCE_DIRTY_LOG").is_ok_and(|v| v == "1");
+            if on {
+                tracing::warn!(
+                    "UDRIVE_TEST_FORCE_DIRTY_LOG=1: every device logs dirty pages into a log of \
+                     its own (a test knob for measuring the cost of logging)"
+                );
+            }
+            on
+        })
+    }
+    #[cfg(not(feature = "test-knobs"))]
+    false
+}
+
 /// The device's part in migration, as its threads share it.
 pub(crate) struct Migration {
     pub refusal: Option<String>,
     pub log_data: bool,
+    /// [`forces_log`]: the handler installs a log of its own for each memory table.
+    pub force_log: bool,
     claim: Option<Arc<dyn WriterClaim>>,
     st: Mutex<ClaimSt>,
 }
@@ -99,6 +124,7 @@ impl Migration {
         Migration {
             refusal: opts.refusal.clone(),
             log_data: logs_data(),
+            force_log: forces_log() && opts.refusal.is_none(),
             claim: opts.claim.clone(),
             st: Mutex::new(ClaimSt {
                 wanted: !opts.incoming,
@@ -252,4 +278,21 @@ pub(crate) fn map_log(
         file,
         map: Arc::new(map),
     })
+}
+
+/// A log of the device's own covering `table` (for [`Migration::force_log`]).
+pub(crate) fn own_log(signal: &Arc<FaultSignal>, table: &[Mapping]) -> Result<LogRec, LogError> {
+    let bytes = table_end(table).div_ceil(8 * guest_mem::LOG_PAGE).max(1);
+    let mem = guest_mem::SharedMem::new("udrive-dirty-log", bytes)
+        .map_err(|source| LogError::Map { offset: 0, source })?;
+    let file = File::from(
+        mem.fd()
+            .try_clone_to_owned()
+            .map_err(|source| LogError::Map { offset: 0, source })?,
+    );
+    let req = VhostUserLog {
+        mmap_size: bytes,
+        mmap_offset: 0,
+    };
+    map_log(signal, table, &req, file)
 }
