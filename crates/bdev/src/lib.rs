@@ -109,7 +109,7 @@ pub trait BlockDevice: Send + Sync {
         FormatSupport::Unsupported
     }
     /// The process pauses for a handover (udrive's decision 0022): the front end
-    /// has quiesced (no request in flight) and a successor process is about to
+    /// has paused (no request in flight) and a successor process is about to
     /// open this backend by its spec. Give up what would keep a successor from
     /// opening it (an RBD image's exclusive lock); the device need not serve
     /// writes until [`BlockDevice::resume`]. Idempotent; the default has nothing

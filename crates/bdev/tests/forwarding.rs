@@ -17,7 +17,6 @@ use bdev::{
     QosError, QosLimits, RamDisk, SliceDisk, SliceError,
 };
 use guest_mem::SharedMem;
-use test_support::held::HeldDisk;
 
 const MIB: u64 = 1 << 20;
 
@@ -388,12 +387,26 @@ fn refusals_are_typed() {
     ));
 
     // A backend that cannot change size says so by the default.
-    let (held, _gate) = HeldDisk::new(MIB, 512).unwrap();
-    let e = held.resize(2 * MIB).err().unwrap();
+    struct Fixed(NullDisk);
+    impl BlockDevice for Fixed {
+        fn describe(&self) -> String {
+            "fixed".into()
+        }
+        fn info(&self) -> &BlockInfo {
+            self.0.info()
+        }
+        fn channel(&self) -> std::io::Result<Box<dyn IoChannel>> {
+            self.0.channel()
+        }
+    }
+    let e = Fixed(NullDisk::new(MIB, 512).unwrap())
+        .resize(2 * MIB)
+        .err()
+        .unwrap();
     assert_eq!(e.kind(), std::io::ErrorKind::Unsupported);
     assert_eq!(
         typed::<FixedSize>(&e).map(|f| f.device.as_str()),
-        Some("held")
+        Some("fixed")
     );
 }
 

@@ -55,6 +55,9 @@ pub struct FaultSpec {
     pub latency_us: u64,
 }
 
+/// The `fault_*` options.
+const FAULT_OPTIONS: [&str; 4] = ["fault_lbas", "fault_rate", "fault_ops", "fault_latency_us"];
+
 impl FaultSpec {
     /// The wrapper's configuration for a namespace of `block_size`-byte blocks.
     pub fn config(&self, block_size: u32) -> bdev::FaultConfig {
@@ -73,6 +76,48 @@ impl FaultSpec {
             latency: std::time::Duration::from_micros(self.latency_us),
             ..Default::default()
         }
+    }
+
+    /// Takes option `k` (one of [`FAULT_OPTIONS`]) with value `v`; what is wrong
+    /// with the value.
+    fn set(&mut self, k: &str, v: &str) -> Result<(), String> {
+        match k {
+            "fault_lbas" => {
+                let r = v
+                    .split_once('-')
+                    .and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?)))
+                    .filter(|(a, b)| a <= b)
+                    .ok_or_else(|| "fault_lbas must be FIRST-LAST, e.g. 0-7".to_string())?;
+                self.lbas = Some(r);
+            }
+            "fault_rate" => {
+                let r = v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|r| (0.0..=1.0).contains(r))
+                    .ok_or_else(|| "fault_rate must be a number from 0 to 1".to_string())?;
+                self.rate_ppm = (r * 1e6).round() as u32;
+            }
+            "fault_ops" => {
+                let ops = match v {
+                    "read" => bdev::FaultOps::Read,
+                    "write" => bdev::FaultOps::Write,
+                    "all" => bdev::FaultOps::All,
+                    _ => return Err("fault_ops must be read, write or all".into()),
+                };
+                self.ops = Some(ops);
+            }
+            "fault_latency_us" => {
+                let us = v
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|u| *u <= 60_000_000)
+                    .ok_or_else(|| "fault_latency_us must be 0..=60000000".to_string())?;
+                self.latency_us = us;
+            }
+            _ => return Err(format!("`{k}` is not a fault option")),
+        }
+        Ok(())
     }
 }
 
@@ -127,39 +172,10 @@ impl std::str::FromStr for NsSpec {
                 "bw" => qos.bw_bytes = rate()?,
                 "read_bw" => qos.read_bw = rate()?,
                 "write_bw" => qos.write_bw = rate()?,
-                "fault_lbas" => {
-                    let r = v
-                        .split_once('-')
-                        .and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?)))
-                        .filter(|(a, b)| a <= b)
-                        .ok_or_else(|| bad("fault_lbas must be FIRST-LAST, e.g. 0-7".into()))?;
-                    fault.get_or_insert_with(Default::default).lbas = Some(r);
-                }
-                "fault_rate" => {
-                    let r = v
-                        .parse::<f64>()
-                        .ok()
-                        .filter(|r| (0.0..=1.0).contains(r))
-                        .ok_or_else(|| bad("fault_rate must be a number from 0 to 1".into()))?;
-                    fault.get_or_insert_with(Default::default).rate_ppm = (r * 1e6).round() as u32;
-                }
-                "fault_ops" => {
-                    let ops = match v {
-                        "read" => bdev::FaultOps::Read,
-                        "write" => bdev::FaultOps::Write,
-                        "all" => bdev::FaultOps::All,
-                        _ => return Err(bad("fault_ops must be read, write or all".into())),
-                    };
-                    fault.get_or_insert_with(Default::default).ops = Some(ops);
-                }
-                "fault_latency_us" => {
-                    let us = v
-                        .parse::<u64>()
-                        .ok()
-                        .filter(|u| *u <= 60_000_000)
-                        .ok_or_else(|| bad("fault_latency_us must be 0..=60000000".into()))?;
-                    fault.get_or_insert_with(Default::default).latency_us = us;
-                }
+                k if FAULT_OPTIONS.contains(&k) => fault
+                    .get_or_insert_with(Default::default)
+                    .set(k, v)
+                    .map_err(&bad)?,
                 _ => return Err(bad(unknown_option(opt, backend))),
             }
         }
@@ -244,11 +260,8 @@ fn unknown_option(opt: &str, kind: &dyn crate::kinds::BackendKind) -> String {
         "bw",
         "read_bw",
         "write_bw",
-        "fault_lbas",
-        "fault_rate",
-        "fault_ops",
-        "fault_latency_us",
     ]);
+    known.extend(FAULT_OPTIONS);
     format!(
         "unknown option `{opt}` for {} (known: {})",
         kind.name(),

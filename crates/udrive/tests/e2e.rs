@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use common::*;
-use initiator::{DataMode, Error, IoOp, QpairOpts, QueuePair, Sqe};
+use initiator::{DataMode, Error, IoOp, NvmeDriver, QpairOpts, QueuePair, Sqe};
 
 #[test]
 fn identify_fields_and_namespaces() {
@@ -366,41 +366,7 @@ fn controller_reset_during_io_keeps_data() {
     let done = Mutex::new(Vec::new());
     let mut stale = false;
     std::thread::scope(|s| {
-        let h = s.spawn(|| {
-            // Region B: unique 8-block slots from LBA 4096, QD 4; record acknowledged ones.
-            let mut qp = d.create_qpair(16, false).unwrap();
-            let bufs: Vec<_> = (0..4).map(|_| qp.alloc_buf(4096).unwrap()).collect();
-            let mut slot = 0u64;
-            loop {
-                let mut batch = Vec::new();
-                for b in &bufs {
-                    let seed = 1000 + slot;
-                    b.write(0, &Rng::new(seed).bytes(4096)).unwrap();
-                    let slba = 4096 + slot * 8;
-                    slot += 1;
-                    match qp.submit_io(IoOp::Write, 1, slba, 8, Some(b), DataMode::Prp) {
-                        Ok(cid) => batch.push((cid, slba, seed)),
-                        Err(Error::Stale) => return true,
-                        Err(e) => panic!("submit: {e}"),
-                    }
-                }
-                if let Err(e) = qp.ring() {
-                    assert!(matches!(e, Error::Stale), "ring: {e}");
-                    return true;
-                }
-                for (cid, slba, seed) in batch {
-                    match qp.wait(cid, T) {
-                        Ok(c) => {
-                            assert_ok(&c, "write before reset");
-                            done.lock().unwrap().push((slba, seed));
-                            progress.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Err(Error::Stale) => return true,
-                        Err(e) => panic!("wait: {e}"),
-                    }
-                }
-            }
-        });
+        let h = s.spawn(|| writes_until_stale(&d, &done, &progress));
         wait_until("I/O in progress", T, || {
             progress.load(Ordering::Relaxed) >= 200
         });
@@ -446,6 +412,44 @@ fn controller_reset_during_io_keeps_data() {
     drop(qp);
     drop(d);
     dev.check_fresh_client(22);
+}
+
+/// Region B: unique 8-block slots from LBA 4096, QD 4, written until the queue
+/// pair goes stale (then true); each acknowledged write's (LBA, seed) goes to
+/// `done` and counts in `progress`.
+fn writes_until_stale(d: &NvmeDriver, done: &Mutex<Vec<(u64, u64)>>, progress: &AtomicU64) -> bool {
+    let mut qp = d.create_qpair(16, false).unwrap();
+    let bufs: Vec<_> = (0..4).map(|_| qp.alloc_buf(4096).unwrap()).collect();
+    let mut slot = 0u64;
+    loop {
+        let mut batch = Vec::new();
+        for b in &bufs {
+            let seed = 1000 + slot;
+            b.write(0, &Rng::new(seed).bytes(4096)).unwrap();
+            let slba = 4096 + slot * 8;
+            slot += 1;
+            match qp.submit_io(IoOp::Write, 1, slba, 8, Some(b), DataMode::Prp) {
+                Ok(cid) => batch.push((cid, slba, seed)),
+                Err(Error::Stale) => return true,
+                Err(e) => panic!("submit: {e}"),
+            }
+        }
+        if let Err(e) = qp.ring() {
+            assert!(matches!(e, Error::Stale), "ring: {e}");
+            return true;
+        }
+        for (cid, slba, seed) in batch {
+            match qp.wait(cid, T) {
+                Ok(c) => {
+                    assert_ok(&c, "write before reset");
+                    done.lock().unwrap().push((slba, seed));
+                    progress.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(Error::Stale) => return true,
+                Err(e) => panic!("wait: {e}"),
+            }
+        }
+    }
 }
 
 /// Kills (SIGKILL) and reaps the child on drop, whatever the test did.

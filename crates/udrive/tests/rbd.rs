@@ -388,7 +388,25 @@ fn snapshots_rollback_clones_and_online_resize_over_rpc() {
     )["nsid"]
         .as_u64()
         .unwrap() as u32;
-    let mut d = NvmeDriver::connect(&sock, opts()).unwrap();
+    reattached_image_resizes_online(&mut s, &c, &sock, ns, &v1, &v2);
+    s.stop();
+    // The clone's data as rbd sees it.
+    assert_eq!(c.export("vm2")[64 * 512..65 * 512], v1[..512]);
+}
+
+/// On the rolled-back image (namespace `ns` of `sock`, holding `v1` at LBA 64):
+/// online resize, the image grows, the host is told, the new space works (`v2`
+/// written at its end); shrinking needs the flag, and with it the image shrinks
+/// too.
+fn reattached_image_resizes_online(
+    s: &mut Serve,
+    c: &Cluster,
+    sock: &Path,
+    ns: u32,
+    v1: &[u8],
+    v2: &[u8],
+) {
+    let mut d = NvmeDriver::connect(sock, opts()).unwrap();
     d.enable_ns_events().unwrap();
     let mut qp = d.create_qpair(8, false).unwrap();
     let buf = qp.alloc_buf(4096).unwrap();
@@ -405,7 +423,7 @@ fn snapshots_rollback_clones_and_online_resize_over_rpc() {
     let info = c.rbd(&["info", "--format", "json", "rbd/gold"]);
     assert!(info.contains(&format!("\"size\":{}", 24 * MIB)), "{info}");
     let last = 24 * MIB / 512 - 8;
-    write_ns(&mut qp, &buf, ns, last, &v2);
+    write_ns(&mut qp, &buf, ns, last, v2);
     assert_eq!(read_ns(&mut qp, &buf, ns, last), v2);
     assert_eq!(read_ns(&mut qp, &buf, ns, 64), v1);
     // Shrinking needs the flag; with it the image shrinks too.
@@ -422,9 +440,6 @@ fn snapshots_rollback_clones_and_online_resize_over_rpc() {
     assert!(info.contains(&format!("\"size\":{}", 8 * MIB)), "{info}");
     drop(qp);
     drop(d);
-    s.stop();
-    // The clone's data as rbd sees it.
-    assert_eq!(c.export("vm2")[64 * 512..65 * 512], v1[..512]);
 }
 
 fn write_ns(

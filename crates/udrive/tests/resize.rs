@@ -9,7 +9,7 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -328,93 +328,104 @@ fn refusals_name_the_cause_and_change_nothing() {
     );
     let (n, v) = (s.path("n.sock"), s.path("v.sock"));
     let before = s.device("n.sock")["namespaces"].clone();
-    let resize = |p: Value, code: i64, want: &str| s.err("resize", p, code, want);
-    resize(
-        json!({"socket": n, "nsid": 1, "size": "16M"}),
-        -32000,
-        "is a slice",
-    );
-    resize(
-        json!({"socket": n, "nsid": 2, "size": "32M"}),
-        -32000,
-        "`shared`",
-    );
-    resize(
-        json!({"socket": n, "nsid": 3, "size": "32M"}),
-        -32000,
-        "read-only",
-    );
-    resize(
-        json!({"socket": n, "nsid": 4, "size": 0}),
-        -32602,
-        "above 0",
-    );
-    resize(
-        json!({"socket": n, "nsid": 4, "size": "0"}),
-        -32602,
-        "above 0",
-    );
-    resize(
-        json!({"socket": n, "nsid": 4, "size": 1000}),
-        -32602,
-        "multiple of the block size 512",
-    );
-    resize(
-        json!({"socket": n, "nsid": 4, "size": "12X"}),
-        -32602,
-        "unknown unit",
-    );
-    resize(
-        json!({"socket": n, "nsid": 4, "size": -1}),
-        -32602,
-        "invalid params",
-    );
-    resize(
-        json!({"socket": n, "nsid": 4, "size": 1.5}),
-        -32602,
-        "invalid params",
-    );
-    resize(
-        json!({"socket": n, "nsid": 4}),
-        -32602,
-        "missing field `size`",
-    );
-    resize(
-        json!({"socket": n, "nsid": 4, "size": "32M", "grow": true}),
-        -32602,
-        "unknown field",
-    );
-    resize(
-        json!({"socket": n, "nsid": 4, "size": "8M"}),
-        -32000,
-        "\"shrink\": true",
-    );
-    resize(
-        json!({"socket": n, "nsid": 9, "size": "32M"}),
-        -32000,
-        "no namespace 9",
-    );
-    resize(json!({"socket": n, "size": "32M"}), -32000, "give the nsid");
-    resize(
-        json!({"socket": s.path("x.sock"), "size": "32M"}),
-        -32000,
-        "no device",
-    );
-    resize(
-        json!({"socket": v, "nsid": 2, "size": "32M"}),
-        -32000,
-        "its one disk is nsid 1",
-    );
-    resize(
-        json!({"socket": v, "size": "8M"}),
-        -32000,
-        "\"shrink\": true",
-    );
+    for (params, code, want) in refused_resizes(&n, &v, &s.path("x.sock")) {
+        s.err("resize", params, code, want);
+    }
     assert_eq!(s.device("n.sock")["namespaces"], before, "nothing changed");
     assert_eq!(file_len(&s, "a.img"), 16 * MIB);
     assert_eq!(file_len(&s, "c.img"), 16 * MIB);
 
-    // No host attached: resized, but nobody to tell yet.
+    resized_with_nobody_to_tell(&s, &n, &v);
+}
+
+/// Resizes of `n`'s namespaces (1: a slice, 2: shared, 3: read-only, 4: null),
+/// of vhost-user-blk device `v` and of a socket `x` with no device that are
+/// refused, with the error code and a part of the message each gets.
+fn refused_resizes(n: &Path, v: &Path, x: &Path) -> Vec<(Value, i64, &'static str)> {
+    vec![
+        (
+            json!({"socket": n, "nsid": 1, "size": "16M"}),
+            -32000,
+            "is a slice",
+        ),
+        (
+            json!({"socket": n, "nsid": 2, "size": "32M"}),
+            -32000,
+            "`shared`",
+        ),
+        (
+            json!({"socket": n, "nsid": 3, "size": "32M"}),
+            -32000,
+            "read-only",
+        ),
+        (
+            json!({"socket": n, "nsid": 4, "size": 0}),
+            -32602,
+            "above 0",
+        ),
+        (
+            json!({"socket": n, "nsid": 4, "size": "0"}),
+            -32602,
+            "above 0",
+        ),
+        (
+            json!({"socket": n, "nsid": 4, "size": 1000}),
+            -32602,
+            "multiple of the block size 512",
+        ),
+        (
+            json!({"socket": n, "nsid": 4, "size": "12X"}),
+            -32602,
+            "unknown unit",
+        ),
+        (
+            json!({"socket": n, "nsid": 4, "size": -1}),
+            -32602,
+            "invalid params",
+        ),
+        (
+            json!({"socket": n, "nsid": 4, "size": 1.5}),
+            -32602,
+            "invalid params",
+        ),
+        (
+            json!({"socket": n, "nsid": 4}),
+            -32602,
+            "missing field `size`",
+        ),
+        (
+            json!({"socket": n, "nsid": 4, "size": "32M", "grow": true}),
+            -32602,
+            "unknown field",
+        ),
+        (
+            json!({"socket": n, "nsid": 4, "size": "8M"}),
+            -32000,
+            "\"shrink\": true",
+        ),
+        (
+            json!({"socket": n, "nsid": 9, "size": "32M"}),
+            -32000,
+            "no namespace 9",
+        ),
+        (json!({"socket": n, "size": "32M"}), -32000, "give the nsid"),
+        (json!({"socket": x, "size": "32M"}), -32000, "no device"),
+        (
+            json!({"socket": v, "nsid": 2, "size": "32M"}),
+            -32000,
+            "its one disk is nsid 1",
+        ),
+        (
+            json!({"socket": v, "size": "8M"}),
+            -32000,
+            "\"shrink\": true",
+        ),
+    ]
+}
+
+/// No host attached: resized, but nobody to tell yet; a host that connects later
+/// sees the new size.
+fn resized_with_nobody_to_tell(s: &Serve, n: &Path, v: &Path) {
     let r = s.ok("resize", json!({"socket": n, "nsid": 4, "size": "1G"}));
     assert_eq!(r["notified"], false);
     assert!(r["notice"].as_str().unwrap().contains("not enabled"), "{r}");
@@ -438,7 +449,7 @@ fn refusals_name_the_cause_and_change_nothing() {
     assert_eq!(s.device("v.sock")["config"]["disk"], "ram:32M");
     assert_eq!(s.device("v.sock")["size_bytes"], 32 * MIB);
     // A host that connects now sees the new size.
-    let d = NvmeDriver::connect(&n, opts()).unwrap();
+    let d = NvmeDriver::connect(n, opts()).unwrap();
     assert_eq!(ns_bytes(&d, 4), 1 << 30);
 }
 

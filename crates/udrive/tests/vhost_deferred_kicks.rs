@@ -79,12 +79,15 @@ impl Setup {
 
     /// Waits until the queue sleeps with `n` requests taken by the backend.
     fn asleep_with(&self, n: usize) {
+        common::wait_until("the queue took the requests", common::T, || {
+            self.gate.submitted() == n
+        });
+        // Counted from here: a sleep that began before the last request was taken
+        // (woken by its kick) says nothing about the queue's state now.
         let before = self.sleeps();
-        common::wait_until(
-            "the queue took the requests and went to sleep",
-            common::T,
-            || self.gate.submitted() == n && self.sleeps() > before,
-        );
+        common::wait_until("the queue went to sleep", common::T, || {
+            self.sleeps() > before
+        });
     }
 
     /// Whether the device, asleep, asked the guest to kick for its next request.

@@ -243,24 +243,12 @@ fn handover_with_a_front_end_halfway_through_setup() {
     c.stop();
 }
 
-/// Corrupt saved states are refused with an error (no panic, nothing taken from the
-/// rings), and the old device runs on after `resume`.
-#[test]
-fn corrupt_states_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("blk.sock");
-    let disk = disk();
-    let a = start(&sock, &disk, PollMode::Adaptive);
-    let mut raw = FakeFrontend::connect(&sock);
-    raw.header(T_OUT, 0);
-    raw.put(DATA, &[0x77; 512]);
-    assert_eq!(
-        raw.request(&[(HDR, 16, false), (DATA, 512, false), (STATUS, 1, true)]),
-        0
-    );
-    a.pause(PAUSE).unwrap();
-    type Corrupt = Box<dyn Fn(&mut HandoverState, &mut Vec<std::os::fd::OwnedFd>)>;
-    let cases: Vec<(&str, Corrupt)> = vec![
+/// A change to a saved state (or to the fds passed with it).
+type Corrupt = Box<dyn Fn(&mut HandoverState, &mut Vec<std::os::fd::OwnedFd>)>;
+
+/// Every way [`corrupt_states_are_refused`] breaks a saved state, by name.
+fn corruptions() -> Vec<(&'static str, Corrupt)> {
+    vec![
         ("version", Box::new(|s, _| s.version += 1)),
         ("queue count", Box::new(|s, _| s.num_queues += 1)),
         ("capacity", Box::new(|s, _| s.capacity_bytes += 512)),
@@ -335,8 +323,26 @@ fn corrupt_states_are_refused() {
                 }
             }),
         ),
-    ];
-    for (what, corrupt) in cases {
+    ]
+}
+
+/// Corrupt saved states are refused with an error (no panic, nothing taken from the
+/// rings), and the old device runs on after `resume`.
+#[test]
+fn corrupt_states_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("blk.sock");
+    let disk = disk();
+    let a = start(&sock, &disk, PollMode::Adaptive);
+    let mut raw = FakeFrontend::connect(&sock);
+    raw.header(T_OUT, 0);
+    raw.put(DATA, &[0x77; 512]);
+    assert_eq!(
+        raw.request(&[(HDR, 16, false), (DATA, 512, false), (STATUS, 1, true)]),
+        0
+    );
+    a.pause(PAUSE).unwrap();
+    for (what, corrupt) in corruptions() {
         let (mut state, mut fds) = a.save().unwrap();
         corrupt(&mut state, &mut fds);
         let r = VhostUserBlk::restore(

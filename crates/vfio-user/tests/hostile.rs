@@ -63,10 +63,23 @@ fn bad_commands_get_errors_and_connection_continues() {
     let f = Fixture::new();
     let mut r = f.raw();
     r.negotiate();
-    let g = SharedMem::new("g", 0x4000).unwrap();
     for cmd in [0u16, 6, 11, 12, 14, 15, 0xffff] {
         r.expect_err(cmd, &[], &[], libc::ENOTSUP);
     }
+    replies_and_short_info(&mut r);
+    let g = SharedMem::new("g", 0x4000).unwrap();
+    bad_dma_maps(&mut r, &g);
+    bad_region_accesses(&mut r);
+    bad_set_irqs(&mut r, &g);
+    r.expect_err(Command::DeviceReset as u16, &[1], &[], libc::EINVAL);
+    // After all that the connection still works.
+    assert_eq!(r.cfg_read32(0) & 0xffff, 0x1b36);
+    assert!(f.mem.snapshot().1.regions().is_empty());
+}
+
+/// A reply sent as a request, and GET_INFO/GET_IRQ_INFO with argsz too small or a
+/// payload shorter than the struct.
+fn replies_and_short_info(r: &mut RawClient) {
     // A reply to nothing we asked is dropped, never answered (a reply to a reply
     // would be a protocol error of ours); the next command is served.
     r.send(Command::DeviceReset as u16, FLAG_TYPE_REPLY, &[], &[]);
@@ -95,9 +108,12 @@ fn bad_commands_get_errors_and_connection_continues() {
         &[],
         libc::EINVAL,
     );
-    // DMA_MAP: missing fd (this device model cannot serve DMA by messages), two fds,
-    // wrong argsz, zero size, unknown flags, fd on a command that takes none (closed
-    // by the server), size beyond the file.
+}
+
+/// DMA_MAP: missing fd (this device model cannot serve DMA by messages), two fds,
+/// wrong argsz, zero size, unknown flags, fd on a command that takes none (closed
+/// by the server), size beyond the file.
+fn bad_dma_maps(r: &mut RawClient, g: &SharedMem) {
     let map = DmaMap {
         argsz: 32,
         flags: DMA_READ,
@@ -107,23 +123,23 @@ fn bad_commands_get_errors_and_connection_continues() {
     };
     let dm = Command::DmaMap as u16;
     r.expect_err(dm, map.as_bytes(), &[], libc::ENOTSUP);
-    r.expect_err(dm, map.as_bytes(), &[fd_of(&g), fd_of(&g)], libc::EINVAL);
+    r.expect_err(dm, map.as_bytes(), &[fd_of(g), fd_of(g)], libc::EINVAL);
     r.expect_err(
         dm,
         DmaMap { argsz: 40, ..map }.as_bytes(),
-        &[fd_of(&g)],
+        &[fd_of(g)],
         libc::EINVAL,
     );
     r.expect_err(
         dm,
         DmaMap { size: 0, ..map }.as_bytes(),
-        &[fd_of(&g)],
+        &[fd_of(g)],
         libc::EINVAL,
     );
     r.expect_err(
         dm,
         DmaMap { flags: 0x10, ..map }.as_bytes(),
-        &[fd_of(&g)],
+        &[fd_of(g)],
         libc::EINVAL,
     );
     r.expect_err(
@@ -133,7 +149,7 @@ fn bad_commands_get_errors_and_connection_continues() {
             ..map
         }
         .as_bytes(),
-        &[fd_of(&g)],
+        &[fd_of(g)],
         libc::EINVAL,
     );
     r.expect_err(
@@ -143,17 +159,17 @@ fn bad_commands_get_errors_and_connection_continues() {
             ..map
         }
         .as_bytes(),
-        &[fd_of(&g)],
+        &[fd_of(g)],
         libc::EINVAL,
     );
     r.expect_err(
-        gi,
+        Command::DeviceGetInfo as u16,
         DeviceInfo {
             argsz: 16,
             ..Default::default()
         }
         .as_bytes(),
-        &[fd_of(&g)],
+        &[fd_of(g)],
         libc::EINVAL,
     );
     r.expect_err(
@@ -168,7 +184,10 @@ fn bad_commands_get_errors_and_connection_continues() {
         &[],
         libc::ENOTSUP,
     );
-    // Region access: bad region, out of bounds, count too big, size mismatch.
+}
+
+/// Region access: bad region, out of bounds, count too big, size mismatch.
+fn bad_region_accesses(r: &mut RawClient) {
     let rr = Command::RegionRead as u16;
     let acc = |region, offset, count| RegionAccess {
         offset,
@@ -214,7 +233,10 @@ fn bad_commands_get_errors_and_connection_continues() {
         &[],
         libc::EINVAL,
     );
-    // SET_IRQS: bad flags, range, fd count, non-eventfd fd.
+}
+
+/// SET_IRQS: bad flags, range, fd count, non-eventfd fd.
+fn bad_set_irqs(r: &mut RawClient, g: &SharedMem) {
     let si = Command::DeviceSetIrqs as u16;
     let set = |flags, index, start, count| SetIrqs {
         argsz: 20,
@@ -260,7 +282,7 @@ fn bad_commands_get_errors_and_connection_continues() {
     r.expect_err(
         si,
         set(ev, PCI_MSIX_IRQ, 0, 1).as_bytes(),
-        &[fd_of(&g)],
+        &[fd_of(g)],
         libc::EINVAL,
     );
     r.expect_err(
@@ -293,10 +315,6 @@ fn bad_commands_get_errors_and_connection_continues() {
         &many,
         libc::EINVAL,
     );
-    r.expect_err(Command::DeviceReset as u16, &[1], &[], libc::EINVAL);
-    // After all that the connection still works.
-    assert_eq!(r.cfg_read32(0) & 0xffff, 0x1b36);
-    assert!(f.mem.snapshot().1.regions().is_empty());
 }
 
 #[test]

@@ -84,9 +84,9 @@ fn memfd(len: u64) -> File {
 }
 
 /// Negotiates everything the device offers (it offers what the tests need:
-/// CONFIG, MQ, REPLY_ACK, CONFIGURE_MEM_SLOTS, INFLIGHT_SHMFD, BACKEND_REQ) but
-/// VHOST_F_LOG_ALL, which a front end sets only while it migrates the VM (the
-/// device then takes no chains until it has a log).
+/// CONFIG, MQ, REPLY_ACK, CONFIGURE_MEM_SLOTS, INFLIGHT_SHMFD, BACKEND_REQ), except
+/// LOG_ALL: a front end sets that bit only while it migrates the guest, and the
+/// rings then wait for its dirty log.
 fn features(fe: &mut Frontend) {
     fe.set_owner().unwrap();
     let f = fe.get_features().unwrap();

@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 use crossbeam_queue::ArrayQueue;
 
+use super::error::RbdError;
 use super::ffi::{check, rbd_image_t, Image};
-use super::RbdError;
 
 type rbd_completion_t = *mut c_void;
 type rbd_callback_t = extern "C" fn(rbd_completion_t, *mut c_void);

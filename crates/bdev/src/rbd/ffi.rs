@@ -15,7 +15,7 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::io;
 use std::ptr;
 
-use super::RbdError;
+use super::error::RbdError;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 

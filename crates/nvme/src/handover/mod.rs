@@ -101,14 +101,18 @@ impl Inner {
         st.keep_alive = None;
         // A Format NVM completes when its erase ends (on its own thread, which
         // needs the lock to finish).
-        while st.format.is_some() {
-            if start.elapsed() >= timeout {
+        // Paused, nothing is fetched, so no new one can start meanwhile.
+        if st.format.is_some() {
+            drop(st);
+            let left = timeout.saturating_sub(start.elapsed());
+            let done = engine::wait_until(left, Duration::from_millis(1), || {
+                self.lock().format.is_none()
+            });
+            st = self.lock();
+            if !done {
                 self.resume_locked(&mut st);
                 return Err(PauseError::FormatInProgress(timeout));
             }
-            drop(st);
-            std::thread::sleep(Duration::from_millis(1));
-            st = self.lock();
         }
         // Admin commands that finished meanwhile are posted (nothing is fetched).
         if st.admin.is_some() {

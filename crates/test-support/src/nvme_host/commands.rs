@@ -6,10 +6,7 @@ use crate::held::HeldGate;
 use crate::nvme_cmd::{rw, set_prp, sqe, Outcome};
 use crate::wait::{wait_until, T};
 
-use super::Host;
-
-/// Asynchronous Event Configuration: Namespace Attribute Notices.
-pub const AEC_NS_ATTR: u32 = 1 << 8;
+use super::{Host, AEC_NS_ATTR};
 
 impl Host {
     /// Set Features, Asynchronous Event Configuration = `aec`.

@@ -16,6 +16,7 @@
 //! retries: a command that never completes fails the test after 5 s.
 
 mod commands;
+mod layout;
 mod queues;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,19 +28,13 @@ use engine::{Engine, Placement, Placer};
 use guest_mem::{DmaSpace, MappedRegion};
 use nvme::{Controller, ControllerConfig, InterruptSink};
 
-pub use commands::AEC_NS_ATTR;
-pub use queues::Q;
+pub use layout::{BASE, DOORBELLS, MEM_SIZE, PAGE, Q};
 
 use crate::reactor::{polls_on, sleep_timeouts_on, sleeps_on};
 use crate::wait::wait_until;
 
-/// Guest address of the fake host's memory.
-pub const BASE: u64 = 0x10_0000;
-pub const MEM_SIZE: u64 = 32 << 20;
-pub const PAGE: u64 = 4096;
-
-/// BAR0 offset of the doorbells (stride 4: CAP.DSTRD 0).
-pub const DOORBELLS: u64 = 0x1000;
+/// Asynchronous Event Configuration: Namespace Attribute Notices.
+pub const AEC_NS_ATTR: u32 = 1 << 8;
 
 /// Counts the interrupts the controller signals, per vector.
 pub struct Irqs(pub Vec<AtomicU64>);

@@ -8,41 +8,10 @@ use initiator::cmd::CqRing;
 use initiator::{Completion, Sqe};
 use zerocopy::IntoBytes;
 
-use super::{Host, BASE, DOORBELLS, PAGE};
+use super::layout::{BASE, DOORBELLS, PAGE, Q};
+use super::Host;
 use crate::nvme_cmd::{set_prp, sqe, Outcome};
 use crate::wait::poll_until;
-
-/// One queue pair as the host sees it: where its rings are, its SQ tail and the CQ
-/// head and phase it expects.
-#[derive(Clone, Copy)]
-pub struct Q {
-    pub sq: u64,
-    pub cq: u64,
-    pub size: u16,
-    /// CQ this SQ posts to.
-    pub cqid: u16,
-    pub tail: u16,
-    pub ring: CqRing,
-}
-
-impl Default for Q {
-    fn default() -> Q {
-        Q::new(0, 0, 0, 0, 0)
-    }
-}
-
-impl Q {
-    pub fn new(sq: u64, cq: u64, size: u16, cq_size: u16, cqid: u16) -> Q {
-        Q {
-            sq,
-            cq,
-            size,
-            cqid,
-            tail: 0,
-            ring: CqRing::new(cq_size),
-        }
-    }
-}
 
 /// Byte offset of queue `qid`'s SQ tail (or, with `cq`, CQ head) doorbell among the
 /// doorbells, and in a shadow doorbell buffer.

@@ -71,7 +71,7 @@ pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
     );
     Ok(json!({
         "devices": paused,
-        "quiesce_us": pause_done.as_micros() as u64,
+        "pause_us": pause_done.as_micros() as u64,
         "handover_us": total.as_micros() as u64,
     }))
 }
