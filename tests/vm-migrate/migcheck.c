@@ -5,15 +5,16 @@
  *   migcheck run DEV MIB      in the guest: passes over the first MIB MiB of DEV
  *   migcheck verify FILE MIB GEN   on the host: every block holds generation GEN
  *
- * A pass writes a new generation into one block in WRITE_EVERY (a different
- * eighth each pass), then reads the whole region with O_DIRECT into one large
- * buffer and only then checks every block against the generation it must hold.
+ * A pass writes a new generation into one eighth of the region (a different
+ * eighth each pass, in 1 MiB requests), then reads the whole region with O_DIRECT
+ * into one large buffer and only then checks every block against the generation
+ * it must hold.
  * The buffer is written by the device alone (DMA), never by a guest CPU, so after
  * a migration it holds what it held before only if the device's writes were in
  * the VMM's dirty-page log: a page read into it after the VMM last sent it, and
  * not marked, reaches the destination stale, and the check of that pass reports
- * it. Most of a pass is reading and checking, so a switch-over is likely to land
- * in that window.
+ * it. Most of a pass is reading and checking (the writes are few, large
+ * requests), so a switch-over is likely to land in that window.
  *
  * Each pass prints "MIGCHECK pass=N gen=G bad=B total_bad=T" on stdout. SIGUSR1
  * ends the loop after the current pass: the whole region is then written with one
@@ -33,7 +34,7 @@
 #define BLOCK 4096u
 #define CHUNK (1u << 20)
 #define MAGIC 0x5247494du /* "MIGR" */
-#define WRITE_EVERY 8u
+#define EIGHTHS 8u
 
 static volatile sig_atomic_t stop;
 static void on_usr1(int s) { (void)s; stop = 1; }
@@ -91,16 +92,19 @@ static int io(int fd, uint8_t *buf, size_t len, off_t off, int wr) {
     return 0;
 }
 
-/* Writes generation `gen` into the blocks `b` with `b % every == phase`. */
-static int write_gen(int fd, uint8_t *w, uint64_t blocks, uint32_t gen, uint32_t *gens,
-                     unsigned every, unsigned phase) {
-    for (uint64_t b = 0; b < blocks; b++) {
-        if (b % every != phase)
-            continue;
-        fill(w, gen, b);
-        if (io(fd, w, BLOCK, (off_t)(b * BLOCK), 1) < 0)
+/* Writes generation `gen` into blocks [first, first + count), 1 MiB at a time
+ * through `w` (CHUNK bytes). */
+static int write_gen(int fd, uint8_t *w, uint64_t first, uint64_t count, uint32_t gen,
+                     uint32_t *gens) {
+    const uint64_t per = CHUNK / BLOCK;
+    for (uint64_t b = first; b < first + count; b += per) {
+        uint64_t n = first + count - b < per ? first + count - b : per;
+        for (uint64_t i = 0; i < n; i++) {
+            fill(w + i * BLOCK, gen, b + i);
+            gens[b + i] = gen;
+        }
+        if (io(fd, w, n * BLOCK, (off_t)(b * BLOCK), 1) < 0)
             return -1;
-        gens[b] = gen;
     }
     return fdatasync(fd);
 }
@@ -133,7 +137,7 @@ static int run(const char *dev, unsigned mib) {
         return 2;
     }
     uint64_t blocks = (uint64_t)mib * (1u << 20) / BLOCK;
-    uint8_t *w = aligned(BLOCK), *r = aligned(blocks * BLOCK);
+    uint8_t *w = aligned(CHUNK), *r = aligned(blocks * BLOCK);
     uint32_t *gens = calloc(blocks, sizeof *gens);
     if (!gens)
         return 2;
@@ -141,13 +145,14 @@ static int run(const char *dev, unsigned mib) {
     /* Generation 1 everywhere, then passes. */
     uint32_t gen = 1, pass = 0;
     long total = 0;
-    if (write_gen(fd, w, blocks, gen, gens, 1, 0) < 0)
+    if (write_gen(fd, w, 0, blocks, gen, gens) < 0)
         return 2;
     printf("MIGCHECK start mib=%u blocks=%llu\n", mib, (unsigned long long)blocks);
     fflush(stdout);
     while (!stop) {
         pass++, gen++;
-        if (write_gen(fd, w, blocks, gen, gens, WRITE_EVERY, pass % WRITE_EVERY) < 0)
+        uint64_t eighth = blocks / EIGHTHS;
+        if (write_gen(fd, w, (pass % EIGHTHS) * eighth, eighth, gen, gens) < 0)
             return 2;
         long bad = read_check(fd, r, blocks, gens, pass);
         if (bad < 0)
@@ -157,7 +162,7 @@ static int run(const char *dev, unsigned mib) {
         fflush(stdout);
     }
     gen++;
-    if (write_gen(fd, w, blocks, gen, gens, 1, 0) < 0)
+    if (write_gen(fd, w, 0, blocks, gen, gens) < 0)
         return 2;
     long bad = read_check(fd, r, blocks, gens, pass + 1);
     printf("MIGCHECK final gen=%u bad=%ld total_bad=%ld passes=%u\n", gen, bad,

@@ -2,6 +2,15 @@
 # side reads the UDRIVE-RESULT lines from the console.
 
 log() { echo "udrive-guest: $*"; }
+# guest_mounts: /proc, /sys, /dev and a tmpfs /tmp; kernel messages off the console
+# so result lines stay whole.
+guest_mounts() {
+    mount -t proc proc /proc
+    mount -t sysfs sysfs /sys
+    mount -t devtmpfs devtmpfs /dev 2>/dev/null
+    mkdir -p /tmp && mount -t tmpfs tmpfs /tmp
+    echo 1 >/proc/sys/kernel/printk
+}
 # result NAME PASS|FAIL DETAIL...  (detail is one line, no newlines)
 result() {
     n=$1 s=$2

@@ -19,12 +19,14 @@ use std::fs::File;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use engine::{PollMode, Waker};
 use guest_mem::{DirtyLog, FaultSignal};
+use serde::{Deserialize, Serialize};
 use virtio_blk::{BlkConfig, Mem};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
@@ -32,10 +34,17 @@ use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 use crate::guarded::GuardedMem;
 use crate::kick::Kicks;
 
-pub(crate) type Gm = GuestMemoryAtomic<Mem>;
+pub(crate) use crate::memory::Gm;
+pub(crate) use crate::sync::lock;
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+/// SET_VRING_ADDR's payload.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VringAddr {
+    pub flags: u32,
+    pub desc: u64,
+    pub used: u64,
+    pub avail: u64,
+    pub log: u64,
 }
 
 /// One vring of a connection.
@@ -50,7 +59,7 @@ pub(crate) struct VringState {
     pub enabled: bool,
     /// SET_VRING_ADDR as the front end sent it (user addresses, flags and the
     /// log address).
-    pub addrs: Option<crate::state::VringAddr>,
+    pub addrs: Option<VringAddr>,
     /// While the front end logs (VHOST_F_LOG_ALL and a log): where completed
     /// requests mark the guest pages they wrote.
     pub data_log: Option<Arc<DirtyLog>>,
@@ -150,6 +159,21 @@ impl Conn {
             kicks: Kicks::new()?,
             frozen: AtomicBool::new(false),
         })
+    }
+
+    /// Starts the connection's kick thread, which wakes `shared`'s queues; it
+    /// ends on `kicks.stop()`.
+    pub fn spawn_kicks(self: &Arc<Self>, shared: Arc<Shared>) -> std::io::Result<JoinHandle<()>> {
+        let conn = self.clone();
+        std::thread::Builder::new()
+            .name("vhost-blk-kick".into())
+            .spawn(move || {
+                conn.kicks.run(|i| {
+                    if let Some(q) = shared.queues.get(i) {
+                        q.waker.load().wake();
+                    }
+                })
+            })
     }
 
     /// Ends the connection (the serve thread sees the socket shut down); the device

@@ -27,10 +27,9 @@ use virtio_bindings::bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddress, GuestAddressSpace};
 
-use crate::conn::{lock, Conn, Shared, VringState};
+use crate::conn::{lock, Conn, Shared, VringAddr, VringState};
 use crate::memory::{self, Mapping};
 use crate::migration::{LogError, LogRec};
-use crate::state::VringAddr;
 
 type VuResult<T> = Result<T, VuError>;
 
@@ -133,16 +132,37 @@ impl Handler {
     }
 
     /// Whether the front end asked for every write to be logged (it migrates).
-    pub fn logging(&self) -> bool {
+    pub fn front_end_logs(&self) -> bool {
         self.features
             .is_some_and(|f| f & VhostUserVirtioFeatures::LOG_ALL.bits() != 0)
+    }
+
+    /// Whether the pollers mark what they write: the front end migrates, or the
+    /// device logs on its own (`Migration::force_log`).
+    pub fn logging(&self) -> bool {
+        self.front_end_logs() || self.shared.migration.force_log
+    }
+
+    /// With `Migration::force_log`, a log of the device's own for the memory table
+    /// just installed (a front end's log takes precedence).
+    fn own_log(&mut self) {
+        if !self.shared.migration.force_log || self.front_end_logs() {
+            return;
+        }
+        match crate::migration::own_log(&self.conn.guarded.signal, &self.table) {
+            Ok(rec) => {
+                self.log = Some(rec);
+                self.apply_log();
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot make the device's own dirty log"),
+        }
     }
 
     /// Sets what vring `st`'s poller marks in the dirty log (`conn.rs`).
     fn vring_log(&self, st: &mut VringState) {
         let logging = self.logging();
         let on = self.log.as_ref().filter(|_| logging).map(|l| l.map.clone());
-        st.hold = logging && self.log.is_none();
+        st.hold = self.front_end_logs() && self.log.is_none();
         let logs_used = st
             .addrs
             .is_some_and(|a| a.flags & VhostUserVringAddrFlags::VHOST_VRING_F_LOG.bits() != 0);
@@ -181,7 +201,7 @@ impl Handler {
     /// GET_VRING_BASE stopped a ring: if the front end logs and no ring runs any
     /// more, the VM is moving to another device.
     fn after_stop(&self) {
-        if self.logging() && self.conn.vrings.iter().all(|v| !lock(v).queue.ready()) {
+        if self.front_end_logs() && self.conn.vrings.iter().all(|v| !lock(v).queue.ready()) {
             self.shared.migration.migrated_away();
         }
     }
@@ -245,14 +265,18 @@ impl Handler {
         if let Some(why) = &self.shared.migration.refusal {
             return Err(LogError::NotOffered(why.clone()));
         }
-        let rec = crate::migration::map_log(&self.conn, &self.table, req, file)?;
+        let rec = crate::migration::map_log(&self.conn.guarded.signal, &self.table, req, file)?;
         self.log = Some(rec);
         self.apply_log();
         Ok(())
     }
 
-    /// Refuses a memory table the dirty log in use does not cover.
+    /// Refuses a memory table the dirty log in use does not cover (the device's
+    /// own log follows the table instead).
     fn check_log_covers(&self, table: &[Mapping]) -> VuResult<()> {
+        if self.shared.migration.force_log && !self.front_end_logs() {
+            return Ok(());
+        }
         match &self.log {
             Some(l) => crate::migration::check_covers(&l.map, table).map_err(|e| {
                 trace::limited!(self.conn.log, warn, error = %e, "vhost-user memory table refused");
@@ -363,11 +387,12 @@ impl VhostUserBackendReqHandlerMut for Handler {
     ) -> VuResult<Option<Vec<VhostUserMemoryRegionBase>>> {
         let table: Vec<Mapping> = ctx.iter().map(Mapping::of).collect();
         self.check_log_covers(&table)?;
-        memory::set_table(&self.conn, &table, files).map_err(|e| {
+        memory::set_table(&self.conn.mem, &self.conn.guarded, &table, files).map_err(|e| {
             trace::limited!(self.conn.log, warn, error = %e, "vhost-user memory table refused");
             refused(e)
         })?;
         self.table = table;
+        self.own_log();
         Ok(None)
     }
 
@@ -563,17 +588,18 @@ impl VhostUserBackendReqHandlerMut for Handler {
         let mut table = self.table.clone();
         table.push(m);
         self.check_log_covers(&table)?;
-        memory::add(&self.conn, self.table.len(), &m, fd).map_err(|e| {
+        memory::add(&self.conn.mem, &self.conn.guarded, self.table.len(), &m, fd).map_err(|e| {
             trace::limited!(self.conn.log, warn, error = %e, "vhost-user memory region refused");
             refused(e)
         })?;
         self.table.push(m);
+        self.own_log();
         Ok(None)
     }
 
     fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VuResult<()> {
         let m = Mapping::of(region);
-        memory::remove(&self.conn, &m)
+        memory::remove(&self.conn.mem, &self.conn.guarded, &m)
             .map_err(|e| VuError::ReqHandlerError(io::Error::other(e)))?;
         self.table.retain(|t| t.gpa != m.gpa);
         Ok(())

@@ -12,13 +12,9 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
-
-use crate::conn::Shared;
 
 /// Event data of the exit eventfd (queue indices are below it).
 const EXIT: u64 = u64::MAX;
@@ -55,14 +51,9 @@ impl Kicks {
         }
     }
 
-    /// Starts the thread; it ends on [`stop`](Self::stop).
-    pub fn spawn(conn: Arc<crate::conn::Conn>, shared: Arc<Shared>) -> io::Result<JoinHandle<()>> {
-        std::thread::Builder::new()
-            .name("vhost-blk-kick".into())
-            .spawn(move || conn.kicks.run(&shared))
-    }
-
-    fn run(&self, shared: &Shared) {
+    /// The thread's loop: calls `wake` with the index of each kicked queue until
+    /// [`stop`](Self::stop).
+    pub fn run(&self, wake: impl Fn(usize)) {
         let mut events = [EpollEvent::default(); 16];
         loop {
             let n = match self.epoll.wait(-1, &mut events) {
@@ -77,11 +68,8 @@ impl Kicks {
                 if ev.data() == EXIT {
                     return;
                 }
-                if let Some(q) = usize::try_from(ev.data())
-                    .ok()
-                    .and_then(|i| shared.queues.get(i))
-                {
-                    q.waker.load().wake();
+                if let Ok(i) = usize::try_from(ev.data()) {
+                    wake(i);
                 }
             }
         }

@@ -29,8 +29,9 @@ mod poller;
 mod serve;
 mod state;
 mod stats;
+mod sync;
 
-pub use conn::ConfigNotice;
+pub use conn::{ConfigNotice, VringAddr};
 pub use device::{BlkDeviceOptions, VhostUserBlk};
 pub use engine::PollMode;
 pub use error::{Error, Result, StateError};
@@ -39,7 +40,7 @@ pub use inflight::InflightError;
 pub use memory::MemError;
 pub use migration::{ClaimError, LogError, MigrationOptions, WriterClaim};
 pub use state::{
-    ConnectionState, DirtyLogArea, HandoverState, InflightArea, MemRegion, VringAddr, VringRecord,
+    ConnectionState, DirtyLogArea, HandoverState, InflightArea, MemRegion, VringRecord,
     HANDOVER_VERSION, MIN_HANDOVER_VERSION,
 };
 pub use virtio_blk::{DeviceOptions, DISK_NSID};

@@ -10,10 +10,14 @@ use std::sync::Arc;
 use vhost::vhost_user::message::VhostUserMemoryRegion;
 use virtio_blk::Mem;
 use vm_memory::{
-    GuestAddress, GuestAddressSpace, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap,
+    GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryRegion,
+    GuestRegionMmap,
 };
 
-use crate::conn::Conn;
+use crate::guarded::GuardedMem;
+
+/// A connection's guest memory: the snapshot pollers load, replaced whole.
+pub(crate) type Gm = GuestMemoryAtomic<Mem>;
 
 /// Most regions a front end may map (rust-vmm vhost-user-backend's number; QEMU
 /// asks for GET_MAX_MEM_SLOTS and stays below it).
@@ -91,20 +95,22 @@ fn map(m: &Mapping, file: File) -> Result<Arc<GuestRegionMmap<()>>, MemError> {
         .ok_or(MemError::Address)
 }
 
-/// Installs `mem` as the connection's memory and guards it; the pollers take it
-/// up once guarded (requests in flight keep the old snapshot alive).
-fn install(conn: &Conn, mem: Mem) -> Result<(), MemError> {
-    conn.mem
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .replace(mem);
-    conn.guarded
-        .sync(conn.mem.memory().into_inner())
+/// Installs `new` as the connection's memory `mem` and guards it; the pollers
+/// take it up once guarded (requests in flight keep the old snapshot alive).
+fn install(mem: &Gm, guarded: &GuardedMem, new: Mem) -> Result<(), MemError> {
+    mem.lock().unwrap_or_else(|e| e.into_inner()).replace(new);
+    guarded
+        .sync(mem.memory().into_inner())
         .map_err(MemError::Guard)
 }
 
 /// SET_MEM_TABLE: the whole table replaced.
-pub(crate) fn set_table(conn: &Conn, table: &[Mapping], files: Vec<File>) -> Result<(), MemError> {
+pub(crate) fn set_table(
+    mem: &Gm,
+    guarded: &GuardedMem,
+    table: &[Mapping],
+    files: Vec<File>,
+) -> Result<(), MemError> {
     if table.len() > MAX_MEM_SLOTS {
         return Err(MemError::TooMany);
     }
@@ -116,37 +122,41 @@ pub(crate) fn set_table(conn: &Conn, table: &[Mapping], files: Vec<File>) -> Res
     for (m, f) in pairs {
         regions.push(map(m, f)?);
     }
-    let mem = Mem::from_arc_regions(regions).map_err(MemError::Layout)?;
-    install(conn, mem)
+    let new = Mem::from_arc_regions(regions).map_err(MemError::Layout)?;
+    install(mem, guarded, new)
 }
 
 /// ADD_MEM_REG.
-pub(crate) fn add(conn: &Conn, count: usize, m: &Mapping, file: File) -> Result<(), MemError> {
+pub(crate) fn add(
+    mem: &Gm,
+    guarded: &GuardedMem,
+    count: usize,
+    m: &Mapping,
+    file: File,
+) -> Result<(), MemError> {
     if count >= MAX_MEM_SLOTS {
         return Err(MemError::TooMany);
     }
     let region = map(m, file)?;
-    let mem = conn
-        .mem
+    let new = mem
         .memory()
         .insert_region(region)
         .map_err(MemError::Layout)?;
-    install(conn, mem)
+    install(mem, guarded, new)
 }
 
 /// REM_MEM_REG.
-pub(crate) fn remove(conn: &Conn, m: &Mapping) -> Result<(), MemError> {
-    let (mem, _) = conn
-        .mem
+pub(crate) fn remove(mem: &Gm, guarded: &GuardedMem, m: &Mapping) -> Result<(), MemError> {
+    let (new, _) = mem
         .memory()
         .remove_region(GuestAddress(m.gpa), m.size)
         .map_err(|_| MemError::NotMapped(m.gpa))?;
-    install(conn, mem)
+    install(mem, guarded, new)
 }
 
 /// The file behind the region at `gpa` (a handover hands a copy over).
-pub(crate) fn file_of(conn: &Conn, gpa: u64) -> io::Result<File> {
-    let mem = conn.mem.memory();
+pub(crate) fn file_of(mem: &Gm, gpa: u64) -> io::Result<File> {
+    let mem = mem.memory();
     let r = mem
         .find_region(GuestAddress(gpa))
         .ok_or_else(|| io::Error::other(MemError::NotMapped(gpa)))?;

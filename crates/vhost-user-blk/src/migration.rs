@@ -1,5 +1,5 @@
 //! Live migration of the VM a device serves (vhost-user "Migration";
-//! docs/decisions/0034-vhost-user-migration.md).
+//! docs/decisions/0035-vhost-user-migration.md).
 //!
 //! Two parts. **Dirty-page logging**: the device offers VHOST_F_LOG_ALL and
 //! LOG_SHMFD; SET_LOG_BASE hands it a shared log that is size-checked against the
@@ -23,11 +23,11 @@ use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 
 pub use bdev::WriterClaim;
-use guest_mem::DirtyLog;
+use guest_mem::{DirtyLog, FaultSignal};
 use vhost::vhost_user::message::VhostUserLog;
 
-use crate::conn::{lock, Conn};
 use crate::memory::Mapping;
+use crate::sync::lock;
 
 /// Largest log a front end may hand over: a bit per 4 KiB page, so 4 GiB of log
 /// covers 128 TiB of guest-physical address space.
@@ -49,25 +49,56 @@ pub struct MigrationOptions {
 
 /// Whether the pollers mark read data in the front end's log. Off only for the
 /// test that proves the VM migration test can fail (`UDRIVE_TEST_SKIP_DIRTY_DATA=1`:
-/// used rings are still logged, read data is not).
+/// used rings are still logged, read data is not), and only in a build with the
+/// `test-knobs` feature: a product build always marks.
 pub(crate) fn logs_data() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        let skip = std::env::var("UDRIVE_TEST_SKIP_DIRTY_DATA").is_ok_and(|v| v == "1");
-        if skip {
-            tracing::warn!(
-                "UDRIVE_TEST_SKIP_DIRTY_DATA=1: read data is not marked in dirty-page logs \
-                 (a test knob: migrated guests will see stale data)"
-            );
-        }
-        !skip
-    })
+    #[cfg(feature = "test-knobs")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            let skip = std::env::var("UDRIVE_TEST_SKIP_DIRTY_DATA").is_ok_and(|v| v == "1");
+            if skip {
+                tracing::warn!(
+                    "UDRIVE_TEST_SKIP_DIRTY_DATA=1: read data is not marked in dirty-page logs \
+                     (a test knob: migrated guests will see stale data)"
+                );
+            }
+            !skip
+        })
+    }
+    #[cfg(not(feature = "test-knobs"))]
+    true
+}
+
+/// Whether the device keeps a dirty-page log of its own, always on, whatever its
+/// front end negotiates: a test knob (`UDRIVE_TEST_FORCE_DIRTY_LOG=1`, builds with
+/// the `test-knobs` feature only) to measure what logging costs the I/O path with
+/// a benchmark client that never migrates.
+fn forces_log() -> bool {
+    #[cfg(feature = "test-knobs")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            let on = std::env::var("UDRIVE_TEST_FORCE_DIRTY_LOG").is_ok_and(|v| v == "1");
+            if on {
+                tracing::warn!(
+                    "UDRIVE_TEST_FORCE_DIRTY_LOG=1: every device logs dirty pages into a log of \
+                     its own (a test knob for measuring the cost of logging)"
+                );
+            }
+            on
+        })
+    }
+    #[cfg(not(feature = "test-knobs"))]
+    false
 }
 
 /// The device's part in migration, as its threads share it.
 pub(crate) struct Migration {
     pub refusal: Option<String>,
     pub log_data: bool,
+    /// [`forces_log`]: the handler installs a log of its own for each memory table.
+    pub force_log: bool,
     claim: Option<Arc<dyn WriterClaim>>,
     st: Mutex<ClaimSt>,
 }
@@ -93,6 +124,7 @@ impl Migration {
         Migration {
             refusal: opts.refusal.clone(),
             log_data: logs_data(),
+            force_log: forces_log() && opts.refusal.is_none(),
             claim: opts.claim.clone(),
             st: Mutex::new(ClaimSt {
                 wanted: !opts.incoming,
@@ -224,11 +256,11 @@ pub(crate) fn check_covers(log: &DirtyLog, table: &[Mapping]) -> Result<(), LogE
     Ok(())
 }
 
-/// Maps the log of SET_LOG_BASE (or of a handover) for `conn`: refused when it is
-/// empty, absurdly large, shorter than its file claims or too short for the
-/// memory table `table`.
+/// Maps the log of SET_LOG_BASE (or of a handover) under the connection's fault
+/// guard `signal`: refused when it is empty, absurdly large, shorter than its file
+/// claims or too short for the memory table `table`.
 pub(crate) fn map_log(
-    conn: &Conn,
+    signal: &Arc<FaultSignal>,
     table: &[Mapping],
     req: &VhostUserLog,
     file: File,
@@ -237,7 +269,7 @@ pub(crate) fn map_log(
     if size == 0 || size > MAX_LOG_BYTES {
         return Err(LogError::Size(size));
     }
-    let map = DirtyLog::map(file.as_fd(), offset, size, &conn.guarded.signal)
+    let map = DirtyLog::map(file.as_fd(), offset, size, signal)
         .map_err(|source| LogError::Map { offset, source })?;
     check_covers(&map, table)?;
     Ok(LogRec {
@@ -246,4 +278,21 @@ pub(crate) fn map_log(
         file,
         map: Arc::new(map),
     })
+}
+
+/// A log of the device's own covering `table` (for [`Migration::force_log`]).
+pub(crate) fn own_log(signal: &Arc<FaultSignal>, table: &[Mapping]) -> Result<LogRec, LogError> {
+    let bytes = table_end(table).div_ceil(8 * guest_mem::LOG_PAGE).max(1);
+    let mem = guest_mem::SharedMem::new("udrive-dirty-log", bytes)
+        .map_err(|source| LogError::Map { offset: 0, source })?;
+    let file = File::from(
+        mem.fd()
+            .try_clone_to_owned()
+            .map_err(|source| LogError::Map { offset: 0, source })?,
+    );
+    let req = VhostUserLog {
+        mmap_size: bytes,
+        mmap_offset: 0,
+    };
+    map_log(signal, table, &req, file)
 }

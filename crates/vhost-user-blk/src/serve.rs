@@ -417,7 +417,7 @@ fn run_connection(
     socket: &Path,
     taken_over: bool,
 ) {
-    let kicks = match crate::kick::Kicks::spawn(est.conn.clone(), shared.clone()) {
+    let kicks = match est.conn.spawn_kicks(shared.clone()) {
         Ok(t) => t,
         Err(e) => {
             crate::fd_limit::report("a vhost-user kick thread", &e);

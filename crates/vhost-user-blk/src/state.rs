@@ -21,7 +21,7 @@ use vhost::vhost_user::BackendReqHandler;
 use virtio_queue::QueueT;
 use vm_memory::{ByteValued, GuestAddressSpace};
 
-use crate::conn::{lock, Shared};
+use crate::conn::{lock, Shared, VringAddr};
 use crate::error::StateError;
 use crate::handler::{ConfigWrite, Handler, MAX_CONFIG_WRITES};
 use crate::memory::{self, Mapping, MAX_MEM_SLOTS};
@@ -118,16 +118,6 @@ fn writer_by_default() -> bool {
     true
 }
 
-/// SET_VRING_ADDR's payload.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct VringAddr {
-    pub flags: u32,
-    pub desc: u64,
-    pub used: u64,
-    pub avail: u64,
-    pub log: u64,
-}
-
 /// One vring.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct VringRecord {
@@ -197,7 +187,7 @@ pub(crate) fn save(
     let conn = &h.conn;
     let mut mem = Vec::with_capacity(h.table.len());
     for m in &h.table {
-        let f = memory::file_of(conn, m.gpa)
+        let f = memory::file_of(&conn.mem, m.gpa)
             .map_err(crate::error::io("find a memory region's file"))?;
         mem.push(MemRegion {
             guest_phys_addr: m.gpa,
@@ -402,7 +392,7 @@ fn restore_memory(
     }
     if !table.is_empty() {
         let gpa = table[0].gpa;
-        memory::set_table(&h.conn, &table, files)
+        memory::set_table(&h.conn.mem, &h.conn.guarded, &table, files)
             .map_err(|source| StateError::Memory { gpa, source })?;
     }
     h.table = table;

@@ -1,0 +1,258 @@
+#!/usr/bin/env bash
+# udrive live-migration VM test: a Linux guest on Debian 12's QEMU 7.2 (TCG) with a
+# vhost-user-blk-pci disk served by udrive is migrated to a second QEMU whose disk a
+# second udrive process serves from the same file, and back, while the guest runs
+# migcheck (a write / read-into-RAM / check loop). The guest must see no mismatch,
+# during the passes or in its final full check, and the backing file must hold its
+# last generation. Entry point: scripts/vm-test-migrate; see tests/vm-migrate/README.md.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+here=$root/tests/vm-migrate
+
+CACHE=${UDRIVE_VM_CACHE:-/var/cache/udrive-vm}
+BOOKWORM=$CACHE/bookworm
+BOOKWORM_PKGS=qemu-system-x86,busybox-static
+DISK_MIB=${UDRIVE_MIGRATE_DISK_MIB:-64}
+CHECK_MIB=${UDRIVE_MIGRATE_CHECK_MIB:-32} # migcheck's region (and its RAM buffer)
+# Not 512M: QEMU 7.2 under TCG corrupts a 512 MiB guest by itself while migrating
+# (fixed in QEMU 9.0); any other size avoids its bad path.
+MEM=${UDRIVE_MIGRATE_MEM:-524296K}
+SLOW_BW=${UDRIVE_MIGRATE_SLOW_BW:-$((24 << 20))} # bytes/s while the dirty passes run
+FAST_BW=${UDRIVE_MIGRATE_FAST_BW:-$((1 << 30))} # then, to converge
+DIRTY_SYNCS=${UDRIVE_MIGRATE_DIRTY_SYNCS:-3}  # dirty-log syncs at SLOW_BW before FAST_BW
+PASSES=${UDRIVE_MIGRATE_PASSES:-2}            # migcheck passes on each QEMU before moving on
+TIMEOUT=${UDRIVE_VM_TIMEOUT:-240}
+# 1: the udrive processes do not mark read data in the dirty log (a test knob of
+# vhost-user-blk): the run must then report mismatches.
+SKIP_DIRTY=${UDRIVE_MIGRATE_SKIP_DIRTY_DATA:-0}
+# The disk options of both devices: `shared` (the default) lets both open the file
+# as writers; empty has the devices hand the file's writer claim (a lock on its
+# range) over at the switch-over.
+DISK_OPTS=${UDRIVE_MIGRATE_DISK_OPTS-,shared}
+QMP=$here/qmp.py
+
+TAG=vm-test-migrate
+# shellcheck source=tests/vm/lib.sh
+source "$root/tests/vm/lib.sh"
+vm_begin "$BOOKWORM"
+
+build_initramfs() {
+    local r=$TMP/initramfs
+    initramfs_begin "$r" "$BOOKWORM/bin/busybox"
+    mkdir -p "$r/lib/modules"
+    cp "$TMP"/modules/*.ko "$r/lib/modules/"
+    gcc -O2 -static -Wall -o "$r/bin/migcheck" "$here/migcheck.c" || die "cannot build migcheck (gcc, static libc)"
+    cp "$r/bin/migcheck" "$TMP/migcheck-host"
+    initramfs_pack "$r" "$here/guest-init.sh" "$TMP/initramfs.cpio"
+}
+
+# start_udrive NAME SPEC: `udrive serve` with one vhost-user-blk device on
+# $TMP/NAME.sock for disk SPEC; its log is $TMP/udrive-NAME.log.
+start_udrive() {
+    local name=$1 spec=$2 pid
+    local env=(NO_COLOR=1 "RUST_LOG=${RUST_LOG:-info}")
+    [ "$SKIP_DIRTY" != 1 ] || env+=(UDRIVE_TEST_SKIP_DIRTY_DATA=1)
+    set -- "$UDRIVE" serve --vhost-user-blk "$TMP/$name.sock" --disk "$spec" --queues 1 --rpc "$TMP/rpc-$name.sock"
+    echo "$*" >"$TMP/udrive-$name.log"
+    env "${env[@]}" setpriv --pdeathsig KILL -- "$@" >>"$TMP/udrive-$name.log" 2>&1 </dev/null &
+    pid=$!
+    VM_EXTRA_PIDS+=("$pid")
+    wait_socket "$TMP/$name.sock" "$pid" "$TMP/udrive-$name.log" "udrive ($name)"
+    UDRIVE_PIDS[$name]=$pid
+}
+
+# start_qemu N SOCKET [incoming]: QEMU number N on the device at $TMP/SOCKET.sock,
+# console $TMP/console-N.log, ttyS1 $TMP/ctl-N, QMP $TMP/qmp-N.sock; "incoming"
+# waits for a migration on $TMP/mig-N.sock.
+declare -A UDRIVE_PIDS QEMU_PIDS
+start_qemu() {
+    local n=$1 sock=$2 d=$IN_CHROOT args
+    : >"$TMP/console-$n.log"
+    mkfifo "$TMP/ctl-$n.in" "$TMP/ctl-$n.out"
+    # shellcheck disable=SC2054 # commas belong to QEMU options
+    args=(
+        -accel tcg -smp 1 -m "$MEM"
+        -object "memory-backend-memfd,id=mem,size=$MEM,share=on" -numa node,memdev=mem
+        -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
+        -qmp "unix:$d/qmp-$n.sock,server=on,wait=off"
+        -serial "file:$d/console-$n.log" -chardev "pipe,id=ctl,path=$d/ctl-$n" -serial chardev:ctl
+        -kernel "$d/vmlinuz" -initrd "$d/initramfs.cpio"
+        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.mib=$CHECK_MIB"
+        -chardev "socket,id=c0,path=$d/$sock.sock"
+        -device "vhost-user-blk-pci,id=vblk0,chardev=c0,num-queues=1"
+    )
+    [ "${3:-}" != incoming ] || args+=(-incoming "unix:$d/mig-$n.sock")
+    echo "chroot $BOOKWORM qemu-system-x86_64 ${args[*]}" >"$TMP/qemu-$n.cmd"
+    in_chroot "$BOOKWORM" qemu-system-x86_64 "${args[@]}" >"$TMP/qemu-$n.log" 2>&1 </dev/null &
+    QEMU_PIDS[$n]=$!
+    VM_EXTRA_PIDS+=("$!")
+    wait_socket "$TMP/qmp-$n.sock" "${QEMU_PIDS[$n]}" "$TMP/qemu-$n.log" "QEMU $n"
+}
+
+qmp() { # qmp N COMMAND [JSON]
+    local n=$1
+    shift
+    python3 "$QMP" "$TMP/qmp-$n.sock" "$@"
+}
+
+# wait_passes N COUNT: waits for COUNT migcheck passes on QEMU N's console; false
+# if QEMU exits, the guest fails or TIMEOUT passes.
+wait_passes() {
+    local n=$1 want=$2 t0=$EPOCHREALTIME got
+    while :; do
+        got=$(grep -ac '^MIGCHECK pass=' "$TMP/console-$n.log" || true)
+        [ "$got" -ge "$want" ] && return 0
+        kill -0 "${QEMU_PIDS[$n]}" 2>/dev/null || return 1
+        grep -aq '^UDRIVE-RESULT .*status=FAIL\|Kernel panic' "$TMP/console-$n.log" && return 1
+        [ "$(elapsed "$t0" | cut -d. -f1)" -lt "$TIMEOUT" ] || return 1
+        sleep 0.5
+    done
+}
+
+json_num() { grep -oE "\"$1\": [0-9]+" | head -n1 | grep -oE '[0-9]+$' || true; }
+
+# migrate FROM TO: live migration of QEMU FROM's guest to QEMU TO (started
+# incoming): SLOW_BW until DIRTY_SYNCS dirty-log syncs, then FAST_BW until it
+# completes. A host result migrate-FROM-TO with query-migrate's numbers; sets
+# MIG_OK, MIG_TOTAL and MIG_DOWN (ms).
+migrate() {
+    local from=$1 to=$2 st status syncs fast=0 t0=$EPOCHREALTIME
+    MIG_OK=0 MIG_TOTAL='' MIG_DOWN=''
+    qmp "$from" migrate-set-parameters "{\"max-bandwidth\": $SLOW_BW}" >/dev/null
+    qmp "$from" migrate "{\"uri\": \"unix:$IN_CHROOT/mig-$to.sock\"}" >/dev/null || {
+        host_result "migrate-$from-$to" FAIL "QEMU $from refused to migrate: $(tail -n 3 "$TMP/qemu-$from.log" | tr '\n' ' ')"
+        return 0
+    }
+    while :; do
+        st=$(qmp "$from" query-migrate) || st='{}'
+        status=$(grep -oE '"status": "[a-z-]+"' <<<"$st" | head -n1 | cut -d'"' -f4)
+        syncs=$(json_num dirty-sync-count <<<"$st")
+        if [ "$fast" = 0 ] && [ "${syncs:-0}" -ge "$DIRTY_SYNCS" ]; then
+            qmp "$from" migrate-set-parameters "{\"max-bandwidth\": $FAST_BW}" >/dev/null
+            fast=1
+            say "migration $from -> $to: $syncs dirty-log syncs at $((SLOW_BW >> 20)) MiB/s; now $((FAST_BW >> 20)) MiB/s"
+        fi
+        case $status in
+        completed) break ;;
+        failed | cancelled | "") break ;;
+        esac
+        if [ "$(elapsed "$t0" | cut -d. -f1)" -ge "$TIMEOUT" ]; then
+            qmp "$from" migrate_cancel >/dev/null || true
+            status="not completed in $TIMEOUT s"
+            break
+        fi
+        sleep 0.5
+    done
+    MIG_TOTAL=$(json_num total-time <<<"$st")
+    MIG_DOWN=$(json_num downtime <<<"$st")
+    local to_status
+    to_status=$(qmp "$to" query-status | grep -oE '"status": "[a-z-]+"' | cut -d'"' -f4 || true)
+    if [ "$status" = completed ] && [ "$to_status" = running ]; then
+        MIG_OK=1
+        host_result "migrate-$from-$to" PASS "completed: total ${MIG_TOTAL} ms, downtime ${MIG_DOWN} ms, ${syncs} dirty-log syncs; QEMU $to runs the guest"
+    else
+        host_result "migrate-$from-$to" FAIL "status ${status:-none}, QEMU $to ${to_status:-gone}: $(tr '\n' ' ' <<<"$st" | cut -c1-200) $(tail -n 2 "$TMP/qemu-$from.log" "$TMP/qemu-$to.log" | tr '\n' ' ')"
+    fi
+}
+
+# hop FROM TO DEVICE: QEMU TO starts on udrive DEVICE's socket, incoming; the
+# guest migrates there from QEMU FROM, which quits; then PASSES passes on QEMU TO.
+# Nothing after a failure.
+hop() {
+    local from=$1 to=$2 dev=$3
+    [ ${#HARNESS_FAIL[@]} = 0 ] || return 0
+    start_qemu "$to" "$dev" incoming
+    migrate "$from" "$to"
+    quit_qemu "$from"
+    [ "$MIG_OK" = 1 ] && wait_passes "$to" "$PASSES" || HARNESS_FAIL+=("no migcheck passes on QEMU $to")
+}
+
+quit_qemu() { # quit_qemu N: QMP quit (the source after its guest left), then wait
+    local n=$1 pid=${QEMU_PIDS[$1]}
+    qmp "$n" quit >/dev/null 2>&1 || true
+    for _ in $(seq 100); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+}
+
+# ------------------------------------------------------------ main
+phase "setup: bookworm chroot with QEMU 7.2"
+ensure_chroot "$BOOKWORM" bookworm "$BOOKWORM_PKGS"
+check_qemu "$BOOKWORM" vhost-user-blk-pci
+phase "setup: guest kernel and initramfs"
+ensure_kernel
+build_initramfs
+phase "setup: build udrive"
+build_udrive
+[ "$SKIP_DIRTY" != 1 ] || say "UDRIVE_MIGRATE_SKIP_DIRTY_DATA=1: udrive does not log read data; this run must report mismatches"
+
+phase "guest on QEMU 1 (udrive A)"
+truncate -s "${DISK_MIB}M" "$TMP/disk.img"
+# Two processes serve the same file: A the source, B the destination (`incoming`).
+start_udrive a "file:$TMP/disk.img$DISK_OPTS"
+start_udrive b "file:$TMP/disk.img$DISK_OPTS,incoming"
+# The knob exists only in the udrive that `cargo test` builds (vhost-user-blk's
+# `test-knobs` feature); a product build would silently log as usual.
+if [ "$SKIP_DIRTY" = 1 ] && ! grep -q 'UDRIVE_TEST_SKIP_DIRTY_DATA=1: read data is not marked' "$TMP/udrive-a.log"; then
+    die "$UDRIVE has no test knobs (UDRIVE_TEST_SKIP_DIRTY_DATA): use the binary \`cargo test -p udrive\` builds"
+fi
+start_qemu 1 a
+wait_passes 1 "$PASSES" || HARNESS_FAIL+=("no migcheck passes on QEMU 1")
+
+phase "migrate QEMU 1 (udrive A) -> QEMU 2 (udrive B)"
+hop 1 2 b
+phase "migrate back QEMU 2 (udrive B) -> QEMU 3 (udrive A)"
+hop 2 3 a
+LAST=${#QEMU_PIDS[@]}
+phase "final check on QEMU $LAST"
+timeout 5 sh -c 'printf "stop\n" >"$1"' - "$TMP/ctl-$LAST.in" || say "could not write to ttyS1 of QEMU $LAST"
+QEMU_PID=${QEMU_PIDS[$LAST]}
+watch_guest "$TMP/console-$LAST.log" "$TIMEOUT"
+for n in "${!UDRIVE_PIDS[@]}"; do
+    stop_pid "${UDRIVE_PIDS[$n]}"
+    errors=$(grep -E 'panicked| ERROR ' "$TMP/udrive-$n.log" | head -n 2 | tr '\n' ' ' | cut -c1-240 || true)
+    if [ "$STOP_RC" = 0 ] && [ -z "$errors" ]; then
+        host_result "udrive-$n-clean-exit" PASS "exited 0 on SIGTERM; no panics or ERROR lines"
+    else
+        host_result "udrive-$n-clean-exit" FAIL "exit status $STOP_RC; $errors"
+    fi
+done
+phase ""
+
+# Without `shared` the file's writer claim moved at each switch-over: A gave it up
+# and took it back, B took it and gave it up.
+if [[ $DISK_OPTS != *shared* ]]; then
+    claims=''
+    for n in a b; do
+        claims+=" $n: $(grep -c 'this device no longer writes it' "$TMP/udrive-$n.log" || true) released,"
+        claims+=" $(grep -c 'this device writes it now' "$TMP/udrive-$n.log" || true) taken;"
+    done
+    if [ "$claims" = " a: 1 released, 1 taken; b: 1 released, 1 taken;" ]; then
+        host_result writer-claim-moved PASS "the file's range lock moved with the VM:$claims"
+    else
+        host_result writer-claim-moved FAIL "want each process to release and take the claim once:$claims"
+    fi
+fi
+
+cat "$TMP"/console-*.log >"$TMP/console.log"
+guest_results "$TMP/console.log"
+bad=$(grep -a '^MIGCHECK pass=' "$TMP/console.log" | grep -vc ' bad=0 ' || true)
+passes=$(grep -ac '^MIGCHECK pass=' "$TMP/console.log" || true)
+final=$(grep -a '^MIGCHECK final' "$TMP/console.log" | tr -d '\r' | tail -n1)
+grep -a '^MIGCHECK mismatch' "$TMP/console.log" | head -n 5 | sed 's/^/  /' || true
+if [ -n "$final" ] && [ "$bad" = 0 ] && grep -q ' bad=0 ' <<<"$final"; then
+    host_result guest-data PASS "$passes passes on $LAST QEMUs, none with a mismatch; $final"
+else
+    host_result guest-data FAIL "$bad of $passes passes with mismatches; ${final:-no final check} ${HARNESS_FAIL[*]}"
+fi
+gen=$(grep -oE 'final gen=[0-9]+' <<<"$final" | grep -oE '[0-9]+$' || true)
+if [ -n "$gen" ] && out=$("$TMP/migcheck-host" verify "$TMP/disk.img" "$CHECK_MIB" "$gen" 2>&1); then
+    host_result backing-file PASS "$out"
+else
+    host_result backing-file FAIL "${out:-no final generation from the guest}"
+fi
+report "$TMP/console.log" "$TMP"/udrive-a.log "$TMP"/udrive-b.log "$TMP"/qemu-*.log
