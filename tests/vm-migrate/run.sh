@@ -30,6 +30,10 @@ SKIP_DIRTY=${UDRIVE_MIGRATE_SKIP_DIRTY_DATA:-0}
 # as writers; empty has the devices hand the file's writer claim (a lock on its
 # range) over at the switch-over.
 DISK_OPTS=${UDRIVE_MIGRATE_DISK_OPTS-,shared}
+# qsd: the same run with qemu-storage-daemon's vhost-user-blk export (the host's,
+# from Debian's backports) serving the file in both places, for comparison
+# (docs/benchmarks.md). Its exports share the file with image locking off.
+SERVER=${UDRIVE_MIGRATE_SERVER:-udrive}
 QMP=$here/qmp.py
 
 TAG=vm-test-migrate
@@ -51,6 +55,10 @@ build_initramfs() {
 # $TMP/NAME.sock for disk SPEC; its log is $TMP/udrive-NAME.log.
 start_udrive() {
     local name=$1 spec=$2 pid
+    if [ "$SERVER" = qsd ]; then
+        start_qsd "$name"
+        return
+    fi
     local env=(NO_COLOR=1 "RUST_LOG=${RUST_LOG:-info}")
     [ "$SKIP_DIRTY" != 1 ] || env+=(UDRIVE_TEST_SKIP_DIRTY_DATA=1)
     set -- "$UDRIVE" serve --vhost-user-blk "$TMP/$name.sock" --disk "$spec" --queues 1 --rpc "$TMP/rpc-$name.sock"
@@ -59,6 +67,20 @@ start_udrive() {
     pid=$!
     VM_EXTRA_PIDS+=("$pid")
     wait_socket "$TMP/$name.sock" "$pid" "$TMP/udrive-$name.log" "udrive ($name)"
+    UDRIVE_PIDS[$name]=$pid
+}
+
+# start_qsd NAME: qemu-storage-daemon exporting $TMP/disk.img on $TMP/NAME.sock.
+start_qsd() {
+    local name=$1 pid
+    set -- qemu-storage-daemon \
+        --blockdev "driver=file,node-name=file0,filename=$TMP/disk.img,locking=off" \
+        --export "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path=$TMP/$name.sock,writable=on,num-queues=1"
+    echo "$*" >"$TMP/udrive-$name.log"
+    setpriv --pdeathsig KILL -- "$@" >>"$TMP/udrive-$name.log" 2>&1 </dev/null &
+    pid=$!
+    VM_EXTRA_PIDS+=("$pid")
+    wait_socket "$TMP/$name.sock" "$pid" "$TMP/udrive-$name.log" "qemu-storage-daemon ($name)"
     UDRIVE_PIDS[$name]=$pid
 }
 
@@ -188,6 +210,11 @@ ensure_kernel
 build_initramfs
 phase "setup: build udrive"
 build_udrive
+if [ "$SERVER" = qsd ]; then
+    command -v qemu-storage-daemon >/dev/null || die "UDRIVE_MIGRATE_SERVER=qsd: no qemu-storage-daemon on the host"
+    [ "$SKIP_DIRTY" = 0 ] && [[ $DISK_OPTS == *shared* ]] || die "UDRIVE_MIGRATE_SERVER=qsd: only the shared-file run applies"
+    say "serving the disk with $(qemu-storage-daemon --version | head -n1)"
+fi
 [ "$SKIP_DIRTY" != 1 ] || say "UDRIVE_MIGRATE_SKIP_DIRTY_DATA=1: udrive does not log read data; this run must report mismatches"
 
 phase "guest on QEMU 1 (udrive A)"
