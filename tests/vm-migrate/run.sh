@@ -61,7 +61,8 @@ start_udrive() {
     fi
     local env=(NO_COLOR=1 "RUST_LOG=${RUST_LOG:-info}")
     [ "$SKIP_DIRTY" != 1 ] || env+=(UDRIVE_TEST_SKIP_DIRTY_DATA=1)
-    set -- "$UDRIVE" serve --vhost-user-blk "$TMP/$name.sock" --disk "$spec" --queues 1 --rpc "$TMP/rpc-$name.sock"
+    set -- "$UDRIVE" serve --vhost-user-blk "$TMP/$name.sock" --disk "$spec" --queues 1 --rpc "$TMP/rpc-$name.sock" \
+        --poll "${UDRIVE_MIGRATE_POLL:-adaptive}"
     echo "$*" >"$TMP/udrive-$name.log"
     env "${env[@]}" setpriv --pdeathsig KILL -- "$@" >>"$TMP/udrive-$name.log" 2>&1 </dev/null &
     pid=$!
