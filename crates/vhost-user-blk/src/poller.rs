@@ -206,22 +206,28 @@ impl Poller for VirtqPoller {
             let conn = conn.clone();
             return self.faulted(&conn);
         }
+        // The handler changes the vring only on control messages; this lock is
+        // uncontended on the I/O path.
+        let mut st = lock(&conn.vrings[self.index]);
         {
+            // The memory snapshot is taken under the vring lock: the handler
+            // installs (and guards) a table before it sets ring addresses in it, so
+            // a ring seen running here lies in this snapshot. One taken before the
+            // lock may predate the ring, and reading its avail index there fails
+            // (the queue would be marked broken).
             let g = conn.mem.memory();
             if !conn.guarded.is_guarded(&g) {
                 // A new memory table is being installed: wait until it is guarded.
                 // Every guest-memory access of this poller goes through
                 // `self.mem`, so none touches memory that a shrinking file could
                 // turn into an unrecoverable SIGBUS.
+                drop(st);
                 return self.idle();
             }
             if !std::ptr::eq(&*g, &*self.mem) {
                 self.mem = g.into_inner();
             }
         }
-        // The handler changes the vring only on control messages; this lock is
-        // uncontended on the I/O path.
-        let mut st = lock(&conn.vrings[self.index]);
         if !same_log(st.data_log.as_ref(), self.worker.dirty_log()) {
             self.worker.set_dirty_log(st.data_log.clone());
         }
