@@ -31,6 +31,8 @@ pub(crate) struct Completions {
     pub cq: CqRing,
     /// The CQ's EventIdx as last written (see `IoSq::ei`).
     ei: u16,
+    /// The most CQ entries spoken for at once (as `IoSq::peak`).
+    peak: u32,
     /// Completions posted but not yet signalled (Interrupt Coalescing).
     irq: HeldIrq,
     /// Shadow doorbell reads; requests are counted by `rec`.
@@ -54,6 +56,7 @@ impl Completions {
         Completions {
             cq,
             ei: NO_EI,
+            peak: 0,
             irq: HeldIrq::default(),
             pcie: Arc::new(PcieCounters::default()),
             inflight: 0,
@@ -85,6 +88,27 @@ impl Completions {
 
     pub fn posted(&self) -> usize {
         self.posted
+    }
+
+    /// With shadow doorbells, after the head was read and before this poll posts
+    /// anything: moves the CQ's EventIdx behind the head once it lags more than
+    /// `keep_behind` allows. Moved after posting, it would let a driver that
+    /// consumes those entries at once lap the old EventIdx and ring.
+    #[inline]
+    pub fn follow_head(&mut self, pass: &Pass<'_>) {
+        if let Some(s) = pass.shadow() {
+            let in_use = u32::from(self.cq.size).saturating_sub(1) - self.cq.free() + self.inflight;
+            self.peak = self.peak.max(in_use);
+            let cq = &self.cq;
+            keep_behind(
+                pass.map,
+                s,
+                (cq.qid, true),
+                (cq.head, cq.size),
+                self.peak,
+                &mut self.ei,
+            );
+        }
     }
 
     /// EventIdx values we remember are for no buffer (a new Doorbell Buffer Config).
@@ -261,23 +285,11 @@ impl Completions {
         Ok(())
     }
 
-    /// The last stage: completions held for the client's memory, the CQ's
-    /// EventIdx, queue depth, and the interrupt for what this poll posted.
+    /// The last stage: completions held for the client's memory, queue depth,
+    /// and the interrupt for what this poll posted.
     pub fn end_poll(&mut self, pass: &Pass<'_>, sqs: &mut [IoSq], depth: u32) -> Result<(), Fatal> {
         if !self.deferred.is_empty() {
             self.flush_deferred(pass, sqs)?;
-        }
-        let in_use = u32::from(self.cq.size).saturating_sub(1) - self.cq.free() + self.inflight;
-        if let Some(s) = pass.shadow() {
-            let cq = &self.cq;
-            keep_behind(
-                pass.map,
-                s,
-                (cq.qid, true),
-                (cq.head, cq.size),
-                in_use,
-                &mut self.ei,
-            );
         }
         self.rec.depth(depth);
         // The core takes the batch stamps around the interrupt (read only when a

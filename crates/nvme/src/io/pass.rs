@@ -53,7 +53,7 @@ impl<'m> Pass<'m> {
             cq_ring,
             cq_remote,
         };
-        // The CQ's EventIdx follows its head on every poll (`end_poll`).
+        // The CQ's EventIdx follows its head on every poll (`Completions::follow_head`).
         if pass.shadow_db.is_some() {
             pass.read_cq_head(cq)?;
         }

@@ -71,6 +71,7 @@ pub(super) fn run(g: Group<'_>) -> u32 {
 
 fn stages(g: Group<'_>, p: &mut Progress) -> Result<(), Fatal> {
     let pass = Pass::begin(g.shared, g.view, g.shadow, &mut g.out.cq)?;
+    g.out.follow_head(&pass);
     if g.out.inflight > 0 {
         g.ns.reap(g.out, g.sqs, &pass)?;
     }
@@ -92,6 +93,7 @@ fn stages(g: Group<'_>, p: &mut Progress) -> Result<(), Fatal> {
 /// channel; nothing is fetched.
 pub(super) fn settle(g: Group<'_>) -> Result<(), Fatal> {
     let pass = Pass::begin(g.shared, g.view, g.shadow, &mut g.out.cq)?;
+    g.out.follow_head(&pass);
     let inflight = g.out.inflight;
     if inflight > 0 {
         for c in g.ns.all_mut() {
@@ -146,6 +148,21 @@ fn fetch_and_submit<'m>(
         Entries::Remap => return Ok(Next::Remap),
         Entries::Up(ring, tail) => (ring, tail),
     };
+    if let Some(s) = pass.shadow() {
+        // Before any of these commands completes: a completion tells the driver
+        // the new head, and a driver that then fills its free entries would lap an
+        // EventIdx still behind the old head and ring. Behind the tail it never
+        // laps (the head it learns is at most the tail).
+        // What the driver has shown it puts in flight at once: commands still with
+        // us plus those it just added. (With backends that complete at once the
+        // first count alone stays near 0 while a driver refills 32 at a time.)
+        let added = (u32::from(tail) + u32::from(sq.ring.size) - u32::from(sq.ring.head))
+            % u32::from(sq.ring.size);
+        let in_use = (sq.slots.len() - sq.free.len()) as u32 + added;
+        sq.peak = sq.peak.max(in_use);
+        let ring = (tail, sq.ring.size);
+        keep_behind(pass.map, s, (sq.ring.qid, false), ring, sq.peak, &mut sq.ei);
+    }
     // One doorbell-seen stamp serves the whole batch.
     let kick = out.rec.kick();
     // Back-pressure: what the backends cannot take now stays in the SQ.
@@ -201,11 +218,6 @@ fn fetch_and_submit<'m>(
     if !batch.cmds.is_empty() {
         p.submitted = true;
         submit_batch(pass, sq, batch, ns, out)?;
-    }
-    let in_use = (sq.slots.len() - sq.free.len()) as u32;
-    if let Some(s) = pass.shadow() {
-        let ring = (sq.ring.head, sq.ring.size);
-        keep_behind(pass.map, s, (sq.ring.qid, false), ring, in_use, &mut sq.ei);
     }
     Ok(Next::Sq)
 }
@@ -328,6 +340,8 @@ fn cq_room(
     }
     p.cq_head_read = true;
     pass.read_cq_head(&mut out.cq)?;
+    // Room up to the new head may be used from here on.
+    out.follow_head(pass);
     Ok(out.cq.free() > needed)
 }
 

@@ -75,7 +75,9 @@ pub(super) fn behind(idx: u16, size: u16) -> u16 {
 /// (measured: ~0.05-0.15 µs per QD1 I/O). A driver rings only when its index laps
 /// a lagging EventIdx, which needs more than `size - 1 - lag` entries in use; so
 /// the lag allowed is half the entries `in_use` leaves free (at most a quarter of
-/// the queue). Before sleeping the group sets EventIdx exactly (`prepare_sleep`).
+/// the queue). `in_use` is the most the queue ever had in use, not the current
+/// count: a driver whose commands all just completed refills as many at once. Before
+/// sleeping the group sets EventIdx exactly (`prepare_sleep`).
 pub(super) fn ei_stale(ei: u16, idx: u16, size: u16, in_use: u32) -> bool {
     if ei == NO_EI || ei >= size {
         return true;
@@ -87,18 +89,21 @@ pub(super) fn ei_stale(ei: u16, idx: u16, size: u16, in_use: u32) -> bool {
 }
 
 /// While a queue is polled: moves its EventIdx (last written `ei`) up to just behind
-/// `head` once it lags more than `ei_stale` allows, so the driver keeps not ringing.
+/// `idx` once it lags more than `ei_stale` allows, so the driver keeps not ringing.
+/// `idx` is the SQ tail just read (before its commands can complete) or the CQ head
+/// just read (before this poll posts): the furthest the driver can go from there
+/// stays short of a lap, which a later store would let it complete first.
 #[inline]
 pub(super) fn keep_behind(
     map: &MemoryMap,
     shadow: Shadow,
     (qid, cq): (u16, bool),
-    (head, size): (u16, u16),
+    (idx, size): (u16, u16),
     in_use: u32,
     ei: &mut u16,
 ) {
-    if ei_stale(*ei, head, size, in_use) {
-        let v = behind(head, size);
+    if ei_stale(*ei, idx, size, in_use) {
+        let v = behind(idx, size);
         write_event_idx(map, shadow, qid, cq, v);
         *ei = v;
     }

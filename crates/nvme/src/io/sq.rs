@@ -45,6 +45,10 @@ pub(crate) struct IoSq {
     /// driver reads it after every command, and a store per poll would keep its
     /// cache line bouncing between the driver's CPU and ours.
     pub(super) ei: u16,
+    /// The most commands this SQ had in flight or newly added at once: what the
+    /// driver may put in it again in one go, which bounds the lag EventIdx may have
+    /// (`keep_behind`).
+    pub(super) peak: u32,
     /// With the ring in unshared client memory: entries up to here (from `head`)
     /// were fetched already.
     pub(super) synced: u16,
@@ -63,6 +67,7 @@ impl IoSq {
             slots: vec![Slot::default(); n as usize],
             free: (0..n).rev().collect(),
             ei: NO_EI,
+            peak: 0,
             synced: 0,
             runs: Vec::new(),
         }
