@@ -422,10 +422,11 @@ fn run_reactor(index: usize, cpu: Option<usize>, rx: Receiver<Msg>, sh: Shared) 
         } else if let Some(spin_for) = spin.filter(|_| !pollers.is_empty()) {
             idle_iters = idle_iters.wrapping_add(1);
             // The clock is read every CLOCK_EVERY idle iterations (each read
-            // delays noticing new work by a vDSO call), at once in event mode.
-            let check = spin_for.is_zero()
-                || idle_since.is_none()
-                || idle_iters.is_multiple_of(CLOCK_EVERY);
+            // delays noticing new work by a vDSO call), at once in event mode. Not
+            // on the first idle iteration after work: at QD1 that is one read per
+            // request, right when the next one arrives. The idle time is counted from
+            // the first read, so a sleep comes at most CLOCK_EVERY iterations later.
+            let check = spin_for.is_zero() || idle_iters.is_multiple_of(CLOCK_EVERY);
             let now = if check { Some(Instant::now()) } else { None };
             let since = now.map(|n| *idle_since.get_or_insert(n));
             if let (Some(now), Some(since)) = (now, since) {

@@ -105,6 +105,12 @@ pub struct PerfArgs {
     /// message), on or off
     #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
     pub shadow_doorbells: String,
+    /// NVMe: entries per I/O queue (default: qd + 1, the smallest). Linux's driver
+    /// creates 1024-entry queues whatever the depth; --queue-entries 1024 drives
+    /// the controller as a Linux guest does
+    #[arg(long, value_name = "N", conflicts_with_all = ["vhost_user", "file", "rbd"],
+          value_parser = clap::value_parser!(u16).range(2..))]
+    pub queue_entries: Option<u16>,
     /// NVMe: map the initiator's DMA memory without its file descriptor, as QEMU
     /// maps guest RAM that is not fd-backed, so that the controller reaches it only
     /// through DMA_READ/DMA_WRITE messages (the slow path; docs/decisions/0020)
@@ -256,7 +262,8 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
     }
     let target = NvmeTarget::new(&driver, a.nsid, mode)
         .with_context(|| format!("namespace {} of {}", a.nsid, sock.display()))?
-        .with_interrupts(a.irq);
+        .with_interrupts(a.irq)
+        .with_queue_entries(a.queue_entries);
     if !a.json {
         let on = format!(
             "nsid {} ({}; doorbells {}{}{})",

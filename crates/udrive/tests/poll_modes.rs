@@ -66,8 +66,6 @@ fn an_awake_controller_gets_no_doorbell_messages() {
         shadow_doorbells: Some(true),
         ..opts()
     });
-    let before = d.doorbell_messages();
-    let t = NvmeTarget::new(&d, 1, DataMode::Prp).expect("target");
     let cfg = WorkloadConfig {
         rw: Rw::RandRead,
         qd: 32,
@@ -75,18 +73,34 @@ fn an_awake_controller_gets_no_doorbell_messages() {
         time: Duration::from_millis(300),
         ..Default::default()
     };
-    let r = workload::run(&t, &cfg).expect("workload");
-    assert_eq!(r.errors, 0);
-    let messages = d.doorbell_messages() - before;
-    assert!(r.ios > 1_000, "{r:?}");
-    // Creating and deleting the queue pair: two admin commands, two doorbells each.
-    // (Before EventIdx moved ahead of the completions: one per few hundred I/Os.)
-    assert!(
-        messages <= 16,
-        "{messages} doorbell messages for {} I/Os ({} skipped)",
-        r.ios,
-        d.doorbells_skipped()
-    );
+    let max = u16::try_from(d.cap().max_queue_entries).expect("CAP.MQES fits");
+    assert!(max < u16::MAX);
+    // The smallest queue for the depth, then one as large as a Linux guest's.
+    for entries in [None, Some(max)] {
+        let before = d.doorbell_messages();
+        let t = NvmeTarget::new(&d, 1, DataMode::Prp)
+            .expect("target")
+            .with_queue_entries(entries);
+        let r = workload::run(&t, &cfg).expect("workload");
+        assert_eq!(r.errors, 0);
+        let messages = d.doorbell_messages() - before;
+        assert!(r.ios > 1_000, "{r:?}");
+        // Creating the queue pair: two admin commands, two doorbells each. (Before
+        // EventIdx moved ahead of the completions: one per few hundred I/Os.)
+        assert!(
+            messages <= 16,
+            "{entries:?}: {messages} doorbell messages for {} I/Os ({} skipped)",
+            r.ios,
+            d.doorbells_skipped()
+        );
+    }
+    // A queue larger than the controller takes, or too small for the depth.
+    for entries in [max + 1, 8] {
+        let t = NvmeTarget::new(&d, 1, DataMode::Prp)
+            .expect("target")
+            .with_queue_entries(Some(entries));
+        assert!(workload::run(&t, &cfg).is_err(), "{entries} entries");
+    }
 }
 
 #[test]

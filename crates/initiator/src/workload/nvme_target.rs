@@ -14,6 +14,8 @@ pub struct NvmeTarget<'a> {
     size: u64,
     mode: DataMode,
     interrupts: bool,
+    /// Entries per queue; `None`: one more than the job's depth (the smallest).
+    entries: Option<u16>,
 }
 
 impl<'a> NvmeTarget<'a> {
@@ -28,6 +30,7 @@ impl<'a> NvmeTarget<'a> {
             size: ns.size_bytes(),
             mode,
             interrupts: false,
+            entries: None,
         })
     }
 
@@ -35,6 +38,14 @@ impl<'a> NvmeTarget<'a> {
     /// queue, as a VM's driver has), so the controller signals; jobs still poll.
     pub fn with_interrupts(mut self, on: bool) -> Self {
         self.interrupts = on;
+        self
+    }
+
+    /// Queues of `entries` entries (at most the controller's CAP.MQES + 1) instead of
+    /// one more than the depth: Linux's driver creates 1024-entry queues whatever the
+    /// depth, so a doorbell's EventIdx may lag far behind it.
+    pub fn with_queue_entries(mut self, entries: Option<u16>) -> Self {
+        self.entries = entries;
         self
     }
 }
@@ -54,12 +65,22 @@ impl IoTarget for NvmeTarget<'_> {
                 )));
             }
         }
+        let max = self.driver.cap().max_queue_entries;
         let depth = u16::try_from(slots + 1)
             .ok()
-            .filter(|d| *d as u32 <= self.driver.cap().max_queue_entries)
+            .filter(|d| *d as u32 <= max)
             .ok_or_else(|| {
                 Error::Invalid(format!("qd {slots} exceeds the controller's queue size"))
             })?;
+        let depth = match self.entries {
+            Some(e) if u32::from(e) > max || e < depth => {
+                return Err(Error::Invalid(format!(
+                "{e} queue entries: the controller takes {max} at most, qd {slots} needs {depth}"
+            )))
+            }
+            Some(e) => e,
+            None => depth,
+        };
         let per_buf = (buf_len as u64).div_ceil(4096) * 4096;
         let mut qp = self.driver.create_qpair_with(QpairOpts {
             depth,
