@@ -18,7 +18,7 @@ use trace::OpClass;
 
 use super::exec::io_op;
 use super::pass::{Fatal, Pass};
-use super::shadow::{keep_behind, NO_EI};
+use super::shadow::NO_EI;
 use super::sq::{IoSq, Slot};
 use crate::decode::{OP_FLUSH, OP_READ, OP_WRITE};
 use crate::iov::Run;
@@ -31,8 +31,6 @@ pub(crate) struct Completions {
     pub cq: CqRing,
     /// The CQ's EventIdx as last written (see `IoSq::ei`).
     ei: u16,
-    /// The most CQ entries spoken for at once (as `IoSq::peak`).
-    peak: u32,
     /// Completions posted but not yet signalled (Interrupt Coalescing).
     irq: HeldIrq,
     /// Shadow doorbell reads; requests are counted by `rec`.
@@ -56,7 +54,6 @@ impl Completions {
         Completions {
             cq,
             ei: NO_EI,
-            peak: 0,
             irq: HeldIrq::default(),
             pcie: Arc::new(PcieCounters::default()),
             inflight: 0,
@@ -91,23 +88,18 @@ impl Completions {
     }
 
     /// With shadow doorbells, after the head was read and before this poll posts
-    /// anything: moves the CQ's EventIdx behind the head once it lags more than
-    /// `keep_behind` allows. Moved after posting, it would let a driver that
-    /// consumes those entries at once lap the old EventIdx and ring.
+    /// against it: the CQ's EventIdx just behind the head we know. The head is read
+    /// only when the CQ looks full (`cq_room`), as with the mapped page, so this is
+    /// stored about once per lap of the CQ; entries are never posted beyond the
+    /// known head, so a driver consuming them never laps it.
     #[inline]
     pub fn follow_head(&mut self, pass: &Pass<'_>) {
         if let Some(s) = pass.shadow() {
-            let in_use = u32::from(self.cq.size).saturating_sub(1) - self.cq.free() + self.inflight;
-            self.peak = self.peak.max(in_use);
-            let cq = &self.cq;
-            keep_behind(
-                pass.map,
-                s,
-                (cq.qid, true),
-                (cq.head, cq.size),
-                self.peak,
-                &mut self.ei,
-            );
+            let v = super::shadow::behind(self.cq.head, self.cq.size);
+            if v != self.ei {
+                super::shadow::write_event_idx(pass.map, s, self.cq.qid, true, v);
+                self.ei = v;
+            }
         }
     }
 

@@ -27,13 +27,13 @@ pub(crate) struct Pass<'m> {
 }
 
 impl<'m> Pass<'m> {
-    /// Translates the CQ ring; with shadow doorbells also reads the CQ head (see
-    /// [`Pass::read_cq_head`]).
+    /// Translates the CQ ring. The CQ head is read only when the CQ looks full
+    /// ([`Pass::read_cq_head`]), with or without shadow doorbells.
     pub(super) fn begin(
         shared: &'m Shared,
         view: &'m MemView,
         shadow: Option<Shadow>,
-        cq: &mut CqRing,
+        cq: &CqRing,
     ) -> Result<Pass<'m>, Fatal> {
         let map = view.map();
         let page = shared.doorbells.all();
@@ -43,7 +43,7 @@ impl<'m> Pass<'m> {
             return Err(Fatal);
         };
         let cq_remote = map.touches_remote(cq.base, cq.ring_bytes() as u64);
-        let pass = Pass {
+        Ok(Pass {
             shared,
             view,
             map,
@@ -52,16 +52,11 @@ impl<'m> Pass<'m> {
             shadow_db,
             cq_ring,
             cq_remote,
-        };
-        // The CQ's EventIdx follows its head on every poll (`Completions::follow_head`).
-        if pass.shadow_db.is_some() {
-            pass.read_cq_head(cq)?;
-        }
-        Ok(pass)
+        })
     }
 
-    /// Reads the CQ head doorbell into `cq`. Without shadow doorbells only when the
-    /// CQ seems too full to fetch more (a stale head only under-counts the room):
+    /// Reads the CQ head doorbell into `cq`, only when the CQ seems too full to
+    /// fetch more (a stale head only under-counts the room):
     /// SPDK's driver rings the CQ head right after the next SQ tail, on the same
     /// cache line, so reading it on every poll takes that line back from the host's
     /// core and the SQ tail read that follows waits for it again

@@ -70,7 +70,7 @@ pub(super) fn run(g: Group<'_>) -> u32 {
 }
 
 fn stages(g: Group<'_>, p: &mut Progress) -> Result<(), Fatal> {
-    let pass = Pass::begin(g.shared, g.view, g.shadow, &mut g.out.cq)?;
+    let pass = Pass::begin(g.shared, g.view, g.shadow, &g.out.cq)?;
     g.out.follow_head(&pass);
     if g.out.inflight > 0 {
         g.ns.reap(g.out, g.sqs, &pass)?;
@@ -92,7 +92,7 @@ fn stages(g: Group<'_>, p: &mut Progress) -> Result<(), Fatal> {
 /// Quiesce (`QueueGroup::settle`): stages 1 and 4 only, after flushing every
 /// channel; nothing is fetched.
 pub(super) fn settle(g: Group<'_>) -> Result<(), Fatal> {
-    let pass = Pass::begin(g.shared, g.view, g.shadow, &mut g.out.cq)?;
+    let pass = Pass::begin(g.shared, g.view, g.shadow, &g.out.cq)?;
     g.out.follow_head(&pass);
     let inflight = g.out.inflight;
     if inflight > 0 {
