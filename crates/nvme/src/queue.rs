@@ -83,6 +83,12 @@ impl SqRing {
     pub fn ring_bytes(&self) -> usize {
         usize::from(self.size) * SQE_SIZE
     }
+    /// How many entries index `i` lies past the head (entries the host added, when
+    /// `i` is its tail).
+    pub fn ahead(&self, i: u16) -> u32 {
+        let size = u32::from(self.size).max(1);
+        (u32::from(i) + size - u32::from(self.head)) % size
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default)]

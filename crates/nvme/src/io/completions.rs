@@ -18,7 +18,7 @@ use trace::OpClass;
 
 use super::exec::io_op;
 use super::pass::{Fatal, Pass};
-use super::shadow::NO_EI;
+use super::shadow::{behind, write_event_idx, NO_EI};
 use super::sq::{IoSq, Slot};
 use crate::decode::{OP_FLUSH, OP_READ, OP_WRITE};
 use crate::iov::Run;
@@ -95,9 +95,9 @@ impl Completions {
     #[inline]
     pub fn follow_head(&mut self, pass: &Pass<'_>) {
         if let Some(s) = pass.shadow() {
-            let v = super::shadow::behind(self.cq.head, self.cq.size);
+            let v = behind(self.cq.head, self.cq.size);
             if v != self.ei {
-                super::shadow::write_event_idx(pass.map, s, self.cq.qid, true, v);
+                write_event_idx(pass.map, s, self.cq.qid, true, v);
                 self.ei = v;
             }
         }

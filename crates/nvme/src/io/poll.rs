@@ -23,7 +23,7 @@ use super::shadow::{keep_behind, Shadow};
 use super::sq::{IoSq, Slot};
 use crate::decode::{OP_READ, OP_WRITE};
 use crate::log::bump;
-use crate::queue::{ring_ranges, Sqe, SQE_SIZE};
+use crate::queue::{ring_ranges, SqRing, Sqe, SQE_SIZE};
 use crate::shared::Shared;
 use crate::status::Status;
 
@@ -149,19 +149,18 @@ fn fetch_and_submit<'m>(
         Entries::Up(ring, tail) => (ring, tail),
     };
     if let Some(s) = pass.shadow() {
-        // Before any of these commands completes: a completion tells the driver
-        // the new head, and a driver that then fills its free entries would lap an
-        // EventIdx still behind the old head and ring. Behind the tail it never
-        // laps (the head it learns is at most the tail).
-        // What the driver has shown it puts in flight at once: commands still with
-        // us plus those it just added. (With backends that complete at once the
-        // first count alone stays near 0 while a driver refills 32 at a time.)
-        let added = (u32::from(tail) + u32::from(sq.ring.size) - u32::from(sq.ring.head))
-            % u32::from(sq.ring.size);
-        let in_use = (sq.slots.len() - sq.free.len()) as u32 + added;
+        // EventIdx goes behind this tail before any of these commands completes: a
+        // completion tells the driver the new head, and a driver that then fills
+        // its free entries would lap an EventIdx still behind the old head and
+        // ring. The head it learns is at most this tail, so it never laps that.
+        // Its lag is sized by what the driver has shown it puts in at once:
+        // commands still with us plus those it just added (with backends that
+        // complete at once the first count stays near 0 while a driver refills
+        // 32 at a time).
+        let in_use = (sq.slots.len() - sq.free.len()) as u32 + sq.ring.ahead(tail);
         sq.peak = sq.peak.max(in_use);
         let ring = (tail, sq.ring.size);
-        keep_behind(pass.map, s, (sq.ring.qid, false), ring, sq.peak, &mut sq.ei);
+        keep_behind(pass.map, s, sq.ring.qid, ring, sq.peak, &mut sq.ei);
     }
     // One doorbell-seen stamp serves the whole batch.
     let kick = out.rec.kick();
@@ -273,7 +272,7 @@ fn new_entries<'m>(
     let Ok(sq_ring) = ring else {
         return Err(pass.fatal("I/O SQ memory unmapped"));
     };
-    prefetch_entries(&sq_ring, sq.ring.head, tail, sq.ring.size);
+    prefetch_entries(&sq_ring, &sq.ring, tail);
     Ok(Entries::Up(sq_ring, tail))
 }
 
@@ -312,11 +311,10 @@ fn parse_rw<'m>(
 /// one at `head` was requested with the doorbell): each is a line the host wrote on
 /// its core, and requested together their misses overlap instead of each waiting in
 /// turn while the one before it is parsed.
-fn prefetch_entries(ring: &DmaSlice<'_>, head: u16, tail: u16, size: u16) {
-    let size = u32::from(size);
-    let new = (u32::from(tail) + size - u32::from(head)) % size.max(1);
-    for k in 1..new.min(BATCH as u32) {
-        let i = (u32::from(head) + k) % size;
+fn prefetch_entries(ring: &DmaSlice<'_>, sq: &SqRing, tail: u16) {
+    let size = u32::from(sq.size);
+    for k in 1..sq.ahead(tail).min(BATCH as u32) {
+        let i = (u32::from(sq.head) + k) % size;
         ring.prefetch_line(i as usize * SQE_SIZE);
     }
 }
@@ -352,8 +350,7 @@ fn fetch_entries(pass: &Pass<'_>, sq: &mut IoSq, tail: u16) -> Result<(), Fatal>
     let (head, size) = (sq.ring.head, sq.ring.size);
     // Entries from `head` up to `synced` came over already (it is reset to the
     // head whenever the group is placed, see `QueueGroup::resync`).
-    let ahead = |i: u16| (u32::from(i) + u32::from(size) - u32::from(head)) % u32::from(size);
-    let from = if ahead(sq.synced) <= ahead(tail) {
+    let from = if sq.ring.ahead(sq.synced) <= sq.ring.ahead(tail) {
         sq.synced
     } else {
         head

@@ -88,23 +88,24 @@ pub(super) fn ei_stale(ei: u16, idx: u16, size: u16, in_use: u32) -> bool {
     lag > slack
 }
 
-/// While a queue is polled: moves its EventIdx (last written `ei`) up to just behind
-/// `idx` once it lags more than `ei_stale` allows, so the driver keeps not ringing.
-/// `idx` is the SQ tail just read (before its commands can complete) or the CQ head
-/// just read (before this poll posts): the furthest the driver can go from there
-/// stays short of a lap, which a later store would let it complete first.
+/// While an SQ is polled: moves its EventIdx (last written `ei`) up to just behind
+/// `idx`, the tail just read, once it lags more than `ei_stale` allows, so the
+/// driver keeps not ringing. Stored before that batch's commands can complete: the
+/// furthest the driver can go from the head they report stays short of a lap, which
+/// a later store would let it complete first. (The CQ's EventIdx sits exactly
+/// behind the head read: `Completions::follow_head`.)
 #[inline]
 pub(super) fn keep_behind(
     map: &MemoryMap,
     shadow: Shadow,
-    (qid, cq): (u16, bool),
+    qid: u16,
     (idx, size): (u16, u16),
     in_use: u32,
     ei: &mut u16,
 ) {
     if ei_stale(*ei, idx, size, in_use) {
         let v = behind(idx, size);
-        write_event_idx(map, shadow, qid, cq, v);
+        write_event_idx(map, shadow, qid, false, v);
         *ei = v;
     }
 }
