@@ -4,7 +4,8 @@
 # second udrive process serves from the same file, and back, while the guest runs
 # migcheck (a write / read-into-RAM / check loop). The guest must see no mismatch,
 # during the passes or in its final full check, and the backing file must hold its
-# last generation. Entry point: scripts/vm-test-migrate; see tests/vm-migrate/README.md.
+# last generation (UDRIVE_MIGRATE_BACKEND=rbd: the same with an RBD image on a
+# throwaway Ceph cluster, served by both processes). Entry point: scripts/vm-test-migrate; see tests/vm-migrate/README.md.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -30,6 +31,9 @@ SKIP_DIRTY=${UDRIVE_MIGRATE_SKIP_DIRTY_DATA:-0}
 # as writers; empty has the devices hand the file's writer claim (a lock on its
 # range) over at the switch-over.
 DISK_OPTS=${UDRIVE_MIGRATE_DISK_OPTS-,shared}
+# file: a file in TMP; rbd: image rbd/mig on a throwaway cluster (scripts/ceph-cluster),
+# whose exclusive lock is the writer claim (no `shared`: DISK_OPTS is ignored).
+BACKEND=${UDRIVE_MIGRATE_BACKEND:-file}
 # qsd: the same run with qemu-storage-daemon's vhost-user-blk export (the host's,
 # from Debian's backports) serving the file in both places, for comparison
 # (docs/benchmarks.md). Its exports share the file with image locking off.
@@ -202,6 +206,15 @@ quit_qemu() { # quit_qemu N: QMP quit (the source after its guest left), then wa
     wait "$pid" 2>/dev/null || true
 }
 
+# start_ceph: a cluster in TMP (stopped by vm_cleanup) with an empty image rbd/mig
+# of DISK_MIB; sets DISK_SPEC.
+start_ceph() {
+    ceph_start
+    rbd --conf "$CEPH_CONF" create --size "${DISK_MIB}M" rbd/mig
+    DISK_SPEC="rbd:rbd/mig,conf=$CEPH_CONF"
+    say "ceph: $(tail -n 2 "$TMP/ceph.log" | head -n 1 | cut -c1-120); image rbd/mig, ${DISK_MIB} MiB"
+}
+
 # ------------------------------------------------------------ main
 phase "setup: bookworm chroot with QEMU 7.2"
 ensure_chroot "$BOOKWORM" bookworm "$BOOKWORM_PKGS"
@@ -211,6 +224,11 @@ ensure_kernel
 build_initramfs
 phase "setup: build udrive"
 build_udrive
+case $BACKEND in
+file | rbd) ;;
+*) die "UDRIVE_MIGRATE_BACKEND=$BACKEND: file or rbd" ;;
+esac
+[ "$BACKEND" = file ] || [ "$SERVER" = udrive ] || die "UDRIVE_MIGRATE_SERVER=qsd serves a file only"
 if [ "$SERVER" = qsd ]; then
     command -v qemu-storage-daemon >/dev/null || die "UDRIVE_MIGRATE_SERVER=qsd: no qemu-storage-daemon on the host"
     [ "$SKIP_DIRTY" = 0 ] && [[ $DISK_OPTS == *shared* ]] || die "UDRIVE_MIGRATE_SERVER=qsd: only the shared-file run applies"
@@ -218,11 +236,19 @@ if [ "$SERVER" = qsd ]; then
 fi
 [ "$SKIP_DIRTY" != 1 ] || say "UDRIVE_MIGRATE_SKIP_DIRTY_DATA=1: udrive does not log read data; this run must report mismatches"
 
+if [ "$BACKEND" = rbd ]; then
+    phase "setup: Ceph cluster"
+    start_ceph
+    DISK_OPTS=''
+else
+    truncate -s "${DISK_MIB}M" "$TMP/disk.img"
+    DISK_SPEC="file:$TMP/disk.img"
+fi
+
 phase "guest on QEMU 1 (udrive A)"
-truncate -s "${DISK_MIB}M" "$TMP/disk.img"
-# Two processes serve the same file: A the source, B the destination (`incoming`).
-start_udrive a "file:$TMP/disk.img$DISK_OPTS"
-start_udrive b "file:$TMP/disk.img$DISK_OPTS,incoming"
+# Two processes serve the same disk: A the source, B the destination (`incoming`).
+start_udrive a "$DISK_SPEC$DISK_OPTS"
+start_udrive b "$DISK_SPEC$DISK_OPTS,incoming"
 # The knob exists only in the udrive that `cargo test` builds (vhost-user-blk's
 # `test-knobs` feature); a product build would silently log as usual.
 if [ "$SKIP_DIRTY" = 1 ] && ! grep -q 'UDRIVE_TEST_SKIP_DIRTY_DATA=1: read data is not marked' "$TMP/udrive-a.log"; then
@@ -251,8 +277,9 @@ for n in "${!UDRIVE_PIDS[@]}"; do
 done
 phase ""
 
-# Without `shared` the file's writer claim moved at each switch-over: A gave it up
-# and took it back, B took it and gave it up.
+# Without `shared` the disk's writer claim (the file's range lock, the image's
+# exclusive lock) moved at each switch-over: A gave it up and took it back, B took
+# it and gave it up.
 if [[ $DISK_OPTS != *shared* ]]; then
     claims=''
     for n in a b; do
@@ -260,7 +287,7 @@ if [[ $DISK_OPTS != *shared* ]]; then
         claims+=" $(grep -c 'this device writes it now' "$TMP/udrive-$n.log" || true) taken;"
     done
     if [ "$claims" = " a: 1 released, 1 taken; b: 1 released, 1 taken;" ]; then
-        host_result writer-claim-moved PASS "the file's range lock moved with the VM:$claims"
+        host_result writer-claim-moved PASS "the $BACKEND disk's writer claim moved with the VM:$claims"
     else
         host_result writer-claim-moved FAIL "want each process to release and take the claim once:$claims"
     fi
@@ -278,6 +305,10 @@ else
     host_result guest-data FAIL "$bad of $passes passes with mismatches; ${final:-no final check} ${HARNESS_FAIL[*]}"
 fi
 gen=$(grep -oE 'final gen=[0-9]+' <<<"$final" | grep -oE '[0-9]+$' || true)
+if [ "$BACKEND" = rbd ]; then
+    rbd --conf "$CEPH_CONF" export --no-progress rbd/mig "$TMP/disk.img" >/dev/null 2>&1 ||
+        say "rbd export rbd/mig failed"
+fi
 if [ -n "$gen" ] && out=$("$TMP/migcheck-host" verify "$TMP/disk.img" "$CHECK_MIB" "$gen" 2>&1); then
     host_result backing-file PASS "$out"
 else

@@ -66,7 +66,7 @@ vm_cleanup() {
     done
     # A server `udrive upgrade` started is no child of ours and outlives us.
     kill_takeovers
-    # A Ceph cluster the run started (tests/vm/run.sh, UDRIVE_VM_RBD=1).
+    # A Ceph cluster the run started (ceph_start).
     [ -n "${VM_CEPH_DIR:-}" ] && "$root/scripts/ceph-cluster" stop "$VM_CEPH_DIR" --purge >/dev/null 2>&1
     # QEMU's bind mounts live in its own mount namespace and vanish with it;
     # this only catches a namespace-less leftover.
@@ -419,4 +419,15 @@ report() {
     say "total $(elapsed "$T0") s"
     echo "$pass passed, $fail failed"
     [ "$fail" = 0 ] && [ "$pass" -gt 0 ]
+}
+
+# ceph_start: a throwaway Ceph cluster in $TMP/ceph (stopped by vm_cleanup); sets
+# CEPH_CONF.
+ceph_start() {
+    # shellcheck source=scripts/ensure-ceph.sh
+    source "$root/scripts/ensure-ceph.sh"
+    VM_CEPH_DIR=$TMP/ceph
+    "$root/scripts/ceph-cluster" start "$VM_CEPH_DIR" >"$TMP/ceph.log" 2>&1 ||
+        { tail -n 20 "$TMP/ceph.log"; die "cannot start a Ceph cluster (log above)"; }
+    CEPH_CONF=$VM_CEPH_DIR/ceph.conf
 }

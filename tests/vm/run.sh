@@ -118,12 +118,7 @@ server_child() {
 # A cluster in TMP (stopped by vm_cleanup) with image rbd/gold: 64 MiB whose first
 # MiB is `yes UDRIVE-RBD-GOLD`, snapshot @base protected for cloning.
 start_ceph() {
-    # shellcheck source=scripts/ensure-ceph.sh
-    source "$root/scripts/ensure-ceph.sh"
-    VM_CEPH_DIR=$TMP/ceph
-    "$root/scripts/ceph-cluster" start "$VM_CEPH_DIR" >"$TMP/ceph.log" 2>&1 ||
-        { tail -n 20 "$TMP/ceph.log"; die "cannot start a Ceph cluster (log above)"; }
-    CEPH_CONF=$VM_CEPH_DIR/ceph.conf
+    ceph_start
     yes UDRIVE-RBD-GOLD | head -c $((1 << 20)) >"$TMP/gold.bin" || true
     truncate -s 64M "$TMP/gold.bin"
     rbd --conf "$CEPH_CONF" import --no-progress "$TMP/gold.bin" rbd/gold

@@ -29,7 +29,9 @@ pub(crate) struct Doorbells {
     /// Allocated once; in use while `shadow_on` (cleared by a controller reset).
     pub shadow: OnceLock<ShadowPages>,
     pub shadow_on: AtomicBool,
-    /// I/O doorbell updates the controller's EventIdx let us skip.
+    /// I/O doorbell updates the controller's EventIdx let us skip (queue pairs add
+    /// theirs in batches: a locked add per doorbell would cost the driver more than
+    /// the skip saves).
     pub skipped: AtomicU64,
     /// Doorbells written by message (REGION_WRITE round trips).
     pub messages: AtomicU64,
@@ -53,8 +55,9 @@ impl Doorbells {
         }
     }
 
-    /// Writes `v` to the doorbell at BAR0 offset `bar_off`.
-    pub fn write(&self, bar_off: u64, v: u32) -> Result<()> {
+    /// Writes `v` to the doorbell at BAR0 offset `bar_off`; true when the shadow
+    /// doorbell was enough (the controller's EventIdx did not ask for a ring).
+    pub fn write(&self, bar_off: u64, v: u32) -> Result<bool> {
         // The admin queue (offsets 0x1000, 0x1004) has no shadow doorbells.
         if bar_off >= 0x1008 && self.shadow_on.load(Ordering::Acquire) {
             if let Some(sh) = self.shadow.get() {
@@ -66,8 +69,7 @@ impl Doorbells {
                     fence(Ordering::SeqCst);
                     let event = ei.load_u32(off).unwrap_or(0);
                     if !need_event(event as u16, v as u16, old as u16) {
-                        self.skipped.fetch_add(1, Ordering::Relaxed);
-                        return Ok(());
+                        return Ok(true);
                     }
                 }
             }
@@ -76,7 +78,7 @@ impl Doorbells {
             if let Some(s) = bar_off.checked_sub(*base).and_then(|o| map.slice(o, 4)) {
                 // Release orders our queue-entry writes before the doorbell value.
                 if s.store_u32(0, v).is_some() {
-                    return Ok(());
+                    return Ok(false);
                 }
             }
         }
@@ -86,7 +88,8 @@ impl Doorbells {
         self.client
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .region_write_u32_posted(PCI_BAR0_REGION, bar_off, v)
+            .region_write_u32_posted(PCI_BAR0_REGION, bar_off, v)?;
+        Ok(false)
     }
 
     pub fn is_mmap(&self) -> bool {

@@ -14,6 +14,9 @@ use crate::nvme::Shared;
 use crate::pool::{Chunk, DmaBuf, Pool};
 use crate::regs::Cap;
 
+/// Skipped doorbells a queue pair counts before adding them to the shared count.
+const SKIPS_PER_ADD: u64 = 1024;
+
 /// What queue pairs share with the driver (and nothing that could form a cycle).
 #[derive(Debug)]
 pub(crate) struct QpCtx {
@@ -94,6 +97,8 @@ pub struct QueuePair {
     opts: QpairOpts,
     db_sq: u64,
     db_cq: u64,
+    /// Doorbell writes skipped and not yet added to the controller's count.
+    skipped: u64,
     pub(crate) deleted: bool,
 }
 
@@ -165,6 +170,7 @@ impl QueuePair {
             db_cq: ctx.cap.doorbell(qid, true),
             ctx,
             owner,
+            skipped: 0,
             deleted: false,
         })
     }
@@ -371,11 +377,29 @@ impl QueuePair {
         Ok(())
     }
 
+    fn doorbell(&mut self, bar_off: u64, v: u16) -> Result<()> {
+        if self.ctx.db.write(bar_off, u32::from(v))? {
+            self.skipped += 1;
+            if self.skipped == SKIPS_PER_ADD {
+                self.add_skipped();
+            }
+        }
+        Ok(())
+    }
+
+    fn add_skipped(&mut self) {
+        self.ctx
+            .db
+            .skipped
+            .fetch_add(self.skipped, Ordering::Relaxed);
+        self.skipped = 0;
+    }
+
     /// Tells the controller about everything queued since the last ring.
     pub fn ring(&mut self) -> Result<()> {
         self.check_gen()?;
         if self.sq_tail != self.rung_tail {
-            self.ctx.db.write(self.db_sq, self.sq_tail as u32)?;
+            self.doorbell(self.db_sq, self.sq_tail)?;
             self.rung_tail = self.sq_tail;
         }
         Ok(())
@@ -409,7 +433,7 @@ impl QueuePair {
             n += 1;
         }
         if popped {
-            self.ctx.db.write(self.db_cq, self.cq.head as u32)?;
+            self.doorbell(self.db_cq, self.cq.head)?;
         }
         Ok(n)
     }
@@ -435,7 +459,7 @@ impl QueuePair {
             if let Some(cqe) = self.cq.pop(&ring) {
                 let c = Completion::from(cqe);
                 self.reap(c);
-                self.ctx.db.write(self.db_cq, self.cq.head as u32)?;
+                self.doorbell(self.db_cq, self.cq.head)?;
                 if c.cid == cid {
                     return Ok(c);
                 }
@@ -468,7 +492,7 @@ impl QueuePair {
             };
             let c = Completion::from(cqe);
             self.reap(c);
-            self.ctx.db.write(self.db_cq, self.cq.head as u32)?;
+            self.doorbell(self.db_cq, self.cq.head)?;
             if c.cid == cid {
                 return Ok(Some(c));
             }
@@ -543,6 +567,7 @@ impl QueuePair {
 
 impl Drop for QueuePair {
     fn drop(&mut self) {
+        self.add_skipped();
         if self.deleted || self.ctx.gen.load(Ordering::Acquire) != self.gen {
             return;
         }

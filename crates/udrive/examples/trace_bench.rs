@@ -170,7 +170,10 @@ fn measure_overhead(
     }
     eprintln!("{reps} reps x {} configs x {secs}s ...", rows.len());
     for r in 0..reps {
-        for row in rows.iter_mut() {
+        // Off before on in even reps, on before off in odd ones.
+        let order: Vec<usize> = (0..rows.len()).map(|i| i ^ (r & 1)).collect();
+        for i in order {
+            let row = &mut rows[i];
             let target = NvmeTarget::new(driver, row.nsid, DataMode::Prp)?;
             if row.trace {
                 ctrl.trace_start(1, t);
@@ -196,34 +199,46 @@ fn measure_overhead(
 /// The Markdown table: per namespace and QD, IOPS tracing off and on (median,
 /// min–max) and the difference of the medians.
 fn print_overhead(rows: &mut [Row], reps: usize) {
-    println!("| backend | QD | tracing off IOPS (k) | every I/O IOPS (k) | overhead |");
+    println!("| backend | QD | tracing off IOPS (k) | every I/O IOPS (k) | cost (pairs) |");
     println!("|---|---|---|---|---|");
+    let range = |v: &[f64]| {
+        let lo = v.iter().copied().fold(f64::MAX, f64::min);
+        let hi = v.iter().copied().fold(f64::MIN, f64::max);
+        (lo, hi)
+    };
     for pair in rows.chunks_mut(2) {
         let (a, b) = pair.split_at_mut(1);
         let (off, on) = (&mut a[0], &mut b[0]);
-        let fmt = |v: &[f64]| {
-            let lo = v.iter().copied().fold(f64::MAX, f64::min) / 1e3;
-            let hi = v.iter().copied().fold(0.0, f64::max) / 1e3;
-            (lo, hi)
-        };
-        let (ol, oh) = fmt(&off.iops);
-        let (nl, nh) = fmt(&on.iops);
-        let mo = median(&mut off.iops);
-        let mn = median(&mut on.iops);
+        // The machine's speed drifts between runs far more than tracing costs: the
+        // cost is taken per adjacent pair (off and on run back to back), then the
+        // median of those.
+        let mut cost: Vec<f64> = off
+            .iops
+            .iter()
+            .zip(&on.iops)
+            .map(|(o, n)| (1.0 - n / o) * 100.0)
+            .collect();
+        let (cl, ch) = range(&cost);
+        let (ol, oh) = range(&off.iops);
+        let (nl, nh) = range(&on.iops);
         println!(
-            "| {} | {} | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}) | {:+.1} % |",
+            "| {} | {} | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}) | {:.1} % ({:.1}–{:.1}) |",
             off.ns,
             off.qd,
-            mo / 1e3,
-            ol,
-            oh,
-            mn / 1e3,
-            nl,
-            nh,
-            (mn - mo) / mo * 100.0
+            median(&mut off.iops) / 1e3,
+            ol / 1e3,
+            oh / 1e3,
+            median(&mut on.iops) / 1e3,
+            nl / 1e3,
+            nh / 1e3,
+            median(&mut cost),
+            cl,
+            ch
         );
     }
-    println!("\n{reps} runs each, alternating; median (min–max).");
+    println!(
+        "\n{reps} runs each, off and on back to back (order swapped every rep); median (min–max)."
+    );
 }
 
 /// With tracing on in the server and the initiator, the full path's breakdown per

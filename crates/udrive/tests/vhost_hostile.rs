@@ -202,23 +202,6 @@ fn reconnect_completes_each_request_once() {
     }
 }
 
-/// Inflight log field writers (layout: docs/decisions/0005).
-fn log_put(f: &std::fs::File, at: u64, bytes: &[u8]) {
-    use std::os::unix::fs::FileExt;
-    f.write_all_at(bytes, at).unwrap();
-}
-fn log_desc(f: &std::fs::File, head: u16, inflight: u8, counter: u64) {
-    let at = 16 + 16 * u64::from(head);
-    log_put(f, at, &[inflight]);
-    log_put(f, at + 8, &counter.to_le_bytes());
-}
-fn log_header(f: &std::fs::File, desc_num: u16, last_batch_head: u16, used_idx: u16) {
-    log_put(f, 8, &1u16.to_le_bytes());
-    log_put(f, 10, &desc_num.to_le_bytes());
-    log_put(f, 12, &last_batch_head.to_le_bytes());
-    log_put(f, 14, &used_idx.to_le_bytes());
-}
-
 /// The state a crashed udrive leaves behind, written by hand (the rings and the
 /// inflight area live in the front end, so this is exactly what a new process
 /// finds): four writes taken from the avail ring; the second completed out of order;
@@ -261,11 +244,11 @@ fn restart_resubmits_inflight_requests_once() {
     r.put(USED + 12, &9u32.to_le_bytes());
     r.put(USED + 16, &1u32.to_le_bytes());
     r.put(USED + 2, &2u16.to_le_bytes());
-    log_header(&log, QSIZE, 9, 1);
-    log_desc(&log, 0, 1, 1);
-    log_desc(&log, 3, 0, 2);
-    log_desc(&log, 6, 1, 3);
-    log_desc(&log, 9, 1, 4);
+    inflight_header(&log, QSIZE, 9, 1);
+    inflight_desc(&log, 0, 1, 1);
+    inflight_desc(&log, 3, 0, 2);
+    inflight_desc(&log, 6, 1, 3);
+    inflight_desc(&log, 9, 1, 4);
     let FakeFrontend { fe, mem, .. } = r;
     drop(fe);
 
@@ -326,10 +309,10 @@ fn hostile_inflight_area() {
     let log = get_inflight_area(&sock);
     let len = log.metadata().unwrap().len() as usize;
     let junk: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
-    log_put(&log, 0, &junk);
-    log_header(&log, u16::MAX, 0xfff0, 0x1234);
+    std::os::unix::fs::FileExt::write_all_at(&log, &junk, 0).unwrap();
+    inflight_header(&log, u16::MAX, 0xfff0, 0x1234);
     for h in 0..QSIZE {
-        log_desc(&log, h, 1, u64::from(h).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        inflight_desc(&log, h, 1, u64::from(h).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     }
     let mem = SharedMem::new("inflight-hostile", MEM).unwrap();
     let r = FakeFrontend {

@@ -407,3 +407,75 @@ fn a_ram_disk_offers_no_migration() {
         .parse::<udrive::nsspec::NsSpec>()
         .is_err());
 }
+
+/// udrive restarts while QEMU migrates: QEMU reconnects with LOG_ALL already in
+/// the features, hands the inflight area back and starts the rings, and only then
+/// sends SET_LOG_BASE (vhost_dev_start's order). The reads the old process had
+/// taken are redone, not before the log is there, and their pages are marked.
+#[test]
+fn a_restart_while_logging_redoes_reads_into_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("dev.sock");
+    let disk = ram();
+    let old = start(&sock, disk.clone());
+    let area = get_inflight_area(&sock);
+    // Two reads the old process took and never completed: heads 0 and 3.
+    let r = FakeFrontend {
+        fe: vhost::vhost_user::Frontend::connect(&sock, 1).unwrap(),
+        mem: GuestRam::sealed(MEM),
+        next_desc: 0,
+        avail: 0,
+        kick: vmm_sys_util::eventfd::EventFd::new(0).unwrap(),
+        call: vmm_sys_util::eventfd::EventFd::new(0).unwrap(),
+        event_idx: false,
+    };
+    let reads = [(0u16, DATA), (3, DATA + 2 * PAGE)];
+    for (i, &(head, data)) in reads.iter().enumerate() {
+        let hdr = HDR + 16 * i as u64;
+        r.put(hdr, &T_IN.to_le_bytes());
+        r.put(STATUSES + i as u64, &[0xff]);
+        r.desc(head, hdr, 16, NEXT, head + 1);
+        r.desc(head + 1, data, PAGE as u32, NEXT | WRITE, head + 2);
+        r.desc(head + 2, STATUSES + i as u64, 1, WRITE, 0);
+        r.put(AVAIL + 4 + 2 * i as u64, &head.to_le_bytes());
+        inflight_desc(&area, head, 1, i as u64 + 1);
+    }
+    r.put(AVAIL + 2, &2u16.to_le_bytes());
+    inflight_header(&area, QSIZE, 3, 0);
+    let FakeFrontend { fe, mem, .. } = r;
+    drop(fe);
+    old.stop();
+
+    let _new = start(&sock, disk);
+    let r = FakeFrontend::connect_with(
+        &sock,
+        Connect {
+            resume: Some((0, 2)),
+            inflight: Some(&area),
+            protocol: VhostUserProtocolFeatures::CONFIG
+                | VhostUserProtocolFeatures::LOG_SHMFD
+                | VhostUserProtocolFeatures::REPLY_ACK,
+            virtio: VhostUserVirtioFeatures::LOG_ALL.bits(),
+            ..Connect::new(mem)
+        },
+    );
+    r.fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+    r.kick.write(1).unwrap();
+    // Redone now, the reads would write guest pages no log records.
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(r.used_idx(), 0, "reads redone before the dirty log came");
+    let log = Log::memfd(LOG_BYTES);
+    log.send(&r, log.bytes).unwrap();
+    log_used_ring(&r);
+    assert!(r.wait_used(2), "the reads in flight were not redone");
+    assert_eq!(r.get(STATUSES, 2), vec![0, 0]);
+    expect_pages(
+        &log,
+        &[
+            page(USED),
+            page(DATA),
+            page(DATA + 2 * PAGE),
+            page(STATUSES),
+        ],
+    );
+}

@@ -87,19 +87,35 @@ impl Completions {
         self.posted
     }
 
-    /// With shadow doorbells, after the head was read and before this poll posts
-    /// against it: the CQ's EventIdx just behind the head we know. The head is read
-    /// only when the CQ looks full (`cq_room`), as with the mapped page, so this is
-    /// stored about once per lap of the CQ; entries are never posted beyond the
-    /// known head, so a driver consuming them never laps it.
+    /// With shadow doorbells: the CQ's EventIdx, when we do not know what it holds
+    /// (a new queue or Doorbell Buffer Config), goes just behind the head we know.
+    /// From then on it moves only when an entry is about to be posted into the slot
+    /// it names (`event_idx_before_post`).
     #[inline]
-    pub fn follow_head(&mut self, pass: &Pass<'_>) {
+    pub fn event_idx_if_unknown(&mut self, pass: &Pass<'_>) {
+        if self.ei == NO_EI {
+            self.event_idx_behind_head(pass);
+        }
+    }
+
+    /// Before an entry goes into the CQ slot EventIdx names (a driver consuming it
+    /// would pass EventIdx and ring): EventIdx moves just behind the head we know,
+    /// where no entry goes before the head is read again. Moved then, not at each
+    /// head read: a store right after the read can meet the driver between its
+    /// shadow head store and its EventIdx load for the very update we read, and
+    /// make it ring for nothing.
+    #[inline]
+    fn event_idx_before_post(&mut self, pass: &Pass<'_>) {
+        if self.cq.tail == self.ei {
+            self.event_idx_behind_head(pass);
+        }
+    }
+
+    fn event_idx_behind_head(&mut self, pass: &Pass<'_>) {
         if let Some(s) = pass.shadow() {
             let v = behind(self.cq.head, self.cq.size);
-            if v != self.ei {
-                write_event_idx(pass.map, s, self.cq.qid, true, v);
-                self.ei = v;
-            }
+            write_event_idx(pass.map, s, self.cq.qid, true, v);
+            self.ei = v;
         }
     }
 
@@ -157,6 +173,7 @@ impl Completions {
         self.account(pass.shared, qid, slot, status);
         let cid = slot.cid;
         sq.free.push(idx);
+        self.event_idx_before_post(pass);
         if !self
             .cq
             .post(pass.cq_ring(), 0, sq.ring.head, qid, cid, status)

@@ -71,7 +71,7 @@ pub(super) fn run(g: Group<'_>) -> u32 {
 
 fn stages(g: Group<'_>, p: &mut Progress) -> Result<(), Fatal> {
     let pass = Pass::begin(g.shared, g.view, g.shadow, &g.out.cq)?;
-    g.out.follow_head(&pass);
+    g.out.event_idx_if_unknown(&pass);
     if g.out.inflight > 0 {
         g.ns.reap(g.out, g.sqs, &pass)?;
     }
@@ -93,7 +93,7 @@ fn stages(g: Group<'_>, p: &mut Progress) -> Result<(), Fatal> {
 /// channel; nothing is fetched.
 pub(super) fn settle(g: Group<'_>) -> Result<(), Fatal> {
     let pass = Pass::begin(g.shared, g.view, g.shadow, &g.out.cq)?;
-    g.out.follow_head(&pass);
+    g.out.event_idx_if_unknown(&pass);
     let inflight = g.out.inflight;
     if inflight > 0 {
         for c in g.ns.all_mut() {
@@ -338,8 +338,6 @@ fn cq_room(
     }
     p.cq_head_read = true;
     pass.read_cq_head(&mut out.cq)?;
-    // Room up to the new head may be used from here on.
-    out.follow_head(pass);
     Ok(out.cq.free() > needed)
 }
 

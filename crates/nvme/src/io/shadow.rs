@@ -92,8 +92,9 @@ pub(super) fn ei_stale(ei: u16, idx: u16, size: u16, in_use: u32) -> bool {
 /// `idx`, the tail just read, once it lags more than `ei_stale` allows, so the
 /// driver keeps not ringing. Stored before that batch's commands can complete: the
 /// furthest the driver can go from the head they report stays short of a lap, which
-/// a later store would let it complete first. (The CQ's EventIdx sits exactly
-/// behind the head read: `Completions::follow_head`.)
+/// a later store would let it complete first. (The CQ's EventIdx moves just
+/// behind the known head when an entry is about to go into the slot it names:
+/// `Completions::event_idx_before_post`.)
 #[inline]
 pub(super) fn keep_behind(
     map: &MemoryMap,

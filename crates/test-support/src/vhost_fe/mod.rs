@@ -234,3 +234,24 @@ pub fn get_inflight_area(sock: &Path) -> File {
     assert!(len >= info.mmap_size);
     file
 }
+
+/// Writes into an inflight area what a device that died left there (layout:
+/// docs/decisions/0005): the queue's header ...
+pub fn inflight_header(f: &File, desc_num: u16, last_batch_head: u16, used_idx: u16) {
+    inflight_put(f, 8, &1u16.to_le_bytes());
+    inflight_put(f, 10, &desc_num.to_le_bytes());
+    inflight_put(f, 12, &last_batch_head.to_le_bytes());
+    inflight_put(f, 14, &used_idx.to_le_bytes());
+}
+
+/// ... and descriptor `head`'s in-flight flag and submission counter.
+pub fn inflight_desc(f: &File, head: u16, inflight: u8, counter: u64) {
+    let at = 16 + 16 * u64::from(head);
+    inflight_put(f, at, &[inflight]);
+    inflight_put(f, at + 8, &counter.to_le_bytes());
+}
+
+fn inflight_put(f: &File, at: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(bytes, at).expect("inflight area write");
+}
