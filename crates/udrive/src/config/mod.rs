@@ -407,6 +407,22 @@ mod tests {
         assert!(bad.validate().is_err());
     }
 
+    /// `serve` reports every problem of the values, not only the first.
+    #[test]
+    fn validate_lists_every_problem() {
+        let cfg: Config = toml::from_str(
+            "cpus = \"x\"\n[[controller]]\nsocket = \"a\"\nnamespaces = [\"ram:1G\"]\nio_queues = 0\n\
+             [[vhost_user_blk]]\nsocket = \"a\"\ndisk = \"null:1G\"\nqueue_size = 3",
+        )
+        .unwrap();
+        let e = cfg.validate().unwrap_err();
+        let Some(Problems(p)) = e.downcast_ref::<Problems>() else {
+            panic!("{e:#}")
+        };
+        assert_eq!(p.len(), 4, "{p:#?}");
+        assert!(e.to_string().starts_with("4 problems:"), "{e}");
+    }
+
     #[test]
     fn rejects_bad_configs() {
         let bad = [
