@@ -155,15 +155,12 @@ fn check_passes_a_good_configuration() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
     let img = write(dir.path(), "vm.img", &"x".repeat(1 << 20));
+    // Two devices on disjoint halves of one file (inline tables, as TOML allows).
     let cfg = format!(
         r#"
         rpc = "{d}/rpc.sock"
-        [[controller]]
-        socket = "{d}/a.sock"
-        namespaces = ["file:{img},offset=0,size=512K", "ram:64M"]
-        [[vhost_user_blk]]
-        socket = "{d}/b.sock"
-        disk = "file:{img},offset=512K,size=512K"
+        controller = [{{ socket = "{d}/a.sock", namespaces = ["file:{img},size=512K", "ram:64M"] }}]
+        vhost_user_blk = [{{ socket = "{d}/b.sock", disk = "file:{img},offset=512K,size=512K" }}]
         "#
     );
     let file = write(dir.path(), "good.toml", &cfg);
