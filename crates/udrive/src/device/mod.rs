@@ -217,8 +217,9 @@ impl NvmeDevice {
             other_io = st.other_io,
             io_errors = st.io_errors,
             admin_commands = st.admin_commands,
-            // Not `doorbell_buffer_configured`: the guest's controller reset at
-            // shutdown has cleared it by now, whatever the guest used before.
+            // Not `doorbell_buffer_configured`: the controller reset that the
+            // client's disconnect or the server's stop causes has cleared it by
+            // now, whatever the guest used before.
             doorbell_buffer_configs = st.doorbell_buffer_configs,
             shadow_doorbell_reads = st.shadow_doorbell_reads,
             dma_read_messages = dma.reads,
