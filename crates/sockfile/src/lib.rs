@@ -209,4 +209,20 @@ mod tests {
         drop(l);
         assert!(bind(&p, SocketAccess::default()).is_ok(), "stale replaced");
     }
+
+    /// `probe` (what `udrive check` asks) tells the cases apart and changes nothing.
+    #[test]
+    fn probe_looks_without_touching() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("s.sock");
+        assert_eq!(probe(&p).unwrap(), SocketPath::Free);
+        let l = bind(&p, SocketAccess::default()).unwrap();
+        assert_eq!(probe(&p).unwrap_err().kind(), io::ErrorKind::AddrInUse);
+        drop(l);
+        assert_eq!(probe(&p).unwrap(), SocketPath::Stale);
+        assert!(p.exists(), "a stale socket stays until something binds there");
+        let f = d.path().join("file");
+        std::fs::write(&f, "").unwrap();
+        assert_eq!(probe(&f).unwrap_err().kind(), io::ErrorKind::AlreadyExists);
+    }
 }
