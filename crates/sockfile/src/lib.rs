@@ -220,7 +220,10 @@ mod tests {
         assert_eq!(probe(&p).unwrap_err().kind(), io::ErrorKind::AddrInUse);
         drop(l);
         assert_eq!(probe(&p).unwrap(), SocketPath::Stale);
-        assert!(p.exists(), "a stale socket stays until something binds there");
+        assert!(
+            p.exists(),
+            "a stale socket stays until something binds there"
+        );
         let f = d.path().join("file");
         std::fs::write(&f, "").unwrap();
         assert_eq!(probe(&f).unwrap_err().kind(), io::ErrorKind::AlreadyExists);
