@@ -124,9 +124,10 @@ impl Shared {
                 queue = idx / 2,
                 value = v,
                 "doorbell of a queue this controller does not have: the guest's driver \
-                 uses queues created elsewhere (a VM live-migrated with an NVMe controller \
-                 over vfio-user, which carries no controller state: see docs/attach.md) or \
-                 writes doorbells of queues it deleted"
+                 uses queues this controller did not create (a VM live-migrated with an \
+                 NVMe controller over vfio-user, which carries no controller state: see \
+                 docs/attach.md; or a server that lost the state) until it resets the \
+                 controller, or it writes doorbells of queues it deleted"
             );
             return;
         };
