@@ -1,0 +1,237 @@
+//! The data path's cipher: AES-XTS over 512-byte sectors with dm-crypt's `plain64`
+//! IV (the sector number relative to the start of the encrypted data, as a 64-bit
+//! little-endian number padded with zeroes to the 16-byte tweak), which is what
+//! LUKS's `aes-xts-plain64` means. RustCrypto's `aes` picks AES-NI at run time;
+//! `xts-mode` chains the tweak (docs/decisions/0037-luks-encryption.md).
+//!
+//! The key schedule is the volume key in another form, so it lives in a
+//! [`Secret`]: a private mapping of its own, excluded from core dumps, locked in
+//! memory where the process may, and wiped when dropped.
+
+use std::fmt;
+use std::io;
+use std::ptr::NonNull;
+
+use aes::cipher::KeyInit;
+use aes::{Aes128, Aes256};
+use xts_mode::{get_tweak_default, Xts128};
+use zeroize::Zeroize;
+
+/// LUKS's encryption sector: the unit of one tweak.
+pub const SECTOR: usize = 512;
+
+/// AES-XTS with the plain64 IV, keyed with a LUKS volume key.
+pub struct SectorCipher {
+    xts: Keyed,
+}
+
+enum Keyed {
+    /// A 256-bit volume key: two AES-128 keys.
+    Aes128(Xts128<Aes128>),
+    /// A 512-bit volume key (LUKS2's default): two AES-256 keys.
+    Aes256(Xts128<Aes256>),
+}
+
+/// Never prints key material.
+impl fmt::Debug for SectorCipher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let bits = match self.xts {
+            Keyed::Aes128(_) => 256,
+            Keyed::Aes256(_) => 512,
+        };
+        write!(f, "SectorCipher(aes-xts-plain64, {bits}-bit key)")
+    }
+}
+
+impl SectorCipher {
+    /// The cipher for `key` (32 or 64 bytes: the two XTS halves); `None` for any
+    /// other length.
+    pub fn new(key: &[u8]) -> Option<SectorCipher> {
+        let (k1, k2) = key.split_at(key.len() / 2);
+        let xts = match key.len() {
+            32 => Keyed::Aes128(Xts128::new(
+                Aes128::new_from_slice(k1).ok()?,
+                Aes128::new_from_slice(k2).ok()?,
+            )),
+            64 => Keyed::Aes256(Xts128::new(
+                Aes256::new_from_slice(k1).ok()?,
+                Aes256::new_from_slice(k2).ok()?,
+            )),
+            _ => return None,
+        };
+        Some(SectorCipher { xts })
+    }
+
+    /// Encrypts `data` (whole sectors; a partial tail is left alone) whose first
+    /// sector has number `first_sector`.
+    pub fn encrypt(&self, data: &mut [u8], first_sector: u64) {
+        for (i, s) in data.chunks_exact_mut(SECTOR).enumerate() {
+            let tweak = get_tweak_default(u128::from(first_sector) + i as u128);
+            match &self.xts {
+                Keyed::Aes128(x) => x.encrypt_sector(s, tweak),
+                Keyed::Aes256(x) => x.encrypt_sector(s, tweak),
+            }
+        }
+    }
+
+    /// Decrypts `data`, as [`SectorCipher::encrypt`] encrypted it.
+    pub fn decrypt(&self, data: &mut [u8], first_sector: u64) {
+        for (i, s) in data.chunks_exact_mut(SECTOR).enumerate() {
+            let tweak = get_tweak_default(u128::from(first_sector) + i as u128);
+            match &self.xts {
+                Keyed::Aes128(x) => x.decrypt_sector(s, tweak),
+                Keyed::Aes256(x) => x.decrypt_sector(s, tweak),
+            }
+        }
+    }
+}
+
+/// A value kept in a private anonymous mapping of its own that core dumps leave
+/// out (`MADV_DONTDUMP`) and that is locked in memory when the process may
+/// (`mlock`; refused without `CAP_IPC_LOCK` beyond the memlock limit, which only
+/// costs the protection from swap). Dropping it drops the value and wipes the
+/// mapping. Read-only once made, so it is shared between threads.
+pub struct Secret<T> {
+    ptr: NonNull<T>,
+    len: usize,
+}
+
+// SAFETY: the mapping is owned by this value alone and only read through `&T`
+// after construction, so it is as thread-safe as `T` itself.
+unsafe impl<T: Send> Send for Secret<T> {}
+// SAFETY: as above; shared access hands out `&T` only.
+unsafe impl<T: Sync> Sync for Secret<T> {}
+
+impl<T> Secret<T> {
+    /// Moves `value` into a mapping of its own.
+    pub fn new(value: T) -> io::Result<Secret<T>> {
+        let page = 4096;
+        let len = std::mem::size_of::<T>().max(1).div_ceil(page) * page;
+        if std::mem::align_of::<T>() > page {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "alignment"));
+        }
+        // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `p..p+len` is the mapping made above. Advice and locking only
+        // change how the kernel treats it; a refused lock leaves it usable.
+        unsafe {
+            if libc::madvise(p, len, libc::MADV_DONTDUMP) != 0 {
+                let e = io::Error::last_os_error();
+                libc::munmap(p, len);
+                return Err(e);
+            }
+            libc::mlock(p, len);
+        }
+        let ptr = p.cast::<T>();
+        // SAFETY: the mapping is page aligned (>= align_of::<T>, checked), at least
+        // size_of::<T> bytes, writable and not yet holding a value.
+        unsafe { ptr.write(value) };
+        Ok(Secret {
+            // SAFETY: mmap succeeded, so `p` is not null.
+            ptr: unsafe { NonNull::new_unchecked(ptr) },
+            len,
+        })
+    }
+}
+
+impl<T> std::ops::Deref for Secret<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: initialized in `new`, alive until `drop`, never mutated.
+        unsafe { self.ptr.as_ref() }
+    }
+}
+
+impl<T> Drop for Secret<T> {
+    fn drop(&mut self) {
+        let p = self.ptr.as_ptr();
+        // SAFETY: the value was written in `new` and is dropped once, here; the
+        // mapping is then ours alone to wipe and unmap (no reference outlives
+        // `self`).
+        unsafe {
+            std::ptr::drop_in_place(p);
+            std::slice::from_raw_parts_mut(p.cast::<u8>(), self.len).zeroize();
+            libc::munlock(p.cast(), self.len);
+            libc::munmap(p.cast(), self.len);
+        }
+    }
+}
+
+impl<T> fmt::Debug for Secret<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    /// IEEE 1619-2007 annex B, vector 4: a 512-byte data unit, data unit
+    /// sequence number 0, AES-128 keys.
+    #[test]
+    fn ieee_1619_vector_4() {
+        let key = hex("2718281828459045235360287471352631415926535897932384626433832795");
+        let c = SectorCipher::new(&key).unwrap();
+        let mut data: Vec<u8> = (0..512).map(|i| i as u8).collect();
+        c.encrypt(&mut data, 0);
+        assert_eq!(
+            data[..32],
+            hex("27a7479befa1d476489f308cd4cfa6e2a96e4bbe3208ff25287dd3819616e89c")[..]
+        );
+        // The last block, as OpenSSL's EVP computes it.
+        assert_eq!(data[496..], hex("0a282df920147beabe421ee5319d0568")[..]);
+        c.decrypt(&mut data, 0);
+        assert!(data.iter().enumerate().all(|(i, b)| *b == i as u8));
+    }
+
+    #[test]
+    fn round_trip_and_sector_numbers() {
+        let key: Vec<u8> = (0..64).collect();
+        let c = SectorCipher::new(&key).unwrap();
+        let plain: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        let mut whole = plain.clone();
+        c.encrypt(&mut whole, 1000);
+        assert_ne!(whole, plain);
+        // Sector by sector, each with its own number: the same bytes.
+        for (i, s) in plain.chunks(SECTOR).enumerate() {
+            let mut one = s.to_vec();
+            c.encrypt(&mut one, 1000 + i as u64);
+            assert_eq!(one, whole[i * SECTOR..(i + 1) * SECTOR]);
+        }
+        // Another sector number is another ciphertext.
+        let mut moved = plain.clone();
+        c.encrypt(&mut moved, 1001);
+        assert_ne!(moved[..SECTOR], whole[..SECTOR]);
+        c.decrypt(&mut whole, 1000);
+        assert_eq!(whole, plain);
+        assert!(SectorCipher::new(&key[..48]).is_none());
+        assert!(!format!("{c:?}").contains("00"));
+    }
+
+    #[test]
+    fn secret_holds_and_derefs() {
+        let s = Secret::new([7u64; 3]).unwrap();
+        assert_eq!(s[2], 7);
+        assert_eq!(format!("{s:?}"), "Secret(..)");
+    }
+}
