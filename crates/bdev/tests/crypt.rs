@@ -16,7 +16,7 @@ fn key() -> Vec<u8> {
 }
 
 fn crypt_over(inner: Arc<dyn BlockDevice>) -> CryptDisk {
-    CryptDisk::with_key(inner, &key(), DATA).unwrap()
+    CryptDisk::with_key(inner, &key(), 512, DATA).unwrap()
 }
 
 fn rq<'a>(op: IoOp, offset: u64, iov: &'a [DmaSlice<'a>]) -> IoRequest<'a> {
@@ -60,7 +60,7 @@ fn writes_are_ciphertext_below_and_read_back_plain() {
     let mut below = vec![0u8; 8192];
     raw.read_into(0, &mut below).unwrap();
     let mut expect = plain.clone();
-    SectorCipher::new(&key()).unwrap().encrypt(&mut expect, 8);
+    SectorCipher::new(&key(), 512).unwrap().encrypt(&mut expect, 8);
     assert_eq!(below, expect);
 
     let out = mem.slice(32 * KIB, 8192).unwrap();
@@ -139,12 +139,12 @@ fn requests_it_cannot_encrypt_fail_cleanly() {
     // A header that does not leave room for data is refused.
     let small = Arc::new(RamDisk::new(DATA, 512).unwrap());
     assert!(matches!(
-        CryptDisk::with_key(small, &key(), DATA),
+        CryptDisk::with_key(small, &key(), 512, DATA),
         Err(LuksError::Layout { .. })
     ));
     let ram = Arc::new(RamDisk::new(DATA * 2, 512).unwrap());
     assert!(matches!(
-        CryptDisk::with_key(ram, &key()[..48], DATA),
+        CryptDisk::with_key(ram, &key()[..48], 512, DATA),
         Err(LuksError::KeySize { bytes: 48 })
     ));
     assert!(!format!("{disk:?}").contains("Secret"));

@@ -59,7 +59,7 @@ pub enum LuksError {
     },
     #[error("{device}: the key file opens no keyslot of the LUKS header")]
     WrongKey { device: String },
-    #[error("{device}: cipher {cipher}-{mode} with {key_bytes}-byte keys and {sector}-byte sectors is not supported (aes-xts-plain64, 512-byte sectors)")]
+    #[error("{device}: cipher {cipher}-{mode} with {key_bytes}-byte keys and {sector}-byte sectors is not supported (aes-xts-plain64, 512- or 4096-byte sectors)")]
     Cipher {
         device: String,
         cipher: String,
@@ -124,6 +124,21 @@ extern "C" {
 
 const CRYPT_ANY_SLOT: c_int = -1;
 
+/// What an unlocked header gives the data path.
+struct UnlockedKey {
+    key: Zeroizing<[u8; 64]>,
+    len: usize,
+    /// The encryption sector.
+    unit: usize,
+    data_offset: u64,
+}
+
+impl UnlockedKey {
+    fn open(&self, inner: Arc<dyn BlockDevice>) -> Result<CryptDisk, LuksError> {
+        CryptDisk::with_key(inner, &self.key[..self.len], self.unit, self.data_offset)
+    }
+}
+
 /// A libcryptsetup context on a header copy, freed on drop.
 struct Context {
     cd: *mut CryptDevice,
@@ -170,7 +185,7 @@ impl Context {
 
     /// The volume key (its bytes and length), unlocked by `passphrase` from any
     /// keyslot, for a cipher the data path implements.
-    fn volume_key(&self, passphrase: &[u8]) -> Result<(Zeroizing<[u8; 64]>, usize), LuksError> {
+    fn volume_key(&self, passphrase: &[u8]) -> Result<UnlockedKey, LuksError> {
         let mut key = Zeroizing::new([0u8; 64]);
         let mut len = key.len();
         // SAFETY: `key` has room for `len` bytes and libcryptsetup writes at most
@@ -201,7 +216,8 @@ impl Context {
                 crypt_get_sector_size(self.cd),
             )
         };
-        if cipher != "aes" || mode != "xts-plain64" || sector != 512 || !(len == 32 || len == 64) {
+        let sector_ok = sector == 512 || sector == 4096;
+        if cipher != "aes" || mode != "xts-plain64" || !sector_ok || !(len == 32 || len == 64) {
             return Err(LuksError::Cipher {
                 device: self.device.clone(),
                 cipher,
@@ -210,7 +226,12 @@ impl Context {
                 sector,
             });
         }
-        Ok((key, len))
+        Ok(UnlockedKey {
+            key,
+            len,
+            unit: sector as usize,
+            data_offset: self.data_offset(),
+        })
     }
 }
 
@@ -387,8 +408,7 @@ pub fn open_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDi
             copied = data_offset;
             continue;
         }
-        let (key, len) = ctx.volume_key(&pass)?;
-        return CryptDisk::with_key(inner, &key[..len], data_offset);
+        return ctx.volume_key(&pass)?.open(inner);
     }
 }
 
@@ -443,8 +463,8 @@ pub fn format_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<Crypt
             block_size: u64::from(inner.info().block_size),
         });
     }
-    let (key, len) = ctx.volume_key(&pass)?;
+    let key = ctx.volume_key(&pass)?;
     let file = copy.file().map_err(|e| hio("copy", e))?;
     copy_header(&*inner, &file, data_offset, IoOp::Write).map_err(|e| hio("write", e))?;
-    CryptDisk::with_key(inner, &key[..len], data_offset)
+    key.open(inner)
 }

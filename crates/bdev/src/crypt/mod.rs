@@ -54,7 +54,7 @@ impl fmt::Debug for CryptDisk {
 
 impl CryptDisk {
     /// The payload of `inner` from `data_offset` (a multiple of the block size) to
-    /// its end.
+    /// its end, in blocks of at least the cipher's sector.
     pub fn new(
         inner: Arc<dyn BlockDevice>,
         cipher: Arc<Secret<SectorCipher>>,
@@ -62,7 +62,8 @@ impl CryptDisk {
     ) -> Result<CryptDisk, LuksError> {
         let ii = inner.info().clone();
         let total = ii.size_bytes();
-        let bs = u64::from(ii.block_size);
+        let block_size = ii.block_size.max(cipher.unit() as u32);
+        let bs = u64::from(block_size);
         if bs == 0 || !data_offset.is_multiple_of(bs) || data_offset >= total {
             return Err(LuksError::Layout {
                 data_offset,
@@ -71,6 +72,7 @@ impl CryptDisk {
             });
         }
         let info = BlockInfo {
+            block_size,
             num_blocks: (total - data_offset) / bs,
             // Zeroes or a trim would reach the disk in the clear: both refused.
             discard: false,
@@ -87,14 +89,16 @@ impl CryptDisk {
     }
 
     /// The payload of `inner` from `data_offset` on, encrypted with the volume
-    /// key `key` (32 or 64 bytes), which is not kept: its cipher is, in a
-    /// [`Secret`].
+    /// key `key` (32 or 64 bytes) in sectors of `unit` bytes (512 or 4096). The
+    /// key is not kept: its cipher is, in a [`Secret`].
     pub fn with_key(
         inner: Arc<dyn BlockDevice>,
         key: &[u8],
+        unit: usize,
         data_offset: u64,
     ) -> Result<CryptDisk, LuksError> {
-        let cipher = SectorCipher::new(key).ok_or(LuksError::KeySize { bytes: key.len() })?;
+        let cipher =
+            SectorCipher::new(key, unit).ok_or(LuksError::KeySize { bytes: key.len() })?;
         let cipher = Arc::new(Secret::new(cipher).map_err(LuksError::Memory)?);
         CryptDisk::new(inner, cipher, data_offset)
     }
@@ -239,7 +243,7 @@ impl CryptState {
 
     /// What is wrong with a read or write, before any work.
     fn check(&self, req: &IoRequest<'_>) -> Option<IoStatus> {
-        let sector = SECTOR as u64;
+        let sector = self.cipher.unit() as u64;
         if !in_range(req.offset, req.len, self.size) {
             return Some(IoStatus::OutOfRange);
         }

@@ -1,7 +1,9 @@
-//! The data path's cipher: AES-XTS over 512-byte sectors with dm-crypt's `plain64`
-//! IV (the sector number relative to the start of the encrypted data, as a 64-bit
-//! little-endian number padded with zeroes to the 16-byte tweak), which is what
-//! LUKS's `aes-xts-plain64` means. RustCrypto's `aes` picks AES-NI at run time;
+//! The data path's cipher: AES-XTS over encryption sectors (512 or 4096 bytes,
+//! LUKS2's `sector_size`) with dm-crypt's `plain64` IV: the number of the
+//! sector's first 512-byte unit relative to the start of the encrypted data, as a
+//! 64-bit little-endian number padded with zeroes to the 16-byte tweak. (LUKS
+//! never sets dm-crypt's `iv_large_sectors`, so a 4096-byte sector's IVs go 0, 8,
+//! 16, ...) That is what LUKS's `aes-xts-plain64` means. RustCrypto's `aes` picks AES-NI at run time;
 //! `xts-mode` chains the tweak (docs/decisions/0037-luks-encryption.md).
 //!
 //! The key schedule is the volume key in another form, so it lives in a
@@ -17,12 +19,14 @@ use aes::{Aes128, Aes256};
 use xts_mode::{get_tweak_default, Xts128};
 use zeroize::Zeroize;
 
-/// LUKS's encryption sector: the unit of one tweak.
+/// The unit plain64 IVs count in.
 pub const SECTOR: usize = 512;
 
 /// AES-XTS with the plain64 IV, keyed with a LUKS volume key.
 pub struct SectorCipher {
     xts: Keyed,
+    /// Bytes encrypted under one tweak (512 or 4096).
+    unit: usize,
 }
 
 enum Keyed {
@@ -39,14 +43,17 @@ impl fmt::Debug for SectorCipher {
             Keyed::Aes128(_) => 256,
             Keyed::Aes256(_) => 512,
         };
-        write!(f, "SectorCipher(aes-xts-plain64, {bits}-bit key)")
+        write!(f, "SectorCipher(aes-xts-plain64, {bits}-bit key, {}-byte sectors)", self.unit)
     }
 }
 
 impl SectorCipher {
-    /// The cipher for `key` (32 or 64 bytes: the two XTS halves); `None` for any
-    /// other length.
-    pub fn new(key: &[u8]) -> Option<SectorCipher> {
+    /// The cipher for `key` (32 or 64 bytes: the two XTS halves) and encryption
+    /// sectors of `unit` bytes (512 or 4096); `None` for anything else.
+    pub fn new(key: &[u8], unit: usize) -> Option<SectorCipher> {
+        if unit != 512 && unit != 4096 {
+            return None;
+        }
         let (k1, k2) = key.split_at(key.len() / 2);
         let xts = match key.len() {
             32 => Keyed::Aes128(Xts128::new(
@@ -59,14 +66,24 @@ impl SectorCipher {
             )),
             _ => return None,
         };
-        Some(SectorCipher { xts })
+        Some(SectorCipher { xts, unit })
     }
 
-    /// Encrypts `data` (whole sectors; a partial tail is left alone) whose first
-    /// sector has number `first_sector`.
-    pub fn encrypt(&self, data: &mut [u8], first_sector: u64) {
-        for (i, s) in data.chunks_exact_mut(SECTOR).enumerate() {
-            let tweak = get_tweak_default(u128::from(first_sector) + i as u128);
+    /// Bytes encrypted under one tweak: requests must be aligned to it.
+    pub fn unit(&self) -> usize {
+        self.unit
+    }
+
+    /// The tweak of the `i`-th encryption sector from 512-byte unit `first`.
+    fn tweak(&self, first: u64, i: usize) -> [u8; 16] {
+        get_tweak_default(u128::from(first) + (i * (self.unit / SECTOR)) as u128)
+    }
+
+    /// Encrypts `data` (whole encryption sectors; a partial tail is left alone)
+    /// that starts at 512-byte unit `first` of the encrypted data.
+    pub fn encrypt(&self, data: &mut [u8], first: u64) {
+        for (i, s) in data.chunks_exact_mut(self.unit).enumerate() {
+            let tweak = self.tweak(first, i);
             match &self.xts {
                 Keyed::Aes128(x) => x.encrypt_sector(s, tweak),
                 Keyed::Aes256(x) => x.encrypt_sector(s, tweak),
@@ -75,9 +92,9 @@ impl SectorCipher {
     }
 
     /// Decrypts `data`, as [`SectorCipher::encrypt`] encrypted it.
-    pub fn decrypt(&self, data: &mut [u8], first_sector: u64) {
-        for (i, s) in data.chunks_exact_mut(SECTOR).enumerate() {
-            let tweak = get_tweak_default(u128::from(first_sector) + i as u128);
+    pub fn decrypt(&self, data: &mut [u8], first: u64) {
+        for (i, s) in data.chunks_exact_mut(self.unit).enumerate() {
+            let tweak = self.tweak(first, i);
             match &self.xts {
                 Keyed::Aes128(x) => x.decrypt_sector(s, tweak),
                 Keyed::Aes256(x) => x.decrypt_sector(s, tweak),
@@ -191,7 +208,7 @@ mod tests {
     #[test]
     fn ieee_1619_vector_4() {
         let key = hex("2718281828459045235360287471352631415926535897932384626433832795");
-        let c = SectorCipher::new(&key).unwrap();
+        let c = SectorCipher::new(&key, 512).unwrap();
         let mut data: Vec<u8> = (0..512).map(|i| i as u8).collect();
         c.encrypt(&mut data, 0);
         assert_eq!(
@@ -207,7 +224,7 @@ mod tests {
     #[test]
     fn round_trip_and_sector_numbers() {
         let key: Vec<u8> = (0..64).collect();
-        let c = SectorCipher::new(&key).unwrap();
+        let c = SectorCipher::new(&key, 512).unwrap();
         let plain: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
         let mut whole = plain.clone();
         c.encrypt(&mut whole, 1000);
@@ -224,7 +241,20 @@ mod tests {
         assert_ne!(moved[..SECTOR], whole[..SECTOR]);
         c.decrypt(&mut whole, 1000);
         assert_eq!(whole, plain);
-        assert!(SectorCipher::new(&key[..48]).is_none());
+        assert!(SectorCipher::new(&key[..48], 512).is_none());
+        assert!(SectorCipher::new(&key, 1024).is_none());
+        // 4096-byte sectors: one tweak per 4096 bytes, numbered in 512-byte units.
+        let big = SectorCipher::new(&key, 4096).unwrap();
+        let mut two = plain.clone();
+        two.extend_from_slice(&plain);
+        big.encrypt(&mut two, 16);
+        let mut second = plain.clone();
+        big.encrypt(&mut second, 24);
+        assert_eq!(two[4096..], second[..]);
+        let mut first = plain.clone();
+        big.encrypt(&mut first, 16);
+        assert_eq!(two[..4096], first[..]);
+        assert_ne!(first, second);
         assert!(!format!("{c:?}").contains("00"));
     }
 
