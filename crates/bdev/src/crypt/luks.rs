@@ -75,6 +75,8 @@ pub enum LuksError {
     },
     #[error("a volume key of {bytes} bytes (aes-xts takes 32 or 64)")]
     KeySize { bytes: usize },
+    #[error("{device} holds data but no LUKS header: not formatted (create=on formats only a blank volume)")]
+    NotBlank { device: String },
     #[error("key memory")]
     Memory(#[source] io::Error),
 }
@@ -467,4 +469,33 @@ pub fn format_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<Crypt
     let file = copy.file().map_err(|e| hio("copy", e))?;
     copy_header(&*inner, &file, data_offset, IoOp::Write).map_err(|e| hio("write", e))?;
     key.open(inner)
+}
+
+/// Opens the LUKS volume on `inner`; a blank `inner` (its first 4 KiB all zero,
+/// as a new file, RAM disk or image) is formatted first ([`format_luks`]). A
+/// backend that holds anything else is refused: this never formats over data, so
+/// the same spec opens the same volume on every start and after a handover.
+pub fn open_or_format_luks(
+    inner: Arc<dyn BlockDevice>,
+    key_file: &Path,
+) -> Result<CryptDisk, LuksError> {
+    const PROBE: u64 = 4096;
+    let device = inner.describe();
+    let hio = |source| LuksError::HeaderIo {
+        device: device.clone(),
+        op: "read",
+        source,
+    };
+    let copy = HeaderCopy::new(PROBE).map_err(hio)?;
+    let file = copy.file().map_err(hio)?;
+    copy_header(&*inner, &file, PROBE.min(inner.info().size_bytes()), IoOp::Read).map_err(hio)?;
+    let mut head = [0u8; PROBE as usize];
+    std::os::unix::fs::FileExt::read_exact_at(&file, &mut head, 0).map_err(hio)?;
+    if head.starts_with(b"LUKS\xba\xbe") {
+        open_luks(inner, key_file)
+    } else if head.iter().all(|b| *b == 0) {
+        format_luks(inner, key_file)
+    } else {
+        Err(LuksError::NotBlank { device })
+    }
 }

@@ -14,7 +14,7 @@
 mod luks;
 mod xts;
 
-pub use luks::{format_luks, open_luks, LuksError};
+pub use luks::{format_luks, open_luks, open_or_format_luks, LuksError};
 pub use xts::{Secret, SectorCipher, SECTOR};
 
 use std::fmt;
