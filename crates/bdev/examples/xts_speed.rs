@@ -55,7 +55,10 @@ fn main() {
         let cycles = (tsc() - c0) as f64;
         let bytes = (n / 8 * 4096) as f64;
         let gbs = bytes / t.elapsed().as_secs_f64() / 1e9;
-        println!("{name:<36} {gbs:.2} GB/s, {:.2} cycles/byte", cycles / bytes);
+        println!(
+            "{name:<36} {gbs:.2} GB/s, {:.2} cycles/byte",
+            cycles / bytes
+        );
     };
     measure("xts-mode, 512-byte sectors, encrypt", &mut |b, n| {
         for (i, s) in b.chunks_mut(512).enumerate() {
@@ -64,7 +67,13 @@ fn main() {
     });
     for unit in [512, 4096] {
         let c = SectorCipher::new(&key, unit).expect("key");
-        measure(&format!("udrive, {unit}-byte sectors, encrypt"), &mut |b, n| c.encrypt(b, n));
-        measure(&format!("udrive, {unit}-byte sectors, decrypt"), &mut |b, n| c.decrypt(b, n));
+        measure(
+            &format!("udrive, {unit}-byte sectors, encrypt"),
+            &mut |b, n| c.encrypt(b, n),
+        );
+        measure(
+            &format!("udrive, {unit}-byte sectors, decrypt"),
+            &mut |b, n| c.decrypt(b, n),
+        );
     }
 }

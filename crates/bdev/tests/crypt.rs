@@ -12,7 +12,9 @@ const KIB: u64 = 1 << 10;
 const DATA: u64 = 64 * KIB;
 
 fn key() -> Vec<u8> {
-    (0..64u8).map(|i| i.wrapping_mul(37).wrapping_add(5)).collect()
+    (0..64u8)
+        .map(|i| i.wrapping_mul(37).wrapping_add(5))
+        .collect()
 }
 
 fn crypt_over(inner: Arc<dyn BlockDevice>) -> CryptDisk {
@@ -30,7 +32,9 @@ fn rq<'a>(op: IoOp, offset: u64, iov: &'a [DmaSlice<'a>]) -> IoRequest<'a> {
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
 }
 
 #[test]
@@ -46,10 +50,16 @@ fn writes_are_ciphertext_below_and_read_back_plain() {
     buf.write_from(0, &plain).unwrap();
     // Uneven segments: a sector straddles two of them.
     let iov = [buf.sub(0, 100).unwrap(), buf.sub(100, 8092).unwrap()];
-    assert_eq!(ch.submit(1, &rq(IoOp::Write, 4096, &iov)), Some(IoStatus::Ok));
+    assert_eq!(
+        ch.submit(1, &rq(IoOp::Write, 4096, &iov)),
+        Some(IoStatus::Ok)
+    );
     let mut seen = vec![0u8; 8192];
     buf.read_into(0, &mut seen).unwrap();
-    assert_eq!(seen, plain, "the client's buffer is never encrypted in place");
+    assert_eq!(
+        seen, plain,
+        "the client's buffer is never encrypted in place"
+    );
 
     // Below: the payload's sector 8 on, encrypted with its own sector numbers.
     let mut raw_ch = ram.channel().unwrap();
@@ -60,7 +70,9 @@ fn writes_are_ciphertext_below_and_read_back_plain() {
     let mut below = vec![0u8; 8192];
     raw.read_into(0, &mut below).unwrap();
     let mut expect = plain.clone();
-    SectorCipher::new(&key(), 512).unwrap().encrypt(&mut expect, 8);
+    SectorCipher::new(&key(), 512)
+        .unwrap()
+        .encrypt(&mut expect, 8);
     assert_eq!(below, expect);
 
     let out = mem.slice(32 * KIB, 8192).unwrap();

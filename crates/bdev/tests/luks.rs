@@ -50,13 +50,18 @@ fn io(ch: &mut dyn IoChannel, op: IoOp, offset: u64, buf: &MappedRegion, len: us
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(13) ^ seed).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(13) ^ seed)
+        .collect()
 }
 
 fn read_at(img: &Path, off: u64, len: usize) -> Vec<u8> {
     use std::os::unix::fs::FileExt;
     let mut v = vec![0; len];
-    std::fs::File::open(img).unwrap().read_exact_at(&mut v, off).unwrap();
+    std::fs::File::open(img)
+        .unwrap()
+        .read_exact_at(&mut v, off)
+        .unwrap();
     v
 }
 
@@ -80,14 +85,24 @@ fn interop_both_ways(img: &Path, key: &Path, disk: &CryptDisk) {
     let mut ch = disk.channel().unwrap();
     let buf = MappedRegion::anonymous(0, MIB).unwrap();
     let plain = pattern(64 << 10, 0x5a);
-    buf.slice(0, plain.len()).unwrap().write_from(0, &plain).unwrap();
-    assert_eq!(io(&mut *ch, IoOp::Write, MIB, &buf, plain.len()), IoStatus::Ok);
+    buf.slice(0, plain.len())
+        .unwrap()
+        .write_from(0, &plain)
+        .unwrap();
+    assert_eq!(
+        io(&mut *ch, IoOp::Write, MIB, &buf, plain.len()),
+        IoStatus::Ok
+    );
     let raw = read_at(img, data + MIB, plain.len());
     assert_ne!(raw, plain);
     assert_eq!(openssl_xts(false, &vk, unit, MIB / 512, &raw), plain);
 
     let other = pattern(8192, 0xc3);
-    write_at(img, data + 3 * MIB, &openssl_xts(true, &vk, unit, 3 * MIB / 512, &other));
+    write_at(
+        img,
+        data + 3 * MIB,
+        &openssl_xts(true, &vk, unit, 3 * MIB / 512, &other),
+    );
     assert_eq!(io(&mut *ch, IoOp::Read, 3 * MIB, &buf, 8192), IoStatus::Ok);
     let mut seen = vec![0; 8192];
     buf.slice(0, 8192).unwrap().read_into(0, &mut seen).unwrap();
@@ -120,7 +135,8 @@ fn formatted_volumes_open_in_cryptsetup() {
     let dir = tempfile::tempdir().unwrap();
     let (img, key) = volume(dir.path(), 24 * MIB);
     let disk = format_luks(file(&img), &key).unwrap();
-    let dump = String::from_utf8(run(Command::new("cryptsetup").arg("luksDump").arg(&img))).unwrap();
+    let dump =
+        String::from_utf8(run(Command::new("cryptsetup").arg("luksDump").arg(&img))).unwrap();
     assert!(dump.contains("Version:       \t2"), "{dump}");
     assert!(dump.contains("aes-xts-plain64"), "{dump}");
     assert!(dump.contains("argon2id"), "{dump}");
@@ -188,7 +204,10 @@ fn hostile_headers_and_keys_are_refused_without_key_bytes() {
 
     // A plain, never formatted file.
     let plain = dir.path().join("plain.img");
-    std::fs::File::create(&plain).unwrap().set_len(4 * MIB).unwrap();
+    std::fs::File::create(&plain)
+        .unwrap()
+        .set_len(4 * MIB)
+        .unwrap();
     let e = clean(open_luks(file(&plain), &key).unwrap_err());
     assert!(matches!(e, LuksError::Header { .. }), "{e:?}");
 }

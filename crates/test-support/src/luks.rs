@@ -34,8 +34,14 @@ pub fn volume(dir: &Path, size: u64) -> (PathBuf, PathBuf) {
 /// with a cheap argon2id keyslot and 512-byte sectors.
 pub fn luks_format(img: &Path, key: &Path, defaults: bool) {
     let mut c = Command::new("cryptsetup");
-    c.args(["luksFormat", "--type", "luks2", "--batch-mode", "--key-file"])
-        .arg(key);
+    c.args([
+        "luksFormat",
+        "--type",
+        "luks2",
+        "--batch-mode",
+        "--key-file",
+    ])
+    .arg(key);
     if !defaults {
         c.args([
             "--sector-size",
@@ -57,7 +63,12 @@ pub fn luks_format(img: &Path, key: &Path, defaults: bool) {
 pub fn volume_key(img: &Path, key: &Path) -> Vec<u8> {
     let vk = img.with_extension("vk");
     run(Command::new("cryptsetup")
-        .args(["luksDump", "--dump-volume-key", "--batch-mode", "--key-file"])
+        .args([
+            "luksDump",
+            "--dump-volume-key",
+            "--batch-mode",
+            "--key-file",
+        ])
         .arg(key)
         .arg("--volume-key-file")
         .arg(&vk)
@@ -67,7 +78,13 @@ pub fn volume_key(img: &Path, key: &Path) -> Vec<u8> {
 
 /// AES-XTS of `data` with the plain64 IV of `first_sector`, by OpenSSL (through
 /// Python's `cryptography`), not by udrive's code.
-pub fn openssl_xts(encrypt: bool, key: &[u8], unit: usize, first_sector: u64, data: &[u8]) -> Vec<u8> {
+pub fn openssl_xts(
+    encrypt: bool,
+    key: &[u8],
+    unit: usize,
+    first_sector: u64,
+    data: &[u8],
+) -> Vec<u8> {
     let script = r#"
 import sys
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes

@@ -21,7 +21,11 @@ fn nvme_namespace_on_a_cryptsetup_volume() {
     let dir = tempfile::tempdir().unwrap();
     let (img, key) = volume(dir.path(), 24 * MIB);
     luks_format(&img, &key, false);
-    let ns = format!("file:{},encrypt=luks,key-file={}", img.display(), key.display());
+    let ns = format!(
+        "file:{},encrypt=luks,key-file={}",
+        img.display(),
+        key.display()
+    );
     let dev = TestDev::start("luks-nvme", &[&ns]);
     let d = dev.connect();
     let mut qp = d.create_qpair(8, false).unwrap();
@@ -32,7 +36,10 @@ fn nvme_namespace_on_a_cryptsetup_volume() {
         let mode = [DataMode::Prp, DataMode::Sgl][i % 2];
         write_read(&mut qp, &buf, *slba, data, mode);
     }
-    assert_ok(&io(&mut qp, IoOp::Flush, 1, 0, 0, None, DataMode::Prp), "flush");
+    assert_ok(
+        &io(&mut qp, IoOp::Flush, 1, 0, 0, None, DataMode::Prp),
+        "flush",
+    );
     // The payload is 8 MiB: the header's 16 MiB are not the guest's.
     let last = io(&mut qp, IoOp::Read, 1, 16383, 1, Some(&buf), DataMode::Prp);
     assert_ok(&last, "last payload block");
@@ -86,11 +93,35 @@ fn specs_that_cannot_unlock_fail_at_start() {
     let plain = dir.path().join("plain.img");
     std::fs::write(&plain, vec![0x55; 4 * MIB as usize]).unwrap();
     for (ns, want) in [
-        (format!("file:{},encrypt=luks,key-file={}", img.display(), wrong.display()), "opens no keyslot"),
-        (format!("file:{},encrypt=luks,key-file=/nonexistent/k", img.display()), "key file /nonexistent/k"),
-        (format!("file:{},encrypt=luks,key-file={}", plain.display(), key.display()), "no valid LUKS header"),
         (
-            format!("file:{},encrypt=luks,key-file={},create=on", plain.display(), key.display()),
+            format!(
+                "file:{},encrypt=luks,key-file={}",
+                img.display(),
+                wrong.display()
+            ),
+            "opens no keyslot",
+        ),
+        (
+            format!(
+                "file:{},encrypt=luks,key-file=/nonexistent/k",
+                img.display()
+            ),
+            "key file /nonexistent/k",
+        ),
+        (
+            format!(
+                "file:{},encrypt=luks,key-file={}",
+                plain.display(),
+                key.display()
+            ),
+            "no valid LUKS header",
+        ),
+        (
+            format!(
+                "file:{},encrypt=luks,key-file={},create=on",
+                plain.display(),
+                key.display()
+            ),
             "holds data but no LUKS header",
         ),
     ] {

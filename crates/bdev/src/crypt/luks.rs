@@ -89,8 +89,11 @@ struct CryptDevice {
 #[link(name = "cryptsetup")]
 extern "C" {
     fn crypt_init(cd: *mut *mut CryptDevice, device: *const c_char) -> c_int;
-    fn crypt_load(cd: *mut CryptDevice, requested_type: *const c_char, params: *mut c_void)
-        -> c_int;
+    fn crypt_load(
+        cd: *mut CryptDevice,
+        requested_type: *const c_char,
+        params: *mut c_void,
+    ) -> c_int;
     fn crypt_format(
         cd: *mut CryptDevice,
         type_: *const c_char,
@@ -276,7 +279,9 @@ fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>, LuksError> {
     };
     let f = std::fs::File::open(path).map_err(ctx)?;
     let mut key = Zeroizing::new(Vec::new());
-    f.take(MAX_KEY_FILE + 1).read_to_end(&mut key).map_err(ctx)?;
+    f.take(MAX_KEY_FILE + 1)
+        .read_to_end(&mut key)
+        .map_err(ctx)?;
     if key.is_empty() || key.len() as u64 > MAX_KEY_FILE {
         return Err(LuksError::KeyFileSize {
             path: path.to_path_buf(),
@@ -319,12 +324,7 @@ impl HeaderCopy {
 /// Moves `len` bytes between the start of `dev` and `file`, through one of the
 /// device's channels: `op` Read copies the device into the file, Write the file
 /// onto the device.
-fn copy_header(
-    dev: &dyn BlockDevice,
-    file: &std::fs::File,
-    len: u64,
-    op: IoOp,
-) -> io::Result<()> {
+fn copy_header(dev: &dyn BlockDevice, file: &std::fs::File, len: u64, op: IoOp) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
     const STEP: u64 = 1 << 20;
     let buf = MappedRegion::anonymous(0, STEP)?;
@@ -339,7 +339,8 @@ fn copy_header(
             .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
         if op == IoOp::Write {
             file.read_exact_at(tmp, pos)?;
-            b.write_from(0, tmp).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+            b.write_from(0, tmp)
+                .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         }
         let iov = [b];
         let req = IoRequest {
@@ -354,7 +355,8 @@ fn copy_header(
             st => return Err(io::Error::other(format!("{op:?} at {pos}: {st:?}"))),
         }
         if op == IoOp::Read {
-            b.read_into(0, tmp).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+            b.read_into(0, tmp)
+                .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
             file.write_all_at(tmp, pos)?;
         }
         pos += n;
@@ -488,7 +490,13 @@ pub fn open_or_format_luks(
     };
     let copy = HeaderCopy::new(PROBE).map_err(hio)?;
     let file = copy.file().map_err(hio)?;
-    copy_header(&*inner, &file, PROBE.min(inner.info().size_bytes()), IoOp::Read).map_err(hio)?;
+    copy_header(
+        &*inner,
+        &file,
+        PROBE.min(inner.info().size_bytes()),
+        IoOp::Read,
+    )
+    .map_err(hio)?;
     let mut head = [0u8; PROBE as usize];
     std::os::unix::fs::FileExt::read_exact_at(&file, &mut head, 0).map_err(hio)?;
     if head.starts_with(b"LUKS\xba\xbe") {

@@ -97,8 +97,7 @@ impl CryptDisk {
         unit: usize,
         data_offset: u64,
     ) -> Result<CryptDisk, LuksError> {
-        let cipher =
-            SectorCipher::new(key, unit).ok_or(LuksError::KeySize { bytes: key.len() })?;
+        let cipher = SectorCipher::new(key, unit).ok_or(LuksError::KeySize { bytes: key.len() })?;
         let cipher = Arc::new(Secret::new(cipher).map_err(LuksError::Memory)?);
         CryptDisk::new(inner, cipher, data_offset)
     }
@@ -224,7 +223,11 @@ impl CryptState {
     fn encrypt_into(&mut self, i: usize, req: &IoRequest<'_>, sector: u64) -> Option<()> {
         let len = req.len as usize;
         let slot = &mut self.slots[i];
-        if slot.bounce.as_ref().is_none_or(|b| (b.len() as usize) < len) {
+        if slot
+            .bounce
+            .as_ref()
+            .is_none_or(|b| (b.len() as usize) < len)
+        {
             let cap = len.next_power_of_two().max(128 << 10) as u64;
             slot.bounce = Some(MappedRegion::anonymous(0, cap).ok()?);
         }
@@ -263,7 +266,10 @@ impl CryptChannel {
         let s = &mut self.state;
         let offset = req.offset + s.data_offset;
         let st = if req.op == IoOp::Write {
-            let b = s.slots[i].bounce.as_ref().and_then(|b| b.slice(0, req.len as usize));
+            let b = s.slots[i]
+                .bounce
+                .as_ref()
+                .and_then(|b| b.slice(0, req.len as usize));
             match b {
                 Some(b) => {
                     let iov = [b];
@@ -381,4 +387,3 @@ fn walk(
     }
     (at == len).then_some(())
 }
-

@@ -33,6 +33,9 @@ pub struct SectorCipher {
     unit: usize,
 }
 
+// Boxing the larger variant would move key schedules out of the `Secret`
+// mapping onto the heap.
+#[allow(clippy::large_enum_variant)]
 enum Keyed {
     /// A 256-bit volume key: two AES-128 keys (data, tweak).
     Aes128(Aes128, Aes128),
@@ -62,7 +65,11 @@ fn xts_sector(sector: &mut [u8], first: Block, op: impl Fn(&mut [Block])) {
     let mut blocks = [Block::default(); GROUP];
     for group in sector.chunks_mut(GROUP * 16) {
         let n = group.len() / 16;
-        for ((b, t), p) in blocks.iter_mut().zip(&mut tweaks).zip(group.chunks_exact(16)) {
+        for ((b, t), p) in blocks
+            .iter_mut()
+            .zip(&mut tweaks)
+            .zip(group.chunks_exact(16))
+        {
             *t = tw;
             let p = u128::from_le_bytes(p.try_into().unwrap_or_default());
             *b = (p ^ tw).to_le_bytes().into();
@@ -83,7 +90,11 @@ impl fmt::Debug for SectorCipher {
             Keyed::Aes128(..) => 256,
             Keyed::Aes256(..) => 512,
         };
-        write!(f, "SectorCipher(aes-xts-plain64, {bits}-bit key, {}-byte sectors)", self.unit)
+        write!(
+            f,
+            "SectorCipher(aes-xts-plain64, {bits}-bit key, {}-byte sectors)",
+            self.unit
+        )
     }
 }
 
@@ -327,10 +338,16 @@ mod tests {
                 let t = get_tweak_default(u128::from(first) + (i * unit / 512) as u128);
                 let (k1, k2) = key[..klen].split_at(klen / 2);
                 if klen == 32 {
-                    let x = Xts128::new(Aes128::new_from_slice(k1).unwrap(), Aes128::new_from_slice(k2).unwrap());
+                    let x = Xts128::new(
+                        Aes128::new_from_slice(k1).unwrap(),
+                        Aes128::new_from_slice(k2).unwrap(),
+                    );
                     x.encrypt_sector(s, t);
                 } else {
-                    let x = Xts128::new(Aes256::new_from_slice(k1).unwrap(), Aes256::new_from_slice(k2).unwrap());
+                    let x = Xts128::new(
+                        Aes256::new_from_slice(k1).unwrap(),
+                        Aes256::new_from_slice(k2).unwrap(),
+                    );
                     x.encrypt_sector(s, t);
                 }
             }
