@@ -388,12 +388,27 @@ fn io_wait(ch: &mut dyn IoChannel, req: &IoRequest<'_>) -> io::Result<IoStatus> 
     Ok(out.unwrap_or(IoStatus::IoError))
 }
 
+/// What opening and formatting start from.
+struct Start {
+    pass: Zeroizing<Vec<u8>>,
+    device: String,
+    size: u64,
+}
+
+impl Start {
+    fn new(inner: &dyn BlockDevice, key_file: &Path) -> Result<Start, LuksError> {
+        Ok(Start {
+            pass: read_key_file(key_file)?,
+            device: inner.describe(),
+            size: inner.info().size_bytes(),
+        })
+    }
+}
+
 /// Opens the LUKS volume on `inner` with the passphrase in `key_file`: the
 /// volume's payload, encrypted and decrypted on the fly.
 pub fn open_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDisk, LuksError> {
-    let pass = read_key_file(key_file)?;
-    let device = inner.describe();
-    let size = inner.info().size_bytes();
+    let Start { pass, device, size } = Start::new(&*inner, key_file)?;
     let hio = |op, source| LuksError::HeaderIo {
         device: device.clone(),
         op,
@@ -420,9 +435,7 @@ pub fn open_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDi
 /// volume key, libcryptsetup's default argon2id keyslot for the passphrase in
 /// `key_file`) and opens it. Whatever `inner` held is lost.
 pub fn format_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDisk, LuksError> {
-    let pass = read_key_file(key_file)?;
-    let device = inner.describe();
-    let size = inner.info().size_bytes();
+    let Start { pass, device, size } = Start::new(&*inner, key_file)?;
     let hio = |op, source| LuksError::HeaderIo {
         device: device.clone(),
         op,

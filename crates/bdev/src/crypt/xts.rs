@@ -19,7 +19,8 @@ use std::fmt;
 use std::io;
 use std::ptr::NonNull;
 
-use aes::cipher::{BlockDecrypt, BlockEncrypt, KeyInit};
+use aes::cipher::consts::U16;
+use aes::cipher::{BlockDecrypt, BlockEncrypt, BlockSizeUser, KeyInit};
 use aes::{Aes128, Aes256, Block};
 use zeroize::Zeroize;
 
@@ -133,36 +134,34 @@ impl SectorCipher {
     /// Encrypts `data` (whole encryption sectors; a partial tail is left alone)
     /// that starts at 512-byte unit `first` of the encrypted data.
     pub fn encrypt(&self, data: &mut [u8], first: u64) {
-        for (i, s) in data.chunks_exact_mut(self.unit).enumerate() {
-            let iv = self.iv(first, i);
-            match &self.xts {
-                Keyed::Aes128(k, t) => {
-                    let first = first_tweak(iv, |b| t.encrypt_block(b));
-                    xts_sector(s, first, |b| k.encrypt_blocks(b))
-                }
-                Keyed::Aes256(k, t) => {
-                    let first = first_tweak(iv, |b| t.encrypt_block(b));
-                    xts_sector(s, first, |b| k.encrypt_blocks(b))
-                }
-            }
-        }
+        self.apply(data, first, true)
     }
 
     /// Decrypts `data`, as [`SectorCipher::encrypt`] encrypted it.
     pub fn decrypt(&self, data: &mut [u8], first: u64) {
+        self.apply(data, first, false)
+    }
+
+    fn apply(&self, data: &mut [u8], first: u64, encrypt: bool) {
         for (i, s) in data.chunks_exact_mut(self.unit).enumerate() {
             let iv = self.iv(first, i);
             match &self.xts {
-                Keyed::Aes128(k, t) => {
-                    let first = first_tweak(iv, |b| t.encrypt_block(b));
-                    xts_sector(s, first, |b| k.decrypt_blocks(b))
-                }
-                Keyed::Aes256(k, t) => {
-                    let first = first_tweak(iv, |b| t.encrypt_block(b));
-                    xts_sector(s, first, |b| k.decrypt_blocks(b))
-                }
+                Keyed::Aes128(k, t) => keyed_sector(k, t, s, iv, encrypt),
+                Keyed::Aes256(k, t) => keyed_sector(k, t, s, iv, encrypt),
             }
         }
+    }
+}
+
+/// One sector with data key `k` and tweak key `t`.
+fn keyed_sector<C>(k: &C, t: &C, sector: &mut [u8], iv: u64, encrypt: bool)
+where
+    C: BlockEncrypt + BlockDecrypt + BlockSizeUser<BlockSize = U16>,
+{
+    let first = first_tweak(iv, |b| t.encrypt_block(b));
+    match encrypt {
+        true => xts_sector(sector, first, |b| k.encrypt_blocks(b)),
+        false => xts_sector(sector, first, |b| k.decrypt_blocks(b)),
     }
 }
 
