@@ -125,6 +125,29 @@ extern "C" {
     fn crypt_get_sector_size(cd: *mut CryptDevice) -> c_int;
     fn crypt_get_data_offset(cd: *mut CryptDevice) -> u64;
     fn crypt_free(cd: *mut CryptDevice);
+    fn crypt_set_log_callback(
+        cd: *mut CryptDevice,
+        log: Option<extern "C" fn(c_int, *const c_char, *mut c_void)>,
+        usrptr: *mut c_void,
+    );
+}
+
+/// libcryptsetup's messages, into the log at debug level instead of onto
+/// stderr: what matters of them reaches the caller as a [`LuksError`].
+extern "C" fn log_line(level: c_int, msg: *const c_char, _usrptr: *mut c_void) {
+    // SAFETY: libcryptsetup passes a NUL-terminated message alive for the call.
+    let msg = unsafe { cstr(msg) };
+    tracing::debug!(level, "libcryptsetup: {}", msg.trim_end());
+}
+
+/// Routes libcryptsetup's messages (process-wide, once) through [`log_line`].
+fn quiet_library() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    // SAFETY: a null context sets the default callback, a `extern "C"` function
+    // that lives for the whole process; no user pointer.
+    ONCE.call_once(|| unsafe {
+        crypt_set_log_callback(std::ptr::null_mut(), Some(log_line), std::ptr::null_mut())
+    });
 }
 
 const CRYPT_ANY_SLOT: c_int = -1;
@@ -152,6 +175,7 @@ struct Context {
 
 impl Context {
     fn init(path: &CStr, device: &str) -> Result<Context, LuksError> {
+        quiet_library();
         let mut cd = std::ptr::null_mut();
         // SAFETY: `cd` is an out pointer; `path` is a NUL-terminated string that
         // outlives the call.
