@@ -144,6 +144,10 @@ fn requests_it_cannot_encrypt_fail_cleanly() {
             IoRequest::without_data(IoOp::Flush, 0, 0, false),
             IoStatus::Ok,
         ),
+        (
+            IoRequest::without_data(IoOp::Flush, u64::MAX, 0, false),
+            IoStatus::Ok,
+        ),
     ];
     for (i, (r, st)) in cases.iter().enumerate() {
         assert_eq!(ch.submit(i as u64, r), Some(*st), "case {i}: {r:?}");

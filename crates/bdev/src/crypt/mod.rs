@@ -264,7 +264,8 @@ impl CryptChannel {
     /// as slot `i`'s.
     fn pass_on(&mut self, i: usize, req: &IoRequest<'_>) -> Option<IoStatus> {
         let s = &mut self.state;
-        let offset = req.offset + s.data_offset;
+        // Reads and writes are range-checked; a flush's offset means nothing.
+        let offset = req.offset.saturating_add(s.data_offset);
         let st = if req.op == IoOp::Write {
             let b = s.slots[i]
                 .bounce
