@@ -19,7 +19,13 @@ python3 -c 'import cryptography' >/dev/null 2>&1 || need_apt+=(python3-cryptogra
 if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
   export PATH="$HOME/.cargo/bin:$PATH"
 fi
-command -v cargo >/dev/null 2>&1 || need_apt+=(cargo rustc)
+# Rust itself comes from rustup, not apt: the workspace needs Rust >= 1.87 and
+# Debian 12's own rustc is 1.63, so installing Debian's cargo would only fail later.
+rustup_hint="install Rust >= 1.87 with rustup: apt-get install -y curl && curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y && . \"\$HOME/.cargo/env\""
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "udrive: no cargo on the PATH; $rustup_hint" >&2
+  exit 1
+fi
 
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
@@ -32,9 +38,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-# The workspace needs Rust >= 1.87; Debian 12's own rustc is 1.63.
 ver=$(rustc --version | awk '{print $2}')
 if [ "$(printf '%s\n1.87.0\n' "$ver" | sort -V | head -n1)" != "1.87.0" ]; then
-  echo "udrive: rustc $ver is too old; install Rust >= 1.87 with rustup (https://rustup.rs) and retry" >&2
+  echo "udrive: rustc $ver is too old (Debian 12's is 1.63); $rustup_hint" >&2
   exit 1
 fi

@@ -67,6 +67,9 @@ pub(crate) struct State {
     /// number of queue ids).
     pub retired_queues: BTreeMap<u16, trace::QueueSnapshot>,
     pub admin_commands: u64,
+    /// Successful Doorbell Buffer Config commands: unlike `shadow`, which a reset
+    /// clears, this still says at exit that the host used shadow doorbells.
+    pub doorbell_buffer_configs: u64,
     /// Active namespaces by `nsid - 1` (the reactors hold their own copy per group).
     pub ns: Vec<Option<Ns>>,
     /// The Format NVM in progress (one at a time).
@@ -165,6 +168,7 @@ impl Inner {
                 retired: Totals::default(),
                 retired_queues: BTreeMap::new(),
                 admin_commands: 0,
+                doorbell_buffer_configs: 0,
                 ns,
                 format: None,
                 done: VecDeque::new(),

@@ -177,7 +177,10 @@ pub struct ControllerStats {
     pub ready: bool,
     /// CSTS.CFS as the host sees it.
     pub fatal: bool,
+    /// Whether shadow doorbells are in use now (a controller reset ends them).
     pub doorbell_buffer_configured: bool,
+    /// Doorbell Buffer Config commands that succeeded since the controller started.
+    pub doorbell_buffer_configs: u64,
     /// I/O doorbell values (new SQ tails) taken from the shadow doorbell buffer.
     pub shadow_doorbell_reads: u64,
     /// I/O submission queues.
@@ -603,6 +606,7 @@ impl Controller {
             ready: st.regs.rdy,
             fatal: fatal || st.regs.cfs,
             doorbell_buffer_configured: st.shadow.is_some(),
+            doorbell_buffer_configs: st.doorbell_buffer_configs,
             shadow_doorbell_reads: t.shadow_reads,
             io_queues: st.sq_owner.len(),
             io_completion_queues: st.groups.len(),

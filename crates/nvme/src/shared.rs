@@ -114,6 +114,21 @@ impl Shared {
         let idx = ((off - DOORBELL_OFFSET) / 4) as usize;
         let targets = self.db_targets.lock().unwrap_or_else(|e| e.into_inner());
         let Some(Some(t)) = targets.get(idx) else {
+            drop(targets);
+            // What a guest migrated without its controller's state does (QEMU's
+            // vfio-user client migrates none and does not refuse): say so where
+            // the operator looks, not only in the guest's I/O timeouts.
+            trace::limited!(
+                self.log,
+                warn,
+                queue = idx / 2,
+                value = v,
+                "doorbell of a queue this controller does not have: the guest's driver \
+                 uses queues this controller did not create (a VM live-migrated with an \
+                 NVMe controller over vfio-user, which carries no controller state: see \
+                 docs/attach.md; or a server that lost the state) until it resets the \
+                 controller, or it writes doorbells of queues it deleted"
+            );
             return;
         };
         if v >= u32::from(t.size) {

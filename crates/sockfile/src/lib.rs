@@ -92,9 +92,18 @@ pub fn parse_group(s: &str) -> Result<u32, String> {
         .ok_or_else(|| format!("no group `{s}` in /etc/group (give its number instead)"))
 }
 
-/// Makes `path` free for a new listening socket: a socket left by a dead process is
-/// removed; a live one or a file that is not a socket is an error naming the path.
-pub fn clear_stale(path: &Path) -> io::Result<()> {
+/// What is at `path`, for a new listening socket there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SocketPath {
+    /// Nothing.
+    Free,
+    /// A socket nobody listens on (left by a dead process).
+    Stale,
+}
+
+/// Looks at `path` without changing it: a live socket or a file that is not a
+/// socket is an error naming the path.
+pub fn probe(path: &Path) -> io::Result<SocketPath> {
     match std::fs::symlink_metadata(path) {
         Ok(md) if !md.file_type().is_socket() => Err(io::Error::new(
             io::ErrorKind::AlreadyExists,
@@ -105,11 +114,20 @@ pub fn clear_stale(path: &Path) -> io::Result<()> {
                 io::ErrorKind::AddrInUse,
                 format!("{} is served by a live process", path.display()),
             )),
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path),
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(SocketPath::Stale),
             Err(e) => Err(e),
         },
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(SocketPath::Free),
         Err(e) => Err(e),
+    }
+}
+
+/// Makes `path` free for a new listening socket: a socket left by a dead process is
+/// removed; a live one or a file that is not a socket is an error naming the path.
+pub fn clear_stale(path: &Path) -> io::Result<()> {
+    match probe(path)? {
+        SocketPath::Stale => std::fs::remove_file(path),
+        SocketPath::Free => Ok(()),
     }
 }
 
@@ -190,5 +208,24 @@ mod tests {
         assert!(bind(&p, SocketAccess::default()).is_err(), "live");
         drop(l);
         assert!(bind(&p, SocketAccess::default()).is_ok(), "stale replaced");
+    }
+
+    /// `probe` (what `udrive check` asks) tells the cases apart and changes nothing.
+    #[test]
+    fn probe_looks_without_touching() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("s.sock");
+        assert_eq!(probe(&p).unwrap(), SocketPath::Free);
+        let l = bind(&p, SocketAccess::default()).unwrap();
+        assert_eq!(probe(&p).unwrap_err().kind(), io::ErrorKind::AddrInUse);
+        drop(l);
+        assert_eq!(probe(&p).unwrap(), SocketPath::Stale);
+        assert!(
+            p.exists(),
+            "a stale socket stays until something binds there"
+        );
+        let f = d.path().join("file");
+        std::fs::write(&f, "").unwrap();
+        assert_eq!(probe(&f).unwrap_err().kind(), io::ErrorKind::AlreadyExists);
     }
 }

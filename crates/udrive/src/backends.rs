@@ -66,13 +66,51 @@ impl BackendSet {
 
     /// Opens namespace `nsid` of the controller on `socket`. Nothing is kept on error.
     pub fn open(&mut self, ns: &NsSpec, socket: &Path, nsid: u32) -> Result<Arc<QosDisk>> {
-        let who = format!("namespace {nsid} ({ns}) of {}", socket.display());
-        if ns.incoming {
-            bail!("{who}: `incoming` is for vhost-user-blk disks (NVMe over vfio-user has no live migration)");
-        }
+        let who = namespace_who(ns, socket, nsid)?;
         let owner = (socket.to_path_buf(), nsid);
         self.open_one(ns, &who, owner, false)
             .with_context(|| who.clone())
+    }
+
+    /// What [`BackendSet::open`] would refuse in namespace `nsid` of `socket` on a
+    /// backend of `total` bytes, found without opening it (`udrive check`); the
+    /// namespace's range counts against the next ones.
+    pub fn check_namespace(
+        &mut self,
+        ns: &NsSpec,
+        socket: &Path,
+        nsid: u32,
+        total: u64,
+    ) -> Result<()> {
+        let who = namespace_who(ns, socket, nsid)?;
+        self.check_one(ns, &who, (socket.to_path_buf(), nsid), false, total)
+            .with_context(|| who.clone())
+    }
+
+    /// [`BackendSet::check_namespace`] for the disk of a vhost-user-blk device.
+    pub fn check_disk(&mut self, ns: &NsSpec, socket: &Path, total: u64) -> Result<()> {
+        let who = disk_who(ns, socket);
+        self.check_one(ns, &who, (socket.to_path_buf(), 1), true, total)
+            .with_context(|| who.clone())
+    }
+
+    fn check_one(
+        &mut self,
+        ns: &NsSpec,
+        who: &str,
+        owner: (PathBuf, u32),
+        claims: bool,
+        total: u64,
+    ) -> Result<()> {
+        match ns.kind.0.backing()? {
+            None => slice_range(ns, total).map(drop),
+            Some(b) => {
+                let key = open_key(&b, ns);
+                let u = new_use(&self.uses, ns, (b, key), total, who, owner, claims)?;
+                self.uses.push(u);
+                Ok(())
+            }
+        }
     }
 
     /// Opens the disk of the vhost-user-blk device on `socket` (its "namespace
@@ -80,7 +118,7 @@ impl BackendSet {
     /// (`KindSpec::writer_claim`), so an `incoming` disk may share the range of
     /// another device's.
     pub fn open_disk(&mut self, ns: &NsSpec, socket: &Path) -> Result<Arc<QosDisk>> {
-        let who = format!("disk {ns} of {}", socket.display());
+        let who = disk_who(ns, socket);
         self.open_one(ns, &who, (socket.to_path_buf(), 1), true)
             .with_context(|| who.clone())
     }
@@ -143,7 +181,7 @@ impl BackendSet {
         claims: bool,
     ) -> Result<Arc<QosDisk>> {
         let kind = &ns.kind.0;
-        let mut new_use = None;
+        let mut new_use_of = None;
         // An encrypted backend is its LUKS payload from here on: slices, overlap
         // checks and sharing are in payload bytes.
         let open = |env: &dyn OpenEnv| -> Result<Arc<dyn BlockDevice>> {
@@ -159,32 +197,14 @@ impl BackendSet {
         let base = match kind.backing()? {
             None => open(&*self.env)?,
             Some(b) => {
-                // The block size, read-only and incoming flags are part of how a
-                // device opens.
-                let open_key = format!(
-                    "{}\0{:?}\0{}\0{}\0{:?}",
-                    b.open_key, ns.block_size, ns.read_only, ns.incoming, ns.encrypt
-                );
+                let open_key = open_key(&b, ns);
                 let disk = match self.opened.get(&open_key) {
                     Some(d) => d.clone(),
                     None => open(&*self.env)?,
                 };
                 let total = disk.info().size_bytes();
-                let (off, len) = slice_range(ns, total)?;
-                let u = BackingUse {
-                    resource: b.resource,
-                    open_key,
-                    range: (off, len),
-                    writable: !ns.read_only,
-                    shared: ns.shared,
-                    claims,
-                    incoming: ns.incoming,
-                    encrypted: ns.encrypt.is_some(),
-                    who: who.to_string(),
-                    owner,
-                };
-                check_overlap(&self.uses, &u)?;
-                new_use = Some((disk.clone(), u));
+                let u = new_use(&self.uses, ns, (b, open_key), total, who, owner, claims)?;
+                new_use_of = Some((disk.clone(), u));
                 disk
             }
         };
@@ -200,7 +220,7 @@ impl BackendSet {
             dev = Arc::new(FaultDisk::new(dev, cfg)?);
         }
         let dev = Arc::new(QosDisk::new(dev, ns.qos)?);
-        if let Some((disk, u)) = new_use {
+        if let Some((disk, u)) = new_use_of {
             self.opened.entry(u.open_key.clone()).or_insert(disk);
             self.uses.push(u);
         }
@@ -235,6 +255,54 @@ pub fn open_all_set(
         disk_devs.push(set.open_disk(spec, socket)?);
     }
     Ok((set, out, disk_devs))
+}
+
+fn namespace_who(ns: &NsSpec, socket: &Path, nsid: u32) -> Result<String> {
+    let who = format!("namespace {nsid} ({ns}) of {}", socket.display());
+    if ns.incoming {
+        bail!("{who}: `incoming` is for vhost-user-blk disks (NVMe over vfio-user has no live migration)");
+    }
+    Ok(who)
+}
+
+fn disk_who(ns: &NsSpec, socket: &Path) -> String {
+    format!("disk {ns} of {}", socket.display())
+}
+
+/// Which opened device `ns` on backing `b` uses: the block size, read-only and
+/// incoming flags are part of how a device opens.
+fn open_key(b: &crate::kinds::Backing, ns: &NsSpec) -> String {
+    format!(
+        "{}\0{:?}\0{}\0{}\0{:?}",
+        b.open_key, ns.block_size, ns.read_only, ns.incoming, ns.encrypt
+    )
+}
+
+/// `ns`'s use of backing `b` (with its open key) of `total` bytes, checked
+/// against `uses`: its slice within the backend, no overlap with another writer.
+fn new_use(
+    uses: &[BackingUse],
+    ns: &NsSpec,
+    (b, open_key): (crate::kinds::Backing, String),
+    total: u64,
+    who: &str,
+    owner: (PathBuf, u32),
+    claims: bool,
+) -> Result<BackingUse> {
+    let u = BackingUse {
+        resource: b.resource,
+        open_key,
+        range: slice_range(ns, total)?,
+        writable: !ns.read_only,
+        shared: ns.shared,
+        claims,
+        incoming: ns.incoming,
+        encrypted: ns.encrypt.is_some(),
+        who: who.to_string(),
+        owner,
+    };
+    check_overlap(uses, &u)?;
+    Ok(u)
 }
 
 fn slice_range(ns: &NsSpec, total: u64) -> Result<(u64, u64)> {

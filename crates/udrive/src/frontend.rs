@@ -86,7 +86,8 @@ pub type Device = Box<dyn FrontEnd>;
 pub fn measure_hint(flag: &str, socket: &std::path::Path) -> String {
     if cfg!(feature = "tools") {
         format!(
-            "Or measure it: udrive perf --{flag} {} --rw randread --bs 4096 --qd 32 --time 10",
+            "Or measure it: {} perf --{flag} {} --rw randread --bs 4096 --qd 32 --time 10",
+            crate::stdout::self_command(),
             socket.display()
         )
     } else {

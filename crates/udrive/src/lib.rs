@@ -7,12 +7,14 @@ pub mod backends;
 pub mod bdev_target;
 #[cfg(feature = "tools")]
 pub mod blkio_target;
+pub mod check;
 pub mod config;
 pub mod device;
 pub mod framing;
 pub mod frontend;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+pub mod generate;
 pub mod handover;
 pub mod json;
 pub mod kinds;
@@ -29,6 +31,7 @@ pub mod serve;
 pub mod server;
 pub mod size;
 pub mod stats;
+pub mod stdout;
 pub mod supervise;
 #[cfg(feature = "tools")]
 pub mod trace_cmd;

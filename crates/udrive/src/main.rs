@@ -1,16 +1,21 @@
 //! udrive: userspace storage virtualization server.
 
-use udrive::{handover, rpc_client, serve};
+use udrive::{check, generate, handover, rpc_client, serve};
 #[cfg(feature = "tools")]
 use udrive::{perf, trace_cmd};
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
     name = "udrive",
     version,
-    about = "Virtual NVMe drives for VMs over vfio-user"
+    about = "Virtual drives for VMs: NVMe controllers over vfio-user and virtio-blk devices over vhost-user",
+    long_about = "Virtual drives for VMs, served from one userspace process: NVMe controllers \
+over vfio-user (QEMU's vfio-user-pci, SPDK, libvfio-user clients) and virtio-blk devices over \
+vhost-user (QEMU's vhost-user-blk-pci, libvirt's <disk type='vhostuser'>, libblkio), on RAM, \
+null, file/block-device (io_uring) and Ceph RBD backends. Documentation: docs/ in the source \
+tree; `udrive serve --help` for the options."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -19,10 +24,21 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Serve NVMe controllers on vfio-user sockets (default: one 1 GiB RAM namespace
-    /// on ./udrive-nvme.sock)
+    /// Serve NVMe controllers over vfio-user and virtio-blk devices over vhost-user
+    /// (default: one NVMe controller with a 1 GiB RAM namespace on ./udrive-nvme.sock)
+    #[command(
+        long_about = "Serve virtual drives until SIGINT or SIGTERM: NVMe controllers on \
+vfio-user sockets (--vfio-user, --ns) and virtio-blk devices on vhost-user sockets \
+(--vhost-user-blk, --disk), or every device of a TOML file (--config, docs/config.md). \
+Without device options: one NVMe controller with a 1 GiB RAM namespace on \
+./udrive-nvme.sock. The banner printed at start says how to attach QEMU to each device."
+    )]
     Serve(Box<serve::ServeArgs>),
-    /// Drive a controller with udrive's userspace initiator and report IOPS and latency
+    /// Check a configuration without starting anything (the arguments of `serve`);
+    /// lists every problem and exits non-zero, or prints a one-line summary
+    Check(Box<check::CheckArgs>),
+    /// Drive a device and report IOPS and latency: an NVMe controller with udrive's
+    /// initiator, a vhost-user-blk device with libblkio, or a bare backend
     #[cfg(feature = "tools")]
     Perf(Box<perf::PerfArgs>),
     /// Replace the running server with a new process (e.g. a new binary) while its
@@ -35,6 +51,9 @@ enum Cmd {
     /// Trace a running server's requests for a while and print the time per layer
     #[cfg(feature = "tools")]
     Trace(trace_cmd::TraceArgs),
+    /// Write man pages or print shell completions (for packaging)
+    #[command(hide = true)]
+    Generate(generate::GenerateArgs),
 }
 
 /// `RUST_LOG` (default `info`), with the virtqueue library silenced unless named:
@@ -63,6 +82,7 @@ fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Serve(a) => serve::run(*a),
+        Cmd::Check(a) => check::run(*a),
         #[cfg(feature = "tools")]
         Cmd::Perf(a) => match a.rpc.clone() {
             Some(rpc) => {
@@ -79,8 +99,13 @@ fn main() {
         Cmd::Metrics(a) => rpc_client::run_metrics(a),
         #[cfg(feature = "tools")]
         Cmd::Trace(a) => trace_cmd::run(a),
+        Cmd::Generate(a) => generate::run(a, Cli::command()),
     };
     if let Err(e) = r {
+        if udrive::stdout::is_closed(&e) {
+            // `udrive rpc ... | head`: the reader has what it wanted.
+            std::process::exit(0);
+        }
         eprintln!("udrive: error: {e:#}");
         std::process::exit(1);
     }

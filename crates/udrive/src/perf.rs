@@ -210,11 +210,11 @@ pub fn run_with(a: PerfArgs, server: Option<&dyn ServerTrace>) -> Result<()> {
         }
     }
     if a.json {
-        println!("{}", serde_json::to_string(&report)?);
+        crate::outln!("{}", serde_json::to_string(&report)?)?;
     } else {
-        println!("{report}");
+        crate::outln!("{report}")?;
         if let Some(t) = &report.trace {
-            println!("\nlayers (µs):\n{}", crate::trace_view::table(t));
+            crate::outln!("\nlayers (µs):\n{}", crate::trace_view::table(t))?;
         }
     }
     if let (Some(t), Some(p)) = (&report.trace, &a.plot) {
@@ -298,18 +298,18 @@ fn run_nvme(a: &PerfArgs, sock: &std::path::Path, cfg: &WorkloadConfig) -> Resul
     let dma = served(&driver);
     let report = workload::run(&target, cfg).context("workload failed")?;
     if !a.json {
-        println!(
+        crate::outln!(
             "doorbells: {} by message, {} skipped (shadow doorbells, controller polling)",
             driver.doorbell_messages() - messages,
             driver.doorbells_skipped() - skipped
-        );
+        )?;
         if a.dma_messages {
             let now = served(&driver);
-            println!(
+            crate::outln!(
                 "DMA messages answered: {} DMA_READ, {} DMA_WRITE",
                 now.0 - dma.0,
                 now.1 - dma.1
-            );
+            )?;
         }
     }
     Ok(report)

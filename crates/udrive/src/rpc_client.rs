@@ -138,7 +138,7 @@ pub fn run(a: RpcArgs) -> Result<()> {
     };
     match call(&a.socket, &a.method, params, Duration::from_secs(a.timeout)) {
         Ok(v) => {
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            crate::outln!("{}", serde_json::to_string_pretty(&v)?)?;
             Ok(())
         }
         Err(e) => bail!("{} failed: {e}", a.method),
@@ -149,7 +149,7 @@ pub fn run(a: RpcArgs) -> Result<()> {
 pub fn run_metrics(a: MetricsArgs) -> Result<()> {
     match call(&a.rpc, "get_metrics", Value::Null, Duration::from_secs(30)) {
         Ok(Value::String(s)) => {
-            print!("{s}");
+            crate::stdout::write(format_args!("{s}"))?;
             Ok(())
         }
         Ok(v) => bail!("get_metrics returned {v}, not text"),

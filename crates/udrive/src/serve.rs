@@ -23,7 +23,7 @@ pub struct ServeArgs {
     /// vfio-user socket of the NVMe controller [default: ./udrive-nvme.sock]
     #[arg(long, value_name = "SOCKET", conflicts_with = "config")]
     pub vfio_user: Option<PathBuf>,
-    /// Namespace, repeatable: null:SIZE, ram:SIZE or file:PATH, with options (docs/config.md) [default: ram:1G]
+    /// Namespace, repeatable: null:SIZE, ram:SIZE, file:PATH or rbd:POOL/IMAGE, with options (docs/config.md) [default: ram:1G]
     #[arg(long = "ns", value_name = "SPEC", conflicts_with = "config")]
     pub ns: Vec<NsSpec>,
     /// CPUs for reactor threads, one reactor per CPU (e.g. 0 or 0-1 or 0,2)
@@ -91,6 +91,15 @@ fn check_group(s: &str) -> Result<String, String> {
 
 impl ServeArgs {
     fn into_config(self) -> Result<Config> {
+        let cfg = self.into_unchecked_config()?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The configuration these arguments describe (the file, with the command
+    /// line's additions), parsed but not validated: `udrive check` validates it
+    /// further than `serve` can before starting.
+    pub fn into_unchecked_config(self) -> Result<Config> {
         let mut cfg = match &self.config {
             Some(path) => Config::load(path)?,
             None if self.vhost.vhost_user_blk.is_some()
@@ -151,7 +160,6 @@ impl ServeArgs {
             let p = d.socket_perms().or(&defaults);
             d.set_socket_perms(p);
         }
-        cfg.validate()?;
         Ok(cfg)
     }
 }
@@ -340,23 +348,30 @@ impl Running {
     }
 }
 
+/// What to attach and how. A closed stdout does not stop the server: its devices
+/// matter more than its banner.
 fn print_banner(server: &Server, rpc: Option<&RpcServer>, metrics: Option<&MetricsServer>) {
     let st = server.lock();
+    let mut text = String::new();
     for d in &st.devices {
-        println!("{}", d.banner());
+        text.push_str(&format!("{}\n", d.banner()));
     }
     if let Some(r) = rpc {
-        println!(
-            "udrive: control socket {} (udrive rpc --rpc {} rpc_get_methods)",
+        text.push_str(&format!(
+            "udrive: control socket {} ({} rpc --rpc {} rpc_get_methods)\n",
             r.path().display(),
+            crate::stdout::self_command(),
             r.path().display()
-        );
+        ));
     }
     if let Some(m) = metrics {
-        println!("udrive: metrics on http://{}/metrics", m.addr());
+        text.push_str(&format!("udrive: metrics on http://{}/metrics\n", m.addr()));
     }
     for d in &st.devices {
-        println!("{}", d.attach_hint());
+        text.push_str(&format!("{}\n", d.attach_hint()));
     }
-    println!("Stop with Ctrl-C.");
+    text.push_str("Stop with Ctrl-C.");
+    if let Err(e) = crate::outln!("{text}") {
+        tracing::warn!("cannot print how to attach: {e}");
+    }
 }

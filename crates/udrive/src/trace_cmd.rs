@@ -87,11 +87,11 @@ pub fn run(a: TraceArgs) -> Result<()> {
     rpc(&a.rpc, "trace_stop", params.clone())?;
     let b = breakdown(rpc(&a.rpc, "trace_read", params)?)?;
     if a.json {
-        println!("{}", crate::trace_view::json(&b)?);
+        crate::outln!("{}", crate::trace_view::json(&b)?)?;
     } else if b.ops.is_empty() {
-        println!("no reads or writes were traced in {:.1} s", a.time);
+        crate::outln!("no reads or writes were traced in {:.1} s", a.time)?;
     } else {
-        println!("layers (µs):\n{}", crate::trace_view::table(&b));
+        crate::outln!("layers (µs):\n{}", crate::trace_view::table(&b))?;
     }
     if let Some(p) = &a.plot {
         let title = format!("udrive trace, {:.0} s", a.time);

@@ -23,6 +23,10 @@ use crate::remote::{DmaMessageStats, Port};
 
 /// Longest VERSION capabilities string we parse; real clients send ~200 bytes.
 const MAX_CAPS_LEN: usize = 16 * 1024;
+/// Smallest writable mapping without a file descriptor worth an INFO line: guest
+/// RAM is larger, the display memory QEMU maps this way (VGA 16 MiB, QXL 64 MiB)
+/// is smaller.
+const GUEST_RAM_HINT_MIN: u64 = 128 << 20;
 
 pub(crate) enum Flow {
     Continue,
@@ -481,19 +485,31 @@ impl Conn {
         // (Again after an UNMAP_ALL, which forgets it.)
         dev.mem.set_remote(Some(port.clone()));
         crate::dma::map_mirror(&dev.mem, req, port, &dev.log)?;
-        if req.flags & DMA_WRITE != 0 {
-            // Guest RAM (QEMU maps its ROMs read-only this way even when RAM is
-            // shared; nobody does I/O there).
+        if req.flags & DMA_WRITE != 0 && req.size >= GUEST_RAM_HINT_MIN {
+            // Guest-RAM-sized: the guest's I/O buffers are likely here, and each
+            // byte of them will cross the socket.
             trace::limited!(
                 dev.log,
                 info,
                 "vfio-user: the client maps {:#x}+{:#x} without a file descriptor; \
-                 serving it with DMA_READ/DMA_WRITE messages (slow: share guest RAM, \
+                 I/O to it goes by DMA_READ/DMA_WRITE messages (slow: share guest RAM, \
                  e.g. QEMU's memory-backend-memfd, for the fast path)",
                 req.addr,
                 req.size
             );
+        } else if req.flags & DMA_WRITE != 0 {
+            // Device memory, such as a display adapter's BAR (QEMU's VGA maps its
+            // 16 MiB of video RAM this way even when guest RAM is a memfd): no
+            // guest driver puts NVMe buffers there, so it costs nothing.
+            tracing::debug!(
+                "vfio-user: small writable DMA_MAP without a file descriptor \
+                 (device memory, e.g. a VGA BAR): {:#x}+{:#x}",
+                req.addr,
+                req.size
+            );
         } else {
+            // QEMU maps its ROMs read-only this way even when RAM is shared;
+            // nobody does I/O there.
             tracing::debug!(
                 "vfio-user: read-only DMA_MAP without a file descriptor: {:#x}+{:#x}",
                 req.addr,
@@ -657,8 +673,11 @@ fn set_irqs(dev: &Device, p: &[u8], fds: Vec<OwnedFd>, keep: Option<&KeepHandle>
                 }
             }
         }
-        // Unmask/resample eventfds (level-triggered INTx via KVM) are not supported;
-        // QEMU falls back to SET_IRQS unmask messages.
+        // Unmask/resample eventfds (level-triggered INTx through KVM) are refused:
+        // re-asserting a pending INTx on that eventfd would need a thread to watch
+        // it. QEMU warns and falls back to SET_IRQS unmask messages (handled
+        // below); NVMe drivers use MSI-X, so INTx carries nothing in practice
+        // (docs/attach.md).
         _ if eventfd => return Err(libc::ENOTSUP),
         _ => {
             let mask = action == IRQ_SET_ACTION_MASK;

@@ -263,6 +263,7 @@ impl Inner {
         }
         let shadow = Shadow { db, ei };
         st.shadow = Some(shadow);
+        st.doorbell_buffer_configs += 1;
         trace::limited!(
             self.shared.log,
             info,

@@ -18,7 +18,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::nsspec::NsSpec;
@@ -228,44 +228,109 @@ impl Config {
         Ok(cfg)
     }
 
-    /// Checks what can be checked before anything is created.
+    /// Checks what can be checked before anything is created: every problem, not
+    /// only the first.
     pub fn validate(&self) -> Result<()> {
-        engine::parse_cpu_list(&self.cpus).map_err(anyhow::Error::msg)?;
-        self.rbd_cpu_list()?;
+        Problems::result(self.problems())
+    }
+
+    /// What [`Config::validate`] finds wrong, each naming the device or setting.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if let Err(e) = engine::parse_cpu_list(&self.cpus) {
+            p.push(format!("cpus {}: {e}", self.cpus));
+        }
+        if let Err(e) = self.rbd_cpu_list() {
+            p.push(format!("{e:#}"));
+        }
         // With a control socket, devices can come later (nvme_add_controller).
         if self.controllers.is_empty() && self.vhost_user_blk.is_empty() && self.rpc.is_none() {
-            bail!("no device configured: add a [[controller]] or [[vhost_user_blk]] section, or use --vfio-user/--ns or --vhost-user-blk/--disk");
+            p.push("no device configured: add a [[controller]] or [[vhost_user_blk]] section, or use --vfio-user/--ns or --vhost-user-blk/--disk".into());
         }
-        self.socket_defaults().access()?;
+        if let Err(e) = self.socket_defaults().access() {
+            p.push(format!("socket_mode/socket_group: {e:#}"));
+        }
         let mut sockets = HashSet::new();
         for c in &self.controllers {
-            c.validate()?;
+            p.extend(c.problems());
             if !sockets.insert(c.socket.clone()) {
-                bail!("socket {} is used by two controllers", c.socket.display());
+                p.push(format!(
+                    "socket {} is used by two controllers",
+                    c.socket.display()
+                ));
             }
         }
-        validate(&self.vhost_user_blk, &mut sockets)?;
-        if let Some(dir) = self
-            .rpc
-            .as_ref()
-            .and_then(|r| r.parent())
-            .filter(|d| !d.as_os_str().is_empty())
-        {
-            if !dir.is_dir() {
-                bail!("rpc socket directory {} does not exist", dir.display());
+        p.extend(vhost::problems(&self.vhost_user_blk, &mut sockets));
+        if let Some(rpc) = &self.rpc {
+            if sockets.contains(rpc) {
+                p.push(format!(
+                    "rpc socket {} is also a device socket",
+                    rpc.display()
+                ));
             }
+            p.extend(socket_dir_problem("rpc socket", rpc));
         }
-        Ok(())
+        p
     }
+}
+
+/// Every problem a configuration check found.
+#[derive(Debug, thiserror::Error)]
+#[error("{}", list(.0))]
+pub struct Problems(pub Vec<String>);
+
+fn list(problems: &[String]) -> String {
+    match problems {
+        [one] => one.clone(),
+        all => format!("{} problems:\n  {}", all.len(), all.join("\n  ")),
+    }
+}
+
+impl Problems {
+    /// `Ok` when `problems` is empty.
+    pub fn result(problems: Vec<String>) -> Result<()> {
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(Problems(problems).into())
+        }
+    }
+}
+
+/// Why a socket cannot be created at `path`: its directory is missing, or this
+/// process may not create files in it.
+pub fn socket_dir_problem(what: &str, path: &Path) -> Option<String> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !dir.is_dir() {
+        return Some(format!(
+            "{what}: directory {} does not exist",
+            dir.display()
+        ));
+    }
+    let access = nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK;
+    nix::unistd::access(dir, access)
+        .err()
+        .map(|e| format!("{what}: cannot create a socket in {}: {e}", dir.display()))
 }
 
 impl ControllerConfig {
     /// Checks one controller on its own (also used for `nvme_add_controller`).
     pub fn validate(&self) -> Result<()> {
+        Problems::result(self.problems())
+    }
+
+    /// What [`ControllerConfig::validate`] finds wrong.
+    pub fn problems(&self) -> Vec<String> {
         let what = format!("controller {}", self.socket.display());
-        self.socket_perms().access().with_context(|| what.clone())?;
+        let mut p = Vec::new();
+        if let Err(e) = self.socket_perms().access() {
+            p.push(format!("{what}: {e:#}"));
+        }
         if self.namespaces.is_empty() && self.nsids.is_none() {
-            bail!("{what} has no namespace: add one, e.g. ram:1G");
+            p.push(format!("{what} has no namespace: add one, e.g. ram:1G"));
         }
         if let Some(ids) = &self.nsids {
             let mut seen = std::collections::BTreeSet::new();
@@ -274,37 +339,35 @@ impl ControllerConfig {
                     .iter()
                     .any(|n| *n == 0 || *n > self.max_namespaces || !seen.insert(*n))
             {
-                bail!(
+                p.push(format!(
                     "{what}: nsids must give each namespace a distinct NSID in 1..={}",
                     self.max_namespaces
-                );
+                ));
             }
         }
         if self.placement == engine::Placement::Dedicated {
-            bail!("{what}: placement `dedicated` is available for vhost_user_blk devices only; use round-robin or single");
+            p.push(format!("{what}: placement `dedicated` is available for vhost_user_blk devices only; use round-robin or single"));
         }
         if self.io_queues == 0 || self.io_queues > 511 {
-            bail!("{what}: io_queues must be 1..=511, not {}", self.io_queues);
+            p.push(format!(
+                "{what}: io_queues must be 1..=511, not {}",
+                self.io_queues
+            ));
         }
         if self.max_namespaces == 0 || self.max_namespaces > 1024 {
-            bail!(
+            p.push(format!(
                 "{what}: max_namespaces must be 1..=1024, not {}",
                 self.max_namespaces
-            );
-        }
-        if self.namespaces.len() > self.max_namespaces as usize {
-            bail!(
+            ));
+        } else if self.namespaces.len() > self.max_namespaces as usize {
+            p.push(format!(
                 "{what}: {} namespaces but max_namespaces is {}",
                 self.namespaces.len(),
                 self.max_namespaces
-            );
+            ));
         }
-        if let Some(dir) = self.socket.parent().filter(|d| !d.as_os_str().is_empty()) {
-            if !dir.is_dir() {
-                bail!("{what}: directory {} does not exist", dir.display());
-            }
-        }
-        Ok(())
+        p.extend(socket_dir_problem(&what, &self.socket));
+        p
     }
 }
 
@@ -342,6 +405,22 @@ mod tests {
         assert_eq!(cfg.metrics_listen.unwrap().port(), 9100);
         let bad: Config = toml::from_str("rpc = \"/nonexistent-dir/r.sock\"").unwrap();
         assert!(bad.validate().is_err());
+    }
+
+    /// `serve` reports every problem of the values, not only the first.
+    #[test]
+    fn validate_lists_every_problem() {
+        let cfg: Config = toml::from_str(
+            "cpus = \"x\"\n[[controller]]\nsocket = \"a\"\nnamespaces = [\"ram:1G\"]\nio_queues = 0\n\
+             [[vhost_user_blk]]\nsocket = \"a\"\ndisk = \"null:1G\"\nqueue_size = 3",
+        )
+        .unwrap();
+        let e = cfg.validate().unwrap_err();
+        let Some(Problems(p)) = e.downcast_ref::<Problems>() else {
+            panic!("{e:#}")
+        };
+        assert_eq!(p.len(), 4, "{p:#?}");
+        assert!(e.to_string().starts_with("4 problems:"), "{e}");
     }
 
     #[test]

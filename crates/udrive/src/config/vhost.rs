@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use engine::{Placement, PollMode};
 use serde::{Deserialize, Serialize};
 
@@ -82,31 +82,38 @@ impl VhostBlkConfig {
 
 /// Checks the `[[vhost_user_blk]]` entries; `sockets` holds the sockets already used.
 pub fn validate(devs: &[VhostBlkConfig], sockets: &mut HashSet<PathBuf>) -> Result<()> {
+    super::Problems::result(problems(devs, sockets))
+}
+
+/// What [`validate`] finds wrong, every problem of every device.
+pub fn problems(devs: &[VhostBlkConfig], sockets: &mut HashSet<PathBuf>) -> Vec<String> {
+    let mut p = Vec::new();
     for d in devs {
         let what = d.what();
         if !sockets.insert(d.socket.clone()) {
-            bail!("socket {} is used by two devices", d.socket.display());
+            p.push(format!(
+                "socket {} is used by two devices",
+                d.socket.display()
+            ));
         }
         if d.queues == 0 || d.queues > 64 {
-            bail!("{what}: queues must be 1..=64, not {}", d.queues);
+            p.push(format!("{what}: queues must be 1..=64, not {}", d.queues));
         }
         if !d.queue_size.is_power_of_two() || !(16..=1024).contains(&d.queue_size) {
-            bail!(
+            p.push(format!(
                 "{what}: queue_size must be a power of two in 16..=1024, not {}",
                 d.queue_size
-            );
+            ));
         }
-        if let Some(c) = &d.cpus {
-            engine::parse_cpu_list(c).map_err(|e| anyhow::anyhow!("{what}: cpus: {e}"))?;
+        if let Some(Err(e)) = d.cpus.as_deref().map(engine::parse_cpu_list) {
+            p.push(format!("{what}: cpus: {e}"));
         }
-        d.socket_perms().access().with_context(|| what.clone())?;
-        if let Some(dir) = d.socket.parent().filter(|p| !p.as_os_str().is_empty()) {
-            if !dir.is_dir() {
-                bail!("{what}: directory {} does not exist", dir.display());
-            }
+        if let Err(e) = d.socket_perms().access() {
+            p.push(format!("{what}: {e:#}"));
         }
+        p.extend(super::socket_dir_problem(&what, &d.socket));
     }
-    Ok(())
+    p
 }
 
 /// The vhost-user-blk disks of `cfg` as `(socket, spec)`, for opening with the

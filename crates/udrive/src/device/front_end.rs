@@ -56,6 +56,7 @@ impl FrontEnd for NvmeDevice {
                 "doorbells": if d.ctrl.doorbells_mapped() { "mapped" } else { "messages" },
                 "can_sleep": d.ctrl.poll_mode() != engine::PollMode::Busy && !d.ctrl.doorbells_mapped(),
                 "doorbell_buffer_configured": st.doorbell_buffer_configured,
+                "doorbell_buffer_configs": st.doorbell_buffer_configs,
                 // The client's memory (some of it) is not shared: it moves by
                 // DMA_READ/DMA_WRITE messages (the slow path).
                 "dma_messages": d.ctrl.dma_messages(),

@@ -217,7 +217,10 @@ impl NvmeDevice {
             other_io = st.other_io,
             io_errors = st.io_errors,
             admin_commands = st.admin_commands,
-            doorbell_buffer_configured = st.doorbell_buffer_configured,
+            // Not `doorbell_buffer_configured`: the controller reset that the
+            // client's disconnect or the server's stop causes has cleared it by
+            // now, whatever the guest used before.
+            doorbell_buffer_configs = st.doorbell_buffer_configs,
             shadow_doorbell_reads = st.shadow_doorbell_reads,
             dma_read_messages = dma.reads,
             dma_write_messages = dma.writes,

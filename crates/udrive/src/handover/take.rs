@@ -168,7 +168,8 @@ impl Takeover {
             Ok(Err(e)) => tracing::warn!("handover request ended with: {e}"),
             Err(_) => tracing::warn!("handover request thread failed"),
         }
-        println!(
+        // The server runs on whether or not anyone reads this.
+        let _ = crate::outln!(
             "udrive: took over from {} in {:.1} ms",
             self.from.display(),
             self.t0.elapsed().as_secs_f64() * 1e3

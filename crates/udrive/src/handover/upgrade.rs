@@ -86,11 +86,11 @@ pub fn run(a: UpgradeArgs) -> Result<()> {
     if !served {
         bail!("no answer from the new server after 3 minutes");
     }
-    println!(
+    crate::outln!(
         "udrive upgrade: pid {} serves {} ({:.0} ms); pid {old} exited",
         child.id(),
         a.rpc.display(),
         t0.elapsed().as_secs_f64() * 1e3
-    );
+    )?;
     Ok(())
 }

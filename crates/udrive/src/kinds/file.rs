@@ -3,6 +3,8 @@
 //! auto: inline only for memory-filesystem files that io_uring would hand to kernel
 //! workers, see `bdev::FileEngine`), and `ro`.
 
+use std::io::Seek;
+use std::os::unix::fs::FileTypeExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -82,6 +84,44 @@ impl KindSpec for FileSpec {
             open_key: format!("{resource}\0{}\0{:?}", self.direct, self.engine),
             resource,
         }))
+    }
+    fn check(&self, read_only: bool, problems: &mut Vec<String>) -> Option<u64> {
+        let path = match self.canonical_path() {
+            Ok(p) => p,
+            Err(e) => {
+                problems.push(format!("{e:#}"));
+                return None;
+            }
+        };
+        let kind = std::fs::metadata(&path).map(|m| m.file_type());
+        if !kind
+            .as_ref()
+            .is_ok_and(|t| t.is_file() || t.is_block_device())
+        {
+            problems.push(format!(
+                "{} is neither a regular file nor a block device",
+                path.display()
+            ));
+            return None;
+        }
+        let mut access = nix::unistd::AccessFlags::R_OK;
+        if !read_only {
+            access |= nix::unistd::AccessFlags::W_OK;
+        }
+        if let Err(e) = nix::unistd::access(&path, access) {
+            let how = if read_only { "read" } else { "read and write" };
+            problems.push(format!("cannot {how} {}: {e}", path.display()));
+            return None;
+        }
+        // The end of a block device is its size; its metadata says 0.
+        let size = std::fs::File::open(&path).and_then(|mut f| f.seek(std::io::SeekFrom::End(0)));
+        match size {
+            Ok(s) => Some(s),
+            Err(e) => {
+                problems.push(format!("cannot open {}: {e}", path.display()));
+                None
+            }
+        }
     }
     fn open(
         &self,

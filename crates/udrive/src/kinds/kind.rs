@@ -52,6 +52,14 @@ pub trait KindSpec: Debug + Send + Sync {
     /// What the data is kept in, if namespaces may share it; resolving it can fail
     /// (a file that does not exist).
     fn backing(&self) -> Result<Option<Backing>>;
+    /// What `udrive check` can find wrong without opening the device (a file
+    /// that is missing or not writable, a Ceph configuration that cannot be read),
+    /// pushed onto `problems`; the backend's size when it is known without opening
+    /// it, so that slices can be checked against it.
+    fn check(&self, read_only: bool, problems: &mut Vec<String>) -> Option<u64> {
+        let _ = (read_only, problems);
+        None
+    }
     /// Opens the device with the namespace's block size (None: the kind's default),
     /// in the environment `env` of the running process.
     fn open(

@@ -97,6 +97,18 @@ impl KindSpec for MemorySpec {
     fn backing(&self) -> Result<Option<Backing>> {
         Ok(None)
     }
+    fn check(&self, _read_only: bool, problems: &mut Vec<String>) -> Option<u64> {
+        if self.name == "ram" {
+            if let Some(total) = memory_total().filter(|t| self.size > *t) {
+                problems.push(format!(
+                    "ram:{} is more than this host's memory ({})",
+                    format_size(self.size),
+                    format_size(total)
+                ));
+            }
+        }
+        Some(self.size)
+    }
     fn handover_refusal(&self) -> Option<&'static str> {
         (self.name == "ram").then_some(
             "a ram disk's data lives in this process's memory and would not move with a handover",
@@ -122,4 +134,18 @@ impl KindSpec for MemorySpec {
             ..*self
         }))
     }
+}
+
+/// The host's memory in bytes (MemTotal of /proc/meminfo).
+fn memory_total() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
 }

@@ -19,6 +19,18 @@ use super::kind::{BackendKind, Backing, KindSpec, OpenEnv};
 
 pub struct Rbd;
 
+/// Where librados looks for its configuration when `conf=` is not given: $CEPH_CONF,
+/// /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf.
+fn default_conf_search() -> Vec<String> {
+    let mut v: Vec<String> = std::env::var("CEPH_CONF").into_iter().collect();
+    v.push("/etc/ceph/ceph.conf".into());
+    if let Ok(home) = std::env::var("HOME") {
+        v.push(format!("{home}/.ceph/config"));
+    }
+    v.push("ceph.conf".into());
+    v
+}
+
 #[derive(Clone, Debug)]
 pub struct RbdSpec {
     pub image: ImageSpec,
@@ -147,6 +159,33 @@ impl KindSpec for RbdSpec {
             open_key: format!("{resource}\0{:?}", (&self.snap, &self.id, &self.keyring)),
             resource,
         }))
+    }
+    /// The files librados reads; the cluster itself is not contacted (a check
+    /// must not wait on a monitor, nor take an image's lock).
+    fn check(&self, _read_only: bool, problems: &mut Vec<String>) -> Option<u64> {
+        let readable = |p: &str| std::fs::File::open(p).map(drop);
+        match &self.conf {
+            Some(c) => {
+                if let Err(e) = readable(c) {
+                    problems.push(format!("cannot read the Ceph configuration {c}: {e}"));
+                }
+            }
+            None => {
+                let search = default_conf_search();
+                if !search.iter().any(|p| readable(p).is_ok()) {
+                    problems.push(format!(
+                        "{}: no readable Ceph configuration (librados looks at {}); give conf=PATH",
+                        self.image,
+                        search.join(", ")
+                    ));
+                }
+            }
+        }
+        if let Some(Err(e)) = self.keyring.as_deref().map(readable) {
+            let k = self.keyring.as_deref().unwrap_or_default();
+            problems.push(format!("cannot read the keyring {k}: {e}"));
+        }
+        None
     }
     fn open(
         &self,
