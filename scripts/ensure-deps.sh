@@ -10,6 +10,12 @@ command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 # The rbd backend links -lrbd -lrados (Ceph's C API; no pkg-config files).
 [ -f /usr/include/rbd/librbd.h ] || need_apt+=(librbd-dev)
 [ -f /usr/include/rados/librados.h ] || need_apt+=(librados-dev)
+# LUKS volumes (`encrypt=luks`): headers and keyslots through libcryptsetup
+# (-lcryptsetup); the tests check against the cryptsetup tool and an AES-XTS that
+# is not udrive's (Python's cryptography, over OpenSSL).
+[ -f /usr/include/libcryptsetup.h ] || need_apt+=(libcryptsetup-dev)
+command -v cryptsetup >/dev/null 2>&1 || need_apt+=(cryptsetup-bin)
+python3 -c 'import cryptography' >/dev/null 2>&1 || need_apt+=(python3-cryptography)
 if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
   export PATH="$HOME/.cargo/bin:$PATH"
 fi

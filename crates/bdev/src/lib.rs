@@ -4,6 +4,7 @@
 
 mod batch;
 mod claim;
+mod crypt;
 mod error;
 mod fault;
 mod null;
@@ -18,6 +19,9 @@ mod wrapper;
 
 pub use batch::{submit_each, Batch, RequestList};
 pub use claim::{DiskClaim, RangeClaim, WriterClaim};
+pub use crypt::{
+    format_luks, open_luks, open_or_format_luks, CryptDisk, LuksError, SectorCipher, MAX_CRYPT_IO,
+};
 pub use error::{typed, FixedSize, GeometryError};
 pub use fault::{FaultConfig, FaultDisk, FaultError, FaultOps};
 pub use null::NullDisk;

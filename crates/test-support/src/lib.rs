@@ -16,6 +16,7 @@
 //! | [`held`] | a backend whose completions wait for the test (a network backend's stand-in) |
 //! | [`ceph`] | a throwaway Ceph cluster (one mon, one OSD) for the rbd backend |
 //! | [`files`] | sparse disk images and loop devices |
+//! | [`luks`] | LUKS volumes by `cryptsetup`, volume keys, an independent AES-XTS |
 //! | [`layers`] | checks on a trace layer breakdown that hold on a busy machine |
 //! | [`pattern`] | data patterns a verifier writes and checks |
 //! | [`wait`] | waiting for a condition, with a bound for broken builds |
@@ -35,6 +36,7 @@ pub mod files;
 pub mod gens;
 pub mod held;
 pub mod layers;
+pub mod luks;
 pub mod nvme_cmd;
 pub mod nvme_host;
 pub mod pattern;

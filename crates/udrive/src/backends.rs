@@ -32,6 +32,8 @@ struct BackingUse {
     claims: bool,
     /// ... and receives a migrating VM (opened without the writer's claim).
     incoming: bool,
+    /// Sees the backing's LUKS payload (its range is in payload bytes).
+    encrypted: bool,
     who: String,
     /// (controller socket, nsid): what `release` matches.
     owner: (PathBuf, u32),
@@ -180,9 +182,17 @@ impl BackendSet {
     ) -> Result<Arc<QosDisk>> {
         let kind = &ns.kind.0;
         let mut new_use_of = None;
-        let open = |env: &dyn OpenEnv| match ns.incoming && !ns.read_only {
-            true => kind.open_incoming(env, ns.block_size),
-            false => kind.open(env, ns.block_size, ns.read_only),
+        // An encrypted backend is its LUKS payload from here on: slices, overlap
+        // checks and sharing are in payload bytes.
+        let open = |env: &dyn OpenEnv| -> Result<Arc<dyn BlockDevice>> {
+            let dev = match ns.incoming && !ns.read_only {
+                true => kind.open_incoming(env, ns.block_size)?,
+                false => kind.open(env, ns.block_size, ns.read_only)?,
+            };
+            Ok(match &ns.encrypt {
+                Some(e) => Arc::new(e.open(dev)?),
+                None => dev,
+            })
         };
         let base = match kind.backing()? {
             None => open(&*self.env)?,
@@ -263,8 +273,8 @@ fn disk_who(ns: &NsSpec, socket: &Path) -> String {
 /// incoming flags are part of how a device opens.
 fn open_key(b: &crate::kinds::Backing, ns: &NsSpec) -> String {
     format!(
-        "{}\0{:?}\0{}\0{}",
-        b.open_key, ns.block_size, ns.read_only, ns.incoming
+        "{}\0{:?}\0{}\0{}\0{:?}",
+        b.open_key, ns.block_size, ns.read_only, ns.incoming, ns.encrypt
     )
 }
 
@@ -287,6 +297,7 @@ fn new_use(
         shared: ns.shared,
         claims,
         incoming: ns.incoming,
+        encrypted: ns.encrypt.is_some(),
         who: who.to_string(),
         owner,
     };
@@ -310,6 +321,16 @@ fn slice_range(ns: &NsSpec, total: u64) -> Result<(u64, u64)> {
 
 fn check_overlap(uses: &[BackingUse], b: &BackingUse) -> Result<()> {
     for a in uses {
+        // Payload and raw bytes of one backing do not compare: one writer of
+        // either kind rules the other out.
+        if a.resource == b.resource && a.encrypted != b.encrypted && (a.writable || b.writable) {
+            bail!(
+                "{} and {} use {} with and without encrypt=luks: a backing is either encrypted for all its users or for none",
+                a.who,
+                b.who,
+                a.resource
+            );
+        }
         let both_shared = a.shared && b.shared;
         // A migration's source and destination: one writer at a time, by claim.
         let migration = (a.incoming || b.incoming) && a.claims && b.claims;

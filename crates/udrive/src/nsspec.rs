@@ -14,6 +14,12 @@
 //! `read_iops=`, `write_iops=`, `bw=`, `read_bw=`, `write_bw=` (bytes/s, with K/M/G).
 //! Example: `file:/var/lib/vm.img,offset=1G,size=8G,iops=5000`.
 //!
+//! Encryption at rest: `encrypt=luks,key-file=PATH` serves the payload of a
+//! LUKS1/LUKS2 volume (aes-xts-plain64) on the backend, unlocked with the
+//! passphrase in the key file (`bdev::CryptDisk`,
+//! docs/decisions/0037-luks-encryption.md); with `create=on` a blank backend is
+//! formatted as a new LUKS2 volume first. Slices are cut from the payload.
+//!
 //! Test-only fault injection (wraps the namespace in a `bdev::FaultDisk`, after the
 //! slice, so LBAs are the namespace's): `fault_lbas=START-END` (inclusive LBA range
 //! that fails), `fault_rate=0.01` (fraction of requests that fail at random),
@@ -41,7 +47,58 @@ pub struct NsSpec {
     pub qos: bdev::QosLimits,
     /// Test-only error/latency injection.
     pub fault: Option<FaultSpec>,
+    /// `encrypt=luks`: the backend holds a LUKS volume.
+    pub encrypt: Option<EncryptSpec>,
     text: String,
+}
+
+/// The `encrypt=luks` options of a namespace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EncryptSpec {
+    /// The passphrase, the whole file (as `cryptsetup --key-file`).
+    pub key_file: std::path::PathBuf,
+    /// Format a blank backend as a new LUKS2 volume.
+    pub create: bool,
+}
+
+/// The `encrypt=` options.
+const ENCRYPT_OPTIONS: [&str; 3] = ["encrypt", "key-file", "create"];
+
+impl EncryptSpec {
+    /// The options `encrypt=`, `key-file=`, `create=` as given (`(name, value)`).
+    fn parse(opts: &[(&str, &str)]) -> Result<Option<EncryptSpec>, String> {
+        let get = |k: &str| opts.iter().rev().find(|(n, _)| *n == k).map(|(_, v)| *v);
+        match get("encrypt") {
+            None if opts.is_empty() => Ok(None),
+            None => Err("key-file= and create= go with encrypt=luks".into()),
+            Some("luks") => {
+                let key_file = get("key-file")
+                    .filter(|p| !p.is_empty())
+                    .ok_or("encrypt=luks needs key-file=PATH")?;
+                let create = match get("create") {
+                    None | Some("off") => false,
+                    Some("on") => true,
+                    Some(_) => return Err("create must be on or off".into()),
+                };
+                Ok(Some(EncryptSpec {
+                    key_file: key_file.into(),
+                    create,
+                }))
+            }
+            Some(_) => Err("encrypt must be luks".into()),
+        }
+    }
+
+    /// `dev`'s LUKS payload.
+    pub fn open(
+        &self,
+        dev: std::sync::Arc<dyn bdev::BlockDevice>,
+    ) -> Result<bdev::CryptDisk, bdev::LuksError> {
+        match self.create {
+            true => bdev::open_or_format_luks(dev, &self.key_file),
+            false => bdev::open_luks(dev, &self.key_file),
+        }
+    }
 }
 
 /// The `fault_*` options of a namespace.
@@ -145,6 +202,7 @@ impl std::str::FromStr for NsSpec {
         let mut incoming = false;
         let mut qos = bdev::QosLimits::default();
         let mut fault: Option<FaultSpec> = None;
+        let mut encrypt = Vec::new();
         let mut offset = None;
         let mut size = None;
         for opt in parts {
@@ -172,6 +230,7 @@ impl std::str::FromStr for NsSpec {
                 "bw" => qos.bw_bytes = rate()?,
                 "read_bw" => qos.read_bw = rate()?,
                 "write_bw" => qos.write_bw = rate()?,
+                k if ENCRYPT_OPTIONS.contains(&k) => encrypt.push((k, v)),
                 k if FAULT_OPTIONS.contains(&k) => fault
                     .get_or_insert_with(Default::default)
                     .set(k, v)
@@ -191,6 +250,7 @@ impl std::str::FromStr for NsSpec {
         {
             return Err(bad("QoS limits must be above 0".into()));
         }
+        let encrypt = EncryptSpec::parse(&encrypt).map_err(&bad)?;
         let kind = backend.parse(arg, &kind_opts, block_size).map_err(&bad)?;
         if let Some(why) = kind.migration_refusal().filter(|_| incoming) {
             return Err(bad(format!("incoming: {why}")));
@@ -207,6 +267,7 @@ impl std::str::FromStr for NsSpec {
             incoming,
             qos,
             fault,
+            encrypt,
             text: s.to_string(),
         })
     }
@@ -240,6 +301,9 @@ impl std::fmt::Display for NsSpec {
         if let Some(bs) = self.block_size.filter(|b| *b != 512) {
             write!(f, ",bs={bs}")?;
         }
+        if self.encrypt.is_some() {
+            f.write_str(",encrypt=luks")?;
+        }
         Ok(())
     }
 }
@@ -261,6 +325,7 @@ fn unknown_option(opt: &str, kind: &dyn crate::kinds::BackendKind) -> String {
         "read_bw",
         "write_bw",
     ]);
+    known.extend(ENCRYPT_OPTIONS);
     known.extend(FAULT_OPTIONS);
     format!(
         "unknown option `{opt}` for {} (known: {})",
@@ -320,7 +385,22 @@ mod tests {
         assert_eq!(c.error_rate, 0.25);
         assert_eq!(c.ops, bdev::FaultOps::Read);
         assert_eq!(c.latency, std::time::Duration::from_micros(50));
+        let s: NsSpec = "file:/x.img,encrypt=luks,key-file=/k/vm1,size=1G"
+            .parse()
+            .unwrap();
+        let e = s.encrypt.as_ref().unwrap();
+        assert_eq!(e.key_file, std::path::Path::new("/k/vm1"));
+        assert!(!e.create);
+        assert!(s.to_string().contains("encrypt=luks"));
+        let s: NsSpec = "ram:64M,encrypt=luks,key-file=k,create=on".parse().unwrap();
+        assert!(s.encrypt.unwrap().create);
         for bad in [
+            "ram:64M,encrypt=luks",
+            "ram:64M,encrypt=luks,key-file=",
+            "ram:64M,encrypt=aes,key-file=k",
+            "ram:64M,key-file=k",
+            "ram:64M,create=on",
+            "ram:64M,encrypt=luks,key-file=k,create=yes",
             "ram",
             "disk:1G",
             "ram:1000",

@@ -1,0 +1,546 @@
+//! LUKS headers through libcryptsetup (Debian's `libcryptsetup12`, linked as
+//! `-lcryptsetup`), by a small hand-written FFI of the calls udrive needs
+//! (docs/decisions/0037-luks-encryption.md says why not `libcryptsetup-rs`).
+//!
+//! libcryptsetup works on a path, and the volume may be anything a backend
+//! serves (a file, an RBD image, memory), so the header area is copied through
+//! the backend's own channel into a sealed-off memfd, and libcryptsetup reads
+//! (or, to format, writes) that copy. The volume key comes from
+//! `crypt_volume_key_get`, which needs no device-mapper.
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use guest_mem::MappedRegion;
+use zeroize::Zeroizing;
+
+use super::CryptDisk;
+use crate::{BlockDevice, IoChannel, IoOp, IoRequest, IoStatus};
+
+/// How much of a volume is copied for libcryptsetup at first: LUKS2's default
+/// header with its keyslot area (the data offset of `cryptsetup luksFormat`).
+const HEADER_COPY: u64 = 16 << 20;
+/// The largest header area udrive copies (a header announcing more is refused).
+const MAX_HEADER: u64 = 256 << 20;
+/// The longest key file read (cryptsetup's default limit too).
+const MAX_KEY_FILE: u64 = 8 << 20;
+/// How long one header read or write through the backend may take.
+const IO_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Why a LUKS volume cannot be opened or formatted. No variant carries key
+/// material.
+#[derive(Debug, thiserror::Error)]
+pub enum LuksError {
+    #[error("key file {path}")]
+    KeyFile {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("key file {path} is empty or longer than {MAX_KEY_FILE} bytes")]
+    KeyFileSize { path: PathBuf },
+    #[error("{device}: {op} of the LUKS header area failed")]
+    HeaderIo {
+        device: String,
+        op: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{device}: no valid LUKS header (libcryptsetup {call}: {source})")]
+    Header {
+        device: String,
+        call: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{device}: the key file opens no keyslot of the LUKS header")]
+    WrongKey { device: String },
+    #[error("{device}: cipher {cipher}-{mode} with {key_bytes}-byte keys and {sector}-byte sectors is not supported (aes-xts-plain64, 512- or 4096-byte sectors)")]
+    Cipher {
+        device: String,
+        cipher: String,
+        mode: String,
+        key_bytes: usize,
+        sector: i32,
+    },
+    #[error("LUKS data offset {data_offset} does not fit a {device_size}-byte device of {block_size}-byte blocks")]
+    Layout {
+        data_offset: u64,
+        device_size: u64,
+        block_size: u64,
+    },
+    #[error("a volume key of {bytes} bytes (aes-xts takes 32 or 64)")]
+    KeySize { bytes: usize },
+    #[error("{device} holds data but no LUKS header: not formatted (create=on formats only a blank volume)")]
+    NotBlank { device: String },
+    #[error("key memory")]
+    Memory(#[source] io::Error),
+}
+
+#[repr(C)]
+struct CryptDevice {
+    _opaque: [u8; 0],
+}
+
+#[link(name = "cryptsetup")]
+extern "C" {
+    fn crypt_init(cd: *mut *mut CryptDevice, device: *const c_char) -> c_int;
+    fn crypt_load(
+        cd: *mut CryptDevice,
+        requested_type: *const c_char,
+        params: *mut c_void,
+    ) -> c_int;
+    fn crypt_format(
+        cd: *mut CryptDevice,
+        type_: *const c_char,
+        cipher: *const c_char,
+        cipher_mode: *const c_char,
+        uuid: *const c_char,
+        volume_key: *const c_char,
+        volume_key_size: usize,
+        params: *mut c_void,
+    ) -> c_int;
+    fn crypt_keyslot_add_by_volume_key(
+        cd: *mut CryptDevice,
+        keyslot: c_int,
+        volume_key: *const c_char,
+        volume_key_size: usize,
+        passphrase: *const c_char,
+        passphrase_size: usize,
+    ) -> c_int;
+    fn crypt_volume_key_get(
+        cd: *mut CryptDevice,
+        keyslot: c_int,
+        volume_key: *mut c_char,
+        volume_key_size: *mut usize,
+        passphrase: *const c_char,
+        passphrase_size: usize,
+    ) -> c_int;
+    fn crypt_get_cipher(cd: *mut CryptDevice) -> *const c_char;
+    fn crypt_get_cipher_mode(cd: *mut CryptDevice) -> *const c_char;
+    fn crypt_get_sector_size(cd: *mut CryptDevice) -> c_int;
+    fn crypt_get_data_offset(cd: *mut CryptDevice) -> u64;
+    fn crypt_free(cd: *mut CryptDevice);
+    fn crypt_set_log_callback(
+        cd: *mut CryptDevice,
+        log: Option<extern "C" fn(c_int, *const c_char, *mut c_void)>,
+        usrptr: *mut c_void,
+    );
+}
+
+/// libcryptsetup's messages, into the log at debug level instead of onto
+/// stderr: what matters of them reaches the caller as a [`LuksError`].
+extern "C" fn log_line(level: c_int, msg: *const c_char, _usrptr: *mut c_void) {
+    // SAFETY: libcryptsetup passes a NUL-terminated message alive for the call.
+    let msg = unsafe { cstr(msg) };
+    tracing::debug!(level, "libcryptsetup: {}", msg.trim_end());
+}
+
+/// Routes libcryptsetup's messages (process-wide, once) through [`log_line`].
+fn quiet_library() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    // SAFETY: a null context sets the default callback, a `extern "C"` function
+    // that lives for the whole process; no user pointer.
+    ONCE.call_once(|| unsafe {
+        crypt_set_log_callback(std::ptr::null_mut(), Some(log_line), std::ptr::null_mut())
+    });
+}
+
+const CRYPT_ANY_SLOT: c_int = -1;
+
+/// What an unlocked header gives the data path.
+struct UnlockedKey {
+    key: Zeroizing<[u8; 64]>,
+    len: usize,
+    /// The encryption sector.
+    unit: usize,
+    data_offset: u64,
+}
+
+impl UnlockedKey {
+    fn open(&self, inner: Arc<dyn BlockDevice>) -> Result<CryptDisk, LuksError> {
+        CryptDisk::with_key(inner, &self.key[..self.len], self.unit, self.data_offset)
+    }
+}
+
+/// A libcryptsetup context on a header copy, freed on drop.
+struct Context {
+    cd: *mut CryptDevice,
+    device: String,
+}
+
+impl Context {
+    fn init(path: &CStr, device: &str) -> Result<Context, LuksError> {
+        quiet_library();
+        let mut cd = std::ptr::null_mut();
+        // SAFETY: `cd` is an out pointer; `path` is a NUL-terminated string that
+        // outlives the call.
+        let rc = unsafe { crypt_init(&mut cd, path.as_ptr()) };
+        check(rc, device, "crypt_init")?;
+        Ok(Context {
+            cd,
+            device: device.to_string(),
+        })
+    }
+
+    fn err(&self, rc: c_int, call: &'static str) -> LuksError {
+        LuksError::Header {
+            device: self.device.clone(),
+            call,
+            source: io::Error::from_raw_os_error(-rc),
+        }
+    }
+
+    /// Loads a LUKS1 or LUKS2 header.
+    fn load(&self) -> Result<(), LuksError> {
+        // SAFETY: a live context; a null type means any LUKS version, null params
+        // are allowed for LUKS.
+        let rc = unsafe { crypt_load(self.cd, std::ptr::null(), std::ptr::null_mut()) };
+        if rc < 0 {
+            return Err(self.err(rc, "crypt_load"));
+        }
+        Ok(())
+    }
+
+    /// Bytes of header before the payload.
+    fn data_offset(&self) -> u64 {
+        // SAFETY: a live, loaded context.
+        unsafe { crypt_get_data_offset(self.cd) }.saturating_mul(512)
+    }
+
+    /// The volume key (its bytes and length), unlocked by `passphrase` from any
+    /// keyslot, for a cipher the data path implements.
+    fn volume_key(&self, passphrase: &[u8]) -> Result<UnlockedKey, LuksError> {
+        let mut key = Zeroizing::new([0u8; 64]);
+        let mut len = key.len();
+        // SAFETY: `key` has room for `len` bytes and libcryptsetup writes at most
+        // that many (it updates `len`); the passphrase is read for its length.
+        let rc = unsafe {
+            crypt_volume_key_get(
+                self.cd,
+                CRYPT_ANY_SLOT,
+                key.as_mut_ptr().cast(),
+                &mut len,
+                passphrase.as_ptr().cast(),
+                passphrase.len(),
+            )
+        };
+        if rc == -libc::EPERM || rc == -libc::ENOENT {
+            return Err(LuksError::WrongKey {
+                device: self.device.clone(),
+            });
+        }
+        if rc < 0 {
+            return Err(self.err(rc, "crypt_volume_key_get"));
+        }
+        // SAFETY: a live, loaded context; the strings live as long as it.
+        let (cipher, mode, sector) = unsafe {
+            (
+                cstr(crypt_get_cipher(self.cd)),
+                cstr(crypt_get_cipher_mode(self.cd)),
+                crypt_get_sector_size(self.cd),
+            )
+        };
+        let sector_ok = sector == 512 || sector == 4096;
+        if cipher != "aes" || mode != "xts-plain64" || !sector_ok || !(len == 32 || len == 64) {
+            return Err(LuksError::Cipher {
+                device: self.device.clone(),
+                cipher,
+                mode,
+                key_bytes: len,
+                sector,
+            });
+        }
+        Ok(UnlockedKey {
+            key,
+            len,
+            unit: sector as usize,
+            data_offset: self.data_offset(),
+        })
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: made by crypt_init, freed once.
+        unsafe { crypt_free(self.cd) }
+    }
+}
+
+/// A C string libcryptsetup owns, copied (`""` for null).
+///
+/// # Safety
+/// `p` is null or a NUL-terminated string alive for the call.
+unsafe fn cstr(p: *const c_char) -> String {
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: per the caller, NUL-terminated and alive.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+fn check(rc: c_int, device: &str, call: &'static str) -> Result<(), LuksError> {
+    if rc < 0 {
+        return Err(LuksError::Header {
+            device: device.to_string(),
+            call,
+            source: io::Error::from_raw_os_error(-rc),
+        });
+    }
+    Ok(())
+}
+
+/// Reads a key file whole, as `cryptsetup --key-file` does.
+fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>, LuksError> {
+    use std::io::Read;
+    let ctx = |source| LuksError::KeyFile {
+        path: path.to_path_buf(),
+        source,
+    };
+    let f = std::fs::File::open(path).map_err(ctx)?;
+    let mut key = Zeroizing::new(Vec::new());
+    f.take(MAX_KEY_FILE + 1)
+        .read_to_end(&mut key)
+        .map_err(ctx)?;
+    if key.is_empty() || key.len() as u64 > MAX_KEY_FILE {
+        return Err(LuksError::KeyFileSize {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(key)
+}
+
+/// A memory file standing in for the volume's header area, and its path for
+/// libcryptsetup.
+struct HeaderCopy {
+    fd: OwnedFd,
+    path: CString,
+}
+
+impl HeaderCopy {
+    fn new(len: u64) -> io::Result<HeaderCopy> {
+        // SAFETY: a NUL-terminated name; the result is checked.
+        let raw = unsafe { libc::memfd_create(c"udrive-luks-header".as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let file = std::fs::File::from(fd);
+        file.set_len(len)?;
+        let path = CString::new(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        Ok(HeaderCopy {
+            fd: file.into(),
+            path,
+        })
+    }
+
+    fn file(&self) -> io::Result<std::fs::File> {
+        Ok(std::fs::File::from(self.fd.try_clone()?))
+    }
+}
+
+/// Moves `len` bytes between the start of `dev` and `file`, through one of the
+/// device's channels: `op` Read copies the device into the file, Write the file
+/// onto the device.
+fn copy_header(dev: &dyn BlockDevice, file: &std::fs::File, len: u64, op: IoOp) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    const STEP: u64 = 1 << 20;
+    let buf = MappedRegion::anonymous(0, STEP)?;
+    let mut ch = dev.channel()?;
+    let mut tmp = vec![0u8; STEP as usize];
+    let mut pos = 0;
+    while pos < len {
+        let n = STEP.min(len - pos);
+        let tmp = &mut tmp[..n as usize];
+        let b = buf
+            .slice(0, n as usize)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        if op == IoOp::Write {
+            file.read_exact_at(tmp, pos)?;
+            b.write_from(0, tmp)
+                .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        }
+        let iov = [b];
+        let req = IoRequest {
+            op,
+            offset: pos,
+            len: n,
+            iov: &iov,
+            fua: false,
+        };
+        match io_wait(&mut *ch, &req)? {
+            IoStatus::Ok => {}
+            st => return Err(io::Error::other(format!("{op:?} at {pos}: {st:?}"))),
+        }
+        if op == IoOp::Read {
+            b.read_into(0, tmp)
+                .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+            file.write_all_at(tmp, pos)?;
+        }
+        pos += n;
+    }
+    if op == IoOp::Write {
+        let flush = IoRequest::without_data(IoOp::Flush, 0, 0, false);
+        io_wait(&mut *ch, &flush)?;
+    }
+    Ok(())
+}
+
+/// Runs one request to completion on `ch` (control path: open and format).
+fn io_wait(ch: &mut dyn IoChannel, req: &IoRequest<'_>) -> io::Result<IoStatus> {
+    if let Some(st) = ch.submit(0, req) {
+        return Ok(st);
+    }
+    let start = Instant::now();
+    let mut out = None;
+    while out.is_none() {
+        ch.flush();
+        ch.poll(&mut |_, st| out = Some(st));
+        if start.elapsed() > IO_DEADLINE {
+            return Err(io::Error::from(io::ErrorKind::TimedOut));
+        }
+        if out.is_none() {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+    Ok(out.unwrap_or(IoStatus::IoError))
+}
+
+/// What opening and formatting start from.
+struct Start {
+    pass: Zeroizing<Vec<u8>>,
+    device: String,
+    size: u64,
+}
+
+impl Start {
+    fn new(inner: &dyn BlockDevice, key_file: &Path) -> Result<Start, LuksError> {
+        Ok(Start {
+            pass: read_key_file(key_file)?,
+            device: inner.describe(),
+            size: inner.info().size_bytes(),
+        })
+    }
+}
+
+/// Opens the LUKS volume on `inner` with the passphrase in `key_file`: the
+/// volume's payload, encrypted and decrypted on the fly.
+pub fn open_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDisk, LuksError> {
+    let Start { pass, device, size } = Start::new(&*inner, key_file)?;
+    let hio = |op, source| LuksError::HeaderIo {
+        device: device.clone(),
+        op,
+        source,
+    };
+    let mut copied = HEADER_COPY.min(size);
+    loop {
+        let copy = HeaderCopy::new(copied).map_err(|e| hio("copy", e))?;
+        let file = copy.file().map_err(|e| hio("copy", e))?;
+        copy_header(&*inner, &file, copied, IoOp::Read).map_err(|e| hio("read", e))?;
+        let ctx = Context::init(&copy.path, &device)?;
+        ctx.load()?;
+        let data_offset = ctx.data_offset();
+        if data_offset > copied && data_offset <= size.min(MAX_HEADER) {
+            // A larger header area than the default: copy all of it.
+            copied = data_offset;
+            continue;
+        }
+        return ctx.volume_key(&pass)?.open(inner);
+    }
+}
+
+/// Formats `inner` as a new LUKS2 volume (aes-xts-plain64, a 512-bit random
+/// volume key, libcryptsetup's default argon2id keyslot for the passphrase in
+/// `key_file`) and opens it. Whatever `inner` held is lost.
+pub fn format_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDisk, LuksError> {
+    let Start { pass, device, size } = Start::new(&*inner, key_file)?;
+    let hio = |op, source| LuksError::HeaderIo {
+        device: device.clone(),
+        op,
+        source,
+    };
+    // Sparse: only what libcryptsetup writes takes memory.
+    let copy = HeaderCopy::new(size).map_err(|e| hio("copy", e))?;
+    let ctx = Context::init(&copy.path, &device)?;
+    // SAFETY: a live context; NUL-terminated strings; a null key asks
+    // libcryptsetup to generate one of 64 bytes; null params are its defaults.
+    let rc = unsafe {
+        crypt_format(
+            ctx.cd,
+            c"LUKS2".as_ptr(),
+            c"aes".as_ptr(),
+            c"xts-plain64".as_ptr(),
+            std::ptr::null(),
+            std::ptr::null(),
+            64,
+            std::ptr::null_mut(),
+        )
+    };
+    check(rc, &device, "crypt_format")?;
+    // SAFETY: a formatted context holding its volume key (null: use it); the
+    // passphrase is read for its length.
+    let rc = unsafe {
+        crypt_keyslot_add_by_volume_key(
+            ctx.cd,
+            CRYPT_ANY_SLOT,
+            std::ptr::null(),
+            0,
+            pass.as_ptr().cast(),
+            pass.len(),
+        )
+    };
+    check(rc, &device, "crypt_keyslot_add_by_volume_key")?;
+    let data_offset = ctx.data_offset();
+    if data_offset == 0 || data_offset >= size {
+        return Err(LuksError::Layout {
+            data_offset,
+            device_size: size,
+            block_size: u64::from(inner.info().block_size),
+        });
+    }
+    let key = ctx.volume_key(&pass)?;
+    let file = copy.file().map_err(|e| hio("copy", e))?;
+    copy_header(&*inner, &file, data_offset, IoOp::Write).map_err(|e| hio("write", e))?;
+    key.open(inner)
+}
+
+/// Opens the LUKS volume on `inner`; a blank `inner` (its first 4 KiB all zero,
+/// as a new file, RAM disk or image) is formatted first ([`format_luks`]). A
+/// backend that holds anything else is refused: this never formats over data, so
+/// the same spec opens the same volume on every start and after a handover.
+pub fn open_or_format_luks(
+    inner: Arc<dyn BlockDevice>,
+    key_file: &Path,
+) -> Result<CryptDisk, LuksError> {
+    const PROBE: u64 = 4096;
+    let device = inner.describe();
+    let hio = |source| LuksError::HeaderIo {
+        device: device.clone(),
+        op: "read",
+        source,
+    };
+    let copy = HeaderCopy::new(PROBE).map_err(hio)?;
+    let file = copy.file().map_err(hio)?;
+    copy_header(
+        &*inner,
+        &file,
+        PROBE.min(inner.info().size_bytes()),
+        IoOp::Read,
+    )
+    .map_err(hio)?;
+    let mut head = [0u8; PROBE as usize];
+    std::os::unix::fs::FileExt::read_exact_at(&file, &mut head, 0).map_err(hio)?;
+    if head.starts_with(b"LUKS\xba\xbe") {
+        open_luks(inner, key_file)
+    } else if head.iter().all(|b| *b == 0) {
+        format_luks(inner, key_file)
+    } else {
+        Err(LuksError::NotBlank { device })
+    }
+}
