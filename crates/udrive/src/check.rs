@@ -91,6 +91,13 @@ fn backend_problems(cfg: &Config, p: &mut Vec<String>) {
 fn spec_size(ns: &NsSpec, what: &str, p: &mut Vec<String>) -> Option<u64> {
     let mut found = Vec::new();
     let size = ns.kind.0.check(ns.read_only, &mut found);
+    // The key file only: whether it unlocks the volume needs the header, which
+    // `check` does not read (the slice checks use the raw size for the same reason).
+    if let Some(e) = &ns.encrypt {
+        if let Err(err) = std::fs::File::open(&e.key_file) {
+            found.push(format!("key file {}: {err}", e.key_file.display()));
+        }
+    }
     let ok = found.is_empty();
     p.extend(found.into_iter().map(|f| format!("{what}: {f}")));
     size.filter(|_| ok)

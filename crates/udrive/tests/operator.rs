@@ -124,7 +124,7 @@ fn check_lists_every_problem() {
         io_queues = 0
         [[controller]]
         socket = "{d}/a.sock"
-        namespaces = ["file:{small},offset=0,size=32K", "file:{small},offset=16K,size=16K"]
+        namespaces = ["file:{small},offset=0,size=32K", "file:{small},offset=16K,size=16K", "ram:64M,encrypt=luks,key-file={d}/no.key,create=on"]
         [[vhost_user_blk]]
         socket = "{d}/not-a-socket"
         disk = "rbd:rbd/vm,conf={d}/no-ceph.conf"
@@ -145,6 +145,7 @@ fn check_lists_every_problem() {
         "not-a-socket exists and is not a socket",
         "no-ceph.conf",
         "rpc socket: directory /nonexistent-dir does not exist",
+        "no.key: No such file",
     ];
     for w in want {
         assert!(err.contains(w), "`{w}` missing from:\n{err}");
