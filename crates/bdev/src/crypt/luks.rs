@@ -427,23 +427,29 @@ impl Start {
             size: inner.info().size_bytes(),
         })
     }
+
+    /// Copying the header area failed at `op`.
+    fn header_io(&self, op: &'static str, source: io::Error) -> LuksError {
+        LuksError::HeaderIo {
+            device: self.device.clone(),
+            op,
+            source,
+        }
+    }
 }
 
 /// Opens the LUKS volume on `inner` with the passphrase in `key_file`: the
 /// volume's payload, encrypted and decrypted on the fly.
 pub fn open_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDisk, LuksError> {
-    let Start { pass, device, size } = Start::new(&*inner, key_file)?;
-    let hio = |op, source| LuksError::HeaderIo {
-        device: device.clone(),
-        op,
-        source,
-    };
+    let start = Start::new(&*inner, key_file)?;
+    let hio = |op, source| start.header_io(op, source);
+    let (pass, device, size) = (&start.pass, &start.device, start.size);
     let mut copied = HEADER_COPY.min(size);
     loop {
         let copy = HeaderCopy::new(copied).map_err(|e| hio("copy", e))?;
         let file = copy.file().map_err(|e| hio("copy", e))?;
         copy_header(&*inner, &file, copied, IoOp::Read).map_err(|e| hio("read", e))?;
-        let ctx = Context::init(&copy.path, &device)?;
+        let ctx = Context::init(&copy.path, device)?;
         ctx.load()?;
         let data_offset = ctx.data_offset();
         if data_offset > copied && data_offset <= size.min(MAX_HEADER) {
@@ -451,7 +457,7 @@ pub fn open_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDi
             copied = data_offset;
             continue;
         }
-        return ctx.volume_key(&pass)?.open(inner);
+        return ctx.volume_key(pass)?.open(inner);
     }
 }
 
@@ -459,15 +465,12 @@ pub fn open_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDi
 /// volume key, libcryptsetup's default argon2id keyslot for the passphrase in
 /// `key_file`) and opens it. Whatever `inner` held is lost.
 pub fn format_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDisk, LuksError> {
-    let Start { pass, device, size } = Start::new(&*inner, key_file)?;
-    let hio = |op, source| LuksError::HeaderIo {
-        device: device.clone(),
-        op,
-        source,
-    };
+    let start = Start::new(&*inner, key_file)?;
+    let hio = |op, source| start.header_io(op, source);
+    let (pass, device, size) = (&start.pass, &start.device, start.size);
     // Sparse: only what libcryptsetup writes takes memory.
     let copy = HeaderCopy::new(size).map_err(|e| hio("copy", e))?;
-    let ctx = Context::init(&copy.path, &device)?;
+    let ctx = Context::init(&copy.path, device)?;
     // SAFETY: a live context; NUL-terminated strings; a null key asks
     // libcryptsetup to generate one of 64 bytes; null params are its defaults.
     let rc = unsafe {
@@ -482,7 +485,7 @@ pub fn format_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<Crypt
             std::ptr::null_mut(),
         )
     };
-    check(rc, &device, "crypt_format")?;
+    check(rc, device, "crypt_format")?;
     // SAFETY: a formatted context holding its volume key (null: use it); the
     // passphrase is read for its length.
     let rc = unsafe {
@@ -495,7 +498,7 @@ pub fn format_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<Crypt
             pass.len(),
         )
     };
-    check(rc, &device, "crypt_keyslot_add_by_volume_key")?;
+    check(rc, device, "crypt_keyslot_add_by_volume_key")?;
     let data_offset = ctx.data_offset();
     if data_offset == 0 || data_offset >= size {
         return Err(LuksError::Layout {
@@ -504,7 +507,7 @@ pub fn format_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<Crypt
             block_size: u64::from(inner.info().block_size),
         });
     }
-    let key = ctx.volume_key(&pass)?;
+    let key = ctx.volume_key(pass)?;
     let file = copy.file().map_err(|e| hio("copy", e))?;
     copy_header(&*inner, &file, data_offset, IoOp::Write).map_err(|e| hio("write", e))?;
     key.open(inner)
