@@ -103,6 +103,8 @@ pub struct Server {
     /// passes them on).
     pub rpc: Option<PathBuf>,
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// The configuration file reloads re-read.
+    pub config_file: Option<PathBuf>,
     /// Reactors from `--cpus` (shared by devices); `dedicated` placement adds more.
     base_reactors: usize,
     /// Socket mode and group of devices added later that do not name their own.
@@ -134,6 +136,7 @@ impl Server {
             rbd_cpus: cfg.rbd_cpus.clone(),
             rpc: cfg.rpc.clone(),
             metrics_listen: cfg.metrics_listen,
+            config_file: cfg.file.clone(),
             base_reactors,
             socket_defaults: cfg.socket_defaults(),
             state: Mutex::new(State {

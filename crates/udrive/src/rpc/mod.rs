@@ -20,6 +20,7 @@ pub mod methods;
 mod params;
 #[cfg(feature = "rbd")]
 mod rbd_methods;
+mod reload_method;
 mod server;
 pub mod trace_methods;
 mod vhost_methods;
@@ -48,6 +49,7 @@ pub fn register_all(r: &mut Registry) {
     methods::register(r);
     trace_methods::register(r);
     vhost_methods::register(r);
+    reload_method::register(r);
     #[cfg(feature = "rbd")]
     rbd_methods::register(r);
 }
