@@ -7,8 +7,8 @@
 //! added and removed, namespaces added and removed, QoS, poll mode and placement
 //! set while queues run. A device whose fixed settings changed (queue counts,
 //! serial, a namespace's backend) is re-created when no client is connected and
-//! left as it is, with the reason, when one is: a reload never pulls a disk from
-//! under a running VM. Settings of the whole process (CPUs, sockets of the control
+//! left as it is, with the reason, when one is: a reload never stops a device a
+//! VM is attached to (namespaces come and go as the namespace methods do). Settings of the whole process (CPUs, sockets of the control
 //! plane) need a restart.
 
 use std::collections::BTreeMap;
