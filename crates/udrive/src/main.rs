@@ -31,7 +31,9 @@ enum Cmd {
 vfio-user sockets (--vfio-user, --ns) and virtio-blk devices on vhost-user sockets \
 (--vhost-user-blk, --disk), or every device of a TOML file (--config, docs/config.md). \
 Without device options: one NVMe controller with a 1 GiB RAM namespace on \
-./udrive-nvme.sock. The banner printed at start says how to attach QEMU to each device."
+./udrive-nvme.sock. The banner printed at start says how to attach QEMU to each device. \
+SIGHUP re-reads the --config file and applies what changed (docs/rpc.md, reload_config); \
+under systemd (Type=notify) the server reports READY once every socket listens."
     )]
     Serve(Box<serve::ServeArgs>),
     /// Check a configuration without starting anything (the arguments of `serve`);

@@ -47,7 +47,7 @@ impl ReloadReport {
 pub fn reload(server: &Server, path: &Path) -> Result<ReloadReport> {
     crate::systemd::reloading();
     let r = read_and_apply(server, path);
-    crate::systemd::ready(server.lock().devices.len(), false);
+    crate::systemd::ready(server.lock().devices.len());
     r
 }
 

@@ -191,7 +191,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let running = start(&cfg, rpc_mode, process.clone())?;
     running.print_banner();
     process.ready();
-    crate::systemd::ready(running.server.lock().devices.len(), false);
+    crate::systemd::ready(running.server.lock().devices.len());
     running.run_until_signal(signals)
 }
 
@@ -210,6 +210,7 @@ fn run_takeover(from: &Path) -> Result<()> {
     };
     let signals =
         Signals::new([SIGINT, SIGTERM, SIGHUP]).context("cannot install signal handlers")?;
+    crate::systemd::main_pid();
     got.takeover.confirm()?;
     process.commit();
     for d in running.server.lock().devices.iter_mut() {
@@ -217,7 +218,7 @@ fn run_takeover(from: &Path) -> Result<()> {
     }
     got.takeover.finish();
     running.print_banner();
-    crate::systemd::ready(running.server.lock().devices.len(), true);
+    crate::systemd::ready(running.server.lock().devices.len());
     running.run_until_signal(signals)
 }
 

@@ -13,19 +13,16 @@ fn send(states: &[NotifyState]) {
 }
 
 /// Every device socket, the control socket and the metrics endpoint listen.
-/// `main_pid`: this process took over from the unit's main process.
-pub fn ready(devices: usize, main_pid: bool) {
+pub fn ready(devices: usize) {
     let status = format!("serving {devices} device(s)");
-    let pid = std::process::id();
-    if main_pid {
-        send(&[
-            NotifyState::MainPid(pid),
-            NotifyState::Ready,
-            NotifyState::Status(&status),
-        ]);
-    } else {
-        send(&[NotifyState::Ready, NotifyState::Status(&status)]);
-    }
+    send(&[NotifyState::Ready, NotifyState::Status(&status)]);
+}
+
+/// This process takes over from the unit's main process, which exits once it has
+/// the confirmation: sent before that, so the service manager never sees its main
+/// process gone.
+pub fn main_pid() {
+    send(&[NotifyState::MainPid(std::process::id())]);
 }
 
 /// A reload started; [`ready`] ends it.

@@ -20,8 +20,8 @@ pub mod methods;
 mod params;
 #[cfg(feature = "rbd")]
 mod rbd_methods;
-mod reload_method;
 mod server;
+mod service_methods;
 pub mod trace_methods;
 mod vhost_methods;
 
@@ -49,7 +49,7 @@ pub fn register_all(r: &mut Registry) {
     methods::register(r);
     trace_methods::register(r);
     vhost_methods::register(r);
-    reload_method::register(r);
+    service_methods::register(r);
     #[cfg(feature = "rbd")]
     rbd_methods::register(r);
 }

@@ -1,5 +1,7 @@
-//! `reload_config`: the configuration file applied to the running server
-//! (crate::reload), as SIGHUP and `systemctl reload` do.
+//! What a service manager's unit drives: `reload_config` (the configuration file
+//! applied to the running server, crate::reload, as SIGHUP and `systemctl reload`
+//! do) and `start_successor` (a live upgrade that stays inside the unit,
+//! crate::handover::successor).
 
 use std::path::PathBuf;
 
@@ -13,6 +15,18 @@ pub fn register(r: &mut Registry) {
         "reload_config",
         "re-read the configuration file (or `config`) and apply what changed (as SIGHUP does)",
         reload_config,
+    );
+    r.register(
+        "start_successor",
+        "start this server's own binary to take every device over (`udrive upgrade` for a systemd service)",
+        |rpc, p| {
+            parse_params::<super::params::Empty>(p)?;
+            let Some(socket) = rpc.server.rpc.clone() else {
+                return Err(RpcError::new(SERVER_ERROR, "this server has no control socket"));
+            };
+            let pid = crate::handover::successor::start(&socket)?;
+            Ok(serde_json::json!({"pid": pid}))
+        },
     );
 }
 

@@ -1,7 +1,9 @@
-//! Reloading the configuration file of a running `udrive serve --config`: SIGHUP and
-//! `reload_config` add, change and remove devices and namespaces, leave a device
-//! with a connected client alone, and tell a `Type=notify` service manager
-//! (a datagram socket in `NOTIFY_SOCKET`) ready, reloading and stopping.
+//! What a systemd unit drives, with a datagram socket in `NOTIFY_SOCKET` standing in
+//! for the service manager: READY, RELOADING and STOPPING; reloading the
+//! configuration file (SIGHUP, `reload_config`: devices and namespaces added,
+//! changed and removed, a device with a connected client left alone); and
+//! `udrive upgrade` of a service, whose successor the server starts itself and
+//! which names itself the main process.
 
 mod common;
 
@@ -207,4 +209,64 @@ fn reload_without_a_config_file_says_what_to_do() {
     sighup(&s);
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(s.ok("get_version", json!({}))["name"], "udrive");
+}
+
+#[test]
+fn upgrade_of_a_service_keeps_the_client_and_moves_the_main_pid() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_path_buf();
+    let notify_path = d.join("notify");
+    let notify = Notify::bind(&notify_path);
+    // A ram disk's data would not move with a handover: a file.
+    let img = d.join("a.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let ns = format!("namespaces = [\"file:{}\"]", img.display());
+    write_config(&d, &controller(&d, "a.sock", &ns));
+    let mut s = start(dir, &notify_path);
+    notify.expect("READY=1");
+    let old = s.pid();
+    assert_eq!(s.ok("get_version", json!({}))["service_manager"], true);
+
+    let drv = NvmeDriver::connect(d.join("a.sock"), serve_opts()).unwrap();
+    common::control::round_trip(&drv, 3);
+    // A client may not pick the binary a service execs.
+    let out = common::control::udrive(&[
+        "upgrade",
+        "--rpc",
+        d.join("rpc.sock").to_str().unwrap(),
+        "--binary",
+        "/bin/true",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("service manager"));
+
+    common::control::udrive_ok(&["upgrade", "--rpc", d.join("rpc.sock").to_str().unwrap()]);
+    let new = s.ok("get_version", json!({}))["pid"].as_u64().unwrap();
+    let successor = KillOnDrop(new as i32);
+    assert_ne!(new, old as u64);
+    let m = notify.expect(&format!("MAINPID={new}"));
+    assert!(!m.iter().any(|l| l == "STOPPING=1"), "{m:?}");
+    notify.expect("READY=1");
+    // The old process exited without telling the manager it stops.
+    let st = s.terminate().expect("the old server exited");
+    assert!(st.success(), "{st:?}");
+    common::control::round_trip(&drv, 4);
+    drop(drv);
+
+    drop(successor);
+    notify.expect("STOPPING=1");
+}
+
+/// The successor is no child of this test: SIGTERM on drop, also when an
+/// assertion fails.
+struct KillOnDrop(i32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on the successor's pid has no memory effects.
+        unsafe { libc::kill(self.0, libc::SIGTERM) };
+    }
 }
