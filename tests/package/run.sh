@@ -4,8 +4,9 @@
 # over a cached debootstrap), installs the package there and checks what an
 # operator relies on: the unit reaches READY (Type=notify), sockets and their
 # permissions, `systemctl reload` after a config change (a namespace added, seen
-# through udrive's own initiator), an upgrade to a newer package, and a purge that
-# leaves nothing behind. Ends with `N passed, M failed`; root only.
+# through udrive's own initiator), a live upgrade to a newer package, a libvirt
+# domain on a udrive disk (libvirt.sh), and a purge that leaves nothing behind.
+# Ends with `N passed, M failed`; root only.
 # UDRIVE_VM_TESTS=0 skips it, as the VM tests.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -13,11 +14,13 @@ TAG=package
 CACHE=${UDRIVE_VM_CACHE:-/var/cache/udrive-vm}
 # shellcheck source=../vm/lib.sh
 source "$root/tests/vm/lib.sh"
+# shellcheck source=libvirt.sh
+source "$root/tests/package/libvirt.sh"
 
 CHROOT=$CACHE/bookworm-systemd
 # What the container needs beyond minbase: systemd as init, and the libraries
 # udrive links (the package's Depends are checked by dpkg, not fetched).
-PKGS=systemd,systemd-sysv,dbus,adduser,librbd1,librados2,libcryptsetup12,procps
+PKGS=systemd,systemd-sysv,dbus,adduser,librbd1,librados2,libcryptsetup12,procps,$LIBVIRT_PKGS
 NSPAWN_PID=''
 pass=0 fail=0
 ok() { say "ok: $*"; pass=$((pass + 1)); }
@@ -56,7 +59,7 @@ check "bash completion loads" bash -c "source '$root/dist/generated/completions/
 phase "boot a systemd container"
 ensure_chroot "$CHROOT" bookworm "$PKGS"
 systemd-nspawn -q -D "$CHROOT" --volatile=overlay --register=no --keep-unit \
-    --bind-ro="$TMP:/pkg" -b >"$TMP/container.log" 2>&1 &
+    --bind="$TMP:/pkg" -b >"$TMP/container.log" 2>&1 &
 NSPAWN_PID=$!
 init=''
 for _ in $(seq 1 100); do
@@ -121,6 +124,8 @@ if [ -n "$new" ] && [ "$new" != 0 ] && [ "$new" != "$old" ]; then ok "the unit's
 check "active after the upgrade" in_box systemctl is-active --quiet udrive
 check "no restart: the same invocation of the unit" sh -c "nsenter -t $init -a systemctl show -p InvocationID --value udrive | grep -qx '$invocation'"
 check "config kept on upgrade" in_box grep -q t-nvme.sock /etc/udrive/udrive.toml
+
+libvirt_test
 
 phase "purge"
 check "dpkg --purge" in_box dpkg --purge udrive
