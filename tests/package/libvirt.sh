@@ -104,7 +104,7 @@ security_driver = "none"
 dynamic_ownership = 0
 CONF
     check "libvirtd runs" in_box systemctl restart libvirtd
-    libvirt_domain_xml 64 >"$TMP/vm1.xml"
+    libvirt_domain_xml 192 >"$TMP/vm1.xml"
     # This host has no KVM for libvirt to offer; the rest of the domain as shipped.
     sed "s/<domain type='kvm'/<domain type='qemu'/" "$root/dist/libvirt/vm-nvme-vfio-user.xml" >"$TMP/vm2.xml"
     check "virsh define (the shipped vhost-user-blk domain)" in_box virsh -q define /pkg/vm1.xml

@@ -100,6 +100,7 @@ check "device sockets 0660 group kvm" sh -c "nsenter -t $init -a stat -c '%a %G'
 check "verified I/O on the added NVMe namespace" in_box udrive perf --vfio-user /run/udrive/t-nvme.sock --rw randrw --qd 4 --time 1 --verify
 check "verified I/O on the added file disk (io_uring under the unit's hardening)" \
     in_box udrive perf --vhost-user /run/udrive/t-disk.sock --rw randrw --qd 4 --time 1 --verify
+check "journal: a device's lines carry its socket as a field" sh -c "nsenter -t $init -a journalctl -u udrive -o verbose --no-pager | grep -q '^    SOCKET=/run/udrive/t-'"
 in_box sh -c 'echo "bogus = 1" >>/etc/udrive/udrive.toml'
 if in_box systemctl reload udrive >/dev/null 2>&1; then bad "a broken config reloads"; else ok "a broken config is refused"; fi
 check "still serving after the refused reload" in_box systemctl is-active --quiet udrive
