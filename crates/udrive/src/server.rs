@@ -375,6 +375,15 @@ impl Server {
         f(&*d.qos(nsid)?)
     }
 
+    /// Disk `nsid` of the device on `socket` (vhost-user-blk: its disk), held
+    /// past the control lock: for control operations that take long (a LUKS
+    /// keyslot's key derivation) and must not stall other requests.
+    pub fn disk(&self, socket: &Path, nsid: Option<u32>) -> Result<Arc<bdev::QosDisk>> {
+        let st = self.lock();
+        let d = st.find(socket).ok_or_else(|| st.not_found(socket))?;
+        d.qos(nsid)
+    }
+
     /// Gives disk `nsid` of the device on `socket` (NVMe: a namespace;
     /// vhost-user-blk: its disk, `nsid` absent or 1) a new size while the guest
     /// uses it (decision 0018).

@@ -16,6 +16,7 @@
 //! whole within `sockfile::message_deadline()` once it has started.
 
 mod api;
+mod luks_methods;
 pub mod methods;
 mod params;
 #[cfg(feature = "rbd")]
@@ -50,6 +51,7 @@ pub fn register_all(r: &mut Registry) {
     trace_methods::register(r);
     vhost_methods::register(r);
     service_methods::register(r);
+    luks_methods::register(r);
     #[cfg(feature = "rbd")]
     rbd_methods::register(r);
 }
