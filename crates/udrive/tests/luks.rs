@@ -14,7 +14,7 @@ use common::*;
 use initiator::{DataMode, IoOp};
 use serde_json::json;
 use test_support::blkio::BlkioSession;
-use test_support::luks::{luks_format, openssl_xts, volume, volume_key};
+use test_support::luks::{luks_format, openssl_xts, set_keyslot_kdf, volume, volume_key};
 use udrive::vhost_device::{self, VhostBlkConfig};
 
 const MIB: u64 = 1 << 20;
@@ -269,6 +269,7 @@ fn keys_change_under_verified_io() {
             .args(["open", "--test-passphrase", "--key-file"])
             .arg(k)
             .arg(&img)
+            .stderr(std::process::Stdio::null())
             .status()
             .unwrap()
             .success()
@@ -278,4 +279,38 @@ fn keys_change_under_verified_io() {
         !opens(&k1) && !opens(&k2),
         "the removed and replaced keys do not"
     );
+}
+
+/// A header whose keyslot asks for an absurd key derivation (argon2 passes,
+/// PBKDF2 rounds) is refused at open, naming the slot, instead of holding the
+/// open for hours; the same volume with sane costs opens.
+#[test]
+fn absurd_key_derivation_costs_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, key) = volume(dir.path(), 24 * MIB);
+    luks_format(&img, &key, false);
+    let open = |img: &std::path::Path| {
+        let spec: udrive::nsspec::NsSpec = format!(
+            "file:{},encrypt=luks,key-file={}",
+            img.display(),
+            key.display()
+        )
+        .parse()
+        .unwrap();
+        udrive::backends::BackendSet::default()
+            .open(&spec, std::path::Path::new("/nonexistent/a.sock"), 1)
+            .map(drop)
+    };
+    // The rewrite keeps the header valid: with the value it was made with (the
+    // derived key depends on it) it opens.
+    set_keyslot_kdf(&img, "time", 4);
+    open(&img).expect("a rewritten header with sane costs opens");
+    set_keyslot_kdf(&img, "time", 2_000_000_000);
+    let e = open(&img).expect_err("an absurd argon2 cost opened");
+    let text = format!("{e:#}");
+    assert!(
+        text.contains("keyslot 0 asks for a key derivation"),
+        "{text}"
+    );
+    assert!(text.contains("2000000000 passes"), "{text}");
 }

@@ -20,14 +20,14 @@ use crate::{BlockDevice, IoOp};
 
 #[link(name = "cryptsetup")]
 extern "C" {
-    fn crypt_get_type(cd: *mut CryptDevice) -> *const c_char;
+    pub(super) fn crypt_get_type(cd: *mut CryptDevice) -> *const c_char;
     fn crypt_get_uuid(cd: *mut CryptDevice) -> *const c_char;
     fn crypt_get_cipher(cd: *mut CryptDevice) -> *const c_char;
     fn crypt_get_cipher_mode(cd: *mut CryptDevice) -> *const c_char;
     fn crypt_get_sector_size(cd: *mut CryptDevice) -> c_int;
     fn crypt_get_volume_key_size(cd: *mut CryptDevice) -> c_int;
-    fn crypt_keyslot_max(type_: *const c_char) -> c_int;
-    fn crypt_keyslot_status(cd: *mut CryptDevice, keyslot: c_int) -> c_int;
+    pub(super) fn crypt_keyslot_max(type_: *const c_char) -> c_int;
+    pub(super) fn crypt_keyslot_status(cd: *mut CryptDevice, keyslot: c_int) -> c_int;
     fn crypt_keyslot_add_by_passphrase(
         cd: *mut CryptDevice,
         keyslot: c_int,
@@ -58,8 +58,8 @@ extern "C" {
 }
 
 /// `crypt_keyslot_status`: a slot holding a key (the last one, or one of several).
-const SLOT_ACTIVE: c_int = 2;
-const SLOT_ACTIVE_LAST: c_int = 3;
+pub(super) const SLOT_ACTIVE: c_int = 2;
+pub(super) const SLOT_ACTIVE_LAST: c_int = 3;
 
 /// A LUKS header as `cryptsetup luksDump` begins to show it. No key material.
 #[derive(Debug, Clone, PartialEq, Eq)]

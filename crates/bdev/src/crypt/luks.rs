@@ -59,6 +59,12 @@ pub enum LuksError {
     },
     #[error("{device}: the key file opens no keyslot of the LUKS header")]
     WrongKey { device: String },
+    #[error("{device}: keyslot {slot} asks for a key derivation no open should wait for ({what}); refused so that opening cannot hang")]
+    KeyDerivation {
+        device: String,
+        slot: i32,
+        what: String,
+    },
     #[error("{device}: that key is the volume's last one; add another key before removing it")]
     LastKey { device: String },
     #[error("{device}: cipher {cipher}-{mode} with {key_bytes}-byte keys and {sector}-byte sectors is not supported (aes-xts-plain64, 512- or 4096-byte sectors)")]
@@ -479,6 +485,7 @@ impl LoadedHeader {
             copy_header(inner, &file, copied, IoOp::Read).map_err(|e| hio("read", e))?;
             let ctx = Context::init(&copy.path, &device)?;
             ctx.load()?;
+            super::kdf::check_costs(ctx.cd, &device)?;
             let data_offset = ctx.data_offset();
             if data_offset > copied && data_offset <= size.min(MAX_HEADER) {
                 // A larger header area than the default: copy all of it.

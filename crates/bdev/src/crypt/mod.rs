@@ -11,6 +11,7 @@
 //! Slots and their buffers are made once and reused: a request allocates
 //! nothing once the channel has seen its deepest queue and longest write.
 
+mod kdf;
 mod keyslots;
 mod luks;
 mod xts;
