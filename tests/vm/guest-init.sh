@@ -360,6 +360,32 @@ t_rbd_resize() {
     cmp /tmp/rbdw /tmp/rbdr || { DETAIL="data changed by the resize"; return 1; }
     DETAIL="$((old / MIB)) -> $((new / MIB)) MiB after $((i / 10)).$((i % 10)) s, data intact"
 }
+# Encryption (udrive.luks=NSID): that namespace, hot-added on request, is a LUKS2
+# volume udrive formatted; fio writes and verifies through it while the host adds
+# a key.
+LUKS_NSID=$(sed -n 's/.*udrive\.luks=\([0-9]*\).*/\1/p' /proc/cmdline)
+LUKS_DEV=/dev/nvme0n${LUKS_NSID:-0}
+t_luks() {
+    echo "UDRIVE-LUKS-ADD" >&4
+    i=0
+    while [ ! -b $LUKS_DEV ]; do
+        i=$((i + 1))
+        if [ $i -gt 600 ]; then
+            dmesg | tail -n 12 | sed 's/^/LUKS-DMESG /' >&4
+            DETAIL="no $LUKS_DEV 60 s after asking; active namespaces: $(nvme list-ns /dev/nvme0 2>&1 | tr '\n' ' ')"
+            return 1
+        fi
+        sleep 0.1
+    done
+    fio_run luks --filename=$LUKS_DEV --rw=randwrite --bs=4k --iodepth=16 --size=8M \
+        --offset=0 --offset_increment=8M --verify=crc32c --verify_fatal=1 --do_verify=1 &
+    fio_pid=$!
+    sleep 1
+    echo "UDRIVE-LUKS-KEY" >&4
+    wait $fio_pid || { DETAIL="fio: $(tail -n 3 /tmp/fio.out | tr '\n' ' ')"; return 1; }
+    echo "UDRIVE-LUKS-CHECK" >&4
+    DETAIL="$LUKS_DEV ($(($(blk_bytes nvme0n$LUKS_NSID) / MIB)) MiB payload): $(grep -E '^ *WRITE:' /tmp/fio.out | sed 's/^ *//' | cut -c1-60), verified"
+}
 t_size_after_reboot() {
     want=$(echo "$MAGIC" | sed -n 's/.*size=\([0-9]*\).*/\1/p')
     DETAIL="size before the reboot $((${want:-0} / MIB)) MiB, now $(($(ns_bytes) / MIB)) MiB"
@@ -420,6 +446,9 @@ if [ $PHASE = 1 ]; then
         run rbd-clone-hot-added t_rbd_clone
         run rbd-clone-write t_rbd_write
         run rbd-clone-resize t_rbd_resize
+    fi
+    if [ "${LUKS_NSID:-0}" != 0 ]; then
+        run luks-fio-verify t_luks
     fi
     run write-before-reboot t_write_persist
     run dmesg-clean t_dmesg_clean

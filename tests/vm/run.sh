@@ -56,6 +56,14 @@ DEVICE=${UDRIVE_VM_DEVICE:-udrive}
 # 1: also a throwaway Ceph cluster; the guest has the host clone a protected RBD
 # snapshot and hot-add the clone as namespace 3, writes it and resizes it.
 RBD=${UDRIVE_VM_RBD:-0}
+# 1: the guest has the host hot-add an encrypted namespace (a LUKS2 volume udrive
+# formats, encrypt=luks,create=on) as a namespace and runs fio verify through it;
+# the host adds a key over RPC meanwhile and checks the volume with cryptsetup.
+# Default: with the RBD pass.
+LUKS=${UDRIVE_VM_LUKS:-$RBD}
+# Its NSID: after the RBD clone's when there is one.
+LUKS_NSID=0
+[ "$LUKS" != 1 ] || LUKS_NSID=$((RBD == 1 ? 4 : 3))
 # Guest RAM: shared (a memfd backend QEMU hands to udrive: the fast path) or private
 # (plain `-m`, not fd-backed: QEMU maps it without a file descriptor and udrive
 # moves every byte with DMA_READ/DMA_WRITE messages, docs/decisions/0020).
@@ -139,7 +147,7 @@ start_qemu() {
         -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
         -serial "file:$d/console.log"
         -kernel "$d/vmlinuz" -initrd "$d/initramfs.cpio"
-        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.idle=$IDLE_SECS udrive.rbd=$RBD${CRASH_ARGS:-}"
+        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.idle=$IDLE_SECS udrive.rbd=$RBD udrive.luks=$LUKS_NSID${CRASH_ARGS:-}"
     )
     if [ "$UPGRADE" = 1 ]; then
         # ttyS1: the host's answers to UDRIVE-UPGRADE (tell_guest).
@@ -266,6 +274,37 @@ rbd_hook() {
         fi ;;
     esac
 }
+# On UDRIVE-LUKS-ADD: a blank file hot-added as encrypted namespace LUKS_NSID (udrive
+# formats it); on UDRIVE-LUKS-KEY (the guest's fio runs): a second key added over
+# RPC; on UDRIVE-LUKS-CHECK: cryptsetup opens the volume with either key.
+luks_hook() {
+    local out spec img=$TMP/luks.img
+    case ${1:-} in
+    UDRIVE-LUKS-ADD*)
+        truncate -s 80M "$img"
+        printf 'vm test passphrase' >"$TMP/luks.key"
+        printf 'second key' >"$TMP/luks2.key"
+        spec=${UDRIVE_VM_LUKS_SPEC:-"file:$img,encrypt=luks,key-file=$TMP/luks.key,create=on"}
+        if out=$(rpc nvme_add_namespace "{\"socket\":\"$TMP/nvme.sock\",\"nsid\":$LUKS_NSID,\"spec\":\"$spec\"}"); then
+            host_result luks-hot-add PASS "$spec: $(tr -d ' \n' <<<"$out")"
+        else
+            host_result luks-hot-add FAIL "$(tr '\n' ' ' <<<"$out" | cut -c1-240)"
+        fi ;;
+    UDRIVE-LUKS-KEY*)
+        if out=$(rpc luks_add_key "{\"socket\":\"$TMP/nvme.sock\",\"nsid\":$LUKS_NSID,\"key_file\":\"$TMP/luks.key\",\"new_key_file\":\"$TMP/luks2.key\",\"iter_time_ms\":100}"); then
+            host_result luks-add-key-under-io PASS "$(tr -d ' \n' <<<"$out" | grep -o '"keyslots":\[[0-9,]*\]')"
+        else
+            host_result luks-add-key-under-io FAIL "$(tr '\n' ' ' <<<"$out" | cut -c1-240)"
+        fi ;;
+    UDRIVE-LUKS-CHECK*)
+        if cryptsetup open --test-passphrase --key-file "$TMP/luks.key" "$img" 2>/dev/null &&
+            cryptsetup open --test-passphrase --key-file "$TMP/luks2.key" "$img" 2>/dev/null; then
+            host_result luks-cryptsetup PASS "cryptsetup opens $img with the first key and the one added under I/O (LUKS$(cryptsetup luksDump "$img" | sed -n 's/^Version:[[:space:]]*//p'))"
+        else
+            host_result luks-cryptsetup FAIL "cryptsetup does not open $img with both keys"
+        fi ;;
+    esac
+}
 # On UDRIVE-CRASH (UDRIVE_VM_SUPERVISE=1): SIGKILL the server process, wait for the
 # supervisor's new one (host result server-kill-N), and start a probe that polls
 # the new server's get_stats until an I/O command has completed.
@@ -345,6 +384,7 @@ guest_hook() {
     idle_hook "$@"
     resize_hook "$@"
     [ "$RBD" = 1 ] && rbd_hook "$@"
+    [ "$LUKS" = 1 ] && luks_hook "$@"
     [ "$SUPERVISE" = 1 ] && crash_hook "$@"
     [ "$UPGRADE" = 1 ] && upgrade_hook "$@"
     return 0

@@ -25,6 +25,9 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct RpcServer {
     path: PathBuf,
     stop: Arc<AtomicBool>,
+    /// Written on drop: wakes the accepting thread without going through `path`,
+    /// which may be gone (its directory removed) or served by a successor.
+    wake: UnixStream,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -46,9 +49,10 @@ impl RpcServer {
         );
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
+        let (wake, woken) = UnixStream::pair()?;
         let thread = std::thread::Builder::new()
             .name("rpc-accept".into())
-            .spawn(move || accept_loop(listener, rpc, stop2));
+            .spawn(move || accept_loop(listener, rpc, stop2, woken));
         let thread = match thread {
             Ok(t) => t,
             Err(e) => {
@@ -59,6 +63,7 @@ impl RpcServer {
         Ok(RpcServer {
             path: path.to_path_buf(),
             stop,
+            wake,
             thread: Some(thread),
         })
     }
@@ -71,7 +76,9 @@ impl RpcServer {
 impl Drop for RpcServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wake the blocking accept.
+        let _ = (&self.wake).write_all(&[1]);
+        // An accept already past the poll (its client gave up in between) waits
+        // for the next connection: give it one, if the path is still ours.
         let _ = UnixStream::connect(&self.path);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -80,13 +87,33 @@ impl Drop for RpcServer {
     }
 }
 
-fn accept_loop(listener: UnixListener, rpc: Arc<Rpc>, stop: Arc<AtomicBool>) {
+/// Waits until `listener` has a connection to accept (true) or `woken` is
+/// written: the server stops (false).
+fn connection_waiting(listener: &UnixListener, woken: &UnixStream) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    loop {
+        let mut fds = [
+            PollFd::new(listener.as_fd(), PollFlags::POLLIN),
+            PollFd::new(woken.as_fd(), PollFlags::POLLIN),
+        ];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            // accept reports what is wrong with the listener.
+            Err(_) => return true,
+            Ok(_) => return fds[1].revents().is_none_or(|r| r.is_empty()),
+        }
+    }
+}
+
+fn accept_loop(listener: UnixListener, rpc: Arc<Rpc>, stop: Arc<AtomicBool>, woken: UnixStream) {
     let table = Arc::new(ConnTable::new());
     let log = trace::LogLimiter::new();
-    for conn in listener.incoming() {
-        if stop.load(Ordering::Acquire) {
+    loop {
+        if !connection_waiting(&listener, &woken) || stop.load(Ordering::Acquire) {
             return;
         }
+        let conn = listener.accept().map(|(s, _)| s);
         let mut s = match conn {
             Ok(s) => s,
             Err(e) => {
