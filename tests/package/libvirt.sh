@@ -95,6 +95,16 @@ disk = "file:/var/lib/udrive/vm1.img"
 queues = 2
 TOML
     check "reload: the VM's disk is served" in_box systemctl reload udrive
+    # The helper prints the disk element the shipped domain (run below) has.
+    in_box udrive libvirt-xml --rpc /run/udrive/rpc.sock "$VM_SOCKET" >"$TMP/disk.xml" 2>&1
+    check "udrive libvirt-xml prints the shipped domain's disk" python3 - "$TMP/disk.xml" "$root/dist/libvirt/vm-vhost-user-blk.xml" <<'PY'
+import re, sys
+def disk(path):
+    m = re.search(r"<disk type='vhostuser'.*?</disk>", open(path).read(), re.S)
+    return re.sub(r"\s+", " ", m.group(0)) if m else None
+got, want = disk(sys.argv[1]), disk(sys.argv[2])
+sys.exit(0 if got and got == want else f"printed {got!r}, shipped {want!r}")
+PY
     # A container: no namespaces, cgroups or security driver for QEMU, and files
     # stay as they are (the run directory is shared with the host).
     in_box sh -c 'cat >>/etc/libvirt/qemu.conf' <<'CONF'

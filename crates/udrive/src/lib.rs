@@ -18,6 +18,7 @@ pub mod generate;
 pub mod handover;
 pub mod json;
 pub mod kinds;
+pub mod libvirt_xml;
 pub mod metrics;
 pub mod nsspec;
 #[cfg(feature = "tools")]

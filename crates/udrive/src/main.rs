@@ -50,6 +50,8 @@ under systemd (Type=notify) the server reports READY once every socket listens."
     Rpc(rpc_client::RpcArgs),
     /// Print a running server's counters in Prometheus text format
     Metrics(rpc_client::MetricsArgs),
+    /// Print the libvirt domain XML that attaches a running server's device
+    LibvirtXml(udrive::libvirt_xml::LibvirtXmlArgs),
     /// Trace a running server's requests for a while and print the time per layer
     #[cfg(feature = "tools")]
     Trace(trace_cmd::TraceArgs),
@@ -134,6 +136,7 @@ fn main() {
         Cmd::Upgrade(a) => handover::upgrade::run(a),
         Cmd::Rpc(a) => rpc_client::run(a),
         Cmd::Metrics(a) => rpc_client::run_metrics(a),
+        Cmd::LibvirtXml(a) => udrive::libvirt_xml::run(a),
         #[cfg(feature = "tools")]
         Cmd::Trace(a) => trace_cmd::run(a),
         Cmd::Generate(a) => generate::run(a, Cli::command()),
