@@ -17,7 +17,7 @@ use std::path::Path;
 use anyhow::Result;
 use serde::Serialize;
 
-use crate::config::{Config, ControllerConfig, VhostBlkConfig};
+use crate::config::{Config, ControllerConfig, SocketPerms, VhostBlkConfig};
 use crate::handover::snapshot::ServerSnapshot;
 use crate::nsspec::NsSpec;
 use crate::server::{same_socket, Server};
@@ -173,45 +173,80 @@ fn controller(
     new: &ControllerConfig,
     r: &mut ReloadReport,
 ) {
-    let s = &new.socket;
-    let fixed = [
+    let mut fixed = vec![
         ("serial", old.serial == new.serial),
         ("io_queues", old.io_queues == new.io_queues),
         ("max_namespaces", old.max_namespaces == new.max_namespaces),
         ("poll_idle_us", old.poll_idle_us == new.poll_idle_us),
+    ];
+    fixed.extend(same_perms(&old.socket_perms(), &new.socket_perms()));
+    let running = Running {
+        socket: &new.socket,
+        fixed,
+        placement: (old.placement, new.placement),
+        poll: (old.poll, new.poll),
+    };
+    let cfg = new.clone();
+    if running.apply(server, || server.add_controller(cfg), r) {
+        namespaces(server, old, new, r);
+    }
+}
+
+/// Socket mode and group: a file that leaves them out keeps what the device has
+/// (the server's defaults filled them in).
+fn same_perms(old: &SocketPerms, new: &SocketPerms) -> [(&'static str, bool); 2] {
+    [
         (
             "socket_mode",
-            old.socket_mode == new.socket_mode || new.socket_mode.is_none(),
+            new.socket_mode.is_none() || old.socket_mode == new.socket_mode,
         ),
         (
             "socket_group",
-            old.socket_group == new.socket_group || new.socket_group.is_none(),
+            new.socket_group.is_none() || old.socket_group == new.socket_group,
         ),
-    ];
-    if let Some((name, _)) = fixed.iter().find(|(_, same)| !same) {
-        let cfg = new.clone();
-        recreate(
-            server,
-            s,
-            &format!("{name} changed"),
-            || server.add_controller(cfg),
-            r,
-        );
-        return;
+    ]
+}
+
+/// What devices of both kinds have: settings fixed when the device is made, and
+/// placement and poll mode, set while its queues run.
+struct Running<'a> {
+    socket: &'a Path,
+    /// Each fixed setting, and whether the file keeps it.
+    fixed: Vec<(&'static str, bool)>,
+    placement: (engine::Placement, engine::Placement),
+    poll: (engine::PollMode, engine::PollMode),
+}
+
+impl Running<'_> {
+    /// Re-creates the device with `add` if a fixed setting changed (false: the
+    /// device was re-created or left alone), else sets placement and poll mode.
+    fn apply(
+        self,
+        server: &Server,
+        add: impl FnOnce() -> Result<()>,
+        r: &mut ReloadReport,
+    ) -> bool {
+        let s = self.socket;
+        if let Some((name, _)) = self.fixed.iter().find(|(_, same)| !same) {
+            recreate(server, s, &format!("{name} changed"), add, r);
+            return false;
+        }
+        let (was, now) = self.placement;
+        if was != now {
+            r.run(
+                format!("{}: placement {now}", s.display()),
+                server.set_placement(s, now),
+            );
+        }
+        let (was, now) = self.poll;
+        if was != now {
+            r.run(
+                format!("{}: poll mode {now}", s.display()),
+                server.set_poll_mode(s, now),
+            );
+        }
+        true
     }
-    if old.placement != new.placement {
-        r.run(
-            format!("{}: placement {}", s.display(), new.placement),
-            server.set_placement(s, new.placement),
-        );
-    }
-    if old.poll != new.poll {
-        r.run(
-            format!("{}: poll mode {}", s.display(), new.poll),
-            server.set_poll_mode(s, new.poll),
-        );
-    }
-    namespaces(server, old, new, r);
 }
 
 fn by_nsid(c: &ControllerConfig) -> BTreeMap<u32, &NsSpec> {
@@ -273,44 +308,22 @@ fn qos(server: &Server, socket: &Path, nsid: u32, want: &NsSpec, r: &mut ReloadR
 }
 
 fn vhost(server: &Server, old: &VhostBlkConfig, new: &VhostBlkConfig, r: &mut ReloadReport) {
-    let s = &new.socket;
-    let fixed = [
+    let mut fixed = vec![
         ("disk", old.disk.same_backend(&new.disk)),
         ("queues", old.queues == new.queues),
         ("queue_size", old.queue_size == new.queue_size),
         ("cpus", old.cpus == new.cpus),
         ("serial", old.serial == new.serial),
-        (
-            "socket_mode",
-            old.socket_mode == new.socket_mode || new.socket_mode.is_none(),
-        ),
-        (
-            "socket_group",
-            old.socket_group == new.socket_group || new.socket_group.is_none(),
-        ),
     ];
-    if let Some((name, _)) = fixed.iter().find(|(_, same)| !same) {
-        let cfg = new.clone();
-        recreate(
-            server,
-            s,
-            &format!("{name} changed"),
-            || server.add_vhost_blk(cfg),
-            r,
-        );
-        return;
+    fixed.extend(same_perms(&old.socket_perms(), &new.socket_perms()));
+    let running = Running {
+        socket: &new.socket,
+        fixed,
+        placement: (old.placement, new.placement),
+        poll: (old.poll, new.poll),
+    };
+    let cfg = new.clone();
+    if running.apply(server, || server.add_vhost_blk(cfg), r) {
+        qos(server, &new.socket, 1, &new.disk, r);
     }
-    if old.placement != new.placement {
-        r.run(
-            format!("{}: placement {}", s.display(), new.placement),
-            server.set_placement(s, new.placement),
-        );
-    }
-    if old.poll != new.poll {
-        r.run(
-            format!("{}: poll mode {}", s.display(), new.poll),
-            server.set_poll_mode(s, new.poll),
-        );
-    }
-    qos(server, s, 1, &new.disk, r);
 }

@@ -239,23 +239,27 @@ fn keys_change_under_verified_io() {
             }
             v
         };
-        let added = s.ok("luks_add_key", p(&k1, Some(&k2)));
+        // Key derivation takes a while on a busy machine: a generous reply limit.
+        let slow = |m: &str, v| {
+            common::control::call_within(&s.rpc, m, v, std::time::Duration::from_secs(120))
+        };
+        let added = slow("luks_add_key", p(&k1, Some(&k2))).unwrap();
         assert_eq!(added["keyslots"], json!([0, 1]), "{added}");
-        let changed = s.ok("luks_change_key", p(&k2, Some(&k3)));
+        let changed = slow("luks_change_key", p(&k2, Some(&k3))).unwrap();
         assert_eq!(
             changed["keyslots"].as_array().unwrap().len(),
             2,
             "{changed}"
         );
-        let (_, msg) = s.call("luks_add_key", p(&bad, Some(&k2))).unwrap_err();
+        let (_, msg) = slow("luks_add_key", p(&bad, Some(&k2))).unwrap_err();
         assert!(msg.contains("opens no keyslot"), "{msg}");
-        let removed = s.ok("luks_remove_key", p(&k1, None));
+        let removed = slow("luks_remove_key", p(&k1, None)).unwrap();
         assert_eq!(
             removed["keyslots"].as_array().unwrap().len(),
             1,
             "{removed}"
         );
-        let (_, msg) = s.call("luks_remove_key", p(&k3, None)).unwrap_err();
+        let (_, msg) = slow("luks_remove_key", p(&k3, None)).unwrap_err();
         assert!(msg.contains("last one"), "{msg}");
         io.join().unwrap()
     });

@@ -8,10 +8,11 @@
 
 use std::ffi::{c_char, c_int};
 
-use super::keyslots::{
-    crypt_get_type, crypt_keyslot_max, crypt_keyslot_status, SLOT_ACTIVE, SLOT_ACTIVE_LAST,
-};
-use super::luks::{cstr, CryptDevice, LuksError};
+use super::header::{cstr, CryptDevice, LuksError};
+
+/// `crypt_keyslot_status`: a slot holding a key (the last one, or one of several).
+pub(super) const SLOT_ACTIVE: c_int = 2;
+pub(super) const SLOT_ACTIVE_LAST: c_int = 3;
 
 #[repr(C)]
 struct PbkdfType {
@@ -26,6 +27,9 @@ struct PbkdfType {
 
 #[link(name = "cryptsetup")]
 extern "C" {
+    pub(super) fn crypt_get_type(cd: *mut CryptDevice) -> *const c_char;
+    pub(super) fn crypt_keyslot_max(type_: *const c_char) -> c_int;
+    pub(super) fn crypt_keyslot_status(cd: *mut CryptDevice, keyslot: c_int) -> c_int;
     fn crypt_keyslot_get_pbkdf(
         cd: *mut CryptDevice,
         keyslot: c_int,

@@ -13,21 +13,21 @@ use std::ffi::{c_char, c_int};
 use std::path::Path;
 use std::sync::Mutex;
 
-use super::luks::{
+use super::header::{
     copy_header, cstr, read_key_file, CryptDevice, LoadedHeader, LuksError, CRYPT_ANY_SLOT,
+};
+use super::kdf::{
+    crypt_get_type, crypt_keyslot_max, crypt_keyslot_status, SLOT_ACTIVE, SLOT_ACTIVE_LAST,
 };
 use crate::{BlockDevice, IoOp};
 
 #[link(name = "cryptsetup")]
 extern "C" {
-    pub(super) fn crypt_get_type(cd: *mut CryptDevice) -> *const c_char;
     fn crypt_get_uuid(cd: *mut CryptDevice) -> *const c_char;
     fn crypt_get_cipher(cd: *mut CryptDevice) -> *const c_char;
     fn crypt_get_cipher_mode(cd: *mut CryptDevice) -> *const c_char;
     fn crypt_get_sector_size(cd: *mut CryptDevice) -> c_int;
     fn crypt_get_volume_key_size(cd: *mut CryptDevice) -> c_int;
-    pub(super) fn crypt_keyslot_max(type_: *const c_char) -> c_int;
-    pub(super) fn crypt_keyslot_status(cd: *mut CryptDevice, keyslot: c_int) -> c_int;
     fn crypt_keyslot_add_by_passphrase(
         cd: *mut CryptDevice,
         keyslot: c_int,
@@ -56,10 +56,6 @@ extern "C" {
     fn crypt_keyslot_destroy(cd: *mut CryptDevice, keyslot: c_int) -> c_int;
     fn crypt_set_iteration_time(cd: *mut CryptDevice, iteration_time_ms: u64);
 }
-
-/// `crypt_keyslot_status`: a slot holding a key (the last one, or one of several).
-pub(super) const SLOT_ACTIVE: c_int = 2;
-pub(super) const SLOT_ACTIVE_LAST: c_int = 3;
 
 /// A LUKS header as `cryptsetup luksDump` begins to show it. No key material.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -11,13 +11,15 @@
 //! Slots and their buffers are made once and reused: a request allocates
 //! nothing once the channel has seen its deepest queue and longest write.
 
+mod header;
 mod kdf;
 mod keyslots;
 mod luks;
 mod xts;
 
+pub use header::LuksError;
 pub use keyslots::{change_key, luks_status, KeyChange, LuksStatus};
-pub use luks::{format_luks, open_luks, open_or_format_luks, LuksError};
+pub use luks::{format_luks, open_luks, open_or_format_luks};
 pub use xts::{Secret, SectorCipher, SECTOR};
 
 use std::fmt;

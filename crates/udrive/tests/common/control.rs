@@ -151,7 +151,19 @@ pub fn read_reply(s: &mut UnixStream) -> Option<Value> {
 }
 
 pub fn call(sock: &Path, method: &str, params: Value) -> Result<Value, (i64, String)> {
+    call_within(sock, method, params, T)
+}
+
+/// [`call`] of a method that may take long on a busy machine (a LUKS keyslot's
+/// key derivation), waiting up to `limit` for the reply.
+pub fn call_within(
+    sock: &Path,
+    method: &str,
+    params: Value,
+    limit: Duration,
+) -> Result<Value, (i64, String)> {
     let mut s = connect(sock);
+    s.set_read_timeout(Some(limit)).unwrap();
     let req = json!({"jsonrpc": "2.0", "method": method, "params": params, "id": 7});
     s.write_all(format!("{req}\n").as_bytes()).unwrap();
     let r = read_reply(&mut s).expect("a reply");
