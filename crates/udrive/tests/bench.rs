@@ -15,7 +15,7 @@ reps = 2
 time = 1.0
 datapaths = ["fake-a", "fake-b", "fake-c"]
 backends = ["null", "file"]
-baseline = "fake-a"
+baselines = ["fake-a"]
 [[workload]]
 rw = "randread"
 qd = [1, 8]
@@ -92,9 +92,12 @@ fn report_of_the_fake_datapath_is_whole() {
     let runs = raw_runs(&out);
     assert_eq!(runs.len(), 3 * 2 * 3 * POINTS);
     let mut by_cell: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut by_rep: BTreeMap<String, f64> = BTreeMap::new();
     for r in &runs {
         let key = format!("{} {} {}", r["datapath"], r["backend"], r["point"]);
-        by_cell.entry(key).or_default().push(r["perf"]["iops"].as_f64().unwrap());
+        let iops = r["perf"]["iops"].as_f64().unwrap();
+        by_rep.insert(format!("{key} {}", r["rep"]), iops);
+        by_cell.entry(key).or_default().push(iops);
     }
     let summary = json(&out.join("summary.json"));
     let cells = summary["cells"].as_array().unwrap();
@@ -108,11 +111,19 @@ fn report_of_the_fake_datapath_is_whole() {
         assert!((got - m).abs() <= m * 1e-12, "{key}: summary {got}, raw median {m}");
         // The fake's numbers differ between repetitions, so min < median < max.
         assert!(c["iops"]["min"].as_f64().unwrap() < got && got < c["iops"]["max"].as_f64().unwrap());
-        let vs = &c["iops_vs_baseline"];
-        assert_eq!(vs.is_null(), c["datapath"] == "fake-a", "{c}");
+        let vs = c["vs"].as_array().unwrap();
+        assert_eq!(vs.is_empty(), c["datapath"] == "fake-a", "{c}");
+        if let Some(v) = vs.first() {
+            // Against fake-a, repetition by repetition.
+            let base = format!("\"fake-a\" {} {}", c["backend"], c["point"]);
+            let r: Vec<f64> = (1..=3).map(|rep| by_rep[&format!("{key} {rep}")] / by_rep[&format!("{base} {rep}")]).collect();
+            let got = v["iops_ratio"]["median"].as_f64().unwrap();
+            assert!((got - median(r.clone())).abs() < 1e-9, "{key}: {got} vs {r:?}");
+        }
     }
     let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
     assert_eq!(md.matches("| fake-b | 3 |").count(), 2 * POINTS, "{md}");
+    assert_eq!(md.matches("against fake-a").count(), 2, "{md}");
 
     // Repetition-major, backends, then datapaths flipped on even repetitions.
     let mut want_order = Vec::new();
@@ -189,7 +200,7 @@ fn a_broken_matrix_is_refused_naming_the_field() {
     assert_eq!(invalid_field(&FAKE.replace("qd = [4]", "qd = [0]")), "workload[1].qd");
     assert_eq!(invalid_field(&FAKE.replace("jobs = [1, 2]", "jobs = []")), "workload[0].jobs");
     assert_eq!(invalid_field(&FAKE.replace("reps = 2", "reps = 0")), "reps");
-    assert_eq!(invalid_field(&FAKE.replace("baseline = \"fake-a\"", "baseline = \"io-uring\"")), "baseline");
+    assert_eq!(invalid_field(&FAKE.replace("[\"fake-a\"]", "[\"fake-a\", \"io-uring\"]")), "baselines[1]");
     assert_eq!(invalid_field(&FAKE.replace("\"fake-c\"]", "\"fake-a\"]")), "datapaths[2]");
     assert_eq!(invalid_field(&FAKE.replace("rwmixread = 70", "rwmixread = 170")), "workload[1].rwmixread");
     assert_eq!(invalid_field(&format!("{FAKE}\nbs = 1000")), "workload[1].bs");

@@ -136,9 +136,10 @@ fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command
         Backend::Null => "null:64G".to_string(),
         Backend::Ram => format!("ram:{}M", m.ram_mib),
         Backend::File => format!(
-            "file:{},direct={}",
+            "file:{},direct={},engine={}",
             env.data_file.display(),
-            if m.file.direct { "on" } else { "off" }
+            if m.file.direct { "on" } else { "off" },
+            m.file.engine
         ),
     };
     let mut c = Command::new(&env.udrive);
@@ -253,7 +254,8 @@ impl PerfTarget<'_> {
             DatapathKind::UdriveNvme => c.arg("--vfio-user").arg(&self.sock),
             DatapathKind::IoUring => {
                 let direct = if self.env.matrix.file.direct { "on" } else { "off" };
-                c.arg("--file").arg(&self.env.data_file).args(["--direct", direct])
+                c.arg("--file").arg(&self.env.data_file).args(["--direct", direct]);
+                c.args(["--engine", &self.env.matrix.file.engine])
             }
             _ => c.arg("--vhost-user").arg(&self.sock),
         };

@@ -172,6 +172,14 @@ pub struct FileOpts {
     /// O_DIRECT on every datapath (tmpfs has no real O_DIRECT: keep it off there).
     #[serde(default)]
     pub direct: bool,
+    /// udrive's and bare io_uring's engine (`engine=` of a file spec: auto, uring,
+    /// inline); qemu-storage-daemon always uses aio=io_uring.
+    #[serde(default = "default_engine")]
+    pub engine: String,
+}
+
+fn default_engine() -> String {
+    "auto".into()
 }
 
 fn default_dir() -> String {
@@ -187,6 +195,7 @@ impl Default for FileOpts {
             dir: default_dir(),
             mib: default_mib(),
             direct: false,
+            engine: default_engine(),
         }
     }
 }
@@ -231,8 +240,10 @@ pub struct Matrix {
     pub order: Order,
     pub datapaths: Vec<DatapathKind>,
     pub backends: Vec<Backend>,
-    /// Ratios are taken against this datapath, cell by cell.
-    pub baseline: Option<DatapathKind>,
+    /// Every cell is compared with each of these datapaths where it ran the same
+    /// backend and workload (ratios and added latency, per repetition).
+    #[serde(default)]
+    pub baselines: Vec<DatapathKind>,
     /// udrive's poll mode (`serve --poll`).
     #[serde(default = "default_poll")]
     pub poll: String,
@@ -291,6 +302,7 @@ pub fn bs_name(bs: u32) -> String {
 }
 
 const POLL_MODES: [&str; 3] = ["busy", "adaptive", "event"];
+const ENGINES: [&str; 3] = ["auto", "uring", "inline"];
 const PLACEMENTS: [&str; 3] = ["single", "dedicated", "round-robin"];
 
 impl Matrix {
@@ -313,9 +325,9 @@ impl Matrix {
         }
         check_list("datapaths", &self.datapaths)?;
         check_list("backends", &self.backends)?;
-        if let Some(b) = &self.baseline {
+        for (i, b) in self.baselines.iter().enumerate() {
             if !self.datapaths.contains(b) {
-                return Err(invalid("baseline", format!("`{b}` is not in `datapaths`")));
+                return Err(invalid(format!("baselines[{i}]"), format!("`{b}` is not in `datapaths`")));
             }
         }
         if !POLL_MODES.contains(&self.poll.as_str()) {
@@ -323,6 +335,9 @@ impl Matrix {
         }
         if !PLACEMENTS.contains(&self.placement.as_str()) {
             return Err(invalid("placement", format!("one of {}", PLACEMENTS.join(", "))));
+        }
+        if !ENGINES.contains(&self.file.engine.as_str()) {
+            return Err(invalid("file.engine", format!("one of {}", ENGINES.join(", "))));
         }
         if self.file.mib == 0 || self.file.mib > 1 << 20 {
             return Err(invalid("file.mib", "must be 1..=1048576"));

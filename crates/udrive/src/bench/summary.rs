@@ -1,6 +1,6 @@
 //! From raw runs to cells: median and min–max per (datapath, backend, workload), and
-//! ratios against the baseline datapath taken per repetition (the two ran minutes
-//! apart at most, on the machine in the same state) before their median.
+//! the comparison with each baseline datapath taken per repetition (the two ran
+//! minutes apart at most, on the machine in the same state) before their median.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -59,10 +59,20 @@ pub struct Cell {
     pub iops: Option<Stat>,
     pub mean_us: Option<Stat>,
     pub p99_us: Option<Stat>,
-    /// IOPS ÷ the baseline's in the same repetition.
-    pub iops_vs_baseline: Option<Stat>,
-    /// Mean latency ÷ the baseline's in the same repetition.
-    pub mean_vs_baseline: Option<Stat>,
+    /// Against each baseline that ran this backend and workload (not itself).
+    pub vs: Vec<Versus>,
+}
+
+/// One cell against one baseline, per repetition.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Versus {
+    pub baseline: DatapathKind,
+    /// IOPS ÷ the baseline's.
+    pub iops_ratio: Option<Stat>,
+    /// Mean latency ÷ the baseline's.
+    pub mean_ratio: Option<Stat>,
+    /// Mean latency − the baseline's, µs (what this datapath adds).
+    pub mean_added_us: Option<Stat>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -71,7 +81,7 @@ pub struct Summary {
     pub reps: u32,
     pub time_s: f64,
     pub ramp_s: f64,
-    pub baseline: Option<DatapathKind>,
+    pub baselines: Vec<DatapathKind>,
     pub cpus: super::matrix::Cpus,
     /// `rep datapath backend` of each server's stint, in execution order.
     pub order: Vec<String>,
@@ -91,16 +101,38 @@ fn by_cell(runs: &[RunRecord]) -> BTreeMap<Key, Vec<&RunRecord>> {
     m
 }
 
-/// Per repetition: this cell's value ÷ the baseline's, where both ran.
-fn ratios(mine: &[&RunRecord], base: &[&RunRecord], f: impl Fn(&RunRecord) -> Option<f64>) -> Option<Stat> {
+/// Per repetition: `op(this cell's value, the baseline's)`, where both ran.
+fn per_rep(
+    mine: &[&RunRecord],
+    base: &[&RunRecord],
+    f: impl Fn(&RunRecord) -> Option<f64>,
+    op: impl Fn(f64, f64) -> f64,
+) -> Option<Stat> {
     let v: Vec<f64> = mine
         .iter()
         .filter_map(|r| {
             let b = base.iter().find(|b| b.rep == r.rep)?;
-            Some(f(r)? / f(b)?)
+            Some(op(f(r)?, f(b)?))
         })
         .collect();
     Stat::of(&v)
+}
+
+fn versus(m: &Matrix, all: &BTreeMap<Key, Vec<&RunRecord>>, key: &Key, ok: &[&RunRecord]) -> Vec<Versus> {
+    let (d, b, p) = key;
+    let mut out = Vec::new();
+    for bl in m.baselines.iter().filter(|bl| *bl != d) {
+        let Some(base) = all.get(&(bl.clone(), *b, *p)) else { continue };
+        let base: Vec<&RunRecord> = base.iter().copied().filter(|r| r.error.is_none()).collect();
+        let mean = |r: &RunRecord| r.lat_us("mean");
+        out.push(Versus {
+            baseline: bl.clone(),
+            iops_ratio: per_rep(ok, &base, RunRecord::iops, |a, b| a / b),
+            mean_ratio: per_rep(ok, &base, mean, |a, b| a / b),
+            mean_added_us: per_rep(ok, &base, mean, |a, b| a - b),
+        });
+    }
+    out
 }
 
 pub fn summarize(m: &Matrix, runs: &[RunRecord], skipped: Vec<Skipped>, host: BTreeMap<String, String>) -> Summary {
@@ -113,26 +145,19 @@ pub fn summarize(m: &Matrix, runs: &[RunRecord], skipped: Vec<Skipped>, host: BT
         }
     }
     let mut cells = Vec::new();
-    for ((d, b, p), rs) in &cells_in {
+    for (key, rs) in &cells_in {
         let ok: Vec<&RunRecord> = rs.iter().copied().filter(|r| r.error.is_none()).collect();
         let col = |f: &dyn Fn(&RunRecord) -> Option<f64>| -> Vec<f64> { ok.iter().filter_map(|r| f(r)).collect() };
-        let base: Option<Vec<&RunRecord>> = m
-            .baseline
-            .as_ref()
-            .filter(|bl| *bl != d)
-            .and_then(|bl| cells_in.get(&(bl.clone(), *b, *p)))
-            .map(|v| v.iter().copied().filter(|r| r.error.is_none()).collect());
         cells.push(Cell {
-            datapath: d.clone(),
-            backend: *b,
-            point: *p,
+            datapath: key.0.clone(),
+            backend: key.1,
+            point: key.2,
             n: ok.len(),
             failed: rs.len() - ok.len(),
             iops: Stat::of(&col(&RunRecord::iops)),
             mean_us: Stat::of(&col(&|r| r.lat_us("mean"))),
             p99_us: Stat::of(&col(&|r| r.lat_us("p99"))),
-            iops_vs_baseline: base.as_ref().and_then(|bs| ratios(&ok, bs, RunRecord::iops)),
-            mean_vs_baseline: base.as_ref().and_then(|bs| ratios(&ok, bs, |r| r.lat_us("mean"))),
+            vs: versus(m, &cells_in, key, &ok),
         });
     }
     // The matrix's order, not the map's: datapaths as listed, workloads as listed.
@@ -150,7 +175,7 @@ pub fn summarize(m: &Matrix, runs: &[RunRecord], skipped: Vec<Skipped>, host: BT
         reps: m.reps,
         time_s: m.time,
         ramp_s: m.ramp,
-        baseline: m.baseline.clone(),
+        baselines: m.baselines.clone(),
         cpus: m.cpus.clone(),
         order,
         cells,
@@ -172,39 +197,40 @@ fn opt(s: Option<Stat>, scale: f64, nd: usize) -> String {
     s.map_or("—".into(), |s| s.fmt(scale, nd))
 }
 
-/// summary.md: one table per backend.
+/// summary.md: per backend, a table of the cells and one per baseline.
 pub fn markdown(s: &Summary) -> String {
     let mut o = String::new();
-    let base = s.baseline.as_ref().map_or("—".to_string(), |b| b.to_string());
     let _ = writeln!(o, "# udrive bench\n\n{}\n", s.description);
     let _ = writeln!(
         o,
         "{} repetitions × {} s (warm-up {} s), server CPUs {}, client CPUs {}; median (min–max); \
-         ratios against `{base}` per repetition.\n",
+         comparisons with a baseline taken per repetition.\n",
         s.reps, s.time_s, s.ramp_s, s.cpus.server, s.cpus.client
     );
     let mut backends: Vec<Backend> = s.cells.iter().map(|c| c.backend).collect();
     backends.dedup();
     for b in backends {
+        let cells: Vec<&Cell> = s.cells.iter().filter(|c| c.backend == b).collect();
         let _ = writeln!(o, "## {b}\n");
-        let _ = writeln!(o, "| workload | datapath | n | IOPS (k) | mean (µs) | p99 (µs) | IOPS ÷ {base} | mean ÷ {base} |");
-        let _ = writeln!(o, "|---|---|---|---|---|---|---|---|");
-        for c in s.cells.iter().filter(|c| c.backend == b) {
+        let _ = writeln!(o, "| workload | datapath | n | IOPS (k) | mean (µs) | p99 (µs) |");
+        let _ = writeln!(o, "|---|---|---|---|---|---|");
+        for c in &cells {
+            let failed = if c.failed > 0 { format!(" ({} failed)", c.failed) } else { String::new() };
             let _ = writeln!(
                 o,
-                "| {} | {} | {}{} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {}{failed} | {} | {} | {} |",
                 point_label(&c.point),
                 c.datapath,
                 c.n,
-                if c.failed > 0 { format!(" ({} failed)", c.failed) } else { String::new() },
                 opt(c.iops, 1e-3, 0),
                 opt(c.mean_us, 1.0, 2),
                 opt(c.p99_us, 1.0, 2),
-                opt(c.iops_vs_baseline, 1.0, 2),
-                opt(c.mean_vs_baseline, 1.0, 2),
             );
         }
         o.push('\n');
+        for bl in &s.baselines {
+            versus_table(&mut o, b, bl, &cells);
+        }
     }
     if !s.skipped.is_empty() {
         let _ = writeln!(o, "## Skipped\n");
@@ -219,6 +245,32 @@ pub fn markdown(s: &Summary) -> String {
         let _ = writeln!(o, "- {k}: {v}");
     }
     o
+}
+
+/// The cells of one backend against one baseline, if any was compared.
+fn versus_table(o: &mut String, b: Backend, bl: &DatapathKind, cells: &[&Cell]) {
+    let rows: Vec<(&Cell, &Versus)> = cells
+        .iter()
+        .filter_map(|c| Some((*c, c.vs.iter().find(|v| v.baseline == *bl)?)))
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(o, "### {b}: against {bl}\n");
+    let _ = writeln!(o, "| workload | datapath | IOPS ÷ {bl} | mean ÷ {bl} | mean − {bl} (µs) |");
+    let _ = writeln!(o, "|---|---|---|---|---|");
+    for (c, v) in rows {
+        let _ = writeln!(
+            o,
+            "| {} | {} | {} | {} | {} |",
+            point_label(&c.point),
+            c.datapath,
+            opt(v.iops_ratio, 1.0, 2),
+            opt(v.mean_ratio, 1.0, 2),
+            opt(v.mean_added_us, 1.0, 2)
+        );
+    }
+    o.push('\n');
 }
 
 #[cfg(test)]
