@@ -1,8 +1,8 @@
 //! udrive: userspace storage virtualization server.
 
-use udrive::{check, generate, handover, rpc_client, serve};
 #[cfg(feature = "tools")]
 use udrive::{bench, perf, trace_cmd};
+use udrive::{check, generate, handover, rpc_client, serve};
 
 use clap::{CommandFactory, Parser, Subcommand};
 

@@ -84,10 +84,20 @@ fn report_of_the_fake_datapath_is_whole() {
         }
     }
     for id in &want {
-        assert!(html.contains(&format!("<svg id=\"{id}\"")), "figure {id} missing");
-        assert!(out.join(format!("figures/{id}.svg")).exists(), "figures/{id}.svg");
+        assert!(
+            html.contains(&format!("<svg id=\"{id}\"")),
+            "figure {id} missing"
+        );
+        assert!(
+            out.join(format!("figures/{id}.svg")).exists(),
+            "figures/{id}.svg"
+        );
     }
-    assert_eq!(html.matches("<svg ").count(), want.len(), "unexpected figures");
+    assert_eq!(
+        html.matches("<svg ").count(),
+        want.len(),
+        "unexpected figures"
+    );
 
     let runs = raw_runs(&out);
     assert_eq!(runs.len(), 3 * 2 * 3 * POINTS);
@@ -108,17 +118,27 @@ fn report_of_the_fake_datapath_is_whole() {
         let key = format!("{} {} {}", c["datapath"], c["backend"], c["point"]);
         let m = median(by_cell[&key].clone());
         let got = c["iops"]["median"].as_f64().unwrap();
-        assert!((got - m).abs() <= m * 1e-12, "{key}: summary {got}, raw median {m}");
+        assert!(
+            (got - m).abs() <= m * 1e-12,
+            "{key}: summary {got}, raw median {m}"
+        );
         // The fake's numbers differ between repetitions, so min < median < max.
-        assert!(c["iops"]["min"].as_f64().unwrap() < got && got < c["iops"]["max"].as_f64().unwrap());
+        assert!(
+            c["iops"]["min"].as_f64().unwrap() < got && got < c["iops"]["max"].as_f64().unwrap()
+        );
         let vs = c["vs"].as_array().unwrap();
         assert_eq!(vs.is_empty(), c["datapath"] == "fake-a", "{c}");
         if let Some(v) = vs.first() {
             // Against fake-a, repetition by repetition.
             let base = format!("\"fake-a\" {} {}", c["backend"], c["point"]);
-            let r: Vec<f64> = (1..=3).map(|rep| by_rep[&format!("{key} {rep}")] / by_rep[&format!("{base} {rep}")]).collect();
+            let r: Vec<f64> = (1..=3)
+                .map(|rep| by_rep[&format!("{key} {rep}")] / by_rep[&format!("{base} {rep}")])
+                .collect();
             let got = v["iops_ratio"]["median"].as_f64().unwrap();
-            assert!((got - median(r.clone())).abs() < 1e-9, "{key}: {got} vs {r:?}");
+            assert!(
+                (got - median(r.clone())).abs() < 1e-9,
+                "{key}: {got} vs {r:?}"
+            );
         }
     }
     let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
@@ -142,7 +162,14 @@ fn report_of_the_fake_datapath_is_whole() {
     }
     let got: Vec<String> = runs
         .iter()
-        .map(|r| format!("{} {} {}", r["rep"], r["datapath"].as_str().unwrap(), r["backend"].as_str().unwrap()))
+        .map(|r| {
+            format!(
+                "{} {} {}",
+                r["rep"],
+                r["datapath"].as_str().unwrap(),
+                r["backend"].as_str().unwrap()
+            )
+        })
         .collect();
     assert_eq!(got, want_order);
 }
@@ -151,7 +178,9 @@ fn report_of_the_fake_datapath_is_whole() {
 fn fixed_order_keeps_the_datapaths_in_place() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let m = FAKE.replace("reps = 2", "reps = 2\norder = \"fixed\"").replace("[\"null\", \"file\"]", "[\"null\"]");
+    let m = FAKE
+        .replace("reps = 2", "reps = 2\norder = \"fixed\"")
+        .replace("[\"null\", \"file\"]", "[\"null\"]");
     let o = bench(&m, &out, &[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let order: Vec<String> = json(&out.join("summary.json"))["order"]
@@ -160,7 +189,14 @@ fn fixed_order_keeps_the_datapaths_in_place() {
         .iter()
         .map(|v| v.as_str().unwrap().to_string())
         .collect();
-    let want = ["1 fake-a null", "1 fake-b null", "1 fake-c null", "2 fake-a null", "2 fake-b null", "2 fake-c null"];
+    let want = [
+        "1 fake-a null",
+        "1 fake-b null",
+        "1 fake-c null",
+        "2 fake-a null",
+        "2 fake-b null",
+        "2 fake-c null",
+    ];
     assert_eq!(order, want);
 }
 
@@ -168,7 +204,10 @@ fn fixed_order_keeps_the_datapaths_in_place() {
 fn a_missing_tool_skips_its_datapath_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let m = FAKE.replace(r#"["fake-a", "fake-b", "fake-c"]"#, r#"["fake-a", "qsd-vhost"]"#);
+    let m = FAKE.replace(
+        r#"["fake-a", "fake-b", "fake-c"]"#,
+        r#"["fake-a", "qsd-vhost"]"#,
+    );
     let f = out.with_extension("toml");
     std::fs::write(&f, m).unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_udrive"))
@@ -184,8 +223,15 @@ fn a_missing_tool_skips_its_datapath_with_the_reason() {
     let skipped = s["skipped"].as_array().unwrap();
     assert_eq!(skipped.len(), 1, "{skipped:?}");
     assert_eq!(skipped[0]["datapath"], "qsd-vhost");
-    assert!(skipped[0]["reason"].as_str().unwrap().contains("qemu-storage-daemon"));
-    assert!(s["cells"].as_array().unwrap().iter().all(|c| c["datapath"] == "fake-a"));
+    assert!(skipped[0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("qemu-storage-daemon"));
+    assert!(s["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|c| c["datapath"] == "fake-a"));
 }
 
 fn invalid_field(text: &str) -> String {
@@ -197,19 +243,40 @@ fn invalid_field(text: &str) -> String {
 
 #[test]
 fn a_broken_matrix_is_refused_naming_the_field() {
-    assert_eq!(invalid_field(&FAKE.replace("qd = [4]", "qd = [0]")), "workload[1].qd");
-    assert_eq!(invalid_field(&FAKE.replace("jobs = [1, 2]", "jobs = []")), "workload[0].jobs");
+    assert_eq!(
+        invalid_field(&FAKE.replace("qd = [4]", "qd = [0]")),
+        "workload[1].qd"
+    );
+    assert_eq!(
+        invalid_field(&FAKE.replace("jobs = [1, 2]", "jobs = []")),
+        "workload[0].jobs"
+    );
     assert_eq!(invalid_field(&FAKE.replace("reps = 2", "reps = 0")), "reps");
-    assert_eq!(invalid_field(&FAKE.replace("[\"fake-a\"]", "[\"fake-a\", \"io-uring\"]")), "baselines[1]");
-    assert_eq!(invalid_field(&FAKE.replace("\"fake-c\"]", "\"fake-a\"]")), "datapaths[2]");
-    assert_eq!(invalid_field(&FAKE.replace("rwmixread = 70", "rwmixread = 170")), "workload[1].rwmixread");
-    assert_eq!(invalid_field(&format!("{FAKE}\nbs = 1000")), "workload[1].bs");
+    assert_eq!(
+        invalid_field(&FAKE.replace("[\"fake-a\"]", "[\"fake-a\", \"io-uring\"]")),
+        "baselines[1]"
+    );
+    assert_eq!(
+        invalid_field(&FAKE.replace("\"fake-c\"]", "\"fake-a\"]")),
+        "datapaths[2]"
+    );
+    assert_eq!(
+        invalid_field(&FAKE.replace("rwmixread = 70", "rwmixread = 170")),
+        "workload[1].rwmixread"
+    );
+    assert_eq!(
+        invalid_field(&format!("{FAKE}\nbs = 1000")),
+        "workload[1].bs"
+    );
     // Fields the matrix does not have, and values of the wrong kind: TOML's error
     // names them.
     for (bad, name) in [
         (FAKE.replace("qd = [4]", "qdepth = [4]"), "qdepth"),
         (FAKE.replace("\"fake-c\"", "\"spdk\""), "spdk"),
-        (FAKE.replace("rw = \"randrw\"", "rw = \"seqread\""), "seqread"),
+        (
+            FAKE.replace("rw = \"randrw\"", "rw = \"seqread\""),
+            "seqread",
+        ),
     ] {
         match Matrix::from_toml(&bad) {
             Err(e @ MatrixError::Toml { .. }) => assert!(e.to_string().contains(name), "{e}"),

@@ -105,17 +105,30 @@ pub trait Target {
 }
 
 /// Start datapath `d` on backend `b` (a fresh server: no state from another run).
-pub fn start<'e>(d: &DatapathKind, b: Backend, env: &'e Env) -> Result<Box<dyn Target + 'e>, DatapathError> {
+pub fn start<'e>(
+    d: &DatapathKind,
+    b: Backend,
+    env: &'e Env,
+) -> Result<Box<dyn Target + 'e>, DatapathError> {
     let sock = env.work.join(format!("{d}-{b}.sock"));
     let server = match d {
-        DatapathKind::Fake(name) => return Ok(Box::new(Fake { name: name.clone(), backend: b })),
+        DatapathKind::Fake(name) => {
+            return Ok(Box::new(Fake {
+                name: name.clone(),
+                backend: b,
+            }))
+        }
         DatapathKind::IoUring => None,
-        DatapathKind::UdriveNvme | DatapathKind::UdriveVhost => {
-            Some(Server::start(udrive_serve(d, b, env, &sock), &format!("udrive serve ({d}, {b})"), &sock)?)
-        }
-        DatapathKind::QsdVhost => {
-            Some(Server::start(qsd_cmd(b, env, &sock), &format!("qemu-storage-daemon ({b})"), &sock)?)
-        }
+        DatapathKind::UdriveNvme | DatapathKind::UdriveVhost => Some(Server::start(
+            udrive_serve(d, b, env, &sock),
+            &format!("udrive serve ({d}, {b})"),
+            &sock,
+        )?),
+        DatapathKind::QsdVhost => Some(Server::start(
+            qsd_cmd(b, env, &sock),
+            &format!("qemu-storage-daemon ({b})"),
+            &sock,
+        )?),
     };
     let t = PerfTarget {
         env,
@@ -148,7 +161,12 @@ fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command
         c.arg("--vfio-user").arg(sock).args(["--ns", &spec]);
     } else {
         c.arg("--vhost-user-blk").arg(sock).args(["--disk", &spec]);
-        c.args(["--queues", &m.max_jobs().to_string(), "--placement", &m.placement]);
+        c.args([
+            "--queues",
+            &m.max_jobs().to_string(),
+            "--placement",
+            &m.placement,
+        ]);
     }
     c.args(["--cpus", &m.cpus.server, "--poll", &m.poll]);
     c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
@@ -159,7 +177,10 @@ fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command
 /// io_uring), on the server's CPUs through taskset.
 fn qsd_cmd(b: Backend, env: &Env, sock: &Path) -> Command {
     let m = &env.matrix;
-    let qsd = env.qsd.clone().unwrap_or_else(|| "qemu-storage-daemon".into());
+    let qsd = env
+        .qsd
+        .clone()
+        .unwrap_or_else(|| "qemu-storage-daemon".into());
     let blockdev = match b {
         Backend::File => format!(
             "driver=file,node-name=d0,filename={},cache.direct={},aio=io_uring",
@@ -253,8 +274,14 @@ impl PerfTarget<'_> {
         match self.kind {
             DatapathKind::UdriveNvme => c.arg("--vfio-user").arg(&self.sock),
             DatapathKind::IoUring => {
-                let direct = if self.env.matrix.file.direct { "on" } else { "off" };
-                c.arg("--file").arg(&self.env.data_file).args(["--direct", direct]);
+                let direct = if self.env.matrix.file.direct {
+                    "on"
+                } else {
+                    "off"
+                };
+                c.arg("--file")
+                    .arg(&self.env.data_file)
+                    .args(["--direct", direct]);
                 c.args(["--engine", &self.env.matrix.file.engine])
             }
             _ => c.arg("--vhost-user").arg(&self.sock),
@@ -265,11 +292,14 @@ impl PerfTarget<'_> {
     }
 
     fn exec(&self, mut c: Command, what: &str) -> Result<Value, DatapathError> {
-        let out = c.stdin(Stdio::null()).output().map_err(|source| DatapathError::Spawn {
-            what: what.into(),
-            cmd: format!("{c:?}"),
-            source,
-        })?;
+        let out = c
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|source| DatapathError::Spawn {
+                what: what.into(),
+                cmd: format!("{c:?}"),
+                source,
+            })?;
         if !out.status.success() {
             return Err(DatapathError::Failed {
                 what: what.into(),
@@ -286,7 +316,9 @@ impl PerfTarget<'_> {
     /// Write the RAM disk once, so that reads copy real pages (as scripts/bench did).
     fn fill(&self) -> Result<(), DatapathError> {
         let mut c = self.perf();
-        c.args(["--rw", "write", "--bs", "131072", "--qd", "8", "--time", "1"]);
+        c.args([
+            "--rw", "write", "--bs", "131072", "--qd", "8", "--time", "1",
+        ]);
         self.exec(c, &format!("filling {} {}", self.kind, self.backend))
             .map(drop)
     }
@@ -296,11 +328,19 @@ impl Target for PerfTarget<'_> {
     fn run(&mut self, p: &Point, _rep: u32) -> Result<Value, DatapathError> {
         let m = &self.env.matrix;
         let mut c = self.perf();
-        c.args(["--rw", &p.rw.to_string(), "--rwmixread", &p.rwmixread.to_string()]);
+        c.args([
+            "--rw",
+            &p.rw.to_string(),
+            "--rwmixread",
+            &p.rwmixread.to_string(),
+        ]);
         c.args(["--bs", &p.bs.to_string(), "--qd", &p.qd.to_string()]);
         c.args(["--jobs", &p.jobs.to_string()]);
         c.args(["--time", &m.time.to_string(), "--ramp", &m.ramp.to_string()]);
-        self.exec(c, &format!("perf on {} {} {}", self.kind, self.backend, p.slug()))
+        self.exec(
+            c,
+            &format!("perf on {} {} {}", self.kind, self.backend, p.slug()),
+        )
     }
 }
 
@@ -313,7 +353,10 @@ struct Fake {
 
 impl Target for Fake {
     fn run(&mut self, p: &Point, rep: u32) -> Result<Value, DatapathError> {
-        let seed = self.name.bytes().fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+        let seed = self
+            .name
+            .bytes()
+            .fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
         let base = 100_000.0 * (1 + seed % 5) as f64 / (1 + self.backend as u64) as f64;
         let rw = if p.rw == Rw::Randread { 1.0 } else { 0.8 };
         let spread = 1.0 + 0.05 * f64::from((rep * 7) % 3);
@@ -322,7 +365,9 @@ impl Target for Fake {
         let mean = inflight / iops * 1e9;
         let lat = json!({"mean": mean, "min": mean / 4.0, "p50": mean, "p99": mean * 2.0,
             "p99_9": mean * 3.0, "p99_99": mean * 4.0, "max": mean * 10.0});
-        Ok(json!({"rw": p.rw.to_string(), "bs": p.bs, "qd": p.qd, "jobs_count": p.jobs,
-            "iops": iops, "errors": 0, "lat_ns": lat}))
+        Ok(
+            json!({"rw": p.rw.to_string(), "bs": p.bs, "qd": p.qd, "jobs_count": p.jobs,
+            "iops": iops, "errors": 0, "lat_ns": lat}),
+        )
     }
 }

@@ -288,7 +288,13 @@ impl Point {
             Rw::Randrw => format!("{}", self.rwmixread),
             _ => String::new(),
         };
-        format!("{}{mix}-{}-qd{}-j{}", self.rw, bs_name(self.bs), self.qd, self.jobs)
+        format!(
+            "{}{mix}-{}-qd{}-j{}",
+            self.rw,
+            bs_name(self.bs),
+            self.qd,
+            self.jobs
+        )
     }
 }
 
@@ -327,17 +333,26 @@ impl Matrix {
         check_list("backends", &self.backends)?;
         for (i, b) in self.baselines.iter().enumerate() {
             if !self.datapaths.contains(b) {
-                return Err(invalid(format!("baselines[{i}]"), format!("`{b}` is not in `datapaths`")));
+                return Err(invalid(
+                    format!("baselines[{i}]"),
+                    format!("`{b}` is not in `datapaths`"),
+                ));
             }
         }
         if !POLL_MODES.contains(&self.poll.as_str()) {
             return Err(invalid("poll", format!("one of {}", POLL_MODES.join(", "))));
         }
         if !PLACEMENTS.contains(&self.placement.as_str()) {
-            return Err(invalid("placement", format!("one of {}", PLACEMENTS.join(", "))));
+            return Err(invalid(
+                "placement",
+                format!("one of {}", PLACEMENTS.join(", ")),
+            ));
         }
         if !ENGINES.contains(&self.file.engine.as_str()) {
-            return Err(invalid("file.engine", format!("one of {}", ENGINES.join(", "))));
+            return Err(invalid(
+                "file.engine",
+                format!("one of {}", ENGINES.join(", ")),
+            ));
         }
         if self.file.mib == 0 || self.file.mib > 1 << 20 {
             return Err(invalid("file.mib", "must be 1..=1048576"));
@@ -397,7 +412,10 @@ fn check_list<T: PartialEq + fmt::Debug>(field: &str, v: &[T]) -> Result<(), Mat
     }
     for (i, x) in v.iter().enumerate() {
         if v[..i].contains(x) {
-            return Err(invalid(format!("{field}[{i}]"), format!("{x:?} appears twice")));
+            return Err(invalid(
+                format!("{field}[{i}]"),
+                format!("{x:?} appears twice"),
+            ));
         }
     }
     Ok(())
@@ -436,7 +454,10 @@ mod tests {
         let mut m = Matrix::from_toml(preset("quick").unwrap()).unwrap();
         m.datapaths = vec![DatapathKind::UdriveNvme, DatapathKind::IoUring];
         assert_eq!(m.order_of(1), m.datapaths);
-        assert_eq!(m.order_of(2), vec![DatapathKind::IoUring, DatapathKind::UdriveNvme]);
+        assert_eq!(
+            m.order_of(2),
+            vec![DatapathKind::IoUring, DatapathKind::UdriveNvme]
+        );
         m.order = Order::Fixed;
         assert_eq!(m.order_of(2), m.datapaths);
     }

@@ -63,7 +63,9 @@ fn preset_text(name: &str) -> Result<&'static str> {
 /// The matrix asked for, with the command line's overrides applied and checked.
 fn load(a: &BenchArgs) -> Result<Matrix> {
     let text = match (&a.preset, &a.matrix) {
-        (_, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?,
+        (_, Some(f)) => {
+            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?
+        }
         (Some(p), None) => preset_text(p)?.to_string(),
         (None, None) => bail!("name a preset (udrive bench --list) or --matrix FILE.toml"),
     };
@@ -89,7 +91,9 @@ fn load(a: &BenchArgs) -> Result<Matrix> {
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.list {
         for (name, text) in PRESETS {
-            let d = Matrix::from_toml(text).map(|m| m.description).unwrap_or_default();
+            let d = Matrix::from_toml(text)
+                .map(|m| m.description)
+                .unwrap_or_default();
             println!("{name:10} {d}");
         }
         return Ok(());
@@ -112,7 +116,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         Some(p) => p.clone(),
         None => std::env::current_exe().context("finding this binary")?,
     };
-    let data_file = PathBuf::from(&m.file.dir).join(format!("udrive-bench-{}.img", std::process::id()));
+    let data_file =
+        PathBuf::from(&m.file.dir).join(format!("udrive-bench-{}.img", std::process::id()));
     let env = datapath::Env {
         udrive,
         qsd: datapath::which("qemu-storage-daemon"),
@@ -123,7 +128,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let result = measure(&env, &raw, &a.out);
     let _ = std::fs::remove_file(&env.data_file);
     let failed = result?;
-    eprintln!("udrive bench: report in {}", a.out.join("report.html").display());
+    eprintln!(
+        "udrive bench: report in {}",
+        a.out.join("report.html").display()
+    );
     if failed > 0 {
         bail!("{failed} runs failed (see summary.md and raw/)");
     }
@@ -139,7 +147,10 @@ fn measure(env: &datapath::Env, raw: &std::path::Path, out: &std::path::Path) ->
         eprintln!("udrive bench: skipping {}{on}: {}", s.datapath, s.reason);
     }
     let needs_file = m.backends.contains(&matrix::Backend::File)
-        && groups.iter().any(|g| g.backend == matrix::Backend::File && !matches!(g.datapath, matrix::DatapathKind::Fake(_)));
+        && groups.iter().any(|g| {
+            g.backend == matrix::Backend::File
+                && !matches!(g.datapath, matrix::DatapathKind::Fake(_))
+        });
     if needs_file {
         write_data_file(&env.data_file, m.file.mib)?;
     }
@@ -177,9 +188,11 @@ fn write_data_file(p: &std::path::Path, mib: u64) -> Result<()> {
             x ^= x << 17;
             c.copy_from_slice(&x.to_le_bytes());
         }
-        f.write_all(&buf).with_context(|| format!("writing {}", p.display()))?;
+        f.write_all(&buf)
+            .with_context(|| format!("writing {}", p.display()))?;
     }
-    f.sync_all().with_context(|| format!("syncing {}", p.display()))
+    f.sync_all()
+        .with_context(|| format!("syncing {}", p.display()))
 }
 
 fn loadavg() -> String {
@@ -190,12 +203,21 @@ fn loadavg() -> String {
 
 fn host_facts(env: &datapath::Env) -> BTreeMap<String, String> {
     let mut h = BTreeMap::new();
-    h.insert("udrive".into(), format!("{} {}", env.udrive.display(), env!("CARGO_PKG_VERSION")));
+    h.insert(
+        "udrive".into(),
+        format!("{} {}", env.udrive.display(), env!("CARGO_PKG_VERSION")),
+    );
     if let Some(q) = &env.qsd {
         let v = std::process::Command::new(q)
             .arg("--version")
             .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_string())
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .to_string()
+            })
             .unwrap_or_default();
         h.insert("qemu-storage-daemon".into(), v);
     }

@@ -128,7 +128,14 @@ pub fn execute(env: &Env, groups: &[Group], raw_dir: &Path) -> std::io::Result<V
                 perf,
                 error,
             };
-            let name = format!("{:04}-r{}-{}-{}-{}.json", r.seq, r.rep, r.datapath, r.backend, p.slug());
+            let name = format!(
+                "{:04}-r{}-{}-{}-{}.json",
+                r.seq,
+                r.rep,
+                r.datapath,
+                r.backend,
+                p.slug()
+            );
             std::fs::write(raw_dir.join(name), serde_json::to_vec_pretty(&r)?)?;
             out.push(r);
         }
@@ -193,7 +200,11 @@ impl Progress {
 
     fn done(&self) {
         if self.tty {
-            eprintln!("\r\x1b[K{} runs in {:.0} s", self.total, self.started.elapsed().as_secs_f64());
+            eprintln!(
+                "\r\x1b[K{} runs in {:.0} s",
+                self.total,
+                self.started.elapsed().as_secs_f64()
+            );
         }
     }
 }

@@ -58,6 +58,9 @@ pub struct Cell {
     pub failed: usize,
     pub iops: Option<Stat>,
     pub mean_us: Option<Stat>,
+    /// The median latency: on a shared machine a few preempted I/Os of milliseconds
+    /// move the mean, not this.
+    pub p50_us: Option<Stat>,
     pub p99_us: Option<Stat>,
     /// Against each baseline that ran this backend and workload (not itself).
     pub vs: Vec<Versus>,
@@ -96,7 +99,9 @@ type Key = (DatapathKind, Backend, Point);
 fn by_cell(runs: &[RunRecord]) -> BTreeMap<Key, Vec<&RunRecord>> {
     let mut m: BTreeMap<Key, Vec<&RunRecord>> = BTreeMap::new();
     for r in runs {
-        m.entry((r.datapath.clone(), r.backend, r.point)).or_default().push(r);
+        m.entry((r.datapath.clone(), r.backend, r.point))
+            .or_default()
+            .push(r);
     }
     m
 }
@@ -118,11 +123,18 @@ fn per_rep(
     Stat::of(&v)
 }
 
-fn versus(m: &Matrix, all: &BTreeMap<Key, Vec<&RunRecord>>, key: &Key, ok: &[&RunRecord]) -> Vec<Versus> {
+fn versus(
+    m: &Matrix,
+    all: &BTreeMap<Key, Vec<&RunRecord>>,
+    key: &Key,
+    ok: &[&RunRecord],
+) -> Vec<Versus> {
     let (d, b, p) = key;
     let mut out = Vec::new();
     for bl in m.baselines.iter().filter(|bl| *bl != d) {
-        let Some(base) = all.get(&(bl.clone(), *b, *p)) else { continue };
+        let Some(base) = all.get(&(bl.clone(), *b, *p)) else {
+            continue;
+        };
         let base: Vec<&RunRecord> = base.iter().copied().filter(|r| r.error.is_none()).collect();
         let mean = |r: &RunRecord| r.lat_us("mean");
         out.push(Versus {
@@ -135,7 +147,12 @@ fn versus(m: &Matrix, all: &BTreeMap<Key, Vec<&RunRecord>>, key: &Key, ok: &[&Ru
     out
 }
 
-pub fn summarize(m: &Matrix, runs: &[RunRecord], skipped: Vec<Skipped>, host: BTreeMap<String, String>) -> Summary {
+pub fn summarize(
+    m: &Matrix,
+    runs: &[RunRecord],
+    skipped: Vec<Skipped>,
+    host: BTreeMap<String, String>,
+) -> Summary {
     let cells_in = by_cell(runs);
     let mut order = Vec::new();
     for r in runs {
@@ -147,7 +164,9 @@ pub fn summarize(m: &Matrix, runs: &[RunRecord], skipped: Vec<Skipped>, host: BT
     let mut cells = Vec::new();
     for (key, rs) in &cells_in {
         let ok: Vec<&RunRecord> = rs.iter().copied().filter(|r| r.error.is_none()).collect();
-        let col = |f: &dyn Fn(&RunRecord) -> Option<f64>| -> Vec<f64> { ok.iter().filter_map(|r| f(r)).collect() };
+        let col = |f: &dyn Fn(&RunRecord) -> Option<f64>| -> Vec<f64> {
+            ok.iter().filter_map(|r| f(r)).collect()
+        };
         cells.push(Cell {
             datapath: key.0.clone(),
             backend: key.1,
@@ -156,6 +175,7 @@ pub fn summarize(m: &Matrix, runs: &[RunRecord], skipped: Vec<Skipped>, host: BT
             failed: rs.len() - ok.len(),
             iops: Stat::of(&col(&RunRecord::iops)),
             mean_us: Stat::of(&col(&|r| r.lat_us("mean"))),
+            p50_us: Stat::of(&col(&|r| r.lat_us("p50"))),
             p99_us: Stat::of(&col(&|r| r.lat_us("p99"))),
             vs: versus(m, &cells_in, key, &ok),
         });
@@ -212,18 +232,26 @@ pub fn markdown(s: &Summary) -> String {
     for b in backends {
         let cells: Vec<&Cell> = s.cells.iter().filter(|c| c.backend == b).collect();
         let _ = writeln!(o, "## {b}\n");
-        let _ = writeln!(o, "| workload | datapath | n | IOPS (k) | mean (µs) | p99 (µs) |");
-        let _ = writeln!(o, "|---|---|---|---|---|---|");
+        let _ = writeln!(
+            o,
+            "| workload | datapath | n | IOPS (k) | mean (µs) | p50 (µs) | p99 (µs) |"
+        );
+        let _ = writeln!(o, "|---|---|---|---|---|---|---|");
         for c in &cells {
-            let failed = if c.failed > 0 { format!(" ({} failed)", c.failed) } else { String::new() };
+            let failed = if c.failed > 0 {
+                format!(" ({} failed)", c.failed)
+            } else {
+                String::new()
+            };
             let _ = writeln!(
                 o,
-                "| {} | {} | {}{failed} | {} | {} | {} |",
+                "| {} | {} | {}{failed} | {} | {} | {} | {} |",
                 point_label(&c.point),
                 c.datapath,
                 c.n,
                 opt(c.iops, 1e-3, 0),
                 opt(c.mean_us, 1.0, 2),
+                opt(c.p50_us, 1.0, 2),
                 opt(c.p99_us, 1.0, 2),
             );
         }
@@ -257,7 +285,10 @@ fn versus_table(o: &mut String, b: Backend, bl: &DatapathKind, cells: &[&Cell]) 
         return;
     }
     let _ = writeln!(o, "### {b}: against {bl}\n");
-    let _ = writeln!(o, "| workload | datapath | IOPS ÷ {bl} | mean ÷ {bl} | mean − {bl} (µs) |");
+    let _ = writeln!(
+        o,
+        "| workload | datapath | IOPS ÷ {bl} | mean ÷ {bl} | mean − {bl} (µs) |"
+    );
     let _ = writeln!(o, "|---|---|---|---|---|");
     for (c, v) in rows {
         let _ = writeln!(

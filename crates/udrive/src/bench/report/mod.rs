@@ -61,7 +61,12 @@ fn bar_figures(b: Backend, cells: &[&Cell]) -> Vec<Figure> {
                 name: d.to_string(),
                 bars: points
                     .iter()
-                    .map(|p| cells.iter().find(|c| c.datapath == *d && c.point == *p).and_then(|c| bar(f(c))))
+                    .map(|p| {
+                        cells
+                            .iter()
+                            .find(|c| c.datapath == *d && c.point == *p)
+                            .and_then(|c| bar(f(c)))
+                    })
                     .collect(),
             })
             .collect()
@@ -70,12 +75,24 @@ fn bar_figures(b: Backend, cells: &[&Cell]) -> Vec<Figure> {
     let lat_id = format!("bars-{b}-lat");
     vec![
         Figure {
-            svg: svg::bars(&iops_id, &format!("{b}: IOPS"), "IOPS", &labels, &series(&|c| c.iops)),
+            svg: svg::bars(
+                &iops_id,
+                &format!("{b}: IOPS"),
+                "IOPS",
+                &labels,
+                &series(&|c| c.iops),
+            ),
             caption: format!("{b}: IOPS per workload, median with min–max over the repetitions"),
             id: iops_id,
         },
         Figure {
-            svg: svg::bars(&lat_id, &format!("{b}: mean latency"), "µs", &labels, &series(&|c| c.mean_us)),
+            svg: svg::bars(
+                &lat_id,
+                &format!("{b}: mean latency"),
+                "µs",
+                &labels,
+                &series(&|c| c.mean_us),
+            ),
             caption: format!("{b}: mean latency (µs) per workload, median with min–max"),
             id: lat_id,
         },
@@ -101,7 +118,9 @@ fn heatmaps(b: Backend, cells: &[&Cell]) -> Vec<Figure> {
         }
         let same: Vec<&&Cell> = cells
             .iter()
-            .filter(|x| x.datapath == c.datapath && heatmap_id(&x.datapath.to_string(), b, &x.point) == id)
+            .filter(|x| {
+                x.datapath == c.datapath && heatmap_id(&x.datapath.to_string(), b, &x.point) == id
+            })
             .collect();
         let mut qds: Vec<u32> = same.iter().map(|x| x.point.qd).collect();
         let mut jobs: Vec<u32> = same.iter().map(|x| x.point.jobs).collect();
@@ -149,12 +168,25 @@ pub fn html(s: &Summary, figs: &[Figure], summary_md: &str) -> String {
         o,
         "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>udrive bench</title><style>{STYLE}</style></head><body>"
     );
-    let _ = write!(o, "<h1>udrive bench</h1><p>{}</p>", svg::esc(&s.description));
+    let _ = write!(
+        o,
+        "<h1>udrive bench</h1><p>{}</p>",
+        svg::esc(&s.description)
+    );
     for f in figs {
-        let _ = write!(o, "<figure>{}<figcaption>{}</figcaption></figure>", f.svg, svg::esc(&f.caption));
+        let _ = write!(
+            o,
+            "<figure>{}<figcaption>{}</figcaption></figure>",
+            f.svg,
+            svg::esc(&f.caption)
+        );
     }
     let _ = write!(o, "<h2>Tables</h2><pre>{}</pre>", svg::esc(summary_md));
-    let _ = write!(o, "<h2>Order of the runs</h2><p>{}</p>", svg::esc(&s.order.join(" → ")));
+    let _ = write!(
+        o,
+        "<h2>Order of the runs</h2><p>{}</p>",
+        svg::esc(&s.order.join(" → "))
+    );
     o.push_str("</body></html>\n");
     o
 }

@@ -26,20 +26,23 @@ pub struct Series {
 }
 
 pub fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
-/// 1234567 -> `1.23M`, 4321 -> `4.32k`, 0.5 -> `0.5`.
+/// Three significant digits with a unit: 1234567 -> `1.23M`, 400000 -> `400k`, 0.5 -> `0.50`.
 pub fn short(v: f64) -> String {
-    let a = v.abs();
-    if a >= 1e6 {
-        format!("{:.3}M", v / 1e6)
-    } else if a >= 1e3 {
-        format!("{:.3}k", v / 1e3)
-    } else if a >= 10.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.2}")
+    let (x, unit) = match v.abs() {
+        a if a >= 1e6 => (v / 1e6, "M"),
+        a if a >= 1e3 => (v / 1e3, "k"),
+        _ => (v, ""),
+    };
+    match x.abs() {
+        a if a >= 100.0 => format!("{x:.0}{unit}"),
+        a if a >= 10.0 => format!("{x:.1}{unit}"),
+        _ => format!("{x:.2}{unit}"),
     }
 }
 
@@ -49,7 +52,11 @@ fn nice_ceil(v: f64) -> f64 {
         return 1.0;
     }
     let p = 10f64.powf(v.log10().floor());
-    [1.0, 2.0, 5.0, 10.0].iter().map(|m| m * p).find(|x| *x >= v).unwrap_or(10.0 * p)
+    [1.0, 2.0, 5.0, 10.0]
+        .iter()
+        .map(|m| m * p)
+        .find(|x| *x >= v)
+        .unwrap_or(10.0 * p)
 }
 
 const BAR_W: f64 = 18.0;
@@ -77,12 +84,18 @@ pub fn bars(id: &str, title: &str, y_label: &str, groups: &[String], series: &[S
         esc(id)
     );
     let _ = write!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = write!(o, r#"<text x="{LEFT}" y="18" font-size="14" font-weight="bold">{}</text>"#, esc(title));
+    let _ = write!(
+        o,
+        r#"<text x="{LEFT}" y="18" font-size="14" font-weight="bold">{}</text>"#,
+        esc(title)
+    );
     axis(&mut o, ymax, y_label, LEFT + groups.len() as f64 * group_w);
     for (gi, g) in groups.iter().enumerate() {
         let gx = LEFT + gi as f64 * group_w + 12.0;
         for (si, s) in series.iter().enumerate() {
-            let Some(Some(b)) = s.bars.get(gi) else { continue };
+            let Some(Some(b)) = s.bars.get(gi) else {
+                continue;
+            };
             let x = gx + si as f64 * BAR_W;
             let c = PALETTE[si % PALETTE.len()];
             let _ = write!(
@@ -106,7 +119,9 @@ pub fn bars(id: &str, title: &str, y_label: &str, groups: &[String], series: &[S
                 y(b.max)
             );
         }
-        let (l1, l2) = g.split_once(" QD").map_or((g.as_str(), String::new()), |(a, b)| (a, format!("QD{b}")));
+        let (l1, l2) = g
+            .split_once(" QD")
+            .map_or((g.as_str(), String::new()), |(a, b)| (a, format!("QD{b}")));
         let mx = LEFT + gi as f64 * group_w + group_w / 2.0;
         let _ = write!(
             o,
@@ -157,9 +172,16 @@ fn axis(o: &mut String, ymax: f64, label: &str, right: f64) {
 
 /// A grid of values (rows × columns), shaded from light to dark by value, each cell
 /// labelled with its value.
-pub fn heatmap(id: &str, title: &str, cols: (&str, &[String]), rows: (&str, &[String]), v: &[Vec<Option<f64>>]) -> String {
+pub fn heatmap(
+    id: &str,
+    title: &str,
+    cols: (&str, &[String]),
+    rows: (&str, &[String]),
+    v: &[Vec<Option<f64>>],
+) -> String {
     let (cw, ch, left, top) = (80.0, 36.0, 90.0, 50.0);
-    let w = left + cols.1.len() as f64 * cw + 20.0;
+    // Wide enough for the title at ~7 px per character.
+    let w = (left + cols.1.len() as f64 * cw + 20.0).max(title.chars().count() as f64 * 7.5 + 20.0);
     let h = top + rows.1.len() as f64 * ch + 40.0;
     let vmax = v.iter().flatten().flatten().copied().fold(0.0, f64::max);
     let mut o = String::new();
@@ -169,12 +191,32 @@ pub fn heatmap(id: &str, title: &str, cols: (&str, &[String]), rows: (&str, &[St
         esc(id)
     );
     let _ = write!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = write!(o, r#"<text x="10" y="18" font-size="14" font-weight="bold">{}</text>"#, esc(title));
-    let _ = write!(o, r#"<text x="{:.1}" y="38" text-anchor="middle">{}</text>"#, left + cols.1.len() as f64 * cw / 2.0, esc(cols.0));
-    let _ = write!(o, r#"<text x="10" y="{:.1}">{}</text>"#, top - 4.0, esc(rows.0));
+    let _ = write!(
+        o,
+        r#"<text x="10" y="18" font-size="14" font-weight="bold">{}</text>"#,
+        esc(title)
+    );
+    let _ = write!(
+        o,
+        r#"<text x="{:.1}" y="38" text-anchor="middle">{}</text>"#,
+        left + cols.1.len() as f64 * cw / 2.0,
+        esc(cols.0)
+    );
+    let _ = write!(
+        o,
+        r#"<text x="10" y="{:.1}">{}</text>"#,
+        top - 4.0,
+        esc(rows.0)
+    );
     for (ri, rl) in rows.1.iter().enumerate() {
         let ry = top + ri as f64 * ch;
-        let _ = write!(o, r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"#, left - 6.0, ry + ch / 2.0 + 4.0, esc(rl));
+        let _ = write!(
+            o,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"#,
+            left - 6.0,
+            ry + ch / 2.0 + 4.0,
+            esc(rl)
+        );
         for ci in 0..cols.1.len() {
             let cx = left + ci as f64 * cw;
             let val = v.get(ri).and_then(|r| r.get(ci)).copied().flatten();
@@ -183,7 +225,12 @@ pub fn heatmap(id: &str, title: &str, cols: (&str, &[String]), rows: (&str, &[St
                     let t = x / vmax;
                     // From #eef4fb (low) to #08306b (high).
                     let mix = |a: f64, b: f64| (a + (b - a) * t).round() as u8;
-                    let fill = format!("#{:02x}{:02x}{:02x}", mix(238.0, 8.0), mix(244.0, 48.0), mix(251.0, 107.0));
+                    let fill = format!(
+                        "#{:02x}{:02x}{:02x}",
+                        mix(238.0, 8.0),
+                        mix(244.0, 48.0),
+                        mix(251.0, 107.0)
+                    );
                     (fill, short(x), if t > 0.5 { "white" } else { "black" })
                 }
                 _ => ("#f4f4f4".to_string(), "—".to_string(), "black"),
@@ -214,6 +261,14 @@ pub fn heatmap(id: &str, title: &str, cols: (&str, &[String]), rows: (&str, &[St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn short_numbers_keep_three_digits() {
+        assert_eq!(short(1_234_567.0), "1.23M");
+        assert_eq!(short(400_000.0), "400k");
+        assert_eq!(short(12_345.0), "12.3k");
+        assert_eq!(short(0.5), "0.50");
+    }
 
     #[test]
     fn nice_ceilings() {
