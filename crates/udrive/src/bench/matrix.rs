@@ -300,7 +300,7 @@ impl Point {
 
 /// 4096 -> `4k`, 131072 -> `128k`, 1000 -> `1000`.
 pub fn bs_name(bs: u32) -> String {
-    if bs % 1024 == 0 {
+    if bs.is_multiple_of(1024) {
         format!("{}k", bs / 1024)
     } else {
         bs.to_string()
@@ -399,7 +399,7 @@ impl Matrix {
     /// The datapath order of repetition `rep` (1-based).
     pub fn order_of(&self, rep: u32) -> Vec<DatapathKind> {
         let mut d = self.datapaths.clone();
-        if self.order == Order::Flip && rep % 2 == 0 {
+        if self.order == Order::Flip && rep.is_multiple_of(2) {
             d.reverse();
         }
         d
@@ -422,7 +422,7 @@ fn check_list<T: PartialEq + fmt::Debug>(field: &str, v: &[T]) -> Result<(), Mat
 }
 
 fn check_workload(at: &str, w: &Workload) -> Result<(), MatrixError> {
-    if w.bs < 512 || w.bs > 1 << 20 || w.bs % 512 != 0 {
+    if w.bs < 512 || w.bs > 1 << 20 || !w.bs.is_multiple_of(512) {
         return Err(invalid(format!("{at}.bs"), "a multiple of 512 up to 1 MiB"));
     }
     if w.rwmixread > 100 {
