@@ -243,31 +243,27 @@ fn invalid_field(text: &str) -> String {
 
 #[test]
 fn a_broken_matrix_is_refused_naming_the_field() {
-    assert_eq!(
-        invalid_field(&FAKE.replace("qd = [4]", "qd = [0]")),
-        "workload[1].qd"
-    );
-    assert_eq!(
-        invalid_field(&FAKE.replace("jobs = [1, 2]", "jobs = []")),
-        "workload[0].jobs"
-    );
-    assert_eq!(invalid_field(&FAKE.replace("reps = 2", "reps = 0")), "reps");
-    assert_eq!(
-        invalid_field(&FAKE.replace("[\"fake-a\"]", "[\"fake-a\", \"io-uring\"]")),
-        "baselines[1]"
-    );
-    assert_eq!(
-        invalid_field(&FAKE.replace("\"fake-c\"]", "\"fake-a\"]")),
-        "datapaths[2]"
-    );
-    assert_eq!(
-        invalid_field(&FAKE.replace("rwmixread = 70", "rwmixread = 170")),
-        "workload[1].rwmixread"
-    );
-    assert_eq!(
-        invalid_field(&format!("{FAKE}\nbs = 1000")),
-        "workload[1].bs"
-    );
+    let cases = [
+        (FAKE.replace("qd = [4]", "qd = [0]"), "workload[1].qd"),
+        (
+            FAKE.replace("jobs = [1, 2]", "jobs = []"),
+            "workload[0].jobs",
+        ),
+        (FAKE.replace("reps = 2", "reps = 0"), "reps"),
+        (
+            FAKE.replace("[\"fake-a\"]", "[\"fake-a\", \"io-uring\"]"),
+            "baselines[1]",
+        ),
+        (FAKE.replace("\"fake-c\"]", "\"fake-a\"]"), "datapaths[2]"),
+        (
+            FAKE.replace("rwmixread = 70", "rwmixread = 170"),
+            "workload[1].rwmixread",
+        ),
+        (format!("{FAKE}\nbs = 1000"), "workload[1].bs"),
+    ];
+    for (bad, field) in cases {
+        assert_eq!(invalid_field(&bad), field);
+    }
     // Fields the matrix does not have, and values of the wrong kind: TOML's error
     // names them.
     for (bad, name) in [

@@ -77,18 +77,7 @@ pub fn bars(id: &str, title: &str, y_label: &str, groups: &[String], series: &[S
         .fold(0.0, f64::max);
     let ymax = nice_ceil(top);
     let y = |v: f64| TOP + PLOT_H * (1.0 - v / ymax);
-    let mut o = String::new();
-    let _ = write!(
-        o,
-        r#"<svg id="{}" xmlns="http://www.w3.org/2000/svg" width="{w:.0}" height="{h:.0}" viewBox="0 0 {w:.0} {h:.0}" font-family="sans-serif" font-size="11">"#,
-        esc(id)
-    );
-    let _ = write!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = write!(
-        o,
-        r#"<text x="{LEFT}" y="18" font-size="14" font-weight="bold">{}</text>"#,
-        esc(title)
-    );
+    let mut o = open(id, w, h, title, LEFT);
     axis(&mut o, ymax, y_label, LEFT + groups.len() as f64 * group_w);
     for (gi, g) in groups.iter().enumerate() {
         let gx = LEFT + gi as f64 * group_w + 12.0;
@@ -148,6 +137,23 @@ pub fn bars(id: &str, title: &str, y_label: &str, groups: &[String], series: &[S
     o
 }
 
+/// An SVG's start: its size, a white ground and the title at `title_x`.
+fn open(id: &str, w: f64, h: f64, title: &str, title_x: f64) -> String {
+    let mut o = String::new();
+    let _ = write!(
+        o,
+        r#"<svg id="{}" xmlns="http://www.w3.org/2000/svg" width="{w:.0}" height="{h:.0}" viewBox="0 0 {w:.0} {h:.0}" font-family="sans-serif" font-size="11">"#,
+        esc(id)
+    );
+    let _ = write!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = write!(
+        o,
+        r#"<text x="{title_x}" y="18" font-size="14" font-weight="bold">{}</text>"#,
+        esc(title)
+    );
+    o
+}
+
 /// The y axis with five ticks and grid lines up to `right`.
 fn axis(o: &mut String, ymax: f64, label: &str, right: f64) {
     for i in 0..=5 {
@@ -184,18 +190,7 @@ pub fn heatmap(
     let w = (left + cols.1.len() as f64 * cw + 20.0).max(title.chars().count() as f64 * 7.5 + 20.0);
     let h = top + rows.1.len() as f64 * ch + 40.0;
     let vmax = v.iter().flatten().flatten().copied().fold(0.0, f64::max);
-    let mut o = String::new();
-    let _ = write!(
-        o,
-        r#"<svg id="{}" xmlns="http://www.w3.org/2000/svg" width="{w:.0}" height="{h:.0}" viewBox="0 0 {w:.0} {h:.0}" font-family="sans-serif" font-size="11">"#,
-        esc(id)
-    );
-    let _ = write!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = write!(
-        o,
-        r#"<text x="10" y="18" font-size="14" font-weight="bold">{}</text>"#,
-        esc(title)
-    );
+    let mut o = open(id, w, h, title, 10.0);
     let _ = write!(
         o,
         r#"<text x="{:.1}" y="38" text-anchor="middle">{}</text>"#,
