@@ -181,9 +181,14 @@ fn fixed_order_keeps_the_datapaths_in_place() {
     let m = FAKE
         .replace("reps = 2", "reps = 2\norder = \"fixed\"")
         .replace("[\"null\", \"file\"]", "[\"null\"]");
-    let o = bench(&m, &out, &[]);
+    let o = bench(&m, &out, &["--cpus", "1:0-1"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let order: Vec<String> = json(&out.join("summary.json"))["order"]
+    let s = json(&out.join("summary.json"));
+    assert_eq!(
+        (s["cpus"]["server"].as_str(), s["cpus"]["client"].as_str()),
+        (Some("1"), Some("0-1"))
+    );
+    let order: Vec<String> = s["order"]
         .as_array()
         .unwrap()
         .iter()

@@ -13,8 +13,11 @@ pub mod summary;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use signal_hook::consts::{SIGINT, SIGTERM};
 
 use matrix::{Matrix, PRESETS};
 
@@ -125,9 +128,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
         data_file,
         matrix: m,
     };
-    let result = measure(&env, &raw, &a.out);
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [SIGINT, SIGTERM] {
+        signal_hook::flag::register(sig, Arc::clone(&stop))
+            .context("installing a signal handler")?;
+    }
+    let result = measure(&env, &raw, &a.out, &stop);
     let _ = std::fs::remove_file(&env.data_file);
     let failed = result?;
+    if stop.load(Ordering::Relaxed) {
+        bail!("interrupted; the runs so far are in {}", a.out.display());
+    }
     eprintln!(
         "udrive bench: report in {}",
         a.out.join("report.html").display()
@@ -139,7 +150,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
 }
 
 /// Run the matrix and write the results; the number of failed runs.
-fn measure(env: &datapath::Env, raw: &std::path::Path, out: &std::path::Path) -> Result<usize> {
+fn measure(
+    env: &datapath::Env,
+    raw: &std::path::Path,
+    out: &std::path::Path,
+    stop: &AtomicBool,
+) -> Result<usize> {
     let m = &env.matrix;
     let (groups, skipped) = run::plan(env);
     for s in &skipped {
@@ -156,7 +172,7 @@ fn measure(env: &datapath::Env, raw: &std::path::Path, out: &std::path::Path) ->
     }
     let mut host = host_facts(env);
     host.insert("load average before".into(), loadavg());
-    let runs = run::execute(env, &groups, raw).context("writing raw results")?;
+    let runs = run::execute(env, &groups, raw, stop).context("writing raw results")?;
     host.insert("load average after".into(), loadavg());
     let s = summary::summarize(m, &runs, skipped, host);
     let md = summary::markdown(&s);

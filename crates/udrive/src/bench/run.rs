@@ -7,6 +7,7 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -100,13 +101,26 @@ pub fn plan(env: &Env) -> (Vec<Group>, Vec<Skipped>) {
 
 /// Run every group, writing each run to `raw_dir` as it completes. A server that does
 /// not start fails its group's runs (recorded, not fatal): the others still run.
-pub fn execute(env: &Env, groups: &[Group], raw_dir: &Path) -> std::io::Result<Vec<RunRecord>> {
+/// When `stop` is set (SIGINT/SIGTERM) no new run starts: what ran is returned, so
+/// the caller still writes its summary and removes the data file.
+pub fn execute(
+    env: &Env,
+    groups: &[Group],
+    raw_dir: &Path,
+    stop: &AtomicBool,
+) -> std::io::Result<Vec<RunRecord>> {
     let points = env.matrix.points();
     let mut progress = Progress::new(groups.len() * points.len(), env);
     let mut out = Vec::new();
     for g in groups {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
         let mut target = datapath::start(&g.datapath, g.backend, env);
         for p in &points {
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
             progress.show(g, p);
             let result = match &mut target {
                 Ok(t) => t.run(p, g.rep).map_err(|e| e.to_string()),
