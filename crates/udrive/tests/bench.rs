@@ -265,6 +265,10 @@ fn a_broken_matrix_is_refused_naming_the_field() {
             "workload[1].rwmixread",
         ),
         (format!("{FAKE}\nbs = 1000"), "workload[1].bs"),
+        (
+            format!("{FAKE}\nthink_us = 2000000"),
+            "workload[1].think_us",
+        ),
     ];
     for (bad, field) in cases {
         assert_eq!(invalid_field(&bad), field);
@@ -277,6 +281,11 @@ fn a_broken_matrix_is_refused_naming_the_field() {
         (
             FAKE.replace("rw = \"randrw\"", "rw = \"seqread\""),
             "seqread",
+        ),
+        (FAKE.replace("\"fake-c\"", "\"udrive-nvme@fast\""), "fast"),
+        (
+            FAKE.replace("reps = 2", "reps = 2\npoll = \"spin\""),
+            "spin",
         ),
     ] {
         match Matrix::from_toml(&bad) {

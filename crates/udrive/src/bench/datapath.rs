@@ -119,7 +119,7 @@ pub fn start<'e>(
             }))
         }
         DatapathKind::IoUring => None,
-        DatapathKind::UdriveNvme | DatapathKind::UdriveVhost => Some(Server::start(
+        DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_) => Some(Server::start(
             udrive_serve(d, b, env, &sock),
             &format!("udrive serve ({d}, {b})"),
             &sock,
@@ -137,7 +137,12 @@ pub fn start<'e>(
         sock,
         _server: server,
     };
-    if b == Backend::Ram && matches!(d, DatapathKind::UdriveNvme | DatapathKind::UdriveVhost) {
+    if b == Backend::Ram
+        && matches!(
+            d,
+            DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_)
+        )
+    {
         t.fill()?;
     }
     Ok(Box::new(t))
@@ -157,7 +162,11 @@ fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command
     };
     let mut c = Command::new(&env.udrive);
     c.arg("serve");
-    if *d == DatapathKind::UdriveNvme {
+    let poll = match d {
+        DatapathKind::UdriveNvme(Some(p)) | DatapathKind::UdriveVhost(Some(p)) => *p,
+        _ => m.poll,
+    };
+    if let DatapathKind::UdriveNvme(_) = d {
         c.arg("--vfio-user").arg(sock).args(["--ns", &spec]);
     } else {
         c.arg("--vhost-user-blk").arg(sock).args(["--disk", &spec]);
@@ -168,7 +177,7 @@ fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command
             &m.placement,
         ]);
     }
-    c.args(["--cpus", &m.cpus.server, "--poll", &m.poll]);
+    c.args(["--cpus", &m.cpus.server, "--poll", poll.as_str()]);
     c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
     c
 }
@@ -272,7 +281,7 @@ impl PerfTarget<'_> {
         let mut c = Command::new(&self.env.udrive);
         c.arg("perf");
         match self.kind {
-            DatapathKind::UdriveNvme => c.arg("--vfio-user").arg(&self.sock),
+            DatapathKind::UdriveNvme(_) => c.arg("--vfio-user").arg(&self.sock),
             DatapathKind::IoUring => {
                 let direct = if self.env.matrix.file.direct {
                     "on"
@@ -335,7 +344,12 @@ impl Target for PerfTarget<'_> {
             &p.rwmixread.to_string(),
         ]);
         c.args(["--bs", &p.bs.to_string(), "--qd", &p.qd.to_string()]);
-        c.args(["--jobs", &p.jobs.to_string()]);
+        c.args([
+            "--jobs",
+            &p.jobs.to_string(),
+            "--think-us",
+            &p.think_us.to_string(),
+        ]);
         c.args(["--time", &m.time.to_string(), "--ramp", &m.ramp.to_string()]);
         self.exec(
             c,

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 pub const PRESETS: &[(&str, &str)] = &[
     ("quick", include_str!("presets/quick.toml")),
     ("readme", include_str!("presets/readme.toml")),
+    ("poll-modes", include_str!("presets/poll-modes.toml")),
 ];
 
 /// A preset's text by name.
@@ -42,10 +43,11 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> MatrixError {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum DatapathKind {
-    /// udrive's NVMe controller over vfio-user, driven by udrive's initiator.
-    UdriveNvme,
-    /// udrive's vhost-user-blk device, driven by libblkio.
-    UdriveVhost,
+    /// udrive's NVMe controller over vfio-user, driven by udrive's initiator;
+    /// `udrive-nvme@MODE` serves in that poll mode instead of the matrix's `poll`.
+    UdriveNvme(Option<Poll>),
+    /// udrive's vhost-user-blk device, driven by libblkio (`udrive-vhost@MODE` too).
+    UdriveVhost(Option<Poll>),
     /// qemu-storage-daemon's vhost-user-blk export, driven by libblkio.
     QsdVhost,
     /// The backend file driven directly through io_uring (`perf --file`).
@@ -61,15 +63,30 @@ impl DatapathKind {
 impl TryFrom<String> for DatapathKind {
     type Error = String;
     fn try_from(s: String) -> Result<Self, String> {
+        if let Some((base, mode)) = s.split_once('@') {
+            let poll = Poll::ALL
+                .into_iter()
+                .find(|p| p.as_str() == mode)
+                .ok_or_else(|| {
+                    format!("datapath `{s}`: poll mode `{mode}` is not busy, adaptive or event")
+                })?;
+            return match base {
+                "udrive-nvme" => Ok(Self::UdriveNvme(Some(poll))),
+                "udrive-vhost" => Ok(Self::UdriveVhost(Some(poll))),
+                _ => Err(format!(
+                    "datapath `{s}`: only udrive-nvme and udrive-vhost take @MODE"
+                )),
+            };
+        }
         Ok(match s.as_str() {
-            "udrive-nvme" => Self::UdriveNvme,
-            "udrive-vhost" => Self::UdriveVhost,
+            "udrive-nvme" => Self::UdriveNvme(None),
+            "udrive-vhost" => Self::UdriveVhost(None),
             "qsd-vhost" => Self::QsdVhost,
             "io-uring" => Self::IoUring,
             f if f == "fake" || f.starts_with("fake-") => Self::Fake(s),
             _ => {
                 return Err(format!(
-                    "unknown datapath `{s}` (one of {}, fake, fake-NAME)",
+                    "unknown datapath `{s}` (one of {}, udrive-nvme@MODE, udrive-vhost@MODE, fake, fake-NAME)",
                     Self::REAL.join(", ")
                 ))
             }
@@ -85,13 +102,40 @@ impl From<DatapathKind> for String {
 
 impl fmt::Display for DatapathKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::UdriveNvme => "udrive-nvme",
-            Self::UdriveVhost => "udrive-vhost",
-            Self::QsdVhost => "qsd-vhost",
-            Self::IoUring => "io-uring",
-            Self::Fake(n) => n,
-        })
+        let (name, poll) = match self {
+            Self::UdriveNvme(p) => ("udrive-nvme", p),
+            Self::UdriveVhost(p) => ("udrive-vhost", p),
+            Self::QsdVhost => ("qsd-vhost", &None),
+            Self::IoUring => ("io-uring", &None),
+            Self::Fake(n) => (n.as_str(), &None),
+        };
+        match poll {
+            Some(p) => write!(f, "{name}@{}", p.as_str()),
+            None => f.write_str(name),
+        }
+    }
+}
+
+/// udrive's poll modes (`serve --poll`, docs/poll-modes.md).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Poll {
+    #[default]
+    Busy,
+    Adaptive,
+    Event,
+}
+
+impl Poll {
+    const ALL: [Poll; 3] = [Poll::Busy, Poll::Adaptive, Poll::Event];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Poll::Busy => "busy",
+            Poll::Adaptive => "adaptive",
+            Poll::Event => "event",
+        }
     }
 }
 
@@ -213,6 +257,10 @@ pub struct Workload {
     pub qd: Vec<u32>,
     #[serde(default = "default_jobs")]
     pub jobs: Vec<u32>,
+    /// µs each job waits after a completion before its next I/O (`perf --think-us`):
+    /// at QD1 every I/O is the first after the server went idle.
+    #[serde(default)]
+    pub think_us: u32,
 }
 
 fn default_mix() -> u8 {
@@ -244,9 +292,9 @@ pub struct Matrix {
     /// backend and workload (ratios and added latency, per repetition).
     #[serde(default)]
     pub baselines: Vec<DatapathKind>,
-    /// udrive's poll mode (`serve --poll`).
-    #[serde(default = "default_poll")]
-    pub poll: String,
+    /// udrive's poll mode (`serve --poll`) where a datapath names none.
+    #[serde(default)]
+    pub poll: Poll,
     /// udrive's vhost-user-blk placement with several queues (`serve --placement`).
     #[serde(default = "default_placement")]
     pub placement: String,
@@ -261,9 +309,6 @@ pub struct Matrix {
     pub workloads: Vec<Workload>,
 }
 
-fn default_poll() -> String {
-    "busy".into()
-}
 fn default_placement() -> String {
     "single".into()
 }
@@ -279,6 +324,7 @@ pub struct Point {
     pub bs: u32,
     pub qd: u32,
     pub jobs: u32,
+    pub think_us: u32,
 }
 
 impl Point {
@@ -307,7 +353,6 @@ pub fn bs_name(bs: u32) -> String {
     }
 }
 
-const POLL_MODES: [&str; 3] = ["busy", "adaptive", "event"];
 const ENGINES: [&str; 3] = ["auto", "uring", "inline"];
 const PLACEMENTS: [&str; 3] = ["single", "dedicated", "round-robin"];
 
@@ -338,9 +383,6 @@ impl Matrix {
                     format!("`{b}` is not in `datapaths`"),
                 ));
             }
-        }
-        if !POLL_MODES.contains(&self.poll.as_str()) {
-            return Err(invalid("poll", format!("one of {}", POLL_MODES.join(", "))));
         }
         if !PLACEMENTS.contains(&self.placement.as_str()) {
             return Err(invalid(
@@ -381,6 +423,7 @@ impl Matrix {
                         bs: w.bs,
                         qd,
                         jobs,
+                        think_us: w.think_us,
                     };
                     if !out.contains(&p) {
                         out.push(p);
@@ -434,12 +477,41 @@ fn check_workload(at: &str, w: &Workload) -> Result<(), MatrixError> {
     if w.jobs.is_empty() || w.jobs.iter().any(|&j| j == 0 || j > 64) {
         return Err(invalid(format!("{at}.jobs"), "a non-empty list of 1..=64"));
     }
+    if w.think_us > 1_000_000 {
+        return Err(invalid(format!("{at}.think_us"), "at most 1000000 (1 s)"));
+    }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn poll_variants_name_themselves() {
+        for (s, d) in [
+            ("udrive-nvme", DatapathKind::UdriveNvme(None)),
+            (
+                "udrive-nvme@adaptive",
+                DatapathKind::UdriveNvme(Some(Poll::Adaptive)),
+            ),
+            (
+                "udrive-vhost@event",
+                DatapathKind::UdriveVhost(Some(Poll::Event)),
+            ),
+        ] {
+            assert_eq!(DatapathKind::try_from(s.to_string()), Ok(d.clone()));
+            assert_eq!(d.to_string(), s);
+        }
+        for bad in [
+            "udrive-nvme@fast",
+            "qsd-vhost@busy",
+            "fake-a@busy",
+            "udrive-nvme@",
+        ] {
+            assert!(DatapathKind::try_from(bad.to_string()).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn every_preset_parses() {
@@ -452,11 +524,11 @@ mod tests {
     #[test]
     fn flip_reverses_even_repetitions() {
         let mut m = Matrix::from_toml(preset("quick").unwrap()).unwrap();
-        m.datapaths = vec![DatapathKind::UdriveNvme, DatapathKind::IoUring];
+        m.datapaths = vec![DatapathKind::UdriveNvme(None), DatapathKind::IoUring];
         assert_eq!(m.order_of(1), m.datapaths);
         assert_eq!(
             m.order_of(2),
-            vec![DatapathKind::IoUring, DatapathKind::UdriveNvme]
+            vec![DatapathKind::IoUring, DatapathKind::UdriveNvme(None)]
         );
         m.order = Order::Fixed;
         assert_eq!(m.order_of(2), m.datapaths);

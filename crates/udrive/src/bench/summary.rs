@@ -210,7 +210,11 @@ pub fn point_label(p: &Point) -> String {
         super::matrix::Rw::Randrw => format!("randrw {}%", p.rwmixread),
         rw => rw.to_string(),
     };
-    format!("{rw} {} QD{} ×{}", bs_name(p.bs), p.qd, p.jobs)
+    let think = match p.think_us {
+        0 => String::new(),
+        t => format!(" think {t} µs"),
+    };
+    format!("{rw} {} QD{} ×{}{think}", bs_name(p.bs), p.qd, p.jobs)
 }
 
 fn opt(s: Option<Stat>, scale: f64, nd: usize) -> String {

@@ -106,7 +106,11 @@ pub fn heatmap_id(d: &str, b: Backend, p: &Point) -> String {
     } else {
         String::new()
     };
-    format!("heat-{d}-{b}-{}{mix}-{}", p.rw, bs_name(p.bs))
+    let think = match p.think_us {
+        0 => String::new(),
+        t => format!("-think{t}"),
+    };
+    format!("heat-{d}-{b}-{}{mix}-{}{think}", p.rw, bs_name(p.bs))
 }
 
 fn heatmaps(b: Backend, cells: &[&Cell]) -> Vec<Figure> {
@@ -161,6 +165,49 @@ const STYLE: &str = "body{font-family:sans-serif;max-width:1200px;margin:2em aut
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}\
 td:first-child,td:nth-child(2){text-align:left}figure{margin:1.5em 0}figcaption{font-size:13px;color:#444}";
 
+/// The subset of Markdown that summary.md uses (headings, tables, list items,
+/// paragraphs) as HTML, so the report shows the same tables as the file.
+fn md_html(md: &str) -> String {
+    let mut o = String::new();
+    let mut in_table = false;
+    for line in md.lines() {
+        let t = line.trim();
+        if in_table && !t.starts_with('|') {
+            o.push_str("</table>");
+            in_table = false;
+        }
+        if let Some(row) = t.strip_prefix('|') {
+            if row.starts_with("---") {
+                continue;
+            }
+            let tag = if in_table { "td" } else { "th" };
+            if !in_table {
+                o.push_str("<table>");
+                in_table = true;
+            }
+            o.push_str("<tr>");
+            for c in row.trim_end_matches('|').split('|') {
+                let _ = write!(o, "<{tag}>{}</{tag}>", svg::esc(c.trim()));
+            }
+            o.push_str("</tr>");
+        } else if let Some(h) = t.strip_prefix("### ") {
+            let _ = write!(o, "<h4>{}</h4>", svg::esc(h));
+        } else if let Some(h) = t.strip_prefix("## ") {
+            let _ = write!(o, "<h3>{}</h3>", svg::esc(h));
+        } else if let Some(h) = t.strip_prefix("# ") {
+            let _ = write!(o, "<h2>{}</h2>", svg::esc(h));
+        } else if let Some(li) = t.strip_prefix("- ") {
+            let _ = write!(o, "<p>• {}</p>", svg::esc(li));
+        } else if !t.is_empty() {
+            let _ = write!(o, "<p>{}</p>", svg::esc(t));
+        }
+    }
+    if in_table {
+        o.push_str("</table>");
+    }
+    o
+}
+
 /// The whole report.html.
 pub fn html(s: &Summary, figs: &[Figure], summary_md: &str) -> String {
     let mut o = String::new();
@@ -181,7 +228,7 @@ pub fn html(s: &Summary, figs: &[Figure], summary_md: &str) -> String {
             svg::esc(&f.caption)
         );
     }
-    let _ = write!(o, "<h2>Tables</h2><pre>{}</pre>", svg::esc(summary_md));
+    o.push_str(&md_html(summary_md));
     let _ = write!(
         o,
         "<h2>Order of the runs</h2><p>{}</p>",
