@@ -217,6 +217,15 @@ pub fn point_label(p: &Point) -> String {
     format!("{rw} {} QD{} ×{}{think}", bs_name(p.bs), p.qd, p.jobs)
 }
 
+/// Decimals for a number of thousands: low rates (a think time) keep their digits.
+fn kilo_digits(s: Option<Stat>) -> usize {
+    match s.map_or(0.0, |s| s.median) {
+        m if m < 10e3 => 2,
+        m if m < 100e3 => 1,
+        _ => 0,
+    }
+}
+
 fn opt(s: Option<Stat>, scale: f64, nd: usize) -> String {
     s.map_or("—".into(), |s| s.fmt(scale, nd))
 }
@@ -253,7 +262,7 @@ pub fn markdown(s: &Summary) -> String {
                 point_label(&c.point),
                 c.datapath,
                 c.n,
-                opt(c.iops, 1e-3, 0),
+                opt(c.iops, 1e-3, kilo_digits(c.iops)),
                 opt(c.mean_us, 1.0, 2),
                 opt(c.p50_us, 1.0, 2),
                 opt(c.p99_us, 1.0, 2),

@@ -46,7 +46,8 @@ pub fn short(v: f64) -> String {
     }
 }
 
-/// The smallest 1/2/5 × 10^k at or above `v`.
+/// The smallest round number at or above `v` (steps of 1, 1.2, 1.5, 2, 2.5, 3, 4,
+/// 5, 6, 8 × 10^k: the top bar fills most of the plot).
 fn nice_ceil(v: f64) -> f64 {
     if !(v.is_finite() && v > 0.0) {
         return 1.0;
@@ -186,8 +187,8 @@ pub fn heatmap(
     v: &[Vec<Option<f64>>],
 ) -> String {
     let (cw, ch, left, top) = (80.0, 36.0, 90.0, 50.0);
-    // Wide enough for the title at ~7 px per character.
-    let w = (left + cols.1.len() as f64 * cw + 20.0).max(title.chars().count() as f64 * 7.5 + 20.0);
+    // Wide enough for the title: ~9 px per character of bold 14 px text.
+    let w = (left + cols.1.len() as f64 * cw + 20.0).max(title.chars().count() as f64 * 9.0 + 20.0);
     let h = top + rows.1.len() as f64 * ch + 40.0;
     let vmax = v.iter().flatten().flatten().copied().fold(0.0, f64::max);
     let mut o = open(id, w, h, title, 10.0);
@@ -267,8 +268,10 @@ mod tests {
 
     #[test]
     fn nice_ceilings() {
-        assert_eq!(nice_ceil(7.0), 10.0);
-        assert_eq!(nice_ceil(1500.0), 2000.0);
+        assert_eq!(nice_ceil(7.0), 8.0);
+        assert_eq!(nice_ceil(1500.0), 1500.0);
+        assert_eq!(nice_ceil(2_380_000.0), 2_500_000.0);
+        assert_eq!(nice_ceil(9.5), 10.0);
         assert_eq!(nice_ceil(0.0), 1.0);
     }
 
