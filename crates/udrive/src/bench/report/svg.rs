@@ -52,8 +52,9 @@ fn nice_ceil(v: f64) -> f64 {
     if !(v.is_finite() && v > 0.0) {
         return 1.0;
     }
-    let p = 10f64.powf(v.log10().floor());
-    [1.0, 2.0, 5.0, 10.0]
+    // powi of an integer exponent: exact powers of ten, so 2.5 × 10^6 is 2500000.
+    let p = 10f64.powi(v.log10().floor() as i32);
+    [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0]
         .iter()
         .map(|m| m * p)
         .find(|x| *x >= v)
