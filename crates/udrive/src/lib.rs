@@ -25,6 +25,7 @@ pub mod nsspec;
 #[cfg(feature = "tools")]
 pub mod perf;
 pub mod process;
+pub mod reload;
 pub mod resize;
 pub mod rpc;
 pub mod rpc_client;
@@ -35,6 +36,7 @@ pub mod size;
 pub mod stats;
 pub mod stdout;
 pub mod supervise;
+pub mod systemd;
 #[cfg(feature = "tools")]
 pub mod trace_cmd;
 #[cfg(feature = "tools")]
