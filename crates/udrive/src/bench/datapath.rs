@@ -322,7 +322,7 @@ impl PerfTarget<'_> {
         })
     }
 
-    /// Write the RAM disk once, so that reads copy real pages (as scripts/bench did).
+    /// Write the RAM disk once, so that reads copy real pages rather than untouched ones.
     fn fill(&self) -> Result<(), DatapathError> {
         let mut c = self.perf();
         c.args([
