@@ -6,6 +6,8 @@ pub mod backends;
 #[cfg(feature = "tools")]
 pub mod bdev_target;
 #[cfg(feature = "tools")]
+pub mod bench;
+#[cfg(feature = "tools")]
 pub mod blkio_target;
 pub mod check;
 pub mod config;

@@ -1,8 +1,8 @@
 //! udrive: userspace storage virtualization server.
 
-use udrive::{check, generate, handover, rpc_client, serve};
 #[cfg(feature = "tools")]
-use udrive::{perf, trace_cmd};
+use udrive::{bench, perf, trace_cmd};
+use udrive::{check, generate, handover, rpc_client, serve};
 
 use clap::{CommandFactory, Parser, Subcommand};
 
@@ -43,6 +43,10 @@ under systemd (Type=notify) the server reports READY once every socket listens."
     /// initiator, a vhost-user-blk device with libblkio, or a bare backend
     #[cfg(feature = "tools")]
     Perf(Box<perf::PerfArgs>),
+    /// Run a matrix of datapaths (udrive's and its peers') × workloads, alternated and
+    /// repeated, and write raw JSON, a summary and an HTML report with figures
+    #[cfg(feature = "tools")]
+    Bench(Box<bench::BenchArgs>),
     /// Replace the running server with a new process (e.g. a new binary) while its
     /// clients stay connected (docs/decisions/0022-live-handover.md)
     Upgrade(handover::upgrade::UpgradeArgs),
@@ -133,6 +137,8 @@ fn main() {
             }
             None => perf::run(*a),
         },
+        #[cfg(feature = "tools")]
+        Cmd::Bench(a) => bench::run(*a),
         Cmd::Upgrade(a) => handover::upgrade::run(a),
         Cmd::Rpc(a) => rpc_client::run(a),
         Cmd::Metrics(a) => rpc_client::run_metrics(a),

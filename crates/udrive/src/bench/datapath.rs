@@ -1,0 +1,387 @@
+//! The datapaths `udrive bench` drives: which backends each can serve, whether its
+//! tool is on this machine, and a started target that runs one workload and returns
+//! `udrive perf`'s JSON. A real datapath is a server process started per repetition
+//! (udrive itself, qemu-storage-daemon) or none (bare io_uring), and a `udrive perf`
+//! process per run; the fake one computes numbers without processes.
+//!
+//! Adding a datapath (librbd, SPDK, a guest's fio) is a `DatapathKind` variant, its
+//! line in `applies`/`probe`, and a `Target`.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::matrix::{Backend, DatapathKind, Matrix, Point, Rw};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    #[error("starting {what} ({cmd}): {source}")]
+    Spawn {
+        what: String,
+        cmd: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what} did not open {sock} within {secs} s; its log ({log}) ends: {tail}")]
+    NotReady {
+        what: String,
+        sock: PathBuf,
+        secs: u64,
+        log: PathBuf,
+        tail: String,
+    },
+    #[error("{what} failed ({status}): {tail}")]
+    Failed {
+        what: String,
+        status: String,
+        tail: String,
+    },
+    #[error("{what} printed no JSON: {source}")]
+    BadJson {
+        what: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What every target of one bench run shares.
+pub struct Env {
+    /// The udrive binary that serves and runs `perf`.
+    pub udrive: PathBuf,
+    pub qsd: Option<PathBuf>,
+    /// Sockets and server logs.
+    pub work: PathBuf,
+    /// The data file of the `file` backend (made once, before the first run).
+    pub data_file: PathBuf,
+    pub matrix: Matrix,
+}
+
+/// Why a datapath does not run a backend at all (not a property of this machine).
+pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
+    match (d, b) {
+        (DatapathKind::IoUring, Backend::Null | Backend::Ram) => {
+            Err("bare io_uring drives files only".into())
+        }
+        (DatapathKind::QsdVhost, Backend::Ram) => {
+            Err("qemu-storage-daemon has no RAM disk driver".into())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Why a datapath cannot run on this machine (a missing tool), checked once.
+pub fn probe(d: &DatapathKind, env: &Env) -> Result<(), String> {
+    match d {
+        DatapathKind::QsdVhost if env.qsd.is_none() => {
+            Err("qemu-storage-daemon not found in PATH".into())
+        }
+        DatapathKind::Fake(_) => Ok(()),
+        _ if !env.udrive.exists() => Err(format!("{} does not exist", env.udrive.display())),
+        _ => Ok(()),
+    }
+}
+
+/// `PATH`'s first executable of this name.
+pub fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// A datapath ready to be driven: its server (if any) is up.
+pub trait Target {
+    /// Run one workload for the matrix's time, after its warm-up; `perf`'s JSON.
+    fn run(&mut self, p: &Point, rep: u32) -> Result<Value, DatapathError>;
+}
+
+/// Start datapath `d` on backend `b` (a fresh server: no state from another run).
+pub fn start<'e>(
+    d: &DatapathKind,
+    b: Backend,
+    env: &'e Env,
+) -> Result<Box<dyn Target + 'e>, DatapathError> {
+    let sock = env.work.join(format!("{d}-{b}.sock"));
+    let server = match d {
+        DatapathKind::Fake(name) => {
+            return Ok(Box::new(Fake {
+                name: name.clone(),
+                backend: b,
+            }))
+        }
+        DatapathKind::IoUring => None,
+        DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_) => Some(Server::start(
+            udrive_serve(d, b, env, &sock),
+            &format!("udrive serve ({d}, {b})"),
+            &sock,
+        )?),
+        DatapathKind::QsdVhost => Some(Server::start(
+            qsd_cmd(b, env, &sock),
+            &format!("qemu-storage-daemon ({b})"),
+            &sock,
+        )?),
+    };
+    let t = PerfTarget {
+        env,
+        kind: d.clone(),
+        backend: b,
+        sock,
+        _server: server,
+    };
+    if b == Backend::Ram
+        && matches!(
+            d,
+            DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_)
+        )
+    {
+        t.fill()?;
+    }
+    Ok(Box::new(t))
+}
+
+fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command {
+    let m = &env.matrix;
+    let spec = match b {
+        Backend::Null => "null:64G".to_string(),
+        Backend::Ram => format!("ram:{}M", m.ram_mib),
+        Backend::File => format!(
+            "file:{},direct={},engine={}",
+            env.data_file.display(),
+            if m.file.direct { "on" } else { "off" },
+            m.file.engine
+        ),
+    };
+    let mut c = Command::new(&env.udrive);
+    c.arg("serve");
+    let poll = match d {
+        DatapathKind::UdriveNvme(Some(p)) | DatapathKind::UdriveVhost(Some(p)) => *p,
+        _ => m.poll,
+    };
+    if let DatapathKind::UdriveNvme(_) = d {
+        c.arg("--vfio-user").arg(sock).args(["--ns", &spec]);
+    } else {
+        c.arg("--vhost-user-blk").arg(sock).args(["--disk", &spec]);
+        c.args([
+            "--queues",
+            &m.max_jobs().to_string(),
+            "--placement",
+            &m.placement,
+        ]);
+    }
+    c.args(["--cpus", &m.cpus.server, "--poll", poll.as_str()]);
+    c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
+    c
+}
+
+/// qemu-storage-daemon as scripts/bench-vhost starts it (null-co, or the file with
+/// io_uring), on the server's CPUs through taskset.
+fn qsd_cmd(b: Backend, env: &Env, sock: &Path) -> Command {
+    let m = &env.matrix;
+    let qsd = env
+        .qsd
+        .clone()
+        .unwrap_or_else(|| "qemu-storage-daemon".into());
+    let blockdev = match b {
+        Backend::File => format!(
+            "driver=file,node-name=d0,filename={},cache.direct={},aio=io_uring",
+            env.data_file.display(),
+            if m.file.direct { "on" } else { "off" }
+        ),
+        _ => "driver=null-co,node-name=d0,size=68719476736".to_string(),
+    };
+    let mut c = Command::new("taskset");
+    c.args(["-c", &m.cpus.server]).arg(qsd);
+    c.args(["--blockdev", &blockdev, "--export"]);
+    c.arg(format!(
+        "type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path={},writable=on,num-queues={}",
+        sock.display(),
+        m.max_jobs()
+    ));
+    c
+}
+
+/// A server process, stopped (TERM, then KILL) when dropped.
+struct Server {
+    child: Child,
+}
+
+impl Server {
+    fn start(mut cmd: Command, what: &str, sock: &Path) -> Result<Server, DatapathError> {
+        let _ = std::fs::remove_file(sock);
+        let log = sock.with_extension("log");
+        let io = |source| DatapathError::Io {
+            what: format!("server log {}", log.display()),
+            source,
+        };
+        let f = File::create(&log).map_err(io)?;
+        let f2 = f.try_clone().map_err(io)?;
+        cmd.stdin(Stdio::null()).stdout(f).stderr(f2);
+        let child = cmd.spawn().map_err(|source| DatapathError::Spawn {
+            what: what.into(),
+            cmd: format!("{cmd:?}"),
+            source,
+        })?;
+        let mut s = Server { child };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !sock.exists() {
+            let exited = matches!(s.child.try_wait(), Ok(Some(_)));
+            if exited || Instant::now() > deadline {
+                return Err(DatapathError::NotReady {
+                    what: what.into(),
+                    sock: sock.into(),
+                    secs: 20,
+                    tail: tail(&std::fs::read_to_string(&log).unwrap_or_default()),
+                    log,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(s)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The last lines of a log, on one line.
+fn tail(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(3)..].join(" / ")
+}
+
+struct PerfTarget<'a> {
+    env: &'a Env,
+    kind: DatapathKind,
+    backend: Backend,
+    sock: PathBuf,
+    _server: Option<Server>,
+}
+
+impl PerfTarget<'_> {
+    fn perf(&self) -> Command {
+        let mut c = Command::new(&self.env.udrive);
+        c.arg("perf");
+        match self.kind {
+            DatapathKind::UdriveNvme(_) => c.arg("--vfio-user").arg(&self.sock),
+            DatapathKind::IoUring => {
+                let direct = if self.env.matrix.file.direct {
+                    "on"
+                } else {
+                    "off"
+                };
+                c.arg("--file")
+                    .arg(&self.env.data_file)
+                    .args(["--direct", direct]);
+                c.args(["--engine", &self.env.matrix.file.engine])
+            }
+            _ => c.arg("--vhost-user").arg(&self.sock),
+        };
+        c.args(["--cpus", &self.env.matrix.cpus.client, "--json"]);
+        c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
+        c
+    }
+
+    fn exec(&self, mut c: Command, what: &str) -> Result<Value, DatapathError> {
+        let out = c
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|source| DatapathError::Spawn {
+                what: what.into(),
+                cmd: format!("{c:?}"),
+                source,
+            })?;
+        if !out.status.success() {
+            return Err(DatapathError::Failed {
+                what: what.into(),
+                status: out.status.to_string(),
+                tail: tail(&String::from_utf8_lossy(&out.stderr)),
+            });
+        }
+        serde_json::from_slice(&out.stdout).map_err(|source| DatapathError::BadJson {
+            what: what.into(),
+            source,
+        })
+    }
+
+    /// Write the RAM disk once, so that reads copy real pages rather than untouched ones.
+    fn fill(&self) -> Result<(), DatapathError> {
+        let mut c = self.perf();
+        c.args([
+            "--rw", "write", "--bs", "131072", "--qd", "8", "--time", "1",
+        ]);
+        self.exec(c, &format!("filling {} {}", self.kind, self.backend))
+            .map(drop)
+    }
+}
+
+impl Target for PerfTarget<'_> {
+    fn run(&mut self, p: &Point, _rep: u32) -> Result<Value, DatapathError> {
+        let m = &self.env.matrix;
+        let mut c = self.perf();
+        c.args([
+            "--rw",
+            &p.rw.to_string(),
+            "--rwmixread",
+            &p.rwmixread.to_string(),
+        ]);
+        c.args(["--bs", &p.bs.to_string(), "--qd", &p.qd.to_string()]);
+        c.args([
+            "--jobs",
+            &p.jobs.to_string(),
+            "--think-us",
+            &p.think_us.to_string(),
+        ]);
+        c.args(["--time", &m.time.to_string(), "--ramp", &m.ramp.to_string()]);
+        self.exec(
+            c,
+            &format!("perf on {} {} {}", self.kind, self.backend, p.slug()),
+        )
+    }
+}
+
+/// Numbers that depend only on the datapath's name, the backend, the workload and the
+/// repetition, in the shape of `perf --json`: the harness's tests know what to expect.
+struct Fake {
+    name: String,
+    backend: Backend,
+}
+
+impl Target for Fake {
+    fn run(&mut self, p: &Point, rep: u32) -> Result<Value, DatapathError> {
+        let seed = self
+            .name
+            .bytes()
+            .fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+        let base = 100_000.0 * (1 + seed % 5) as f64 / (1 + self.backend as u64) as f64;
+        let rw = if p.rw == Rw::Randread { 1.0 } else { 0.8 };
+        let spread = 1.0 + 0.05 * f64::from((rep * 7) % 3);
+        let inflight = f64::from(p.qd * p.jobs);
+        let iops = base * rw * inflight.sqrt() * spread * 4096.0 / f64::from(p.bs.max(4096));
+        let mean = inflight / iops * 1e9;
+        let lat = json!({"mean": mean, "min": mean / 4.0, "p50": mean, "p99": mean * 2.0,
+            "p99_9": mean * 3.0, "p99_99": mean * 4.0, "max": mean * 10.0});
+        Ok(
+            json!({"rw": p.rw.to_string(), "bs": p.bs, "qd": p.qd, "jobs_count": p.jobs,
+            "iops": iops, "errors": 0, "lat_ns": lat}),
+        )
+    }
+}

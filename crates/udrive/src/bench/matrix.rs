@@ -1,0 +1,536 @@
+//! What `udrive bench` runs: a matrix of datapaths × backends × workloads ×
+//! repetitions, read from TOML (a preset embedded in the binary or a user's file),
+//! checked whole before anything starts, and expanded into cells.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// The presets, embedded so that `udrive bench --print NAME` gives a file to copy.
+pub const PRESETS: &[(&str, &str)] = &[
+    ("quick", include_str!("presets/quick.toml")),
+    ("readme", include_str!("presets/readme.toml")),
+    ("poll-modes", include_str!("presets/poll-modes.toml")),
+];
+
+/// A preset's text by name.
+pub fn preset(name: &str) -> Option<&'static str> {
+    PRESETS.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MatrixError {
+    /// Not TOML, or a field the matrix does not have (the message names it).
+    #[error("matrix: {source}")]
+    Toml {
+        #[source]
+        source: toml::de::Error,
+    },
+    /// A field with a value the harness cannot run.
+    #[error("matrix: `{field}`: {reason}")]
+    Invalid { field: String, reason: String },
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> MatrixError {
+    MatrixError::Invalid {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// One way from a client to a backend. The process-backed ones start their server
+/// per repetition; `Fake` gives deterministic numbers without processes (tests).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum DatapathKind {
+    /// udrive's NVMe controller over vfio-user, driven by udrive's initiator;
+    /// `udrive-nvme@MODE` serves in that poll mode instead of the matrix's `poll`.
+    UdriveNvme(Option<Poll>),
+    /// udrive's vhost-user-blk device, driven by libblkio (`udrive-vhost@MODE` too).
+    UdriveVhost(Option<Poll>),
+    /// qemu-storage-daemon's vhost-user-blk export, driven by libblkio.
+    QsdVhost,
+    /// The backend file driven directly through io_uring (`perf --file`).
+    IoUring,
+    /// Deterministic numbers, no processes: `fake` or `fake-NAME`.
+    Fake(String),
+}
+
+impl DatapathKind {
+    pub const REAL: [&'static str; 4] = ["udrive-nvme", "udrive-vhost", "qsd-vhost", "io-uring"];
+}
+
+impl TryFrom<String> for DatapathKind {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        if let Some((base, mode)) = s.split_once('@') {
+            let poll = Poll::ALL
+                .into_iter()
+                .find(|p| p.as_str() == mode)
+                .ok_or_else(|| {
+                    format!("datapath `{s}`: poll mode `{mode}` is not busy, adaptive or event")
+                })?;
+            return match base {
+                "udrive-nvme" => Ok(Self::UdriveNvme(Some(poll))),
+                "udrive-vhost" => Ok(Self::UdriveVhost(Some(poll))),
+                _ => Err(format!(
+                    "datapath `{s}`: only udrive-nvme and udrive-vhost take @MODE"
+                )),
+            };
+        }
+        Ok(match s.as_str() {
+            "udrive-nvme" => Self::UdriveNvme(None),
+            "udrive-vhost" => Self::UdriveVhost(None),
+            "qsd-vhost" => Self::QsdVhost,
+            "io-uring" => Self::IoUring,
+            f if f == "fake" || f.starts_with("fake-") => Self::Fake(s),
+            _ => {
+                return Err(format!(
+                    "unknown datapath `{s}` (one of {}, udrive-nvme@MODE, udrive-vhost@MODE, fake, fake-NAME)",
+                    Self::REAL.join(", ")
+                ))
+            }
+        })
+    }
+}
+
+impl From<DatapathKind> for String {
+    fn from(d: DatapathKind) -> String {
+        d.to_string()
+    }
+}
+
+impl fmt::Display for DatapathKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (name, poll) = match self {
+            Self::UdriveNvme(p) => ("udrive-nvme", p),
+            Self::UdriveVhost(p) => ("udrive-vhost", p),
+            Self::QsdVhost => ("qsd-vhost", &None),
+            Self::IoUring => ("io-uring", &None),
+            Self::Fake(n) => (n.as_str(), &None),
+        };
+        match poll {
+            Some(p) => write!(f, "{name}@{}", p.as_str()),
+            None => f.write_str(name),
+        }
+    }
+}
+
+/// udrive's poll modes (`serve --poll`, docs/poll-modes.md).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Poll {
+    #[default]
+    Busy,
+    Adaptive,
+    Event,
+}
+
+impl Poll {
+    const ALL: [Poll; 3] = [Poll::Busy, Poll::Adaptive, Poll::Event];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Poll::Busy => "busy",
+            Poll::Adaptive => "adaptive",
+            Poll::Event => "event",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Backend {
+    Null,
+    Ram,
+    File,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Null => "null",
+            Self::Ram => "ram",
+            Self::File => "file",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Rw {
+    Randread,
+    Randwrite,
+    Randrw,
+}
+
+impl fmt::Display for Rw {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Randread => "randread",
+            Self::Randwrite => "randwrite",
+            Self::Randrw => "randrw",
+        })
+    }
+}
+
+/// The order of datapaths within a repetition. Every repetition runs each datapath
+/// once before the next repetition starts; `flip` also reverses the order on every
+/// second repetition, so no datapath always runs first (after an idle machine) or
+/// right after the same neighbour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum Order {
+    #[default]
+    Flip,
+    Fixed,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cpus {
+    /// CPU list for the server (udrive's reactors, qemu-storage-daemon).
+    pub server: String,
+    /// CPU list for the client's jobs.
+    pub client: String,
+}
+
+impl Default for Cpus {
+    fn default() -> Self {
+        Cpus {
+            server: "0".into(),
+            client: "1".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileOpts {
+    /// Where the data file is made (tmpfs by default: the software path, not a disk).
+    #[serde(default = "default_dir")]
+    pub dir: String,
+    #[serde(default = "default_mib")]
+    pub mib: u64,
+    /// O_DIRECT on every datapath (tmpfs has no real O_DIRECT: keep it off there).
+    #[serde(default)]
+    pub direct: bool,
+    /// udrive's and bare io_uring's engine (`engine=` of a file spec: auto, uring,
+    /// inline); qemu-storage-daemon always uses aio=io_uring.
+    #[serde(default = "default_engine")]
+    pub engine: String,
+}
+
+fn default_engine() -> String {
+    "auto".into()
+}
+
+fn default_dir() -> String {
+    "/dev/shm".into()
+}
+fn default_mib() -> u64 {
+    256
+}
+
+impl Default for FileOpts {
+    fn default() -> Self {
+        FileOpts {
+            dir: default_dir(),
+            mib: default_mib(),
+            direct: false,
+            engine: default_engine(),
+        }
+    }
+}
+
+/// One line of workloads: every `qd` × every `jobs`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    pub rw: Rw,
+    /// Percentage of reads (randrw only).
+    #[serde(default = "default_mix")]
+    pub rwmixread: u8,
+    #[serde(default = "default_bs")]
+    pub bs: u32,
+    pub qd: Vec<u32>,
+    #[serde(default = "default_jobs")]
+    pub jobs: Vec<u32>,
+    /// µs each job waits after a completion before its next I/O (`perf --think-us`):
+    /// at QD1 every I/O is the first after the server went idle.
+    #[serde(default)]
+    pub think_us: u32,
+}
+
+fn default_mix() -> u8 {
+    70
+}
+fn default_bs() -> u32 {
+    4096
+}
+fn default_jobs() -> Vec<u32> {
+    vec![1]
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Matrix {
+    #[serde(default)]
+    pub description: String,
+    pub reps: u32,
+    /// Measured seconds per run.
+    pub time: f64,
+    /// Warm-up seconds per run, before measuring (`perf --ramp`).
+    #[serde(default)]
+    pub ramp: f64,
+    #[serde(default)]
+    pub order: Order,
+    pub datapaths: Vec<DatapathKind>,
+    pub backends: Vec<Backend>,
+    /// Every cell is compared with each of these datapaths where it ran the same
+    /// backend and workload (ratios and added latency, per repetition).
+    #[serde(default)]
+    pub baselines: Vec<DatapathKind>,
+    /// udrive's poll mode (`serve --poll`) where a datapath names none.
+    #[serde(default)]
+    pub poll: Poll,
+    /// udrive's vhost-user-blk placement with several queues (`serve --placement`).
+    #[serde(default = "default_placement")]
+    pub placement: String,
+    #[serde(default)]
+    pub cpus: Cpus,
+    #[serde(default)]
+    pub file: FileOpts,
+    /// Size of the RAM backend; udrive fills it before measuring.
+    #[serde(default = "default_ram_mib")]
+    pub ram_mib: u64,
+    #[serde(rename = "workload")]
+    pub workloads: Vec<Workload>,
+}
+
+fn default_placement() -> String {
+    "single".into()
+}
+fn default_ram_mib() -> u64 {
+    1024
+}
+
+/// One workload as run: what `perf` is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Point {
+    pub rw: Rw,
+    pub rwmixread: u8,
+    pub bs: u32,
+    pub qd: u32,
+    pub jobs: u32,
+    pub think_us: u32,
+}
+
+impl Point {
+    /// A short name, unique within a matrix: `randread-4k-qd1-j1`.
+    pub fn slug(&self) -> String {
+        let mix = match self.rw {
+            Rw::Randrw => format!("{}", self.rwmixread),
+            _ => String::new(),
+        };
+        format!(
+            "{}{mix}-{}-qd{}-j{}",
+            self.rw,
+            bs_name(self.bs),
+            self.qd,
+            self.jobs
+        )
+    }
+}
+
+/// 4096 -> `4k`, 131072 -> `128k`, 1000 -> `1000`.
+pub fn bs_name(bs: u32) -> String {
+    if bs.is_multiple_of(1024) {
+        format!("{}k", bs / 1024)
+    } else {
+        bs.to_string()
+    }
+}
+
+const ENGINES: [&str; 3] = ["auto", "uring", "inline"];
+const PLACEMENTS: [&str; 3] = ["single", "dedicated", "round-robin"];
+
+impl Matrix {
+    /// Parse and check a matrix; the error names the field at fault.
+    pub fn from_toml(text: &str) -> Result<Matrix, MatrixError> {
+        let m: Matrix = toml::from_str(text).map_err(|source| MatrixError::Toml { source })?;
+        m.check()?;
+        Ok(m)
+    }
+
+    fn check(&self) -> Result<(), MatrixError> {
+        if self.reps == 0 || self.reps > 1000 {
+            return Err(invalid("reps", "must be 1..=1000"));
+        }
+        if !(self.time > 0.0 && self.time <= 3600.0) {
+            return Err(invalid("time", "must be > 0 and at most 3600 seconds"));
+        }
+        if !(0.0..=600.0).contains(&self.ramp) {
+            return Err(invalid("ramp", "must be 0..=600 seconds"));
+        }
+        check_list("datapaths", &self.datapaths)?;
+        check_list("backends", &self.backends)?;
+        for (i, b) in self.baselines.iter().enumerate() {
+            if !self.datapaths.contains(b) {
+                return Err(invalid(
+                    format!("baselines[{i}]"),
+                    format!("`{b}` is not in `datapaths`"),
+                ));
+            }
+        }
+        if !PLACEMENTS.contains(&self.placement.as_str()) {
+            return Err(invalid(
+                "placement",
+                format!("one of {}", PLACEMENTS.join(", ")),
+            ));
+        }
+        if !ENGINES.contains(&self.file.engine.as_str()) {
+            return Err(invalid(
+                "file.engine",
+                format!("one of {}", ENGINES.join(", ")),
+            ));
+        }
+        if self.file.mib == 0 || self.file.mib > 1 << 20 {
+            return Err(invalid("file.mib", "must be 1..=1048576"));
+        }
+        if self.ram_mib == 0 || self.ram_mib > 1 << 20 {
+            return Err(invalid("ram_mib", "must be 1..=1048576"));
+        }
+        if self.workloads.is_empty() {
+            return Err(invalid("workload", "at least one [[workload]]"));
+        }
+        for (i, w) in self.workloads.iter().enumerate() {
+            check_workload(&format!("workload[{i}]"), w)?;
+        }
+        Ok(())
+    }
+
+    /// Every workload point, in the matrix's order, without repeats.
+    pub fn points(&self) -> Vec<Point> {
+        let mut out: Vec<Point> = Vec::new();
+        for w in &self.workloads {
+            for &jobs in &w.jobs {
+                for &qd in &w.qd {
+                    let p = Point {
+                        rw: w.rw,
+                        rwmixread: if w.rw == Rw::Randrw { w.rwmixread } else { 100 },
+                        bs: w.bs,
+                        qd,
+                        jobs,
+                        think_us: w.think_us,
+                    };
+                    if !out.contains(&p) {
+                        out.push(p);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The most jobs any workload asks for: the queues a vhost-user server exports.
+    pub fn max_jobs(&self) -> u32 {
+        self.points().iter().map(|p| p.jobs).max().unwrap_or(1)
+    }
+
+    /// The datapath order of repetition `rep` (1-based).
+    pub fn order_of(&self, rep: u32) -> Vec<DatapathKind> {
+        let mut d = self.datapaths.clone();
+        if self.order == Order::Flip && rep.is_multiple_of(2) {
+            d.reverse();
+        }
+        d
+    }
+}
+
+fn check_list<T: PartialEq + fmt::Debug>(field: &str, v: &[T]) -> Result<(), MatrixError> {
+    if v.is_empty() {
+        return Err(invalid(field, "must not be empty"));
+    }
+    for (i, x) in v.iter().enumerate() {
+        if v[..i].contains(x) {
+            return Err(invalid(
+                format!("{field}[{i}]"),
+                format!("{x:?} appears twice"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_workload(at: &str, w: &Workload) -> Result<(), MatrixError> {
+    if w.bs < 512 || w.bs > 1 << 20 || !w.bs.is_multiple_of(512) {
+        return Err(invalid(format!("{at}.bs"), "a multiple of 512 up to 1 MiB"));
+    }
+    if w.rwmixread > 100 {
+        return Err(invalid(format!("{at}.rwmixread"), "a percentage, 0..=100"));
+    }
+    if w.qd.is_empty() || w.qd.iter().any(|&q| q == 0 || q > 1024) {
+        return Err(invalid(format!("{at}.qd"), "a non-empty list of 1..=1024"));
+    }
+    if w.jobs.is_empty() || w.jobs.iter().any(|&j| j == 0 || j > 64) {
+        return Err(invalid(format!("{at}.jobs"), "a non-empty list of 1..=64"));
+    }
+    if w.think_us > 1_000_000 {
+        return Err(invalid(format!("{at}.think_us"), "at most 1000000 (1 s)"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poll_variants_name_themselves() {
+        for (s, d) in [
+            ("udrive-nvme", DatapathKind::UdriveNvme(None)),
+            (
+                "udrive-nvme@adaptive",
+                DatapathKind::UdriveNvme(Some(Poll::Adaptive)),
+            ),
+            (
+                "udrive-vhost@event",
+                DatapathKind::UdriveVhost(Some(Poll::Event)),
+            ),
+        ] {
+            assert_eq!(DatapathKind::try_from(s.to_string()), Ok(d.clone()));
+            assert_eq!(d.to_string(), s);
+        }
+        for bad in [
+            "udrive-nvme@fast",
+            "qsd-vhost@busy",
+            "fake-a@busy",
+            "udrive-nvme@",
+        ] {
+            assert!(DatapathKind::try_from(bad.to_string()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn every_preset_parses() {
+        for (name, text) in PRESETS {
+            let m = Matrix::from_toml(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(!m.points().is_empty(), "{name}");
+        }
+    }
+
+    #[test]
+    fn flip_reverses_even_repetitions() {
+        let mut m = Matrix::from_toml(preset("quick").unwrap()).unwrap();
+        m.datapaths = vec![DatapathKind::UdriveNvme(None), DatapathKind::IoUring];
+        assert_eq!(m.order_of(1), m.datapaths);
+        assert_eq!(
+            m.order_of(2),
+            vec![DatapathKind::IoUring, DatapathKind::UdriveNvme(None)]
+        );
+        m.order = Order::Fixed;
+        assert_eq!(m.order_of(2), m.datapaths);
+    }
+}

@@ -1,0 +1,244 @@
+//! `udrive bench`: udrive's measurements side by side with its peers, reproducibly.
+//! A matrix (a preset or a TOML file) of datapaths × backends × workloads ×
+//! repetitions runs alternated (`run`), every run's JSON is kept (`raw/`), and the
+//! cells are summarized (`summary`) into summary.json, summary.md and a
+//! self-contained report.html with SVG figures (`report`).
+//! Design: docs/decisions/0039-bench-harness.md.
+
+pub mod datapath;
+pub mod matrix;
+pub mod report;
+pub mod run;
+pub mod summary;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use signal_hook::consts::{SIGINT, SIGTERM};
+
+use matrix::{Matrix, PRESETS};
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// A preset matrix (`--list` shows them)
+    #[arg(conflicts_with = "matrix")]
+    pub preset: Option<String>,
+    /// A matrix file (TOML; `--print quick` gives one to start from)
+    #[arg(long, value_name = "FILE.toml")]
+    pub matrix: Option<PathBuf>,
+    /// Where raw/, summary.json, summary.md, report.html and figures/ go
+    #[arg(long, value_name = "DIR", default_value = "bench-out")]
+    pub out: PathBuf,
+    /// CPUs of the server and of the client, SERVER:CLIENT (CPU lists, e.g. 0:1 or 0-1:2-3)
+    #[arg(long, value_name = "SERVER:CLIENT")]
+    pub cpus: Option<String>,
+    /// Repetitions (overrides the matrix's)
+    #[arg(long, value_name = "N")]
+    pub reps: Option<u32>,
+    /// Measured seconds per run (overrides the matrix's)
+    #[arg(long, value_name = "SECS")]
+    pub time: Option<f64>,
+    /// The udrive binary that serves and drives (default: this one), e.g. a build to
+    /// compare against
+    #[arg(long, value_name = "PATH")]
+    pub udrive: Option<PathBuf>,
+    /// List the presets
+    #[arg(long)]
+    pub list: bool,
+    /// Print a preset's matrix (to copy and edit)
+    #[arg(long, value_name = "PRESET")]
+    pub print: Option<String>,
+}
+
+fn preset_text(name: &str) -> Result<&'static str> {
+    match matrix::preset(name) {
+        Some(t) => Ok(t),
+        None => {
+            let names: Vec<&str> = PRESETS.iter().map(|(n, _)| *n).collect();
+            bail!("no preset `{name}` (presets: {})", names.join(", "))
+        }
+    }
+}
+
+/// The matrix asked for, with the command line's overrides applied and checked.
+fn load(a: &BenchArgs) -> Result<Matrix> {
+    let text = match (&a.preset, &a.matrix) {
+        (_, Some(f)) => {
+            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?
+        }
+        (Some(p), None) => preset_text(p)?.to_string(),
+        (None, None) => bail!("name a preset (udrive bench --list) or --matrix FILE.toml"),
+    };
+    let mut m = Matrix::from_toml(&text)?;
+    if let Some(r) = a.reps {
+        m.reps = r;
+    }
+    if let Some(t) = a.time {
+        m.time = t;
+    }
+    if let Some(c) = &a.cpus {
+        let Some((s, cl)) = c.split_once(':') else {
+            bail!("--cpus {c}: SERVER:CLIENT, e.g. 0:1");
+        };
+        m.cpus.server = s.into();
+        m.cpus.client = cl.into();
+    }
+    // The overrides go through the same checks as the file.
+    let text = toml::to_string(&m).context("matrix back to TOML")?;
+    Ok(Matrix::from_toml(&text)?)
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.list {
+        for (name, text) in PRESETS {
+            let d = Matrix::from_toml(text)
+                .map(|m| m.description)
+                .unwrap_or_default();
+            println!("{name:10} {d}");
+        }
+        return Ok(());
+    }
+    if let Some(p) = &a.print {
+        print!("{}", preset_text(p)?);
+        return Ok(());
+    }
+    let m = load(&a)?;
+    let raw = a.out.join("raw");
+    // Old runs would mix into this one's summary.
+    if raw.exists() {
+        std::fs::remove_dir_all(&raw).with_context(|| format!("clearing {}", raw.display()))?;
+    }
+    let work = a.out.join("work");
+    for d in [&raw, &work, &a.out.join("figures")] {
+        std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+    }
+    let udrive = match &a.udrive {
+        Some(p) => p.clone(),
+        None => std::env::current_exe().context("finding this binary")?,
+    };
+    let data_file =
+        PathBuf::from(&m.file.dir).join(format!("udrive-bench-{}.img", std::process::id()));
+    let env = datapath::Env {
+        udrive,
+        qsd: datapath::which("qemu-storage-daemon"),
+        work,
+        data_file,
+        matrix: m,
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [SIGINT, SIGTERM] {
+        signal_hook::flag::register(sig, Arc::clone(&stop))
+            .context("installing a signal handler")?;
+    }
+    let result = measure(&env, &raw, &a.out, &stop);
+    let _ = std::fs::remove_file(&env.data_file);
+    let failed = result?;
+    if stop.load(Ordering::Relaxed) {
+        bail!("interrupted; the runs so far are in {}", a.out.display());
+    }
+    eprintln!(
+        "udrive bench: report in {}",
+        a.out.join("report.html").display()
+    );
+    if failed > 0 {
+        bail!("{failed} runs failed (see summary.md and raw/)");
+    }
+    Ok(())
+}
+
+/// Run the matrix and write the results; the number of failed runs.
+fn measure(
+    env: &datapath::Env,
+    raw: &std::path::Path,
+    out: &std::path::Path,
+    stop: &AtomicBool,
+) -> Result<usize> {
+    let m = &env.matrix;
+    let (groups, skipped) = run::plan(env);
+    for s in &skipped {
+        let on = s.backend.map_or(String::new(), |b| format!(" on {b}"));
+        eprintln!("udrive bench: skipping {}{on}: {}", s.datapath, s.reason);
+    }
+    let needs_file = m.backends.contains(&matrix::Backend::File)
+        && groups.iter().any(|g| {
+            g.backend == matrix::Backend::File
+                && !matches!(g.datapath, matrix::DatapathKind::Fake(_))
+        });
+    if needs_file {
+        write_data_file(&env.data_file, m.file.mib)?;
+    }
+    let mut host = host_facts(env);
+    host.insert("load average before".into(), loadavg());
+    let runs = run::execute(env, &groups, raw, stop).context("writing raw results")?;
+    host.insert("load average after".into(), loadavg());
+    let s = summary::summarize(m, &runs, skipped, host);
+    let md = summary::markdown(&s);
+    let figs = report::figures(&s);
+    let w = |name: &str, body: &[u8]| {
+        let p = out.join(name);
+        std::fs::write(&p, body).with_context(|| format!("writing {}", p.display()))
+    };
+    w("summary.json", &serde_json::to_vec_pretty(&s)?)?;
+    w("summary.md", md.as_bytes())?;
+    w("report.html", report::html(&s, &figs, &md).as_bytes())?;
+    for f in &figs {
+        w(&format!("figures/{}.svg", f.id), f.svg.as_bytes())?;
+    }
+    Ok(runs.iter().filter(|r| r.error.is_some()).count())
+}
+
+/// The `file` backend's data: written whole with pseudo-random bytes, so that no read
+/// lands on a hole.
+fn write_data_file(p: &std::path::Path, mib: u64) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?;
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut buf = vec![0u8; 1 << 20];
+    for _ in 0..mib {
+        for c in buf.chunks_exact_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            c.copy_from_slice(&x.to_le_bytes());
+        }
+        f.write_all(&buf)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    f.sync_all()
+        .with_context(|| format!("syncing {}", p.display()))
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+fn host_facts(env: &datapath::Env) -> BTreeMap<String, String> {
+    let mut h = BTreeMap::new();
+    h.insert(
+        "udrive".into(),
+        format!("{} {}", env.udrive.display(), env!("CARGO_PKG_VERSION")),
+    );
+    if let Some(q) = &env.qsd {
+        let v = std::process::Command::new(q)
+            .arg("--version")
+            .output()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .to_string()
+            })
+            .unwrap_or_default();
+        h.insert("qemu-storage-daemon".into(), v);
+    }
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    h.insert("CPUs".into(), cpus.to_string());
+    h.insert("data file".into(), env.data_file.display().to_string());
+    h
+}

@@ -1,0 +1,224 @@
+//! The schedule of a bench run and its execution. Repetitions are the outer loop:
+//! repetition 1 of every datapath, then repetition 2, ... so that a machine that
+//! changes speed over the minutes (this one does, between two states about 2× apart)
+//! moves every datapath alike; within a repetition the backends, then the datapaths
+//! (in the matrix's order, reversed on every second repetition with `order = "flip"`),
+//! each with a fresh server for all its workloads.
+
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::datapath::{self, Env};
+use super::matrix::{Backend, DatapathKind, Point};
+
+/// One measured run, as written to `raw/` and read back by the summary.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// Position in the execution order, from 0.
+    pub seq: usize,
+    pub rep: u32,
+    pub datapath: DatapathKind,
+    pub backend: Backend,
+    pub point: Point,
+    /// `perf --json`'s output, or null when the run failed.
+    pub perf: Value,
+    pub error: Option<String>,
+}
+
+impl RunRecord {
+    pub fn iops(&self) -> Option<f64> {
+        self.perf.get("iops")?.as_f64()
+    }
+    /// A latency field of `perf --json` in µs (`mean`, `p99`, ...).
+    pub fn lat_us(&self, k: &str) -> Option<f64> {
+        Some(self.perf.get("lat_ns")?.get(k)?.as_f64()? / 1e3)
+    }
+}
+
+/// A (datapath, backend) pair left out, with the reason.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Skipped {
+    pub datapath: DatapathKind,
+    pub backend: Option<Backend>,
+    pub reason: String,
+}
+
+/// One server's stint: every workload of one datapath and backend in one repetition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    pub rep: u32,
+    pub datapath: DatapathKind,
+    pub backend: Backend,
+}
+
+/// The groups in execution order, and what is skipped (no tool, no such backend).
+pub fn plan(env: &Env) -> (Vec<Group>, Vec<Skipped>) {
+    let m = &env.matrix;
+    let mut skipped = Vec::new();
+    let mut runnable = Vec::new();
+    for d in &m.datapaths {
+        match datapath::probe(d, env) {
+            Err(reason) => skipped.push(Skipped {
+                datapath: d.clone(),
+                backend: None,
+                reason,
+            }),
+            Ok(()) => runnable.push(d.clone()),
+        }
+    }
+    for d in &runnable {
+        for &b in &m.backends {
+            if let Err(reason) = datapath::applies(d, b) {
+                skipped.push(Skipped {
+                    datapath: d.clone(),
+                    backend: Some(b),
+                    reason,
+                });
+            }
+        }
+    }
+    let mut groups = Vec::new();
+    for rep in 1..=m.reps {
+        for &b in &m.backends {
+            for d in m.order_of(rep) {
+                if runnable.contains(&d) && datapath::applies(&d, b).is_ok() {
+                    groups.push(Group {
+                        rep,
+                        datapath: d,
+                        backend: b,
+                    });
+                }
+            }
+        }
+    }
+    (groups, skipped)
+}
+
+/// Run every group, writing each run to `raw_dir` as it completes. A server that does
+/// not start fails its group's runs (recorded, not fatal): the others still run.
+/// When `stop` is set (SIGINT/SIGTERM) no new run starts: what ran is returned, so
+/// the caller still writes its summary and removes the data file.
+pub fn execute(
+    env: &Env,
+    groups: &[Group],
+    raw_dir: &Path,
+    stop: &AtomicBool,
+) -> std::io::Result<Vec<RunRecord>> {
+    let points = env.matrix.points();
+    let mut progress = Progress::new(groups.len() * points.len(), env);
+    let mut out = Vec::new();
+    for g in groups {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let mut target = datapath::start(&g.datapath, g.backend, env);
+        for p in &points {
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            progress.show(g, p);
+            let result = match &mut target {
+                Ok(t) => t.run(p, g.rep).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            let (perf, error) = match result {
+                Ok(v) => (v, None),
+                Err(e) => (Value::Null, Some(e)),
+            };
+            if let Some(e) = &error {
+                progress.note(&format!("failed: {e}"));
+            }
+            let r = RunRecord {
+                seq: out.len(),
+                rep: g.rep,
+                datapath: g.datapath.clone(),
+                backend: g.backend,
+                point: *p,
+                perf,
+                error,
+            };
+            let name = format!(
+                "{:04}-r{}-{}-{}-{}.json",
+                r.seq,
+                r.rep,
+                r.datapath,
+                r.backend,
+                p.slug()
+            );
+            std::fs::write(raw_dir.join(name), serde_json::to_vec_pretty(&r)?)?;
+            out.push(r);
+        }
+    }
+    progress.done();
+    Ok(out)
+}
+
+/// A one-line progress report on stderr with the time left, when stderr is a terminal.
+struct Progress {
+    total: usize,
+    done: usize,
+    started: Instant,
+    /// Seconds a run is expected to take before any has finished.
+    guess: f64,
+    tty: bool,
+}
+
+impl Progress {
+    fn new(total: usize, env: &Env) -> Progress {
+        let m = &env.matrix;
+        Progress {
+            total,
+            done: 0,
+            started: Instant::now(),
+            guess: m.time + m.ramp + 0.2,
+            tty: std::io::stderr().is_terminal(),
+        }
+    }
+
+    fn show(&mut self, g: &Group, p: &Point) {
+        let elapsed = self.started.elapsed().as_secs_f64();
+        let per_run = if self.done > 0 {
+            elapsed / self.done as f64
+        } else {
+            self.guess
+        };
+        let left = Duration::from_secs_f64(per_run * (self.total - self.done) as f64);
+        self.done += 1;
+        if self.tty {
+            eprint!(
+                "\r\x1b[K{}/{} rep {} {} {} {} ~{}m{:02}s left",
+                self.done,
+                self.total,
+                g.rep,
+                g.datapath,
+                g.backend,
+                p.slug(),
+                left.as_secs() / 60,
+                left.as_secs() % 60
+            );
+            let _ = std::io::stderr().flush();
+        }
+    }
+
+    fn note(&self, s: &str) {
+        if self.tty {
+            eprintln!();
+        }
+        eprintln!("udrive bench: {s}");
+    }
+
+    fn done(&self) {
+        if self.tty {
+            eprintln!(
+                "\r\x1b[K{} runs in {:.0} s",
+                self.total,
+                self.started.elapsed().as_secs_f64()
+            );
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! `udrive bench` against the fake datapath (deterministic numbers, no processes): the
+//! report has every figure, every cell its repetitions, medians that are those of the
+//! raw runs, the execution order asked for; a broken matrix is refused naming its field.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+use udrive::bench::matrix::{Matrix, MatrixError};
+
+const FAKE: &str = r#"
+description = "fake datapaths"
+reps = 2
+time = 1.0
+datapaths = ["fake-a", "fake-b", "fake-c"]
+backends = ["null", "file"]
+baselines = ["fake-a"]
+[[workload]]
+rw = "randread"
+qd = [1, 8]
+jobs = [1, 2]
+[[workload]]
+rw = "randrw"
+rwmixread = 70
+qd = [4]
+"#;
+
+const POINTS: usize = 5;
+
+fn bench(matrix: &str, out: &Path, extra: &[&str]) -> std::process::Output {
+    let f = out.with_extension("toml");
+    std::fs::write(&f, matrix).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["bench", "--matrix"])
+        .arg(&f)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+fn json(p: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+}
+
+/// The raw runs in execution order.
+fn raw_runs(out: &Path) -> Vec<Value> {
+    let mut v: Vec<Value> = std::fs::read_dir(out.join("raw"))
+        .unwrap()
+        .map(|e| json(&e.unwrap().path()))
+        .collect();
+    v.sort_by_key(|r| r["seq"].as_u64().unwrap());
+    v
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+#[test]
+fn report_of_the_fake_datapath_is_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    // --reps overrides the file's 2.
+    let o = bench(FAKE, &out, &["--reps", "3"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(!html.contains("<script") && !html.contains("<link") && !html.contains("src=\"http"));
+    let mut want = Vec::new();
+    for b in ["null", "file"] {
+        want.push(format!("bars-{b}-iops"));
+        want.push(format!("bars-{b}-lat"));
+        for d in ["fake-a", "fake-b", "fake-c"] {
+            // QD × jobs only where both vary: randread, not the single randrw point.
+            want.push(format!("heat-{d}-{b}-randread-4k"));
+        }
+    }
+    for id in &want {
+        assert!(
+            html.contains(&format!("<svg id=\"{id}\"")),
+            "figure {id} missing"
+        );
+        assert!(
+            out.join(format!("figures/{id}.svg")).exists(),
+            "figures/{id}.svg"
+        );
+    }
+    assert_eq!(
+        html.matches("<svg ").count(),
+        want.len(),
+        "unexpected figures"
+    );
+
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 3 * 2 * 3 * POINTS);
+    let mut by_cell: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut by_rep: BTreeMap<String, f64> = BTreeMap::new();
+    for r in &runs {
+        let key = format!("{} {} {}", r["datapath"], r["backend"], r["point"]);
+        let iops = r["perf"]["iops"].as_f64().unwrap();
+        by_rep.insert(format!("{key} {}", r["rep"]), iops);
+        by_cell.entry(key).or_default().push(iops);
+    }
+    let summary = json(&out.join("summary.json"));
+    let cells = summary["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 3 * 2 * POINTS);
+    for c in cells {
+        assert_eq!(c["n"], 3, "{c}");
+        assert_eq!(c["failed"], 0, "{c}");
+        let key = format!("{} {} {}", c["datapath"], c["backend"], c["point"]);
+        let m = median(by_cell[&key].clone());
+        let got = c["iops"]["median"].as_f64().unwrap();
+        assert!(
+            (got - m).abs() <= m * 1e-12,
+            "{key}: summary {got}, raw median {m}"
+        );
+        // The fake's numbers differ between repetitions, so min < median < max.
+        assert!(
+            c["iops"]["min"].as_f64().unwrap() < got && got < c["iops"]["max"].as_f64().unwrap()
+        );
+        let vs = c["vs"].as_array().unwrap();
+        assert_eq!(vs.is_empty(), c["datapath"] == "fake-a", "{c}");
+        if let Some(v) = vs.first() {
+            // Against fake-a, repetition by repetition.
+            let base = format!("\"fake-a\" {} {}", c["backend"], c["point"]);
+            let r: Vec<f64> = (1..=3)
+                .map(|rep| by_rep[&format!("{key} {rep}")] / by_rep[&format!("{base} {rep}")])
+                .collect();
+            let got = v["iops_ratio"]["median"].as_f64().unwrap();
+            assert!(
+                (got - median(r.clone())).abs() < 1e-9,
+                "{key}: {got} vs {r:?}"
+            );
+        }
+    }
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert_eq!(md.matches("| fake-b | 3 |").count(), 2 * POINTS, "{md}");
+    assert_eq!(md.matches("against fake-a").count(), 2, "{md}");
+
+    // Repetition-major, backends, then datapaths flipped on even repetitions.
+    let mut want_order = Vec::new();
+    for rep in 1..=3 {
+        for b in ["null", "file"] {
+            let mut ds = vec!["fake-a", "fake-b", "fake-c"];
+            if rep % 2 == 0 {
+                ds.reverse();
+            }
+            for d in ds {
+                for _ in 0..POINTS {
+                    want_order.push(format!("{rep} {d} {b}"));
+                }
+            }
+        }
+    }
+    let got: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            format!(
+                "{} {} {}",
+                r["rep"],
+                r["datapath"].as_str().unwrap(),
+                r["backend"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(got, want_order);
+}
+
+#[test]
+fn fixed_order_keeps_the_datapaths_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = FAKE
+        .replace("reps = 2", "reps = 2\norder = \"fixed\"")
+        .replace("[\"null\", \"file\"]", "[\"null\"]");
+    let o = bench(&m, &out, &["--cpus", "1:0-1"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = json(&out.join("summary.json"));
+    assert_eq!(
+        (s["cpus"]["server"].as_str(), s["cpus"]["client"].as_str()),
+        (Some("1"), Some("0-1"))
+    );
+    let order: Vec<String> = s["order"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    let want = [
+        "1 fake-a null",
+        "1 fake-b null",
+        "1 fake-c null",
+        "2 fake-a null",
+        "2 fake-b null",
+        "2 fake-c null",
+    ];
+    assert_eq!(order, want);
+}
+
+#[test]
+fn a_missing_tool_skips_its_datapath_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = FAKE.replace(
+        r#"["fake-a", "fake-b", "fake-c"]"#,
+        r#"["fake-a", "qsd-vhost"]"#,
+    );
+    let f = out.with_extension("toml");
+    std::fs::write(&f, m).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["bench", "--matrix"])
+        .arg(&f)
+        .arg("--out")
+        .arg(&out)
+        .env("PATH", dir.path()) // no qemu-storage-daemon here
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = json(&out.join("summary.json"));
+    let skipped = s["skipped"].as_array().unwrap();
+    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    assert_eq!(skipped[0]["datapath"], "qsd-vhost");
+    assert!(skipped[0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("qemu-storage-daemon"));
+    assert!(s["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|c| c["datapath"] == "fake-a"));
+}
+
+fn invalid_field(text: &str) -> String {
+    match Matrix::from_toml(text) {
+        Err(MatrixError::Invalid { field, .. }) => field,
+        other => panic!("not refused as invalid: {other:?}"),
+    }
+}
+
+#[test]
+fn a_broken_matrix_is_refused_naming_the_field() {
+    let cases = [
+        (FAKE.replace("qd = [4]", "qd = [0]"), "workload[1].qd"),
+        (
+            FAKE.replace("jobs = [1, 2]", "jobs = []"),
+            "workload[0].jobs",
+        ),
+        (FAKE.replace("reps = 2", "reps = 0"), "reps"),
+        (
+            FAKE.replace("[\"fake-a\"]", "[\"fake-a\", \"io-uring\"]"),
+            "baselines[1]",
+        ),
+        (FAKE.replace("\"fake-c\"]", "\"fake-a\"]"), "datapaths[2]"),
+        (
+            FAKE.replace("rwmixread = 70", "rwmixread = 170"),
+            "workload[1].rwmixread",
+        ),
+        (format!("{FAKE}\nbs = 1000"), "workload[1].bs"),
+        (
+            format!("{FAKE}\nthink_us = 2000000"),
+            "workload[1].think_us",
+        ),
+    ];
+    for (bad, field) in cases {
+        assert_eq!(invalid_field(&bad), field);
+    }
+    // Fields the matrix does not have, and values of the wrong kind: TOML's error
+    // names them.
+    for (bad, name) in [
+        (FAKE.replace("qd = [4]", "qdepth = [4]"), "qdepth"),
+        (FAKE.replace("\"fake-c\"", "\"spdk\""), "spdk"),
+        (
+            FAKE.replace("rw = \"randrw\"", "rw = \"seqread\""),
+            "seqread",
+        ),
+        (FAKE.replace("\"fake-c\"", "\"udrive-nvme@fast\""), "fast"),
+        (
+            FAKE.replace("reps = 2", "reps = 2\npoll = \"spin\""),
+            "spin",
+        ),
+    ] {
+        match Matrix::from_toml(&bad) {
+            Err(e @ MatrixError::Toml { .. }) => assert!(e.to_string().contains(name), "{e}"),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+    // On the command line: a non-zero exit and the field on stderr, before any run.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = bench(&FAKE.replace("qd = [4]", "qd = [0]"), &out, &[]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("workload[1].qd"));
+    assert!(!out.join("raw").exists());
+}
