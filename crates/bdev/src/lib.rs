@@ -27,9 +27,9 @@ pub use error::{typed, FixedSize, GeometryError};
 pub use fault::{FaultConfig, FaultDisk, FaultError, FaultOps};
 pub use null::NullDisk;
 pub use qcow2::{
-    create_qcow2, CreateOptions as Qcow2Create, HeaderError as Qcow2HeaderError, Qcow2Disk,
-    Qcow2Error, Qcow2Options, Qcow2Status, DEFAULT_L2_CACHE as QCOW2_DEFAULT_L2_CACHE,
-    MAX_BACKING_CHAIN, parse_header as parse_qcow2_header, Header as Qcow2Header,
+    create_qcow2, parse_header as parse_qcow2_header, CreateOptions as Qcow2Create,
+    Header as Qcow2Header, HeaderError as Qcow2HeaderError, Qcow2Disk, Qcow2Error, Qcow2Options,
+    Qcow2Status, DEFAULT_L2_CACHE as QCOW2_DEFAULT_L2_CACHE, MAX_BACKING_CHAIN,
 };
 pub use qos::{QosClock, QosDisk, QosError, QosLimits, BURST, QOS_MAX_NAP, QOS_QUEUE_DEPTH};
 pub use ram::{RamDisk, RamError};

@@ -21,8 +21,14 @@ use test_support::wait::{wait_until, T};
 const MIB: u64 = 1 << 20;
 
 fn have_qemu() -> bool {
-    let ok = Command::new("qemu-img").arg("--version").output().is_ok_and(|o| o.status.success())
-        && Command::new("qemu-io").arg("--version").output().is_ok_and(|o| o.status.success());
+    let ok = Command::new("qemu-img")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+        && Command::new("qemu-io")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
     if !ok {
         eprintln!("skipped: qemu-img/qemu-io not installed (Debian: qemu-utils)");
     }
@@ -49,7 +55,13 @@ fn qemu_io(img: &Path, cmds: &[String]) {
 fn io(ch: &mut dyn IoChannel, op: IoOp, offset: u64, buf: &MappedRegion, len: usize) -> IoStatus {
     let iov = [buf.slice(0, len).unwrap()];
     let n = usize::from(matches!(op, IoOp::Read | IoOp::Write));
-    let req = IoRequest { op, offset, len: len as u64, iov: &iov[..n], fua: false };
+    let req = IoRequest {
+        op,
+        offset,
+        len: len as u64,
+        iov: &iov[..n],
+        fua: false,
+    };
     if let Some(st) = ch.submit(1, &req) {
         return st;
     }
@@ -70,8 +82,15 @@ fn read_all(d: &Qcow2Disk) -> Vec<u8> {
     let mut out = vec![0u8; size];
     for at in (0..size).step_by(MIB as usize) {
         let n = (MIB as usize).min(size - at);
-        assert_eq!(io(&mut *ch, IoOp::Read, at as u64, &buf, n), IoStatus::Ok, "read at {at}");
-        buf.slice(0, n).unwrap().read_into(0, &mut out[at..at + n]).unwrap();
+        assert_eq!(
+            io(&mut *ch, IoOp::Read, at as u64, &buf, n),
+            IoStatus::Ok,
+            "read at {at}"
+        );
+        buf.slice(0, n)
+            .unwrap()
+            .read_into(0, &mut out[at..at + n])
+            .unwrap();
     }
     out
 }
@@ -98,8 +117,21 @@ fn images_qemu_wrote_read_back_exactly() {
     for cs in ["512", "4k", "64k", "2M"] {
         let img = dir.path().join(format!("q{cs}.qcow2"));
         let img_s = img.to_str().unwrap();
-        qemu_img(&["create", "-q", "-f", "qcow2", "-o", &format!("cluster_size={cs}"), img_s, "24M"]);
-        let writes = [(0xabu8, 0u64, MIB), (0x11, 5 * MIB + 512, 70 << 10), (0x5a, 20 * MIB - 4096, 4096)];
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            &format!("cluster_size={cs}"),
+            img_s,
+            "24M",
+        ]);
+        let writes = [
+            (0xabu8, 0u64, MIB),
+            (0x11, 5 * MIB + 512, 70 << 10),
+            (0x5a, 20 * MIB - 4096, 4096),
+        ];
         let mut cmds: Vec<String> = writes
             .iter()
             .map(|(p, o, l)| format!("write -P {p:#x} {o} {l}"))
@@ -133,10 +165,43 @@ fn backing_chains_qemu_made_read_back_exactly() {
     let mid = d.join("sub/mid.qcow2");
     let top = d.join("sub/top.qcow2");
     let (mid_s, top_s) = (mid.to_str().unwrap(), top.to_str().unwrap());
-    qemu_img(&["create", "-q", "-f", "qcow2", "-b", "../base.raw", "-F", "raw", "-o", "cluster_size=4k", mid_s, "16M"]);
-    qemu_io(&mid, &["write -P 0x22 4096 8192".into(), "write -z 1M 64k".into()]);
-    qemu_img(&["create", "-q", "-f", "qcow2", "-b", "mid.qcow2", "-F", "qcow2", top_s, "16M"]);
-    qemu_io(&top, &["write -P 0x33 6144 1024".into(), "write -P 0x44 14M 1M".into()]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "../base.raw",
+        "-F",
+        "raw",
+        "-o",
+        "cluster_size=4k",
+        mid_s,
+        "16M",
+    ]);
+    qemu_io(
+        &mid,
+        &["write -P 0x22 4096 8192".into(), "write -z 1M 64k".into()],
+    );
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "mid.qcow2",
+        "-F",
+        "qcow2",
+        top_s,
+        "16M",
+    ]);
+    qemu_io(
+        &top,
+        &[
+            "write -P 0x33 6144 1024".into(),
+            "write -P 0x44 14M 1M".into(),
+        ],
+    );
     fill(&mut want, 0x22, 4096, 8192);
     fill(&mut want, 0, MIB, 65536);
     fill(&mut want, 0x33, 6144, 1024);
@@ -145,7 +210,10 @@ fn backing_chains_qemu_made_read_back_exactly() {
     assert_eq!(first_difference(&read_all(&disk), &want), None);
     let chain = disk.status().backing_chain;
     assert_eq!(chain.len(), 2, "{chain:?}");
-    assert!(chain[0].starts_with("qcow2:") && chain[1].starts_with("raw:"), "{chain:?}");
+    assert!(
+        chain[0].starts_with("qcow2:") && chain[1].starts_with("raw:"),
+        "{chain:?}"
+    );
 }
 
 /// Random verified writes, write zeroes and discards through udrive, over a
@@ -160,7 +228,20 @@ fn udrive_writes_pass_qemu_check(cluster: &str, seed: u64) {
     std::fs::write(d.join("base.raw"), &want[..8 * MIB as usize]).unwrap();
     let img = d.join("w.qcow2");
     let img_s = img.to_str().unwrap();
-    qemu_img(&["create", "-q", "-f", "qcow2", "-b", "base.raw", "-F", "raw", "-o", &format!("cluster_size={cluster}"), img_s, "16M"]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.raw",
+        "-F",
+        "raw",
+        "-o",
+        &format!("cluster_size={cluster}"),
+        img_s,
+        "16M",
+    ]);
     {
         let disk = open(&img);
         let mut ch = disk.channel().unwrap();
@@ -179,20 +260,33 @@ fn udrive_writes_pass_qemu_check(cluster: &str, seed: u64) {
             match op {
                 IoOp::Write => {
                     rng.fill(&mut data[..len as usize]);
-                    buf.slice(0, len as usize).unwrap().write_from(0, &data[..len as usize]).unwrap();
+                    buf.slice(0, len as usize)
+                        .unwrap()
+                        .write_from(0, &data[..len as usize])
+                        .unwrap();
                     want[r].copy_from_slice(&data[..len as usize]);
                 }
                 IoOp::WriteZeroes => want[r].fill(0),
                 _ => {}
             }
-            assert_eq!(io(&mut *ch, op, off, &buf, len as usize), IoStatus::Ok, "op {i}: {op:?} {off} {len}");
+            assert_eq!(
+                io(&mut *ch, op, off, &buf, len as usize),
+                IoStatus::Ok,
+                "op {i}: {op:?} {off} {len}"
+            );
             if op == IoOp::Discard {
                 // Whole clusters read as zeroes after a discard, the rest as
                 // before: take what udrive reads as the expectation there, and
                 // check it is one of the two.
-                assert_eq!(io(&mut *ch, IoOp::Read, off, &buf, len as usize), IoStatus::Ok);
+                assert_eq!(
+                    io(&mut *ch, IoOp::Read, off, &buf, len as usize),
+                    IoStatus::Ok
+                );
                 let mut got = vec![0u8; len as usize];
-                buf.slice(0, len as usize).unwrap().read_into(0, &mut got).unwrap();
+                buf.slice(0, len as usize)
+                    .unwrap()
+                    .read_into(0, &mut got)
+                    .unwrap();
                 for (k, b) in got.iter().enumerate() {
                     let w = &mut want[off as usize + k];
                     assert!(*b == 0 || *b == *w, "discard at {off}: byte {k}");
@@ -200,11 +294,18 @@ fn udrive_writes_pass_qemu_check(cluster: &str, seed: u64) {
                 }
             }
         }
-        assert_eq!(first_difference(&read_all(&disk), &want), None, "before close");
+        assert_eq!(
+            first_difference(&read_all(&disk), &want),
+            None,
+            "before close"
+        );
     }
     let raw = d.join("want.raw");
     std::fs::write(&raw, &want).unwrap();
-    let check = Command::new("qemu-img").args(["check", "-q", img_s]).output().unwrap();
+    let check = Command::new("qemu-img")
+        .args(["check", "-q", img_s])
+        .output()
+        .unwrap();
     // 0: clean, 3: leaked clusters only; 2 would be corruption.
     assert!(
         matches!(check.status.code(), Some(0) | Some(3)),
@@ -213,8 +314,21 @@ fn udrive_writes_pass_qemu_check(cluster: &str, seed: u64) {
         String::from_utf8_lossy(&check.stdout),
         String::from_utf8_lossy(&check.stderr)
     );
-    qemu_img(&["compare", "-q", "-f", "qcow2", "-F", "raw", img_s, raw.to_str().unwrap()]);
-    assert_eq!(first_difference(&read_all(&open(&img)), &want), None, "after reopen");
+    qemu_img(&[
+        "compare",
+        "-q",
+        "-f",
+        "qcow2",
+        "-F",
+        "raw",
+        img_s,
+        raw.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        first_difference(&read_all(&open(&img)), &want),
+        None,
+        "after reopen"
+    );
 }
 
 #[test]
@@ -239,11 +353,20 @@ fn created_images_open_in_qemu() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     std::fs::write(d.join("base.raw"), vec![0x77u8; 2 * MIB as usize]).unwrap();
-    for (name, cs, backing) in [("a.qcow2", 65536, None), ("b.qcow2", 4096, Some("base.raw")), ("c.qcow2", 2 << 20, Some("a.qcow2"))] {
+    for (name, cs, backing) in [
+        ("a.qcow2", 65536, None),
+        ("b.qcow2", 4096, Some("base.raw")),
+        ("c.qcow2", 2 << 20, Some("a.qcow2")),
+    ] {
         let p: PathBuf = d.join(name);
-        let o = Qcow2Create { size: 64 * MIB, cluster_size: cs, backing: backing.map(str::to_string) };
+        let o = Qcow2Create {
+            size: 64 * MIB,
+            cluster_size: cs,
+            backing: backing.map(str::to_string),
+        };
         assert!(create_qcow2(&p, &o).unwrap());
-        let info = String::from_utf8(qemu_img(&["info", "--output=json", p.to_str().unwrap()])).unwrap();
+        let info =
+            String::from_utf8(qemu_img(&["info", "--output=json", p.to_str().unwrap()])).unwrap();
         assert!(info.contains("\"virtual-size\": 67108864"), "{info}");
         assert!(info.contains(&format!("\"cluster-size\": {cs}")), "{info}");
         qemu_img(&["check", "-q", p.to_str().unwrap()]);
@@ -252,11 +375,23 @@ fn created_images_open_in_qemu() {
             let disk = open(&p);
             let mut ch = disk.channel().unwrap();
             let buf = MappedRegion::anonymous(0, 8192).unwrap();
-            buf.slice(0, 8192).unwrap().write_from(0, &[0x99; 8192]).unwrap();
-            assert_eq!(io(&mut *ch, IoOp::Write, 3 * MIB - 4096, &buf, 8192), IoStatus::Ok);
+            buf.slice(0, 8192)
+                .unwrap()
+                .write_from(0, &[0x99; 8192])
+                .unwrap();
+            assert_eq!(
+                io(&mut *ch, IoOp::Write, 3 * MIB - 4096, &buf, 8192),
+                IoStatus::Ok
+            );
         }
         qemu_img(&["check", "-q", p.to_str().unwrap()]);
-        let out = run(Command::new("qemu-io").args(["-f", "qcow2", "-c", &format!("read -P 0x99 {} 8192", 3 * MIB - 4096), p.to_str().unwrap()]));
+        let out = run(Command::new("qemu-io").args([
+            "-f",
+            "qcow2",
+            "-c",
+            &format!("read -P 0x99 {} 8192", 3 * MIB - 4096),
+            p.to_str().unwrap(),
+        ]));
         assert!(!String::from_utf8_lossy(&out).contains("failed"));
     }
 }
@@ -272,7 +407,15 @@ fn compressed_clusters_are_a_read_error() {
     let raw = dir.path().join("r.raw");
     std::fs::write(&raw, vec![0x61u8; 4 * MIB as usize]).unwrap();
     let img = dir.path().join("c.qcow2");
-    qemu_img(&["convert", "-q", "-c", "-O", "qcow2", raw.to_str().unwrap(), img.to_str().unwrap()]);
+    qemu_img(&[
+        "convert",
+        "-q",
+        "-c",
+        "-O",
+        "qcow2",
+        raw.to_str().unwrap(),
+        img.to_str().unwrap(),
+    ]);
     let disk = open(&img);
     let mut ch = disk.channel().unwrap();
     let buf = MappedRegion::anonymous(0, 4096).unwrap();

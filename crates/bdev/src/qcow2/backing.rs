@@ -48,11 +48,17 @@ impl Backing {
         };
         let io = |op: &'static str| {
             let target = target.clone();
-            move |source| Qcow2Error::Io { path: target, op, source }
+            move |source| Qcow2Error::Io {
+                path: target,
+                op,
+                source,
+            }
         };
         let canon = std::fs::canonicalize(&target).map_err(io("find the backing file"))?;
         if seen.contains(&canon) {
-            return Err(Qcow2Error::BackingLoop { path: path.to_path_buf() });
+            return Err(Qcow2Error::BackingLoop {
+                path: path.to_path_buf(),
+            });
         }
         let file = File::open(&target).map_err(io("open the backing file"))?;
         let mut magic = [0u8; 4];
@@ -68,11 +74,23 @@ impl Backing {
             None => file.read_exact_at(&mut magic, 0).is_ok() && u32::from_be_bytes(magic) == MAGIC,
         };
         if is_qcow2 {
-            let ro = OpenOpts { read_only: true, ..o };
-            return Ok(Some(Backing::Qcow2(Box::new(Image::open(&target, ro, seen)?))));
+            let ro = OpenOpts {
+                read_only: true,
+                ..o
+            };
+            return Ok(Some(Backing::Qcow2(Box::new(Image::open(
+                &target, ro, seen,
+            )?))));
         }
-        let len = file.metadata().map_err(io("read the backing file's metadata"))?.len();
-        Ok(Some(Backing::Raw { path: target, file, len }))
+        let len = file
+            .metadata()
+            .map_err(io("read the backing file's metadata"))?
+            .len();
+        Ok(Some(Backing::Raw {
+            path: target,
+            file,
+            len,
+        }))
     }
 
     /// Reads `buf.len()` bytes at `offset` (zeroes past the backing's end).

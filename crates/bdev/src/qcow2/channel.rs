@@ -143,7 +143,13 @@ impl Qcow2Channel {
             return Some(IoStatus::Ok);
         }
         match self.lookup(req) {
-            Fast::Host(host) => self.data.submit(tag, &IoRequest { offset: host, ..*req }),
+            Fast::Host(host) => self.data.submit(
+                tag,
+                &IoRequest {
+                    offset: host,
+                    ..*req
+                },
+            ),
             Fast::Zeroes => Some(fill_zeroes(req.iov)),
             Fast::Slow => Some(self.slow(req)),
         }
@@ -160,13 +166,18 @@ impl Qcow2Channel {
             let p = pos as usize;
             let r = if write {
                 match copy_out(req.iov, p, &mut self.piece[..n]) {
-                    Some(()) => self.image.write_sync(off, &self.piece[..n], &mut self.scratch),
+                    Some(()) => self
+                        .image
+                        .write_sync(off, &self.piece[..n], &mut self.scratch),
                     None => return IoStatus::Invalid,
                 }
             } else {
-                self.image.read_sync(off, &mut self.piece[..n]).and_then(|()| {
-                    copy_in(req.iov, p, &self.piece[..n]).ok_or(io::ErrorKind::InvalidInput.into())
-                })
+                self.image
+                    .read_sync(off, &mut self.piece[..n])
+                    .and_then(|()| {
+                        copy_in(req.iov, p, &self.piece[..n])
+                            .ok_or(io::ErrorKind::InvalidInput.into())
+                    })
             };
             if let Err(e) = r {
                 tracing::debug!(path = %self.image.path.display(), offset = off, "qcow2: {e}");
@@ -207,7 +218,11 @@ impl Qcow2Channel {
             for (a, b) in ends {
                 if a < b && r.is_ok() {
                     self.piece.fill(0);
-                    r = self.image.write_sync(a, &self.piece[..(b - a) as usize], &mut self.scratch);
+                    r = self.image.write_sync(
+                        a,
+                        &self.piece[..(b - a) as usize],
+                        &mut self.scratch,
+                    );
                 }
             }
         }
@@ -245,7 +260,11 @@ impl IoChannel for Qcow2Channel {
         match req.op {
             IoOp::Read | IoOp::Write => self.read_write(tag, req),
             IoOp::Flush if self.read_only => Some(IoStatus::Ok),
-            IoOp::Flush => Some(self.image.flush().map_or_else(|e| status(&e, false), |()| IoStatus::Ok)),
+            IoOp::Flush => Some(
+                self.image
+                    .flush()
+                    .map_or_else(|e| status(&e, false), |()| IoStatus::Ok),
+            ),
             IoOp::WriteZeroes | IoOp::Discard if req.len == 0 => Some(IoStatus::Ok),
             IoOp::WriteZeroes | IoOp::Discard => Some(self.zeroes(req)),
         }

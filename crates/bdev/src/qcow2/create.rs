@@ -41,7 +41,9 @@ pub fn create_qcow2(path: &Path, o: &CreateOptions) -> Result<bool, Qcow2Error> 
     };
     let cs = o.cluster_size;
     if !cs.is_power_of_two() || !(512..=2 << 20).contains(&cs) {
-        return Err(bad(format!("cluster size {cs} is not a power of two from 512 to 2 MiB")));
+        return Err(bad(format!(
+            "cluster size {cs} is not a power of two from 512 to 2 MiB"
+        )));
     }
     if o.size == 0 || o.size > MAX_SIZE {
         return Err(bad(format!("size {} is zero or above {MAX_SIZE}", o.size)));
@@ -60,7 +62,9 @@ pub fn create_qcow2(path: &Path, o: &CreateOptions) -> Result<bool, Qcow2Error> 
         return if ours {
             Ok(false)
         } else {
-            Err(Qcow2Error::NotBlank { path: path.to_path_buf() })
+            Err(Qcow2Error::NotBlank {
+                path: path.to_path_buf(),
+            })
         };
     }
     let backing_format = match &o.backing {
@@ -70,7 +74,9 @@ pub fn create_qcow2(path: &Path, o: &CreateOptions) -> Result<bool, Qcow2Error> 
     let (header, clusters, refblocks) = layout(o, backing_format)?;
     let mut head = header.encode();
     if head.len() as u64 > cs {
-        return Err(bad("the backing file name does not fit in the header cluster".into()));
+        return Err(bad(
+            "the backing file name does not fit in the header cluster".into(),
+        ));
     }
     head.resize(cs as usize, 0);
     let rt = header.refcount_table_offset;
@@ -78,7 +84,9 @@ pub fn create_qcow2(path: &Path, o: &CreateOptions) -> Result<bool, Qcow2Error> 
     let mut blocks = vec![0u8; (refblocks * cs) as usize];
     let rb_bits = header.refblock_bits();
     for j in 0..refblocks {
-        table.extend_from_slice(&(rt + (u64::from(header.refcount_table_clusters) + j) * cs).to_be_bytes());
+        table.extend_from_slice(
+            &(rt + (u64::from(header.refcount_table_clusters) + j) * cs).to_be_bytes(),
+        );
     }
     for c in 0..clusters {
         let b = (c >> rb_bits) as usize;
@@ -86,17 +94,23 @@ pub fn create_qcow2(path: &Path, o: &CreateOptions) -> Result<bool, Qcow2Error> 
         put_refcount(&mut blocks[b * cs as usize..(b + 1) * cs as usize], 4, i, 1);
     }
     file.set_len(clusters * cs).map_err(io("set its size"))?;
-    file.write_all_at(&head, 0).map_err(io("write its header"))?;
-    file.write_all_at(&table, rt).map_err(io("write its refcount table"))?;
+    file.write_all_at(&head, 0)
+        .map_err(io("write its header"))?;
+    file.write_all_at(&table, rt)
+        .map_err(io("write its refcount table"))?;
     let rb_at = rt + u64::from(header.refcount_table_clusters) * cs;
-    file.write_all_at(&blocks, rb_at).map_err(io("write its refcount blocks"))?;
+    file.write_all_at(&blocks, rb_at)
+        .map_err(io("write its refcount blocks"))?;
     file.sync_all().map_err(io("sync it"))?;
     Ok(true)
 }
 
 /// The header of a new image and how many clusters its metadata takes (header,
 /// refcount table, refcount blocks, L1 table), of which refcount blocks.
-fn layout(o: &CreateOptions, backing_format: Option<String>) -> Result<(Header, u64, u64), Qcow2Error> {
+fn layout(
+    o: &CreateOptions,
+    backing_format: Option<String>,
+) -> Result<(Header, u64, u64), Qcow2Error> {
     let cs = o.cluster_size;
     let cluster_bits = cs.trailing_zeros();
     let l1_size = o.size.div_ceil(cs * (cs / 8));
@@ -106,7 +120,9 @@ fn layout(o: &CreateOptions, backing_format: Option<String>) -> Result<(Header, 
     // data, an L2 table per L1 entry, and room to spare.
     let most = o.size + l1_size * cs + (l1_clusters + 64) * cs;
     let table_entries = most.div_ceil(per_block * cs) * 2 + 1;
-    let rt_clusters = (table_entries * 8).div_ceil(cs).min(MAX_REFTABLE_BYTES / cs);
+    let rt_clusters = (table_entries * 8)
+        .div_ceil(cs)
+        .min(MAX_REFTABLE_BYTES / cs);
     let mut refblocks = 1;
     loop {
         let n = 1 + rt_clusters + refblocks + l1_clusters;

@@ -25,7 +25,10 @@ pub enum Qcow2Error {
     #[error("{}: the image is marked corrupt; repair it with `qemu-img check -r all`", path.display())]
     Corrupt { path: PathBuf },
     #[error("{}: {feature} is not supported", path.display())]
-    Unsupported { path: PathBuf, feature: &'static str },
+    Unsupported {
+        path: PathBuf,
+        feature: &'static str,
+    },
     #[error("{}: backing chain deeper than {max} images", path.display())]
     ChainTooDeep { path: PathBuf, max: usize },
     #[error("{}: the backing chain comes back to this image (a loop)", path.display())]
@@ -77,7 +80,9 @@ pub enum HeaderError {
     RefcountTableSize(u32),
     #[error("the L1 table and the refcount table overlap")]
     Overlap,
-    #[error("backing file name at {offset:#x} ({len} bytes) outside the header cluster or not UTF-8")]
+    #[error(
+        "backing file name at {offset:#x} ({len} bytes) outside the header cluster or not UTF-8"
+    )]
     BackingName { offset: u64, len: u32 },
     #[error("header extension at {0:#x} runs past the header cluster")]
     Extension(u64),

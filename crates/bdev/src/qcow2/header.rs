@@ -158,8 +158,10 @@ impl Header {
     /// name and format after it, as QEMU lays them out).
     pub fn encode(&self) -> Vec<u8> {
         let mut b = vec![0u8; V3_LEN];
-        let put32 = |b: &mut Vec<u8>, at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_be_bytes());
-        let put64 = |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_be_bytes());
+        let put32 =
+            |b: &mut Vec<u8>, at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_be_bytes());
+        let put64 =
+            |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_be_bytes());
         put32(&mut b, 0, MAGIC);
         put32(&mut b, 4, 3);
         put32(&mut b, 20, self.cluster_bits);
@@ -248,7 +250,8 @@ fn backing_format(buf: &[u8], mut at: usize) -> Result<Option<String>, HeaderErr
             .filter(|&e| e <= buf.len())
             .ok_or(HeaderError::Extension(at as u64))?;
         if kind == EXT_BACKING_FORMAT {
-            let f = std::str::from_utf8(&buf[data..end]).map_err(|_| HeaderError::Extension(at as u64))?;
+            let f = std::str::from_utf8(&buf[data..end])
+                .map_err(|_| HeaderError::Extension(at as u64))?;
             format = Some(f.to_string());
         }
         at = end.next_multiple_of(8);

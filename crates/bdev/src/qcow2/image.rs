@@ -48,13 +48,20 @@ enum Source {
 }
 
 fn bad_data() -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, "qcow2: corrupt or compressed cluster")
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        "qcow2: corrupt or compressed cluster",
+    )
 }
 
 impl Image {
     /// Opens the image at `path` and its backing chain (`seen`: the canonical
     /// paths of the images above it, to refuse loops).
-    pub(super) fn open(path: &Path, o: OpenOpts, seen: &mut Vec<PathBuf>) -> Result<Image, Qcow2Error> {
+    pub(super) fn open(
+        path: &Path,
+        o: OpenOpts,
+        seen: &mut Vec<PathBuf>,
+    ) -> Result<Image, Qcow2Error> {
         let io = |op: &'static str| {
             move |source| Qcow2Error::Io {
                 path: path.to_path_buf(),
@@ -69,7 +76,8 @@ impl Image {
             .map_err(io("open it"))?;
         let file_len = file.metadata().map_err(io("read its metadata"))?.len();
         let mut buf = vec![0u8; file_len.min(2 << 20) as usize];
-        file.read_exact_at(&mut buf, 0).map_err(io("read its header"))?;
+        file.read_exact_at(&mut buf, 0)
+            .map_err(io("read its header"))?;
         let header = Header::parse(&buf, file_len).map_err(|source| Qcow2Error::Header {
             path: path.to_path_buf(),
             source,
@@ -77,13 +85,20 @@ impl Image {
         check_features(path, &header, o.read_only)?;
         let file = Arc::new(file);
         let generation = Arc::new(AtomicU64::new(0));
-        let meta = Meta::load(file.clone(), &header, file_len, (o.l2_cache >> header.cluster_bits).max(1) as usize, generation.clone())
-            .map_err(io("read its L1 and refcount tables"))?;
+        let meta = Meta::load(
+            file.clone(),
+            &header,
+            file_len,
+            (o.l2_cache >> header.cluster_bits).max(1) as usize,
+            generation.clone(),
+        )
+        .map_err(io("read its L1 and refcount tables"))?;
         let backing = Backing::open(path, &header, o, seen)?;
         if !o.read_only && header.autoclear != 0 {
             // Bitmaps and other autoclear extensions are not kept up to date:
             // clearing their bits tells QEMU so, as QEMU does for unknown ones.
-            file.write_all_at(&0u64.to_be_bytes(), 88).map_err(io("clear its autoclear features"))?;
+            file.write_all_at(&0u64.to_be_bytes(), 88)
+                .map_err(io("clear its autoclear features"))?;
         }
         Ok(Image {
             path: path.to_path_buf(),
@@ -114,7 +129,11 @@ impl Image {
     fn cluster(&self, meta: &mut Meta, c: u64) -> io::Result<Cluster> {
         let (l1i, l2i) = self.split(c);
         let entry = meta.l2(l1i)?.map_or(0, |t| t.get(l2i));
-        Ok(classify(entry, self.cs(), self.limit.load(Ordering::Acquire)))
+        Ok(classify(
+            entry,
+            self.cs(),
+            self.limit.load(Ordering::Acquire),
+        ))
     }
 
     fn source(&self, meta: &mut Meta, c: u64) -> io::Result<Source> {
@@ -156,7 +175,12 @@ impl Image {
 
     /// Writes `data` at guest offset `offset`, allocating clusters as needed
     /// (`scratch`: one cluster, for the old content around a partial write).
-    pub(super) fn write_sync(&self, offset: u64, data: &[u8], scratch: &mut [u8]) -> io::Result<()> {
+    pub(super) fn write_sync(
+        &self,
+        offset: u64,
+        data: &[u8],
+        scratch: &mut [u8],
+    ) -> io::Result<()> {
         let mut meta = self.meta();
         let cs = self.cs();
         let mut pos = 0usize;
@@ -164,7 +188,13 @@ impl Image {
             let off = offset + pos as u64;
             let within = off & (cs - 1);
             let n = ((cs - within) as usize).min(data.len() - pos);
-            self.write_cluster(&mut meta, off / cs, within as usize, &data[pos..pos + n], scratch)?;
+            self.write_cluster(
+                &mut meta,
+                off / cs,
+                within as usize,
+                &data[pos..pos + n],
+                scratch,
+            )?;
             pos += n;
         }
         Ok(())
@@ -260,10 +290,14 @@ fn check_features(path: &Path, h: &Header, read_only: bool) -> Result<(), Qcow2E
     };
     let inc = h.incompatible;
     if inc & INCOMPAT_CORRUPT != 0 {
-        return Err(Qcow2Error::Corrupt { path: path.to_path_buf() });
+        return Err(Qcow2Error::Corrupt {
+            path: path.to_path_buf(),
+        });
     }
     if inc & INCOMPAT_DIRTY != 0 {
-        return Err(Qcow2Error::Dirty { path: path.to_path_buf() });
+        return Err(Qcow2Error::Dirty {
+            path: path.to_path_buf(),
+        });
     }
     if inc & INCOMPAT_DATA_FILE != 0 {
         return Err(unsupported("an external data file"));
@@ -271,12 +305,18 @@ fn check_features(path: &Path, h: &Header, read_only: bool) -> Result<(), Qcow2E
     if inc & INCOMPAT_EXTL2 != 0 {
         return Err(unsupported("extended L2 entries (subclusters)"));
     }
-    let known = INCOMPAT_DIRTY | INCOMPAT_CORRUPT | INCOMPAT_DATA_FILE | INCOMPAT_COMPRESSION | INCOMPAT_EXTL2;
+    let known = INCOMPAT_DIRTY
+        | INCOMPAT_CORRUPT
+        | INCOMPAT_DATA_FILE
+        | INCOMPAT_COMPRESSION
+        | INCOMPAT_EXTL2;
     if inc & !known != 0 {
         return Err(unsupported("an unknown incompatible feature"));
     }
     if h.crypt_method != 0 {
-        return Err(unsupported("qcow2's own encryption (use encrypt=luks on a plain image)"));
+        return Err(unsupported(
+            "qcow2's own encryption (use encrypt=luks on a plain image)",
+        ));
     }
     if h.nb_snapshots != 0 && !read_only {
         return Err(unsupported("writing an image with internal snapshots"));

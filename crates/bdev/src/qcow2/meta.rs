@@ -127,7 +127,10 @@ impl Meta {
         if let Some(t) = self.l2.get(l1i) {
             return Ok(Some(t));
         }
-        let entry = *self.l1.get(l1i).ok_or_else(|| corrupt("L1 index", l1i as u64))?;
+        let entry = *self
+            .l1
+            .get(l1i)
+            .ok_or_else(|| corrupt("L1 index", l1i as u64))?;
         if entry & OFFSET_MASK == 0 {
             return Ok(None);
         }
@@ -194,7 +197,14 @@ impl Meta {
             if self.reftable[t] & OFFSET_MASK == 0 {
                 let bytes = vec![0u8; self.cs() as usize];
                 self.room_for_refblock()?;
-                self.refblocks.insert(t, RefBlock { offset: off, bytes, dirty: true });
+                self.refblocks.insert(
+                    t,
+                    RefBlock {
+                        offset: off,
+                        bytes,
+                        dirty: true,
+                    },
+                );
                 self.reftable[t] = off;
                 self.reftable_dirty = true;
                 self.set_refcount(t, i, 1)?;
@@ -228,10 +238,20 @@ impl Meta {
             let mut bytes = vec![0u8; self.cs() as usize];
             self.file.read_exact_at(&mut bytes, off)?;
             self.room_for_refblock()?;
-            self.refblocks.insert(t, RefBlock { offset: off, bytes, dirty: false });
+            self.refblocks.insert(
+                t,
+                RefBlock {
+                    offset: off,
+                    bytes,
+                    dirty: false,
+                },
+            );
         }
         let order = self.refcount_order;
-        let b = self.refblocks.get_mut(&t).ok_or_else(|| corrupt("refcount block", 0))?;
+        let b = self
+            .refblocks
+            .get_mut(&t)
+            .ok_or_else(|| corrupt("refcount block", 0))?;
         put_refcount(&mut b.bytes, order, i, v);
         b.dirty = true;
         Ok(())
@@ -245,7 +265,12 @@ impl Meta {
     pub(super) fn flush(&mut self) -> io::Result<()> {
         let f = self.file.clone();
         f.sync_data()?;
-        let blocks: Vec<_> = self.refblocks.values().filter(|b| b.dirty).map(|b| b.offset).collect();
+        let blocks: Vec<_> = self
+            .refblocks
+            .values()
+            .filter(|b| b.dirty)
+            .map(|b| b.offset)
+            .collect();
         for b in self.refblocks.values_mut().filter(|b| b.dirty) {
             f.write_all_at(&b.bytes, b.offset)?;
             b.dirty = false;
@@ -258,7 +283,9 @@ impl Meta {
         let tables = self.l2.take_dirty();
         if !tables.is_empty() {
             f.sync_data()?;
-            let r = tables.iter().try_for_each(|(off, b)| f.write_all_at(b, *off));
+            let r = tables
+                .iter()
+                .try_for_each(|(off, b)| f.write_all_at(b, *off));
             if let Err(e) = r {
                 let offs: Vec<u64> = tables.iter().map(|t| t.0).collect();
                 self.l2.redirty(&offs);

@@ -144,7 +144,8 @@ impl BlockDevice for Qcow2Disk {
         &self.info
     }
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
-        let data = crate::uring::data_channel(self.image.file.clone(), self.engine, self.info.read_only)?;
+        let data =
+            crate::uring::data_channel(self.image.file.clone(), self.engine, self.info.read_only)?;
         Ok(Box::new(channel::Qcow2Channel::new(
             self.image.clone(),
             data,

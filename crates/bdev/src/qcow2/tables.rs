@@ -61,9 +61,14 @@ pub(super) enum Cluster {
     /// Not in this image: the backing file's data, or zeroes.
     Unallocated,
     /// Reads as zeroes; `host` is kept allocated when set.
-    Zero { host: Option<u64> },
+    Zero {
+        host: Option<u64>,
+    },
     /// Data at `host`; `copied`: its refcount is 1, so it may be written in place.
-    Data { host: u64, copied: bool },
+    Data {
+        host: u64,
+        copied: bool,
+    },
     Compressed,
     /// An offset that is unaligned, in the header cluster or past the file.
     Bad,
@@ -186,7 +191,10 @@ mod tests {
                 copied: true
             }
         );
-        assert_eq!(classify(COPIED | 2 * cs | ZERO, cs, limit), Cluster::Zero { host: Some(2 * cs) });
+        assert_eq!(
+            classify(COPIED | 2 * cs | ZERO, cs, limit),
+            Cluster::Zero { host: Some(2 * cs) }
+        );
         assert_eq!(classify(COMPRESSED | 5, cs, limit), Cluster::Compressed);
         // In the header cluster, unaligned, past the file.
         assert_eq!(classify(COPIED | 512, cs, limit), Cluster::Bad);

@@ -39,10 +39,26 @@ fn put(p: &Path, at: u64, bytes: &[u8]) {
     f.write_all_at(bytes, at).unwrap();
 }
 
-pub(super) fn io(ch: &mut dyn IoChannel, op: IoOp, offset: u64, buf: &MappedRegion, len: usize) -> IoStatus {
+pub(super) fn io(
+    ch: &mut dyn IoChannel,
+    op: IoOp,
+    offset: u64,
+    buf: &MappedRegion,
+    len: usize,
+) -> IoStatus {
     let iov = [buf.slice(0, len).unwrap()];
-    let n = if matches!(op, IoOp::Read | IoOp::Write) { 1 } else { 0 };
-    let req = IoRequest { op, offset, len: len as u64, iov: &iov[..n], fua: false };
+    let n = if matches!(op, IoOp::Read | IoOp::Write) {
+        1
+    } else {
+        0
+    };
+    let req = IoRequest {
+        op,
+        offset,
+        len: len as u64,
+        iov: &iov[..n],
+        fua: false,
+    };
     if let Some(st) = ch.submit(1, &req) {
         return st;
     }
@@ -61,26 +77,87 @@ fn hostile_header_fields_are_refused_by_name() {
     let p = new_image(dir.path(), "a.qcow2", 64 * MIB, None);
     let (good, len) = head(&p);
     let h = Header::parse(&good, len).unwrap();
-    assert_eq!((h.size, h.cluster_bits, h.refcount_order), (64 * MIB, 16, 4));
+    assert_eq!(
+        (h.size, h.cluster_bits, h.refcount_order),
+        (64 * MIB, 16, 4)
+    );
     let cases: Vec<(usize, Vec<u8>, fn(&HeaderError) -> bool)> = vec![
         (0, b"QFI\xfc".to_vec(), |e| *e == HeaderError::Magic),
-        (4, 2u32.to_be_bytes().to_vec(), |e| *e == HeaderError::Version(2)),
-        (20, 8u32.to_be_bytes().to_vec(), |e| *e == HeaderError::ClusterBits(8)),
-        (20, 22u32.to_be_bytes().to_vec(), |e| *e == HeaderError::ClusterBits(22)),
-        (100, 100u32.to_be_bytes().to_vec(), |e| *e == HeaderError::HeaderLength(100)),
-        (24, (1u64 << 62).to_be_bytes().to_vec(), |e| matches!(e, HeaderError::Size(_))),
-        (96, 7u32.to_be_bytes().to_vec(), |e| *e == HeaderError::RefcountOrder(7)),
-        (36, 0u32.to_be_bytes().to_vec(), |e| matches!(e, HeaderError::L1Size { .. })),
-        (36, u32::MAX.to_be_bytes().to_vec(), |e| matches!(e, HeaderError::L1Size { .. })),
-        (40, 0x10200u64.to_be_bytes().to_vec(), |e| matches!(e, HeaderError::Table { what: "L1 table", .. })),
-        (40, 0u64.to_be_bytes().to_vec(), |e| matches!(e, HeaderError::Table { what: "L1 table", .. })),
-        (40, (1u64 << 40).to_be_bytes().to_vec(), |e| matches!(e, HeaderError::Table { what: "L1 table", .. })),
-        (48, 0u64.to_be_bytes().to_vec(), |e| matches!(e, HeaderError::Table { what: "refcount table", .. })),
-        (56, 0u32.to_be_bytes().to_vec(), |e| *e == HeaderError::RefcountTableSize(0)),
-        (56, u32::MAX.to_be_bytes().to_vec(), |e| matches!(e, HeaderError::RefcountTableSize(_))),
-        (48, h.l1_offset.to_be_bytes().to_vec(), |e| *e == HeaderError::Overlap),
-        (8, 65530u64.to_be_bytes().to_vec(), |e| matches!(e, HeaderError::BackingName { .. })),
-        (104, [0, 0, 0, 9, 0x7f, 0xff, 0xff, 0xf0].to_vec(), |e| matches!(e, HeaderError::Extension(_))),
+        (4, 2u32.to_be_bytes().to_vec(), |e| {
+            *e == HeaderError::Version(2)
+        }),
+        (20, 8u32.to_be_bytes().to_vec(), |e| {
+            *e == HeaderError::ClusterBits(8)
+        }),
+        (20, 22u32.to_be_bytes().to_vec(), |e| {
+            *e == HeaderError::ClusterBits(22)
+        }),
+        (100, 100u32.to_be_bytes().to_vec(), |e| {
+            *e == HeaderError::HeaderLength(100)
+        }),
+        (24, (1u64 << 62).to_be_bytes().to_vec(), |e| {
+            matches!(e, HeaderError::Size(_))
+        }),
+        (96, 7u32.to_be_bytes().to_vec(), |e| {
+            *e == HeaderError::RefcountOrder(7)
+        }),
+        (36, 0u32.to_be_bytes().to_vec(), |e| {
+            matches!(e, HeaderError::L1Size { .. })
+        }),
+        (36, u32::MAX.to_be_bytes().to_vec(), |e| {
+            matches!(e, HeaderError::L1Size { .. })
+        }),
+        (40, 0x10200u64.to_be_bytes().to_vec(), |e| {
+            matches!(
+                e,
+                HeaderError::Table {
+                    what: "L1 table",
+                    ..
+                }
+            )
+        }),
+        (40, 0u64.to_be_bytes().to_vec(), |e| {
+            matches!(
+                e,
+                HeaderError::Table {
+                    what: "L1 table",
+                    ..
+                }
+            )
+        }),
+        (40, (1u64 << 40).to_be_bytes().to_vec(), |e| {
+            matches!(
+                e,
+                HeaderError::Table {
+                    what: "L1 table",
+                    ..
+                }
+            )
+        }),
+        (48, 0u64.to_be_bytes().to_vec(), |e| {
+            matches!(
+                e,
+                HeaderError::Table {
+                    what: "refcount table",
+                    ..
+                }
+            )
+        }),
+        (56, 0u32.to_be_bytes().to_vec(), |e| {
+            *e == HeaderError::RefcountTableSize(0)
+        }),
+        (56, u32::MAX.to_be_bytes().to_vec(), |e| {
+            matches!(e, HeaderError::RefcountTableSize(_))
+        }),
+        (48, h.l1_offset.to_be_bytes().to_vec(), |e| {
+            *e == HeaderError::Overlap
+        }),
+        (8, 65530u64.to_be_bytes().to_vec(), |e| {
+            matches!(e, HeaderError::BackingName { .. })
+        }),
+        (104, [0, 0, 0, 9, 0x7f, 0xff, 0xff, 0xf0].to_vec(), |e| {
+            matches!(e, HeaderError::Extension(_))
+        }),
     ];
     for (at, bytes, want) in cases {
         let mut b = good.clone();
@@ -103,9 +180,21 @@ fn refused_features_name_themselves() {
     let cases: [(u64, u64, fn(&Qcow2Error) -> bool); 5] = [
         (72, 1, |e| matches!(e, Qcow2Error::Dirty { .. })),
         (72, 2, |e| matches!(e, Qcow2Error::Corrupt { .. })),
-        (72, 4, |e| matches!(e, Qcow2Error::Unsupported { feature, .. } if feature.contains("data file"))),
-        (72, 16, |e| matches!(e, Qcow2Error::Unsupported { feature, .. } if feature.contains("subclusters"))),
-        (72, 1 << 40, |e| matches!(e, Qcow2Error::Unsupported { feature, .. } if feature.contains("unknown"))),
+        (
+            72,
+            4,
+            |e| matches!(e, Qcow2Error::Unsupported { feature, .. } if feature.contains("data file")),
+        ),
+        (
+            72,
+            16,
+            |e| matches!(e, Qcow2Error::Unsupported { feature, .. } if feature.contains("subclusters")),
+        ),
+        (
+            72,
+            1 << 40,
+            |e| matches!(e, Qcow2Error::Unsupported { feature, .. } if feature.contains("unknown")),
+        ),
     ];
     for (i, (at, v, want)) in cases.into_iter().enumerate() {
         let p = new_image(dir.path(), &format!("f{i}.qcow2"), MIB, None);
@@ -147,7 +236,9 @@ fn backing_loops_and_deep_chains_are_refused() {
         new_image(dir.path(), &name, MIB, Some(&prev));
         prev = name;
     }
-    let e = Qcow2Disk::open(dir.path().join(&prev), Qcow2Options::default()).err().unwrap();
+    let e = Qcow2Disk::open(dir.path().join(&prev), Qcow2Options::default())
+        .err()
+        .unwrap();
     assert!(matches!(e, Qcow2Error::ChainTooDeep { .. }), "{e}");
     let ok = format!("c{}.qcow2", MAX_BACKING_CHAIN - 1);
     let d = Qcow2Disk::open(dir.path().join(ok), Qcow2Options::default()).unwrap();
@@ -161,13 +252,29 @@ fn corrupt_tables_end_in_io_errors_not_panics() {
     let (b, len) = head(&p);
     let h = Header::parse(&b, len).unwrap();
     let buf = MappedRegion::anonymous(0, 65536).unwrap();
-    for l1 in [1u64 << 50, 0x10200 | tables::COPIED, tables::OFFSET_MASK, 0x200] {
+    for l1 in [
+        1u64 << 50,
+        0x10200 | tables::COPIED,
+        tables::OFFSET_MASK,
+        0x200,
+    ] {
         put(&p, h.l1_offset, &l1.to_be_bytes());
         let d = Qcow2Disk::open(&p, Qcow2Options::default()).unwrap();
         let mut ch = d.channel().unwrap();
-        assert_eq!(io(&mut *ch, IoOp::Read, 0, &buf, 4096), IoStatus::ReadError, "L1 {l1:#x}");
-        assert_eq!(io(&mut *ch, IoOp::Write, 0, &buf, 4096), IoStatus::IoError, "L1 {l1:#x}");
-        assert_eq!(io(&mut *ch, IoOp::WriteZeroes, 0, &buf, 65536), IoStatus::IoError);
+        assert_eq!(
+            io(&mut *ch, IoOp::Read, 0, &buf, 4096),
+            IoStatus::ReadError,
+            "L1 {l1:#x}"
+        );
+        assert_eq!(
+            io(&mut *ch, IoOp::Write, 0, &buf, 4096),
+            IoStatus::IoError,
+            "L1 {l1:#x}"
+        );
+        assert_eq!(
+            io(&mut *ch, IoOp::WriteZeroes, 0, &buf, 65536),
+            IoStatus::IoError
+        );
     }
 }
 
@@ -176,31 +283,56 @@ fn created_images_keep_what_was_written() {
     let dir = tempfile::tempdir().unwrap();
     let p = new_image(dir.path(), "w.qcow2", 8 * MIB, None);
     // Creating again over an image leaves it; over other data refuses.
-    let o = CreateOptions { size: 8 * MIB, cluster_size: 65536, backing: None };
+    let o = CreateOptions {
+        size: 8 * MIB,
+        cluster_size: 65536,
+        backing: None,
+    };
     assert!(!create_qcow2(&p, &o).unwrap());
     let other = dir.path().join("other");
     std::fs::write(&other, b"data").unwrap();
-    assert!(matches!(create_qcow2(&other, &o), Err(Qcow2Error::NotBlank { .. })));
+    assert!(matches!(
+        create_qcow2(&other, &o),
+        Err(Qcow2Error::NotBlank { .. })
+    ));
     let buf = MappedRegion::anonymous(0, 3 * 65536).unwrap();
     let data: Vec<u8> = (0..3 * 65536u32).map(|i| (i * 7 >> 3) as u8).collect();
-    buf.slice(0, data.len()).unwrap().write_from(0, &data).unwrap();
+    buf.slice(0, data.len())
+        .unwrap()
+        .write_from(0, &data)
+        .unwrap();
     {
         let d = Qcow2Disk::open(&p, Qcow2Options::default()).unwrap();
         let mut ch = d.channel().unwrap();
         // Partial, whole and spanning writes; a read of an unallocated cluster.
         assert_eq!(io(&mut *ch, IoOp::Write, 512, &buf, 4096), IoStatus::Ok);
-        assert_eq!(io(&mut *ch, IoOp::Write, 65536 * 3 - 4096, &buf, 3 * 65536), IoStatus::Ok);
-        assert_eq!(io(&mut *ch, IoOp::WriteZeroes, 65536 * 4, &buf, 65536), IoStatus::Ok);
+        assert_eq!(
+            io(&mut *ch, IoOp::Write, 65536 * 3 - 4096, &buf, 3 * 65536),
+            IoStatus::Ok
+        );
+        assert_eq!(
+            io(&mut *ch, IoOp::WriteZeroes, 65536 * 4, &buf, 65536),
+            IoStatus::Ok
+        );
         assert_eq!(io(&mut *ch, IoOp::Flush, 0, &buf, 0), IoStatus::Ok);
         // Over allocated clusters: the fast path.
-        assert_eq!(io(&mut *ch, IoOp::Write, 65536 * 3, &buf, 8192), IoStatus::Ok);
+        assert_eq!(
+            io(&mut *ch, IoOp::Write, 65536 * 3, &buf, 8192),
+            IoStatus::Ok
+        );
     }
     let d = Qcow2Disk::open(&p, Qcow2Options::default()).unwrap();
     let mut ch = d.channel().unwrap();
     let out = MappedRegion::anonymous(0, 8 * MIB).unwrap();
-    assert_eq!(io(&mut *ch, IoOp::Read, 0, &out, 8 * MIB as usize), IoStatus::Ok);
+    assert_eq!(
+        io(&mut *ch, IoOp::Read, 0, &out, 8 * MIB as usize),
+        IoStatus::Ok
+    );
     let mut got = vec![0u8; 8 * MIB as usize];
-    out.slice(0, got.len()).unwrap().read_into(0, &mut got).unwrap();
+    out.slice(0, got.len())
+        .unwrap()
+        .read_into(0, &mut got)
+        .unwrap();
     let mut want = vec![0u8; 8 * MIB as usize];
     want[512..512 + 4096].copy_from_slice(&data[..4096]);
     let at = 65536 * 3 - 4096;
@@ -215,7 +347,11 @@ fn created_images_keep_what_was_written() {
 fn refcounts_of_every_width_round_trip() {
     for order in 0..=6u32 {
         let mut b = vec![0u8; 512];
-        let max = if order == 6 { u64::MAX } else { (1u64 << (1 << order)) - 1 };
+        let max = if order == 6 {
+            u64::MAX
+        } else {
+            (1u64 << (1 << order)) - 1
+        };
         for i in [0usize, 1, 5, 17] {
             put_refcount(&mut b, order, i, max);
             assert_eq!(get_refcount(&b, order, i), max, "order {order} index {i}");
