@@ -216,6 +216,67 @@ fn backing_chains_qemu_made_read_back_exactly() {
     );
 }
 
+/// 300 random writes, write zeroes, discards and flushes on `disk`, each
+/// applied to `want`, then the whole device read back against it.
+fn random_io(disk: &Qcow2Disk, rng: &mut Rng, want: &mut [u8]) {
+    let size = want.len() as u64;
+    let mut ch = disk.channel().unwrap();
+    let buf = MappedRegion::anonymous(0, 256 << 10).unwrap();
+    let mut data = vec![0u8; 256 << 10];
+    for i in 0..300 {
+        let len = rng.range(1, 128) * 512;
+        let off = rng.below((size - len) / 512) * 512;
+        let op = match rng.below(10) {
+            0 => IoOp::Discard,
+            1 => IoOp::WriteZeroes,
+            2 => IoOp::Flush,
+            _ => IoOp::Write,
+        };
+        let r = off as usize..(off + len) as usize;
+        match op {
+            IoOp::Write => {
+                rng.fill(&mut data[..len as usize]);
+                buf.slice(0, len as usize)
+                    .unwrap()
+                    .write_from(0, &data[..len as usize])
+                    .unwrap();
+                want[r].copy_from_slice(&data[..len as usize]);
+            }
+            IoOp::WriteZeroes => want[r].fill(0),
+            _ => {}
+        }
+        assert_eq!(
+            io(&mut *ch, op, off, &buf, len as usize),
+            IoStatus::Ok,
+            "op {i}: {op:?} {off} {len}"
+        );
+        if op == IoOp::Discard {
+            // Whole clusters read as zeroes after a discard, the rest as
+            // before: take what udrive reads as the expectation there, and
+            // check it is one of the two.
+            assert_eq!(
+                io(&mut *ch, IoOp::Read, off, &buf, len as usize),
+                IoStatus::Ok
+            );
+            let mut got = vec![0u8; len as usize];
+            buf.slice(0, len as usize)
+                .unwrap()
+                .read_into(0, &mut got)
+                .unwrap();
+            for (k, b) in got.iter().enumerate() {
+                let w = &mut want[off as usize + k];
+                assert!(*b == 0 || *b == *w, "discard at {off}: byte {k}");
+                *w = *b;
+            }
+        }
+    }
+    assert_eq!(
+        first_difference(&read_all(disk), want),
+        None,
+        "before close"
+    );
+}
+
 /// Random verified writes, write zeroes and discards through udrive, over a
 /// backing file, then QEMU's verdict.
 fn udrive_writes_pass_qemu_check(cluster: &str, seed: u64) {
@@ -242,64 +303,7 @@ fn udrive_writes_pass_qemu_check(cluster: &str, seed: u64) {
         img_s,
         "16M",
     ]);
-    {
-        let disk = open(&img);
-        let mut ch = disk.channel().unwrap();
-        let buf = MappedRegion::anonymous(0, 256 << 10).unwrap();
-        let mut data = vec![0u8; 256 << 10];
-        for i in 0..300 {
-            let len = rng.range(1, 128) * 512;
-            let off = rng.below((size - len) / 512) * 512;
-            let op = match rng.below(10) {
-                0 => IoOp::Discard,
-                1 => IoOp::WriteZeroes,
-                2 => IoOp::Flush,
-                _ => IoOp::Write,
-            };
-            let r = off as usize..(off + len) as usize;
-            match op {
-                IoOp::Write => {
-                    rng.fill(&mut data[..len as usize]);
-                    buf.slice(0, len as usize)
-                        .unwrap()
-                        .write_from(0, &data[..len as usize])
-                        .unwrap();
-                    want[r].copy_from_slice(&data[..len as usize]);
-                }
-                IoOp::WriteZeroes => want[r].fill(0),
-                _ => {}
-            }
-            assert_eq!(
-                io(&mut *ch, op, off, &buf, len as usize),
-                IoStatus::Ok,
-                "op {i}: {op:?} {off} {len}"
-            );
-            if op == IoOp::Discard {
-                // Whole clusters read as zeroes after a discard, the rest as
-                // before: take what udrive reads as the expectation there, and
-                // check it is one of the two.
-                assert_eq!(
-                    io(&mut *ch, IoOp::Read, off, &buf, len as usize),
-                    IoStatus::Ok
-                );
-                let mut got = vec![0u8; len as usize];
-                buf.slice(0, len as usize)
-                    .unwrap()
-                    .read_into(0, &mut got)
-                    .unwrap();
-                for (k, b) in got.iter().enumerate() {
-                    let w = &mut want[off as usize + k];
-                    assert!(*b == 0 || *b == *w, "discard at {off}: byte {k}");
-                    *w = *b;
-                }
-            }
-        }
-        assert_eq!(
-            first_difference(&read_all(&disk), &want),
-            None,
-            "before close"
-        );
-    }
+    random_io(&open(&img), &mut rng, &mut want);
     let raw = d.join("want.raw");
     std::fs::write(&raw, &want).unwrap();
     let check = Command::new("qemu-img")

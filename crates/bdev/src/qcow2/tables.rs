@@ -185,21 +185,21 @@ mod tests {
         assert_eq!(classify(0, cs, limit), Cluster::Unallocated);
         assert_eq!(classify(ZERO, cs, limit), Cluster::Zero { host: None });
         assert_eq!(
-            classify(COPIED | 2 * cs, cs, limit),
+            classify(COPIED | (2 * cs), cs, limit),
             Cluster::Data {
                 host: 2 * cs,
                 copied: true
             }
         );
         assert_eq!(
-            classify(COPIED | 2 * cs | ZERO, cs, limit),
+            classify(COPIED | (2 * cs) | ZERO, cs, limit),
             Cluster::Zero { host: Some(2 * cs) }
         );
         assert_eq!(classify(COMPRESSED | 5, cs, limit), Cluster::Compressed);
         // In the header cluster, unaligned, past the file.
         assert_eq!(classify(COPIED | 512, cs, limit), Cluster::Bad);
         assert_eq!(classify(COPIED | (2 * cs + 512), cs, limit), Cluster::Bad);
-        assert_eq!(classify(COPIED | 10 * cs, cs, limit), Cluster::Bad);
+        assert_eq!(classify(COPIED | (10 * cs), cs, limit), Cluster::Bad);
         assert_eq!(classify(COPIED | OFFSET_MASK, cs, limit), Cluster::Bad);
     }
 }

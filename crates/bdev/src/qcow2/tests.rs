@@ -15,6 +15,10 @@ use crate::{IoOp, IoRequest, IoStatus};
 
 const MIB: u64 = 1 << 20;
 
+/// What a hostile case must be refused with.
+type IsHeader = fn(&HeaderError) -> bool;
+type IsOpen = fn(&Qcow2Error) -> bool;
+
 fn new_image(dir: &Path, name: &str, size: u64, backing: Option<&str>) -> PathBuf {
     let p = dir.join(name);
     let o = CreateOptions {
@@ -81,7 +85,7 @@ fn hostile_header_fields_are_refused_by_name() {
         (h.size, h.cluster_bits, h.refcount_order),
         (64 * MIB, 16, 4)
     );
-    let cases: Vec<(usize, Vec<u8>, fn(&HeaderError) -> bool)> = vec![
+    let cases: Vec<(usize, Vec<u8>, IsHeader)> = vec![
         (0, b"QFI\xfc".to_vec(), |e| *e == HeaderError::Magic),
         (4, 2u32.to_be_bytes().to_vec(), |e| {
             *e == HeaderError::Version(2)
@@ -177,7 +181,7 @@ fn hostile_header_fields_are_refused_by_name() {
 #[test]
 fn refused_features_name_themselves() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(u64, u64, fn(&Qcow2Error) -> bool); 5] = [
+    let cases: [(u64, u64, IsOpen); 5] = [
         (72, 1, |e| matches!(e, Qcow2Error::Dirty { .. })),
         (72, 2, |e| matches!(e, Qcow2Error::Corrupt { .. })),
         (
@@ -296,7 +300,7 @@ fn created_images_keep_what_was_written() {
         Err(Qcow2Error::NotBlank { .. })
     ));
     let buf = MappedRegion::anonymous(0, 3 * 65536).unwrap();
-    let data: Vec<u8> = (0..3 * 65536u32).map(|i| (i * 7 >> 3) as u8).collect();
+    let data: Vec<u8> = (0..3 * 65536u32).map(|i| ((i * 7) >> 3) as u8).collect();
     buf.slice(0, data.len())
         .unwrap()
         .write_from(0, &data)
