@@ -67,3 +67,50 @@ pub fn ns_spec(data: &[u8]) {
         assert!(again.is_ok(), "{spec} does not parse back");
     }
 }
+
+/// A qcow2 image made of input bytes: the header parser on them, then, when the
+/// header parses, the image opened read-only (L1 and refcount tables loaded) and
+/// read through a channel (the inline engine, so that reads complete in the
+/// call): the first clusters, the last, and a spread between, through L2 tables
+/// and entries the input wrote. Any outcome but a panic or a hang is fine.
+pub fn qcow2_image(data: &[u8]) {
+    if bdev::parse_qcow2_header(data, data.len() as u64).is_err() {
+        return;
+    }
+    let path = std::env::temp_dir().join(format!("udrive-fuzz-qcow2-{}", std::process::id()));
+    if std::fs::write(&path, data).is_err() {
+        return;
+    }
+    let opts = bdev::Qcow2Options {
+        read_only: true,
+        engine: bdev::FileEngine::Inline,
+        l2_cache: 64 << 10,
+        ..Default::default()
+    };
+    let disk = bdev::Qcow2Disk::open(&path, opts);
+    let _ = std::fs::remove_file(&path);
+    let (Ok(disk), Ok(buf)) = (disk, guest_mem::MappedRegion::anonymous(0, 64 << 10)) else {
+        return;
+    };
+    let Ok(mut ch) = bdev::BlockDevice::channel(&disk) else {
+        return;
+    };
+    let size = bdev::BlockDevice::info(&disk).size_bytes();
+    let Some(iov) = buf.slice(0, 4096) else {
+        return;
+    };
+    let iov = [iov];
+    for i in 0..16u64 {
+        let offset = (size / 16 * i) & !4095;
+        let req = bdev::IoRequest {
+            op: bdev::IoOp::Read,
+            offset: offset.min(size.saturating_sub(4096)),
+            len: 4096.min(size),
+            iov: &iov,
+            fua: false,
+        };
+        if req.len == 4096 {
+            let _ = ch.submit(i, &req);
+        }
+    }
+}

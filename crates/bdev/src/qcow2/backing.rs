@@ -6,7 +6,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::{Path, PathBuf};
 
 use super::error::Qcow2Error;
@@ -58,6 +58,14 @@ impl Backing {
         if seen.contains(&canon) {
             return Err(Qcow2Error::BackingLoop {
                 path: path.to_path_buf(),
+            });
+        }
+        // A FIFO or a character device would block or never end.
+        let meta = std::fs::metadata(&canon).map_err(io("read the backing file's metadata"))?;
+        if !meta.is_file() && !meta.file_type().is_block_device() {
+            return Err(Qcow2Error::Unsupported {
+                path: target,
+                feature: "a backing file that is not a regular file or block device",
             });
         }
         let file = File::open(&target).map_err(io("open the backing file"))?;
