@@ -5,7 +5,7 @@
 //! shorter backing file's end are zeroes.
 
 use std::fs::File;
-use std::io;
+use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::{Path, PathBuf};
 
@@ -90,10 +90,10 @@ impl Backing {
                 &target, ro, seen,
             )?))));
         }
-        let len = file
-            .metadata()
-            .map_err(io("read the backing file's metadata"))?
-            .len();
+        // A block device's length is its end, not its metadata's.
+        let len = (&file)
+            .seek(SeekFrom::End(0))
+            .map_err(io("find the backing file's end"))?;
         Ok(Some(Backing::Raw {
             path: target,
             file,
