@@ -232,3 +232,41 @@ fn images_that_cannot_be_served_fail_at_open() {
         assert!(bad.parse::<udrive::nsspec::NsSpec>().is_err(), "{bad}");
     }
 }
+
+/// `encrypt=luks` over a qcow2 image: a cryptsetup volume converted to qcow2 by
+/// qemu-img unlocks and keeps what is written, through the same wrappers as on
+/// any backend.
+#[test]
+fn luks_volume_inside_a_qcow2_image() {
+    if !have_qemu_img() {
+        return;
+    }
+    use test_support::luks::{luks_format, volume};
+    let dir = tempfile::tempdir().unwrap();
+    let (raw, key) = volume(dir.path(), 24 * MIB);
+    luks_format(&raw, &key, false);
+    let img = dir.path().join("vol.qcow2");
+    qemu_img(&["convert", "-q", "-O", "qcow2", s(&raw), s(&img)]);
+    let ns = format!(
+        "qcow2:{},encrypt=luks,key-file={}",
+        img.display(),
+        key.display()
+    );
+    let dev = TestDev::start("qcow2-luks", &[&ns]);
+    let d = dev.connect();
+    let mut qp = d.create_qpair(8, false).unwrap();
+    let buf = qp.alloc_buf(64 << 10).unwrap();
+    let mut rng = Rng::new(52);
+    for (i, slba) in [0u64, 300, 16000].into_iter().enumerate() {
+        let mode = [DataMode::Prp, DataMode::Sgl][i % 2];
+        write_read(&mut qp, &buf, slba, &rng.bytes(8192), mode);
+    }
+    assert_ok(
+        &io(&mut qp, IoOp::Flush, 1, 0, 0, None, DataMode::Prp),
+        "flush",
+    );
+    drop(qp);
+    drop(d);
+    drop(dev);
+    qemu_img(&["check", "-q", s(&img)]);
+}
