@@ -147,6 +147,7 @@ fn layout(
         autoclear: 0,
         refcount_order: 4,
         header_length: 104,
+        compression_type: 0,
         backing_file: o.backing.clone(),
         backing_format,
     };

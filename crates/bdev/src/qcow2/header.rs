@@ -42,6 +42,8 @@ pub struct Header {
     pub autoclear: u64,
     pub refcount_order: u32,
     pub header_length: u32,
+    /// How compressed clusters are compressed: 0 deflate, 1 zstd.
+    pub compression_type: u8,
     /// The backing file's name as written (relative to the image's directory
     /// unless absolute).
     pub backing_file: Option<String>,
@@ -112,6 +114,7 @@ impl Header {
             autoclear: be64(buf, 88),
             refcount_order: be32(buf, 96),
             header_length,
+            compression_type: if header_length > 104 { buf[104] } else { 0 },
             backing_file: None,
             backing_format: None,
         };

@@ -43,6 +43,8 @@ pub(super) struct Image {
 /// Where a guest cluster's data is, for the slow path.
 enum Source {
     Host(u64),
+    /// A compressed cluster's L2 entry.
+    Compressed(u64),
     Zeroes,
     Backing,
 }
@@ -127,22 +129,25 @@ impl Image {
     }
 
     fn cluster(&self, meta: &mut Meta, c: u64) -> io::Result<Cluster> {
+        Ok(self.entry(meta, c)?.0)
+    }
+
+    /// Guest cluster `c`'s L2 entry, classified and raw.
+    fn entry(&self, meta: &mut Meta, c: u64) -> io::Result<(Cluster, u64)> {
         let (l1i, l2i) = self.split(c);
         let entry = meta.l2(l1i)?.map_or(0, |t| t.get(l2i));
-        Ok(classify(
-            entry,
-            self.cs(),
-            self.limit.load(Ordering::Acquire),
-        ))
+        let limit = self.limit.load(Ordering::Acquire);
+        Ok((classify(entry, self.cs(), limit), entry))
     }
 
     fn source(&self, meta: &mut Meta, c: u64) -> io::Result<Source> {
-        Ok(match self.cluster(meta, c)? {
-            Cluster::Data { host, .. } => Source::Host(host),
-            Cluster::Zero { .. } => Source::Zeroes,
-            Cluster::Unallocated if self.backing.is_some() => Source::Backing,
-            Cluster::Unallocated => Source::Zeroes,
-            Cluster::Compressed | Cluster::Bad => return Err(bad_data()),
+        Ok(match self.entry(meta, c)? {
+            (Cluster::Compressed, e) => Source::Compressed(e),
+            (Cluster::Data { host, .. }, _) => Source::Host(host),
+            (Cluster::Zero { .. }, _) => Source::Zeroes,
+            (Cluster::Unallocated, _) if self.backing.is_some() => Source::Backing,
+            (Cluster::Unallocated, _) => Source::Zeroes,
+            (Cluster::Bad, _) => return Err(bad_data()),
         })
     }
 
@@ -163,6 +168,11 @@ impl Image {
             match self.source(meta, off / cs)? {
                 Source::Host(h) => self.file.read_exact_at(part, h + within)?,
                 Source::Zeroes => part.fill(0),
+                Source::Compressed(e) => {
+                    let mut whole = vec![0u8; cs as usize];
+                    self.inflate(e, &mut whole)?;
+                    part.copy_from_slice(&whole[within as usize..within as usize + n]);
+                }
                 Source::Backing => match &self.backing {
                     Some(b) => b.read(off, part)?,
                     None => part.fill(0),
@@ -215,10 +225,10 @@ impl Image {
                 return self.file.write_all_at(part, host + within as u64);
             }
             Cluster::Zero { host: Some(h) } => Some(h),
-            Cluster::Unallocated | Cluster::Zero { host: None } => None,
-            Cluster::Data { copied: false, .. } | Cluster::Compressed | Cluster::Bad => {
-                return Err(bad_data())
-            }
+            // A compressed cluster is rewritten whole into a new one; its old
+            // space leaks (freeing is not built).
+            Cluster::Unallocated | Cluster::Zero { host: None } | Cluster::Compressed => None,
+            Cluster::Data { copied: false, .. } | Cluster::Bad => return Err(bad_data()),
         };
         let whole = &mut scratch[..cs as usize];
         if part.len() < whole.len() {
@@ -258,6 +268,33 @@ impl Image {
         Ok(())
     }
 
+    /// Decompresses the cluster L2 entry `entry` describes into `out` (one
+    /// cluster): raw deflate, as QEMU writes it; zstd is not built.
+    fn inflate(&self, entry: u64, out: &mut [u8]) -> io::Result<()> {
+        if self.header.compression_type != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "qcow2: zstd-compressed cluster",
+            ));
+        }
+        let (offset, len) = compressed_extent(entry, self.header.cluster_bits);
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= self.limit.load(Ordering::Acquire));
+        if offset < self.cs() || end.is_none() {
+            return Err(bad_data());
+        }
+        let mut input = vec![0u8; len as usize];
+        let n = read_some(&self.file, &mut input, offset)?;
+        let mut z = flate2::Decompress::new(false);
+        let st = z.decompress(&input[..n], out, flate2::FlushDecompress::Finish);
+        // A full cluster out is success even if the stream has padding left.
+        match st {
+            Ok(_) if z.total_out() == out.len() as u64 => Ok(()),
+            _ => Err(bad_data()),
+        }
+    }
+
     pub(super) fn flush(&self) -> io::Result<()> {
         self.meta().flush()
     }
@@ -280,6 +317,30 @@ impl Drop for Image {
             }
         }
     }
+}
+
+/// Where a compressed cluster's bytes are (offset, length) per its L2 entry:
+/// the offset in the low bits, the count of further 512-byte sectors above.
+pub(super) fn compressed_extent(entry: u64, cluster_bits: u32) -> (u64, u64) {
+    let shift = 62 - (cluster_bits - 8);
+    let offset = entry & ((1 << shift) - 1);
+    let sectors = ((entry >> shift) & ((1 << (cluster_bits - 8)) - 1)) + 1;
+    (offset, sectors * 512 - (offset & 511))
+}
+
+/// Reads what there is of `buf.len()` bytes at `offset` (a compressed
+/// cluster's last sector may lie past the end of the file).
+fn read_some(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match file.read_at(&mut buf[n..], offset + n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
 }
 
 /// Refuses what this implementation does not handle, naming it.
