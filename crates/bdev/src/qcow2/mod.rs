@@ -155,4 +155,12 @@ impl BlockDevice for Qcow2Disk {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
+    /// A successor process opens the image by its spec: the metadata this one
+    /// holds in memory goes to disk first (the front end has nothing in flight).
+    fn pause(&self) -> io::Result<()> {
+        if self.info.read_only {
+            return Ok(());
+        }
+        self.image.flush()
+    }
 }

@@ -365,3 +365,26 @@ fn refcounts_of_every_width_round_trip() {
         }
     }
 }
+
+#[test]
+fn pause_puts_the_metadata_on_disk_for_a_successor() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = new_image(dir.path(), "h.qcow2", 4 * MIB, None);
+    let d = Qcow2Disk::open(&p, Qcow2Options::default()).unwrap();
+    let mut ch = d.channel().unwrap();
+    let buf = MappedRegion::anonymous(0, 4096).unwrap();
+    buf.slice(0, 4096)
+        .unwrap()
+        .write_from(0, &[0x3c; 4096])
+        .unwrap();
+    assert_eq!(io(&mut *ch, IoOp::Write, MIB, &buf, 4096), IoStatus::Ok);
+    d.pause().unwrap();
+    // The successor, while this process still has the image open.
+    let next = Qcow2Disk::open(&p, Qcow2Options::default()).unwrap();
+    let mut ch2 = next.channel().unwrap();
+    let out = MappedRegion::anonymous(0, 4096).unwrap();
+    assert_eq!(io(&mut *ch2, IoOp::Read, MIB, &out, 4096), IoStatus::Ok);
+    let mut got = [0u8; 4096];
+    out.slice(0, 4096).unwrap().read_into(0, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 0x3c));
+}
