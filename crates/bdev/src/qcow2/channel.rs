@@ -65,26 +65,26 @@ impl Qcow2Channel {
         }
     }
 
-    /// The L2 table of `l1i`: one the channel keeps, else from the image's cache
-    /// (under its lock, read from the file on a miss) and kept.
-    /// `Err` when loading it failed (the slow path reports why).
-    fn table(&mut self, l1i: usize) -> Result<Option<Arc<L2Table>>, ()> {
+    /// The slot of `local` holding the L2 table of `l1i`: one the channel
+    /// keeps, else fetched from the image's cache (under its lock, read from the
+    /// file on a miss) and kept. `Ok(None)`: the image has no table there;
+    /// `Err`: loading it failed (the slow path reports why). A hit costs no
+    /// reference count: the fast path borrows the table from the slot.
+    fn table(&mut self, l1i: usize) -> Result<Option<usize>, ()> {
         let g = self.image.generation.load(Ordering::Acquire);
         if g != self.generation {
             self.local = Default::default();
             self.generation = g;
         }
         let slot = l1i % LOCAL;
-        if let Some((i, t)) = &self.local[slot] {
-            if *i == l1i {
-                return Ok(Some(t.clone()));
-            }
+        if matches!(&self.local[slot], Some((i, _)) if *i == l1i) {
+            return Ok(Some(slot));
         }
         let Some(t) = self.image.meta().l2(l1i).map_err(|_| ())? else {
             return Ok(None);
         };
-        self.local[slot] = Some((l1i, t.clone()));
-        Ok(Some(t))
+        self.local[slot] = Some((l1i, t));
+        Ok(Some(slot))
     }
 
     /// Looks `req`'s clusters up without the image's lock.
@@ -97,10 +97,13 @@ impl Qcow2Channel {
             return Fast::Slow;
         }
         let no_backing = self.image.backing.is_none();
-        let t = match self.table(l1i) {
-            Ok(Some(t)) => t,
+        let slot = match self.table(l1i) {
+            Ok(Some(slot)) => slot,
             Ok(None) if no_backing && req.op == IoOp::Read => return Fast::Zeroes,
             _ => return Fast::Slow,
+        };
+        let Some((_, t)) = &self.local[slot] else {
+            return Fast::Slow;
         };
         let limit = self.image.limit.load(Ordering::Acquire);
         let write = req.op == IoOp::Write;
