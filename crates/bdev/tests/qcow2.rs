@@ -9,70 +9,13 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use bdev::{
-    create_qcow2, BlockDevice, IoChannel, IoOp, IoRequest, IoStatus, Qcow2Create, Qcow2Disk,
-    Qcow2Options,
-};
+use bdev::{create_qcow2, BlockDevice, IoOp, IoStatus, Qcow2Create, Qcow2Disk, Qcow2Options};
 use guest_mem::MappedRegion;
-use test_support::luks::run;
+use test_support::channel::one as io;
+use test_support::qemu::{have_qemu_tools, qemu_check, qemu_compare, qemu_img, qemu_io};
 use test_support::rng::Rng;
-use test_support::wait::{wait_until, T};
 
 const MIB: u64 = 1 << 20;
-
-fn have_qemu() -> bool {
-    let ok = Command::new("qemu-img")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-        && Command::new("qemu-io")
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!("skipped: qemu-img/qemu-io not installed (Debian: qemu-utils)");
-    }
-    ok
-}
-
-fn qemu_img(args: &[&str]) -> Vec<u8> {
-    run(Command::new("qemu-img").args(args))
-}
-
-/// `qemu-io` commands (`write -P 0xab 0 64k`) on a qcow2 image.
-fn qemu_io(img: &Path, cmds: &[String]) {
-    let mut c = Command::new("qemu-io");
-    c.args(["-f", "qcow2"]);
-    for cmd in cmds {
-        c.args(["-c", cmd]);
-    }
-    let out = run(c.arg(img));
-    let text = String::from_utf8_lossy(&out);
-    assert!(!text.contains("failed"), "qemu-io: {text}");
-}
-
-/// One request to completion.
-fn io(ch: &mut dyn IoChannel, op: IoOp, offset: u64, buf: &MappedRegion, len: usize) -> IoStatus {
-    let iov = [buf.slice(0, len).unwrap()];
-    let n = usize::from(matches!(op, IoOp::Read | IoOp::Write));
-    let req = IoRequest {
-        op,
-        offset,
-        len: len as u64,
-        iov: &iov[..n],
-        fua: false,
-    };
-    if let Some(st) = ch.submit(1, &req) {
-        return st;
-    }
-    let mut out = None;
-    wait_until("completion", T, || {
-        ch.flush();
-        ch.poll(&mut |_, st| out = Some(st));
-        out.is_some()
-    });
-    out.unwrap()
-}
 
 /// The whole device, read through udrive in 1 MiB requests.
 fn read_all(d: &Qcow2Disk) -> Vec<u8> {
@@ -110,7 +53,7 @@ fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
 
 #[test]
 fn images_qemu_wrote_read_back_exactly() {
-    if !have_qemu() {
+    if !have_qemu_tools() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -151,7 +94,7 @@ fn images_qemu_wrote_read_back_exactly() {
 /// raw <- qcow2 <- qcow2, with relative backing names and both -F formats.
 #[test]
 fn backing_chains_qemu_made_read_back_exactly() {
-    if !have_qemu() {
+    if !have_qemu_tools() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -304,30 +247,9 @@ fn udrive_writes_pass_qemu_check(cluster: &str, seed: u64) {
         "16M",
     ]);
     random_io(&open(&img), &mut rng, &mut want);
-    let raw = d.join("want.raw");
-    std::fs::write(&raw, &want).unwrap();
-    let check = Command::new("qemu-img")
-        .args(["check", "-q", img_s])
-        .output()
-        .unwrap();
-    // 0: clean, 3: leaked clusters only; 2 would be corruption.
-    assert!(
-        matches!(check.status.code(), Some(0) | Some(3)),
-        "qemu-img check: {:?} {}{}",
-        check.status,
-        String::from_utf8_lossy(&check.stdout),
-        String::from_utf8_lossy(&check.stderr)
-    );
-    qemu_img(&[
-        "compare",
-        "-q",
-        "-f",
-        "qcow2",
-        "-F",
-        "raw",
-        img_s,
-        raw.to_str().unwrap(),
-    ]);
+    // No corruption (leaks allowed), and exactly the data written.
+    qemu_check(&img);
+    qemu_compare(&img, &want);
     assert_eq!(
         first_difference(&read_all(&open(&img)), &want),
         None,
@@ -337,21 +259,21 @@ fn udrive_writes_pass_qemu_check(cluster: &str, seed: u64) {
 
 #[test]
 fn udrive_writes_pass_qemu_check_64k_clusters() {
-    if have_qemu() {
+    if have_qemu_tools() {
         udrive_writes_pass_qemu_check("64k", 1);
     }
 }
 
 #[test]
 fn udrive_writes_pass_qemu_check_4k_clusters() {
-    if have_qemu() {
+    if have_qemu_tools() {
         udrive_writes_pass_qemu_check("4k", 2);
     }
 }
 
 #[test]
 fn created_images_open_in_qemu() {
-    if !have_qemu() {
+    if !have_qemu_tools() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -369,11 +291,10 @@ fn created_images_open_in_qemu() {
             backing: backing.map(str::to_string),
         };
         assert!(create_qcow2(&p, &o).unwrap());
-        let info =
-            String::from_utf8(qemu_img(&["info", "--output=json", p.to_str().unwrap()])).unwrap();
+        let info = qemu_img(&["info", "--output=json", p.to_str().unwrap()]);
         assert!(info.contains("\"virtual-size\": 67108864"), "{info}");
         assert!(info.contains(&format!("\"cluster-size\": {cs}")), "{info}");
-        qemu_img(&["check", "-q", p.to_str().unwrap()]);
+        qemu_check(&p);
         // And what udrive writes into it, QEMU reads.
         {
             let disk = open(&p);
@@ -388,15 +309,8 @@ fn created_images_open_in_qemu() {
                 IoStatus::Ok
             );
         }
-        qemu_img(&["check", "-q", p.to_str().unwrap()]);
-        let out = run(Command::new("qemu-io").args([
-            "-f",
-            "qcow2",
-            "-c",
-            &format!("read -P 0x99 {} 8192", 3 * MIB - 4096),
-            p.to_str().unwrap(),
-        ]));
-        assert!(!String::from_utf8_lossy(&out).contains("failed"));
+        qemu_check(&p);
+        qemu_io(&p, &[format!("read -P 0x99 {} 8192", 3 * MIB - 4096)]);
     }
 }
 
@@ -405,7 +319,7 @@ fn created_images_open_in_qemu() {
 /// `qemu-img check` and `compare`.
 #[test]
 fn compressed_images_read_back_and_take_writes() {
-    if !have_qemu() {
+    if !have_qemu_tools() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -451,26 +365,8 @@ fn compressed_images_read_back_and_take_writes() {
                 "{cs} after a write"
             );
         }
-        let expect = dir.path().join("want.raw");
-        std::fs::write(&expect, &want).unwrap();
-        let check = Command::new("qemu-img")
-            .args(["check", "-q", img.to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert!(
-            matches!(check.status.code(), Some(0) | Some(3)),
-            "{check:?}"
-        );
-        qemu_img(&[
-            "compare",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "raw",
-            img.to_str().unwrap(),
-            expect.to_str().unwrap(),
-        ]);
+        qemu_check(&img);
+        qemu_compare(&img, &want);
     }
 }
 
@@ -478,7 +374,7 @@ fn compressed_images_read_back_and_take_writes() {
 /// and not a panic; uncompressed clusters of the same image still read.
 #[test]
 fn zstd_clusters_are_a_read_error() {
-    if !have_qemu() {
+    if !have_qemu_tools() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

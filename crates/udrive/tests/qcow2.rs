@@ -9,36 +9,14 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
 use common::control::{serve_opts, Serve};
 use common::*;
 use initiator::{DataMode, IoOp};
 use serde_json::json;
+use test_support::qemu::{have_qemu_tools, qemu_check, qemu_compare, qemu_img};
 
 const MIB: u64 = 1 << 20;
-
-fn have_qemu_img() -> bool {
-    let ok = Command::new("qemu-img")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!("skipped: qemu-img not installed (Debian: qemu-utils)");
-    }
-    ok
-}
-
-fn qemu_img(args: &[&str]) -> String {
-    let out = Command::new("qemu-img").args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "qemu-img {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -46,7 +24,7 @@ fn s(p: &Path) -> &str {
 
 #[test]
 fn nvme_namespaces_on_qemu_and_created_images() {
-    if !have_qemu_img() {
+    if !have_qemu_tools() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -115,25 +93,14 @@ fn nvme_namespaces_on_qemu_and_created_images() {
         }
     }
     for (image, w) in [(&img, &want), (&new, &want_new)] {
-        qemu_img(&["check", "-q", s(image)]);
-        let raw = d.join("want.raw");
-        std::fs::write(&raw, w).unwrap();
-        qemu_img(&[
-            "compare",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "raw",
-            s(image),
-            s(&raw),
-        ]);
+        qemu_check(image);
+        qemu_compare(image, w);
     }
 }
 
 #[test]
 fn qcow2_namespace_added_over_rpc_shows_its_image() {
-    if !have_qemu_img() {
+    if !have_qemu_tools() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -238,7 +205,7 @@ fn images_that_cannot_be_served_fail_at_open() {
 /// any backend.
 #[test]
 fn luks_volume_inside_a_qcow2_image() {
-    if !have_qemu_img() {
+    if !have_qemu_tools() {
         return;
     }
     use test_support::luks::{luks_format, volume};
@@ -268,5 +235,5 @@ fn luks_volume_inside_a_qcow2_image() {
     drop(qp);
     drop(d);
     drop(dev);
-    qemu_img(&["check", "-q", s(&img)]);
+    qemu_check(&img);
 }

@@ -13,6 +13,30 @@ use super::meta::{get_refcount, put_refcount};
 use super::*;
 use crate::{IoOp, IoRequest, IoStatus};
 
+/// One request to completion (`test_support::channel::one` is for the crate
+/// seen from outside: inside it, its types are another crate's).
+fn io(ch: &mut dyn IoChannel, op: IoOp, offset: u64, buf: &MappedRegion, len: usize) -> IoStatus {
+    let iov = [buf.slice(0, len).unwrap()];
+    let n = usize::from(matches!(op, IoOp::Read | IoOp::Write));
+    let req = IoRequest {
+        op,
+        offset,
+        len: len as u64,
+        iov: &iov[..n],
+        fua: false,
+    };
+    if let Some(st) = ch.submit(1, &req) {
+        return st;
+    }
+    let mut out = None;
+    wait_until("completion", T, || {
+        ch.flush();
+        ch.poll(&mut |_, st| out = Some(st));
+        out.is_some()
+    });
+    out.unwrap()
+}
+
 const MIB: u64 = 1 << 20;
 
 /// What a hostile case must be refused with.
@@ -41,38 +65,6 @@ fn head(p: &Path) -> (Vec<u8>, u64) {
 fn put(p: &Path, at: u64, bytes: &[u8]) {
     let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
     f.write_all_at(bytes, at).unwrap();
-}
-
-pub(super) fn io(
-    ch: &mut dyn IoChannel,
-    op: IoOp,
-    offset: u64,
-    buf: &MappedRegion,
-    len: usize,
-) -> IoStatus {
-    let iov = [buf.slice(0, len).unwrap()];
-    let n = if matches!(op, IoOp::Read | IoOp::Write) {
-        1
-    } else {
-        0
-    };
-    let req = IoRequest {
-        op,
-        offset,
-        len: len as u64,
-        iov: &iov[..n],
-        fua: false,
-    };
-    if let Some(st) = ch.submit(1, &req) {
-        return st;
-    }
-    let mut out = None;
-    wait_until("completion", T, || {
-        ch.flush();
-        ch.poll(&mut |_, st| out = Some(st));
-        out.is_some()
-    });
-    out.unwrap()
 }
 
 #[test]
