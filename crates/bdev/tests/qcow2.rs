@@ -12,7 +12,9 @@ use std::process::Command;
 use bdev::{create_qcow2, BlockDevice, IoOp, IoStatus, Qcow2Create, Qcow2Disk, Qcow2Options};
 use guest_mem::MappedRegion;
 use test_support::channel::one as io;
-use test_support::qemu::{have_qemu_tools, qemu_check, qemu_compare, qemu_img, qemu_io};
+use test_support::qemu::{
+    have_qemu_tools, qemu_check, qemu_compare, qemu_create, qemu_img, qemu_io,
+};
 use test_support::rng::Rng;
 
 const MIB: u64 = 1 << 20;
@@ -59,17 +61,7 @@ fn images_qemu_wrote_read_back_exactly() {
     let dir = tempfile::tempdir().unwrap();
     for cs in ["512", "4k", "64k", "2M"] {
         let img = dir.path().join(format!("q{cs}.qcow2"));
-        let img_s = img.to_str().unwrap();
-        qemu_img(&[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-o",
-            &format!("cluster_size={cs}"),
-            img_s,
-            "24M",
-        ]);
+        qemu_create(&img, "24M", None, Some(cs));
         let writes = [
             (0xabu8, 0u64, MIB),
             (0x11, 5 * MIB + 512, 70 << 10),
@@ -107,37 +99,12 @@ fn backing_chains_qemu_made_read_back_exactly() {
     std::fs::create_dir(d.join("sub")).unwrap();
     let mid = d.join("sub/mid.qcow2");
     let top = d.join("sub/top.qcow2");
-    let (mid_s, top_s) = (mid.to_str().unwrap(), top.to_str().unwrap());
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "../base.raw",
-        "-F",
-        "raw",
-        "-o",
-        "cluster_size=4k",
-        mid_s,
-        "16M",
-    ]);
+    qemu_create(&mid, "16M", Some(("../base.raw", "raw")), Some("4k"));
     qemu_io(
         &mid,
         &["write -P 0x22 4096 8192".into(), "write -z 1M 64k".into()],
     );
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "mid.qcow2",
-        "-F",
-        "qcow2",
-        top_s,
-        "16M",
-    ]);
+    qemu_create(&top, "16M", Some(("mid.qcow2", "qcow2")), None);
     qemu_io(
         &top,
         &[
@@ -231,21 +198,7 @@ fn udrive_writes_pass_qemu_check(cluster: &str, seed: u64) {
     rng.fill(&mut want[..8 * MIB as usize]);
     std::fs::write(d.join("base.raw"), &want[..8 * MIB as usize]).unwrap();
     let img = d.join("w.qcow2");
-    let img_s = img.to_str().unwrap();
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.raw",
-        "-F",
-        "raw",
-        "-o",
-        &format!("cluster_size={cluster}"),
-        img_s,
-        "16M",
-    ]);
+    qemu_create(&img, "16M", Some(("base.raw", "raw")), Some(cluster));
     random_io(&open(&img), &mut rng, &mut want);
     // No corruption (leaks allowed), and exactly the data written.
     qemu_check(&img);

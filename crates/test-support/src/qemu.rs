@@ -75,3 +75,18 @@ pub fn qemu_compare(img: &Path, want: &[u8]) {
     qemu_img(&["compare", "-q", "-f", "qcow2", "-F", "raw", i, r]);
     let _ = std::fs::remove_file(&raw);
 }
+
+/// `qemu-img create -f qcow2 [-b BACKING -F FORMAT] [-o cluster_size=C] IMG SIZE`
+/// (`backing`: name and format; `cluster`, `size` as qemu-img takes them).
+pub fn qemu_create(img: &Path, size: &str, backing: Option<(&str, &str)>, cluster: Option<&str>) {
+    let mut args = vec!["create", "-q", "-f", "qcow2"];
+    if let Some((name, format)) = backing {
+        args.extend(["-b", name, "-F", format]);
+    }
+    let opt = cluster.map(|c| format!("cluster_size={c}"));
+    if let Some(o) = &opt {
+        args.extend(["-o", o]);
+    }
+    args.extend([img.to_str().unwrap(), size]);
+    qemu_img(&args);
+}

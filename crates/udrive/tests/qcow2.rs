@@ -14,7 +14,7 @@ use common::control::{serve_opts, Serve};
 use common::*;
 use initiator::{DataMode, IoOp};
 use serde_json::json;
-use test_support::qemu::{have_qemu_tools, qemu_check, qemu_compare, qemu_img};
+use test_support::qemu::{have_qemu_tools, qemu_check, qemu_compare, qemu_create, qemu_img};
 
 const MIB: u64 = 1 << 20;
 
@@ -32,18 +32,7 @@ fn nvme_namespaces_on_qemu_and_created_images() {
     let mut want = Rng::new(50).bytes(16 * MIB as usize);
     std::fs::write(d.join("base.raw"), &want).unwrap();
     let img = d.join("vm.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.raw",
-        "-F",
-        "raw",
-        s(&img),
-        "16M",
-    ]);
+    qemu_create(&img, "16M", Some(("base.raw", "raw")), None);
     let new = d.join("new.qcow2");
     let ns1 = format!("qcow2:{}", img.display());
     let ns2 = format!("qcow2:{},create=16M,cluster=4k", new.display());
