@@ -8,6 +8,7 @@ use std::fs::File;
 use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::error::Qcow2Error;
 use super::header::{Header, MAGIC};
@@ -17,7 +18,11 @@ use super::image::{Image, OpenOpts};
 pub const MAX_CHAIN: usize = 32;
 
 pub(super) enum Backing {
-    Raw { path: PathBuf, file: File, len: u64 },
+    Raw {
+        path: PathBuf,
+        file: Arc<File>,
+        len: u64,
+    },
     Qcow2(Box<Image>),
 }
 
@@ -96,7 +101,7 @@ impl Backing {
             .map_err(io("find the backing file's end"))?;
         Ok(Some(Backing::Raw {
             path: target,
-            file,
+            file: Arc::new(file),
             len,
         }))
     }

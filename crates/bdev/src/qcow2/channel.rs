@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use guest_mem::DmaSlice;
 
+use super::backing::Backing;
 use super::image::Image;
 use super::tables::{classify, Cluster, L2Table};
 use crate::crypt::{copy_in, copy_out};
@@ -23,6 +24,12 @@ const LOCAL: usize = 8;
 pub(super) struct Qcow2Channel {
     /// First: dropped (waiting for what it has in flight) before the rest.
     data: Box<dyn IoChannel>,
+    /// A raw backing file's ring: reads of a range the image leaves to it go
+    /// there whole, asynchronously.
+    backing: Option<Box<dyn IoChannel>>,
+    /// Requests in flight on `backing` (while any are, the channel cannot
+    /// sleep on `data`'s notifier alone).
+    backing_inflight: usize,
     image: Arc<Image>,
     local: [Option<(usize, Arc<L2Table>)>; LOCAL],
     generation: u64,
@@ -39,6 +46,8 @@ enum Fast {
     Host(u64),
     /// All read as zeroes.
     Zeroes,
+    /// All in the raw backing file, at the same offset.
+    Backing,
     Slow,
 }
 
@@ -51,10 +60,17 @@ fn status(e: &io::Error, read: bool) -> IoStatus {
 }
 
 impl Qcow2Channel {
-    pub(super) fn new(image: Arc<Image>, data: Box<dyn IoChannel>, size: u64) -> Qcow2Channel {
+    pub(super) fn new(
+        image: Arc<Image>,
+        data: Box<dyn IoChannel>,
+        backing: Option<Box<dyn IoChannel>>,
+        size: u64,
+    ) -> Qcow2Channel {
         let cs = image.cs() as usize;
         Qcow2Channel {
             data,
+            backing,
+            backing_inflight: 0,
             read_only: image.read_only,
             generation: image.generation.load(Ordering::Acquire),
             image,
@@ -100,6 +116,7 @@ impl Qcow2Channel {
         let slot = match self.table(l1i) {
             Ok(Some(slot)) => slot,
             Ok(None) if no_backing && req.op == IoOp::Read => return Fast::Zeroes,
+            Ok(None) if req.op == IoOp::Read && self.in_raw_backing(req) => return Fast::Backing,
             _ => return Fast::Slow,
         };
         let Some((_, t)) = &self.local[slot] else {
@@ -121,6 +138,14 @@ impl Qcow2Channel {
                     Fast::Slow
                 }
             }
+            Cluster::Unallocated if !write && self.in_raw_backing(req) => {
+                let unallocated = (0..=n).all(|k| t.get(l2i + k) == 0);
+                if unallocated {
+                    Fast::Backing
+                } else {
+                    Fast::Slow
+                }
+            }
             Cluster::Zero { .. } | Cluster::Unallocated if !write => {
                 let zero = |e| match classify(e, cs, limit) {
                     Cluster::Zero { .. } => true,
@@ -134,6 +159,16 @@ impl Qcow2Channel {
                 }
             }
             _ => Fast::Slow,
+        }
+    }
+
+    /// Whether `req` lies inside a raw backing file this channel has a ring on.
+    fn in_raw_backing(&self, req: &IoRequest<'_>) -> bool {
+        match &self.image.backing {
+            Some(Backing::Raw { len, .. }) => {
+                self.backing.is_some() && req.offset + req.len <= *len
+            }
+            _ => false,
         }
     }
 
@@ -154,6 +189,14 @@ impl Qcow2Channel {
                 },
             ),
             Fast::Zeroes => Some(fill_zeroes(req.iov)),
+            Fast::Backing => match self.backing.as_mut().map(|b| b.submit(tag, req)) {
+                Some(None) => {
+                    self.backing_inflight += 1;
+                    None
+                }
+                Some(st) => st,
+                None => Some(self.slow(req)),
+            },
             Fast::Slow => Some(self.slow(req)),
         }
     }
@@ -273,15 +316,33 @@ impl IoChannel for Qcow2Channel {
         }
     }
     fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
-        self.data.poll(done)
+        let mut n = self.data.poll(done);
+        if let Some(b) = &mut self.backing {
+            let k = b.poll(done);
+            self.backing_inflight = self.backing_inflight.saturating_sub(k);
+            n += k;
+        }
+        n
     }
     fn flush(&mut self) {
-        self.data.flush()
+        self.data.flush();
+        if let Some(b) = &mut self.backing {
+            b.flush();
+        }
     }
     fn room(&self) -> usize {
-        self.data.room()
+        let b = self.backing.as_ref().map_or(usize::MAX, |b| b.room());
+        self.data.room().min(b)
     }
+    /// One notifier (the image file's ring): with backing reads in flight the
+    /// reactor keeps polling.
     fn arm_notifier(&mut self) -> Armed {
+        if self.backing_inflight > 0 {
+            if let Some(b) = &mut self.backing {
+                b.flush();
+            }
+            return Armed::Unsupported;
+        }
         self.data.arm_notifier()
     }
     fn notifier(&self) -> Option<std::os::fd::BorrowedFd<'_>> {

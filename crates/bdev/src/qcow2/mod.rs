@@ -144,11 +144,19 @@ impl BlockDevice for Qcow2Disk {
         &self.info
     }
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
+        let image = &self.image;
         let data =
-            crate::uring::data_channel(self.image.file.clone(), self.engine, self.info.read_only)?;
+            crate::uring::data_channel(image.file.clone(), self.engine, self.info.read_only)?;
+        let backing = match &image.backing {
+            Some(backing::Backing::Raw { file, .. }) => {
+                Some(crate::uring::data_channel(file.clone(), self.engine, true)?)
+            }
+            _ => None,
+        };
         Ok(Box::new(channel::Qcow2Channel::new(
-            self.image.clone(),
+            image.clone(),
             data,
+            backing,
             self.info.size_bytes(),
         )))
     }
