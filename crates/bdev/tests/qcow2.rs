@@ -363,3 +363,50 @@ fn zstd_clusters_are_a_read_error() {
     buf.slice(0, 4096).unwrap().read_into(0, &mut got).unwrap();
     assert!(got.iter().all(|&b| b == 0x62));
 }
+
+/// An image whose refcount table fills up (qemu-img sizes it for what it
+/// allocates at creation: with 512-byte clusters, 8 MiB of clusters): udrive
+/// moves the table to a larger one and QEMU follows it.
+#[test]
+fn full_refcount_tables_grow() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("small.qcow2");
+    qemu_create(&img, "40M", None, Some("512"));
+    let reftable_clusters = |p: &Path| {
+        let b = std::fs::read(p).unwrap();
+        u32::from_be_bytes(b[56..60].try_into().unwrap())
+    };
+    let before = reftable_clusters(&img);
+    let mut want = vec![0u8; 40 * MIB as usize];
+    Rng::new(9).fill(&mut want[..24 * MIB as usize]);
+    {
+        let disk = open(&img);
+        let mut ch = disk.channel().unwrap();
+        let buf = MappedRegion::anonymous(0, MIB).unwrap();
+        for at in (0..24 * MIB).step_by(MIB as usize) {
+            let part = &want[at as usize..(at + MIB) as usize];
+            buf.slice(0, MIB as usize)
+                .unwrap()
+                .write_from(0, part)
+                .unwrap();
+            assert_eq!(
+                io(&mut *ch, IoOp::Write, at, &buf, MIB as usize),
+                IoStatus::Ok,
+                "at {at}"
+            );
+        }
+        assert_eq!(io(&mut *ch, IoOp::Flush, 0, &buf, 0), IoStatus::Ok);
+        assert_eq!(first_difference(&read_all(&disk), &want), None);
+    }
+    assert!(reftable_clusters(&img) > before, "the refcount table grew");
+    qemu_check(&img);
+    qemu_compare(&img, &want);
+    assert_eq!(
+        first_difference(&read_all(&open(&img)), &want),
+        None,
+        "after reopen"
+    );
+}

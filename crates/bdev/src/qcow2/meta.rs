@@ -15,7 +15,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::header::Header;
+use super::header::{Header, MAX_REFTABLE_BYTES};
 use super::tables::{L2Cache, L2Table, COPIED, OFFSET_MASK};
 
 /// Refcount blocks kept in memory before a flush makes room.
@@ -44,8 +44,11 @@ pub(super) struct Meta {
     l1_dirty: bool,
     pub(super) l2: L2Cache,
     reftable_offset: u64,
+    reftable_clusters: u32,
     reftable: Vec<u64>,
     reftable_dirty: bool,
+    /// The table moved ([`Meta::grow_reftable`]): the header must follow.
+    reftable_moved: bool,
     refblocks: HashMap<usize, RefBlock>,
     /// The next cluster index to allocate (the end of the file, rounded up).
     next_free: u64,
@@ -92,8 +95,10 @@ impl Meta {
             l1_dirty: false,
             l2: L2Cache::new(l2_cache_tables),
             reftable_offset: h.refcount_table_offset,
+            reftable_clusters: h.refcount_table_clusters,
             reftable,
             reftable_dirty: false,
+            reftable_moved: false,
             refblocks: HashMap::new(),
             next_free,
             limit: Arc::new(AtomicU64::new(next_free << h.cluster_bits)),
@@ -181,40 +186,68 @@ impl Meta {
         Ok(())
     }
 
-    /// A new cluster at the end of the image, its refcount set to 1; the
-    /// refcount block that covers it is made (in the cluster itself) if missing.
+    /// A new cluster at the end of the image, its refcount set to 1.
     pub(super) fn alloc(&mut self) -> io::Result<u64> {
+        let c = self.next_free;
+        self.advance();
+        self.mark_used(c)?;
+        Ok(c << self.cluster_bits)
+    }
+
+    /// Sets cluster `c`'s refcount to 1. A refcount block that is missing is
+    /// made in the next free cluster (whose own refcount is then set the same
+    /// way); a refcount table too short is moved to a larger one first.
+    fn mark_used(&mut self, c: u64) -> io::Result<()> {
         let rb_bits = self.cluster_bits + 3 - self.refcount_order;
-        loop {
-            let c = self.next_free;
+        let mut pending = vec![c];
+        while let Some(c) = pending.pop() {
             let t = (c >> rb_bits) as usize;
             if t >= self.reftable.len() {
-                // Growing the refcount table is not built: the image is full.
-                return Err(io::Error::from_raw_os_error(libc::ENOSPC));
-            }
-            let i = (c & ((1 << rb_bits) - 1)) as usize;
-            let off = c << self.cluster_bits;
-            if self.reftable[t] & OFFSET_MASK == 0 {
-                let bytes = vec![0u8; self.cs() as usize];
-                self.room_for_refblock()?;
-                self.refblocks.insert(
-                    t,
-                    RefBlock {
-                        offset: off,
-                        bytes,
-                        dirty: true,
-                    },
-                );
-                self.reftable[t] = off;
-                self.reftable_dirty = true;
-                self.set_refcount(t, i, 1)?;
-                self.advance();
+                pending.extend(self.grow_reftable(t)?);
+                pending.push(c);
                 continue;
             }
-            self.set_refcount(t, i, 1)?;
-            self.advance();
-            return Ok(off);
+            if self.reftable[t] & OFFSET_MASK == 0 {
+                let x = self.next_free;
+                self.advance();
+                self.room_for_refblock()?;
+                let block = RefBlock {
+                    offset: x << self.cluster_bits,
+                    bytes: vec![0u8; self.cs() as usize],
+                    dirty: true,
+                };
+                self.refblocks.insert(t, block);
+                self.reftable[t] = x << self.cluster_bits;
+                self.reftable_dirty = true;
+                pending.push(x);
+            }
+            self.set_refcount(t, (c & ((1 << rb_bits) - 1)) as usize, 1)?;
         }
+        Ok(())
+    }
+
+    /// Moves the refcount table to new clusters at the end of the image, large
+    /// enough for entry `t` (at least twice the old size, at most QEMU's 8 MiB;
+    /// the old clusters leak); the new clusters, whose refcounts the caller
+    /// sets. The header points at the new table once it is on disk
+    /// ([`Meta::flush`]).
+    fn grow_reftable(&mut self, t: usize) -> io::Result<std::ops::Range<u64>> {
+        let cs = self.cs();
+        let want = (t as u64 + 1).max(self.reftable.len() as u64 * 2);
+        let clusters = (want * 8).div_ceil(cs);
+        if clusters * cs > MAX_REFTABLE_BYTES {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        let at = self.next_free;
+        for _ in 0..clusters {
+            self.advance();
+        }
+        self.reftable.resize((clusters * cs / 8) as usize, 0);
+        self.reftable_offset = at << self.cluster_bits;
+        self.reftable_clusters = clusters as u32;
+        self.reftable_moved = true;
+        self.reftable_dirty = true;
+        Ok(at..at + clusters)
     }
 
     fn advance(&mut self) {
@@ -280,6 +313,14 @@ impl Meta {
             f.write_all_at(&encode_u64s(&self.reftable), self.reftable_offset)?;
             self.reftable_dirty = false;
         }
+        if self.reftable_moved {
+            // The header points at the new table only once it is durable.
+            f.sync_data()?;
+            let mut h = self.reftable_offset.to_be_bytes().to_vec();
+            h.extend_from_slice(&self.reftable_clusters.to_be_bytes());
+            f.write_all_at(&h, 48)?;
+            self.reftable_moved = false;
+        }
         let tables = self.l2.take_dirty();
         if !tables.is_empty() {
             f.sync_data()?;
@@ -307,6 +348,7 @@ impl Meta {
     pub(super) fn dirty(&self) -> bool {
         self.l1_dirty
             || self.reftable_dirty
+            || self.reftable_moved
             || self.l2.any_dirty()
             || self.refblocks.values().any(|b| b.dirty)
     }
