@@ -14,7 +14,7 @@ pub enum Qcow2Error {
         #[source]
         source: io::Error,
     },
-    #[error("{}: {source}", path.display())]
+    #[error("{}: not a qcow2 header udrive can serve", path.display())]
     Header {
         path: PathBuf,
         #[source]
