@@ -21,7 +21,8 @@ mod wrapper;
 pub use batch::{submit_each, Batch, RequestList};
 pub use claim::{DiskClaim, RangeClaim, WriterClaim};
 pub use crypt::{
-    format_luks, open_luks, open_or_format_luks, CryptDisk, LuksError, SectorCipher, MAX_CRYPT_IO,
+    change_key, format_luks, luks_status, open_luks, open_or_format_luks, CryptDisk, KeyChange,
+    LuksError, LuksStatus, SectorCipher, MAX_CRYPT_IO,
 };
 pub use error::{typed, FixedSize, GeometryError};
 pub use fault::{FaultConfig, FaultDisk, FaultError, FaultOps};
@@ -111,6 +112,11 @@ pub trait BlockDevice: Send + Sync {
     /// The backend itself, for control operations of its kind (RBD snapshots);
     /// wrappers that leave the backend whole (QoS, fault injection) pass it on.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+    /// The backend holding the LUKS volume this device shows the payload of, for
+    /// its header's control operations (keyslots); wrappers pass it on.
+    fn encrypted_volume(&self) -> Option<&dyn BlockDevice> {
         None
     }
     /// Whether a front end may reformat this backend (NVMe Format NVM): present it

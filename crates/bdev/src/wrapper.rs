@@ -46,6 +46,9 @@ pub trait DeviceWrapper: Send + Sync {
     fn as_any(&self) -> Option<&dyn Any> {
         self.inner().as_any()
     }
+    fn encrypted_volume(&self) -> Option<&dyn BlockDevice> {
+        self.inner().encrypted_volume()
+    }
     fn format_support(&self) -> FormatSupport {
         self.inner().format_support()
     }
@@ -72,6 +75,9 @@ impl<W: DeviceWrapper> BlockDevice for W {
     }
     fn as_any(&self) -> Option<&dyn Any> {
         DeviceWrapper::as_any(self)
+    }
+    fn encrypted_volume(&self) -> Option<&dyn BlockDevice> {
+        DeviceWrapper::encrypted_volume(self)
     }
     fn format_support(&self) -> FormatSupport {
         DeviceWrapper::format_support(self)

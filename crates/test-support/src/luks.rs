@@ -113,3 +113,36 @@ sys.stdout.buffer.write(out)
     assert!(out.status.success());
     out.stdout
 }
+
+/// Rewrites keyslot 0's key derivation in both LUKS2 header copies of `img`
+/// (`field` = `value` in its `kdf` object: `time` for argon2's passes,
+/// `iterations` for PBKDF2) and their checksums, as a hostile volume's writer
+/// could: libcryptsetup then loads the header as valid.
+pub fn set_keyslot_kdf(img: &Path, field: &str, value: u64) {
+    const FIX: &str = r#"
+import hashlib, json, struct, sys
+path, field, value = sys.argv[1], sys.argv[2], int(sys.argv[3])
+CSUM = 448  # magic, version, hdr_size, seqid, label, csum_alg, salt, uuid, subsystem, hdr_offset, padding
+with open(path, "r+b") as f:
+    off = 0
+    for _ in range(2):
+        f.seek(off)
+        size = struct.unpack(">Q", f.read(16)[8:16])[0]
+        f.seek(off)
+        area = bytearray(f.read(size))
+        meta = json.loads(area[4096:].split(b"\0", 1)[0])
+        meta["keyslots"]["0"]["kdf"][field] = value
+        raw = json.dumps(meta).encode()
+        area[4096:] = raw + b"\0" * (size - 4096 - len(raw))
+        area[CSUM:CSUM + 64] = b"\0" * 64
+        area[CSUM:CSUM + 32] = hashlib.sha256(area).digest()
+        f.seek(off)
+        f.write(area)
+        off = size
+"#;
+    run(Command::new("python3")
+        .args(["-c", FIX])
+        .arg(img)
+        .arg(field)
+        .arg(value.to_string()));
+}

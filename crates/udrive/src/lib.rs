@@ -23,6 +23,7 @@ pub mod nsspec;
 #[cfg(feature = "tools")]
 pub mod perf;
 pub mod process;
+pub mod reload;
 pub mod resize;
 pub mod rpc;
 pub mod rpc_client;
@@ -33,6 +34,7 @@ pub mod size;
 pub mod stats;
 pub mod stdout;
 pub mod supervise;
+pub mod systemd;
 #[cfg(feature = "tools")]
 pub mod trace_cmd;
 #[cfg(feature = "tools")]

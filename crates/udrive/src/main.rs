@@ -31,7 +31,9 @@ enum Cmd {
 vfio-user sockets (--vfio-user, --ns) and virtio-blk devices on vhost-user sockets \
 (--vhost-user-blk, --disk), or every device of a TOML file (--config, docs/config.md). \
 Without device options: one NVMe controller with a 1 GiB RAM namespace on \
-./udrive-nvme.sock. The banner printed at start says how to attach QEMU to each device."
+./udrive-nvme.sock. The banner printed at start says how to attach QEMU to each device. \
+SIGHUP re-reads the --config file and applies what changed (docs/rpc.md, reload_config); \
+under systemd (Type=notify) the server reports READY once every socket listens."
     )]
     Serve(Box<serve::ServeArgs>),
     /// Check a configuration without starting anything (the arguments of `serve`);
@@ -71,14 +73,49 @@ fn log_filter() -> tracing_subscriber::EnvFilter {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,virtio_queue=off"))
 }
 
-fn main() {
+/// Whether stderr is the journal stream systemd connected (`JOURNAL_STREAM` names
+/// its device and inode): then events go to the journal with their fields
+/// (`SOCKET=`, `NSID=`, …) as journal fields, so `journalctl -u udrive SOCKET=…`
+/// picks one device's lines.
+fn stderr_is_journal() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Some(v) = std::env::var_os("JOURNAL_STREAM") else {
+        return false;
+    };
+    let Some((dev, ino)) = v.to_str().and_then(|v| v.split_once(':')) else {
+        return false;
+    };
+    std::fs::metadata("/proc/self/fd/2")
+        .is_ok_and(|m| dev.parse() == Ok(m.dev()) && ino.parse() == Ok(m.ino()))
+}
+
+fn init_logging() {
     use std::io::IsTerminal;
+    use tracing_subscriber::prelude::*;
+    if stderr_is_journal() {
+        if let Ok(journal) = tracing_journald::layer() {
+            tracing_subscriber::registry()
+                .with(log_filter())
+                // `SOCKET=`, not the default `F_SOCKET=`: what an operator types.
+                .with(
+                    journal
+                        .with_syslog_identifier("udrive".into())
+                        .with_field_prefix(None),
+                )
+                .init();
+            return;
+        }
+    }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        // Colour codes only for a terminal, not for journald or log files.
+        // Colour codes only for a terminal, not for log files.
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(log_filter())
         .init();
+}
+
+fn main() {
+    init_logging();
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Serve(a) => serve::run(*a),

@@ -274,6 +274,16 @@ impl std::str::FromStr for NsSpec {
 }
 
 impl NsSpec {
+    /// The same disk, whatever the QoS limits: a reload then only sets the limits.
+    pub fn same_backend(&self, other: &NsSpec) -> bool {
+        let (mut a, mut b) = (self.clone(), other.clone());
+        a.qos = bdev::QosLimits::default();
+        b.qos = bdev::QosLimits::default();
+        a.text.clear();
+        b.text.clear();
+        a == b
+    }
+
     /// The spec of this disk after an online resize to `bytes` (`ram:1G` becomes
     /// `ram:2G`; a file's spec stays: its size is the file's).
     pub fn resized(&self, bytes: u64) -> NsSpec {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use crate::config::{Config, ControllerConfig};
@@ -186,10 +186,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
         Process::standalone()
     };
     // Signals are routed into the iterator before any thread starts.
-    let signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
+    let signals =
+        Signals::new([SIGINT, SIGTERM, SIGHUP]).context("cannot install signal handlers")?;
     let running = start(&cfg, rpc_mode, process.clone())?;
     running.print_banner();
     process.ready();
+    crate::systemd::ready(running.server.lock().devices.len());
     running.run_until_signal(signals)
 }
 
@@ -206,7 +208,9 @@ fn run_takeover(from: &Path) -> Result<()> {
             return Err(e.context("takeover failed; the running udrive resumed its devices"));
         }
     };
-    let signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
+    let signals =
+        Signals::new([SIGINT, SIGTERM, SIGHUP]).context("cannot install signal handlers")?;
+    crate::systemd::main_pid();
     got.takeover.confirm()?;
     process.commit();
     for d in running.server.lock().devices.iter_mut() {
@@ -214,6 +218,7 @@ fn run_takeover(from: &Path) -> Result<()> {
     }
     got.takeover.finish();
     running.print_banner();
+    crate::systemd::ready(running.server.lock().devices.len());
     running.run_until_signal(signals)
 }
 
@@ -331,14 +336,31 @@ fn start_control(
 }
 
 impl Running {
+    fn reload(&self) {
+        let Some(path) = self.server.config_file.clone() else {
+            tracing::warn!("SIGHUP: this server was not started with --config; nothing to re-read");
+            return;
+        };
+        if let Err(e) = crate::reload::reload(&self.server, &path) {
+            tracing::error!("SIGHUP: configuration not reloaded: {e:#}");
+        }
+    }
+
     pub fn print_banner(&self) {
         print_banner(&self.server, self.rpc.as_ref(), self.metrics.as_ref());
     }
 
-    /// Serves until SIGINT or SIGTERM, then stops everything.
+    /// Serves until SIGINT or SIGTERM, then stops everything; SIGHUP re-reads the
+    /// configuration file.
     pub fn run_until_signal(self, mut signals: Signals) -> Result<()> {
-        let sig = signals.forever().next();
+        let sig = signals.forever().find(|&s| {
+            if s == SIGHUP {
+                self.reload();
+            }
+            s != SIGHUP
+        });
         tracing::info!(signal = ?sig, "shutting down");
+        crate::systemd::stopping();
         // Control plane first, so no request races the teardown.
         drop(self.metrics);
         drop(self.rpc);

@@ -103,6 +103,8 @@ pub struct Server {
     /// passes them on).
     pub rpc: Option<PathBuf>,
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// The configuration file reloads re-read.
+    pub config_file: Option<PathBuf>,
     /// Reactors from `--cpus` (shared by devices); `dedicated` placement adds more.
     base_reactors: usize,
     /// Socket mode and group of devices added later that do not name their own.
@@ -134,6 +136,7 @@ impl Server {
             rbd_cpus: cfg.rbd_cpus.clone(),
             rpc: cfg.rpc.clone(),
             metrics_listen: cfg.metrics_listen,
+            config_file: cfg.file.clone(),
             base_reactors,
             socket_defaults: cfg.socket_defaults(),
             state: Mutex::new(State {
@@ -370,6 +373,15 @@ impl Server {
         let st = self.lock();
         let d = st.find(socket).ok_or_else(|| st.not_found(socket))?;
         f(&*d.qos(nsid)?)
+    }
+
+    /// Disk `nsid` of the device on `socket` (vhost-user-blk: its disk), held
+    /// past the control lock: for control operations that take long (a LUKS
+    /// keyslot's key derivation) and must not stall other requests.
+    pub fn disk(&self, socket: &Path, nsid: Option<u32>) -> Result<Arc<bdev::QosDisk>> {
+        let st = self.lock();
+        let d = st.find(socket).ok_or_else(|| st.not_found(socket))?;
+        d.qos(nsid)
     }
 
     /// Gives disk `nsid` of the device on `socket` (NVMe: a namespace;

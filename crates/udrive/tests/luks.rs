@@ -14,7 +14,7 @@ use common::*;
 use initiator::{DataMode, IoOp};
 use serde_json::json;
 use test_support::blkio::BlkioSession;
-use test_support::luks::{luks_format, openssl_xts, volume, volume_key};
+use test_support::luks::{luks_format, openssl_xts, set_keyslot_kdf, volume, volume_key};
 use udrive::vhost_device::{self, VhostBlkConfig};
 
 const MIB: u64 = 1 << 20;
@@ -180,4 +180,137 @@ fn encrypted_namespace_added_over_rpc() {
     let vk = volume_key(&img, &key);
     let raw = file_bytes(&img, 16 * MIB + 64 * 512, 4096);
     assert!(openssl_xts(false, &vk, 512, 64, &raw) == data);
+}
+
+/// Keyslots change over RPC while the guest's verified I/O runs: a key added,
+/// changed and removed, the last key refused, a wrong key refused; the header
+/// cryptsetup then reads agrees, and the I/O saw no error.
+#[test]
+fn keys_change_under_verified_io() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, k1) = volume(dir.path(), 48 * MIB);
+    luks_format(&img, &k1, false);
+    let key = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let (k2, k3, bad) = (key("k2", "second"), key("k3", "third"), key("bad", "nope"));
+    let spec = format!(
+        "file:{},encrypt=luks,key-file={}",
+        img.display(),
+        k1.display()
+    );
+    let s = Serve::start(&[]);
+    let a = s.nvme.to_str().unwrap().to_string();
+    s.ok(
+        "nvme_add_namespace",
+        json!({"socket": a, "spec": spec, "nsid": 2}),
+    );
+    let st = s.ok("luks_status", json!({"socket": a, "nsid": 2}));
+    assert_eq!(st["version"], "LUKS2", "{st}");
+    assert_eq!(st["cipher"], "aes-xts-plain64", "{st}");
+    assert_eq!(st["keyslots"], json!([0]), "{st}");
+    let (code, msg) = s
+        .call("luks_status", json!({"socket": a, "nsid": 1}))
+        .unwrap_err();
+    assert_eq!(code, -32000);
+    assert!(msg.contains("not encrypted"), "{msg}");
+
+    let driver = initiator::NvmeDriver::connect(&s.nvme, serve_opts()).unwrap();
+    let report = std::thread::scope(|t| {
+        let io = t.spawn(|| {
+            let target = initiator::workload::NvmeTarget::new(&driver, 2, DataMode::Prp).unwrap();
+            let cfg = initiator::workload::WorkloadConfig {
+                rw: initiator::workload::Rw::RandRw { read_pct: 50 },
+                qd: 4,
+                jobs: 1,
+                verify: true,
+                time: std::time::Duration::from_secs(3),
+                ..Default::default()
+            };
+            initiator::workload::run(&target, &cfg).unwrap()
+        });
+        let p = |k: &std::path::Path, n: Option<&std::path::Path>| {
+            // A cheap key derivation: the test is about the header, not its cost.
+            let mut v = json!({"socket": a, "nsid": 2, "key_file": k, "iter_time_ms": 50});
+            if let Some(n) = n {
+                v["new_key_file"] = json!(n);
+            }
+            v
+        };
+        let added = s.ok("luks_add_key", p(&k1, Some(&k2)));
+        assert_eq!(added["keyslots"], json!([0, 1]), "{added}");
+        let changed = s.ok("luks_change_key", p(&k2, Some(&k3)));
+        assert_eq!(
+            changed["keyslots"].as_array().unwrap().len(),
+            2,
+            "{changed}"
+        );
+        let (_, msg) = s.call("luks_add_key", p(&bad, Some(&k2))).unwrap_err();
+        assert!(msg.contains("opens no keyslot"), "{msg}");
+        let removed = s.ok("luks_remove_key", p(&k1, None));
+        assert_eq!(
+            removed["keyslots"].as_array().unwrap().len(),
+            1,
+            "{removed}"
+        );
+        let (_, msg) = s.call("luks_remove_key", p(&k3, None)).unwrap_err();
+        assert!(msg.contains("last one"), "{msg}");
+        io.join().unwrap()
+    });
+    assert!(report.ios > 0);
+    assert_eq!((report.errors, report.verify_errors), (0, 0));
+    drop(driver);
+
+    // cryptsetup reads the header udrive wrote: k3 opens it, k1 and k2 do not.
+    let opens = |k: &std::path::Path| {
+        std::process::Command::new("cryptsetup")
+            .args(["open", "--test-passphrase", "--key-file"])
+            .arg(k)
+            .arg(&img)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap()
+            .success()
+    };
+    assert!(opens(&k3), "the new key opens the volume");
+    assert!(
+        !opens(&k1) && !opens(&k2),
+        "the removed and replaced keys do not"
+    );
+}
+
+/// A header whose keyslot asks for an absurd key derivation (argon2 passes,
+/// PBKDF2 rounds) is refused at open, naming the slot, instead of holding the
+/// open for hours; the same volume with sane costs opens.
+#[test]
+fn absurd_key_derivation_costs_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (img, key) = volume(dir.path(), 24 * MIB);
+    luks_format(&img, &key, false);
+    let open = |img: &std::path::Path| {
+        let spec: udrive::nsspec::NsSpec = format!(
+            "file:{},encrypt=luks,key-file={}",
+            img.display(),
+            key.display()
+        )
+        .parse()
+        .unwrap();
+        udrive::backends::BackendSet::default()
+            .open(&spec, std::path::Path::new("/nonexistent/a.sock"), 1)
+            .map(drop)
+    };
+    // The rewrite keeps the header valid: with the value it was made with (the
+    // derived key depends on it) it opens.
+    set_keyslot_kdf(&img, "time", 4);
+    open(&img).expect("a rewritten header with sane costs opens");
+    set_keyslot_kdf(&img, "time", 2_000_000_000);
+    let e = open(&img).expect_err("an absurd argon2 cost opened");
+    let text = format!("{e:#}");
+    assert!(
+        text.contains("keyslot 0 asks for a key derivation"),
+        "{text}"
+    );
+    assert!(text.contains("2000000000 passes"), "{text}");
 }

@@ -617,6 +617,52 @@ fn cluster_configuration_errors_are_clear() {
     // create= makes a missing image.
     let dev = TestDev::start("rbdnew", &[&rbd_ns(&c, "fresh", ",create=4M")]);
     assert_eq!(ns_bytes(&dev.connect()), 4 * MIB);
+
+    // `udrive check` contacts the cluster: the image is there (and its size bounds
+    // a slice), or it says what is wrong; --offline only reads the files.
+    check(&format!("rbd:rbd/held,conf={conf}"), &[], None);
+    check(
+        &format!("rbd:rbd/held,conf={conf},offset=4M,size=8M"),
+        &[],
+        Some("reaches beyond the end of the backend (8388608 bytes)"),
+    );
+    check(
+        &format!("rbd:rbd/missing,conf={conf}"),
+        &[],
+        Some("does not exist"),
+    );
+    check(
+        &format!("rbd:rbd/missing,conf={conf}"),
+        &["--offline"],
+        None,
+    );
+    check(
+        &format!("rbd:rbd/held,conf={},timeout=2", dead.display()),
+        &[],
+        Some("no monitor answered"),
+    );
+}
+
+/// `udrive check` of an NVMe namespace `spec`: passes, or lists `want`.
+#[track_caller]
+fn check(spec: &str, extra: &[&str], want: Option<&str>) {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("x.sock");
+    let out = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .arg("check")
+        .args(extra)
+        .args(["--vfio-user", sock.to_str().unwrap(), "--ns", spec])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run udrive check");
+    let err = String::from_utf8_lossy(&out.stderr);
+    match want {
+        None => assert!(out.status.success(), "{spec}: {err}"),
+        Some(w) => {
+            assert!(!out.status.success(), "{spec}: passed");
+            assert!(err.contains(w), "{spec}: `{w}` not in:\n{err}");
+        }
+    }
 }
 
 /// librados/librbd start their threads while udrive opens the image; they inherit

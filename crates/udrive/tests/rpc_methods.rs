@@ -59,6 +59,7 @@ fn version_methods_and_devices(s: &Serve, a: &str) {
         "vhost_user_blk_remove",
         "get_stats",
         "get_metrics",
+        "reload_config",
     ] {
         assert!(
             m.as_array().unwrap().contains(&json!(name)),

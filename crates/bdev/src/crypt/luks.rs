@@ -59,6 +59,14 @@ pub enum LuksError {
     },
     #[error("{device}: the key file opens no keyslot of the LUKS header")]
     WrongKey { device: String },
+    #[error("{device}: keyslot {slot} asks for a key derivation no open should wait for ({what}); refused so that opening cannot hang")]
+    KeyDerivation {
+        device: String,
+        slot: i32,
+        what: String,
+    },
+    #[error("{device}: that key is the volume's last one; add another key before removing it")]
+    LastKey { device: String },
     #[error("{device}: cipher {cipher}-{mode} with {key_bytes}-byte keys and {sector}-byte sectors is not supported (aes-xts-plain64, 512- or 4096-byte sectors)")]
     Cipher {
         device: String,
@@ -82,7 +90,7 @@ pub enum LuksError {
 }
 
 #[repr(C)]
-struct CryptDevice {
+pub(super) struct CryptDevice {
     _opaque: [u8; 0],
 }
 
@@ -150,7 +158,7 @@ fn quiet_library() {
     });
 }
 
-const CRYPT_ANY_SLOT: c_int = -1;
+pub(super) const CRYPT_ANY_SLOT: c_int = -1;
 
 /// What an unlocked header gives the data path.
 struct UnlockedKey {
@@ -168,9 +176,9 @@ impl UnlockedKey {
 }
 
 /// A libcryptsetup context on a header copy, freed on drop.
-struct Context {
-    cd: *mut CryptDevice,
-    device: String,
+pub(super) struct Context {
+    pub(super) cd: *mut CryptDevice,
+    pub(super) device: String,
 }
 
 impl Context {
@@ -187,7 +195,7 @@ impl Context {
         })
     }
 
-    fn err(&self, rc: c_int, call: &'static str) -> LuksError {
+    pub(super) fn err(&self, rc: c_int, call: &'static str) -> LuksError {
         LuksError::Header {
             device: self.device.clone(),
             call,
@@ -207,7 +215,7 @@ impl Context {
     }
 
     /// Bytes of header before the payload.
-    fn data_offset(&self) -> u64 {
+    pub(super) fn data_offset(&self) -> u64 {
         // SAFETY: a live, loaded context.
         unsafe { crypt_get_data_offset(self.cd) }.saturating_mul(512)
     }
@@ -275,7 +283,7 @@ impl Drop for Context {
 ///
 /// # Safety
 /// `p` is null or a NUL-terminated string alive for the call.
-unsafe fn cstr(p: *const c_char) -> String {
+pub(super) unsafe fn cstr(p: *const c_char) -> String {
     if p.is_null() {
         return String::new();
     }
@@ -295,7 +303,7 @@ fn check(rc: c_int, device: &str, call: &'static str) -> Result<(), LuksError> {
 }
 
 /// Reads a key file whole, as `cryptsetup --key-file` does.
-fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>, LuksError> {
+pub(super) fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>, LuksError> {
     use std::io::Read;
     let ctx = |source| LuksError::KeyFile {
         path: path.to_path_buf(),
@@ -316,7 +324,7 @@ fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>, LuksError> {
 
 /// A memory file standing in for the volume's header area, and its path for
 /// libcryptsetup.
-struct HeaderCopy {
+pub(super) struct HeaderCopy {
     fd: OwnedFd,
     path: CString,
 }
@@ -340,7 +348,7 @@ impl HeaderCopy {
         })
     }
 
-    fn file(&self) -> io::Result<std::fs::File> {
+    pub(super) fn file(&self) -> io::Result<std::fs::File> {
         Ok(std::fs::File::from(self.fd.try_clone()?))
     }
 }
@@ -348,7 +356,12 @@ impl HeaderCopy {
 /// Moves `len` bytes between the start of `dev` and `file`, through one of the
 /// device's channels: `op` Read copies the device into the file, Write the file
 /// onto the device.
-fn copy_header(dev: &dyn BlockDevice, file: &std::fs::File, len: u64, op: IoOp) -> io::Result<()> {
+pub(super) fn copy_header(
+    dev: &dyn BlockDevice,
+    file: &std::fs::File,
+    len: u64,
+    op: IoOp,
+) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
     const STEP: u64 = 1 << 20;
     let buf = MappedRegion::anonymous(0, STEP)?;
@@ -441,23 +454,50 @@ impl Start {
 /// Opens the LUKS volume on `inner` with the passphrase in `key_file`: the
 /// volume's payload, encrypted and decrypted on the fly.
 pub fn open_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDisk, LuksError> {
-    let start = Start::new(&*inner, key_file)?;
-    let hio = |op, source| start.header_io(op, source);
-    let (pass, device, size) = (&start.pass, &start.device, start.size);
-    let mut copied = HEADER_COPY.min(size);
-    loop {
-        let copy = HeaderCopy::new(copied).map_err(|e| hio("copy", e))?;
-        let file = copy.file().map_err(|e| hio("copy", e))?;
-        copy_header(&*inner, &file, copied, IoOp::Read).map_err(|e| hio("read", e))?;
-        let ctx = Context::init(&copy.path, device)?;
-        ctx.load()?;
-        let data_offset = ctx.data_offset();
-        if data_offset > copied && data_offset <= size.min(MAX_HEADER) {
-            // A larger header area than the default: copy all of it.
-            copied = data_offset;
-            continue;
+    let pass = read_key_file(key_file)?;
+    let header = LoadedHeader::read(&*inner)?;
+    header.ctx.volume_key(&pass)?.open(inner)
+}
+
+/// A volume's whole header area, copied, with libcryptsetup's context on it.
+pub(super) struct LoadedHeader {
+    pub(super) ctx: Context,
+    pub(super) copy: HeaderCopy,
+    /// Bytes copied: the header and keyslot area, up to the payload.
+    pub(super) len: u64,
+}
+
+impl LoadedHeader {
+    /// Copies the header area of `inner` (the default size first, then all of a
+    /// larger one the header announces, up to [`MAX_HEADER`]) and loads it.
+    pub(super) fn read(inner: &dyn BlockDevice) -> Result<LoadedHeader, LuksError> {
+        let device = inner.describe();
+        let size = inner.info().size_bytes();
+        let hio = |op, source| LuksError::HeaderIo {
+            device: device.clone(),
+            op,
+            source,
+        };
+        let mut copied = HEADER_COPY.min(size);
+        loop {
+            let copy = HeaderCopy::new(copied).map_err(|e| hio("copy", e))?;
+            let file = copy.file().map_err(|e| hio("copy", e))?;
+            copy_header(inner, &file, copied, IoOp::Read).map_err(|e| hio("read", e))?;
+            let ctx = Context::init(&copy.path, &device)?;
+            ctx.load()?;
+            super::kdf::check_costs(ctx.cd, &device)?;
+            let data_offset = ctx.data_offset();
+            if data_offset > copied && data_offset <= size.min(MAX_HEADER) {
+                // A larger header area than the default: copy all of it.
+                copied = data_offset;
+                continue;
+            }
+            return Ok(LoadedHeader {
+                ctx,
+                copy,
+                len: copied.min(data_offset),
+            });
         }
-        return ctx.volume_key(pass)?.open(inner);
     }
 }
 

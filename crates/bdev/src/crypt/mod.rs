@@ -11,9 +11,12 @@
 //! Slots and their buffers are made once and reused: a request allocates
 //! nothing once the channel has seen its deepest queue and longest write.
 
+mod kdf;
+mod keyslots;
 mod luks;
 mod xts;
 
+pub use keyslots::{change_key, luks_status, KeyChange, LuksStatus};
 pub use luks::{format_luks, open_luks, open_or_format_luks, LuksError};
 pub use xts::{Secret, SectorCipher, SECTOR};
 
@@ -114,6 +117,9 @@ impl DeviceWrapper for CryptDisk {
     }
     fn kind(&self) -> &'static str {
         "luks"
+    }
+    fn encrypted_volume(&self) -> Option<&dyn BlockDevice> {
+        Some(&*self.inner)
     }
     fn info(&self) -> &BlockInfo {
         &self.info

@@ -277,6 +277,17 @@ impl Cluster {
             })
     }
 
+    /// The size of `spec` (or of its snapshot `snap`), opened read-only: no lock
+    /// is asked for and nothing is written (`udrive check`).
+    pub fn image_size(&self, spec: &ImageSpec, snap: Option<&str>) -> Result<u64, RbdError> {
+        let io = self.ioctx(spec)?;
+        let image = affine(&self.opts.thread_cpus, || {
+            Image::open(&io, &spec.name, snap, true)
+        })
+        .map_err(|e| open_hint(e, spec))?;
+        image.size()
+    }
+
     /// Opens `spec` for control operations (snapshots) while no device has it open.
     pub fn open_image(&self, spec: &ImageSpec) -> Result<ImageHandle, RbdError> {
         let io = self.ioctx(spec)?;

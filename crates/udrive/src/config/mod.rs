@@ -50,6 +50,9 @@ pub struct Config {
     pub socket_mode: Option<String>,
     #[serde(default)]
     pub socket_group: Option<String>,
+    /// The file this came from: what a reload re-reads.
+    #[serde(skip)]
+    pub file: Option<PathBuf>,
 }
 
 /// A configuration without devices: reactors on the default CPUs, no control socket.
@@ -64,6 +67,7 @@ impl Default for Config {
             vhost_user_blk: Vec::new(),
             socket_mode: None,
             socket_group: None,
+            file: None,
         }
     }
 }
@@ -223,8 +227,9 @@ impl Config {
     pub fn load(path: &Path) -> Result<Config> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config file {}", path.display()))?;
-        let cfg: Config = toml::from_str(&text)
+        let mut cfg: Config = toml::from_str(&text)
             .with_context(|| format!("config file {} is not valid", path.display()))?;
+        cfg.file = Some(std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()));
         Ok(cfg)
     }
 

@@ -19,6 +19,7 @@
 
 mod give;
 pub mod snapshot;
+pub mod successor;
 pub mod take;
 pub mod upgrade;
 

@@ -28,6 +28,9 @@ pub struct ServerSnapshot {
     pub vhost_user_blk: Vec<VhostBlkConfig>,
     /// Limits set at run time, per device socket and namespace (vhost: nsid 1).
     pub qos: Vec<QosEntry>,
+    /// The configuration file reloads re-read (absent: none, or an older udrive).
+    #[serde(default)]
+    pub config_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -83,6 +86,7 @@ impl ServerSnapshot {
             controllers: Vec::new(),
             vhost_user_blk: Vec::new(),
             qos: Vec::new(),
+            config_file: server.config_file.clone(),
         };
         for d in &st.devices {
             if let Some(n) = d.as_nvme() {
@@ -125,6 +129,7 @@ impl ServerSnapshot {
             vhost_user_blk: self.vhost_user_blk.clone(),
             socket_mode: self.socket_mode.clone(),
             socket_group: self.socket_group.clone(),
+            file: self.config_file.clone(),
         };
         cfg.validate()?;
         Ok(cfg)

@@ -1,5 +1,7 @@
 //! `udrive upgrade`: starts a new server process that takes over from the running
 //! one (`serve --takeover`) and waits until the control socket is answered by it.
+//! A server that runs under a service manager starts that process itself, so that
+//! it stays in the service (crate::handover::successor).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -21,15 +23,23 @@ pub struct UpgradeArgs {
     pub log: Option<PathBuf>,
 }
 
+fn version(rpc: &std::path::Path) -> Result<serde_json::Value> {
+    crate::rpc_client::call(rpc, "get_version", json!({}), Duration::from_secs(10))
+        .map_err(|e| anyhow::anyhow!("{e}"))
+}
+
 fn server_pid(rpc: &std::path::Path) -> Result<u64> {
-    let v = crate::rpc_client::call(rpc, "get_version", json!({}), Duration::from_secs(10))
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    v.get("pid")
+    version(rpc)?
+        .get("pid")
         .and_then(|p| p.as_u64())
         .context("the running server does not report its pid (too old for `udrive upgrade`)")
 }
 
 pub fn run(a: UpgradeArgs) -> Result<()> {
+    let v = version(&a.rpc)?;
+    if v["service_manager"] == true {
+        return run_in_service(&a, &v);
+    }
     let old = server_pid(&a.rpc)?;
     let binary = match a.binary {
         Some(b) => b,
@@ -93,4 +103,58 @@ pub fn run(a: UpgradeArgs) -> Result<()> {
         t0.elapsed().as_secs_f64() * 1e3
     )?;
     Ok(())
+}
+
+/// A server that runs as a service starts its successor itself, so that it stays
+/// in the unit (crate::handover::successor); this command waits for it.
+fn run_in_service(a: &UpgradeArgs, v: &serde_json::Value) -> Result<()> {
+    if a.binary.is_some() || a.log.is_some() {
+        bail!(
+            "the server on {} runs under a service manager: it starts its successor from its own \
+             path (install the new binary there) and logs where it logs; drop --binary and --log",
+            a.rpc.display()
+        );
+    }
+    let old = v["pid"].as_u64().unwrap_or_default();
+    let t0 = Instant::now();
+    let r = crate::rpc_client::call(
+        &a.rpc,
+        "start_successor",
+        json!({}),
+        Duration::from_secs(10),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let pid = r["pid"]
+        .as_u64()
+        .context("start_successor did not say which process it started")?;
+    eprintln!("udrive upgrade: the service's server (pid {old}) started pid {pid} to take over");
+    let mut gone = false;
+    let served = engine::wait_until(Duration::from_secs(180), Duration::from_millis(20), || {
+        gone = !process_alive(pid);
+        gone || matches!(server_pid(&a.rpc), Ok(p) if p == pid)
+    });
+    if gone || !served {
+        bail!(
+            "pid {pid} did not take over ({}); pid {old} still serves: see the service's log",
+            if gone {
+                "it exited"
+            } else {
+                "no answer after 3 minutes"
+            }
+        );
+    }
+    crate::outln!(
+        "udrive upgrade: pid {pid} serves {} ({:.0} ms); pid {old} exited",
+        a.rpc.display(),
+        t0.elapsed().as_secs_f64() * 1e3
+    )?;
+    Ok(())
+}
+
+/// Whether `pid` runs (a zombie, exited but not yet reaped by its parent, does not).
+fn process_alive(pid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+    })
 }

@@ -60,6 +60,12 @@ pub trait KindSpec: Debug + Send + Sync {
         let _ = (read_only, problems);
         None
     }
+    /// What `udrive check` finds by contacting what the spec names (a Ceph cluster:
+    /// reachable, the image there), unless told to stay offline: the backend's
+    /// size, or why it cannot be reached. Kinds with nothing remote: `Ok(None)`.
+    fn reach(&self) -> Result<Option<u64>> {
+        Ok(None)
+    }
     /// Opens the device with the namespace's block size (None: the kind's default),
     /// in the environment `env` of the running process.
     fn open(

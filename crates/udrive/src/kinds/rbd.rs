@@ -42,6 +42,9 @@ pub struct RbdSpec {
     pub timeout: Duration,
 }
 
+/// The longest `udrive check` waits for a cluster.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Where librados' and librbd's threads run: `explicit` (`--rbd-cpus`), or else the
 /// process's allowed CPUs minus the reactors' (`reactors`), so that a polling
 /// reactor and librbd do not share a CPU; no restriction when that leaves none (a
@@ -186,6 +189,22 @@ impl KindSpec for RbdSpec {
             problems.push(format!("cannot read the keyring {k}: {e}"));
         }
         None
+    }
+    /// Connects as the device would (bounded by `timeout=`, at most
+    /// [`CHECK_TIMEOUT`]) and opens the image read-only: no lock is asked for.
+    /// An image `create=` would make is fine when it is missing.
+    fn reach(&self) -> Result<Option<u64>> {
+        let mut opts = self.cluster(Vec::new());
+        if opts.timeout.is_zero() || opts.timeout > CHECK_TIMEOUT {
+            opts.timeout = CHECK_TIMEOUT;
+        }
+        let cluster = bdev::rbd::Cluster::connect(&opts)
+            .with_context(|| format!("Ceph cluster of {}", self.image))?;
+        match cluster.image_size(&self.image, self.snap.as_deref()) {
+            Ok(size) => Ok(Some(size)),
+            Err(e) if self.create.is_some() && e.errno() == Some(libc::ENOENT) => Ok(self.create),
+            Err(e) => Err(anyhow::Error::new(e).context(format!("image {}", self.image))),
+        }
     }
     fn open(
         &self,

@@ -15,7 +15,7 @@ use crate::nsspec::NsSpec;
 pub fn register(r: &mut Registry) {
     r.register("get_version", "udrive's name and version", |_, p| {
         parse_params::<Empty>(p)?;
-        Ok(json!({"name": "udrive", "version": env!("CARGO_PKG_VERSION"), "pid": std::process::id()}))
+        Ok(version())
     });
     r.register("rpc_get_methods", "names of all methods", |rpc, p| {
         parse_params::<Empty>(p)?;
@@ -259,4 +259,15 @@ fn get_devices(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
         return Ok(json!([d.json()]));
     }
     Ok(Value::Array(st.devices.iter().map(|d| d.json()).collect()))
+}
+
+/// `get_version`: also the pid and whether a service manager runs this server, which
+/// `udrive upgrade` needs.
+fn version() -> Value {
+    json!({
+        "name": "udrive",
+        "version": env!("CARGO_PKG_VERSION"),
+        "pid": std::process::id(),
+        "service_manager": crate::handover::successor::under_service_manager(),
+    })
 }

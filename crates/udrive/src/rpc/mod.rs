@@ -16,11 +16,13 @@
 //! whole within `sockfile::message_deadline()` once it has started.
 
 mod api;
+mod luks_methods;
 pub mod methods;
 mod params;
 #[cfg(feature = "rbd")]
 mod rbd_methods;
 mod server;
+mod service_methods;
 pub mod trace_methods;
 mod vhost_methods;
 
@@ -48,6 +50,8 @@ pub fn register_all(r: &mut Registry) {
     methods::register(r);
     trace_methods::register(r);
     vhost_methods::register(r);
+    service_methods::register(r);
+    luks_methods::register(r);
     #[cfg(feature = "rbd")]
     rbd_methods::register(r);
 }

@@ -28,12 +28,19 @@ impl Serve {
         let dir = tempfile::tempdir().unwrap();
         let rpc = dir.path().join("rpc.sock");
         let nvme = dir.path().join("a.sock");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_udrive"))
-            .args(["serve", "--cpus", "0", "--ns", "ram:64M", "--vfio-user"])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_udrive"));
+        cmd.args(["serve", "--cpus", "0", "--ns", "ram:64M", "--vfio-user"])
             .arg(&nvme)
             .arg("--rpc")
             .arg(&rpc)
-            .args(extra)
+            .args(extra);
+        Serve::spawn(cmd, dir, rpc, nvme)
+    }
+
+    /// Runs `cmd` (a `udrive serve` whose control socket is `rpc` and first
+    /// controller `nvme`, both in `dir`) until it printed how to attach.
+    pub fn spawn(mut cmd: Command, dir: tempfile::TempDir, rpc: PathBuf, nvme: PathBuf) -> Serve {
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -63,6 +70,11 @@ impl Serve {
             nvme,
             banner,
         }
+    }
+
+    /// The server's pid.
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
     }
 
     pub fn path(&self, name: &str) -> PathBuf {
