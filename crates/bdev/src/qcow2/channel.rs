@@ -2,9 +2,12 @@
 //! allocated (and contiguous in the file) is looked up without the image's lock
 //! in L2 tables the channel keeps, and goes to the image file through the
 //! reactor's io_uring at the translated offset with the caller's buffers: no
-//! copy, no allocation. Everything else (allocation, backing data, zeroes,
-//! compressed or partial clusters, flush) is the slow path: synchronous, under
-//! the image's lock, through the channel's two cluster-sized buffers.
+//! copy, no allocation. A read the image leaves wholly to a raw backing file
+//! goes the same way to that file's ring; reads of zeroes are answered at once.
+//! Everything else (allocation, qcow2 backing files, mixed or compressed or
+//! partial clusters, Write Zeroes, Discard, Flush) is the slow path:
+//! synchronous, under the image's lock, through the channel's two cluster-sized
+//! buffers.
 
 use std::io;
 use std::sync::atomic::Ordering;
