@@ -15,6 +15,8 @@ command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 # is not udrive's (Python's cryptography, over OpenSSL).
 [ -f /usr/include/libcryptsetup.h ] || need_apt+=(libcryptsetup-dev)
 command -v cryptsetup >/dev/null 2>&1 || need_apt+=(cryptsetup-bin)
+# qcow2 images: the interop tests make and check images with QEMU's own tools.
+command -v qemu-img >/dev/null 2>&1 || need_apt+=(qemu-utils)
 python3 -c 'import cryptography' >/dev/null 2>&1 || need_apt+=(python3-cryptography)
 if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
   export PATH="$HOME/.cargo/bin:$PATH"

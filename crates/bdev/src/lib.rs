@@ -8,6 +8,7 @@ mod crypt;
 mod error;
 mod fault;
 mod null;
+mod qcow2;
 mod qos;
 mod ram;
 #[cfg(feature = "rbd")]
@@ -26,6 +27,11 @@ pub use crypt::{
 pub use error::{typed, FixedSize, GeometryError};
 pub use fault::{FaultConfig, FaultDisk, FaultError, FaultOps};
 pub use null::NullDisk;
+pub use qcow2::{
+    create_qcow2, parse_header as parse_qcow2_header, CreateOptions as Qcow2Create,
+    Header as Qcow2Header, HeaderError as Qcow2HeaderError, Qcow2Disk, Qcow2Error, Qcow2Options,
+    Qcow2Status, DEFAULT_L2_CACHE as QCOW2_DEFAULT_L2_CACHE, MAX_BACKING_CHAIN,
+};
 pub use qos::{QosClock, QosDisk, QosError, QosLimits, BURST, QOS_MAX_NAP, QOS_QUEUE_DEPTH};
 pub use ram::{RamDisk, RamError};
 pub use request::{BlockInfo, IoOp, IoRequest, IoStatus};

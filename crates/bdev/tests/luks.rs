@@ -10,12 +10,12 @@ use std::process::Command;
 use std::sync::Arc;
 
 use bdev::{
-    format_luks, open_luks, BlockDevice, CryptDisk, FileDisk, FileOptions, IoChannel, IoOp,
-    IoRequest, IoStatus, LuksError,
+    format_luks, open_luks, BlockDevice, CryptDisk, FileDisk, FileOptions, IoOp, IoStatus,
+    LuksError,
 };
 use guest_mem::MappedRegion;
+use test_support::channel::one as io;
 use test_support::luks::{luks_format, openssl_xts, run, volume, volume_key, PASS};
-use test_support::wait::{wait_until, T};
 
 const MIB: u64 = 1 << 20;
 
@@ -25,28 +25,6 @@ fn file(img: &Path) -> Arc<dyn BlockDevice> {
         ..Default::default()
     };
     Arc::new(FileDisk::open(img, opts).unwrap())
-}
-
-/// One request to completion.
-fn io(ch: &mut dyn IoChannel, op: IoOp, offset: u64, buf: &MappedRegion, len: usize) -> IoStatus {
-    let iov = [buf.slice(0, len).unwrap()];
-    let req = IoRequest {
-        op,
-        offset,
-        len: len as u64,
-        iov: &iov,
-        fua: false,
-    };
-    if let Some(st) = ch.submit(7, &req) {
-        return st;
-    }
-    let mut out = None;
-    wait_until("completion", T, || {
-        ch.flush();
-        ch.poll(&mut |_, st| out = Some(st));
-        out.is_some()
-    });
-    out.unwrap()
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {

@@ -17,6 +17,8 @@
 //! | [`ceph`] | a throwaway Ceph cluster (one mon, one OSD) for the rbd backend |
 //! | [`files`] | sparse disk images and loop devices |
 //! | [`luks`] | LUKS volumes by `cryptsetup`, volume keys, an independent AES-XTS |
+//! | [`qemu`] | QEMU's image tools (`qemu-img`, `qemu-io`) for qcow2 interop |
+//! | [`channel`] | one request on a `bdev` channel, to its completion |
 //! | [`layers`] | checks on a trace layer breakdown that hold on a busy machine |
 //! | [`pattern`] | data patterns a verifier writes and checks |
 //! | [`wait`] | waiting for a condition, with a bound for broken builds |
@@ -30,6 +32,7 @@
 pub mod blkio;
 pub mod blkio_load;
 pub mod ceph;
+pub mod channel;
 pub mod driver;
 pub mod fake_nvme;
 pub mod files;
@@ -40,6 +43,7 @@ pub mod luks;
 pub mod nvme_cmd;
 pub mod nvme_host;
 pub mod pattern;
+pub mod qemu;
 pub mod reactor;
 pub mod rng;
 pub mod vfio_client;

@@ -67,3 +67,70 @@ pub fn ns_spec(data: &[u8]) {
         assert!(again.is_ok(), "{spec} does not parse back");
     }
 }
+
+/// A qcow2 image made of input bytes: the header parser on them, then, when the
+/// header parses, the image opened (L1 and refcount tables loaded), read through
+/// a channel (the inline engine, so that requests complete in the call) at 16
+/// places through L2 tables and entries the input wrote, then opened writable and
+/// written at four of them (allocation, refcount blocks and tables the input
+/// wrote), zeroed and flushed. Any outcome but a panic or a hang is fine.
+pub fn qcow2_image(data: &[u8]) {
+    if bdev::parse_qcow2_header(data, data.len() as u64).is_err() {
+        return;
+    }
+    let path = std::env::temp_dir().join(format!("udrive-fuzz-qcow2-{}", std::process::id()));
+    if std::fs::write(&path, data).is_ok() {
+        for read_only in [true, false] {
+            qcow2_requests(&path, read_only);
+        }
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// Reads (and unless `read_only`, writes, zeroes and a flush) on the image at
+/// `path`.
+fn qcow2_requests(path: &std::path::Path, read_only: bool) {
+    use bdev::{BlockDevice, IoOp, IoRequest};
+    let opts = bdev::Qcow2Options {
+        read_only,
+        engine: bdev::FileEngine::Inline,
+        l2_cache: 64 << 10,
+        ..Default::default()
+    };
+    let (Ok(disk), Ok(buf)) = (
+        bdev::Qcow2Disk::open(path, opts),
+        guest_mem::MappedRegion::anonymous(0, 4096),
+    ) else {
+        return;
+    };
+    let (Ok(mut ch), Some(iov)) = (disk.channel(), buf.slice(0, 4096)) else {
+        return;
+    };
+    let iov = [iov];
+    let size = disk.info().size_bytes();
+    if size < 4096 {
+        return;
+    }
+    let at = |i: u64| ((size / 16 * i) & !4095).min(size - 4096);
+    let ops = if read_only {
+        &[IoOp::Read][..]
+    } else {
+        &[IoOp::Write, IoOp::WriteZeroes, IoOp::Read][..]
+    };
+    for &op in ops {
+        for i in (0..16u64).step_by(if read_only { 1 } else { 4 }) {
+            let n = usize::from(op != IoOp::WriteZeroes);
+            let req = IoRequest {
+                op,
+                offset: at(i),
+                len: 4096,
+                iov: &iov[..n],
+                fua: false,
+            };
+            let _ = ch.submit(i, &req);
+        }
+    }
+    if !read_only {
+        let _ = ch.submit(99, &IoRequest::without_data(IoOp::Flush, 0, 0, false));
+    }
+}

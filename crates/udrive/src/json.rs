@@ -18,3 +18,18 @@ pub fn socket_access_json(p: &crate::config::SocketPerms) -> Value {
         Err(_) => Value::Null,
     }
 }
+
+/// What an image-format backend shows about itself (`qcow2`: format, virtual
+/// and allocated size, cluster size, backing chain); `None` for other backends
+/// and for slices (whose `as_any` hides the backend).
+pub fn image_json(dev: &dyn bdev::BlockDevice) -> Option<Value> {
+    let q = dev.as_any()?.downcast_ref::<bdev::Qcow2Disk>()?;
+    let s = q.status();
+    Some(json!({
+        "format": "qcow2",
+        "virtual_size": s.virtual_size,
+        "allocated_bytes": s.allocated,
+        "cluster_size": s.cluster_size,
+        "backing_chain": s.backing_chain,
+    }))
+}

@@ -23,7 +23,7 @@ pub struct ServeArgs {
     /// vfio-user socket of the NVMe controller [default: ./udrive-nvme.sock]
     #[arg(long, value_name = "SOCKET", conflicts_with = "config")]
     pub vfio_user: Option<PathBuf>,
-    /// Namespace, repeatable: null:SIZE, ram:SIZE, file:PATH or rbd:POOL/IMAGE, with options (docs/config.md) [default: ram:1G]
+    /// Namespace, repeatable: null:SIZE, ram:SIZE, file:PATH, qcow2:PATH or rbd:POOL/IMAGE, with options (docs/config.md) [default: ram:1G]
     #[arg(long = "ns", value_name = "SPEC", conflicts_with = "config")]
     pub ns: Vec<NsSpec>,
     /// CPUs for reactor threads, one reactor per CPU (e.g. 0 or 0-1 or 0,2)

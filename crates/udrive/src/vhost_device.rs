@@ -152,7 +152,7 @@ impl FrontEnd for VhostBlkDevice {
     }
     fn json(&self) -> Value {
         let v = self;
-        json!({
+        let mut out = json!({
             "kind": "vhost-user-blk",
             "socket": v.cfg.socket,
             "socket_access": crate::json::socket_access_json(&v.cfg.socket_perms()),
@@ -173,7 +173,11 @@ impl FrontEnd for VhostBlkDevice {
                 "poll_mode": v.dev.poll_mode().as_str(),
                 "queue_reactors": v.dev.queue_reactors(),
             },
-        })
+        });
+        if let Some(image) = crate::json::image_json(&*v.disk) {
+            out["image"] = image;
+        }
+        out
     }
     fn banner(&self) -> String {
         format!(

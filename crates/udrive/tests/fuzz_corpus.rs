@@ -57,3 +57,8 @@ fn rpc_stream() {
 fn ns_spec() {
     replay("ns_spec", udrive::fuzzing::ns_spec);
 }
+
+#[test]
+fn qcow2_image() {
+    replay("qcow2_image", udrive::fuzzing::qcow2_image);
+}

@@ -358,14 +358,14 @@ impl ChannelWrapper for CryptChannel {
 }
 
 /// Copies `buf.len()` bytes from byte `pos` of the buffer list `iov`.
-fn copy_out(iov: &[DmaSlice<'_>], pos: usize, buf: &mut [u8]) -> Option<()> {
+pub(crate) fn copy_out(iov: &[DmaSlice<'_>], pos: usize, buf: &mut [u8]) -> Option<()> {
     walk(iov, pos, buf.len(), |s, off, at, n| {
         s.read_into(off, &mut buf[at..at + n]).ok()
     })
 }
 
 /// Copies `buf` to byte `pos` of the buffer list `iov`.
-fn copy_in(iov: &[DmaSlice<'_>], pos: usize, buf: &[u8]) -> Option<()> {
+pub(crate) fn copy_in(iov: &[DmaSlice<'_>], pos: usize, buf: &[u8]) -> Option<()> {
     walk(iov, pos, buf.len(), |s, off, at, n| {
         s.write_from(off, &buf[at..at + n]).ok()
     })

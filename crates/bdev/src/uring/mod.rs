@@ -365,3 +365,43 @@ impl FileDisk {
         })
     }
 }
+
+/// A channel that reads and writes `file` at any offset the caller computed
+/// (a qcow2 image's data clusters: the caller checks ranges against its own
+/// metadata), buffered, with `engine` chosen as for a [`FileDisk`].
+pub(crate) fn data_channel(
+    file: Arc<File>,
+    engine: FileEngine,
+    read_only: bool,
+) -> io::Result<Box<dyn IoChannel>> {
+    let inline = match engine {
+        FileEngine::Uring => false,
+        FileEngine::Inline => true,
+        FileEngine::Auto => sys::memory_backed(&file) && sys::reads_punted(&file),
+    };
+    let info = BlockInfo {
+        block_size: 512,
+        // The channel's range check passes everything below 2^62 bytes.
+        num_blocks: 1 << 53,
+        volatile: false,
+        write_cache: true,
+        read_only,
+        discard: false,
+        write_zeroes: false,
+        discard_zeroes: false,
+    };
+    Ok(Box::new(channel::UringChannel::new(
+        file, &info, 512, false, inline,
+    )?))
+}
+
+/// Gives `len` bytes at `offset` of `file` back to the filesystem (a hint: errors
+/// are ignored, the data reads as before or as zeroes).
+pub(crate) fn punch(file: &File, offset: u64, len: u64) {
+    let _ = sys::fallocate(
+        file,
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+        offset,
+        len,
+    );
+}

@@ -134,7 +134,7 @@ pub(super) fn rw_sync(f: &File, write: bool, iov: &[libc::iovec], offset: u64, f
 }
 
 /// `fallocate(mode)` on `[offset, offset + len)`: 0 or a negative errno.
-pub(super) fn fallocate(f: &File, mode: i32, offset: u64, len: u64) -> i32 {
+pub(crate) fn fallocate(f: &File, mode: i32, offset: u64, len: u64) -> i32 {
     // SAFETY: fallocate takes only integers; a bad range is an errno, not UB.
     let r = unsafe {
         libc::fallocate(

@@ -207,7 +207,7 @@ fn notice_text(n: nvme::NsNotice) -> (bool, &'static str) {
 /// is no longer the backend's); `None` uses the backend's.
 pub(crate) fn namespace_json(nsid: u32, ns: &Namespace, info: Option<bdev::BlockInfo>) -> Value {
     let info = info.unwrap_or_else(|| ns.qos.info().clone());
-    json!({
+    let mut v = json!({
         "nsid": nsid,
         "spec": ns.spec.to_string(),
         "backend": ns.qos.describe(),
@@ -215,5 +215,9 @@ pub(crate) fn namespace_json(nsid: u32, ns: &Namespace, info: Option<bdev::Block
         "block_size": info.block_size,
         "read_only": info.read_only,
         "qos": crate::json::qos_json(ns.qos.limits()),
-    })
+    });
+    if let Some(image) = crate::json::image_json(&*ns.qos) {
+        v["image"] = image;
+    }
+    v
 }

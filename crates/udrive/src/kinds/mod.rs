@@ -8,6 +8,7 @@
 mod file;
 mod kind;
 mod memory;
+mod qcow2;
 #[cfg(feature = "rbd")]
 pub mod rbd;
 
@@ -18,6 +19,7 @@ pub static KINDS: &[&dyn BackendKind] = &[
     &memory::NULL,
     &memory::RAM,
     &file::File,
+    &qcow2::Qcow2,
     #[cfg(feature = "rbd")]
     &rbd::Rbd,
 ];

@@ -1,0 +1,386 @@
+//! An opened qcow2 image: its checked header, its metadata behind a lock, its
+//! backing chain, and the synchronous reads and writes of the slow path
+//! (allocation, backing data, zeroes, partial clusters), which run under the
+//! image's lock on the calling reactor.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::backing::Backing;
+use super::error::Qcow2Error;
+use super::header::{
+    Header, INCOMPAT_COMPRESSION, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
+    INCOMPAT_EXTL2,
+};
+use super::meta::Meta;
+use super::tables::{classify, Cluster, COPIED, ZERO};
+
+/// How an image is opened.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct OpenOpts {
+    pub read_only: bool,
+    /// Bytes of L2 tables the cache holds (at least one table).
+    pub l2_cache: u64,
+}
+
+pub(super) struct Image {
+    pub path: PathBuf,
+    pub file: Arc<File>,
+    pub header: Header,
+    pub read_only: bool,
+    meta: Mutex<Meta>,
+    /// Bumped when an L2 table leaves the cache.
+    pub generation: Arc<AtomicU64>,
+    /// Where allocated clusters end.
+    pub limit: Arc<AtomicU64>,
+    pub backing: Option<Backing>,
+}
+
+/// Where a guest cluster's data is, for the slow path.
+enum Source {
+    Host(u64),
+    /// A compressed cluster's L2 entry.
+    Compressed(u64),
+    Zeroes,
+    Backing,
+}
+
+fn bad_data() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        "qcow2: corrupt or compressed cluster",
+    )
+}
+
+impl Image {
+    /// Opens the image at `path` and its backing chain (`seen`: the canonical
+    /// paths of the images above it, to refuse loops).
+    pub(super) fn open(
+        path: &Path,
+        o: OpenOpts,
+        seen: &mut Vec<PathBuf>,
+    ) -> Result<Image, Qcow2Error> {
+        let io = |op: &'static str| {
+            move |source| Qcow2Error::Io {
+                path: path.to_path_buf(),
+                op,
+                source,
+            }
+        };
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(!o.read_only)
+            .open(path)
+            .map_err(io("open it"))?;
+        let file_len = file.metadata().map_err(io("read its metadata"))?.len();
+        let mut buf = vec![0u8; file_len.min(2 << 20) as usize];
+        file.read_exact_at(&mut buf, 0)
+            .map_err(io("read its header"))?;
+        let header = Header::parse(&buf, file_len).map_err(|source| Qcow2Error::Header {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        check_features(path, &header, o.read_only)?;
+        let file = Arc::new(file);
+        let generation = Arc::new(AtomicU64::new(0));
+        let meta = Meta::load(
+            file.clone(),
+            &header,
+            file_len,
+            (o.l2_cache >> header.cluster_bits).max(1) as usize,
+            generation.clone(),
+        )
+        .map_err(io("read its L1 and refcount tables"))?;
+        let backing = Backing::open(path, &header, o, seen)?;
+        if !o.read_only && header.autoclear != 0 {
+            // Bitmaps and other autoclear extensions are not kept up to date:
+            // clearing their bits tells QEMU so, as QEMU does for unknown ones.
+            file.write_all_at(&0u64.to_be_bytes(), 88)
+                .map_err(io("clear its autoclear features"))?;
+        }
+        Ok(Image {
+            path: path.to_path_buf(),
+            limit: meta.limit(),
+            file,
+            header,
+            read_only: o.read_only,
+            meta: Mutex::new(meta),
+            generation,
+            backing,
+        })
+    }
+
+    pub(super) fn meta(&self) -> MutexGuard<'_, Meta> {
+        self.meta.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn cs(&self) -> u64 {
+        self.header.cluster_size()
+    }
+
+    /// (L1 index, L2 index) of guest cluster `c`.
+    pub(super) fn split(&self, c: u64) -> (usize, usize) {
+        let l2_bits = self.header.l2_bits();
+        ((c >> l2_bits) as usize, (c & ((1 << l2_bits) - 1)) as usize)
+    }
+
+    fn cluster(&self, meta: &mut Meta, c: u64) -> io::Result<Cluster> {
+        Ok(self.entry(meta, c)?.0)
+    }
+
+    /// Guest cluster `c`'s L2 entry, classified and raw.
+    fn entry(&self, meta: &mut Meta, c: u64) -> io::Result<(Cluster, u64)> {
+        let (l1i, l2i) = self.split(c);
+        let entry = meta.l2(l1i)?.map_or(0, |t| t.get(l2i));
+        let limit = self.limit.load(Ordering::Acquire);
+        Ok((classify(entry, self.cs(), limit), entry))
+    }
+
+    fn source(&self, meta: &mut Meta, c: u64) -> io::Result<Source> {
+        Ok(match self.entry(meta, c)? {
+            (Cluster::Compressed, e) => Source::Compressed(e),
+            (Cluster::Data { host, .. }, _) => Source::Host(host),
+            (Cluster::Zero { .. }, _) => Source::Zeroes,
+            (Cluster::Unallocated, _) if self.backing.is_some() => Source::Backing,
+            (Cluster::Unallocated, _) => Source::Zeroes,
+            (Cluster::Bad, _) => return Err(bad_data()),
+        })
+    }
+
+    /// Reads `buf.len()` bytes at guest offset `offset` (inside the image).
+    pub(super) fn read_sync(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let mut meta = self.meta();
+        self.read_locked(&mut meta, offset, buf)
+    }
+
+    fn read_locked(&self, meta: &mut Meta, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let cs = self.cs();
+        let mut pos = 0usize;
+        while pos < buf.len() {
+            let off = offset + pos as u64;
+            let within = off & (cs - 1);
+            let n = ((cs - within) as usize).min(buf.len() - pos);
+            let part = &mut buf[pos..pos + n];
+            match self.source(meta, off / cs)? {
+                Source::Host(h) => self.file.read_exact_at(part, h + within)?,
+                Source::Zeroes => part.fill(0),
+                Source::Compressed(e) => {
+                    let mut whole = vec![0u8; cs as usize];
+                    self.inflate(e, &mut whole)?;
+                    part.copy_from_slice(&whole[within as usize..within as usize + n]);
+                }
+                Source::Backing => match &self.backing {
+                    Some(b) => b.read(off, part)?,
+                    None => part.fill(0),
+                },
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at guest offset `offset`, allocating clusters as needed
+    /// (`scratch`: one cluster, for the old content around a partial write).
+    pub(super) fn write_sync(
+        &self,
+        offset: u64,
+        data: &[u8],
+        scratch: &mut [u8],
+    ) -> io::Result<()> {
+        let mut meta = self.meta();
+        let cs = self.cs();
+        let mut pos = 0usize;
+        while pos < data.len() {
+            let off = offset + pos as u64;
+            let within = off & (cs - 1);
+            let n = ((cs - within) as usize).min(data.len() - pos);
+            self.write_cluster(
+                &mut meta,
+                off / cs,
+                within as usize,
+                &data[pos..pos + n],
+                scratch,
+            )?;
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// Writes `part` at `within` of guest cluster `c`.
+    fn write_cluster(
+        &self,
+        meta: &mut Meta,
+        c: u64,
+        within: usize,
+        part: &[u8],
+        scratch: &mut [u8],
+    ) -> io::Result<()> {
+        let cs = self.cs();
+        let host = match self.cluster(meta, c)? {
+            Cluster::Data { host, copied: true } => {
+                return self.file.write_all_at(part, host + within as u64);
+            }
+            Cluster::Zero { host: Some(h) } => Some(h),
+            // A compressed cluster is rewritten whole into a new one; its old
+            // space leaks (freeing is not built).
+            Cluster::Unallocated | Cluster::Zero { host: None } | Cluster::Compressed => None,
+            Cluster::Data { copied: false, .. } | Cluster::Bad => return Err(bad_data()),
+        };
+        let whole = &mut scratch[..cs as usize];
+        if part.len() < whole.len() {
+            // The rest of the cluster keeps what it read as before the write.
+            self.read_locked(meta, c * cs, whole)?;
+        }
+        whole[within..within + part.len()].copy_from_slice(part);
+        let host = match host {
+            Some(h) => h,
+            None => meta.alloc()?,
+        };
+        self.file.write_all_at(whole, host)?;
+        let (l1i, l2i) = self.split(c);
+        meta.set_entry(l1i, l2i, host | COPIED)
+    }
+
+    /// Makes whole guest clusters `first..first+count` read as zeroes (their
+    /// clusters stay allocated; `punch`: their host space is given back).
+    pub(super) fn zero_clusters(&self, first: u64, count: u64, punch: bool) -> io::Result<()> {
+        let mut meta = self.meta();
+        for c in first..first + count {
+            let (l1i, l2i) = self.split(c);
+            let keep = match self.cluster(&mut meta, c)? {
+                Cluster::Data { host, copied: true } | Cluster::Zero { host: Some(host) } => {
+                    if punch {
+                        super::punch(&self.file, host, self.cs());
+                    }
+                    host | COPIED
+                }
+                Cluster::Zero { host: None } => continue,
+                // Shared or compressed clusters are left to their owners: the
+                // entry alone says zeroes.
+                _ => 0,
+            };
+            meta.set_entry(l1i, l2i, keep | ZERO)?;
+        }
+        Ok(())
+    }
+
+    /// Decompresses the cluster L2 entry `entry` describes into `out` (one
+    /// cluster): raw deflate, as QEMU writes it; zstd is not built.
+    fn inflate(&self, entry: u64, out: &mut [u8]) -> io::Result<()> {
+        if self.header.compression_type != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "qcow2: zstd-compressed cluster",
+            ));
+        }
+        let (offset, len) = compressed_extent(entry, self.header.cluster_bits);
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= self.limit.load(Ordering::Acquire));
+        if offset < self.cs() || end.is_none() {
+            return Err(bad_data());
+        }
+        let mut input = vec![0u8; len as usize];
+        let n = read_some(&self.file, &mut input, offset)?;
+        let mut z = flate2::Decompress::new(false);
+        let st = z.decompress(&input[..n], out, flate2::FlushDecompress::Finish);
+        // A full cluster out is success even if the stream has padding left.
+        match st {
+            Ok(_) if z.total_out() == out.len() as u64 => Ok(()),
+            _ => Err(bad_data()),
+        }
+    }
+
+    pub(super) fn flush(&self) -> io::Result<()> {
+        self.meta().flush()
+    }
+
+    /// Bytes allocated in the image file.
+    pub(super) fn allocated_bytes(&self) -> u64 {
+        self.meta().allocated_bytes()
+    }
+}
+
+impl Drop for Image {
+    /// Metadata still in memory goes to disk when the last user lets go.
+    fn drop(&mut self) {
+        if !self.read_only {
+            let m = self.meta.get_mut().unwrap_or_else(|p| p.into_inner());
+            if m.dirty() {
+                if let Err(e) = m.flush() {
+                    tracing::error!(path = %self.path.display(), "qcow2 metadata flush on close: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// Where a compressed cluster's bytes are (offset, length) per its L2 entry:
+/// the offset in the low bits, the count of further 512-byte sectors above.
+pub(super) fn compressed_extent(entry: u64, cluster_bits: u32) -> (u64, u64) {
+    let shift = 62 - (cluster_bits - 8);
+    let offset = entry & ((1 << shift) - 1);
+    let sectors = ((entry >> shift) & ((1 << (cluster_bits - 8)) - 1)) + 1;
+    (offset, sectors * 512 - (offset & 511))
+}
+
+/// Reads what there is of `buf.len()` bytes at `offset` (a compressed
+/// cluster's last sector may lie past the end of the file).
+fn read_some(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match file.read_at(&mut buf[n..], offset + n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+/// Refuses what this implementation does not handle, naming it.
+fn check_features(path: &Path, h: &Header, read_only: bool) -> Result<(), Qcow2Error> {
+    let unsupported = |feature| Qcow2Error::Unsupported {
+        path: path.to_path_buf(),
+        feature,
+    };
+    let inc = h.incompatible;
+    if inc & INCOMPAT_CORRUPT != 0 {
+        return Err(Qcow2Error::Corrupt {
+            path: path.to_path_buf(),
+        });
+    }
+    if inc & INCOMPAT_DIRTY != 0 {
+        return Err(Qcow2Error::Dirty {
+            path: path.to_path_buf(),
+        });
+    }
+    if inc & INCOMPAT_DATA_FILE != 0 {
+        return Err(unsupported("an external data file"));
+    }
+    if inc & INCOMPAT_EXTL2 != 0 {
+        return Err(unsupported("extended L2 entries (subclusters)"));
+    }
+    let known = INCOMPAT_DIRTY
+        | INCOMPAT_CORRUPT
+        | INCOMPAT_DATA_FILE
+        | INCOMPAT_COMPRESSION
+        | INCOMPAT_EXTL2;
+    if inc & !known != 0 {
+        return Err(unsupported("an unknown incompatible feature"));
+    }
+    if h.crypt_method != 0 {
+        return Err(unsupported(
+            "qcow2's own encryption (use encrypt=luks on a plain image)",
+        ));
+    }
+    if h.nb_snapshots != 0 && !read_only {
+        return Err(unsupported("writing an image with internal snapshots"));
+    }
+    Ok(())
+}

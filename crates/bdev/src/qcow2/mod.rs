@@ -1,0 +1,174 @@
+//! [`Qcow2Disk`]: a qcow2 image (version 3, as QEMU writes it) served on
+//! udrive's io_uring file engine (docs/decisions/0038-qcow2.md).
+//!
+//! Who owns what: the image ([`image`]) is shared by every channel; its
+//! metadata (L1, the L2 cache, refcounts, the allocator) sits behind one lock
+//! that only the slow path and cache misses take. Each reactor's channel
+//! ([`channel`]) keeps the L2 tables it uses and sends reads and writes of
+//! allocated clusters to the image file through its own ring, lock-free.
+
+mod backing;
+mod channel;
+mod create;
+mod error;
+mod header;
+mod image;
+mod meta;
+mod tables;
+#[cfg(test)]
+mod tests;
+
+pub use backing::MAX_CHAIN as MAX_BACKING_CHAIN;
+pub use create::{create_qcow2, CreateOptions};
+pub use error::{HeaderError, Qcow2Error};
+pub use header::Header;
+
+/// Parses a header from the first bytes of an image of `file_len` bytes (what
+/// the fuzz target drives).
+pub fn parse_header(buf: &[u8], file_len: u64) -> Result<Header, HeaderError> {
+    Header::parse(buf, file_len)
+}
+
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::{BlockDevice, BlockInfo, FileEngine, GeometryError, IoChannel};
+use image::{Image, OpenOpts};
+
+pub(crate) use crate::uring::punch;
+
+/// The L2 cache's default size: 32 tables of 64 KiB cover 16 GiB of a
+/// 64 KiB-cluster image.
+pub const DEFAULT_L2_CACHE: u64 = 2 << 20;
+
+/// How to open a [`Qcow2Disk`].
+#[derive(Clone, Debug)]
+pub struct Qcow2Options {
+    pub read_only: bool,
+    /// 512 or 4096 (default 512).
+    pub block_size: Option<u32>,
+    pub engine: FileEngine,
+    /// Bytes of L2 tables kept in memory (at least one table).
+    pub l2_cache: u64,
+}
+
+impl Default for Qcow2Options {
+    fn default() -> Self {
+        Qcow2Options {
+            read_only: false,
+            block_size: None,
+            engine: FileEngine::Auto,
+            l2_cache: DEFAULT_L2_CACHE,
+        }
+    }
+}
+
+/// What `get_devices` shows of an image.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Qcow2Status {
+    pub virtual_size: u64,
+    pub cluster_size: u64,
+    /// Bytes the image file holds up to its last allocated cluster.
+    pub allocated: u64,
+    /// The backing chain, top first (`raw:PATH`, `qcow2:PATH`).
+    pub backing_chain: Vec<String>,
+}
+
+/// A qcow2 image as a block device.
+pub struct Qcow2Disk {
+    image: Arc<Image>,
+    engine: FileEngine,
+    info: BlockInfo,
+}
+
+impl Qcow2Disk {
+    /// Opens the image at `path` and its backing chain.
+    pub fn open(path: impl AsRef<Path>, o: Qcow2Options) -> Result<Qcow2Disk, Qcow2Error> {
+        let path = path.as_ref();
+        let bs = o.block_size.unwrap_or(512);
+        let geometry = |e: GeometryError| Qcow2Error::Create {
+            path: path.to_path_buf(),
+            why: e.to_string(),
+        };
+        GeometryError::check_block_size(bs).map_err(geometry)?;
+        let opts = OpenOpts {
+            read_only: o.read_only,
+            l2_cache: o.l2_cache,
+        };
+        let image = Image::open(path, opts, &mut Vec::new())?;
+        let num_blocks = image.header.size / u64::from(bs);
+        GeometryError::check_size(num_blocks * u64::from(bs), u64::from(bs)).map_err(geometry)?;
+        let info = BlockInfo {
+            block_size: bs,
+            num_blocks,
+            volatile: false,
+            write_cache: true,
+            read_only: o.read_only,
+            discard: true,
+            write_zeroes: true,
+            // Partial clusters of a discard are left as they are.
+            discard_zeroes: false,
+        };
+        Ok(Qcow2Disk {
+            image: Arc::new(image),
+            engine: o.engine,
+            info,
+        })
+    }
+
+    pub fn status(&self) -> Qcow2Status {
+        let mut backing_chain = Vec::new();
+        if let Some(b) = &self.image.backing {
+            b.chain(&mut backing_chain);
+        }
+        Qcow2Status {
+            virtual_size: self.image.header.size,
+            cluster_size: self.image.cs(),
+            allocated: self.image.allocated_bytes(),
+            backing_chain,
+        }
+    }
+}
+
+impl BlockDevice for Qcow2Disk {
+    fn describe(&self) -> String {
+        format!(
+            "qcow2:{}:bs={}{}",
+            self.image.path.display(),
+            self.info.block_size,
+            if self.info.read_only { ":ro" } else { "" }
+        )
+    }
+    fn info(&self) -> &BlockInfo {
+        &self.info
+    }
+    fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
+        let image = &self.image;
+        let data =
+            crate::uring::data_channel(image.file.clone(), self.engine, self.info.read_only)?;
+        let backing = match &image.backing {
+            Some(backing::Backing::Raw { file, .. }) => {
+                Some(crate::uring::data_channel(file.clone(), self.engine, true)?)
+            }
+            _ => None,
+        };
+        Ok(Box::new(channel::Qcow2Channel::new(
+            image.clone(),
+            data,
+            backing,
+            self.info.size_bytes(),
+        )))
+    }
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+    /// A successor process opens the image by its spec: the metadata this one
+    /// holds in memory goes to disk first (the front end has nothing in flight).
+    fn pause(&self) -> io::Result<()> {
+        if self.info.read_only {
+            return Ok(());
+        }
+        self.image.flush()
+    }
+}
