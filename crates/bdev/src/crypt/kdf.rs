@@ -45,16 +45,20 @@ const MAX_ARGON2_KB: u32 = 4 << 20;
 const MAX_ARGON2_WORK_KB: u64 = 64 << 20;
 const MAX_ARGON2_THREADS: u32 = 64;
 
-/// Checks every active keyslot of a loaded header.
-pub(super) fn check_costs(cd: *mut CryptDevice, device: &str) -> Result<(), LuksError> {
+/// The keyslots of a loaded header that hold a key.
+pub(super) fn active_slots(cd: *mut CryptDevice) -> impl Iterator<Item = c_int> {
     // SAFETY: a live, loaded context; the type string lives as long as it.
     let max = unsafe { crypt_keyslot_max(crypt_get_type(cd)) };
-    for slot in 0..max.max(0) {
+    (0..max.max(0)).filter(move |&slot| {
         // SAFETY: a live context and a slot below the type's maximum.
         let status = unsafe { crypt_keyslot_status(cd, slot) };
-        if status != SLOT_ACTIVE && status != SLOT_ACTIVE_LAST {
-            continue;
-        }
+        status == SLOT_ACTIVE || status == SLOT_ACTIVE_LAST
+    })
+}
+
+/// Checks every active keyslot of a loaded header.
+pub(super) fn check_costs(cd: *mut CryptDevice, device: &str) -> Result<(), LuksError> {
+    for slot in active_slots(cd) {
         let mut p = PbkdfType {
             type_: std::ptr::null(),
             hash: std::ptr::null(),

@@ -16,9 +16,7 @@ use std::sync::Mutex;
 use super::header::{
     copy_header, cstr, read_key_file, CryptDevice, LoadedHeader, LuksError, CRYPT_ANY_SLOT,
 };
-use super::kdf::{
-    crypt_get_type, crypt_keyslot_max, crypt_keyslot_status, SLOT_ACTIVE, SLOT_ACTIVE_LAST,
-};
+use super::kdf::{active_slots, crypt_get_type, crypt_keyslot_status, SLOT_ACTIVE_LAST};
 use crate::{BlockDevice, IoOp};
 
 #[link(name = "cryptsetup")]
@@ -95,18 +93,15 @@ fn status(h: &LoadedHeader) -> LuksStatus {
     // SAFETY: a live, loaded context; the strings it returns live as long as it
     // and are copied at once.
     unsafe {
-        let type_ = crypt_get_type(cd);
-        let max = crypt_keyslot_max(type_).max(0);
         LuksStatus {
-            version: cstr(type_),
+            version: cstr(crypt_get_type(cd)),
             uuid: cstr(crypt_get_uuid(cd)),
             cipher: cstr(crypt_get_cipher(cd)),
             cipher_mode: cstr(crypt_get_cipher_mode(cd)),
             key_bits: u32::try_from(crypt_get_volume_key_size(cd)).unwrap_or(0) * 8,
             sector_size: u32::try_from(crypt_get_sector_size(cd)).unwrap_or(0),
             data_offset: h.ctx.data_offset(),
-            keyslots: (0..max)
-                .filter(|&s| matches!(crypt_keyslot_status(cd, s), SLOT_ACTIVE | SLOT_ACTIVE_LAST))
+            keyslots: active_slots(cd)
                 .filter_map(|s| u32::try_from(s).ok())
                 .collect(),
         }

@@ -209,7 +209,7 @@ struct Successor {
 }
 
 /// State letter and start time of `pid` (/proc/PID/stat); None if there is none.
-fn proc_stat(pid: i32) -> Option<(char, u64)> {
+pub(super) fn proc_stat(pid: i32) -> Option<(char, u64)> {
     let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let mut f = st.rsplit_once(')')?.1.split_whitespace();
     let state = f.next()?.chars().next()?;

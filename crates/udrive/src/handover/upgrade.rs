@@ -28,11 +28,15 @@ fn version(rpc: &std::path::Path) -> Result<serde_json::Value> {
         .map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-fn server_pid(rpc: &std::path::Path) -> Result<u64> {
-    version(rpc)?
-        .get("pid")
+/// The pid in a `get_version` answer.
+fn pid_of(v: &serde_json::Value) -> Result<u64> {
+    v.get("pid")
         .and_then(|p| p.as_u64())
         .context("the running server does not report its pid (too old for `udrive upgrade`)")
+}
+
+fn server_pid(rpc: &std::path::Path) -> Result<u64> {
+    pid_of(&version(rpc)?)
 }
 
 pub fn run(a: UpgradeArgs) -> Result<()> {
@@ -40,7 +44,7 @@ pub fn run(a: UpgradeArgs) -> Result<()> {
     if v["service_manager"] == true {
         return run_in_service(&a, &v);
     }
-    let old = server_pid(&a.rpc)?;
+    let old = pid_of(&v)?;
     let binary = match a.binary {
         Some(b) => b,
         None => std::env::current_exe().context("cannot find udrive's own binary")?,
@@ -115,7 +119,7 @@ fn run_in_service(a: &UpgradeArgs, v: &serde_json::Value) -> Result<()> {
             a.rpc.display()
         );
     }
-    let old = v["pid"].as_u64().unwrap_or_default();
+    let old = pid_of(v)?;
     let t0 = Instant::now();
     let r = crate::rpc_client::call(
         &a.rpc,
@@ -153,8 +157,8 @@ fn run_in_service(a: &UpgradeArgs, v: &serde_json::Value) -> Result<()> {
 
 /// Whether `pid` runs (a zombie, exited but not yet reaped by its parent, does not).
 fn process_alive(pid: u64) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit_once(") ")
-            .is_some_and(|(_, rest)| !rest.starts_with('Z'))
-    })
+    i32::try_from(pid)
+        .ok()
+        .and_then(super::give::proc_stat)
+        .is_some_and(|(state, _)| state != 'Z')
 }
