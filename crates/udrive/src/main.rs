@@ -62,6 +62,9 @@ under systemd (Type=notify) the server reports READY once every socket listens."
     /// Write man pages or print shell completions (for packaging)
     #[command(hide = true)]
     Generate(generate::GenerateArgs),
+    /// Started by a sandboxed server: starts its successor outside its filters
+    #[command(hide = true)]
+    Launcher,
 }
 
 /// `RUST_LOG` (default `info`), with the virtqueue library silenced unless named:
@@ -146,6 +149,7 @@ fn main() {
         #[cfg(feature = "tools")]
         Cmd::Trace(a) => trace_cmd::run(a),
         Cmd::Generate(a) => generate::run(a, Cli::command()),
+        Cmd::Launcher => handover::launcher::run(),
     };
     if let Err(e) = r {
         if udrive::stdout::is_closed(&e) {
