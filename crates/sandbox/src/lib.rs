@@ -17,6 +17,7 @@
 mod filter;
 mod fs_rules;
 mod policy;
+mod process;
 mod sigsys;
 mod spawner;
 mod syscall_names;
@@ -26,6 +27,7 @@ use std::sync::OnceLock;
 pub use fs_rules::{restrict_files, Enforced, FsRules, SYSTEM_READ_ONLY};
 pub use landlock::RulesetError as FsRulesError;
 pub use policy::{allowed_syscalls, markdown_table, Role};
+pub use process::{become_user, close_inherited_fds, no_core_dumps, Identity};
 pub use spawner::spawn;
 
 /// What happens when a thread makes a system call its role does not allow.

@@ -170,9 +170,13 @@ const VFU_CONN: &[(c_long, Check)] = &[
     (libc::SYS_ftruncate, Check::Any),
     // The channel of a client whose memory is not shared (DMA by messages).
     (libc::SYS_socketpair, Check::UnixOnly),
+    // What an interrupt eventfd is (/proc/self/fd/N).
+    (libc::SYS_readlink, Check::Any),
 ];
 
+/// `recvmsg`: replies of a client whose memory is not shared (DMA by messages).
 const NVME_ADMIN: &[(c_long, Check)] = &[
+    (libc::SYS_recvmsg, Check::Any),
     (libc::SYS_poll, Check::Any),
     (libc::SYS_io_uring_setup, Check::Any),
     (libc::SYS_io_uring_register, Check::Any),
@@ -185,8 +189,10 @@ const NVME_ADMIN: &[(c_long, Check)] = &[
     (libc::SYS_pwrite64, Check::Any),
 ];
 
-/// `shutdown`: a reactor that finds a client's memory gone disconnects it.
+/// `shutdown`: a reactor that finds a client's memory gone disconnects it;
+/// `recvmsg`: DMA replies of a client whose memory is not shared.
 const REACTOR: &[(c_long, Check)] = &[
+    (libc::SYS_recvmsg, Check::Any),
     (libc::SYS_shutdown, Check::Any),
     (libc::SYS_epoll_ctl, Check::Any),
     (libc::SYS_epoll_wait, Check::Any),

@@ -124,6 +124,14 @@ fn init_logging() {
 }
 
 fn main() {
+    // A server keeps no descriptor its parent left open (as a jailer does); the
+    // journal's socket and everything else are opened after this.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "serve") {
+        if let Err(e) = sandbox::close_inherited_fds() {
+            eprintln!("udrive: cannot close inherited descriptors: {e}");
+            std::process::exit(1);
+        }
+    }
     init_logging();
     let cli = Cli::parse();
     let r = match cli.cmd {

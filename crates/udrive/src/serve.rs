@@ -95,6 +95,13 @@ pub struct ServeArgs {
     /// files and sockets, repeatable (allow_dirs in the TOML file)
     #[arg(long = "allow-dir", value_name = "DIR")]
     pub allow_dirs: Vec<PathBuf>,
+    /// Run as this user (with its groups) from start-up on: sockets, disks and
+    /// the control socket must be reachable to it; no capability is kept
+    #[arg(long, value_name = "NAME")]
+    pub user: Option<String>,
+    /// With --user: this group instead of the user's own
+    #[arg(long, value_name = "NAME", requires = "user")]
+    pub group: Option<String>,
 }
 
 fn check_mode(s: &str) -> Result<String, String> {
@@ -184,7 +191,7 @@ impl ServeArgs {
 pub fn run(args: ServeArgs) -> Result<()> {
     let rpc_mode = args.rpc_mode;
     let supervised = args.supervised;
-    let sandbox = Sandboxing::from_args(args.seccomp, args.landlock.as_deref())?;
+    let sandbox = Sandboxing::from_args(&args)?;
     if let Some(from) = &args.takeover {
         return run_takeover(from, &sandbox);
     }

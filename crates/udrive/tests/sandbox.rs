@@ -4,6 +4,9 @@
 
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+
 use common::control::{serve_opts, Serve};
 use initiator::NvmeDriver;
 use serde_json::json;
@@ -95,4 +98,40 @@ fn a_disk_outside_the_allowed_directories_is_refused() {
     let add = json!({"socket": allowed.nvme, "spec": spec});
     let ns = allowed.ok("nvme_add_namespace", add);
     assert_eq!(ns["nsid"], 2);
+}
+
+fn status_field(pid: i32, name: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find_map(|l| l.strip_prefix(name));
+    line.unwrap_or_default().trim().to_owned()
+}
+
+/// `--user`: the server drops to that user before it starts anything, keeps no
+/// capability, and cannot be dumped.
+#[test]
+fn with_user_the_server_runs_unprivileged_and_serves() {
+    if status_field(std::process::id() as i32, "Uid:")
+        .split_whitespace()
+        .next()
+        != Some("0")
+    {
+        eprintln!("skipped: not root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (rpc, nvme) = (dir.path().join("rpc.sock"), dir.path().join("a.sock"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_udrive"));
+    cmd.args(["serve", "--cpus", "0", "--ns", "ram:16M", "--vfio-user"])
+        .arg(&nvme)
+        .arg("--rpc")
+        .arg(&rpc)
+        .args(["--user", "nobody"]);
+    let s = Serve::spawn(cmd, dir, rpc, nvme);
+    let uids = status_field(s.pid(), "Uid:");
+    assert!(uids.split_whitespace().all(|u| u != "0"), "Uid: {uids}");
+    assert_eq!(status_field(s.pid(), "CapEff:"), "0000000000000000");
+    assert_eq!(status_field(s.pid(), "CapPrm:"), "0000000000000000");
+    let d = NvmeDriver::connect(&s.nvme, serve_opts()).unwrap();
+    common::control::round_trip(&d, 3);
 }
