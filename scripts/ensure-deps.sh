@@ -14,6 +14,8 @@ command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 # (-lcryptsetup); the tests check against the cryptsetup tool and an AES-XTS that
 # is not udrive's (Python's cryptography, over OpenSSL).
 [ -f /usr/include/libcryptsetup.h ] || need_apt+=(libcryptsetup-dev)
+# Their data path's AES-XTS is OpenSSL's EVP (the `openssl` crate links -lcrypto).
+[ -f /usr/include/openssl/evp.h ] || need_apt+=(libssl-dev)
 command -v cryptsetup >/dev/null 2>&1 || need_apt+=(cryptsetup-bin)
 # qcow2 images: the interop tests make and check images with QEMU's own tools.
 command -v qemu-img >/dev/null 2>&1 || need_apt+=(qemu-utils)

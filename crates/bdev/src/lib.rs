@@ -22,7 +22,7 @@ pub use batch::{submit_each, Batch, RequestList};
 pub use claim::{DiskClaim, RangeClaim, WriterClaim};
 pub use crypt::{
     change_key, format_luks, luks_status, open_luks, open_or_format_luks, CryptDisk, KeyChange,
-    LuksError, LuksStatus, SectorCipher, MAX_CRYPT_IO,
+    LuksError, LuksStatus, SectorCipher, SectorCrypter, MAX_CRYPT_IO,
 };
 pub use error::{typed, FixedSize, GeometryError};
 pub use fault::{FaultConfig, FaultDisk, FaultError, FaultOps};

@@ -72,7 +72,10 @@ fn writes_are_ciphertext_below_and_read_back_plain() {
     let mut expect = plain.clone();
     SectorCipher::new(&key(), 512)
         .unwrap()
-        .encrypt(&mut expect, 8);
+        .crypter()
+        .unwrap()
+        .encrypt(&mut expect, 8)
+        .unwrap();
     assert_eq!(below, expect);
 
     let out = mem.slice(32 * KIB, 8192).unwrap();
@@ -163,5 +166,13 @@ fn requests_it_cannot_encrypt_fail_cleanly() {
         CryptDisk::with_key(ram, &key()[..48], 512, DATA),
         Err(LuksError::KeySize { bytes: 48 })
     ));
-    assert!(!format!("{disk:?}").contains("Secret"));
+    let mut twice = key()[..32].to_vec();
+    twice.extend_from_slice(&key()[..32]);
+    let ram = Arc::new(RamDisk::new(DATA * 2, 512).unwrap());
+    assert!(matches!(
+        CryptDisk::with_key(ram, &twice, 512, DATA),
+        Err(LuksError::KeyRefused)
+    ));
+    let shown = format!("{disk:?}");
+    assert!(shown.starts_with("CryptDisk") && !shown.contains("SectorCipher"));
 }

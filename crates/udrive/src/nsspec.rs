@@ -18,7 +18,8 @@
 //! LUKS1/LUKS2 volume (aes-xts-plain64) on the backend, unlocked with the
 //! passphrase in the key file (`bdev::CryptDisk`,
 //! docs/decisions/0037-luks-encryption.md); with `create=on` a blank backend is
-//! formatted as a new LUKS2 volume first. Slices are cut from the payload.
+//! formatted as a new LUKS2 volume first (for kinds whose `create=SIZE` makes the
+//! image, rbd and qcow2, that option does both). Slices are cut from the payload.
 //!
 //! Test-only fault injection (wraps the namespace in a `bdev::FaultDisk`, after the
 //! slice, so LBAs are the namespace's): `fault_lbas=START-END` (inclusive LBA range
@@ -250,6 +251,11 @@ impl std::str::FromStr for NsSpec {
         {
             return Err(bad("QoS limits must be above 0".into()));
         }
+        // A kind with a `create=` of its own (rbd, qcow2: make the image) takes the
+        // option; with encrypt=luks it also formats the new, blank image.
+        if !encrypt.is_empty() && kind_opts.iter().any(|(k, _)| *k == "create") {
+            encrypt.push(("create", "on"));
+        }
         let encrypt = EncryptSpec::parse(&encrypt).map_err(&bad)?;
         let kind = backend.parse(arg, &kind_opts, block_size).map_err(&bad)?;
         if let Some(why) = kind.migration_refusal().filter(|_| incoming) {
@@ -404,6 +410,18 @@ mod tests {
         assert!(s.to_string().contains("encrypt=luks"));
         let s: NsSpec = "ram:64M,encrypt=luks,key-file=k,create=on".parse().unwrap();
         assert!(s.encrypt.unwrap().create);
+        // A kind's own create= (qcow2's, rbd's) makes the image and formats it.
+        let s: NsSpec = "qcow2:/q,create=64M,encrypt=luks,key-file=k"
+            .parse()
+            .unwrap();
+        assert!(s.encrypt.unwrap().create);
+        let s: NsSpec = "qcow2:/q,encrypt=luks,key-file=k".parse().unwrap();
+        assert!(!s.encrypt.unwrap().create);
+        assert!("qcow2:/q,create=64M"
+            .parse::<NsSpec>()
+            .unwrap()
+            .encrypt
+            .is_none());
         for bad in [
             "ram:64M,encrypt=luks",
             "ram:64M,encrypt=luks,key-file=",

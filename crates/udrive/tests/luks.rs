@@ -3,17 +3,21 @@
 //! `cryptsetup luksDump` gives and an independent AES-XTS; a vhost-user-blk disk
 //! on a RAM disk formatted at start (`create=on`), driven by libblkio; an
 //! encrypted namespace added over RPC to a running `udrive serve`, whose status
-//! shows no key; specs that cannot open fail with the reason.
+//! shows no key; specs that cannot open fail with the reason; a Ceph RBD image
+//! made and formatted by its spec, reopened, and read by cryptsetup after
+//! `rbd export`.
 
 mod common;
 
 use std::sync::Arc;
 
 use common::control::{serve_opts, Serve};
+use common::rbd::rbd_ns;
 use common::*;
 use initiator::{DataMode, IoOp};
 use serde_json::json;
 use test_support::blkio::BlkioSession;
+use test_support::ceph::Cluster;
 use test_support::luks::{luks_format, openssl_xts, set_keyslot_kdf, volume, volume_key};
 use udrive::vhost_device::{self, VhostBlkConfig};
 
@@ -317,4 +321,82 @@ fn absurd_key_derivation_costs_are_refused() {
         "{text}"
     );
     assert!(text.contains("2000000000 passes"), "{text}");
+}
+
+/// `rbd:...,create=SIZE,encrypt=luks`: the image is made and formatted at the
+/// first start, the same volume opens at the next (nothing reformatted), and
+/// the exported image is a LUKS2 volume cryptsetup unlocks, whose sectors
+/// decrypt independently.
+#[test]
+fn rbd_image_made_formatted_and_reopened() {
+    if !test_support::ceph::available() {
+        return;
+    }
+    let c = Cluster::start();
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, b"an rbd passphrase").unwrap();
+    let spec = rbd_ns(
+        &c,
+        "enc",
+        &format!(",create=32M,encrypt=luks,key-file={}", key.display()),
+    );
+    let mut rng = Rng::new(41);
+    // Namespace blocks are LUKS2's 4096-byte sectors.
+    let writes = [(0u64, rng.bytes(4096)), (1000, rng.bytes(32 << 10))];
+    let dev = TestDev::start("rbd-luks", &[&spec]);
+    let d = dev.connect();
+    let mut qp = d.create_qpair(8, false).unwrap();
+    let buf = qp.alloc_buf(32 << 10).unwrap();
+    for (slba, data) in &writes {
+        buf.write(0, data).unwrap();
+        let nlb = (data.len() / 4096) as u32;
+        let w = io(
+            &mut qp,
+            IoOp::Write,
+            1,
+            *slba,
+            nlb,
+            Some(&buf),
+            DataMode::Prp,
+        );
+        assert_ok(&w, "write");
+    }
+    let flush = io(&mut qp, IoOp::Flush, 1, 0, 0, None, DataMode::Prp);
+    assert_ok(&flush, "flush");
+    drop((buf, qp, d, dev));
+
+    // Reopened: the same volume, the same data.
+    let dev = TestDev::start("rbd-luks2", &[&spec]);
+    let d = dev.connect();
+    assert_eq!(d.namespaces()[0].lba_size, 4096);
+    let mut qp = d.create_qpair(8, false).unwrap();
+    let buf = qp.alloc_buf(32 << 10).unwrap();
+    for (slba, data) in &writes {
+        let nlb = (data.len() / 4096) as u32;
+        let r = io(
+            &mut qp,
+            IoOp::Read,
+            1,
+            *slba,
+            nlb,
+            Some(&buf),
+            DataMode::Prp,
+        );
+        assert_ok(&r, "read after reopening");
+        let mut back = vec![0u8; data.len()];
+        buf.read(0, &mut back).unwrap();
+        assert!(back == *data, "LBA {slba} after reopening");
+    }
+    drop((buf, qp, d, dev));
+
+    let img = dir.path().join("enc.img");
+    std::fs::write(&img, c.export("enc")).unwrap();
+    let vk = volume_key(&img, &key);
+    for (slba, data) in &writes {
+        let raw = file_bytes(&img, 16 * MIB + slba * 4096, data.len());
+        assert!(raw != *data, "LBA {slba} is stored encrypted");
+        let plain = openssl_xts(false, &vk, 4096, slba * 8, &raw);
+        assert!(plain == *data, "LBA {slba} decrypts independently");
+    }
 }

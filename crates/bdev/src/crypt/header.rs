@@ -82,10 +82,10 @@ pub enum LuksError {
     },
     #[error("a volume key of {bytes} bytes (aes-xts takes 32 or 64)")]
     KeySize { bytes: usize },
+    #[error("the volume key's two aes-xts halves are equal (IEEE 1619 forbids it; OpenSSL refuses the key)")]
+    KeyRefused,
     #[error("{device} holds data but no LUKS header: not formatted (create=on formats only a blank volume)")]
     NotBlank { device: String },
-    #[error("key memory")]
-    Memory(#[source] io::Error),
 }
 
 #[repr(C)]

@@ -20,7 +20,7 @@ mod xts;
 pub use header::LuksError;
 pub use keyslots::{change_key, luks_status, KeyChange, LuksStatus};
 pub use luks::{format_luks, open_luks, open_or_format_luks};
-pub use xts::{Secret, SectorCipher, SECTOR};
+pub use xts::{SectorCipher, SectorCrypter, SECTOR};
 
 use std::fmt;
 use std::io;
@@ -42,7 +42,7 @@ const CHUNK: usize = 4096;
 /// encrypted with `cipher`.
 pub struct CryptDisk {
     inner: Arc<dyn BlockDevice>,
-    cipher: Arc<Secret<SectorCipher>>,
+    cipher: Arc<SectorCipher>,
     data_offset: u64,
     info: BlockInfo,
 }
@@ -62,7 +62,7 @@ impl CryptDisk {
     /// its end, in blocks of at least the cipher's sector.
     pub fn new(
         inner: Arc<dyn BlockDevice>,
-        cipher: Arc<Secret<SectorCipher>>,
+        cipher: Arc<SectorCipher>,
         data_offset: u64,
     ) -> Result<CryptDisk, LuksError> {
         let ii = inner.info().clone();
@@ -95,15 +95,18 @@ impl CryptDisk {
 
     /// The payload of `inner` from `data_offset` on, encrypted with the volume
     /// key `key` (32 or 64 bytes) in sectors of `unit` bytes (512 or 4096). The
-    /// key is not kept: its cipher is, in a [`Secret`].
+    /// key is not kept: its cipher is (OpenSSL's key schedules).
     pub fn with_key(
         inner: Arc<dyn BlockDevice>,
         key: &[u8],
         unit: usize,
         data_offset: u64,
     ) -> Result<CryptDisk, LuksError> {
-        let cipher = SectorCipher::new(key, unit).ok_or(LuksError::KeySize { bytes: key.len() })?;
-        let cipher = Arc::new(Secret::new(cipher).map_err(LuksError::Memory)?);
+        if key.len() != 32 && key.len() != 64 {
+            return Err(LuksError::KeySize { bytes: key.len() });
+        }
+        let cipher = SectorCipher::new(key, unit).ok_or(LuksError::KeyRefused)?;
+        let cipher = Arc::new(cipher);
         CryptDisk::new(inner, cipher, data_offset)
     }
 
@@ -130,7 +133,7 @@ impl DeviceWrapper for CryptDisk {
         Ok(Box::new(CryptChannel {
             inner: self.inner.channel()?,
             state: CryptState {
-                cipher: self.cipher.clone(),
+                crypter: self.cipher.crypter().map_err(io::Error::other)?,
                 data_offset: self.data_offset,
                 size: self.info.size_bytes(),
                 slots: Vec::new(),
@@ -179,7 +182,7 @@ struct CryptChannel {
 /// Everything of a channel but its inner channel, so that completions the inner
 /// channel hands out can be finished while it is borrowed.
 struct CryptState {
-    cipher: Arc<Secret<SectorCipher>>,
+    crypter: SectorCrypter,
     data_offset: u64,
     size: u64,
     slots: Vec<Slot>,
@@ -209,10 +212,9 @@ impl CryptState {
                 let n = CHUNK.min(total - pos);
                 let buf = &mut self.scratch[..n];
                 let sector = slot.first_sector + (pos / SECTOR) as u64;
-                let ok = copy_out(iov, pos, buf).is_some() && {
-                    self.cipher.decrypt(buf, sector);
-                    copy_in(iov, pos, buf).is_some()
-                };
+                let ok = copy_out(iov, pos, buf).is_some()
+                    && self.crypter.decrypt(buf, sector).is_ok()
+                    && copy_in(iov, pos, buf).is_some();
                 if !ok {
                     st = IoStatus::IoError;
                     break;
@@ -245,7 +247,9 @@ impl CryptState {
             let n = CHUNK.min(len - pos);
             let buf = &mut self.scratch[..n];
             copy_out(req.iov, pos, buf)?;
-            self.cipher.encrypt(buf, sector + (pos / SECTOR) as u64);
+            self.crypter
+                .encrypt(buf, sector + (pos / SECTOR) as u64)
+                .ok()?;
             bounce.write_from(pos, buf).ok()?;
             pos += n;
         }
@@ -254,7 +258,7 @@ impl CryptState {
 
     /// What is wrong with a read or write, before any work.
     fn check(&self, req: &IoRequest<'_>) -> Option<IoStatus> {
-        let sector = self.cipher.unit() as u64;
+        let sector = self.crypter.unit() as u64;
         if !in_range(req.offset, req.len, self.size) {
             return Some(IoStatus::OutOfRange);
         }
