@@ -187,6 +187,8 @@ const NVME_ADMIN: &[(c_long, Check)] = &[
     (libc::SYS_fallocate, Check::Any),
     (libc::SYS_pread64, Check::Any),
     (libc::SYS_pwrite64, Check::Any),
+    (libc::SYS_preadv2, Check::Any),
+    (libc::SYS_pwritev2, Check::Any),
 ];
 
 /// `shutdown`: a reactor that finds a client's memory gone disconnects it;
@@ -208,6 +210,9 @@ const REACTOR: &[(c_long, Check)] = &[
     (libc::SYS_pwrite64, Check::Any),
     (libc::SYS_preadv, Check::Any),
     (libc::SYS_pwritev, Check::Any),
+    // The file backend's inline engine (page cache, tmpfs).
+    (libc::SYS_preadv2, Check::Any),
+    (libc::SYS_pwritev2, Check::Any),
     (libc::SYS_eventfd2, Check::Any),
 ];
 

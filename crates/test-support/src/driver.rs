@@ -56,13 +56,28 @@ pub fn io(
 /// and reads it back into the same (cleared) buffer.
 #[track_caller]
 pub fn write_read(qp: &mut QueuePair, buf: &DmaBuf, slba: u64, data: &[u8], mode: DataMode) {
+    write_read_ns(qp, 1, buf, slba, data, mode);
+}
+
+/// [`write_read`] on namespace `nsid`.
+pub fn write_read_ns(
+    qp: &mut QueuePair,
+    nsid: u32,
+    buf: &DmaBuf,
+    slba: u64,
+    data: &[u8],
+    mode: DataMode,
+) {
     let nlb = u32::try_from(data.len() / 512).expect("block count");
     let buf = buf.sub(0, data.len()).expect("buffer large enough");
     buf.write(0, data).expect("fill");
-    let c = io(qp, IoOp::Write, 1, slba, nlb, Some(&buf), mode);
+    let c = io(qp, IoOp::Write, nsid, slba, nlb, Some(&buf), mode);
     assert_ok(&c, "write");
     buf.fill(0);
-    assert_ok(&io(qp, IoOp::Read, 1, slba, nlb, Some(&buf), mode), "read");
+    assert_ok(
+        &io(qp, IoOp::Read, nsid, slba, nlb, Some(&buf), mode),
+        "read",
+    );
     let mut back = vec![0u8; data.len()];
     buf.read(0, &mut back).expect("read back");
     assert!(back == data, "data mismatch at LBA {slba}");

@@ -8,7 +8,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
 use common::control::{serve_opts, Serve};
-use initiator::NvmeDriver;
+use initiator::{DataMode, NvmeDriver};
 use serde_json::json;
 
 const SERVER_ERROR: i64 = -32000;
@@ -134,4 +134,32 @@ fn with_user_the_server_runs_unprivileged_and_serves() {
     assert_eq!(status_field(s.pid(), "CapPrm:"), "0000000000000000");
     let d = NvmeDriver::connect(&s.nvme, serve_opts()).unwrap();
     common::control::round_trip(&d, 3);
+}
+
+/// Each file engine does its I/O under the reactor's filter: io_uring (with its
+/// restricted ring) and the inline engine's plain system calls.
+#[test]
+fn file_engines_serve_under_the_filters() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = Vec::new();
+    for engine in ["uring", "inline"] {
+        let img = dir.path().join(format!("{engine}.img"));
+        std::fs::write(&img, vec![0u8; 4 << 20]).unwrap();
+        args.push("--ns".to_owned());
+        args.push(format!("file:{},direct=off,engine={engine}", img.display()));
+    }
+    args.extend(["--allow-dir".to_owned(), dir.path().display().to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let s = Serve::start(&args);
+    let d = NvmeDriver::connect(&s.nvme, serve_opts()).unwrap();
+    for nsid in [2, 3] {
+        let mut qp = d.create_qpair(16, false).unwrap();
+        let buf = qp.alloc_buf(4096).unwrap();
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + nsid) as u8).collect();
+        test_support::driver::write_read_ns(&mut qp, nsid, &buf, 8, &data, DataMode::Prp);
+    }
+    drop(d);
+    for (name, seccomp, _) in threads(s.pid()) {
+        assert_eq!(seccomp, "2", "thread {name}");
+    }
 }
