@@ -18,6 +18,7 @@ pub mod frontend;
 pub mod fuzzing;
 pub mod generate;
 pub mod handover;
+pub mod jobs;
 pub mod json;
 pub mod kinds;
 pub mod libvirt_xml;

@@ -38,6 +38,11 @@ pub(super) struct Image {
     /// Where allocated clusters end.
     pub limit: Arc<AtomicU64>,
     pub backing: Option<Backing>,
+    /// While a commit job runs: the base every write also goes to, and the
+    /// flag that sends every write to the slow path (under `meta`) so that
+    /// it does (docs/decisions/0041-qcow2-snapshots-and-jobs.md).
+    pub(super) through: Mutex<Option<super::live::Through>>,
+    pub writes_slow: std::sync::atomic::AtomicBool,
 }
 
 /// Where a guest cluster's data is, for the slow path.
@@ -111,6 +116,8 @@ impl Image {
             meta: Mutex::new(meta),
             generation,
             backing,
+            through: Mutex::new(None),
+            writes_slow: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -128,7 +135,7 @@ impl Image {
         ((c >> l2_bits) as usize, (c & ((1 << l2_bits) - 1)) as usize)
     }
 
-    fn cluster(&self, meta: &mut Meta, c: u64) -> io::Result<Cluster> {
+    pub(super) fn cluster(&self, meta: &mut Meta, c: u64) -> io::Result<Cluster> {
         Ok(self.entry(meta, c)?.0)
     }
 
@@ -157,7 +164,12 @@ impl Image {
         self.read_locked(&mut meta, offset, buf)
     }
 
-    fn read_locked(&self, meta: &mut Meta, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+    pub(super) fn read_locked(
+        &self,
+        meta: &mut Meta,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> io::Result<()> {
         let cs = self.cs();
         let mut pos = 0usize;
         while pos < buf.len() {
@@ -205,6 +217,7 @@ impl Image {
                 &data[pos..pos + n],
                 scratch,
             )?;
+            super::live::write_through(self, off, &data[pos..pos + n])?;
             pos += n;
         }
         Ok(())
@@ -265,7 +278,7 @@ impl Image {
             };
             meta.set_entry(l1i, l2i, keep | ZERO)?;
         }
-        Ok(())
+        super::live::zero_through(self, first, count)
     }
 
     /// Decompresses the cluster L2 entry `entry` describes into `out` (one

@@ -108,6 +108,9 @@ fn check_peer(sock: &OwnedFd) -> Result<()> {
 /// A backend whose kind refuses to be taken over fails the handover before
 /// anything pauses.
 fn refuse_what_cannot_move(st: &State) -> Result<()> {
+    if let Some(why) = crate::jobs::handover_refusal(st) {
+        bail!("{why}");
+    }
     for d in &st.devices {
         for r in d.disks() {
             if let Some(why) = r.spec.kind.0.handover_refusal() {

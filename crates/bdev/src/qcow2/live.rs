@@ -1,0 +1,372 @@
+//! Live changes to a running disk's chain (docs/decisions/0041-qcow2-snapshots-and-jobs.md):
+//! an external snapshot (a new overlay over the image), and the block jobs
+//! that stream a backing file into the image or commit the image into its
+//! base, a cluster per step, while the guest reads and writes.
+//!
+//! Who owns what: the disk's [`Active`] holds the image the channels serve;
+//! replacing it bumps an epoch each channel checks before a request and
+//! moves to the new image (its rings on the old files retire once empty).
+//! The caller replaces it only while the device is paused (nothing in
+//! flight), so no write reaches an image after it became a backing file.
+//! A job step holds the image's metadata lock for one cluster, the same lock
+//! every slow-path write takes, so a step and a guest write of the same
+//! cluster never interleave.
+
+use std::fs::OpenOptions;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::create::{create_qcow2, CreateOptions};
+use super::error::Qcow2Error;
+use super::image::{Image, OpenOpts};
+use super::tables::{Cluster, COPIED, ZERO};
+use super::Qcow2Disk;
+
+/// The image a disk's channels serve, replaceable while the device is paused.
+pub(super) struct Active {
+    image: Mutex<Arc<Image>>,
+    /// Bumped on every replacement: one load per request tells a channel.
+    pub epoch: AtomicU64,
+}
+
+impl Active {
+    pub(super) fn new(image: Image) -> Active {
+        Active {
+            image: Mutex::new(Arc::new(image)),
+            epoch: AtomicU64::new(0),
+        }
+    }
+    pub(super) fn get(&self) -> Arc<Image> {
+        self.image.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    fn set(&self, image: Arc<Image>) {
+        *self.image.lock().unwrap_or_else(|p| p.into_inner()) = image;
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// A commit's base, written through by every guest write while the job runs.
+pub(super) struct Through {
+    base: Arc<Image>,
+    /// One cluster of the base, for its partial writes.
+    scratch: Vec<u8>,
+}
+
+/// After a guest write of `data` at `off` into `img` (its metadata lock
+/// held): the same write into the base a commit job copies into.
+pub(super) fn write_through(img: &Image, off: u64, data: &[u8]) -> io::Result<()> {
+    if !img.writes_slow.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let mut t = img.through.lock().unwrap_or_else(|p| p.into_inner());
+    match t.as_mut() {
+        Some(Through { base, scratch }) => base.write_sync(off, data, scratch),
+        None => Ok(()),
+    }
+}
+
+/// After guest clusters `first..first+count` of `img` were made zeroes.
+pub(super) fn zero_through(img: &Image, first: u64, count: u64) -> io::Result<()> {
+    if !img.writes_slow.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let t = img.through.lock().unwrap_or_else(|p| p.into_inner());
+    match t.as_ref() {
+        Some(t) => t.base.zero_clusters(first, count, false),
+        None => Ok(()),
+    }
+}
+
+/// What a [`BlockJob`] does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobKind {
+    /// Copies the backing chain's data into the image, then drops the link.
+    Stream,
+    /// Copies the image's clusters into its base, then serves the base.
+    Commit,
+}
+
+/// A stream or commit over one disk, a cluster per [`BlockJob::step`]. The
+/// caller runs it off the reactors and pauses the device around
+/// [`Qcow2Disk::start_job`] (commit) and [`BlockJob::finish`].
+pub struct BlockJob {
+    kind: JobKind,
+    image: Arc<Image>,
+    next: u64,
+    clusters: u64,
+    buf: Vec<u8>,
+}
+
+impl BlockJob {
+    pub fn kind(&self) -> JobKind {
+        self.kind
+    }
+    /// Bytes the job goes over (the virtual size, in whole clusters).
+    pub fn total_bytes(&self) -> u64 {
+        self.clusters * self.image.cs()
+    }
+    pub fn done_bytes(&self) -> u64 {
+        self.next * self.image.cs()
+    }
+    /// Does one cluster; `Ok(None)` once all are done, else the bytes copied
+    /// (0 for a cluster that needed nothing).
+    pub fn step(&mut self) -> io::Result<Option<u64>> {
+        if self.next >= self.clusters {
+            return Ok(None);
+        }
+        let c = self.next;
+        let copied = match self.kind {
+            JobKind::Stream => self.populate(c)?,
+            JobKind::Commit => self.commit(c)?,
+        };
+        self.next += 1;
+        Ok(Some(if copied { self.image.cs() } else { 0 }))
+    }
+
+    /// Stream: an unallocated cluster gets the chain's data (or a zero flag).
+    fn populate(&mut self, c: u64) -> io::Result<bool> {
+        let img = &self.image;
+        let mut meta = img.meta();
+        if img.cluster(&mut meta, c)? != Cluster::Unallocated {
+            return Ok(false);
+        }
+        let cs = img.cs();
+        img.read_locked(&mut meta, c * cs, &mut self.buf)?;
+        let (l1i, l2i) = img.split(c);
+        if self.buf.iter().all(|&b| b == 0) {
+            meta.set_entry(l1i, l2i, ZERO)?;
+            return Ok(false);
+        }
+        let host = meta.alloc()?;
+        img.file.write_all_at(&self.buf, host)?;
+        meta.set_entry(l1i, l2i, host | COPIED)?;
+        Ok(true)
+    }
+
+    /// Commit: a cluster the image has goes to the base.
+    fn commit(&mut self, c: u64) -> io::Result<bool> {
+        let img = &self.image;
+        let mut meta = img.meta();
+        let cluster = img.cluster(&mut meta, c)?;
+        if cluster == Cluster::Unallocated {
+            return Ok(false);
+        }
+        let cs = img.cs();
+        let mut t = img.through.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(Through { base, scratch }) = t.as_mut() else {
+            return Err(io::Error::other("commit: the base was let go"));
+        };
+        if let Cluster::Zero { .. } = cluster {
+            base.zero_clusters(c, 1, false)?;
+            return Ok(false);
+        }
+        img.read_locked(&mut meta, c * cs, &mut self.buf)?;
+        base.write_sync(c * cs, &self.buf, scratch)?;
+        Ok(true)
+    }
+
+    /// After the last step, with the device paused: stream drops the backing
+    /// link and reopens the image; commit makes the base the disk's image.
+    pub fn finish(self, disk: &Qcow2Disk) -> Result<(), Qcow2Error> {
+        let img = &self.image;
+        let io = |op| {
+            let path = img.path.clone();
+            move |source| Qcow2Error::Io { path, op, source }
+        };
+        match self.kind {
+            JobKind::Stream => {
+                img.flush().map_err(io("write its metadata back"))?;
+                drop_backing(img)?;
+                let opened = Image::open(&img.path, disk.open_opts(), &mut Vec::new())?;
+                disk.active.set(Arc::new(opened));
+            }
+            JobKind::Commit => {
+                let base = take_through(img).ok_or_else(|| refused(img, "commit lost its base"))?;
+                base.flush().map_err(io("write the base's metadata back"))?;
+                disk.active.set(base);
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops: a commit stops writing through (the base keeps what it got,
+    /// the image is whole as it was); a stream leaves what it copied.
+    pub fn abandon(self) {
+        if let Some(base) = take_through(&self.image) {
+            if let Err(e) = base.flush() {
+                tracing::error!(path = %base.path.display(), "commit cancelled: base flush: {e}");
+            }
+        }
+    }
+}
+
+fn take_through(img: &Image) -> Option<Arc<Image>> {
+    let _meta = img.meta();
+    img.writes_slow.store(false, Ordering::Release);
+    let t = img.through.lock().unwrap_or_else(|p| p.into_inner()).take();
+    t.map(|t| t.base)
+}
+
+fn refused(img: &Image, why: &str) -> Qcow2Error {
+    Qcow2Error::Refused {
+        path: img.path.clone(),
+        why: why.to_string(),
+    }
+}
+
+/// Rewrites the header without a backing file (the header cluster holds
+/// nothing else: its tables start past it).
+fn drop_backing(img: &Image) -> Result<(), Qcow2Error> {
+    let mut h = img.header.clone();
+    if h.compression_type != 0 {
+        return Err(refused(
+            img,
+            "dropping the backing link of an image with a compression type other than deflate",
+        ));
+    }
+    h.backing_file = None;
+    h.backing_format = None;
+    let mut b = h.encode();
+    b.resize(img.cs() as usize, 0);
+    let io = |op| {
+        let path = img.path.clone();
+        move |source| Qcow2Error::Io { path, op, source }
+    };
+    img.file
+        .write_all_at(&b, 0)
+        .map_err(io("rewrite its header"))?;
+    img.file.sync_data().map_err(io("sync its header"))
+}
+
+/// How the overlay names `base`: by file name beside it, else by absolute path.
+fn backing_name(overlay: &Path, base: &Path) -> String {
+    let dir = |p: &Path| {
+        let d = p
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        std::fs::canonicalize(d).ok()
+    };
+    let canon = std::fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf());
+    match (dir(overlay), canon.parent(), canon.file_name()) {
+        (Some(a), Some(b), Some(name)) if a == b => name.to_string_lossy().into_owned(),
+        _ => canon.display().to_string(),
+    }
+}
+
+impl Qcow2Disk {
+    /// The image the disk serves now (its overlay after a snapshot, its base
+    /// after a commit).
+    pub fn active_path(&self) -> PathBuf {
+        self.active.get().path.clone()
+    }
+
+    /// Whether the disk serves another image than the one it opened: a
+    /// successor opening the spec's path would not see the guest's data.
+    pub fn chain_changed(&self) -> bool {
+        self.active.get().path != self.opened
+    }
+
+    pub(super) fn open_opts(&self) -> OpenOpts {
+        OpenOpts {
+            read_only: self.info.read_only,
+            l2_cache: self.l2_cache,
+        }
+    }
+
+    /// An external snapshot: a new image at `overlay` (which must not exist)
+    /// over the current one, which the disk serves from then on read-only as
+    /// its backing file. Call with the device paused.
+    pub fn snapshot(&self, overlay: &Path) -> Result<(), Qcow2Error> {
+        let old = self.active.get();
+        if self.info.read_only {
+            return Err(refused(&old, "a read-only disk takes no snapshot"));
+        }
+        let io = |op| {
+            let path = overlay.to_path_buf();
+            move |source| Qcow2Error::Io { path, op, source }
+        };
+        // Reserves the name: an existing file is never taken over.
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(overlay)
+        {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                return Err(Qcow2Error::Exists {
+                    path: overlay.to_path_buf(),
+                })
+            }
+            Err(e) => return Err(io("create it")(e)),
+        }
+        let made = (|| {
+            old.flush().map_err(|source| Qcow2Error::Io {
+                path: old.path.clone(),
+                op: "write its metadata back",
+                source,
+            })?;
+            let o = CreateOptions {
+                size: old.header.size,
+                cluster_size: old.cs(),
+                backing: Some(backing_name(overlay, &old.path)),
+            };
+            create_qcow2(overlay, &o)?;
+            Image::open(overlay, self.open_opts(), &mut Vec::new())
+        })();
+        match made {
+            Ok(img) => {
+                self.active.set(Arc::new(img));
+                Ok(())
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(overlay);
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts a stream or commit of the disk's image. A commit opens the base
+    /// writable and from here sends every guest write through it: call with
+    /// the device paused, so that no write in flight escapes it.
+    pub fn start_job(&self, kind: JobKind) -> Result<BlockJob, Qcow2Error> {
+        let img = self.active.get();
+        if self.info.read_only {
+            return Err(refused(&img, "a read-only disk runs no block job"));
+        }
+        let base_path = match &img.backing {
+            None => return Err(refused(&img, "the image has no backing file")),
+            Some(super::backing::Backing::Qcow2(b)) => Some(b.path.clone()),
+            Some(super::backing::Backing::Raw { .. }) => None,
+        };
+        let cs = img.cs();
+        if kind == JobKind::Commit {
+            let Some(base_path) = base_path else {
+                return Err(refused(&img, "committing into a raw backing file"));
+            };
+            let base = Image::open(&base_path, self.open_opts(), &mut Vec::new())?;
+            if base.cs() != cs || base.header.size < img.header.size {
+                return Err(refused(
+                    &img,
+                    "committing into a base with another cluster size or a smaller size",
+                ));
+            }
+            let _meta = img.meta();
+            *img.through.lock().unwrap_or_else(|p| p.into_inner()) = Some(Through {
+                base: Arc::new(base),
+                scratch: vec![0; cs as usize],
+            });
+            img.writes_slow.store(true, Ordering::Release);
+        }
+        Ok(BlockJob {
+            kind,
+            clusters: img.header.size.div_ceil(cs),
+            image: img,
+            next: 0,
+            buf: vec![0; cs as usize],
+        })
+    }
+}
