@@ -154,6 +154,41 @@ impl Jobs {
             .find(|j| j.on(socket, nsid) && !j.state().finished())
             .cloned()
     }
+    /// Progress gauges of every job listed, in Prometheus text format.
+    pub fn prometheus(&self) -> String {
+        use std::fmt::Write;
+        type Gauge = (&'static str, &'static str, fn(&Job) -> u64);
+        let gauges: [Gauge; 2] = [
+            (
+                "udrive_block_job_done_bytes",
+                "Bytes a block job went over",
+                |j| j.done.load(Ordering::Relaxed),
+            ),
+            (
+                "udrive_block_job_total_bytes",
+                "Bytes a block job goes over",
+                |j| j.total.load(Ordering::Relaxed),
+            ),
+        ];
+        let mut out = String::new();
+        if self.list.is_empty() {
+            return out;
+        }
+        for (name, help, value) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for j in &self.list {
+                let (id, socket) = (j.id.to_string(), j.socket.display().to_string());
+                let labels = trace::prometheus_labels(&[
+                    ("id", id.as_str()),
+                    ("type", j.kind_name()),
+                    ("socket", socket.as_str()),
+                    ("state", j.state().name()),
+                ]);
+                let _ = writeln!(out, "{name}{labels} {}", value(j));
+            }
+        }
+        out
+    }
     /// Why a live handover must wait: a successor would not take the job over.
     pub fn handover_refusal(&self) -> Option<String> {
         self.list.iter().find(|j| !j.state().finished()).map(|j| {
@@ -291,10 +326,17 @@ enum Outcome {
 fn run(server: &Server, rec: &Job, job: Qcow2Job, disk: &QosDisk) {
     let (state, error) = match steps(rec, job) {
         Outcome::Done(job) => {
-            let pivot = quiesced(&mut server.lock(), &rec.socket, || match as_qcow2(disk) {
-                Some(q) => Ok(job.finish(q)?),
-                None => bail!("the disk is not a qcow2 image any more"),
+            let mut job = Some(job);
+            let pivot = quiesced(&mut server.lock(), &rec.socket, || {
+                match (as_qcow2(disk), job.take()) {
+                    (Some(q), Some(job)) => Ok(job.finish(q)?),
+                    _ => bail!("the disk is not a qcow2 image any more"),
+                }
             });
+            // A device that could not be paused: the image goes on as it was.
+            if let Some(job) = job {
+                job.abandon();
+            }
             match pivot {
                 Ok(()) => (JobState::Completed, None),
                 Err(e) => (JobState::Failed, Some(format!("{e:#}"))),

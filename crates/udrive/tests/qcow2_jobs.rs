@@ -9,7 +9,7 @@ mod common;
 
 use std::path::Path;
 
-use common::control::{serve_opts, Serve};
+use common::control::{serve_opts, udrive_ok, Serve};
 use common::*;
 use initiator::{DataMode, DmaBuf, IoOp, QueuePair};
 use serde_json::{json, Value};
@@ -122,6 +122,8 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     let r = srv.ok("qcow2_snapshot_create", snap(2, &top));
     assert!(r["image"].as_str().unwrap().ends_with("top.qcow2"), "{r}");
     let before = want.clone();
+    let nowhere = json!({"socket": dir.path().join("successor.sock")});
+    srv.err("handover", nowhere.clone(), -32000, "since a live snapshot");
     writes(&mut qp, &buf, &mut rng, &mut want, 60);
     verify_and_flush(&mut qp, &buf, &want);
     qemu_check(&top);
@@ -145,12 +147,16 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     let paused = wait_state(&srv, &id, "paused");
     assert_eq!(paused["type"], "commit");
     writes(&mut qp, &buf, &mut rng, &mut want, 40);
+    srv.err("handover", nowhere, -32000, "block job");
     srv.ok("job_resume", json!({"id": id}));
     writes(&mut qp, &buf, &mut rng, &mut want, 20);
     srv.ok("job_set_rate", json!({"id": id, "rate": 0}));
     let done = wait_state(&srv, &id, "completed");
     assert_eq!(done["done"], done["total"], "{done}");
     srv.err("job_resume", json!({"id": id}), -32000, "completed already");
+    let metrics = srv.ok("get_metrics", json!({}));
+    let line = format!("udrive_block_job_total_bytes{{id=\"{id}\",type=\"commit\"");
+    assert!(metrics.as_str().unwrap().contains(&line), "{metrics}");
     writes(&mut qp, &buf, &mut rng, &mut want, 30);
     verify_and_flush(&mut qp, &buf, &want);
     let ns = &srv.ok("get_devices", json!({"socket": a}))[0]["namespaces"][1]["image"];
@@ -162,9 +168,17 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     let top2 = dir.path().join("top2.qcow2");
     srv.ok("qcow2_snapshot_create", snap(2, &top2));
     writes(&mut qp, &buf, &mut rng, &mut want, 30);
-    let id = srv.ok("block_stream", json!({"socket": a, "nsid": 2}))["job"].clone();
+    // Through `udrive rpc --wait`, which returns once the job ended.
+    let rpc = srv.rpc.clone();
+    let params = json!({"socket": a, "nsid": 2, "rate": "64M"}).to_string();
+    let waiter = std::thread::spawn(move || {
+        let rpc = rpc.to_str().unwrap();
+        udrive_ok(&["rpc", "--rpc", rpc, "--wait", "block_stream", &params])
+    });
     writes(&mut qp, &buf, &mut rng, &mut want, 30);
-    wait_state(&srv, &id, "completed");
+    let out = waiter.join().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("\"state\": \"completed\""), "{text}");
     verify_and_flush(&mut qp, &buf, &want);
     let info = qemu_img(&["info", top2.to_str().unwrap()]);
     assert!(!info.contains("backing file"), "{info}");

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 
 use super::create::{create_qcow2, CreateOptions};
 use super::error::Qcow2Error;
-use super::image::{Image, OpenOpts};
+use super::image::{Image, OpenOpts, Through};
 use super::tables::{Cluster, COPIED, ZERO};
 use super::Qcow2Disk;
 
@@ -45,38 +45,6 @@ impl Active {
     fn set(&self, image: Arc<Image>) {
         *self.image.lock().unwrap_or_else(|p| p.into_inner()) = image;
         self.epoch.fetch_add(1, Ordering::AcqRel);
-    }
-}
-
-/// A commit's base, written through by every guest write while the job runs.
-pub(super) struct Through {
-    base: Arc<Image>,
-    /// One cluster of the base, for its partial writes.
-    scratch: Vec<u8>,
-}
-
-/// After a guest write of `data` at `off` into `img` (its metadata lock
-/// held): the same write into the base a commit job copies into.
-pub(super) fn write_through(img: &Image, off: u64, data: &[u8]) -> io::Result<()> {
-    if !img.writes_slow.load(Ordering::Acquire) {
-        return Ok(());
-    }
-    let mut t = img.through.lock().unwrap_or_else(|p| p.into_inner());
-    match t.as_mut() {
-        Some(Through { base, scratch }) => base.write_sync(off, data, scratch),
-        None => Ok(()),
-    }
-}
-
-/// After guest clusters `first..first+count` of `img` were made zeroes.
-pub(super) fn zero_through(img: &Image, first: u64, count: u64) -> io::Result<()> {
-    if !img.writes_slow.load(Ordering::Acquire) {
-        return Ok(());
-    }
-    let t = img.through.lock().unwrap_or_else(|p| p.into_inner());
-    match t.as_ref() {
-        Some(t) => t.base.zero_clusters(first, count, false),
-        None => Ok(()),
     }
 }
 
@@ -337,10 +305,8 @@ impl Qcow2Disk {
         if self.info.read_only {
             return Err(refused(&img, "a read-only disk runs no block job"));
         }
-        let base_path = match &img.backing {
-            None => return Err(refused(&img, "the image has no backing file")),
-            Some(super::backing::Backing::Qcow2(b)) => Some(b.path.clone()),
-            Some(super::backing::Backing::Raw { .. }) => None,
+        let Some(base_path) = img.backing_image() else {
+            return Err(refused(&img, "the image has no backing file"));
         };
         let cs = img.cs();
         if kind == JobKind::Commit {

@@ -36,6 +36,8 @@ pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
              supported; restart its child instead (SIGTERM stops the whole service)"
         );
     }
+    // Said before a successor is even reached; checked again under the lock.
+    refuse_what_cannot_move(&server.lock())?;
     let sock = connect_to(socket)?;
     check_peer(&sock)?;
     let mut st = server.lock();
