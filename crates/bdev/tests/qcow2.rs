@@ -571,3 +571,44 @@ fn a_cancelled_commit_leaves_the_overlay_whole() {
     qemu_check(&overlay);
     qemu_compare(&overlay, &want);
 }
+
+#[test]
+fn mirrors_under_guest_writes_copy_the_chain_and_pivot() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let (dir, base, overlay, disk, _, mut want) = snapshotted(45);
+    let mut rng = Rng::new(10);
+    // Without pivot: a copy of the disk as it was at the job's end.
+    let copy = dir.path().join("copy.qcow2");
+    assert!(matches!(
+        disk.start_mirror(&overlay, false),
+        Err(bdev::Qcow2Error::Exists { .. })
+    ));
+    let mut job = disk.start_mirror(&copy, false).unwrap();
+    let mut ch = disk.channel().unwrap();
+    while job.step().unwrap().is_some() {
+        random_ops(&mut *ch, &mut rng, &mut want, 1);
+    }
+    job.finish(&disk).unwrap();
+    let at_end = want.clone();
+    random_ops(&mut *ch, &mut rng, &mut want, 20);
+    assert_eq!(disk.active_path(), overlay);
+    // With pivot: the disk goes on in a stand-alone copy.
+    let moved = dir.path().join("moved.qcow2");
+    let job = disk.start_mirror(&moved, true).unwrap();
+    drop(ch);
+    run_with_guest(&disk, job, &mut rng, &mut want);
+    assert_eq!(disk.active_path(), moved);
+    assert!(disk.status().backing_chain.is_empty());
+    drop(disk);
+    for p in [&base, &overlay] {
+        qemu_check(p);
+    }
+    std::fs::remove_file(&base).unwrap();
+    std::fs::remove_file(&overlay).unwrap();
+    qemu_check(&copy);
+    qemu_compare(&copy, &at_end);
+    qemu_check(&moved);
+    qemu_compare(&moved, &want);
+}

@@ -86,6 +86,7 @@ impl Job {
         match self.kind {
             Qcow2JobKind::Stream => "stream",
             Qcow2JobKind::Commit => "commit",
+            Qcow2JobKind::Mirror => "mirror",
         }
     }
     pub fn json(&self) -> Value {
@@ -268,12 +269,23 @@ pub fn snapshot(server: &Server, socket: &Path, nsid: Option<u32>, path: &Path) 
     Ok(json!({"image": st.path, "backing_chain": st.backing_chain}))
 }
 
-/// Starts a stream or commit job on a qcow2 disk; its id.
+/// What job to start.
+pub enum JobRequest<'a> {
+    Stream,
+    Commit,
+    /// Into a new image at `target`; `pivot`: the disk goes on in it.
+    Mirror {
+        target: &'a Path,
+        pivot: bool,
+    },
+}
+
+/// Starts a job on a qcow2 disk; its id.
 pub fn start(
     server: &Arc<Server>,
     socket: &Path,
     nsid: Option<u32>,
-    kind: Qcow2JobKind,
+    what: JobRequest<'_>,
     rate: u64,
 ) -> Result<u64> {
     let disk = qcow2_disk(server, socket, nsid)?;
@@ -281,11 +293,15 @@ pub fn start(
     // One lock from the check to the record: no handover or other job slips in.
     let mut st = server.lock();
     refuse_if_busy(&st, socket, nsid)?;
-    let job = match kind {
+    let job = match what {
+        JobRequest::Stream => q.start_job(Qcow2JobKind::Stream)?,
         // Writes in flight must not escape the write-through that starts here.
-        Qcow2JobKind::Commit => quiesced(&mut st, socket, || Ok(q.start_job(kind)?))?,
-        Qcow2JobKind::Stream => q.start_job(kind)?,
+        JobRequest::Commit => quiesced(&mut st, socket, || Ok(q.start_job(Qcow2JobKind::Commit)?))?,
+        JobRequest::Mirror { target, pivot } => {
+            quiesced(&mut st, socket, || Ok(q.start_mirror(target, pivot)?))?
+        }
     };
+    let kind = job.kind();
     st.jobs.next_id += 1;
     let record = Arc::new(Job {
         id: st.jobs.next_id,

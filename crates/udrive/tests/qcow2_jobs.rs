@@ -1,6 +1,7 @@
 //! Live snapshots and block jobs of a qcow2 namespace over RPC while the
 //! initiator does verified I/O (decision 0041): a snapshot, a rate-limited
-//! commit paused and resumed with writes meanwhile, a stream; the images pass
+//! commit paused and resumed with writes meanwhile, a stream, a mirror with a
+//! pivot; the images pass
 //! `qemu-img check` and `qemu-img compare` against what was written; hostile
 //! calls get their reasons. Skipped, saying so, where qemu-img is not
 //! installed (Debian: qemu-utils).
@@ -184,4 +185,21 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     assert!(!info.contains("backing file"), "{info}");
     qemu_check(&top2);
     qemu_compare(&top2, &want);
+
+    // A mirror into a new image, pivoting: the disk moves there.
+    let moved = dir.path().join("moved.qcow2");
+    let m = |path: &Path| json!({"socket": a, "nsid": 2, "path": path, "pivot": true});
+    srv.err("blockdev_mirror", m(&top2), -32000, "already exists");
+    let id = srv.ok("blockdev_mirror", m(&moved))["job"].clone();
+    writes(&mut qp, &buf, &mut rng, &mut want, 30);
+    assert_eq!(wait_state(&srv, &id, "completed")["type"], "mirror");
+    writes(&mut qp, &buf, &mut rng, &mut want, 10);
+    verify_and_flush(&mut qp, &buf, &want);
+    let ns = &srv.ok("get_devices", json!({"socket": a}))[0]["namespaces"][1]["image"];
+    assert!(
+        ns["path"].as_str().unwrap().ends_with("moved.qcow2"),
+        "{ns}"
+    );
+    qemu_check(&moved);
+    qemu_compare(&moved, &want);
 }

@@ -1,7 +1,8 @@
 //! Live changes to a running disk's chain (docs/decisions/0041-qcow2-snapshots-and-jobs.md):
 //! an external snapshot (a new overlay over the image), and the block jobs
-//! that stream a backing file into the image or commit the image into its
-//! base, a cluster per step, while the guest reads and writes.
+//! that stream a backing file into the image, commit the image into its base
+//! or mirror the guest's view into a new image, a cluster per step, while the
+//! guest reads and writes.
 //!
 //! Who owns what: the disk's [`Active`] holds the image the channels serve;
 //! replacing it bumps an epoch each channel checks before a request and
@@ -55,6 +56,9 @@ pub enum JobKind {
     Stream,
     /// Copies the image's clusters into its base, then serves the base.
     Commit,
+    /// Copies what the guest sees into a new image, then serves it (pivot)
+    /// or leaves it as a copy of the disk at the job's end.
+    Mirror,
 }
 
 /// A stream or commit over one disk, a cluster per [`BlockJob::step`]. The
@@ -66,9 +70,22 @@ pub struct BlockJob {
     next: u64,
     clusters: u64,
     buf: Vec<u8>,
+    /// Mirror: serve the copy at the end.
+    pivot: bool,
 }
 
 impl BlockJob {
+    fn new(kind: JobKind, image: Arc<Image>, pivot: bool) -> BlockJob {
+        let cs = image.cs();
+        BlockJob {
+            kind,
+            clusters: image.header.size.div_ceil(cs),
+            image,
+            next: 0,
+            buf: vec![0; cs as usize],
+            pivot,
+        }
+    }
     pub fn kind(&self) -> JobKind {
         self.kind
     }
@@ -88,7 +105,7 @@ impl BlockJob {
         let c = self.next;
         let copied = match self.kind {
             JobKind::Stream => self.populate(c)?,
-            JobKind::Commit => self.commit(c)?,
+            JobKind::Commit | JobKind::Mirror => self.copy(c)?,
         };
         self.next += 1;
         Ok(Some(if copied { self.image.cs() } else { 0 }))
@@ -114,24 +131,32 @@ impl BlockJob {
         Ok(true)
     }
 
-    /// Commit: a cluster the image has goes to the base.
-    fn commit(&mut self, c: u64) -> io::Result<bool> {
+    /// Commit: a cluster the image has goes to the base. Mirror: what the
+    /// guest reads of the cluster goes to the copy (zeroes as a zero flag).
+    fn copy(&mut self, c: u64) -> io::Result<bool> {
         let img = &self.image;
         let mut meta = img.meta();
         let cluster = img.cluster(&mut meta, c)?;
-        if cluster == Cluster::Unallocated {
+        let mirror = self.kind == JobKind::Mirror;
+        if cluster == Cluster::Unallocated && !mirror {
             return Ok(false);
         }
         let cs = img.cs();
+        let zero = match cluster {
+            Cluster::Zero { .. } => true,
+            _ => {
+                img.read_locked(&mut meta, c * cs, &mut self.buf)?;
+                mirror && self.buf.iter().all(|&b| b == 0)
+            }
+        };
         let mut t = img.through.lock().unwrap_or_else(|p| p.into_inner());
         let Some(Through { base, scratch }) = t.as_mut() else {
-            return Err(io::Error::other("commit: the base was let go"));
+            return Err(io::Error::other("the job's target was let go"));
         };
-        if let Cluster::Zero { .. } = cluster {
+        if zero {
             base.zero_clusters(c, 1, false)?;
             return Ok(false);
         }
-        img.read_locked(&mut meta, c * cs, &mut self.buf)?;
         base.write_sync(c * cs, &self.buf, scratch)?;
         Ok(true)
     }
@@ -151,17 +176,21 @@ impl BlockJob {
                 let opened = Image::open(&img.path, disk.open_opts(), &mut Vec::new())?;
                 disk.active.set(Arc::new(opened));
             }
-            JobKind::Commit => {
-                let base = take_through(img).ok_or_else(|| refused(img, "commit lost its base"))?;
-                base.flush().map_err(io("write the base's metadata back"))?;
-                disk.active.set(base);
+            JobKind::Commit | JobKind::Mirror => {
+                let to =
+                    take_through(img).ok_or_else(|| refused(img, "the job lost its target"))?;
+                to.flush().map_err(io("write the target's metadata back"))?;
+                if self.kind == JobKind::Commit || self.pivot {
+                    disk.active.set(to);
+                }
             }
         }
         Ok(())
     }
 
-    /// Stops: a commit stops writing through (the base keeps what it got,
-    /// the image is whole as it was); a stream leaves what it copied.
+    /// Stops: a commit or mirror stops writing through (the target keeps
+    /// what it got, the image is whole as it was); a stream leaves what it
+    /// copied.
     pub fn abandon(self) {
         if let Some(base) = take_through(&self.image) {
             if let Err(e) = base.flush() {
@@ -253,57 +282,77 @@ impl Qcow2Disk {
         if self.info.read_only {
             return Err(refused(&old, "a read-only disk takes no snapshot"));
         }
-        let io = |op| {
-            let path = overlay.to_path_buf();
-            move |source| Qcow2Error::Io { path, op, source }
-        };
+        old.flush().map_err(|source| Qcow2Error::Io {
+            path: old.path.clone(),
+            op: "write its metadata back",
+            source,
+        })?;
+        let img = self.new_image(overlay, &old, Some(backing_name(overlay, &old.path)))?;
+        self.active.set(Arc::new(img));
+        Ok(())
+    }
+
+    /// Makes and opens an image at `path`, which must not exist, with the
+    /// size and cluster size of `like` (removed again if that fails).
+    fn new_image(
+        &self,
+        path: &Path,
+        like: &Image,
+        backing: Option<String>,
+    ) -> Result<Image, Qcow2Error> {
         // Reserves the name: an existing file is never taken over.
-        match OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(overlay)
-        {
+        match OpenOptions::new().write(true).create_new(true).open(path) {
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
                 return Err(Qcow2Error::Exists {
-                    path: overlay.to_path_buf(),
+                    path: path.to_path_buf(),
                 })
             }
-            Err(e) => return Err(io("create it")(e)),
-        }
-        let made = (|| {
-            old.flush().map_err(|source| Qcow2Error::Io {
-                path: old.path.clone(),
-                op: "write its metadata back",
-                source,
-            })?;
-            let o = CreateOptions {
-                size: old.header.size,
-                cluster_size: old.cs(),
-                backing: Some(backing_name(overlay, &old.path)),
-            };
-            create_qcow2(overlay, &o)?;
-            Image::open(overlay, self.open_opts(), &mut Vec::new())
-        })();
-        match made {
-            Ok(img) => {
-                self.active.set(Arc::new(img));
-                Ok(())
-            }
-            Err(e) => {
-                let _ = std::fs::remove_file(overlay);
-                Err(e)
+            Err(source) => {
+                return Err(Qcow2Error::Io {
+                    path: path.to_path_buf(),
+                    op: "create it",
+                    source,
+                })
             }
         }
+        let o = CreateOptions {
+            size: like.header.size,
+            cluster_size: like.cs(),
+            backing,
+        };
+        let made = create_qcow2(path, &o)
+            .and_then(|_| Image::open(path, self.open_opts(), &mut Vec::new()));
+        if made.is_err() {
+            let _ = std::fs::remove_file(path);
+        }
+        made
     }
 
-    /// Starts a stream or commit of the disk's image. A commit opens the base
+    /// Starts a mirror of the disk into a new image at `target` (which must
+    /// not exist; `pivot`: serve it at the end). From here every guest write
+    /// goes through to it: call with the device paused.
+    pub fn start_mirror(&self, target: &Path, pivot: bool) -> Result<BlockJob, Qcow2Error> {
+        let img = self.active.get();
+        if self.info.read_only {
+            return Err(refused(&img, "a read-only disk runs no block job"));
+        }
+        let to = self.new_image(target, &img, None)?;
+        write_through_to(&img, to);
+        Ok(BlockJob::new(JobKind::Mirror, img, pivot))
+    }
+
+    /// Starts a stream or commit of the disk's image (a mirror is
+    /// [`Qcow2Disk::start_mirror`]). A commit opens the base
     /// writable and from here sends every guest write through it: call with
     /// the device paused, so that no write in flight escapes it.
     pub fn start_job(&self, kind: JobKind) -> Result<BlockJob, Qcow2Error> {
         let img = self.active.get();
         if self.info.read_only {
             return Err(refused(&img, "a read-only disk runs no block job"));
+        }
+        if kind == JobKind::Mirror {
+            return Err(refused(&img, "a mirror starts with its target image"));
         }
         let Some(base_path) = img.backing_image() else {
             return Err(refused(&img, "the image has no backing file"));
@@ -320,19 +369,19 @@ impl Qcow2Disk {
                     "committing into a base with another cluster size or a smaller size",
                 ));
             }
-            let _meta = img.meta();
-            *img.through.lock().unwrap_or_else(|p| p.into_inner()) = Some(Through {
-                base: Arc::new(base),
-                scratch: vec![0; cs as usize],
-            });
-            img.writes_slow.store(true, Ordering::Release);
+            write_through_to(&img, base);
         }
-        Ok(BlockJob {
-            kind,
-            clusters: img.header.size.div_ceil(cs),
-            image: img,
-            next: 0,
-            buf: vec![0; cs as usize],
-        })
+        Ok(BlockJob::new(kind, img, false))
     }
+}
+
+/// From here every guest write into `img` goes to the slow path and through
+/// into `to` (same cluster size).
+fn write_through_to(img: &Image, to: Image) {
+    let _meta = img.meta();
+    *img.through.lock().unwrap_or_else(|p| p.into_inner()) = Some(Through {
+        scratch: vec![0; to.cs() as usize],
+        base: Arc::new(to),
+    });
+    img.writes_slow.store(true, Ordering::Release);
 }

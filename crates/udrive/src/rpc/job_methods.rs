@@ -1,18 +1,18 @@
 //! Live snapshots and block jobs of qcow2 disks (docs/rpc.md, decision 0041):
-//! `qcow2_snapshot_create`, `block_stream`, `block_commit`, and the job
+//! `qcow2_snapshot_create`, `block_stream`, `block_commit`, `blockdev_mirror`,
+//! and the job
 //! controls `get_jobs`, `job_pause`, `job_resume`, `job_cancel`, `job_set_rate`.
 //! A disk is named as for `set_qos`: `socket`, plus `nsid` for an NVMe
 //! namespace.
 
 use std::path::PathBuf;
 
-use bdev::Qcow2JobKind;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::api::{parse_params, Registry, Rpc, RpcError};
 use super::params::{Empty, Rate};
-use crate::jobs;
+use crate::jobs::{self, JobRequest};
 
 pub fn register(r: &mut Registry) {
     r.register(
@@ -23,12 +23,17 @@ pub fn register(r: &mut Registry) {
     r.register(
         "block_stream",
         "background job: copy the backing chain's data into the disk's qcow2 image, then drop the link",
-        |rpc, p| start(rpc, p, Qcow2JobKind::Stream),
+        |rpc, p| start(rpc, p, JobRequest::Stream),
     );
     r.register(
         "block_commit",
         "background job: copy the disk's qcow2 image into its base, then serve the base",
-        |rpc, p| start(rpc, p, Qcow2JobKind::Commit),
+        |rpc, p| start(rpc, p, JobRequest::Commit),
+    );
+    r.register(
+        "blockdev_mirror",
+        "background job: copy the disk as the guest sees it into a new qcow2 image at `path` (then serve it if `pivot`)",
+        mirror,
     );
     r.register(
         "get_jobs",
@@ -74,13 +79,38 @@ struct Start {
     rate: Option<Rate>,
 }
 
-fn start(rpc: &Rpc, p: Value, kind: Qcow2JobKind) -> Result<Value, RpcError> {
+fn rate(r: &Option<Rate>) -> Result<u64, RpcError> {
+    match r {
+        Some(r) => Ok(r.value("rate")?.unwrap_or(0)),
+        None => Ok(0),
+    }
+}
+
+fn start(rpc: &Rpc, p: Value, what: JobRequest<'_>) -> Result<Value, RpcError> {
     let a: Start = parse_params(p)?;
-    let rate = match &a.rate {
-        Some(r) => r.value("rate")?.unwrap_or(0),
-        None => 0,
+    let id = jobs::start(&rpc.server, &a.socket, a.nsid, what, rate(&a.rate)?)?;
+    Ok(json!({"job": id}))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Mirror {
+    socket: PathBuf,
+    nsid: Option<u32>,
+    /// The new image (must not exist).
+    path: PathBuf,
+    #[serde(default)]
+    pivot: bool,
+    rate: Option<Rate>,
+}
+
+fn mirror(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: Mirror = parse_params(p)?;
+    let what = JobRequest::Mirror {
+        target: &a.path,
+        pivot: a.pivot,
     };
-    let id = jobs::start(&rpc.server, &a.socket, a.nsid, kind, rate)?;
+    let id = jobs::start(&rpc.server, &a.socket, a.nsid, what, rate(&a.rate)?)?;
     Ok(json!({"job": id}))
 }
 
