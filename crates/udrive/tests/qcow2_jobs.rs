@@ -203,3 +203,42 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     qemu_check(&moved);
     qemu_compare(&moved, &want);
 }
+
+/// The same on a vhost-user-blk disk (its own pause path) under libblkio: a
+/// snapshot, then a commit with writes while it runs.
+#[test]
+fn a_vhost_user_blk_disk_is_snapshotted_and_committed_under_libblkio() {
+    if !have_qemu_tools() {
+        return;
+    }
+    use test_support::blkio::BlkioSession;
+    let srv = Serve::start(&[]);
+    let v = srv.path("v.sock");
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base.qcow2");
+    let disk = format!("qcow2:{},create=8M", base.display());
+    srv.ok("vhost_user_blk_add", json!({"socket": v, "disk": disk}));
+    let mut s = BlkioSession::open(&v).unwrap();
+    let mut want = vec![0u8; 8 << 20];
+    let mut n = 0u8;
+    let mut rounds = |s: &mut BlkioSession, want: &mut [u8], k: u64| {
+        for i in 0..k {
+            n = n.wrapping_add(1);
+            let off = (u64::from(n) * 37 + i * 301) % 2000 * 4096;
+            s.round(off, n).unwrap();
+            want[off as usize..off as usize + 4096].fill(n);
+        }
+    };
+    rounds(&mut s, &mut want, 20);
+    let top = dir.path().join("top.qcow2");
+    srv.ok("qcow2_snapshot_create", json!({"socket": v, "path": top}));
+    rounds(&mut s, &mut want, 20);
+    let id = srv.ok("block_commit", json!({"socket": v, "rate": "4M"}))["job"].clone();
+    rounds(&mut s, &mut want, 20);
+    wait_state(&srv, &id, "completed");
+    rounds(&mut s, &mut want, 20);
+    drop(s);
+    srv.ok("vhost_user_blk_remove", json!({"socket": v}));
+    qemu_check(&base);
+    qemu_compare(&base, &want);
+}
