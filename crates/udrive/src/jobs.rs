@@ -1,8 +1,9 @@
 //! Block jobs on qcow2 disks (docs/decisions/0041-qcow2-snapshots-and-jobs.md):
 //! a thread per job runs a `bdev::Qcow2Job` a cluster at a time, off the
 //! reactors, at most at its rate, pausable and cancellable; the device is
-//! paused only around the moments the disk's image changes (a commit's start,
-//! the final pivot) and for a live snapshot.
+//! paused only around the moments the disk's image changes (the start of a
+//! commit or mirror, which write guest writes through from then on; the final
+//! pivot) and for a live snapshot.
 //!
 //! Who owns what: the server's state keeps every job's shared record
 //! ([`Job`]); its thread owns the `Qcow2Job` and reports progress through
