@@ -165,10 +165,24 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     qemu_check(&base);
     qemu_compare(&base, &want);
 
-    // A second snapshot, streamed: the new image stands alone.
-    let top2 = dir.path().join("top2.qcow2");
-    srv.ok("qcow2_snapshot_create", snap(2, &top2));
-    writes(&mut qp, &buf, &mut rng, &mut want, 30);
+    stream_then_mirror(&srv, dir.path(), &mut qp, &buf, &mut rng, &mut want);
+}
+
+/// A second snapshot, streamed (the new image stands alone), then mirrored
+/// with a pivot.
+fn stream_then_mirror(
+    srv: &Serve,
+    dir: &Path,
+    qp: &mut QueuePair,
+    buf: &DmaBuf,
+    rng: &mut Rng,
+    want: &mut [u8],
+) {
+    let a = srv.nvme.to_str().unwrap();
+    let snap = |path: &Path| json!({"socket": a, "nsid": 2, "path": path});
+    let top2 = dir.join("top2.qcow2");
+    srv.ok("qcow2_snapshot_create", snap(&top2));
+    writes(qp, buf, rng, want, 30);
     // Through `udrive rpc --wait`, which returns once the job ended.
     let rpc = srv.rpc.clone();
     let params = json!({"socket": a, "nsid": 2, "rate": "64M"}).to_string();
@@ -176,32 +190,32 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
         let rpc = rpc.to_str().unwrap();
         udrive_ok(&["rpc", "--rpc", rpc, "--wait", "block_stream", &params])
     });
-    writes(&mut qp, &buf, &mut rng, &mut want, 30);
+    writes(qp, buf, rng, want, 30);
     let out = waiter.join().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("\"state\": \"completed\""), "{text}");
-    verify_and_flush(&mut qp, &buf, &want);
+    verify_and_flush(qp, buf, want);
     let info = qemu_img(&["info", top2.to_str().unwrap()]);
     assert!(!info.contains("backing file"), "{info}");
     qemu_check(&top2);
-    qemu_compare(&top2, &want);
+    qemu_compare(&top2, want);
 
     // A mirror into a new image, pivoting: the disk moves there.
-    let moved = dir.path().join("moved.qcow2");
+    let moved = dir.join("moved.qcow2");
     let m = |path: &Path| json!({"socket": a, "nsid": 2, "path": path, "pivot": true});
     srv.err("blockdev_mirror", m(&top2), -32000, "already exists");
     let id = srv.ok("blockdev_mirror", m(&moved))["job"].clone();
-    writes(&mut qp, &buf, &mut rng, &mut want, 30);
-    assert_eq!(wait_state(&srv, &id, "completed")["type"], "mirror");
-    writes(&mut qp, &buf, &mut rng, &mut want, 10);
-    verify_and_flush(&mut qp, &buf, &want);
+    writes(qp, buf, rng, want, 30);
+    assert_eq!(wait_state(srv, &id, "completed")["type"], "mirror");
+    writes(qp, buf, rng, want, 10);
+    verify_and_flush(qp, buf, want);
     let ns = &srv.ok("get_devices", json!({"socket": a}))[0]["namespaces"][1]["image"];
     assert!(
         ns["path"].as_str().unwrap().ends_with("moved.qcow2"),
         "{ns}"
     );
     qemu_check(&moved);
-    qemu_compare(&moved, &want);
+    qemu_compare(&moved, want);
 }
 
 /// The same on a vhost-user-blk disk (its own pause path) under libblkio: a
