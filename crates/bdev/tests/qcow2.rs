@@ -612,3 +612,32 @@ fn mirrors_under_guest_writes_copy_the_chain_and_pivot() {
     qemu_check(&moved);
     qemu_compare(&moved, &want);
 }
+
+/// A stream into an image qemu-img made with 512-byte clusters over a raw
+/// base: its refcount table moves while the job allocates, and the header
+/// rewritten at the end keeps the moved table.
+#[test]
+fn stream_into_small_clusters_keeps_a_moved_refcount_table() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut want = vec![0u8; 12 * MIB as usize];
+    Rng::new(11).fill(&mut want);
+    std::fs::write(dir.path().join("base.raw"), &want).unwrap();
+    let img = dir.path().join("small.qcow2");
+    qemu_create(&img, "12M", Some(("base.raw", "raw")), Some("512"));
+    let before = std::fs::read(&img).unwrap()[48..60].to_vec();
+    let disk = open(&img);
+    let job = disk.start_job(bdev::Qcow2JobKind::Stream).unwrap();
+    run_with_guest(&disk, job, &mut Rng::new(12), &mut want);
+    drop(disk);
+    assert_ne!(
+        std::fs::read(&img).unwrap()[48..60],
+        before[..],
+        "the table moved"
+    );
+    std::fs::remove_file(dir.path().join("base.raw")).unwrap();
+    qemu_check(&img);
+    qemu_compare(&img, &want);
+}

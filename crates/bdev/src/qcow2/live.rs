@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use super::create::{create_qcow2, CreateOptions};
 use super::error::Qcow2Error;
+use super::header::Header;
 use super::image::{Image, OpenOpts, Through};
 use super::tables::{Cluster, COPIED, ZERO};
 use super::Qcow2Disk;
@@ -215,9 +216,24 @@ fn refused(img: &Image, why: &str) -> Qcow2Error {
 }
 
 /// Rewrites the header without a backing file (the header cluster holds
-/// nothing else: its tables start past it).
+/// nothing else: its tables start past it). The header is read back from
+/// the file, not taken from the one parsed at open: the refcount table may
+/// have moved since, and autoclear bits were cleared.
 fn drop_backing(img: &Image) -> Result<(), Qcow2Error> {
-    let mut h = img.header.clone();
+    let io = |op| {
+        let path = img.path.clone();
+        move |source| Qcow2Error::Io { path, op, source }
+    };
+    let cs = img.cs() as usize;
+    let file_len = img.file.metadata().map_err(io("read its metadata"))?.len();
+    let mut b = vec![0u8; cs];
+    img.file
+        .read_exact_at(&mut b, 0)
+        .map_err(io("read its header"))?;
+    let mut h = Header::parse(&b, file_len).map_err(|source| Qcow2Error::Header {
+        path: img.path.clone(),
+        source,
+    })?;
     if h.compression_type != 0 {
         return Err(refused(
             img,
@@ -227,11 +243,7 @@ fn drop_backing(img: &Image) -> Result<(), Qcow2Error> {
     h.backing_file = None;
     h.backing_format = None;
     let mut b = h.encode();
-    b.resize(img.cs() as usize, 0);
-    let io = |op| {
-        let path = img.path.clone();
-        move |source| Qcow2Error::Io { path, op, source }
-    };
+    b.resize(cs, 0);
     img.file
         .write_all_at(&b, 0)
         .map_err(io("rewrite its header"))?;
