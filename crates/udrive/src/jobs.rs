@@ -263,11 +263,13 @@ pub fn snapshot(server: &Server, socket: &Path, nsid: Option<u32>, path: &Path) 
     let q = as_qcow2(&disk).context("not a qcow2 disk")?;
     let mut st = server.lock();
     refuse_if_busy(&st, socket, nsid)?;
+    let t0 = Instant::now();
     quiesced(&mut st, socket, || Ok(q.snapshot(path)?))?;
+    let pause_us = t0.elapsed().as_micros() as u64;
     drop(st);
     let st = q.status();
     tracing::info!(socket = %socket.display(), overlay = %path.display(), "live snapshot");
-    Ok(json!({"image": st.path, "backing_chain": st.backing_chain}))
+    Ok(json!({"image": st.path, "backing_chain": st.backing_chain, "pause_us": pause_us}))
 }
 
 /// What job to start.

@@ -10,7 +10,7 @@ mod common;
 
 use std::path::Path;
 
-use common::control::{serve_opts, udrive_ok, Serve};
+use common::control::{serve_opts, udrive_ok, wait_disconnected, Serve};
 use common::*;
 use initiator::{DataMode, DmaBuf, IoOp, QueuePair};
 use serde_json::{json, Value};
@@ -122,6 +122,8 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
 
     let r = srv.ok("qcow2_snapshot_create", snap(2, &top));
     assert!(r["image"].as_str().unwrap().ends_with("top.qcow2"), "{r}");
+    assert!(r["pause_us"].as_u64().is_some(), "{r}");
+    eprintln!("snapshot: device paused {} us", r["pause_us"]);
     let before = want.clone();
     let nowhere = json!({"socket": dir.path().join("successor.sock")});
     srv.err("handover", nowhere.clone(), -32000, "since a live snapshot");
@@ -252,6 +254,7 @@ fn a_vhost_user_blk_disk_is_snapshotted_and_committed_under_libblkio() {
     wait_state(&srv, &id, "completed");
     rounds(&mut s, &mut want, 20);
     drop(s);
+    wait_disconnected(&srv, &v);
     srv.ok("vhost_user_blk_remove", json!({"socket": v}));
     qemu_check(&base);
     qemu_compare(&base, &want);
