@@ -25,7 +25,7 @@ use super::image::Image;
 use super::live::Active;
 use super::tables::{classify, Cluster, L2Table};
 use crate::crypt::{copy_in, copy_out};
-use crate::{in_range, Armed, FileEngine, IoChannel, IoOp, IoRequest, IoStatus};
+use crate::{in_range, Armed, IoChannel, IoOp, IoRequest, IoStatus};
 
 /// L2 tables a channel keeps (direct mapped by L1 index).
 const LOCAL: usize = 8;
@@ -45,7 +45,6 @@ pub(super) struct Qcow2Channel {
     retired: Vec<(Box<dyn IoChannel>, usize)>,
     active: Arc<Active>,
     epoch: u64,
-    engine: FileEngine,
     image: Arc<Image>,
     local: [Option<(usize, Arc<L2Table>)>; LOCAL],
     generation: u64,
@@ -76,14 +75,8 @@ fn status(e: &io::Error, read: bool) -> IoStatus {
 }
 
 impl Qcow2Channel {
-    pub(super) fn new(
-        active: Arc<Active>,
-        engine: FileEngine,
-        size: u64,
-    ) -> io::Result<Qcow2Channel> {
-        let epoch = active.epoch.load(Ordering::Acquire);
-        let image = active.get();
-        let (data, backing) = rings(&image, engine)?;
+    pub(super) fn new(active: Arc<Active>, size: u64) -> io::Result<Qcow2Channel> {
+        let (image, epoch, (data, backing)) = active.attach()?;
         let cs = image.cs() as usize;
         Ok(Qcow2Channel {
             data,
@@ -93,7 +86,6 @@ impl Qcow2Channel {
             retired: Vec::new(),
             active,
             epoch,
-            engine,
             read_only: image.read_only,
             generation: image.generation.load(Ordering::Acquire),
             image,
@@ -104,11 +96,12 @@ impl Qcow2Channel {
         })
     }
 
-    /// Moves to the image the disk serves now; the old rings retire with
-    /// what they hold.
-    fn switch(&mut self, epoch: u64) -> io::Result<()> {
-        let image = self.active.get();
-        let (data, backing) = rings(&image, self.engine)?;
+    /// Moves to the image the disk serves now, on rings made for it off the
+    /// reactor; the old rings retire with what they hold.
+    fn switch(&mut self) -> io::Result<()> {
+        let Some((image, epoch, (data, backing))) = self.active.take() else {
+            return Err(io::Error::other("no rings were made for the new image"));
+        };
         let old = std::mem::replace(&mut self.data, data);
         if self.data_inflight > 0 {
             self.retired.push((old, self.data_inflight));
@@ -351,25 +344,17 @@ fn fill_zeroes(iov: &[DmaSlice<'_>]) -> IoStatus {
     IoStatus::Ok
 }
 
-/// Rings on `image`'s file and on its raw backing file, if it has one.
-type Rings = (Box<dyn IoChannel>, Option<Box<dyn IoChannel>>);
-
-fn rings(image: &Image, engine: FileEngine) -> io::Result<Rings> {
-    let data = crate::uring::data_channel(image.file.clone(), engine, image.read_only)?;
-    let backing = match &image.backing {
-        Some(Backing::Raw { file, .. }) => {
-            Some(crate::uring::data_channel(file.clone(), engine, true)?)
-        }
-        _ => None,
-    };
-    Ok((data, backing))
+impl Drop for Qcow2Channel {
+    fn drop(&mut self) {
+        self.active.detach();
+    }
 }
 
 impl IoChannel for Qcow2Channel {
     fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
         let epoch = self.active.epoch.load(Ordering::Acquire);
         if epoch != self.epoch {
-            if let Err(e) = self.switch(epoch) {
+            if let Err(e) = self.switch() {
                 tracing::warn!(path = %self.image.path.display(), "qcow2: cannot move to the new image: {e}");
                 return Some(status(&e, req.op == IoOp::Read));
             }

@@ -354,6 +354,14 @@ impl Image {
         }
     }
 
+    /// A raw backing file (read on its own ring by the channels).
+    pub(super) fn raw_backing_file(&self) -> Option<Arc<File>> {
+        match &self.backing {
+            Some(Backing::Raw { file, .. }) => Some(file.clone()),
+            _ => None,
+        }
+    }
+
     /// Bytes allocated in the image file.
     pub(super) fn allocated_bytes(&self) -> u64 {
         self.meta().allocated_bytes()

@@ -5,8 +5,10 @@
 //! guest reads and writes.
 //!
 //! Who owns what: the disk's [`Active`] holds the image the channels serve;
-//! replacing it bumps an epoch each channel checks before a request and
-//! moves to the new image (its rings on the old files retire once empty).
+//! replacing it makes rings on the new image for every channel (on the
+//! replacing thread, not the reactors) and bumps an epoch each channel checks
+//! before a request; a channel then takes its rings and moves to the new
+//! image (its rings on the old files retire once empty).
 //! The caller replaces it only while the device is paused (nothing in
 //! flight), so no write reaches an image after it became a backing file.
 //! A job step holds the image's metadata lock for one cluster, the same lock
@@ -17,8 +19,8 @@ use std::fs::OpenOptions;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::create::{create_qcow2, CreateOptions};
 use super::error::Qcow2Error;
@@ -26,27 +28,77 @@ use super::header::Header;
 use super::image::{Image, OpenOpts, Through};
 use super::tables::{Cluster, COPIED, ZERO};
 use super::Qcow2Disk;
+use crate::{FileEngine, IoChannel};
 
 /// The image a disk's channels serve, replaceable while the device is paused.
 pub(super) struct Active {
-    image: Mutex<Arc<Image>>,
+    /// The image, and rings on its files made for the channels that still
+    /// serve an older one: a reactor takes them and makes no ring itself
+    /// (its thread may not be allowed to set one up).
+    inner: Mutex<(Arc<Image>, Vec<Rings>)>,
     /// Bumped on every replacement: one load per request tells a channel.
     pub epoch: AtomicU64,
+    /// Channels alive (counted under `inner`).
+    channels: AtomicUsize,
+    engine: FileEngine,
+}
+
+/// Rings on an image's file and on its raw backing file, if it has one.
+pub(super) type Rings = (Box<dyn IoChannel>, Option<Box<dyn IoChannel>>);
+
+pub(super) fn rings(image: &Image, engine: FileEngine) -> io::Result<Rings> {
+    let data = crate::uring::data_channel(image.file.clone(), engine, image.read_only)?;
+    let backing = match image.raw_backing_file() {
+        Some(file) => Some(crate::uring::data_channel(file, engine, true)?),
+        None => None,
+    };
+    Ok((data, backing))
 }
 
 impl Active {
-    pub(super) fn new(image: Image) -> Active {
+    pub(super) fn new(image: Image, engine: FileEngine) -> Active {
         Active {
-            image: Mutex::new(Arc::new(image)),
+            inner: Mutex::new((Arc::new(image), Vec::new())),
             epoch: AtomicU64::new(0),
+            channels: AtomicUsize::new(0),
+            engine,
         }
     }
-    pub(super) fn get(&self) -> Arc<Image> {
-        self.image.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    fn lock(&self) -> MutexGuard<'_, (Arc<Image>, Vec<Rings>)> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
-    fn set(&self, image: Arc<Image>) {
-        *self.image.lock().unwrap_or_else(|p| p.into_inner()) = image;
+    pub(super) fn get(&self) -> Arc<Image> {
+        self.lock().0.clone()
+    }
+    /// A new channel: the image, its epoch and rings on its files.
+    pub(super) fn attach(&self) -> io::Result<(Arc<Image>, u64, Rings)> {
+        let g = self.lock();
+        let r = rings(&g.0, self.engine)?;
+        self.channels.fetch_add(1, Ordering::AcqRel);
+        Ok((g.0.clone(), self.epoch.load(Ordering::Acquire), r))
+    }
+    pub(super) fn detach(&self) {
+        let _g = self.lock();
+        self.channels.fetch_sub(1, Ordering::AcqRel);
+    }
+    /// For a channel moving to the current image: the image, its epoch and
+    /// rings made for it by [`Active::set`].
+    pub(super) fn take(&self) -> Option<(Arc<Image>, u64, Rings)> {
+        let mut g = self.lock();
+        let r = g.1.pop()?;
+        Some((g.0.clone(), self.epoch.load(Ordering::Acquire), r))
+    }
+    /// Replaces the image, with rings for every channel made here (on the
+    /// control thread, not on the reactors).
+    fn set(&self, image: Arc<Image>) -> io::Result<()> {
+        let mut g = self.lock();
+        let n = self.channels.load(Ordering::Acquire);
+        let spare = (0..n)
+            .map(|_| rings(&image, self.engine))
+            .collect::<io::Result<Vec<_>>>()?;
+        *g = (image, spare);
         self.epoch.fetch_add(1, Ordering::AcqRel);
+        Ok(())
     }
 }
 
@@ -175,14 +227,16 @@ impl BlockJob {
                 img.flush().map_err(io("write its metadata back"))?;
                 drop_backing(img)?;
                 let opened = Image::open(&img.path, disk.open_opts(), &mut Vec::new())?;
-                disk.active.set(Arc::new(opened));
+                disk.active
+                    .set(Arc::new(opened))
+                    .map_err(io("set up rings on it"))?;
             }
             JobKind::Commit | JobKind::Mirror => {
                 let to =
                     take_through(img).ok_or_else(|| refused(img, "the job lost its target"))?;
                 to.flush().map_err(io("write the target's metadata back"))?;
                 if self.kind == JobKind::Commit || self.pivot {
-                    disk.active.set(to);
+                    disk.active.set(to).map_err(io("set up rings on it"))?;
                 }
             }
         }
@@ -300,7 +354,14 @@ impl Qcow2Disk {
             source,
         })?;
         let img = self.new_image(overlay, &old, Some(backing_name(overlay, &old.path)))?;
-        self.active.set(Arc::new(img));
+        if let Err(source) = self.active.set(Arc::new(img)) {
+            let _ = std::fs::remove_file(overlay);
+            return Err(Qcow2Error::Io {
+                path: overlay.to_path_buf(),
+                op: "set up rings on it",
+                source,
+            });
+        }
         Ok(())
     }
 

@@ -85,7 +85,6 @@ pub struct Qcow2Disk {
     active: Arc<live::Active>,
     /// The image opened by path, as the spec names it.
     opened: std::path::PathBuf,
-    engine: FileEngine,
     l2_cache: u64,
     info: BlockInfo,
 }
@@ -120,8 +119,7 @@ impl Qcow2Disk {
         };
         Ok(Qcow2Disk {
             opened: image.path.clone(),
-            active: Arc::new(live::Active::new(image)),
-            engine: o.engine,
+            active: Arc::new(live::Active::new(image, o.engine)),
             l2_cache: o.l2_cache,
             info,
         })
@@ -158,7 +156,6 @@ impl BlockDevice for Qcow2Disk {
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
         Ok(Box::new(channel::Qcow2Channel::new(
             self.active.clone(),
-            self.engine,
             self.info.size_bytes(),
         )?))
     }
