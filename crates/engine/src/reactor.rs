@@ -149,10 +149,12 @@ impl Engine {
             bell: bell.clone(),
             stats: stats.clone(),
         };
-        let thread = std::thread::Builder::new()
-            .name(format!("reactor{index}"))
-            .spawn(move || run_reactor(index, cpu, rx, shared))
-            .map_err(EngineError::Spawn)?;
+        let thread = sandbox::spawn(
+            sandbox::Role::Reactor,
+            format!("reactor{index}"),
+            move || run_reactor(index, cpu, rx, shared),
+        )
+        .map_err(EngineError::Spawn)?;
         let handle = ReactorHandle {
             tx,
             pending,

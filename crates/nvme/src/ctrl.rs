@@ -219,10 +219,7 @@ impl Inner {
                 break;
             }
         };
-        if let Err(e) = std::thread::Builder::new()
-            .name("nvme-admin-dma".into())
-            .spawn(pass)
-        {
+        if let Err(e) = sandbox::spawn(sandbox::Role::NvmeAdmin, "nvme-admin-dma".into(), pass) {
             tracing::warn!("nvme: cannot start an admin thread ({e})");
             self.admin_running.store(false, Ordering::Release);
         }

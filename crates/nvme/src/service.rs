@@ -39,9 +39,7 @@ pub(crate) fn register(inner: &Arc<Inner>) -> std::io::Result<()> {
         None => {
             // Two racing first registrations may both spawn; the loser's thread
             // finds no service of its own and exits.
-            let t = std::thread::Builder::new()
-                .name("nvme-admin".into())
-                .spawn(run)?;
+            let t = sandbox::spawn(sandbox::Role::NvmeAdmin, "nvme-admin".into(), run)?;
             let _ = SERVICE.set(Service {
                 ctrls: Mutex::new(Vec::new()),
                 thread: t.thread().clone(),

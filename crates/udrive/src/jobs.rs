@@ -326,9 +326,11 @@ pub fn start(
     drop(st);
     let id = record.id;
     let server = server.clone();
-    let spawned = std::thread::Builder::new()
-        .name(format!("job-{id}"))
-        .spawn(move || run(&server, &record, job, &disk));
+    // Started by the spawner, as every server thread (decision 0042): the
+    // control role's calls (files opened for a stream's reopen).
+    let spawned = sandbox::spawn(sandbox::Role::Control, format!("job-{id}"), move || {
+        run(&server, &record, job, &disk)
+    });
     if let Err(e) = spawned {
         return Err(anyhow!(e).context("cannot start the job's thread"));
     }

@@ -14,6 +14,7 @@ pub mod config;
 pub mod device;
 pub mod framing;
 pub mod frontend;
+pub mod fs_access;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod generate;
@@ -31,6 +32,7 @@ pub mod reload;
 pub mod resize;
 pub mod rpc;
 pub mod rpc_client;
+pub mod sandboxing;
 pub mod serde_str;
 pub mod serve;
 pub mod server;

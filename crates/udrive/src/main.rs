@@ -62,6 +62,9 @@ under systemd (Type=notify) the server reports READY once every socket listens."
     /// Write man pages or print shell completions (for packaging)
     #[command(hide = true)]
     Generate(generate::GenerateArgs),
+    /// Started by a sandboxed server: starts its successor outside its filters
+    #[command(hide = true)]
+    Launcher,
 }
 
 /// `RUST_LOG` (default `info`), with the virtqueue library silenced unless named:
@@ -121,6 +124,14 @@ fn init_logging() {
 }
 
 fn main() {
+    // A server keeps no descriptor its parent left open (as a jailer does); the
+    // journal's socket and everything else are opened after this.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "serve") {
+        if let Err(e) = sandbox::close_inherited_fds() {
+            eprintln!("udrive: cannot close inherited descriptors: {e}");
+            std::process::exit(1);
+        }
+    }
     init_logging();
     let cli = Cli::parse();
     let r = match cli.cmd {
@@ -146,6 +157,7 @@ fn main() {
         #[cfg(feature = "tools")]
         Cmd::Trace(a) => trace_cmd::run(a),
         Cmd::Generate(a) => generate::run(a, Cli::command()),
+        Cmd::Launcher => handover::launcher::run(),
     };
     if let Err(e) = r {
         if udrive::stdout::is_closed(&e) {

@@ -50,20 +50,18 @@ impl MetricsServer {
         );
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("metrics-http".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stop2.load(Ordering::Acquire) {
-                        return;
-                    }
-                    if let Ok(s) = conn {
-                        if let Err(e) = serve_one(s, &server) {
-                            tracing::debug!("metrics: request failed: {e}");
-                        }
+        let thread = sandbox::spawn(sandbox::Role::Metrics, "metrics-http".into(), move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::Acquire) {
+                    return;
+                }
+                if let Ok(s) = conn {
+                    if let Err(e) = serve_one(s, &server) {
+                        tracing::debug!("metrics: request failed: {e}");
                     }
                 }
-            })?;
+            }
+        })?;
         Ok(MetricsServer {
             addr,
             stop,

@@ -16,6 +16,7 @@ use crate::metrics::MetricsServer;
 use crate::nsspec::NsSpec;
 use crate::process::{Process, METRICS_LISTENER_KEY, RPC_LISTENER_KEY};
 use crate::rpc::{Rpc, RpcServer};
+use crate::sandboxing::Sandboxing;
 use crate::server::Server;
 
 #[derive(clap::Args, Debug)]
@@ -79,6 +80,28 @@ pub struct ServeArgs {
     /// upgrade`; docs/decisions/0022-live-handover.md)
     #[arg(long, value_name = "RPC_SOCKET", conflicts_with_all = ["config", "vfio_user", "ns", "supervise", "supervised", "rpc"])]
     pub takeover: Option<PathBuf>,
+    /// What a thread's system call outside its role's list does (docs/security.md):
+    /// `on` stops the server with a line naming the role and the call, `log` lets
+    /// it through for the kernel's log, `off` installs no filters [default: on, or
+    /// $UDRIVE_SECCOMP]
+    #[arg(long, value_name = "on|log|off")]
+    pub seccomp: Option<sandbox::Mode>,
+    /// Whether Landlock limits the files the server opens after start-up to the
+    /// paths the configuration names and --allow-dir (docs/security.md) [default:
+    /// on, or $UDRIVE_LANDLOCK]
+    #[arg(long, value_name = "on|off", value_parser = ["on", "off"])]
+    pub landlock: Option<String>,
+    /// A directory where devices added at run time (RPC, reload) may keep their
+    /// files and sockets, repeatable (allow_dirs in the TOML file)
+    #[arg(long = "allow-dir", value_name = "DIR")]
+    pub allow_dirs: Vec<PathBuf>,
+    /// Run as this user (with its groups) from start-up on: sockets, disks and
+    /// the control socket must be reachable to it; no capability is kept
+    #[arg(long, value_name = "NAME")]
+    pub user: Option<String>,
+    /// With --user: this group instead of the user's own
+    #[arg(long, value_name = "NAME", requires = "user")]
+    pub group: Option<String>,
 }
 
 fn check_mode(s: &str) -> Result<String, String> {
@@ -150,6 +173,7 @@ impl ServeArgs {
         if self.socket_group.is_some() {
             cfg.socket_group = self.socket_group;
         }
+        cfg.allow_dirs.extend(self.allow_dirs);
         // Devices without their own socket mode/group get the defaults.
         let defaults = cfg.socket_defaults();
         for c in &mut cfg.controllers {
@@ -167,8 +191,9 @@ impl ServeArgs {
 pub fn run(args: ServeArgs) -> Result<()> {
     let rpc_mode = args.rpc_mode;
     let supervised = args.supervised;
+    let sandbox = Sandboxing::from_args(&args)?;
     if let Some(from) = &args.takeover {
-        return run_takeover(from);
+        return run_takeover(from, &sandbox);
     }
     if args.supervise {
         // Checked here, where errors reach the user, before the child starts.
@@ -180,6 +205,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         return crate::supervise::run(args);
     }
     let cfg = args.into_config()?;
+    sandbox.enter(&cfg)?;
     let process = if supervised {
         Process::supervised()?
     } else {
@@ -197,8 +223,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
 
 /// `serve --takeover`: takes every device over from the process serving the
 /// control socket `from` (crate::handover) and serves them.
-fn run_takeover(from: &Path) -> Result<()> {
+fn run_takeover(from: &Path, sandbox: &Sandboxing) -> Result<()> {
     let got = Takeover::receive(from)?;
+    if let Err(e) = got.snapshot.config().and_then(|cfg| sandbox.enter(&cfg)) {
+        got.takeover.abort(&e);
+        return Err(e.context("takeover failed; the running udrive resumed its devices"));
+    }
     crate::handover::take::fail_point("start");
     let process = Process::taking_over(got.records, got.takeover.channel()?);
     let running = match start_taken_over(&got.snapshot, &process) {

@@ -213,6 +213,8 @@ impl Server {
         let perms = cfg.socket_perms().or(&self.socket_defaults);
         cfg.set_socket_perms(perms);
         crate::config::validate(std::slice::from_ref(&cfg), &mut Default::default())?;
+        crate::fs_access::check_socket(&cfg.socket)?;
+        crate::fs_access::check_ns(&cfg.disk)?;
         let mut st = self.lock();
         if st.find(&cfg.socket).is_some() {
             bail!("socket {} already has a device", cfg.socket.display());
@@ -267,6 +269,10 @@ impl Server {
         let perms = cfg.socket_perms().or(&self.socket_defaults);
         cfg.set_socket_perms(perms);
         cfg.validate()?;
+        crate::fs_access::check_socket(&cfg.socket)?;
+        cfg.namespaces
+            .iter()
+            .try_for_each(crate::fs_access::check_ns)?;
         let mut st = self.lock();
         if st.find(&cfg.socket).is_some() {
             bail!("socket {} already has a device", cfg.socket.display());
@@ -334,6 +340,7 @@ impl Server {
     /// Adds namespace `nsid` (default: the lowest free one) to the controller on
     /// `socket`; returns the NSID.
     pub fn add_namespace(&self, socket: &Path, spec: NsSpec, nsid: Option<u32>) -> Result<u32> {
+        crate::fs_access::check_ns(&spec)?;
         let mut guard = self.lock();
         let st = &mut *guard;
         let Some(at) = st.position(socket) else {

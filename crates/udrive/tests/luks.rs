@@ -144,7 +144,7 @@ fn encrypted_namespace_added_over_rpc() {
     let dir = tempfile::tempdir().unwrap();
     let (img, key) = volume(dir.path(), 24 * MIB);
     luks_format(&img, &key, false);
-    let s = Serve::start(&[]);
+    let s = Serve::start(&["--allow-dir", dir.path().to_str().unwrap()]);
     let spec = format!(
         "file:{},encrypt=luks,key-file={}",
         img.display(),
@@ -201,7 +201,7 @@ fn keys_change_under_verified_io() {
         img.display(),
         k1.display()
     );
-    let s = Serve::start(&[]);
+    let s = Serve::start(&["--allow-dir", dir.path().to_str().unwrap()]);
     let a = s.nvme.to_str().unwrap().to_string();
     s.ok(
         "nvme_add_namespace",

@@ -96,7 +96,7 @@ fn qcow2_namespace_added_over_rpc_shows_its_image() {
     let base = dir.path().join("base.raw");
     std::fs::write(&base, vec![0x42u8; 4 * MIB as usize]).unwrap();
     let img = dir.path().join("top.qcow2");
-    let srv = Serve::start(&[]);
+    let srv = Serve::start(&["--allow-dir", dir.path().to_str().unwrap()]);
     let spec = format!("qcow2:{},create=32M,backing=base.raw", img.display());
     let a = srv.nvme.to_str().unwrap();
     let ns = srv.ok("nvme_add_namespace", json!({"socket": a, "spec": spec}));

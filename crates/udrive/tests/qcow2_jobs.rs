@@ -84,9 +84,9 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     if !have_qemu_tools() {
         return;
     }
-    let srv = Serve::start(&[]);
-    let a = srv.nvme.to_str().unwrap();
     let dir = tempfile::tempdir().unwrap();
+    let srv = Serve::start(&["--allow-dir", dir.path().to_str().unwrap()]);
+    let a = srv.nvme.to_str().unwrap();
     let base = dir.path().join("base.qcow2");
     let spec = format!("qcow2:{},create=16M", base.display());
     srv.ok("nvme_add_namespace", json!({"socket": a, "spec": spec}));
@@ -228,9 +228,9 @@ fn a_vhost_user_blk_disk_is_snapshotted_and_committed_under_libblkio() {
         return;
     }
     use test_support::blkio::BlkioSession;
-    let srv = Serve::start(&[]);
-    let v = srv.path("v.sock");
     let dir = tempfile::tempdir().unwrap();
+    let srv = Serve::start(&["--allow-dir", dir.path().to_str().unwrap()]);
+    let v = srv.path("v.sock");
     let base = dir.path().join("base.qcow2");
     let disk = format!("qcow2:{},create=8M", base.display());
     srv.ok("vhost_user_blk_add", json!({"socket": v, "disk": disk}));

@@ -305,7 +305,16 @@ fn snapshots_rollback_clones_and_online_resize_over_rpc() {
     let conf = c.conf().display().to_string();
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("vm.sock");
-    let mut s = Serve::spawn(&["--vfio-user", sock.to_str().unwrap(), "--ns", "ram:1M"]);
+    // The cluster's files are named only by the calls below.
+    let cluster_dir = c.conf().parent().unwrap().display().to_string();
+    let mut s = Serve::spawn(&[
+        "--vfio-user",
+        sock.to_str().unwrap(),
+        "--ns",
+        "ram:1M",
+        "--allow-dir",
+        &cluster_dir,
+    ]);
     s.wait_socket(&sock);
     let at = |image: &str| json!({"image": image, "conf": conf});
 

@@ -457,9 +457,11 @@ fn resized_with_nobody_to_tell(s: &Serve, n: &Path, v: &Path) {
 /// size it has, so the namespace follows the volume after it grew.
 #[test]
 fn a_block_device_namespace_follows_its_volume() {
+    // The loop device is added after start-up: beneath a directory the server may
+    // open (Landlock).
     let s = Serve::start(
         &[("e.img", 16 * MIB)],
-        "[[controller]]\nsocket = \"{dir}/n.sock\"\nnamespaces = [\"null:1M\"]\n",
+        "allow_dirs = [\"/dev\"]\n[[controller]]\nsocket = \"{dir}/n.sock\"\nnamespaces = [\"null:1M\"]\n",
         &["n.sock"],
     );
     let out = Command::new("losetup")

@@ -88,8 +88,7 @@ fn vhost_user_blk_add_and_remove() {
     s.err("get_devices", json!({"socket": v}), -32000, "no device");
 
     // The socket and the disk's file range are free again.
-    let dir = tempfile::tempdir().unwrap();
-    let img = dir.path().join("d.img");
+    let img = s.path("d.img");
     std::fs::File::create(&img)
         .unwrap()
         .set_len(8 << 20)
@@ -118,9 +117,9 @@ fn vhost_user_blk_add_and_remove() {
 
 #[test]
 fn vhost_user_blk_add_hostile_params() {
-    let s = Serve::start(&[]);
-    let v = s.path("v.sock");
     let dir = tempfile::tempdir().unwrap();
+    let s = Serve::start(&["--allow-dir", dir.path().to_str().unwrap()]);
+    let v = s.path("v.sock");
     let add = |p: Value, code: i64, want: &str| s.err("vhost_user_blk_add", p, code, want);
     add(json!({"socket": v}), -32602, "disk");
     add(

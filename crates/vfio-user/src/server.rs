@@ -372,9 +372,9 @@ fn hub() -> io::Result<&'static Hub> {
     bell.set_nonblocking(true)?;
     bell_rx.set_nonblocking(true)?;
     let (tx, rx) = channel();
-    std::thread::Builder::new()
-        .name("vfu-hub".into())
-        .spawn(move || run_hub(rx, bell_rx))?;
+    sandbox::spawn(sandbox::Role::VfuHub, "vfu-hub".into(), move || {
+        run_hub(rx, bell_rx)
+    })?;
     let _ = HUB.set(Hub {
         tx: Mutex::new(tx),
         bell,
@@ -472,10 +472,7 @@ fn hub_cmd(eps: &mut BTreeMap<u64, Endpoint>, cmd: Cmd) {
                 drop(ep);
                 let _ = ack.send(());
             };
-            if let Err(e) = std::thread::Builder::new()
-                .name("vfu-stop".into())
-                .spawn(stopper)
-            {
+            if let Err(e) = sandbox::spawn(sandbox::Role::VfuConn, "vfu-stop".into(), stopper) {
                 tracing::error!("vfio-user: cannot start a thread to stop a device ({e})");
             }
         }
@@ -609,14 +606,16 @@ fn serve(id: u64, ep: &mut Endpoint, conn: Conn) {
         stop.clone(),
     );
     let (handback, wake) = (ep.handback.clone(), ep.wake.clone());
-    let spawned = std::thread::Builder::new()
-        .name(format!("vfu-{}", ep.name))
-        .spawn(move || {
+    let spawned = sandbox::spawn(
+        sandbox::Role::VfuConn,
+        format!("vfu-{}", ep.name),
+        move || {
             let back = serve_conn(&name, conn, &dev, &active, &st, &handback, &wake);
             if let Ok(h) = hub() {
                 h.send(Cmd::Back(id, back));
             }
-        });
+        },
+    );
     ep.state = match spawned {
         Ok(thread) => State::Served { thread, stop },
         Err(e) => {

@@ -165,15 +165,17 @@ impl Conn {
     /// ends on `kicks.stop()`.
     pub fn spawn_kicks(self: &Arc<Self>, shared: Arc<Shared>) -> std::io::Result<JoinHandle<()>> {
         let conn = self.clone();
-        std::thread::Builder::new()
-            .name("vhost-blk-kick".into())
-            .spawn(move || {
+        sandbox::spawn(
+            sandbox::Role::VhostKick,
+            "vhost-blk-kick".into(),
+            move || {
                 conn.kicks.run(|i| {
                     if let Some(q) = shared.queues.get(i) {
                         q.waker.load().wake();
                     }
                 })
-            })
+            },
+        )
     }
 
     /// Ends the connection (the serve thread sees the socket shut down); the device

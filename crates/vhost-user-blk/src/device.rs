@@ -218,9 +218,9 @@ impl VhostUserBlk {
             socket: socket.to_path_buf(),
             first,
         };
-        let thread = std::thread::Builder::new()
-            .name("vhost-blk".into())
-            .spawn(move || crate::serve::serve(args));
+        let thread = sandbox::spawn(sandbox::Role::VhostDevice, "vhost-blk".into(), move || {
+            crate::serve::serve(args)
+        });
         let thread = match thread {
             Ok(t) => t,
             Err(e) => {

@@ -7,6 +7,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
+use io_uring::register::Restriction;
 use io_uring::{opcode, squeue, types, IoUring};
 
 use super::sys::{self, AlignedBuf, Iovecs};
@@ -70,15 +71,45 @@ impl Slot {
 /// busy-polling reactor, and `poll` enters the kernel only when the ring flags
 /// pending task work. Measured against the default (IPI) setup and an unregistered
 /// descriptor in docs/decisions/0004-uring-backend.md.
-fn new_ring() -> io::Result<(IoUring, bool)> {
-    match IoUring::builder()
-        .setup_coop_taskrun()
-        .setup_taskrun_flag()
-        .build(ENTRIES)
-    {
-        Ok(r) => Ok((r, true)),
-        Err(_) => Ok((IoUring::new(ENTRIES)?, false)),
-    }
+///
+/// The ring starts disabled, gets `file` as its only registered file and then
+/// restrictions (IORING_REGISTER_RESTRICTIONS) before it is enabled: only the
+/// operations [`UringChannel::sqe`] builds, only on the registered file, no
+/// further registrations. io_uring's operations bypass seccomp, so a thread that
+/// may submit to this ring can still only read, write, sync and allocate the
+/// backend's own file (docs/security.md).
+fn new_ring(file: &File) -> io::Result<(IoUring, bool)> {
+    let build = |coop: bool| {
+        let mut b = IoUring::builder();
+        b.setup_r_disabled();
+        if coop {
+            b.setup_coop_taskrun().setup_taskrun_flag();
+        }
+        b.build(ENTRIES)
+    };
+    let (ring, coop) = match build(true) {
+        Ok(r) => (r, true),
+        Err(_) => (build(false)?, false),
+    };
+    let s = ring.submitter();
+    s.register_files(&[file.as_raw_fd()])?;
+    let mut allowed: Vec<Restriction> = [
+        opcode::Read::CODE,
+        opcode::Readv::CODE,
+        opcode::Write::CODE,
+        opcode::Writev::CODE,
+        opcode::Fsync::CODE,
+        opcode::Fallocate::CODE,
+    ]
+    .into_iter()
+    .map(Restriction::sqe_op)
+    .collect();
+    allowed.push(Restriction::sqe_flags_required(
+        squeue::Flags::FIXED_FILE.bits(),
+    ));
+    s.register_restrictions(&mut allowed)?;
+    s.register_enable_rings()?;
+    Ok((ring, coop))
 }
 
 /// What a completion (CQE or synchronous result) means for its slot.
@@ -126,8 +157,7 @@ impl UringChannel {
         direct: bool,
         inline: bool,
     ) -> io::Result<Self> {
-        let (ring, coop) = new_ring()?;
-        ring.submitter().register_files(&[file.as_raw_fd()])?;
+        let (ring, coop) = new_ring(&file)?;
         let n = ENTRIES as usize;
         Ok(UringChannel {
             ring,

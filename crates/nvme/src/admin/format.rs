@@ -268,9 +268,9 @@ impl Inner {
         );
         let job = Arc::new(Job::default());
         let (me, j) = (self.me.clone(), job.clone());
-        let spawned = std::thread::Builder::new()
-            .name("nvme-format".into())
-            .spawn(move || erase_thread(me, j, targets));
+        let spawned = sandbox::spawn(sandbox::Role::NvmeAdmin, "nvme-format".into(), move || {
+            erase_thread(me, j, targets)
+        });
         if let Err(e) = spawned {
             tracing::error!("nvme: cannot start the format thread: {e}");
             self.end_formatting(st, &nsids);

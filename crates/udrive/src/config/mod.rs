@@ -50,6 +50,10 @@ pub struct Config {
     pub socket_mode: Option<String>,
     #[serde(default)]
     pub socket_group: Option<String>,
+    /// Directories where devices added at run time may keep their files and
+    /// sockets (Landlock; docs/security.md).
+    #[serde(default)]
+    pub allow_dirs: Vec<PathBuf>,
     /// The file this came from: what a reload re-reads.
     #[serde(skip)]
     pub file: Option<PathBuf>,
@@ -67,6 +71,7 @@ impl Default for Config {
             vhost_user_blk: Vec::new(),
             socket_mode: None,
             socket_group: None,
+            allow_dirs: Vec::new(),
             file: None,
         }
     }

@@ -18,6 +18,7 @@
 //! runs in between), `upgrade` the command that starts a new process.
 
 mod give;
+pub mod launcher;
 pub mod snapshot;
 pub mod successor;
 pub mod take;

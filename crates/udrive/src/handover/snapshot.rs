@@ -31,6 +31,9 @@ pub struct ServerSnapshot {
     /// The configuration file reloads re-read (absent: none, or an older udrive).
     #[serde(default)]
     pub config_file: Option<PathBuf>,
+    /// `--allow-dir` (absent: none, or an older udrive).
+    #[serde(default)]
+    pub allow_dirs: Vec<PathBuf>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -87,6 +90,7 @@ impl ServerSnapshot {
             vhost_user_blk: Vec::new(),
             qos: Vec::new(),
             config_file: server.config_file.clone(),
+            allow_dirs: crate::fs_access::allowed_dirs(),
         };
         for d in &st.devices {
             if let Some(n) = d.as_nvme() {
@@ -129,6 +133,7 @@ impl ServerSnapshot {
             vhost_user_blk: self.vhost_user_blk.clone(),
             socket_mode: self.socket_mode.clone(),
             socket_group: self.socket_group.clone(),
+            allow_dirs: self.allow_dirs.clone(),
             file: self.config_file.clone(),
         };
         cfg.validate()?;

@@ -47,12 +47,14 @@ pub fn start(rpc: &Path) -> Result<u32> {
     tracing::info!(pid, binary = %binary.display(), "started a successor to take over");
     // Reaped here if it fails; on success this process exits first and the
     // successor carries on as the service's main process.
-    std::thread::Builder::new()
-        .name("successor-wait".into())
-        .spawn(move || match child.wait() {
+    sandbox::spawn(
+        sandbox::Role::Control,
+        "successor-wait".into(),
+        move || match child.wait() {
             Ok(st) => tracing::warn!(pid, "the successor exited ({st}) before taking over"),
             Err(e) => tracing::warn!(pid, "cannot wait for the successor: {e}"),
-        })
-        .context("cannot start the thread that waits for the successor")?;
+        },
+    )
+    .context("cannot start the thread that waits for the successor")?;
     Ok(pid)
 }

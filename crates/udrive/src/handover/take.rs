@@ -85,17 +85,15 @@ impl Takeover {
         let ours = listen_at(dir)?;
         // The request returns when the handover is over: run it beside us.
         let (from2, ours_path) = (from.to_path_buf(), ours.path.clone());
-        let request = std::thread::Builder::new()
-            .name("takeover-rpc".into())
-            .spawn(move || {
-                crate::rpc_client::call(
-                    &from2,
-                    "handover",
-                    json!({"socket": ours_path}),
-                    Duration::from_secs(120),
-                )
-            })
-            .context("takeover: cannot start a thread")?;
+        let request = sandbox::spawn(sandbox::Role::Control, "takeover-rpc".into(), move || {
+            crate::rpc_client::call(
+                &from2,
+                "handover",
+                json!({"socket": ours_path}),
+                Duration::from_secs(120),
+            )
+        })
+        .context("takeover: cannot start a thread")?;
         let conn = match accept_within(&ours, RECEIVE_LIMIT, &request) {
             Ok(c) => c,
             Err(e) => return Err(refusal_or(request, e)),

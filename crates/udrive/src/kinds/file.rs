@@ -74,6 +74,9 @@ impl FileSpec {
 }
 
 impl KindSpec for FileSpec {
+    fn fs_paths(&self) -> Vec<(PathBuf, bool)> {
+        super::kind::file_paths(&self.path)
+    }
     fn canonical(&self) -> Option<String> {
         None
     }

@@ -60,6 +60,11 @@ pub trait KindSpec: Debug + Send + Sync {
         let _ = (read_only, problems);
         None
     }
+    /// The files and directories this backend opens while the server runs, each
+    /// with whether it writes there (the sandbox's file rules, docs/security.md).
+    fn fs_paths(&self) -> Vec<(std::path::PathBuf, bool)> {
+        Vec::new()
+    }
     /// What `udrive check` finds by contacting what the spec names (a Ceph cluster:
     /// reachable, the image there), unless told to stay offline: the backend's
     /// size, or why it cannot be reached. Kinds with nothing remote: `Ok(None)`.
@@ -168,4 +173,26 @@ pub(super) fn parse_sized(arg: &str, block_size: Option<u32>) -> Result<u64, Str
         ));
     }
     Ok(size)
+}
+
+/// Where a file backend at `path` writes: the file itself when it is a block
+/// device, else its directory (an image created there, a qcow2 overlay next to
+/// its base).
+pub(super) fn file_paths(path: &std::path::Path) -> Vec<(std::path::PathBuf, bool)> {
+    use std::os::unix::fs::FileTypeExt;
+    let device = std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device());
+    if device {
+        let canonical = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        return vec![(canonical, true)];
+    }
+    vec![(dir_of(path), true)]
+}
+
+/// The directory `path` is in, absolute and without links where it exists.
+pub fn dir_of(path: &std::path::Path) -> std::path::PathBuf {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf())
 }

@@ -12,7 +12,7 @@ mod qcow2;
 #[cfg(feature = "rbd")]
 pub mod rbd;
 
-pub use kind::{BackendKind, Backing, KindSpec, NoEnv, NsKind, OpenEnv};
+pub use kind::{dir_of, BackendKind, Backing, KindSpec, NoEnv, NsKind, OpenEnv};
 
 /// Every backend kind `--ns`, `--disk`, TOML and the RPC accept.
 pub static KINDS: &[&dyn BackendKind] = &[

@@ -113,6 +113,9 @@ fn will_be(path: &Path) -> String {
 }
 
 impl KindSpec for Qcow2Spec {
+    fn fs_paths(&self) -> Vec<(PathBuf, bool)> {
+        super::kind::file_paths(&self.path)
+    }
     fn canonical(&self) -> Option<String> {
         None
     }

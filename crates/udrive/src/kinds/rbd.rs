@@ -146,6 +146,21 @@ impl RbdSpec {
 }
 
 impl KindSpec for RbdSpec {
+    /// Read-only: the configuration's directory (the keyring usually lies next
+    /// to it, as in /etc/ceph), and the configuration and keyring named.
+    fn fs_paths(&self) -> Vec<(std::path::PathBuf, bool)> {
+        let confs = match &self.conf {
+            Some(c) => vec![c.clone()],
+            None => default_conf_search(),
+        };
+        let dirs = confs
+            .into_iter()
+            .map(|c| super::kind::dir_of(std::path::Path::new(&c)));
+        let named = [&self.conf, &self.keyring].into_iter().flatten();
+        dirs.chain(named.map(std::path::PathBuf::from))
+            .map(|p| (p, false))
+            .collect()
+    }
     fn canonical(&self) -> Option<String> {
         None
     }

@@ -195,7 +195,9 @@ impl RbdParams {
         })
     }
     fn cluster(&self, server: &Server) -> Result<ClusterOptions, RpcError> {
-        Ok(self.rbd_spec()?.cluster(server.library_cpus()))
+        let spec = self.rbd_spec()?;
+        crate::fs_access::check_paths(crate::kinds::KindSpec::fs_paths(&spec))?;
+        Ok(spec.cluster(server.library_cpus()))
     }
     /// A connection for this call, its threads where the server's backends put
     /// librados'.

@@ -50,9 +50,9 @@ impl RpcServer {
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let (wake, woken) = UnixStream::pair()?;
-        let thread = std::thread::Builder::new()
-            .name("rpc-accept".into())
-            .spawn(move || accept_loop(listener, rpc, stop2, woken));
+        let thread = sandbox::spawn(sandbox::Role::Control, "rpc-accept".into(), move || {
+            accept_loop(listener, rpc, stop2, woken)
+        });
         let thread = match thread {
             Ok(t) => t,
             Err(e) => {
@@ -140,12 +140,10 @@ fn accept_loop(listener: UnixListener, rpc: Arc<Rpc>, stop: Arc<AtomicBool>, wok
             continue;
         };
         let (rpc, table2) = (rpc.clone(), table.clone());
-        let spawned = std::thread::Builder::new()
-            .name("rpc-conn".into())
-            .spawn(move || {
-                serve_connection(s, &rpc, &table2, &slot);
-                table2.leave(&slot);
-            });
+        let spawned = sandbox::spawn(sandbox::Role::Control, "rpc-conn".into(), move || {
+            serve_connection(s, &rpc, &table2, &slot);
+            table2.leave(&slot);
+        });
         if let Err(e) = spawned {
             tracing::warn!("rpc: cannot start a connection thread: {e}");
         }

@@ -24,7 +24,10 @@ pub fn register(r: &mut Registry) {
             let Some(socket) = rpc.server.rpc.clone() else {
                 return Err(RpcError::new(SERVER_ERROR, "this server has no control socket"));
             };
-            let pid = crate::handover::successor::start(&socket)?;
+            let pid = match crate::handover::launcher::start_successor(&socket) {
+                Some(launched) => launched?,
+                None => crate::handover::successor::start(&socket)?,
+            };
             Ok(serde_json::json!({"pid": pid}))
         },
     );

@@ -36,7 +36,7 @@ pub fn thread_cpus(pid: u32) -> (Vec<Vec<usize>>, Vec<ThreadCpus>) {
         let allowed = engine::parse_cpu_list(&cpus).unwrap();
         if comm.starts_with("reactor") {
             reactors.push(allowed);
-        } else if !["udrive", "nvme-admin", "vfu-hub", "rpc-accept"].contains(&comm) {
+        } else if !["udrive", "nvme-admin", "vfu-hub", "rpc-accept", "spawner"].contains(&comm) {
             librbd.push((comm.to_string(), allowed));
         }
     }
