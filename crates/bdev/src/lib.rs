@@ -28,9 +28,10 @@ pub use error::{typed, FixedSize, GeometryError};
 pub use fault::{FaultConfig, FaultDisk, FaultError, FaultOps};
 pub use null::NullDisk;
 pub use qcow2::{
-    create_qcow2, parse_header as parse_qcow2_header, CreateOptions as Qcow2Create,
-    Header as Qcow2Header, HeaderError as Qcow2HeaderError, Qcow2Disk, Qcow2Error, Qcow2Options,
-    Qcow2Status, DEFAULT_L2_CACHE as QCOW2_DEFAULT_L2_CACHE, MAX_BACKING_CHAIN,
+    create_qcow2, parse_header as parse_qcow2_header, BlockJob as Qcow2Job,
+    CreateOptions as Qcow2Create, Header as Qcow2Header, HeaderError as Qcow2HeaderError,
+    JobKind as Qcow2JobKind, Qcow2Disk, Qcow2Error, Qcow2Options, Qcow2Status,
+    DEFAULT_L2_CACHE as QCOW2_DEFAULT_L2_CACHE, MAX_BACKING_CHAIN,
 };
 pub use qos::{QosClock, QosDisk, QosError, QosLimits, BURST, QOS_MAX_NAP, QOS_QUEUE_DEPTH};
 pub use ram::{RamDisk, RamError};

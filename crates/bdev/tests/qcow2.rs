@@ -129,11 +129,22 @@ fn backing_chains_qemu_made_read_back_exactly() {
 /// 300 random writes, write zeroes, discards and flushes on `disk`, each
 /// applied to `want`, then the whole device read back against it.
 fn random_io(disk: &Qcow2Disk, rng: &mut Rng, want: &mut [u8]) {
-    let size = want.len() as u64;
     let mut ch = disk.channel().unwrap();
+    random_ops(&mut *ch, rng, want, 300);
+    assert_eq!(
+        first_difference(&read_all(disk), want),
+        None,
+        "before close"
+    );
+}
+
+/// `n` random writes, write zeroes, discards and flushes through `ch`, each
+/// applied to `want`.
+fn random_ops(ch: &mut dyn bdev::IoChannel, rng: &mut Rng, want: &mut [u8], n: usize) {
+    let size = want.len() as u64;
     let buf = MappedRegion::anonymous(0, 256 << 10).unwrap();
     let mut data = vec![0u8; 256 << 10];
-    for i in 0..300 {
+    for i in 0..n {
         let len = rng.range(1, 128) * 512;
         let off = rng.below((size - len) / 512) * 512;
         let op = match rng.below(10) {
@@ -156,7 +167,7 @@ fn random_io(disk: &Qcow2Disk, rng: &mut Rng, want: &mut [u8]) {
             _ => {}
         }
         assert_eq!(
-            io(&mut *ch, op, off, &buf, len as usize),
+            io(ch, op, off, &buf, len as usize),
             IoStatus::Ok,
             "op {i}: {op:?} {off} {len}"
         );
@@ -164,10 +175,7 @@ fn random_io(disk: &Qcow2Disk, rng: &mut Rng, want: &mut [u8]) {
             // Whole clusters read as zeroes after a discard, the rest as
             // before: take what udrive reads as the expectation there, and
             // check it is one of the two.
-            assert_eq!(
-                io(&mut *ch, IoOp::Read, off, &buf, len as usize),
-                IoStatus::Ok
-            );
+            assert_eq!(io(ch, IoOp::Read, off, &buf, len as usize), IoStatus::Ok);
             let mut got = vec![0u8; len as usize];
             buf.slice(0, len as usize)
                 .unwrap()
@@ -180,11 +188,6 @@ fn random_io(disk: &Qcow2Disk, rng: &mut Rng, want: &mut [u8]) {
             }
         }
     }
-    assert_eq!(
-        first_difference(&read_all(disk), want),
-        None,
-        "before close"
-    );
 }
 
 /// Random verified writes, write zeroes and discards through udrive, over a
@@ -409,4 +412,232 @@ fn full_refcount_tables_grow() {
         None,
         "after reopen"
     );
+}
+
+/// A 32 MiB image with random data, a live snapshot over it taken while a
+/// channel is open, and what the guest should see: (dir, base, overlay,
+/// disk, the base's data, the guest's).
+fn snapshotted(
+    seed: u64,
+) -> (
+    tempfile::TempDir,
+    PathBuf,
+    PathBuf,
+    Qcow2Disk,
+    Vec<u8>,
+    Vec<u8>,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base.qcow2");
+    let o = Qcow2Create {
+        size: 32 * MIB,
+        cluster_size: 64 << 10,
+        backing: None,
+    };
+    create_qcow2(&base, &o).unwrap();
+    let disk = open(&base);
+    let mut rng = Rng::new(seed);
+    let mut want = vec![0u8; 32 * MIB as usize];
+    let mut ch = disk.channel().unwrap();
+    random_ops(&mut *ch, &mut rng, &mut want, 200);
+    let before = want.clone();
+    let overlay = dir.path().join("top.qcow2");
+    disk.snapshot(&overlay).unwrap();
+    // The channel opened before the snapshot moves to the overlay.
+    random_ops(&mut *ch, &mut rng, &mut want, 200);
+    assert_eq!(first_difference(&read_all(&disk), &want), None);
+    (dir, base, overlay, disk, before, want)
+}
+
+#[test]
+fn a_live_snapshot_leaves_the_base_as_it_was_and_the_chain_as_the_guest_sees_it() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let (dir, base, overlay, disk, before, want) = snapshotted(41);
+    let st = disk.status();
+    assert_eq!(st.path, overlay);
+    assert_eq!(st.backing_chain, [format!("qcow2:{}", base.display())]);
+    assert!(disk.chain_changed());
+    // Hostile: the target exists, its directory does not, nothing to stream.
+    assert!(matches!(
+        disk.snapshot(&overlay),
+        Err(bdev::Qcow2Error::Exists { .. })
+    ));
+    assert!(matches!(
+        disk.snapshot(&dir.path().join("no/such.qcow2")),
+        Err(bdev::Qcow2Error::Io { .. })
+    ));
+    drop(disk);
+    let info = qemu_img(&["info", overlay.to_str().unwrap()]);
+    assert!(info.contains("backing file: base.qcow2"), "{info}");
+    qemu_check(&base);
+    qemu_check(&overlay);
+    qemu_compare(&base, &before);
+    qemu_compare(&overlay, &want);
+    let ro = Qcow2Options {
+        read_only: true,
+        ..Default::default()
+    };
+    let ro = Qcow2Disk::open(&base, ro).unwrap();
+    assert!(matches!(
+        ro.snapshot(&dir.path().join("x.qcow2")),
+        Err(bdev::Qcow2Error::Refused { .. })
+    ));
+    assert!(matches!(
+        open(&base).start_job(bdev::Qcow2JobKind::Stream),
+        Err(bdev::Qcow2Error::Refused { .. })
+    ));
+}
+
+/// Runs `job` to its end with `ops` random guest operations through `ch`
+/// after every few clusters, then finishes it.
+fn run_with_guest(
+    disk: &Qcow2Disk,
+    mut job: bdev::Qcow2Job,
+    rng: &mut Rng,
+    want: &mut [u8],
+) -> u64 {
+    let mut ch = disk.channel().unwrap();
+    let (mut copied, mut k) = (0, 0);
+    while let Some(n) = job.step().unwrap() {
+        copied += n;
+        k += 1;
+        if k % 16 == 0 {
+            random_ops(&mut *ch, rng, want, 8);
+        }
+    }
+    assert_eq!(job.done_bytes(), job.total_bytes());
+    job.finish(disk).unwrap();
+    random_ops(&mut *ch, rng, want, 50);
+    assert_eq!(first_difference(&read_all(disk), want), None);
+    copied
+}
+
+#[test]
+fn stream_under_guest_writes_makes_the_overlay_stand_alone() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let (_dir, base, overlay, disk, _, mut want) = snapshotted(42);
+    let mut rng = Rng::new(7);
+    let job = disk.start_job(bdev::Qcow2JobKind::Stream).unwrap();
+    assert!(run_with_guest(&disk, job, &mut rng, &mut want) > 0);
+    assert!(disk.status().backing_chain.is_empty());
+    drop(disk);
+    std::fs::remove_file(&base).unwrap();
+    let info = qemu_img(&["info", overlay.to_str().unwrap()]);
+    assert!(!info.contains("backing file"), "{info}");
+    qemu_check(&overlay);
+    qemu_compare(&overlay, &want);
+}
+
+#[test]
+fn commit_under_guest_writes_pivots_to_a_base_holding_everything() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let (_dir, base, overlay, disk, _, mut want) = snapshotted(43);
+    let mut rng = Rng::new(8);
+    let job = disk.start_job(bdev::Qcow2JobKind::Commit).unwrap();
+    assert!(run_with_guest(&disk, job, &mut rng, &mut want) > 0);
+    assert_eq!(disk.active_path(), base);
+    assert!(!disk.chain_changed());
+    drop(disk);
+    qemu_check(&base);
+    qemu_check(&overlay);
+    qemu_compare(&base, &want);
+}
+
+#[test]
+fn a_cancelled_commit_leaves_the_overlay_whole() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let (_dir, base, overlay, disk, _, mut want) = snapshotted(44);
+    let mut rng = Rng::new(9);
+    let mut job = disk.start_job(bdev::Qcow2JobKind::Commit).unwrap();
+    let mut ch = disk.channel().unwrap();
+    for _ in 0..100 {
+        job.step().unwrap();
+    }
+    random_ops(&mut *ch, &mut rng, &mut want, 30);
+    job.abandon();
+    random_ops(&mut *ch, &mut rng, &mut want, 30);
+    assert_eq!(disk.active_path(), overlay);
+    assert_eq!(first_difference(&read_all(&disk), &want), None);
+    drop((ch, disk));
+    qemu_check(&base);
+    qemu_check(&overlay);
+    qemu_compare(&overlay, &want);
+}
+
+#[test]
+fn mirrors_under_guest_writes_copy_the_chain_and_pivot() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let (dir, base, overlay, disk, _, mut want) = snapshotted(45);
+    let mut rng = Rng::new(10);
+    // Without pivot: a copy of the disk as it was at the job's end.
+    let copy = dir.path().join("copy.qcow2");
+    assert!(matches!(
+        disk.start_mirror(&overlay, false),
+        Err(bdev::Qcow2Error::Exists { .. })
+    ));
+    let mut job = disk.start_mirror(&copy, false).unwrap();
+    let mut ch = disk.channel().unwrap();
+    while job.step().unwrap().is_some() {
+        random_ops(&mut *ch, &mut rng, &mut want, 1);
+    }
+    job.finish(&disk).unwrap();
+    let at_end = want.clone();
+    random_ops(&mut *ch, &mut rng, &mut want, 20);
+    assert_eq!(disk.active_path(), overlay);
+    // With pivot: the disk goes on in a stand-alone copy.
+    let moved = dir.path().join("moved.qcow2");
+    let job = disk.start_mirror(&moved, true).unwrap();
+    drop(ch);
+    run_with_guest(&disk, job, &mut rng, &mut want);
+    assert_eq!(disk.active_path(), moved);
+    assert!(disk.status().backing_chain.is_empty());
+    drop(disk);
+    for p in [&base, &overlay] {
+        qemu_check(p);
+    }
+    std::fs::remove_file(&base).unwrap();
+    std::fs::remove_file(&overlay).unwrap();
+    qemu_check(&copy);
+    qemu_compare(&copy, &at_end);
+    qemu_check(&moved);
+    qemu_compare(&moved, &want);
+}
+
+/// A stream into an image qemu-img made with 512-byte clusters over a raw
+/// base: its refcount table moves while the job allocates, and the header
+/// rewritten at the end keeps the moved table.
+#[test]
+fn stream_into_small_clusters_keeps_a_moved_refcount_table() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut want = vec![0u8; 12 * MIB as usize];
+    Rng::new(11).fill(&mut want);
+    std::fs::write(dir.path().join("base.raw"), &want).unwrap();
+    let img = dir.path().join("small.qcow2");
+    qemu_create(&img, "12M", Some(("base.raw", "raw")), Some("512"));
+    let before = std::fs::read(&img).unwrap()[48..60].to_vec();
+    let disk = open(&img);
+    let job = disk.start_job(bdev::Qcow2JobKind::Stream).unwrap();
+    run_with_guest(&disk, job, &mut Rng::new(12), &mut want);
+    drop(disk);
+    assert_ne!(
+        std::fs::read(&img).unwrap()[48..60],
+        before[..],
+        "the table moved"
+    );
+    std::fs::remove_file(dir.path().join("base.raw")).unwrap();
+    qemu_check(&img);
+    qemu_compare(&img, &want);
 }

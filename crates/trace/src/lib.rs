@@ -42,7 +42,7 @@ pub use counters::{IoCounters, IoTotals};
 pub use hist::HistSnapshot;
 pub use layerset::LayerSet;
 pub use loglimit::{LogLimiter, LINES_PER_WINDOW, WINDOW_MS};
-pub use prom::render_prometheus;
+pub use prom::{labels as prometheus_labels, render_prometheus};
 pub use recorder::{QueueRecorder, Stamps};
 pub use snapshot::{
     DeviceStats, LayerHists, NsSnapshot, OpCounts, QueueSnapshot, ReactorSnapshot, StatsSnapshot,

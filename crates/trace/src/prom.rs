@@ -38,7 +38,9 @@ fn esc(v: &str) -> String {
     s
 }
 
-fn labels(pairs: &[(&str, &str)]) -> String {
+/// `{k="v",...}` with the values escaped, for other families rendered beside
+/// these.
+pub fn labels(pairs: &[(&str, &str)]) -> String {
     let inner: Vec<String> = pairs
         .iter()
         .map(|(k, v)| format!("{k}=\"{}\"", esc(v)))

@@ -27,6 +27,7 @@ pub fn image_json(dev: &dyn bdev::BlockDevice) -> Option<Value> {
     let s = q.status();
     Some(json!({
         "format": "qcow2",
+        "path": s.path,
         "virtual_size": s.virtual_size,
         "allocated_bytes": s.allocated,
         "cluster_size": s.cluster_size,

@@ -19,6 +19,7 @@ pub mod fs_access;
 pub mod fuzzing;
 pub mod generate;
 pub mod handover;
+pub mod jobs;
 pub mod json;
 pub mod kinds;
 pub mod libvirt_xml;

@@ -19,10 +19,12 @@ use crate::server::Server;
 pub const MAX_REQUEST: usize = 8192;
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Every device's and reactor's counters and histograms (`get_stats`) in Prometheus
-/// text format.
+/// Every device's and reactor's counters and histograms (`get_stats`), and the
+/// block jobs' progress, in Prometheus text format.
 pub fn render(server: &Server) -> String {
-    trace::render_prometheus(&server.stats())
+    let mut text = trace::render_prometheus(&server.stats());
+    text.push_str(&server.lock().jobs.prometheus());
+    text
 }
 
 /// The `--metrics-listen` endpoint.

@@ -21,6 +21,11 @@ pub struct RpcArgs {
     /// Seconds to wait for the reply
     #[arg(long, short = 't', default_value_t = 60)]
     pub timeout: u64,
+    /// When the method starts a block job (`block_stream`, `block_commit`):
+    /// follow it with a progress bar on stderr until it ends (exit 1 unless it
+    /// completed)
+    #[arg(long)]
+    pub wait: bool,
     /// Method name (rpc_get_methods lists them)
     pub method: String,
     /// Parameters as a JSON object, e.g. '{"socket":"vm1.sock","nsid":2}'
@@ -139,10 +144,63 @@ pub fn run(a: RpcArgs) -> Result<()> {
     match call(&a.socket, &a.method, params, Duration::from_secs(a.timeout)) {
         Ok(v) => {
             crate::outln!("{}", serde_json::to_string_pretty(&v)?)?;
-            Ok(())
+            match v.get("job").and_then(Value::as_u64) {
+                Some(id) if a.wait => follow_job(&a, id),
+                _ => Ok(()),
+            }
         }
         Err(e) => bail!("{} failed: {e}", a.method),
     }
+}
+
+/// Polls `get_jobs` until job `id` ends, drawing its progress on stderr.
+fn follow_job(a: &RpcArgs, id: u64) -> Result<()> {
+    use std::io::IsTerminal;
+    let tty = std::io::stderr().is_terminal();
+    let timeout = Duration::from_secs(a.timeout);
+    loop {
+        let jobs = call(&a.socket, "get_jobs", Value::Null, timeout)
+            .map_err(|e| anyhow!("get_jobs failed: {e}"))?;
+        let job = jobs
+            .as_array()
+            .and_then(|l| l.iter().find(|j| j["id"].as_u64() == Some(id)))
+            .cloned()
+            .ok_or_else(|| anyhow!("job {id} is gone from get_jobs"))?;
+        let state = job["state"].as_str().unwrap_or("?").to_string();
+        let line = progress_line(&job);
+        if tty {
+            eprint!("\r{line}");
+        }
+        match state.as_str() {
+            "running" | "paused" => std::thread::sleep(Duration::from_millis(250)),
+            _ => {
+                eprintln!("{}{line}", if tty { "\r" } else { "" });
+                crate::outln!("{}", serde_json::to_string_pretty(&job)?)?;
+                if state != "completed" {
+                    bail!("job {id} {state}");
+                }
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// `[#####---------------]  25%  4.0/16.0 MiB  running`
+pub fn progress_line(job: &Value) -> String {
+    const WIDTH: u64 = 30;
+    let done = job["done"].as_u64().unwrap_or(0);
+    let total = job["total"].as_u64().unwrap_or(0).max(1);
+    let filled = (done.min(total) * WIDTH / total) as usize;
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    format!(
+        "[{}{}] {:3}%  {:.1}/{:.1} MiB  {:<9}",
+        "#".repeat(filled),
+        "-".repeat(WIDTH as usize - filled),
+        done.min(total) * 100 / total,
+        mib(done),
+        mib(total),
+        job["state"].as_str().unwrap_or("?")
+    )
 }
 
 /// `udrive metrics`: the Prometheus text.

@@ -23,6 +23,8 @@ pub use crate::frontend::Device;
 pub struct State {
     pub devices: Vec<Device>,
     pub backends: BackendSet,
+    /// Block jobs on qcow2 disks, running and recently finished.
+    pub jobs: crate::jobs::Jobs,
     next_cntlid: u16,
 }
 
@@ -142,6 +144,7 @@ impl Server {
             state: Mutex::new(State {
                 devices: Vec::new(),
                 backends,
+                jobs: Default::default(),
                 next_cntlid: 1,
             }),
         });

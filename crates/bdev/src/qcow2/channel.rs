@@ -8,6 +8,11 @@
 //! partial clusters, Write Zeroes, Discard, Flush) is the slow path:
 //! synchronous, under the image's lock, through the channel's two cluster-sized
 //! buffers.
+//!
+//! A live snapshot or a commit's pivot replaces the disk's image (`Active`):
+//! before each request the channel compares the disk's epoch with its own
+//! and, when it moved, opens rings on the new image's files; the old rings
+//! retire and are polled until what they hold completes.
 
 use std::io;
 use std::sync::atomic::Ordering;
@@ -17,6 +22,7 @@ use guest_mem::DmaSlice;
 
 use super::backing::Backing;
 use super::image::Image;
+use super::live::Active;
 use super::tables::{classify, Cluster, L2Table};
 use crate::crypt::{copy_in, copy_out};
 use crate::{in_range, Armed, IoChannel, IoOp, IoRequest, IoStatus};
@@ -33,6 +39,12 @@ pub(super) struct Qcow2Channel {
     /// Requests in flight on `backing` (while any are, the channel cannot
     /// sleep on `data`'s notifier alone).
     backing_inflight: usize,
+    /// Requests in flight on `data`.
+    data_inflight: usize,
+    /// Rings on images the disk no longer serves, with what they hold.
+    retired: Vec<(Box<dyn IoChannel>, usize)>,
+    active: Arc<Active>,
+    epoch: u64,
     image: Arc<Image>,
     local: [Option<(usize, Arc<L2Table>)>; LOCAL],
     generation: u64,
@@ -63,17 +75,17 @@ fn status(e: &io::Error, read: bool) -> IoStatus {
 }
 
 impl Qcow2Channel {
-    pub(super) fn new(
-        image: Arc<Image>,
-        data: Box<dyn IoChannel>,
-        backing: Option<Box<dyn IoChannel>>,
-        size: u64,
-    ) -> Qcow2Channel {
+    pub(super) fn new(active: Arc<Active>, size: u64) -> io::Result<Qcow2Channel> {
+        let (image, epoch, (data, backing)) = active.attach()?;
         let cs = image.cs() as usize;
-        Qcow2Channel {
+        Ok(Qcow2Channel {
             data,
             backing,
             backing_inflight: 0,
+            data_inflight: 0,
+            retired: Vec::new(),
+            active,
+            epoch,
             read_only: image.read_only,
             generation: image.generation.load(Ordering::Acquire),
             image,
@@ -81,7 +93,34 @@ impl Qcow2Channel {
             size,
             piece: vec![0; cs],
             scratch: vec![0; cs],
+        })
+    }
+
+    /// Moves to the image the disk serves now, on rings made for it off the
+    /// reactor; the old rings retire with what they hold.
+    fn switch(&mut self) -> io::Result<()> {
+        let Some((image, epoch, (data, backing))) = self.active.take() else {
+            return Err(io::Error::other("no rings were made for the new image"));
+        };
+        let old = std::mem::replace(&mut self.data, data);
+        if self.data_inflight > 0 {
+            self.retired.push((old, self.data_inflight));
         }
+        if let Some(old) = std::mem::replace(&mut self.backing, backing) {
+            if self.backing_inflight > 0 {
+                self.retired.push((old, self.backing_inflight));
+            }
+        }
+        (self.data_inflight, self.backing_inflight) = (0, 0);
+        let cs = image.cs() as usize;
+        if self.piece.len() != cs {
+            (self.piece, self.scratch) = (vec![0; cs], vec![0; cs]);
+        }
+        self.local = Default::default();
+        self.generation = image.generation.load(Ordering::Acquire);
+        self.image = image;
+        self.epoch = epoch;
+        Ok(())
     }
 
     /// The slot of `local` holding the L2 table of `l1i`: one the channel
@@ -127,6 +166,9 @@ impl Qcow2Channel {
         };
         let limit = self.image.limit.load(Ordering::Acquire);
         let write = req.op == IoOp::Write;
+        if write && self.image.writes_slow.load(Ordering::Acquire) {
+            return Fast::Slow;
+        }
         let n = (last - first) as usize;
         match classify(t.get(l2i), cs, limit) {
             Cluster::Data { host, copied } if copied || !write => {
@@ -184,13 +226,17 @@ impl Qcow2Channel {
             return Some(IoStatus::Ok);
         }
         match self.lookup(req) {
-            Fast::Host(host) => self.data.submit(
-                tag,
-                &IoRequest {
-                    offset: host,
-                    ..*req
-                },
-            ),
+            Fast::Host(host) => {
+                let st = self.data.submit(
+                    tag,
+                    &IoRequest {
+                        offset: host,
+                        ..*req
+                    },
+                );
+                self.data_inflight += usize::from(st.is_none());
+                st
+            }
             Fast::Zeroes => Some(fill_zeroes(req.iov)),
             Fast::Backing => match self.backing.as_mut().map(|b| b.submit(tag, req)) {
                 Some(None) => {
@@ -298,8 +344,21 @@ fn fill_zeroes(iov: &[DmaSlice<'_>]) -> IoStatus {
     IoStatus::Ok
 }
 
+impl Drop for Qcow2Channel {
+    fn drop(&mut self) {
+        self.active.detach();
+    }
+}
+
 impl IoChannel for Qcow2Channel {
     fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
+        let epoch = self.active.epoch.load(Ordering::Acquire);
+        if epoch != self.epoch {
+            if let Err(e) = self.switch() {
+                tracing::warn!(path = %self.image.path.display(), "qcow2: cannot move to the new image: {e}");
+                return Some(status(&e, req.op == IoOp::Read));
+            }
+        }
         if req.op != IoOp::Flush && !in_range(req.offset, req.len, self.size) {
             return Some(IoStatus::OutOfRange);
         }
@@ -320,6 +379,16 @@ impl IoChannel for Qcow2Channel {
     }
     fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
         let mut n = self.data.poll(done);
+        self.data_inflight = self.data_inflight.saturating_sub(n);
+        if !self.retired.is_empty() {
+            for (ring, held) in &mut self.retired {
+                ring.flush();
+                let k = ring.poll(done);
+                *held = held.saturating_sub(k);
+                n += k;
+            }
+            self.retired.retain(|(_, held)| *held > 0);
+        }
         if let Some(b) = &mut self.backing {
             let k = b.poll(done);
             self.backing_inflight = self.backing_inflight.saturating_sub(k);
@@ -340,7 +409,7 @@ impl IoChannel for Qcow2Channel {
     /// One notifier (the image file's ring): with backing reads in flight the
     /// reactor keeps polling.
     fn arm_notifier(&mut self) -> Armed {
-        if self.backing_inflight > 0 {
+        if self.backing_inflight > 0 || !self.retired.is_empty() {
             if let Some(b) = &mut self.backing {
                 b.flush();
             }

@@ -37,6 +37,10 @@ pub enum Qcow2Error {
     NotBlank { path: PathBuf },
     #[error("{}: cannot create: {why}", path.display())]
     Create { path: PathBuf, why: String },
+    #[error("{}: already exists; a snapshot is made into a new file", path.display())]
+    Exists { path: PathBuf },
+    #[error("{}: {why}", path.display())]
+    Refused { path: PathBuf, why: String },
 }
 
 impl From<Qcow2Error> for io::Error {

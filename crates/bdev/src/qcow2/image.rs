@@ -38,6 +38,43 @@ pub(super) struct Image {
     /// Where allocated clusters end.
     pub limit: Arc<AtomicU64>,
     pub backing: Option<Backing>,
+    /// While a commit job runs: the base every write also goes to, and the
+    /// flag that sends every write to the slow path (under `meta`) so that
+    /// it does (docs/decisions/0041-qcow2-snapshots-and-jobs.md).
+    pub(super) through: Mutex<Option<Through>>,
+    pub writes_slow: std::sync::atomic::AtomicBool,
+}
+
+/// A commit's base, written through by every guest write while the job runs.
+pub(super) struct Through {
+    pub base: Arc<Image>,
+    /// One cluster of the base, for its partial writes.
+    pub scratch: Vec<u8>,
+}
+
+/// After a guest write of `data` at `off` into `img` (its metadata lock
+/// held): the same write into the base a commit job copies into.
+fn write_through(img: &Image, off: u64, data: &[u8]) -> io::Result<()> {
+    if !img.writes_slow.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let mut t = img.through.lock().unwrap_or_else(|p| p.into_inner());
+    match t.as_mut() {
+        Some(Through { base, scratch }) => base.write_sync(off, data, scratch),
+        None => Ok(()),
+    }
+}
+
+/// After guest clusters `first..first+count` of `img` were made zeroes.
+fn zero_through(img: &Image, first: u64, count: u64) -> io::Result<()> {
+    if !img.writes_slow.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let t = img.through.lock().unwrap_or_else(|p| p.into_inner());
+    match t.as_ref() {
+        Some(t) => t.base.zero_clusters(first, count, false),
+        None => Ok(()),
+    }
 }
 
 /// Where a guest cluster's data is, for the slow path.
@@ -111,6 +148,8 @@ impl Image {
             meta: Mutex::new(meta),
             generation,
             backing,
+            through: Mutex::new(None),
+            writes_slow: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -128,7 +167,7 @@ impl Image {
         ((c >> l2_bits) as usize, (c & ((1 << l2_bits) - 1)) as usize)
     }
 
-    fn cluster(&self, meta: &mut Meta, c: u64) -> io::Result<Cluster> {
+    pub(super) fn cluster(&self, meta: &mut Meta, c: u64) -> io::Result<Cluster> {
         Ok(self.entry(meta, c)?.0)
     }
 
@@ -157,7 +196,12 @@ impl Image {
         self.read_locked(&mut meta, offset, buf)
     }
 
-    fn read_locked(&self, meta: &mut Meta, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+    pub(super) fn read_locked(
+        &self,
+        meta: &mut Meta,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> io::Result<()> {
         let cs = self.cs();
         let mut pos = 0usize;
         while pos < buf.len() {
@@ -205,6 +249,7 @@ impl Image {
                 &data[pos..pos + n],
                 scratch,
             )?;
+            write_through(self, off, &data[pos..pos + n])?;
             pos += n;
         }
         Ok(())
@@ -265,7 +310,7 @@ impl Image {
             };
             meta.set_entry(l1i, l2i, keep | ZERO)?;
         }
-        Ok(())
+        zero_through(self, first, count)
     }
 
     /// Decompresses the cluster L2 entry `entry` describes into `out` (one
@@ -297,6 +342,24 @@ impl Image {
 
     pub(super) fn flush(&self) -> io::Result<()> {
         self.meta().flush()
+    }
+
+    /// The backing file: `Some(Some(path))` a qcow2 image, `Some(None)` a
+    /// raw file.
+    pub(super) fn backing_image(&self) -> Option<Option<PathBuf>> {
+        match &self.backing {
+            None => None,
+            Some(Backing::Qcow2(b)) => Some(Some(b.path.clone())),
+            Some(Backing::Raw { .. }) => Some(None),
+        }
+    }
+
+    /// A raw backing file (read on its own ring by the channels).
+    pub(super) fn raw_backing_file(&self) -> Option<Arc<File>> {
+        match &self.backing {
+            Some(Backing::Raw { file, .. }) => Some(file.clone()),
+            _ => None,
+        }
     }
 
     /// Bytes allocated in the image file.

@@ -13,6 +13,7 @@ mod create;
 mod error;
 mod header;
 mod image;
+mod live;
 mod meta;
 mod tables;
 #[cfg(test)]
@@ -22,6 +23,7 @@ pub use backing::MAX_CHAIN as MAX_BACKING_CHAIN;
 pub use create::{create_qcow2, CreateOptions};
 pub use error::{HeaderError, Qcow2Error};
 pub use header::Header;
+pub use live::{BlockJob, JobKind};
 
 /// Parses a header from the first bytes of an image of `file_len` bytes (what
 /// the fuzz target drives).
@@ -67,6 +69,8 @@ impl Default for Qcow2Options {
 /// What `get_devices` shows of an image.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Qcow2Status {
+    /// The image served (another than the spec's after a snapshot or commit).
+    pub path: std::path::PathBuf,
     pub virtual_size: u64,
     pub cluster_size: u64,
     /// Bytes the image file holds up to its last allocated cluster.
@@ -77,8 +81,11 @@ pub struct Qcow2Status {
 
 /// A qcow2 image as a block device.
 pub struct Qcow2Disk {
-    image: Arc<Image>,
-    engine: FileEngine,
+    /// The image served now (a live snapshot or commit replaces it).
+    active: Arc<live::Active>,
+    /// The image opened by path, as the spec names it.
+    opened: std::path::PathBuf,
+    l2_cache: u64,
     info: BlockInfo,
 }
 
@@ -111,21 +118,24 @@ impl Qcow2Disk {
             discard_zeroes: false,
         };
         Ok(Qcow2Disk {
-            image: Arc::new(image),
-            engine: o.engine,
+            opened: image.path.clone(),
+            active: Arc::new(live::Active::new(image, o.engine)),
+            l2_cache: o.l2_cache,
             info,
         })
     }
 
     pub fn status(&self) -> Qcow2Status {
+        let image = self.active.get();
         let mut backing_chain = Vec::new();
-        if let Some(b) = &self.image.backing {
+        if let Some(b) = &image.backing {
             b.chain(&mut backing_chain);
         }
         Qcow2Status {
-            virtual_size: self.image.header.size,
-            cluster_size: self.image.cs(),
-            allocated: self.image.allocated_bytes(),
+            path: image.path.clone(),
+            virtual_size: image.header.size,
+            cluster_size: image.cs(),
+            allocated: image.allocated_bytes(),
             backing_chain,
         }
     }
@@ -135,7 +145,7 @@ impl BlockDevice for Qcow2Disk {
     fn describe(&self) -> String {
         format!(
             "qcow2:{}:bs={}{}",
-            self.image.path.display(),
+            self.opened.display(),
             self.info.block_size,
             if self.info.read_only { ":ro" } else { "" }
         )
@@ -144,21 +154,10 @@ impl BlockDevice for Qcow2Disk {
         &self.info
     }
     fn channel(&self) -> io::Result<Box<dyn IoChannel>> {
-        let image = &self.image;
-        let data =
-            crate::uring::data_channel(image.file.clone(), self.engine, self.info.read_only)?;
-        let backing = match &image.backing {
-            Some(backing::Backing::Raw { file, .. }) => {
-                Some(crate::uring::data_channel(file.clone(), self.engine, true)?)
-            }
-            _ => None,
-        };
         Ok(Box::new(channel::Qcow2Channel::new(
-            image.clone(),
-            data,
-            backing,
+            self.active.clone(),
             self.info.size_bytes(),
-        )))
+        )?))
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
@@ -169,6 +168,6 @@ impl BlockDevice for Qcow2Disk {
         if self.info.read_only {
             return Ok(());
         }
-        self.image.flush()
+        self.active.get().flush()
     }
 }

@@ -36,6 +36,8 @@ pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
              supported; restart its child instead (SIGTERM stops the whole service)"
         );
     }
+    // Said before a successor is even reached; checked again under the lock.
+    refuse_what_cannot_move(&server.lock())?;
     let sock = connect_to(socket)?;
     check_peer(&sock)?;
     let mut st = server.lock();
@@ -108,6 +110,9 @@ fn check_peer(sock: &OwnedFd) -> Result<()> {
 /// A backend whose kind refuses to be taken over fails the handover before
 /// anything pauses.
 fn refuse_what_cannot_move(st: &State) -> Result<()> {
+    if let Some(why) = crate::jobs::handover_refusal(st) {
+        bail!("{why}");
+    }
     for d in &st.devices {
         for r in d.disks() {
             if let Some(why) = r.spec.kind.0.handover_refusal() {

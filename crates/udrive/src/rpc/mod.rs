@@ -16,6 +16,7 @@
 //! whole within `sockfile::message_deadline()` once it has started.
 
 mod api;
+mod job_methods;
 mod luks_methods;
 pub mod methods;
 mod params;
@@ -52,6 +53,7 @@ pub fn register_all(r: &mut Registry) {
     vhost_methods::register(r);
     service_methods::register(r);
     luks_methods::register(r);
+    job_methods::register(r);
     #[cfg(feature = "rbd")]
     rbd_methods::register(r);
 }

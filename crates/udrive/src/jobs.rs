@@ -1,0 +1,442 @@
+//! Block jobs on qcow2 disks (docs/decisions/0041-qcow2-snapshots-and-jobs.md):
+//! a thread per job runs a `bdev::Qcow2Job` a cluster at a time, off the
+//! reactors, at most at its rate, pausable and cancellable; the device is
+//! paused only around the moments the disk's image changes (the start of a
+//! commit or mirror, which write guest writes through from then on; the final
+//! pivot) and for a live snapshot.
+//!
+//! Who owns what: the server's state keeps every job's shared record
+//! ([`Job`]); its thread owns the `Qcow2Job` and reports progress through
+//! atomics and the record's lock, which RPC handlers take to read it or to ask
+//! for a pause, a resume, a new rate or a cancel.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use bdev::{BlockDevice, Qcow2Disk, Qcow2Job, Qcow2JobKind, QosDisk};
+use serde_json::{json, Value};
+
+use crate::server::{same_socket, Server, State};
+
+/// How long a device may take to let its requests finish before the chain
+/// of its disk changes.
+pub const QUIESCE_LIMIT: Duration = Duration::from_secs(5);
+
+/// Finished jobs kept for `get_jobs`, the oldest dropped first.
+const KEEP_FINISHED: usize = 32;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobState {
+    Running,
+    Paused,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    fn name(self) -> &'static str {
+        match self {
+            JobState::Running => "running",
+            JobState::Paused => "paused",
+            JobState::Completed => "completed",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+    pub fn finished(self) -> bool {
+        matches!(
+            self,
+            JobState::Completed | JobState::Failed | JobState::Cancelled
+        )
+    }
+}
+
+struct Control {
+    state: JobState,
+    error: Option<String>,
+    pause: bool,
+    cancel: bool,
+}
+
+/// A job as the control plane sees it.
+pub struct Job {
+    pub id: u64,
+    kind: Qcow2JobKind,
+    socket: PathBuf,
+    nsid: Option<u32>,
+    done: AtomicU64,
+    total: AtomicU64,
+    /// Bytes per second; 0: unlimited.
+    rate: AtomicU64,
+    control: Mutex<Control>,
+    wake: Condvar,
+}
+
+impl Job {
+    fn control(&self) -> MutexGuard<'_, Control> {
+        self.control.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    pub fn state(&self) -> JobState {
+        self.control().state
+    }
+    fn kind_name(&self) -> &'static str {
+        match self.kind {
+            Qcow2JobKind::Stream => "stream",
+            Qcow2JobKind::Commit => "commit",
+            Qcow2JobKind::Mirror => "mirror",
+        }
+    }
+    pub fn json(&self) -> Value {
+        let c = self.control();
+        json!({
+            "id": self.id,
+            "type": self.kind_name(),
+            "socket": self.socket,
+            "nsid": self.nsid,
+            "done": self.done.load(Ordering::Relaxed),
+            "total": self.total.load(Ordering::Relaxed),
+            "rate": self.rate.load(Ordering::Relaxed),
+            "state": c.state.name(),
+            "error": c.error,
+        })
+    }
+    fn on(&self, socket: &Path, nsid: Option<u32>) -> bool {
+        same_socket(&self.socket, socket) && self.nsid.unwrap_or(1) == nsid.unwrap_or(1)
+    }
+    /// Asks for a pause (`Some(true)`), a resume (`Some(false)`) or a cancel.
+    pub fn request(&self, pause: Option<bool>, cancel: bool) -> Result<()> {
+        let mut c = self.control();
+        if c.state.finished() {
+            bail!("job {} has {} already", self.id, c.state.name());
+        }
+        if let Some(p) = pause {
+            c.pause = p;
+        }
+        c.cancel |= cancel;
+        self.wake.notify_all();
+        Ok(())
+    }
+    pub fn set_rate(&self, bytes_per_sec: u64) {
+        self.rate.store(bytes_per_sec, Ordering::Relaxed);
+        self.wake.notify_all();
+    }
+    fn end(&self, state: JobState, error: Option<String>) {
+        let mut c = self.control();
+        c.state = state;
+        c.error = error;
+    }
+}
+
+/// The server's jobs.
+#[derive(Default)]
+pub struct Jobs {
+    list: Vec<Arc<Job>>,
+    next_id: u64,
+}
+
+impl Jobs {
+    pub fn json(&self) -> Value {
+        Value::Array(self.list.iter().map(|j| j.json()).collect())
+    }
+    pub fn get(&self, id: u64) -> Result<Arc<Job>> {
+        self.list
+            .iter()
+            .find(|j| j.id == id)
+            .cloned()
+            .ok_or_else(|| anyhow!("no job {id} (get_jobs lists them)"))
+    }
+    /// The job still running or paused on a disk, if any.
+    pub fn active_on(&self, socket: &Path, nsid: Option<u32>) -> Option<Arc<Job>> {
+        self.list
+            .iter()
+            .find(|j| j.on(socket, nsid) && !j.state().finished())
+            .cloned()
+    }
+    /// Progress gauges of every job listed, in Prometheus text format.
+    pub fn prometheus(&self) -> String {
+        use std::fmt::Write;
+        type Gauge = (&'static str, &'static str, fn(&Job) -> u64);
+        let gauges: [Gauge; 2] = [
+            (
+                "udrive_block_job_done_bytes",
+                "Bytes a block job went over",
+                |j| j.done.load(Ordering::Relaxed),
+            ),
+            (
+                "udrive_block_job_total_bytes",
+                "Bytes a block job goes over",
+                |j| j.total.load(Ordering::Relaxed),
+            ),
+        ];
+        let mut out = String::new();
+        if self.list.is_empty() {
+            return out;
+        }
+        for (name, help, value) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for j in &self.list {
+                let (id, socket) = (j.id.to_string(), j.socket.display().to_string());
+                let labels = trace::prometheus_labels(&[
+                    ("id", id.as_str()),
+                    ("type", j.kind_name()),
+                    ("socket", socket.as_str()),
+                    ("state", j.state().name()),
+                ]);
+                let _ = writeln!(out, "{name}{labels} {}", value(j));
+            }
+        }
+        out
+    }
+    /// Why a live handover must wait: a successor would not take the job over.
+    pub fn handover_refusal(&self) -> Option<String> {
+        self.list.iter().find(|j| !j.state().finished()).map(|j| {
+            format!(
+                "block job {} ({}) runs on {}: let it finish or cancel it first",
+                j.id,
+                j.kind_name(),
+                j.socket.display()
+            )
+        })
+    }
+    fn add(&mut self, job: Arc<Job>) {
+        self.list.push(job);
+        let finished = self.list.iter().filter(|j| j.state().finished()).count();
+        if finished > KEEP_FINISHED {
+            if let Some(i) = self.list.iter().position(|j| j.state().finished()) {
+                self.list.remove(i);
+            }
+        }
+    }
+}
+
+/// The qcow2 disk `nsid` of the device on `socket`.
+pub fn qcow2_disk(server: &Server, socket: &Path, nsid: Option<u32>) -> Result<Arc<QosDisk>> {
+    let disk = server.disk(socket, nsid)?;
+    if as_qcow2(&disk).is_none() {
+        bail!(
+            "{} is not a whole qcow2 image (a slice or another kind)",
+            disk.describe()
+        );
+    }
+    Ok(disk)
+}
+
+fn as_qcow2(disk: &QosDisk) -> Option<&Qcow2Disk> {
+    BlockDevice::as_any(disk).and_then(|a| a.downcast_ref::<Qcow2Disk>())
+}
+
+/// Runs `f` while the device on `socket` has nothing in flight and takes no
+/// new request (its lifecycle pause, as a live handover does).
+pub fn quiesced<R>(st: &mut State, socket: &Path, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let Some(d) = st
+        .devices
+        .iter_mut()
+        .find(|d| same_socket(d.socket(), socket))
+    else {
+        bail!("no device on {} any more", socket.display());
+    };
+    d.pause(QUIESCE_LIMIT)?;
+    let r = f();
+    d.resume();
+    r
+}
+
+/// Refuses a change to a disk a job works on.
+pub fn refuse_if_busy(st: &State, socket: &Path, nsid: Option<u32>) -> Result<()> {
+    match st.jobs.active_on(socket, nsid) {
+        Some(j) => bail!(
+            "block job {} ({}) runs on this disk: let it finish or cancel it first",
+            j.id,
+            j.kind_name()
+        ),
+        None => Ok(()),
+    }
+}
+
+/// A live external snapshot of a qcow2 disk into a new image at `path`.
+pub fn snapshot(server: &Server, socket: &Path, nsid: Option<u32>, path: &Path) -> Result<Value> {
+    let disk = qcow2_disk(server, socket, nsid)?;
+    let q = as_qcow2(&disk).context("not a qcow2 disk")?;
+    let mut st = server.lock();
+    refuse_if_busy(&st, socket, nsid)?;
+    let t0 = Instant::now();
+    quiesced(&mut st, socket, || Ok(q.snapshot(path)?))?;
+    let pause_us = t0.elapsed().as_micros() as u64;
+    drop(st);
+    let st = q.status();
+    tracing::info!(socket = %socket.display(), overlay = %path.display(), "live snapshot");
+    Ok(json!({"image": st.path, "backing_chain": st.backing_chain, "pause_us": pause_us}))
+}
+
+/// What job to start.
+pub enum JobRequest<'a> {
+    Stream,
+    Commit,
+    /// Into a new image at `target`; `pivot`: the disk goes on in it.
+    Mirror {
+        target: &'a Path,
+        pivot: bool,
+    },
+}
+
+/// Starts a job on a qcow2 disk; its id.
+pub fn start(
+    server: &Arc<Server>,
+    socket: &Path,
+    nsid: Option<u32>,
+    what: JobRequest<'_>,
+    rate: u64,
+) -> Result<u64> {
+    let disk = qcow2_disk(server, socket, nsid)?;
+    let q = as_qcow2(&disk).context("not a qcow2 disk")?;
+    // One lock from the check to the record: no handover or other job slips in.
+    let mut st = server.lock();
+    refuse_if_busy(&st, socket, nsid)?;
+    let job = match what {
+        JobRequest::Stream => q.start_job(Qcow2JobKind::Stream)?,
+        // Writes in flight must not escape the write-through that starts here.
+        JobRequest::Commit => quiesced(&mut st, socket, || Ok(q.start_job(Qcow2JobKind::Commit)?))?,
+        JobRequest::Mirror { target, pivot } => {
+            quiesced(&mut st, socket, || Ok(q.start_mirror(target, pivot)?))?
+        }
+    };
+    let kind = job.kind();
+    st.jobs.next_id += 1;
+    let record = Arc::new(Job {
+        id: st.jobs.next_id,
+        kind,
+        socket: socket.to_path_buf(),
+        nsid,
+        done: AtomicU64::new(0),
+        total: AtomicU64::new(job.total_bytes()),
+        rate: AtomicU64::new(rate),
+        control: Mutex::new(Control {
+            state: JobState::Running,
+            error: None,
+            pause: false,
+            cancel: false,
+        }),
+        wake: Condvar::new(),
+    });
+    st.jobs.add(record.clone());
+    drop(st);
+    let id = record.id;
+    let server = server.clone();
+    // Started by the spawner, as every server thread (decision 0042): the
+    // control role's calls (files opened for a stream's reopen).
+    let spawned = sandbox::spawn(sandbox::Role::Control, format!("job-{id}"), move || {
+        run(&server, &record, job, &disk)
+    });
+    if let Err(e) = spawned {
+        return Err(anyhow!(e).context("cannot start the job's thread"));
+    }
+    Ok(id)
+}
+
+/// What the job's loop ended with.
+enum Outcome {
+    Done(Qcow2Job),
+    Cancelled(Qcow2Job),
+    Failed(Qcow2Job, String),
+}
+
+fn run(server: &Server, rec: &Job, job: Qcow2Job, disk: &QosDisk) {
+    let (state, error) = match steps(rec, job) {
+        Outcome::Done(job) => {
+            let mut job = Some(job);
+            let pivot = quiesced(&mut server.lock(), &rec.socket, || {
+                match (as_qcow2(disk), job.take()) {
+                    (Some(q), Some(job)) => Ok(job.finish(q)?),
+                    _ => bail!("the disk is not a qcow2 image any more"),
+                }
+            });
+            // A device that could not be paused: the image goes on as it was.
+            if let Some(job) = job {
+                job.abandon();
+            }
+            match pivot {
+                Ok(()) => (JobState::Completed, None),
+                Err(e) => (JobState::Failed, Some(format!("{e:#}"))),
+            }
+        }
+        Outcome::Cancelled(job) => {
+            job.abandon();
+            (JobState::Cancelled, None)
+        }
+        Outcome::Failed(job, e) => {
+            job.abandon();
+            (JobState::Failed, Some(e))
+        }
+    };
+    tracing::info!(job = rec.id, state = state.name(), error = ?error, "block job ended");
+    rec.end(state, error);
+}
+
+/// Steps the job to its end, honouring pause, cancel and the rate.
+fn steps(rec: &Job, mut job: Qcow2Job) -> Outcome {
+    let mut next = Instant::now();
+    loop {
+        {
+            let mut c = rec.control();
+            loop {
+                if c.cancel {
+                    return Outcome::Cancelled(job);
+                }
+                let now = Instant::now();
+                if c.pause {
+                    c.state = JobState::Paused;
+                    c = rec.wake.wait(c).unwrap_or_else(|p| p.into_inner());
+                } else if next > now {
+                    let wait = next - now;
+                    c = rec
+                        .wake
+                        .wait_timeout(c, wait)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                } else {
+                    c.state = JobState::Running;
+                    break;
+                }
+            }
+        }
+        match job.step() {
+            Ok(Some(n)) => {
+                rec.done.store(job.done_bytes(), Ordering::Relaxed);
+                let rate = rec.rate.load(Ordering::Relaxed);
+                if rate > 0 && n > 0 {
+                    let now = Instant::now();
+                    next = next.max(now) + Duration::from_secs_f64(n as f64 / rate as f64);
+                    // A rate lowered while waiting must not leave a long debt.
+                    next = next.min(now + Duration::from_secs(1));
+                }
+            }
+            Ok(None) => return Outcome::Done(job),
+            Err(e) => return Outcome::Failed(job, e.to_string()),
+        }
+    }
+}
+
+/// Why a live handover must wait: a job runs, or a disk serves another image
+/// than its spec names (a successor would open the old one).
+pub fn handover_refusal(st: &State) -> Option<String> {
+    if let Some(why) = st.jobs.handover_refusal() {
+        return Some(why);
+    }
+    for d in &st.devices {
+        for r in d.disks() {
+            if let Some(q) = as_qcow2(&r.disk).filter(|q| q.chain_changed()) {
+                return Some(format!(
+                    "{} serves {} since a live snapshot or commit, not the image its spec names: \
+                     update the configuration and restart, or commit back first",
+                    r.name,
+                    q.active_path().display()
+                ));
+            }
+        }
+    }
+    None
+}
