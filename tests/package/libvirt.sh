@@ -86,7 +86,7 @@ libvirt_test() {
     : >"$TMP/console.log"
     mkfifo "$TMP/ctl.in" "$TMP/ctl.out"
     chmod 666 "$TMP/console.log" "$TMP/ctl.in" "$TMP/ctl.out"
-    in_box sh -c 'truncate -s 256M /var/lib/udrive/vm1.img && chown udrive: /var/lib/udrive/vm1.img'
+    in_box sh -c 'truncate -s 512M /var/lib/udrive/vm1.img && chown udrive: /var/lib/udrive/vm1.img'
     in_box sh -c "cat >>/etc/udrive/udrive.toml" <<TOML
 
 [[vhost_user_blk]]
@@ -114,7 +114,9 @@ security_driver = "none"
 dynamic_ownership = 0
 CONF
     check "libvirtd runs" in_box systemctl restart libvirtd
-    libvirt_domain_xml 192 >"$TMP/vm1.xml"
+    # fio MiB for the guest: enough to still be writing at the second upgrade when
+    # the TCG guest runs fast (about 30 MiB/s); the disk above is larger still.
+    libvirt_domain_xml 448 >"$TMP/vm1.xml"
     # This host has no KVM for libvirt to offer; the rest of the domain as shipped.
     sed "s/<domain type='kvm'/<domain type='qemu'/" "$root/dist/libvirt/vm-nvme-vfio-user.xml" >"$TMP/vm2.xml"
     check "virsh define (the shipped vhost-user-blk domain)" in_box virsh -q define /pkg/vm1.xml
