@@ -86,13 +86,8 @@ pub enum Error {
     Configured,
 }
 
-/// The process's sandbox: the compiled filters, once [`configure`] ran.
-struct Sandbox {
-    mode: Mode,
-    programs: filter::Programs,
-}
-
-static SANDBOX: OnceLock<Sandbox> = OnceLock::new();
+/// The process's compiled filters, once [`configure`] ran.
+static SANDBOX: OnceLock<filter::Programs> = OnceLock::new();
 
 /// Compiles every role's filter, installs the handler that reports a forbidden
 /// call and starts the spawner; then the calling thread enters the control role.
@@ -106,29 +101,22 @@ pub fn configure(mode: Mode) -> Result<(), Error> {
     if mode == Mode::On {
         sigsys::install().map_err(Error::Handler)?;
     }
-    SANDBOX
-        .set(Sandbox { mode, programs })
-        .map_err(|_| Error::Configured)?;
+    SANDBOX.set(programs).map_err(|_| Error::Configured)?;
     spawner::start()?;
     enter(Role::Control)
-}
-
-/// The mode [`configure`] set, if it was called.
-pub fn mode() -> Option<Mode> {
-    SANDBOX.get().map(|s| s.mode)
 }
 
 /// Installs `role`'s filter on the calling thread. Without [`configure`], or when
 /// the thread carries that role's filter already (inherited from the spawner),
 /// it does nothing.
 pub fn enter(role: Role) -> Result<(), Error> {
-    let Some(sandbox) = SANDBOX.get() else {
+    let Some(programs) = SANDBOX.get() else {
         return Ok(());
     };
     if sigsys::current_role() == Some(role) {
         return Ok(());
     }
-    sandbox.programs.install(role)?;
+    programs.install(role)?;
     sigsys::set_role(role);
     Ok(())
 }

@@ -27,19 +27,8 @@ pub fn allowed_dirs() -> Vec<PathBuf> {
 /// For a device socket created while the server runs: its directory must be
 /// one the server may write to.
 pub fn check_socket(socket: &Path) -> Result<()> {
-    let Some(writable) = WRITABLE.get() else {
-        return Ok(());
-    };
-    let dir = dir_of(socket);
-    if !writable.iter().any(|w| dir.starts_with(w)) {
-        bail!(
-            "socket {}: {} is outside the directories this server may open (Landlock): \
-             start it with --allow-dir for that directory (allow_dirs in the TOML file)",
-            socket.display(),
-            dir.display()
-        );
-    }
-    Ok(())
+    check_paths(vec![(dir_of(socket), true)])
+        .map_err(|e| anyhow::anyhow!("socket {}: {e}", socket.display()))
 }
 
 /// Where a namespace's backend reads and writes, with its key file.

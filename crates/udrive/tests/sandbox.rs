@@ -22,13 +22,7 @@ fn threads(pid: i32) -> Vec<(String, String, String)> {
     {
         let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
         let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
-        let field = |name: &str| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(name))
-                .map(|v| v.trim().to_owned())
-                .unwrap_or_default()
-        };
+        let field = |name: &str| field_of(&status, name);
         out.push((
             comm.trim().to_owned(),
             field("Seccomp:"),
@@ -100,10 +94,17 @@ fn a_disk_outside_the_allowed_directories_is_refused() {
     assert_eq!(ns["nsid"], 2);
 }
 
-fn status_field(pid: i32, name: &str) -> String {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+/// The value of `name` (`"Uid:"`) in a `/proc/.../status` text.
+fn field_of(status: &str, name: &str) -> String {
     let line = status.lines().find_map(|l| l.strip_prefix(name));
     line.unwrap_or_default().trim().to_owned()
+}
+
+fn status_field(pid: i32, name: &str) -> String {
+    field_of(
+        &std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap(),
+        name,
+    )
 }
 
 /// `--user`: the server drops to that user before it starts anything, keeps no
