@@ -297,7 +297,7 @@ cat "$TMP"/console-*.log >"$TMP/console.log"
 guest_results "$TMP/console.log"
 bad=$(grep -a '^MIGCHECK pass=' "$TMP/console.log" | grep -vc ' bad=0 ' || true)
 passes=$(grep -ac '^MIGCHECK pass=' "$TMP/console.log" || true)
-final=$(grep -a '^MIGCHECK final' "$TMP/console.log" | tr -d '\r' | tail -n1)
+final=$(grep -a '^MIGCHECK final' "$TMP/console.log" | tr -d '\r' | tail -n1 || true)
 grep -a '^MIGCHECK mismatch' "$TMP/console.log" | head -n 5 | sed 's/^/  /' || true
 if [ -n "$final" ] && [ "$bad" = 0 ] && grep -q ' bad=0 ' <<<"$final"; then
     host_result guest-data PASS "$passes passes on $LAST QEMUs, none with a mismatch; $final"

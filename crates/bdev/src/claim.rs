@@ -7,7 +7,9 @@
 //!   (`F_OFD_SETLK`, write) on the byte range the device serves, on a descriptor of
 //!   its own, so two devices conflict even inside one process and disjoint slices
 //!   of one file do not. Advisory, like QEMU's image locking: it keeps udrive
-//!   devices (and other lock-aware programs) apart.
+//!   devices (and other lock-aware programs) apart. The descriptor is opened when
+//!   the claim is made, not when it is taken: a device's own thread takes it, and
+//!   that thread's system-call filter lets it open files read-only only.
 //! * [`DiskClaim`] — a backend whose claim is its own ([`BlockDevice::pause`] and
 //!   [`BlockDevice::resume`]): an RBD image's exclusive lock.
 
@@ -36,29 +38,34 @@ pub struct RangeClaim {
     path: PathBuf,
     offset: u64,
     len: u64,
-    held: Mutex<Option<File>>,
+    /// Opened for writing (a write lock needs it); never read or written through.
+    fd: File,
+    held: Mutex<bool>,
 }
 
 impl RangeClaim {
-    pub fn new(path: PathBuf, offset: u64, len: u64) -> RangeClaim {
-        RangeClaim {
+    /// Opens `path` for the lock; takes nothing yet.
+    pub fn new(path: PathBuf, offset: u64, len: u64) -> io::Result<RangeClaim> {
+        let fd = OpenOptions::new().read(true).write(true).open(&path)?;
+        Ok(RangeClaim {
             path,
             offset,
             len,
-            held: Mutex::new(None),
-        }
+            fd,
+            held: Mutex::new(false),
+        })
     }
 
-    fn lock(&self, f: &File) -> io::Result<()> {
+    fn set_lock(&self, kind: libc::c_int) -> io::Result<()> {
         let too_far = || io::Error::new(io::ErrorKind::InvalidInput, "range beyond off_t");
         let fl = libc::flock {
-            l_type: libc::F_WRLCK as libc::c_short,
+            l_type: kind as libc::c_short,
             l_whence: libc::SEEK_SET as libc::c_short,
             l_start: libc::off_t::try_from(self.offset).map_err(|_| too_far())?,
             l_len: libc::off_t::try_from(self.len).map_err(|_| too_far())?,
             l_pid: 0,
         };
-        nix::fcntl::fcntl(f.as_raw_fd(), nix::fcntl::FcntlArg::F_OFD_SETLK(&fl))
+        nix::fcntl::fcntl(self.fd.as_raw_fd(), nix::fcntl::FcntlArg::F_OFD_SETLK(&fl))
             .map(|_| ())
             .map_err(|e| match e {
                 nix::errno::Errno::EAGAIN | nix::errno::Errno::EACCES => io::Error::new(
@@ -79,20 +86,21 @@ impl RangeClaim {
 impl WriterClaim for RangeClaim {
     fn take(&self) -> io::Result<()> {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        if held.is_some() {
-            return Ok(());
+        if !*held {
+            // The lock belongs to this claim's open file description, so it
+            // conflicts with every other one, this process's included.
+            self.set_lock(libc::F_WRLCK)?;
+            *held = true;
         }
-        // A descriptor of its own: the lock belongs to this open file description,
-        // so it conflicts with every other one, this process's included.
-        let f = OpenOptions::new().read(true).write(true).open(&self.path)?;
-        self.lock(&f)?;
-        *held = Some(f);
         Ok(())
     }
 
     fn release(&self) -> io::Result<()> {
-        // Closing the descriptor drops its locks.
-        self.held.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if *held {
+            self.set_lock(libc::F_UNLCK)?;
+            *held = false;
+        }
         Ok(())
     }
 }
@@ -125,10 +133,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("disk.img");
         File::create(&p).unwrap().set_len(1 << 20).unwrap();
-        let a = RangeClaim::new(p.clone(), 0, 0);
-        let b = RangeClaim::new(p.clone(), 4096, 4096);
-        let c = RangeClaim::new(p.clone(), 0, 4096);
-        let d = RangeClaim::new(p.clone(), 4096, 4096);
+        let a = RangeClaim::new(p.clone(), 0, 0).unwrap();
+        let b = RangeClaim::new(p.clone(), 4096, 4096).unwrap();
+        let c = RangeClaim::new(p.clone(), 0, 4096).unwrap();
+        let d = RangeClaim::new(p.clone(), 4096, 4096).unwrap();
         a.take().unwrap();
         a.take().unwrap();
         let e = b.take().unwrap_err();

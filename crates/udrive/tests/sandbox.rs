@@ -164,3 +164,27 @@ fn file_engines_serve_under_the_filters() {
         assert_eq!(seccomp, "2", "thread {name}");
     }
 }
+
+/// A live migration's destination device (`incoming`) takes the file's writer
+/// claim on its own thread when the front end starts it: the lock goes through
+/// the descriptor opened when the device was built, which the device thread's
+/// filter (files read-only) allows.
+#[test]
+fn a_migration_destination_takes_the_writer_claim_under_the_filters() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk.img");
+    std::fs::write(&img, vec![0u8; 4 << 20]).unwrap();
+    let allow = dir.path().display().to_string();
+    let s = Serve::start(&["--allow-dir", &allow]);
+    let vhost = s.path("v.sock");
+    s.ok(
+        "vhost_user_blk_add",
+        json!({"socket": vhost, "disk": format!("file:{},incoming", img.display())}),
+    );
+    test_support::blkio::blkio_round(&vhost, 0x5a);
+    // Still serving, and the claim is held: another writer's lock is refused.
+    s.ok("get_version", json!({}));
+    let other = bdev::RangeClaim::new(img, 0, 0).unwrap();
+    let e = bdev::WriterClaim::take(&other).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::ResourceBusy, "{e}");
+}

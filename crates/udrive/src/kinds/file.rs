@@ -146,10 +146,9 @@ impl KindSpec for FileSpec {
         _disk: &Arc<dyn BlockDevice>,
         (offset, len): (u64, u64),
     ) -> Result<Option<Arc<dyn bdev::WriterClaim>>> {
-        Ok(Some(Arc::new(RangeClaim::new(
-            self.canonical_path()?,
-            offset,
-            len,
-        ))))
+        let path = self.canonical_path()?;
+        let claim = RangeClaim::new(path.clone(), offset, len)
+            .with_context(|| format!("cannot open {} for its writer lock", path.display()))?;
+        Ok(Some(Arc::new(claim)))
     }
 }
