@@ -21,8 +21,8 @@ mod wrapper;
 pub use batch::{submit_each, Batch, RequestList};
 pub use claim::{DiskClaim, RangeClaim, WriterClaim};
 pub use crypt::{
-    change_key, format_luks, luks_status, open_luks, open_or_format_luks, CryptDisk, KeyChange,
-    LuksError, LuksStatus, SectorCipher, SectorCrypter, MAX_CRYPT_IO,
+    change_key, format_luks, luks_status, open_luks, open_or_format_luks, CryptDisk, Key,
+    KeyChange, LuksError, LuksStatus, SectorCipher, SectorCrypter, MAX_CRYPT_IO,
 };
 pub use error::{typed, FixedSize, GeometryError};
 pub use fault::{FaultConfig, FaultDisk, FaultError, FaultOps};

@@ -190,7 +190,7 @@ impl BackendSet {
                 false => kind.open(env, ns.block_size, ns.read_only)?,
             };
             Ok(match &ns.encrypt {
-                Some(e) => Arc::new(e.open(dev)?),
+                Some(e) => Arc::new(e.open(dev, env)?),
                 None => dev,
             })
         };

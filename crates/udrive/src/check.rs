@@ -105,9 +105,10 @@ fn spec_size(ns: &NsSpec, what: &str, reach: bool, p: &mut Vec<String>) -> Optio
     }
     // The key file only: whether it unlocks the volume needs the header, which
     // `check` does not read (the slice checks use the raw size for the same reason).
-    if let Some(e) = &ns.encrypt {
-        if let Err(err) = std::fs::File::open(&e.key_file) {
-            found.push(format!("key file {}: {err}", e.key_file.display()));
+    // A `key-secret=` lives in the running server only.
+    if let Some(path) = ns.encrypt.as_ref().and_then(|e| e.key.file()) {
+        if let Err(err) = std::fs::File::open(path) {
+            found.push(format!("key file {}: {err}", path.display()));
         }
     }
     let ok = found.is_empty();

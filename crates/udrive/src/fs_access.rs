@@ -34,8 +34,8 @@ pub fn check_socket(socket: &Path) -> Result<()> {
 /// Where a namespace's backend reads and writes, with its key file.
 fn ns_paths(ns: &NsSpec) -> Vec<(PathBuf, bool)> {
     let mut v = ns.kind.0.fs_paths();
-    if let Some(e) = &ns.encrypt {
-        v.push((e.key_file.clone(), false));
+    if let Some(path) = ns.encrypt.as_ref().and_then(|e| e.key.file()) {
+        v.push((path.to_path_buf(), false));
     }
     v
 }

@@ -56,49 +56,101 @@ pub struct NsSpec {
 /// The `encrypt=luks` options of a namespace.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EncryptSpec {
-    /// The passphrase, the whole file (as `cryptsetup --key-file`).
-    pub key_file: std::path::PathBuf,
+    pub key: KeySpec,
     /// Format a blank backend as a new LUKS2 volume.
     pub create: bool,
 }
 
+/// Where an encrypted namespace's passphrase comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeySpec {
+    /// `key-file=PATH`: the whole file (as `cryptsetup --key-file`).
+    File(std::path::PathBuf),
+    /// `key-secret=NAME`: a secret given over the control socket (`secret_add`).
+    Secret(String),
+}
+
+impl KeySpec {
+    /// The key file, if the passphrase is one.
+    pub fn file(&self) -> Option<&std::path::Path> {
+        match self {
+            KeySpec::File(p) => Some(p),
+            KeySpec::Secret(_) => None,
+        }
+    }
+}
+
+/// Why an encrypted namespace cannot be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum EncryptError {
+    #[error(transparent)]
+    Luks(#[from] bdev::LuksError),
+    #[error("no secret named {0}: add it with secret_add before the disk that names it")]
+    NoSecret(String),
+}
+
 /// The `encrypt=` options.
-const ENCRYPT_OPTIONS: [&str; 3] = ["encrypt", "key-file", "create"];
+const ENCRYPT_OPTIONS: [&str; 4] = ["encrypt", "key-file", "key-secret", "create"];
 
 impl EncryptSpec {
-    /// The options `encrypt=`, `key-file=`, `create=` as given (`(name, value)`).
+    /// The options `encrypt=`, `key-file=`, `key-secret=`, `create=` as given
+    /// (`(name, value)`).
     fn parse(opts: &[(&str, &str)]) -> Result<Option<EncryptSpec>, String> {
-        let get = |k: &str| opts.iter().rev().find(|(n, _)| *n == k).map(|(_, v)| *v);
+        let get = |k: &str| {
+            opts.iter()
+                .rev()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| *v)
+                .filter(|v| !v.is_empty())
+        };
         match get("encrypt") {
             None if opts.is_empty() => Ok(None),
-            None => Err("key-file= and create= go with encrypt=luks".into()),
+            None => Err("key-file=, key-secret= and create= go with encrypt=luks".into()),
             Some("luks") => {
-                let key_file = get("key-file")
-                    .filter(|p| !p.is_empty())
-                    .ok_or("encrypt=luks needs key-file=PATH")?;
+                let key = match (get("key-file"), get("key-secret")) {
+                    (Some(f), None) => KeySpec::File(f.into()),
+                    (None, Some(n)) => KeySpec::Secret(n.into()),
+                    (Some(_), Some(_)) => {
+                        return Err("give key-file= or key-secret=, not both".into())
+                    }
+                    (None, None) => {
+                        return Err("encrypt=luks needs key-file=PATH or key-secret=NAME".into())
+                    }
+                };
                 let create = match get("create") {
                     None | Some("off") => false,
                     Some("on") => true,
                     Some(_) => return Err("create must be on or off".into()),
                 };
-                Ok(Some(EncryptSpec {
-                    key_file: key_file.into(),
-                    create,
-                }))
+                Ok(Some(EncryptSpec { key, create }))
             }
             Some(_) => Err("encrypt must be luks".into()),
         }
     }
 
-    /// `dev`'s LUKS payload.
+    /// `dev`'s LUKS payload; a `key-secret=` comes from `env`.
     pub fn open(
         &self,
         dev: std::sync::Arc<dyn bdev::BlockDevice>,
-    ) -> Result<bdev::CryptDisk, bdev::LuksError> {
-        match self.create {
-            true => bdev::open_or_format_luks(dev, &self.key_file),
-            false => bdev::open_luks(dev, &self.key_file),
-        }
+        env: &dyn crate::kinds::OpenEnv,
+    ) -> Result<bdev::CryptDisk, EncryptError> {
+        let secret;
+        let key = match &self.key {
+            KeySpec::File(p) => bdev::Key::File(p),
+            KeySpec::Secret(name) => {
+                secret = env
+                    .secret(name)
+                    .ok_or_else(|| EncryptError::NoSecret(name.clone()))?;
+                bdev::Key::Secret {
+                    name,
+                    bytes: &secret,
+                }
+            }
+        };
+        Ok(match self.create {
+            true => bdev::open_or_format_luks(dev, key)?,
+            false => bdev::open_luks(dev, key)?,
+        })
     }
 }
 
@@ -354,6 +406,14 @@ fn unknown_option(opt: &str, kind: &dyn crate::kinds::BackendKind) -> String {
 mod tests {
     use super::*;
     #[test]
+    fn a_key_secret_names_the_passphrase() {
+        let s: NsSpec = "ram:64M,encrypt=luks,key-secret=vm1,create=on"
+            .parse()
+            .unwrap();
+        assert_eq!(s.encrypt.unwrap().key, KeySpec::Secret("vm1".into()));
+    }
+
+    #[test]
     fn specs() {
         let s: NsSpec = "ram:1G".parse().unwrap();
         assert_eq!(s.kind, "ram:1024M".parse::<NsSpec>().unwrap().kind);
@@ -405,7 +465,7 @@ mod tests {
             .parse()
             .unwrap();
         let e = s.encrypt.as_ref().unwrap();
-        assert_eq!(e.key_file, std::path::Path::new("/k/vm1"));
+        assert_eq!(e.key, KeySpec::File("/k/vm1".into()));
         assert!(!e.create);
         assert!(s.to_string().contains("encrypt=luks"));
         let s: NsSpec = "ram:64M,encrypt=luks,key-file=k,create=on".parse().unwrap();
@@ -429,6 +489,9 @@ mod tests {
             "ram:64M,key-file=k",
             "ram:64M,create=on",
             "ram:64M,encrypt=luks,key-file=k,create=yes",
+            "ram:64M,encrypt=luks,key-file=k,key-secret=s",
+            "ram:64M,encrypt=luks,key-secret=",
+            "ram:64M,key-secret=s",
             "ram",
             "disk:1G",
             "ram:1000",

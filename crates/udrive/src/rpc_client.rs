@@ -28,7 +28,9 @@ pub struct RpcArgs {
     pub wait: bool,
     /// Method name (rpc_get_methods lists them)
     pub method: String,
-    /// Parameters as a JSON object, e.g. '{"socket":"vm1.sock","nsid":2}'
+    /// Parameters as a JSON object, e.g. '{"socket":"vm1.sock","nsid":2}'; `-`
+    /// reads them from standard input (for `secret_add`: a passphrase stays out of
+    /// the command line other users can see)
     pub params: Option<String>,
 }
 
@@ -127,13 +129,22 @@ pub fn call(
 
 /// `udrive rpc`: prints the result pretty-printed; errors exit non-zero.
 pub fn run(a: RpcArgs) -> Result<()> {
-    let params = match &a.params {
+    let stdin;
+    let params = match a.params.as_deref() {
         None => Value::Null,
         Some(p) => {
+            let p = if p == "-" {
+                let mut s = String::new();
+                std::io::Read::read_to_string(&mut std::io::stdin().take(1 << 24), &mut s)
+                    .context("cannot read PARAMS from standard input")?;
+                stdin = zeroize::Zeroizing::new(s);
+                stdin.as_str()
+            } else {
+                p
+            };
+            // The text is not quoted back: it may hold a secret.
             let v: Value = serde_json::from_str(p).with_context(|| {
-                format!(
-                    "PARAMS must be a JSON object, e.g. '{{\"socket\":\"vm.sock\"}}', not `{p}`"
-                )
+                "PARAMS must be a JSON object, e.g. '{\"socket\":\"vm.sock\"}'".to_string()
             })?;
             if !v.is_object() {
                 bail!("PARAMS must be a JSON object, e.g. '{{\"socket\":\"vm.sock\"}}'");

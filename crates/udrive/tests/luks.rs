@@ -400,3 +400,133 @@ fn rbd_image_made_formatted_and_reopened() {
         assert!(plain == *data, "LBA {slba} decrypts independently");
     }
 }
+
+/// A passphrase given over the control socket (`secret_add`) opens a disk whose
+/// spec names it (`key-secret=`), changes its keyslots (`key_secret`), is never
+/// in a reply or a log, cannot be removed while a disk names it, and passes to
+/// the new process in a live handover, which reopens the volume with it.
+#[test]
+fn a_secret_over_rpc_opens_a_volume_and_survives_a_handover() {
+    const PASS: &str = "correct horse";
+    const NEW: &str = "battery staple";
+    let s = common::served::Service::start(|dir| {
+        std::fs::File::create(dir.join("v.img"))
+            .and_then(|f| f.set_len(24 * MIB))
+            .unwrap();
+        format!(
+            "cpus = \"0\"\nrpc = \"{}\"\n[[controller]]\nsocket = \"{}\"\nnamespaces = [\"null:64M\"]\n",
+            dir.join("rpc.sock").display(),
+            dir.join("a.sock").display()
+        )
+    });
+    let a = s.path("a.sock").display().to_string();
+    s.rpc("secret_add", json!({"name": "vm1", "data": PASS}))
+        .unwrap();
+    let b64 = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, NEW);
+    s.rpc(
+        "secret_add",
+        json!({"name": "vm1-new", "data": b64, "format": "base64"}),
+    )
+    .unwrap();
+    let e = s.rpc("secret_add", json!({"name": "vm1", "data": "x"}));
+    assert!(e.unwrap_err().contains("exists already"));
+    let e = s.rpc(
+        "secret_add",
+        json!({"name": "bad", "data": "%%", "format": "base64"}),
+    );
+    assert!(e.unwrap_err().contains("not valid base64"));
+    let spec = |secret: &str| {
+        format!(
+            "file:{},encrypt=luks,key-secret={secret},create=on",
+            s.path("v.img").display()
+        )
+    };
+    let e = s.rpc(
+        "nvme_add_namespace",
+        json!({"socket": a, "spec": spec("nope")}),
+    );
+    assert!(e.unwrap_err().contains("no secret named nope"));
+    s.rpc(
+        "nvme_add_namespace",
+        json!({"socket": a, "nsid": 2, "spec": spec("vm1")}),
+    )
+    .unwrap();
+    let data = Rng::new(43).bytes(4096);
+    let rw = |write: bool| round_on_nsid_2(&s.path("a.sock"), &data, write);
+    rw(true);
+    let list = s.rpc("secret_list", json!({})).unwrap();
+    assert_eq!(list[0]["name"], "vm1", "{list}");
+    assert!(
+        list[0]["used_by"][0]
+            .as_str()
+            .unwrap()
+            .ends_with("a.sock nsid 2"),
+        "{list}"
+    );
+    let e = s.rpc("secret_remove", json!({"name": "vm1"}));
+    assert!(e.unwrap_err().contains("is named by"));
+    let slot = s
+        .rpc(
+            "luks_add_key",
+            json!({"socket": a, "nsid": 2, "key_secret": "vm1", "new_key_secret": "vm1-new", "iter_time_ms": 10}),
+        )
+        .unwrap();
+    assert_eq!(slot["keyslots"].as_array().unwrap().len(), 2, "{slot}");
+    s.upgrade_ok("handover with secrets");
+    rw(false);
+    let list = s.rpc("secret_list", json!({})).unwrap().to_string();
+    assert!(list.contains("vm1-new"), "{list}");
+    s.rpc("secret_remove", json!({"name": "vm1-new"})).unwrap();
+    let everything = format!(
+        "{}{}{}",
+        s.rpc("get_devices", json!({})).unwrap(),
+        s.rpc("secret_list", json!({})).unwrap(),
+        s.log()
+    );
+    for secret in [PASS, NEW, &b64] {
+        assert!(!everything.contains(secret), "{secret} shown: {everything}");
+    }
+}
+
+/// Writes (if `write`) then reads back 4 KiB `data` at the namespace's 4 KiB
+/// block 1 of namespace 2 on a new connection to `sock`.
+fn round_on_nsid_2(sock: &std::path::Path, data: &[u8], write: bool) {
+    let d = initiator::NvmeDriver::connect(sock, serve_opts()).unwrap();
+    let mut qp = d.create_qpair(8, false).unwrap();
+    let buf = qp.alloc_buf(4096).unwrap();
+    // A volume formatted by create=on has 4096-byte sectors.
+    let lba = d
+        .namespaces()
+        .iter()
+        .find(|n| n.nsid == 2)
+        .unwrap()
+        .lba_size;
+    let nlb = 4096 / lba;
+    if write {
+        buf.write(0, data).unwrap();
+        let st = io(
+            &mut qp,
+            IoOp::Write,
+            2,
+            8 * 512 / lba as u64,
+            nlb,
+            Some(&buf),
+            DataMode::Prp,
+        );
+        assert_ok(&st, "write");
+    }
+    buf.fill(0);
+    let st = io(
+        &mut qp,
+        IoOp::Read,
+        2,
+        8 * 512 / lba as u64,
+        nlb,
+        Some(&buf),
+        DataMode::Prp,
+    );
+    assert_ok(&st, "read");
+    let mut back = vec![0u8; 4096];
+    buf.read(0, &mut back).unwrap();
+    assert!(back == data, "read back through the encrypted namespace");
+}

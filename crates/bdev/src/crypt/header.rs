@@ -42,6 +42,8 @@ pub enum LuksError {
     },
     #[error("key file {path} is empty or longer than {MAX_KEY_FILE} bytes")]
     KeyFileSize { path: PathBuf },
+    #[error("secret {name} is empty or longer than {MAX_KEY_FILE} bytes")]
+    SecretSize { name: String },
     #[error("{device}: {op} of the LUKS header area failed")]
     HeaderIo {
         device: String,
@@ -295,8 +297,54 @@ pub(super) fn check(rc: c_int, device: &str, call: &'static str) -> Result<(), L
     Ok(())
 }
 
+/// Where a passphrase comes from.
+#[derive(Clone, Copy)]
+pub enum Key<'a> {
+    /// A file, read whole, as `cryptsetup --key-file` does.
+    File(&'a Path),
+    /// Bytes the caller holds (a secret given over the control socket), with
+    /// the name errors give.
+    Secret { name: &'a str, bytes: &'a [u8] },
+}
+
+impl std::fmt::Debug for Key<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Key::File(p) => write!(f, "Key::File({})", p.display()),
+            Key::Secret { name, .. } => write!(f, "Key::Secret({name})"),
+        }
+    }
+}
+
+impl<'a> From<&'a Path> for Key<'a> {
+    fn from(p: &'a Path) -> Key<'a> {
+        Key::File(p)
+    }
+}
+
+impl<'a> From<&'a PathBuf> for Key<'a> {
+    fn from(p: &'a PathBuf) -> Key<'a> {
+        Key::File(p)
+    }
+}
+
+impl Key<'_> {
+    /// The passphrase, in memory that is zeroed when dropped.
+    pub(super) fn read(self) -> Result<Zeroizing<Vec<u8>>, LuksError> {
+        match self {
+            Key::File(path) => read_key_file(path),
+            Key::Secret { name, bytes } => {
+                if bytes.is_empty() || bytes.len() as u64 > MAX_KEY_FILE {
+                    return Err(LuksError::SecretSize { name: name.into() });
+                }
+                Ok(Zeroizing::new(bytes.to_vec()))
+            }
+        }
+    }
+}
+
 /// Reads a key file whole, as `cryptsetup --key-file` does.
-pub(super) fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>, LuksError> {
+fn read_key_file(path: &Path) -> Result<Zeroizing<Vec<u8>>, LuksError> {
     use std::io::Read;
     let ctx = |source| LuksError::KeyFile {
         path: path.to_path_buf(),

@@ -10,12 +10,9 @@
 //! back copies of each other's old header.
 
 use std::ffi::{c_char, c_int};
-use std::path::Path;
 use std::sync::Mutex;
 
-use super::header::{
-    copy_header, cstr, read_key_file, CryptDevice, LoadedHeader, LuksError, CRYPT_ANY_SLOT,
-};
+use super::header::{copy_header, cstr, CryptDevice, Key, LoadedHeader, LuksError, CRYPT_ANY_SLOT};
 use super::kdf::{active_slots, crypt_get_type, crypt_keyslot_status, SLOT_ACTIVE_LAST};
 use crate::{BlockDevice, IoOp};
 
@@ -74,10 +71,10 @@ pub struct LuksStatus {
 /// What to do to the keyslots; every change needs a key that opens the volume.
 #[derive(Debug, Clone, Copy)]
 pub enum KeyChange<'a> {
-    /// Add `new_key_file`'s passphrase in a free keyslot.
-    Add { new_key_file: &'a Path },
-    /// Replace the passphrase in the keyslot the key opens.
-    Change { new_key_file: &'a Path },
+    /// Add the passphrase `new` in a free keyslot.
+    Add { new: Key<'a> },
+    /// Replace the passphrase in the keyslot the key opens with `new`.
+    Change { new: Key<'a> },
     /// Remove the keyslot the key opens (never the last one).
     Remove,
 }
@@ -108,19 +105,19 @@ fn status(h: &LoadedHeader) -> LuksStatus {
     }
 }
 
-/// Changes the keyslots of `volume` with the passphrase in `key_file`, writes
+/// Changes the keyslots of `volume` with the passphrase `key`, writes
 /// the header back and returns it as it is now, with the keyslot changed. A new
 /// keyslot's key derivation is measured to take `iter_time_ms` (None:
 /// libcryptsetup's default, 2 s, as `cryptsetup --iter-time`).
 pub fn change_key(
     volume: &dyn BlockDevice,
-    key_file: &Path,
+    key: Key<'_>,
     change: KeyChange<'_>,
     iter_time_ms: Option<u64>,
 ) -> Result<(LuksStatus, u32), LuksError> {
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let pass = read_key_file(key_file)?;
+    let pass = key.read()?;
     let h = LoadedHeader::read(volume)?;
     let (cd, device) = (h.ctx.cd, h.ctx.device.clone());
     if let Some(ms) = iter_time_ms {
@@ -128,9 +125,7 @@ pub fn change_key(
         unsafe { crypt_set_iteration_time(cd, ms) };
     }
     let new = match change {
-        KeyChange::Add { new_key_file } | KeyChange::Change { new_key_file } => {
-            Some(read_key_file(new_key_file)?)
-        }
+        KeyChange::Add { new } | KeyChange::Change { new } => Some(new.read()?),
         KeyChange::Remove => None,
     };
     let new_ref: &[u8] = new.as_deref().map_or(&[], |n| n);

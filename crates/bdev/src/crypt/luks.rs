@@ -2,14 +2,13 @@
 //! unlocked or made by libcryptsetup, the payload served by [`CryptDisk`].
 
 use std::io;
-use std::path::Path;
 use std::sync::Arc;
 
 use zeroize::Zeroizing;
 
 use super::header::{
-    check, copy_header, crypt_format, crypt_keyslot_add_by_volume_key, read_key_file, Context,
-    HeaderCopy, LoadedHeader, LuksError, UnlockedKey, CRYPT_ANY_SLOT,
+    check, copy_header, crypt_format, crypt_keyslot_add_by_volume_key, Context, HeaderCopy, Key,
+    LoadedHeader, LuksError, UnlockedKey, CRYPT_ANY_SLOT,
 };
 use super::CryptDisk;
 use crate::{BlockDevice, IoOp};
@@ -27,9 +26,9 @@ struct Start {
 }
 
 impl Start {
-    fn new(inner: &dyn BlockDevice, key_file: &Path) -> Result<Start, LuksError> {
+    fn new(inner: &dyn BlockDevice, key: Key<'_>) -> Result<Start, LuksError> {
         Ok(Start {
-            pass: read_key_file(key_file)?,
+            pass: key.read()?,
             device: inner.describe(),
             size: inner.info().size_bytes(),
         })
@@ -45,19 +44,25 @@ impl Start {
     }
 }
 
-/// Opens the LUKS volume on `inner` with the passphrase in `key_file`: the
-/// volume's payload, encrypted and decrypted on the fly.
-pub fn open_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDisk, LuksError> {
-    let pass = read_key_file(key_file)?;
+/// Opens the LUKS volume on `inner` with the passphrase `key`: the volume's
+/// payload, encrypted and decrypted on the fly.
+pub fn open_luks<'a>(
+    inner: Arc<dyn BlockDevice>,
+    key: impl Into<Key<'a>>,
+) -> Result<CryptDisk, LuksError> {
+    let pass = key.into().read()?;
     let header = LoadedHeader::read(&*inner)?;
     open_unlocked(&header.ctx.volume_key(&pass)?, inner)
 }
 
 /// Formats `inner` as a new LUKS2 volume (aes-xts-plain64, a 512-bit random
 /// volume key, libcryptsetup's default argon2id keyslot for the passphrase in
-/// `key_file`) and opens it. Whatever `inner` held is lost.
-pub fn format_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<CryptDisk, LuksError> {
-    let start = Start::new(&*inner, key_file)?;
+/// `key`) and opens it. Whatever `inner` held is lost.
+pub fn format_luks<'a>(
+    inner: Arc<dyn BlockDevice>,
+    key: impl Into<Key<'a>>,
+) -> Result<CryptDisk, LuksError> {
+    let start = Start::new(&*inner, key.into())?;
     let hio = |op, source| start.header_io(op, source);
     let (pass, device, size) = (&start.pass, &start.device, start.size);
     // Sparse: only what libcryptsetup writes takes memory.
@@ -109,10 +114,11 @@ pub fn format_luks(inner: Arc<dyn BlockDevice>, key_file: &Path) -> Result<Crypt
 /// as a new file, RAM disk or image) is formatted first ([`format_luks`]). A
 /// backend that holds anything else is refused: this never formats over data, so
 /// the same spec opens the same volume on every start and after a handover.
-pub fn open_or_format_luks(
+pub fn open_or_format_luks<'a>(
     inner: Arc<dyn BlockDevice>,
-    key_file: &Path,
+    key: impl Into<Key<'a>>,
 ) -> Result<CryptDisk, LuksError> {
+    let key = key.into();
     const PROBE: u64 = 4096;
     let device = inner.describe();
     let hio = |source| LuksError::HeaderIo {
@@ -132,9 +138,9 @@ pub fn open_or_format_luks(
     let mut head = [0u8; PROBE as usize];
     std::os::unix::fs::FileExt::read_exact_at(&file, &mut head, 0).map_err(hio)?;
     if head.starts_with(b"LUKS\xba\xbe") {
-        open_luks(inner, key_file)
+        open_luks(inner, key)
     } else if head.iter().all(|b| *b == 0) {
-        format_luks(inner, key_file)
+        format_luks(inner, key)
     } else {
         Err(LuksError::NotBlank { device })
     }

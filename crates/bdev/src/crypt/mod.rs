@@ -17,7 +17,7 @@ mod keyslots;
 mod luks;
 mod xts;
 
-pub use header::LuksError;
+pub use header::{Key, LuksError};
 pub use keyslots::{change_key, luks_status, KeyChange, LuksStatus};
 pub use luks::{format_luks, open_luks, open_or_format_luks};
 pub use xts::{SectorCipher, SectorCrypter, SECTOR};

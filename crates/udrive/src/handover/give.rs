@@ -273,7 +273,13 @@ fn send_and_confirm(
         channel::send(s, Op::Record, &r.key, &r.bytes, &fds)
             .with_context(|| format!("handover: cannot send record {}", r.key))?;
     }
-    // What the devices keep as they run, and the control plane's listeners.
+    // Secrets the new process reopens encrypted disks with.
+    for (key, bytes) in server.process().secrets().records() {
+        channel::send(s, Op::Record, &key, &bytes, &[])
+            .context("handover: cannot send the secrets")?;
+    }
+    // What the devices keep as they run, and the control plane's listeners; ends
+    // the stream.
     channel::send_all(s, server.process().own_records())
         .context("handover: cannot send the devices' records")?;
     wait_confirm(sock, successor)

@@ -223,7 +223,8 @@ fn accept_within(
 }
 
 fn receive(conn: &OwnedFd) -> Result<KeptRecords> {
-    let mut buf = vec![0u8; channel::MAX_MSG];
+    // Zeroed when dropped: secrets pass through it.
+    let mut buf = zeroize::Zeroizing::new(vec![0u8; channel::MAX_MSG]);
     let mut out = KeptRecords::new();
     let until = Instant::now() + RECEIVE_LIMIT;
     loop {

@@ -145,6 +145,11 @@ pub trait OpenEnv: Send + Sync {
     fn dead_owners(&self) -> Vec<String> {
         Vec::new()
     }
+    /// The secret `name` given over the control socket (`key-secret=NAME`).
+    fn secret(&self, name: &str) -> Option<zeroize::Zeroizing<Vec<u8>>> {
+        let _ = name;
+        None
+    }
 }
 
 /// An environment without a supervisor or a predecessor, with no CPU restriction.

@@ -16,6 +16,7 @@
 //!   process; devices start paused until it confirmed that it let go
 //!   ([`Process::commit`]).
 
+pub mod secrets;
 mod supervisor_link;
 
 use std::os::fd::{AsFd, OwnedFd};
@@ -64,6 +65,8 @@ pub struct Process {
     noted_owners: Mutex<Vec<String>>,
     /// CPUs for the threads of backend libraries (librbd); empty: no restriction.
     library_cpus: Mutex<Vec<usize>>,
+    /// Passphrases given over the control socket.
+    secrets: secrets::Secrets,
 }
 
 /// What a device gets from the process when the server builds it.
@@ -104,6 +107,18 @@ impl Process {
             .into_iter()
             .map(|(k, v)| (k, v.bytes))
             .collect();
+        let secrets = secrets::Secrets::default();
+        for (k, v) in lifecycle::keep::take_prefix(&mut inherited, secrets::RECORD_PREFIX) {
+            let bytes = zeroize::Zeroizing::new(v.bytes);
+            match secrets::name_of_record(&k) {
+                Some(name) => {
+                    if let Err(e) = secrets.add(name, bytes) {
+                        tracing::warn!("a kept secret is dropped: {e}");
+                    }
+                }
+                None => tracing::warn!("a kept secret record has a bad name; dropping it"),
+            }
+        }
         Process {
             own: Arc::default(),
             supervisor,
@@ -114,7 +129,34 @@ impl Process {
             handed_over: Mutex::new(None),
             noted_owners: Mutex::new(Vec::new()),
             library_cpus: Mutex::new(Vec::new()),
+            secrets,
         }
+    }
+
+    /// Adds a secret; a supervisor keeps a copy for the next child.
+    pub fn add_secret(
+        &self,
+        name: &str,
+        bytes: zeroize::Zeroizing<Vec<u8>>,
+    ) -> Result<(), secrets::SecretError> {
+        let copy = self.supervisor.as_ref().map(|_| bytes.clone());
+        self.secrets.add(name, bytes)?;
+        if let (Some(s), Some(b)) = (&self.supervisor, copy) {
+            s.put(&secrets::record_key(name), &b, &[]);
+        }
+        Ok(())
+    }
+
+    pub fn remove_secret(&self, name: &str) -> Result<(), secrets::SecretError> {
+        self.secrets.remove(name)?;
+        if let Some(s) = &self.supervisor {
+            s.remove(&secrets::record_key(name));
+        }
+        Ok(())
+    }
+
+    pub fn secrets(&self) -> &secrets::Secrets {
+        &self.secrets
     }
 
     /// A process on its own: no supervisor, nothing inherited (also tests and tools).
@@ -230,6 +272,10 @@ impl Process {
 /// Backends open with what the process knows about CPUs and about who held their
 /// claims before (decision 0025).
 impl crate::kinds::OpenEnv for Process {
+    fn secret(&self, name: &str) -> Option<zeroize::Zeroizing<Vec<u8>>> {
+        self.secrets.get(name)
+    }
+
     fn library_cpus(&self) -> Vec<usize> {
         lock(&self.library_cpus).clone()
     }

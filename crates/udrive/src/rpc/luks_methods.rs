@@ -1,9 +1,12 @@
 //! LUKS volumes of a running server: the header's description and keyslot
 //! changes while the disk serves its guest (bdev::crypt, decision 0037). Keys
-//! come as files the server reads (`key_file`, `new_key_file`), as on the spec:
-//! a key never passes through the control socket, a log or an error.
+//! are files the server reads (`key_file`, `new_key_file`) or secrets given
+//! earlier with `secret_add` (`key_secret`, `new_key_secret`), as on the spec: a
+//! key is never in a reply, a log or an error.
 
 use std::path::PathBuf;
+
+use zeroize::Zeroizing;
 
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -21,17 +24,17 @@ pub fn register(r: &mut Registry) {
     );
     r.register(
         "luks_add_key",
-        "add the passphrase in new_key_file to an encrypted disk (key_file opens it)",
+        "add the passphrase new_key_file (or new_key_secret) to an encrypted disk; key_file (or key_secret) opens it",
         |rpc, p| change(rpc, p, Op::Add),
     );
     r.register(
         "luks_change_key",
-        "replace the passphrase key_file opens with the one in new_key_file",
+        "replace the passphrase key_file (or key_secret) opens with new_key_file (or new_key_secret)",
         |rpc, p| change(rpc, p, Op::Change),
     );
     r.register(
         "luks_remove_key",
-        "remove the keyslot key_file opens (never the last one)",
+        "remove the keyslot key_file (or key_secret) opens (never the last one)",
         |rpc, p| change(rpc, p, Op::Remove),
     );
 }
@@ -50,9 +53,14 @@ struct KeyParams {
     socket: PathBuf,
     #[serde(default)]
     nsid: Option<u32>,
-    key_file: PathBuf,
+    #[serde(default)]
+    key_file: Option<PathBuf>,
+    #[serde(default)]
+    key_secret: Option<String>,
     #[serde(default)]
     new_key_file: Option<PathBuf>,
+    #[serde(default)]
+    new_key_secret: Option<String>,
     /// Time the new keyslot's key derivation is measured to take (cryptsetup's
     /// --iter-time) [default: libcryptsetup's, 2000].
     #[serde(default)]
@@ -66,24 +74,70 @@ enum Op {
     Remove,
 }
 
+/// A passphrase an RPC names: a file, or a secret's name and a copy of it.
+enum Pass {
+    File(PathBuf),
+    Secret(String, Zeroizing<Vec<u8>>),
+}
+
+impl Pass {
+    /// `file` or `secret` (`what`: the parameters' names for errors); None if
+    /// neither is given.
+    fn of(
+        rpc: &Rpc,
+        file: Option<PathBuf>,
+        secret: Option<String>,
+        what: &str,
+    ) -> Result<Option<Pass>, RpcError> {
+        match (file, secret) {
+            (Some(f), None) => Ok(Some(Pass::File(f))),
+            (None, Some(name)) => match rpc.server.process().secrets().get(&name) {
+                Some(bytes) => Ok(Some(Pass::Secret(name, bytes))),
+                None => Err(RpcError::new(
+                    SERVER_ERROR,
+                    format!("no secret named {name}: add it with secret_add"),
+                )),
+            },
+            (Some(_), Some(_)) => Err(RpcError::params(format!("give {what}, not both"))),
+            (None, None) => Ok(None),
+        }
+    }
+
+    fn key(&self) -> bdev::Key<'_> {
+        match self {
+            Pass::File(p) => bdev::Key::File(p),
+            Pass::Secret(name, bytes) => bdev::Key::Secret { name, bytes },
+        }
+    }
+}
+
 fn change(rpc: &Rpc, p: Value, op: Op) -> Result<Value, RpcError> {
     let a: KeyParams = parse_params(p)?;
-    let new = a.new_key_file.as_deref();
-    let change = match (op, new) {
-        (Op::Add, Some(n)) => bdev::KeyChange::Add { new_key_file: n },
-        (Op::Change, Some(n)) => bdev::KeyChange::Change { new_key_file: n },
+    let key = Pass::of(rpc, a.key_file, a.key_secret, "key_file or key_secret")?
+        .ok_or_else(|| RpcError::params("key_file or key_secret is missing"))?;
+    let new = Pass::of(
+        rpc,
+        a.new_key_file,
+        a.new_key_secret,
+        "new_key_file or new_key_secret",
+    )?;
+    let change = match (op, &new) {
+        (Op::Add, Some(n)) => bdev::KeyChange::Add { new: n.key() },
+        (Op::Change, Some(n)) => bdev::KeyChange::Change { new: n.key() },
         (Op::Remove, None) => bdev::KeyChange::Remove,
-        (Op::Remove, Some(_)) => {
-            return Err(RpcError::params("luks_remove_key takes no new_key_file"))
+        (Op::Remove, Some(_)) => return Err(RpcError::params("luks_remove_key takes no new key")),
+        (_, None) => {
+            return Err(RpcError::params(
+                "new_key_file or new_key_secret is missing",
+            ))
         }
-        (_, None) => return Err(RpcError::params("new_key_file is missing")),
     };
     let disk = Disk {
         socket: a.socket,
         nsid: a.nsid,
     };
     with_volume(rpc, &disk, |v| {
-        let (status, slot) = bdev::change_key(v, &a.key_file, change, a.iter_time_ms)?;
+        let (status, slot) = bdev::change_key(v, key.key(), change, a.iter_time_ms)?;
         tracing::info!(socket = %disk.socket.display(), nsid = ?disk.nsid, keyslot = slot, "LUKS keyslots changed");
         Ok(status_json(&status, Some(slot)))
     })

@@ -22,6 +22,7 @@ pub mod methods;
 mod params;
 #[cfg(feature = "rbd")]
 mod rbd_methods;
+mod secret_methods;
 mod server;
 mod service_methods;
 pub mod trace_methods;
@@ -53,6 +54,7 @@ pub fn register_all(r: &mut Registry) {
     vhost_methods::register(r);
     service_methods::register(r);
     luks_methods::register(r);
+    secret_methods::register(r);
     job_methods::register(r);
     #[cfg(feature = "rbd")]
     rbd_methods::register(r);
