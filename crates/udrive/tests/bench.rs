@@ -301,3 +301,68 @@ fn a_broken_matrix_is_refused_naming_the_field() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("workload[1].qd"));
     assert!(!out.join("raw").exists());
 }
+
+const RBD: &str = r#"
+reps = 1
+time = 0.3
+datapaths = ["udrive-nvme", "udrive-vhost", "librbd", "fake-a"]
+backends = ["rbd"]
+baselines = ["librbd"]
+poll = "adaptive"
+wait = true
+[rbd]
+image = "rbd/bench-test"
+mib = 16
+[[workload]]
+rw = "randread"
+qd = [4]
+"#;
+
+#[test]
+fn rbd_without_a_cluster_is_skipped_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = bench(RBD, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = json(&out.join("summary.json"));
+    let skipped = s["skipped"].as_array().unwrap();
+    assert_eq!(skipped.len(), 3, "{skipped:?}");
+    for k in skipped {
+        assert_eq!(k["backend"], "rbd", "{k}");
+        assert!(k["reason"].as_str().unwrap().contains("--rbd-conf"), "{k}");
+    }
+    assert!(raw_runs(&out).iter().all(|r| r["datapath"] == "fake-a"));
+}
+
+/// udrive's `rbd:` disks and bare librbd on one image of a throwaway cluster,
+/// which the harness makes and writes once.
+#[test]
+fn the_rbd_backend_runs_against_a_cluster() {
+    if !test_support::ceph::available() {
+        eprintln!("skipped: no Ceph packages");
+        return;
+    }
+    let c = test_support::ceph::Cluster::start();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let conf = c.conf().to_str().unwrap().to_string();
+    let o = bench(
+        &RBD.replace(r#", "fake-a""#, ""),
+        &out,
+        &["--rbd-conf", &conf],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let runs = raw_runs(&out);
+    let names: Vec<&str> = runs
+        .iter()
+        .map(|r| r["datapath"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["udrive-nvme", "udrive-vhost", "librbd"], "{runs:?}");
+    for r in &runs {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["perf"]["iops"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(c.rbd(&["ls", "rbd"]).contains("bench-test"));
+    let s = json(&out.join("summary.json"));
+    assert_eq!(s["host"]["ceph conf"], conf.as_str());
+}

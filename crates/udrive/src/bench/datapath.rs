@@ -4,8 +4,8 @@
 //! (udrive itself, qemu-storage-daemon) or none (bare io_uring), and a `udrive perf`
 //! process per run; the fake one computes numbers without processes.
 //!
-//! Adding a datapath (librbd, SPDK, a guest's fio) is a `DatapathKind` variant, its
-//! line in `applies`/`probe`, and a `Target`.
+//! Adding a datapath (SPDK, a guest's fio) is a `DatapathKind` variant, its line in
+//! `applies`/`probe`, and a `Target`.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -68,8 +68,11 @@ pub struct Env {
 /// Why a datapath does not run a backend at all (not a property of this machine).
 pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
     match (d, b) {
-        (DatapathKind::IoUring, Backend::Null | Backend::Ram) => {
+        (DatapathKind::IoUring, Backend::Null | Backend::Ram | Backend::Rbd) => {
             Err("bare io_uring drives files only".into())
+        }
+        (DatapathKind::Librbd, Backend::Null | Backend::Ram | Backend::File) => {
+            Err("librbd drives RBD images only".into())
         }
         (DatapathKind::QsdVhost, Backend::Ram) => {
             Err("qemu-storage-daemon has no RAM disk driver".into())
@@ -85,9 +88,98 @@ pub fn probe(d: &DatapathKind, env: &Env) -> Result<(), String> {
             Err("qemu-storage-daemon not found in PATH".into())
         }
         DatapathKind::Fake(_) => Ok(()),
+        DatapathKind::Librbd if !cfg!(feature = "rbd") => {
+            Err("this udrive was built without the rbd feature".into())
+        }
         _ if !env.udrive.exists() => Err(format!("{} does not exist", env.udrive.display())),
         _ => Ok(()),
     }
+}
+
+/// Why datapath `d` cannot serve backend `b` on this machine (a missing module).
+pub fn pair_probe(d: &DatapathKind, b: Backend) -> Result<(), String> {
+    let qsd_rbd = [
+        "/usr/lib/x86_64-linux-gnu/qemu/block-rbd.so",
+        "/usr/lib/qemu/block-rbd.so",
+    ];
+    match (d, b) {
+        (DatapathKind::QsdVhost, Backend::Rbd)
+            if !qsd_rbd.iter().any(|p| Path::new(p).exists()) =>
+        {
+            Err("qemu-storage-daemon has no rbd driver here (Debian: qemu-block-extra)".into())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Why a backend cannot be served on this machine (real datapaths only).
+pub fn backend_probe(b: Backend, env: &Env) -> Result<(), String> {
+    match b {
+        Backend::Rbd if env.matrix.rbd.conf.is_none() => {
+            Err("no Ceph cluster: give --rbd-conf PATH (or [rbd] conf in the matrix)".into())
+        }
+        Backend::Rbd if which("rbd").is_none() => {
+            Err("the rbd tool (Debian's ceph-common) is not in PATH".into())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The `rbd` backend's image, made if it is missing and written through once
+/// (sequential 4 MiB writes, as `rbd bench`), so that reads hit objects.
+pub fn prepare_rbd_image(env: &Env) -> Result<(), DatapathError> {
+    let o = &env.matrix.rbd;
+    let conf = o.conf.clone().unwrap_or_default();
+    let rbd = |args: &[&str], what: &str| -> Result<(), DatapathError> {
+        let out = Command::new("rbd")
+            .args(["--conf", &conf])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|source| DatapathError::Io {
+                what: what.into(),
+                source,
+            })?;
+        if !out.status.success() {
+            return Err(DatapathError::Failed {
+                what: what.into(),
+                status: out.status.to_string(),
+                tail: tail(&String::from_utf8_lossy(&out.stderr)),
+            });
+        }
+        Ok(())
+    };
+    let size = format!("{}M", o.mib());
+    if rbd(&["info", o.image()], "rbd info").is_err() {
+        rbd(&["create", "--size", &size, o.image()], "rbd create")?;
+    }
+    rbd(
+        &[
+            "bench",
+            "--io-type",
+            "write",
+            "--io-size",
+            "4M",
+            "--io-threads",
+            "4",
+            "--io-total",
+            &size,
+            "--io-pattern",
+            "seq",
+            o.image(),
+        ],
+        "rbd bench (writing the image once)",
+    )
+}
+
+/// The `rbd:` spec options of the `rbd` backend's image.
+fn rbd_spec(env: &Env) -> String {
+    let o = &env.matrix.rbd;
+    format!(
+        "{},conf={}",
+        o.image(),
+        o.conf.as_deref().unwrap_or_default()
+    )
 }
 
 /// `PATH`'s first executable of this name.
@@ -118,7 +210,7 @@ pub fn start<'e>(
                 backend: b,
             }))
         }
-        DatapathKind::IoUring => None,
+        DatapathKind::IoUring | DatapathKind::Librbd => None,
         DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_) => Some(Server::start(
             udrive_serve(d, b, env, &sock),
             &format!("udrive serve ({d}, {b})"),
@@ -159,6 +251,7 @@ fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command
             if m.file.direct { "on" } else { "off" },
             m.file.engine
         ),
+        Backend::Rbd => format!("rbd:{}", rbd_spec(env)),
     };
     let mut c = Command::new(&env.udrive);
     c.arg("serve");
@@ -196,6 +289,14 @@ fn qsd_cmd(b: Backend, env: &Env, sock: &Path) -> Command {
             env.data_file.display(),
             if m.file.direct { "on" } else { "off" }
         ),
+        Backend::Rbd => {
+            let o = &m.rbd;
+            let (pool, image) = o.image().split_once('/').unwrap_or_default();
+            format!(
+                "driver=rbd,node-name=d0,pool={pool},image={image},conf={},cache.direct=on",
+                o.conf.as_deref().unwrap_or_default()
+            )
+        }
         _ => "driver=null-co,node-name=d0,size=68719476736".to_string(),
     };
     let mut c = Command::new("taskset");
@@ -293,8 +394,15 @@ impl PerfTarget<'_> {
                     .args(["--direct", direct]);
                 c.args(["--engine", &self.env.matrix.file.engine])
             }
+            DatapathKind::Librbd => c.args(["--rbd", &rbd_spec(self.env)]),
             _ => c.arg("--vhost-user").arg(&self.sock),
         };
+        if self.env.matrix.wait {
+            if let DatapathKind::UdriveNvme(_) = self.kind {
+                c.arg("--irq");
+            }
+            c.arg("--wait");
+        }
         c.args(["--cpus", &self.env.matrix.cpus.client, "--json"]);
         c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
         c

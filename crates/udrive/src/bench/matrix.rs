@@ -11,6 +11,8 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("quick", include_str!("presets/quick.toml")),
     ("readme", include_str!("presets/readme.toml")),
     ("poll-modes", include_str!("presets/poll-modes.toml")),
+    ("rbd", include_str!("presets/rbd.toml")),
+    ("thesis", include_str!("presets/thesis.toml")),
 ];
 
 /// A preset's text by name.
@@ -52,12 +54,21 @@ pub enum DatapathKind {
     QsdVhost,
     /// The backend file driven directly through io_uring (`perf --file`).
     IoUring,
+    /// The RBD image driven directly through librbd (`perf --rbd`): the baseline
+    /// of udrive's `rbd:` disks.
+    Librbd,
     /// Deterministic numbers, no processes: `fake` or `fake-NAME`.
     Fake(String),
 }
 
 impl DatapathKind {
-    pub const REAL: [&'static str; 4] = ["udrive-nvme", "udrive-vhost", "qsd-vhost", "io-uring"];
+    pub const REAL: [&'static str; 5] = [
+        "udrive-nvme",
+        "udrive-vhost",
+        "qsd-vhost",
+        "io-uring",
+        "librbd",
+    ];
 }
 
 impl TryFrom<String> for DatapathKind {
@@ -83,6 +94,7 @@ impl TryFrom<String> for DatapathKind {
             "udrive-vhost" => Self::UdriveVhost(None),
             "qsd-vhost" => Self::QsdVhost,
             "io-uring" => Self::IoUring,
+            "librbd" => Self::Librbd,
             f if f == "fake" || f.starts_with("fake-") => Self::Fake(s),
             _ => {
                 return Err(format!(
@@ -107,6 +119,7 @@ impl fmt::Display for DatapathKind {
             Self::UdriveVhost(p) => ("udrive-vhost", p),
             Self::QsdVhost => ("qsd-vhost", &None),
             Self::IoUring => ("io-uring", &None),
+            Self::Librbd => ("librbd", &None),
             Self::Fake(n) => (n.as_str(), &None),
         };
         match poll {
@@ -145,6 +158,8 @@ pub enum Backend {
     Null,
     Ram,
     File,
+    /// An RBD image of the cluster `[rbd] conf` (or `--rbd-conf`) names.
+    Rbd,
 }
 
 impl fmt::Display for Backend {
@@ -153,6 +168,7 @@ impl fmt::Display for Backend {
             Self::Null => "null",
             Self::Ram => "ram",
             Self::File => "file",
+            Self::Rbd => "rbd",
         })
     }
 }
@@ -233,6 +249,31 @@ fn default_mib() -> u64 {
     256
 }
 
+/// The `rbd` backend: an image of an existing cluster, made and written through
+/// once per bench run if it is missing.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RbdOpts {
+    /// The cluster's configuration; none: `rbd` entries are skipped.
+    #[serde(default)]
+    pub conf: Option<String>,
+    /// POOL/IMAGE [default: rbd/udrive-bench].
+    #[serde(default)]
+    pub image: Option<String>,
+    /// The image's size when it is made [default: 256].
+    #[serde(default)]
+    pub mib: Option<u64>,
+}
+
+impl RbdOpts {
+    pub fn image(&self) -> &str {
+        self.image.as_deref().unwrap_or("rbd/udrive-bench")
+    }
+    pub fn mib(&self) -> u64 {
+        self.mib.unwrap_or(256)
+    }
+}
+
 impl Default for FileOpts {
     fn default() -> Self {
         FileOpts {
@@ -302,6 +343,12 @@ pub struct Matrix {
     pub cpus: Cpus,
     #[serde(default)]
     pub file: FileOpts,
+    #[serde(default)]
+    pub rbd: RbdOpts,
+    /// Clients sleep on completions instead of spinning (`perf --wait`, with
+    /// `--irq` on NVMe): leaves the CPUs to the server and a cluster.
+    #[serde(default)]
+    pub wait: bool,
     /// Size of the RAM backend; udrive fills it before measuring.
     #[serde(default = "default_ram_mib")]
     pub ram_mib: u64,
@@ -401,6 +448,18 @@ impl Matrix {
         }
         if self.ram_mib == 0 || self.ram_mib > 1 << 20 {
             return Err(invalid("ram_mib", "must be 1..=1048576"));
+        }
+        if !(1..=1 << 20).contains(&self.rbd.mib()) {
+            return Err(invalid("rbd.mib", "must be 1..=1048576"));
+        }
+        let (pool, image) = self.rbd.image().split_once('/').unwrap_or(("", ""));
+        let name_ok = |n: &str| {
+            !n.is_empty()
+                && n.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        };
+        if !name_ok(pool) || !name_ok(image) {
+            return Err(invalid("rbd.image", "POOL/IMAGE, e.g. rbd/udrive-bench"));
         }
         if self.workloads.is_empty() {
             return Err(invalid("workload", "at least one [[workload]]"));

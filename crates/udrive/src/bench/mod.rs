@@ -45,6 +45,10 @@ pub struct BenchArgs {
     /// compare against
     #[arg(long, value_name = "PATH")]
     pub udrive: Option<PathBuf>,
+    /// The Ceph cluster of the `rbd` backend (overrides the matrix's `[rbd] conf`);
+    /// its image (`[rbd] image`, default rbd/udrive-bench) is made if missing
+    #[arg(long, value_name = "PATH")]
+    pub rbd_conf: Option<PathBuf>,
     /// List the presets
     #[arg(long)]
     pub list: bool,
@@ -85,6 +89,9 @@ fn load(a: &BenchArgs) -> Result<Matrix> {
         };
         m.cpus.server = s.into();
         m.cpus.client = cl.into();
+    }
+    if let Some(c) = &a.rbd_conf {
+        m.rbd.conf = Some(c.display().to_string());
     }
     // The overrides go through the same checks as the file.
     let text = toml::to_string(&m).context("matrix back to TOML")?;
@@ -170,6 +177,16 @@ fn measure(
     if needs_file {
         write_data_file(&env.data_file, m.file.mib)?;
     }
+    let needs_image = groups.iter().any(|g| {
+        g.backend == matrix::Backend::Rbd && !matches!(g.datapath, matrix::DatapathKind::Fake(_))
+    });
+    if needs_image {
+        eprintln!(
+            "udrive bench: writing the RBD image {} once ...",
+            m.rbd.image()
+        );
+        datapath::prepare_rbd_image(env)?;
+    }
     let mut host = host_facts(env);
     host.insert("load average before".into(), loadavg());
     let runs = run::execute(env, &groups, raw, stop).context("writing raw results")?;
@@ -223,8 +240,8 @@ fn host_facts(env: &datapath::Env) -> BTreeMap<String, String> {
         "udrive".into(),
         format!("{} {}", env.udrive.display(), env!("CARGO_PKG_VERSION")),
     );
-    if let Some(q) = &env.qsd {
-        let v = std::process::Command::new(q)
+    let version = |tool: &std::path::Path| {
+        std::process::Command::new(tool)
             .arg("--version")
             .output()
             .map(|o| {
@@ -234,8 +251,16 @@ fn host_facts(env: &datapath::Env) -> BTreeMap<String, String> {
                     .unwrap_or("")
                     .to_string()
             })
-            .unwrap_or_default();
-        h.insert("qemu-storage-daemon".into(), v);
+            .unwrap_or_default()
+    };
+    if let Some(q) = &env.qsd {
+        h.insert("qemu-storage-daemon".into(), version(q));
+    }
+    if let Some(conf) = &env.matrix.rbd.conf {
+        h.insert("ceph conf".into(), conf.clone());
+        if let Some(rbd) = datapath::which("rbd") {
+            h.insert("rbd".into(), version(&rbd));
+        }
     }
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     h.insert("CPUs".into(), cpus.to_string());

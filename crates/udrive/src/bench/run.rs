@@ -71,9 +71,37 @@ pub fn plan(env: &Env) -> (Vec<Group>, Vec<Skipped>) {
             Ok(()) => runnable.push(d.clone()),
         }
     }
+    let mut served = Vec::new();
+    for &b in &m.backends {
+        let real = runnable
+            .iter()
+            .filter(|d| !matches!(d, DatapathKind::Fake(_)));
+        match datapath::backend_probe(b, env) {
+            Err(reason) => {
+                for d in real {
+                    skipped.push(Skipped {
+                        datapath: d.clone(),
+                        backend: Some(b),
+                        reason: reason.clone(),
+                    });
+                }
+            }
+            Ok(()) => served.push(b),
+        }
+    }
+    let ready = |d: &DatapathKind, b: Backend| {
+        (matches!(d, DatapathKind::Fake(_)) || served.contains(&b))
+            && datapath::applies(d, b).is_ok()
+            && datapath::pair_probe(d, b).is_ok()
+    };
     for d in &runnable {
         for &b in &m.backends {
-            if let Err(reason) = datapath::applies(d, b) {
+            let unserved = !served.contains(&b) && !matches!(d, DatapathKind::Fake(_));
+            if unserved {
+                continue;
+            }
+            let why = datapath::applies(d, b).and_then(|()| datapath::pair_probe(d, b));
+            if let Err(reason) = why {
                 skipped.push(Skipped {
                     datapath: d.clone(),
                     backend: Some(b),
@@ -86,7 +114,7 @@ pub fn plan(env: &Env) -> (Vec<Group>, Vec<Skipped>) {
     for rep in 1..=m.reps {
         for &b in &m.backends {
             for d in m.order_of(rep) {
-                if runnable.contains(&d) && datapath::applies(&d, b).is_ok() {
+                if runnable.contains(&d) && ready(&d, b) {
                     groups.push(Group {
                         rep,
                         datapath: d,
