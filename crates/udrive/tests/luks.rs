@@ -501,31 +501,22 @@ fn round_on_nsid_2(sock: &std::path::Path, data: &[u8], write: bool) {
         .find(|n| n.nsid == 2)
         .unwrap()
         .lba_size;
-    let nlb = 4096 / lba;
+    let (slba, nlb) = (8 * 512 / u64::from(lba), 4096 / lba);
     if write {
         buf.write(0, data).unwrap();
-        let st = io(
-            &mut qp,
-            IoOp::Write,
-            2,
-            8 * 512 / lba as u64,
-            nlb,
-            Some(&buf),
-            DataMode::Prp,
-        );
-        assert_ok(&st, "write");
     }
-    buf.fill(0);
-    let st = io(
-        &mut qp,
-        IoOp::Read,
-        2,
-        8 * 512 / lba as u64,
-        nlb,
-        Some(&buf),
-        DataMode::Prp,
-    );
-    assert_ok(&st, "read");
+    let ops: &[IoOp] = if write {
+        &[IoOp::Write, IoOp::Read]
+    } else {
+        &[IoOp::Read]
+    };
+    for &op in ops {
+        if op == IoOp::Read {
+            buf.fill(0);
+        }
+        let st = io(&mut qp, op, 2, slba, nlb, Some(&buf), DataMode::Prp);
+        assert_ok(&st, &format!("{op:?}"));
+    }
     let mut back = vec![0u8; 4096];
     buf.read(0, &mut back).unwrap();
     assert!(back == data, "read back through the encrypted namespace");

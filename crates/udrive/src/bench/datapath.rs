@@ -130,24 +130,10 @@ pub fn backend_probe(b: Backend, env: &Env) -> Result<(), String> {
 pub fn prepare_rbd_image(env: &Env) -> Result<(), DatapathError> {
     let o = &env.matrix.rbd;
     let conf = o.conf.clone().unwrap_or_default();
-    let rbd = |args: &[&str], what: &str| -> Result<(), DatapathError> {
-        let out = Command::new("rbd")
-            .args(["--conf", &conf])
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|source| DatapathError::Io {
-                what: what.into(),
-                source,
-            })?;
-        if !out.status.success() {
-            return Err(DatapathError::Failed {
-                what: what.into(),
-                status: out.status.to_string(),
-                tail: tail(&String::from_utf8_lossy(&out.stderr)),
-            });
-        }
-        Ok(())
+    let rbd = |args: &[&str], what: &str| {
+        let mut c = Command::new("rbd");
+        c.args(["--conf", &conf]).args(args);
+        output(c, what).map(drop)
     };
     let size = format!("{}M", o.mib());
     if rbd(&["info", o.image()], "rbd info").is_err() {
@@ -363,6 +349,26 @@ impl Drop for Server {
     }
 }
 
+/// Runs `c` to its end; its output if it succeeded, else its stderr's tail.
+fn output(mut c: Command, what: &str) -> Result<std::process::Output, DatapathError> {
+    let out = c
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|source| DatapathError::Spawn {
+            what: what.into(),
+            cmd: format!("{c:?}"),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(DatapathError::Failed {
+            what: what.into(),
+            status: out.status.to_string(),
+            tail: tail(&String::from_utf8_lossy(&out.stderr)),
+        });
+    }
+    Ok(out)
+}
+
 /// The last lines of a log, on one line.
 fn tail(s: &str) -> String {
     let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -408,22 +414,8 @@ impl PerfTarget<'_> {
         c
     }
 
-    fn exec(&self, mut c: Command, what: &str) -> Result<Value, DatapathError> {
-        let out = c
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|source| DatapathError::Spawn {
-                what: what.into(),
-                cmd: format!("{c:?}"),
-                source,
-            })?;
-        if !out.status.success() {
-            return Err(DatapathError::Failed {
-                what: what.into(),
-                status: out.status.to_string(),
-                tail: tail(&String::from_utf8_lossy(&out.stderr)),
-            });
-        }
+    fn exec(&self, c: Command, what: &str) -> Result<Value, DatapathError> {
+        let out = output(c, what)?;
         serde_json::from_slice(&out.stdout).map_err(|source| DatapathError::BadJson {
             what: what.into(),
             source,
