@@ -313,7 +313,8 @@ luks_hook() {
         fi ;;
     esac
 }
-# On UDRIVE-QCOW2-ADD: base.qcow2 (64 MiB of `yes UDRIVE-QCOW2-BASE`, qemu-img) and
+# On UDRIVE-QCOW2-ADD: base.qcow2 (32 x the first MiB of `yes UDRIVE-QCOW2-BASE`,
+# qemu-img) and
 # overlay.qcow2 over it, hot-added as namespace QCOW2_NSID; on UDRIVE-QCOW2-SNAP
 # (the guest's fio runs): a live snapshot into snap.qcow2, then an active commit
 # of it back into overlay.qcow2 with the pivot (`udrive rpc --wait`), answered on
@@ -325,11 +326,12 @@ qcow2_hook() {
     case ${1:-} in
     UDRIVE-QCOW2-ADD*)
         mkdir -p "$q"
-        if yes UDRIVE-QCOW2-BASE | head -c 64M >"$q/base.raw" &&
-            qemu-img convert -q -f raw -O qcow2 "$q/base.raw" "$q/base.qcow2" &&
+        { yes UDRIVE-QCOW2-BASE || true; } | head -c 1M >"$q/chunk"
+        for _ in $(seq 32); do cat "$q/chunk"; done >"$q/base.raw"
+        if qemu-img convert -q -f raw -O qcow2 "$q/base.raw" "$q/base.qcow2" &&
             qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 "$q/overlay.qcow2" &&
             out=$(rpc nvme_add_namespace "{$ns,\"spec\":\"qcow2:$q/overlay.qcow2\"}"); then
-            host_result qcow2-hot-add PASS "overlay.qcow2 over base.qcow2 (qemu-img, 64 MiB of known data): $(tr -d ' \n' <<<"$out")"
+            host_result qcow2-hot-add PASS "overlay.qcow2 over base.qcow2 (qemu-img, 32 MiB of known data): $(tr -d ' \n' <<<"$out")"
         else
             host_result qcow2-hot-add FAIL "$(tr '\n' ' ' <<<"${out:-qemu-img failed}" | cut -c1-240)"
         fi ;;
