@@ -426,7 +426,7 @@ t_qcow2() {
             --verify=crc32c --verify_fatal=1 --do_verify=1 &
         fio_pid=$!
         [ $round = 1 ] && { sleep 1; echo "UDRIVE-QCOW2-SNAP" >&4; }
-        wait $fio_pid || { DETAIL="round $round: fio $(tail -n 3 /tmp/fio.out | tr '\n' ' ')"; kill $ctl_pid; return 1; }
+        wait $fio_pid || { DETAIL="round $round: fio $(grep -m 2 -iE 'verify|bad|err=' /tmp/fio.out | tr '\n' ' ')"; kill $ctl_pid; return 1; }
         [ $round -lt 30 ] || { DETAIL="no answer from the host after $round rounds"; kill $ctl_pid; return 1; }
     done
     kill $ctl_pid
