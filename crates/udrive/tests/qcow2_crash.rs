@@ -151,7 +151,14 @@ fn submit_batch(qp: &mut QueuePair, buf: &DmaBuf, rng: &mut Rng, m: &mut Model) 
         let b = buf.sub(off, n * BLOCK).unwrap();
         b.write(0, &data[..n * BLOCK]).unwrap();
         let cid = qp
-            .submit_io(IoOp::Write, NSID, lba as u64, n as u32, Some(&b), DataMode::Prp)
+            .submit_io(
+                IoOp::Write,
+                NSID,
+                lba as u64,
+                n as u32,
+                Some(&b),
+                DataMode::Prp,
+            )
             .expect("submit write");
         cids.push(cid);
         m.wrote(id, lba, n);
@@ -200,7 +207,15 @@ impl Chain {
         }
         let raw = self.dir.join("read-back.raw");
         let (top, out) = (self.images.last().unwrap(), raw.to_str().unwrap());
-        qemu_img(&["convert", "-f", "qcow2", "-O", "raw", top.to_str().unwrap(), out]);
+        qemu_img(&[
+            "convert",
+            "-f",
+            "qcow2",
+            "-O",
+            "raw",
+            top.to_str().unwrap(),
+            out,
+        ]);
         m.check_read_back(&std::fs::read(&raw).unwrap(), round);
         std::fs::remove_file(&raw).unwrap();
     }
@@ -302,7 +317,15 @@ fn sigkill_under_allocating_writes_and_jobs_loses_no_flushed_write() {
 fn assert_base_whole(base: &Path) {
     let raw = base.with_extension("raw");
     let out = raw.to_str().unwrap();
-    qemu_img(&["convert", "-f", "qcow2", "-O", "raw", base.to_str().unwrap(), out]);
+    qemu_img(&[
+        "convert",
+        "-f",
+        "qcow2",
+        "-O",
+        "raw",
+        base.to_str().unwrap(),
+        out,
+    ]);
     let data = std::fs::read(&raw).unwrap();
     assert!(data[..BASE_END].iter().all(|&b| b == 0x5b), "base changed");
     assert!(data[BASE_END..].iter().all(|&b| b == 0), "base changed");
