@@ -187,6 +187,8 @@ struct Chain {
 }
 
 impl Chain {
+    /// The disk's spec: before any snapshot the `create=` one, which opens the
+    /// image it made at every later start.
     fn spec(&self) -> String {
         let top = self.images.last().unwrap();
         if self.images.len() == 2 {
@@ -205,19 +207,7 @@ impl Chain {
         for img in &self.images {
             qemu_check(img);
         }
-        let raw = self.dir.join("read-back.raw");
-        let (top, out) = (self.images.last().unwrap(), raw.to_str().unwrap());
-        qemu_img(&[
-            "convert",
-            "-f",
-            "qcow2",
-            "-O",
-            "raw",
-            top.to_str().unwrap(),
-            out,
-        ]);
-        m.check_read_back(&std::fs::read(&raw).unwrap(), round);
-        std::fs::remove_file(&raw).unwrap();
+        m.check_read_back(&read_back(self.images.last().unwrap()), round);
     }
 }
 
@@ -315,18 +305,17 @@ fn sigkill_under_allocating_writes_and_jobs_loses_no_flushed_write() {
 
 /// The base, under every job, still holds only what qemu-io wrote.
 fn assert_base_whole(base: &Path) {
-    let raw = base.with_extension("raw");
-    let out = raw.to_str().unwrap();
-    qemu_img(&[
-        "convert",
-        "-f",
-        "qcow2",
-        "-O",
-        "raw",
-        base.to_str().unwrap(),
-        out,
-    ]);
-    let data = std::fs::read(&raw).unwrap();
+    let data = read_back(base);
     assert!(data[..BASE_END].iter().all(|&b| b == 0x5b), "base changed");
     assert!(data[BASE_END..].iter().all(|&b| b == 0), "base changed");
+}
+
+/// What `img` holds as qemu-img reads it (through its backing chain).
+fn read_back(img: &Path) -> Vec<u8> {
+    let raw = img.with_extension("read-back.raw");
+    let (i, r) = (img.to_str().unwrap(), raw.to_str().unwrap());
+    qemu_img(&["convert", "-f", "qcow2", "-O", "raw", i, r]);
+    let data = std::fs::read(&raw).unwrap();
+    std::fs::remove_file(&raw).unwrap();
+    data
 }
