@@ -16,6 +16,8 @@
 #   UDRIVE-RBD-CLONE                           asks the host to clone rbd/gold@base and
 #                                              hot-add it as namespace 3 (udrive.rbd=1)
 #   UDRIVE-RBD-DATA off=O len=L sha256=S       the host checks the image with rbd export
+#   UDRIVE-QCOW2-ADD / -SNAP / -DATA sha256=S  the qcow2 overlay (udrive.qcow2=NSID):
+#                                              hot-add, snapshot + commit, data check
 
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin
 mount -t proc proc /proc
@@ -386,6 +388,54 @@ t_luks() {
     echo "UDRIVE-LUKS-CHECK" >&4
     DETAIL="$LUKS_DEV ($(($(blk_bytes nvme0n$LUKS_NSID) / MIB)) MiB payload): $(grep -E '^ *WRITE:' /tmp/fio.out | sed 's/^ *//' | cut -c1-60), verified"
 }
+# qcow2 (udrive.qcow2=NSID): that namespace, hot-added on request, is a qcow2
+# overlay over a base image qemu-img filled with copies of the first MiB of
+# `yes UDRIVE-QCOW2-BASE`. fio
+# writes and verifies in rounds, each with its own seed (a write lost to the
+# snapshot or the commit leaves an older round's block, which fails the verify),
+# while the host takes a live snapshot and commits it with a pivot; rounds go on
+# until the host answered on ttyS1, and one more after that. The guest then sends
+# the sha256 of the whole disk, which the host compares with the committed image.
+QCOW2_NSID=$(sed -n 's/.*udrive\.qcow2=\([0-9]*\).*/\1/p' /proc/cmdline)
+QCOW2_DEV=/dev/nvme0n${QCOW2_NSID:-0}
+QCOW2_MIB=32                 # the disk; fio uses 8 MiB per vCPU from 0, the base shows above 16 MiB
+t_qcow2() {
+    stty -F /dev/ttyS1 -echo -icrnl 2>/dev/null
+    exec 3</dev/ttyS1
+    : >/tmp/qctl
+    cat <&3 >>/tmp/qctl &
+    ctl_pid=$!
+    echo "UDRIVE-QCOW2-ADD" >&4
+    i=0
+    while [ ! -b $QCOW2_DEV ]; do
+        i=$((i + 1))
+        [ $i -gt 600 ] && { DETAIL="no $QCOW2_DEV 60 s after asking"; kill $ctl_pid; return 1; }
+        sleep 0.1
+    done
+    want=$(yes UDRIVE-QCOW2-BASE | head -c $MIB | sha256sum | cut -d' ' -f1)
+    for at in $((QCOW2_MIB / 2)) $((QCOW2_MIB - 1)); do
+        got=$(dd if=$QCOW2_DEV bs=1M skip=$at count=1 iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)
+        [ "$got" = "$want" ] || { DETAIL="MiB $at of the base reads sha256 $(short "$got")..., qemu-img wrote $(short "$want")..."; kill $ctl_pid; return 1; }
+    done
+    round=0 after=0
+    while [ $after -lt 1 ]; do
+        round=$((round + 1))
+        [ -s /tmp/qctl ] && after=$((after + 1))
+        fio_run qcow2 --filename=$QCOW2_DEV --rw=randwrite --bs=4k --iodepth=16 --size=8M \
+            --offset=0 --offset_increment=8M --randseed=$((7000 + round)) \
+            --verify=crc32c --verify_fatal=1 --do_verify=1 &
+        fio_pid=$!
+        [ $round = 1 ] && { sleep 1; echo "UDRIVE-QCOW2-SNAP" >&4; }
+        wait $fio_pid || { DETAIL="round $round: fio $(grep -m 2 -iE 'verify|bad|err=' /tmp/fio.out | tr '\n' ' ')"; kill $ctl_pid; return 1; }
+        [ $round -lt 30 ] || { DETAIL="no answer from the host after $round rounds"; kill $ctl_pid; return 1; }
+    done
+    kill $ctl_pid
+    sum=$(dd if=$QCOW2_DEV bs=1M iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)
+    echo "UDRIVE-QCOW2-DATA sha256=$sum" >&4
+    DETAIL="$round fio write+verify rounds, $after after the host's answer ($(tr -d '\r' </tmp/qctl | tail -n 1 | cut -c1-80)); disk sha256 $(short "$sum")..."
+    fail_on_dmesg || { DETAIL="$DETAIL; dmesg has errors"; return 1; }
+    tr -d '\r' </tmp/qctl | grep -q '^qcow2 done'
+}
 t_size_after_reboot() {
     want=$(echo "$MAGIC" | sed -n 's/.*size=\([0-9]*\).*/\1/p')
     DETAIL="size before the reboot $((${want:-0} / MIB)) MiB, now $(($(ns_bytes) / MIB)) MiB"
@@ -449,6 +499,9 @@ if [ $PHASE = 1 ]; then
     fi
     if [ "${LUKS_NSID:-0}" != 0 ]; then
         run luks-fio-verify t_luks
+    fi
+    if [ "${QCOW2_NSID:-0}" != 0 ]; then
+        run qcow2-fio-verify-snapshot-commit t_qcow2
     fi
     run write-before-reboot t_write_persist
     run dmesg-clean t_dmesg_clean

@@ -64,6 +64,14 @@ LUKS=${UDRIVE_VM_LUKS:-$RBD}
 # Its NSID: after the RBD clone's when there is one.
 LUKS_NSID=0
 [ "$LUKS" != 1 ] || LUKS_NSID=$((RBD == 1 ? 4 : 3))
+# 1: the guest has the host hot-add a qcow2 overlay over a base image qemu-img
+# made with known data, runs fio verify rounds on it while the host takes a live
+# snapshot and commits it with a pivot (answering on ttyS1), and sends the disk's
+# sha256; after udrive exits the host checks the images (`qemu-img check`) and
+# that the committed chain holds exactly that. NSID after RBD's and LUKS's.
+QCOW2=${UDRIVE_VM_QCOW2:-0}
+QCOW2_NSID=0
+[ "$QCOW2" != 1 ] || QCOW2_NSID=$((3 + RBD + LUKS))
 # Guest RAM: shared (a memfd backend QEMU hands to udrive: the fast path) or private
 # (plain `-m`, not fd-backed: QEMU maps it without a file descriptor and udrive
 # moves every byte with DMA_READ/DMA_WRITE messages, docs/decisions/0020).
@@ -147,10 +155,10 @@ start_qemu() {
         -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
         -serial "file:$d/console.log"
         -kernel "$d/vmlinuz" -initrd "$d/initramfs.cpio"
-        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.idle=$IDLE_SECS udrive.rbd=$RBD udrive.luks=$LUKS_NSID${CRASH_ARGS:-}"
+        -append "console=ttyS0 quiet edd=off panic=-1 rdinit=/init udrive.idle=$IDLE_SECS udrive.rbd=$RBD udrive.luks=$LUKS_NSID udrive.qcow2=$QCOW2_NSID${CRASH_ARGS:-}"
     )
-    if [ "$UPGRADE" = 1 ]; then
-        # ttyS1: the host's answers to UDRIVE-UPGRADE (tell_guest).
+    if [ "$UPGRADE" = 1 ] || [ "$QCOW2" = 1 ]; then
+        # ttyS1: the host's answers to UDRIVE-UPGRADE and UDRIVE-QCOW2-SNAP (tell_guest).
         mkfifo "$TMP/ctl.in" "$TMP/ctl.out"
         QEMU_ARGS+=(-chardev "pipe,id=ctl,path=$d/ctl" -serial chardev:ctl)
     fi
@@ -305,6 +313,74 @@ luks_hook() {
         fi ;;
     esac
 }
+# On UDRIVE-QCOW2-ADD: base.qcow2 (32 x the first MiB of `yes UDRIVE-QCOW2-BASE`,
+# qemu-img) and
+# overlay.qcow2 over it, hot-added as namespace QCOW2_NSID; on UDRIVE-QCOW2-SNAP
+# (the guest's fio runs): a live snapshot into snap.qcow2, then an active commit
+# of it back into overlay.qcow2 with the pivot (`udrive rpc --wait`), answered on
+# ttyS1; on UDRIVE-QCOW2-DATA: the guest's sha256 of the disk, checked by
+# qcow2_check once udrive has exited.
+QCOW2_SHA=
+qcow2_hook() {
+    local out q=$TMP/qcow2 ns=\"socket\":\"$TMP/nvme.sock\",\"nsid\":$QCOW2_NSID
+    case ${1:-} in
+    UDRIVE-QCOW2-ADD*)
+        mkdir -p "$q"
+        { yes UDRIVE-QCOW2-BASE || true; } | head -c 1M >"$q/chunk"
+        for _ in $(seq 32); do cat "$q/chunk"; done >"$q/base.raw"
+        if qemu-img convert -q -f raw -O qcow2 "$q/base.raw" "$q/base.qcow2" &&
+            qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 "$q/overlay.qcow2" &&
+            out=$(rpc nvme_add_namespace "{$ns,\"spec\":\"qcow2:$q/overlay.qcow2\"}"); then
+            host_result qcow2-hot-add PASS "overlay.qcow2 over base.qcow2 (qemu-img, 32 MiB of known data): $(tr -d ' \n' <<<"$out")"
+        else
+            host_result qcow2-hot-add FAIL "$(tr '\n' ' ' <<<"${out:-qemu-img failed}" | cut -c1-240)"
+        fi ;;
+    UDRIVE-QCOW2-SNAP*)
+        if out=$(rpc qcow2_snapshot_create "{$ns,\"path\":\"$q/snap.qcow2\"}"); then
+            host_result qcow2-snapshot-under-io PASS "snap.qcow2 over overlay.qcow2, device paused $(tr -d ' \n' <<<"$out" | grep -o '"pause_us":[0-9]*' | cut -d: -f2) us"
+        else
+            host_result qcow2-snapshot-under-io FAIL "$(tr '\n' ' ' <<<"$out" | cut -c1-240)"
+            tell_guest "qcow2 failed: snapshot"
+            return 0
+        fi
+        # Let the guest's writes land in the new overlay before it is committed.
+        sleep 2
+        if out=$(timeout 120 "$UDRIVE" rpc --rpc "$TMP/rpc.sock" --wait block_commit "{$ns,\"rate\":\"4M\"}" 2>&1) &&
+            grep -q '"state": "completed"' <<<"$out" &&
+            ! grep -q 'snap.qcow2' <<<"$(rpc get_devices "{\"socket\":\"$TMP/nvme.sock\"}")"; then
+            host_result qcow2-commit-under-io PASS "snap.qcow2 committed into overlay.qcow2, pivoted: $(tr -d ' \n' <<<"$out" | grep -oE '"(done|total)":[0-9]*' | tr '\n' ' ')bytes"
+            tell_guest "qcow2 done"
+        else
+            host_result qcow2-commit-under-io FAIL "$(tr '\n' ' ' <<<"$out" | cut -c1-240)"
+            tell_guest "qcow2 failed: commit"
+        fi ;;
+    UDRIVE-QCOW2-DATA*)
+        QCOW2_SHA=$(sed -n 's/.*sha256=\([0-9a-f]*\).*/\1/p' <<<"$1") ;;
+    esac
+}
+# After udrive exited (its images closed): every image of the chain passes
+# `qemu-img check`, the base is what qemu-img wrote, and the committed overlay over
+# it reads as the guest's last sha256 of the disk.
+qcow2_check() {
+    local q=$TMP/qcow2 img bad='' got base
+    [ -f "$q/overlay.qcow2" ] || { host_result qcow2-images FAIL "no overlay.qcow2: the guest did not ask"; return 0; }
+    for img in base overlay snap; do
+        qemu-img check -q "$q/$img.qcow2" >"$q/check-$img.out" 2>&1 || bad="$bad $img.qcow2 (exit $?: $(tr '\n' ' ' <"$q/check-$img.out" | cut -c1-80))"
+    done
+    qemu-img convert -f qcow2 -O raw "$q/overlay.qcow2" "$q/overlay.raw" &&
+        got=$(sha256sum <"$q/overlay.raw" | cut -d' ' -f1) || got=unreadable
+    qemu-img convert -f qcow2 -O raw "$q/base.qcow2" "$q/base-now.raw" &&
+        base=$(sha256sum <"$q/base-now.raw" | cut -d' ' -f1) || base=unreadable
+    if [ -n "$bad" ]; then
+        host_result qcow2-images FAIL "qemu-img check:$bad"
+    elif [ "$base" != "$(sha256sum <"$q/base.raw" | cut -d' ' -f1)" ]; then
+        host_result qcow2-images FAIL "base.qcow2 changed (sha256 ${base:0:16}...)"
+    elif [ -z "$QCOW2_SHA" ] || [ "$got" != "$QCOW2_SHA" ]; then
+        host_result qcow2-images FAIL "overlay.qcow2 over base.qcow2 reads sha256 ${got:0:16}..., the guest read ${QCOW2_SHA:-nothing}"
+    else
+        host_result qcow2-images PASS "qemu-img check clean on base, overlay and snap; base unchanged; the committed overlay holds what the guest read (sha256 ${got:0:16}...)"
+    fi
+}
 # On UDRIVE-CRASH (UDRIVE_VM_SUPERVISE=1): SIGKILL the server process, wait for the
 # supervisor's new one (host result server-kill-N), and start a probe that polls
 # the new server's get_stats until an I/O command has completed.
@@ -385,6 +461,7 @@ guest_hook() {
     resize_hook "$@"
     [ "$RBD" = 1 ] && rbd_hook "$@"
     [ "$LUKS" = 1 ] && luks_hook "$@"
+    [ "$QCOW2" = 1 ] && qcow2_hook "$@"
     [ "$SUPERVISE" = 1 ] && crash_hook "$@"
     [ "$UPGRADE" = 1 ] && upgrade_hook "$@"
     return 0
@@ -397,6 +474,7 @@ for p in "${PROBES[@]}"; do
 done
 [ "$DEVICE" = udrive ] && stop_udrive
 phase ""
+[ "$QCOW2" != 1 ] || qcow2_check
 
 # Results: one line per guest check, plus checks made here on the host side.
 guest_results "$TMP/console.log"
