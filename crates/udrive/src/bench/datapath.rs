@@ -68,10 +68,10 @@ pub struct Env {
 /// Why a datapath does not run a backend at all (not a property of this machine).
 pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
     match (d, b) {
-        (DatapathKind::IoUring, Backend::Null | Backend::Ram | Backend::Rbd) => {
-            Err("bare io_uring drives files only".into())
+        (DatapathKind::IoUring, Backend::Null | Backend::Ram | Backend::Rbd | Backend::Qcow2) => {
+            Err("bare io_uring drives raw files only".into())
         }
-        (DatapathKind::Librbd, Backend::Null | Backend::Ram | Backend::File) => {
+        (DatapathKind::Librbd, Backend::Null | Backend::Ram | Backend::File | Backend::Qcow2) => {
             Err("librbd drives RBD images only".into())
         }
         (DatapathKind::QsdVhost, Backend::Ram) => {
@@ -112,6 +112,23 @@ pub fn pair_probe(d: &DatapathKind, b: Backend) -> Result<(), String> {
     }
 }
 
+impl Env {
+    /// The `qcow2` backend's image: the data file converted.
+    pub fn qcow2_file(&self) -> PathBuf {
+        self.data_file.with_extension("qcow2")
+    }
+}
+
+/// Makes the `qcow2` backend's image from the data file (every cluster allocated:
+/// the data has no zero runs).
+pub fn make_qcow2(env: &Env) -> Result<(), DatapathError> {
+    let mut c = Command::new("qemu-img");
+    c.args(["convert", "-f", "raw", "-O", "qcow2", "-o", "cluster_size=65536"])
+        .arg(&env.data_file)
+        .arg(env.qcow2_file());
+    output(c, "qemu-img convert (the qcow2 image)").map(drop)
+}
+
 /// Why a backend cannot be served on this machine (real datapaths only).
 pub fn backend_probe(b: Backend, env: &Env) -> Result<(), String> {
     match b {
@@ -120,6 +137,9 @@ pub fn backend_probe(b: Backend, env: &Env) -> Result<(), String> {
         }
         Backend::Rbd if which("rbd").is_none() => {
             Err("the rbd tool (Debian's ceph-common) is not in PATH".into())
+        }
+        Backend::Qcow2 if which("qemu-img").is_none() => {
+            Err("qemu-img (Debian's qemu-utils) is not in PATH".into())
         }
         _ => Ok(()),
     }
@@ -238,6 +258,7 @@ fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command
             m.file.engine
         ),
         Backend::Rbd => format!("rbd:{}", rbd_spec(env)),
+        Backend::Qcow2 => format!("qcow2:{}", env.qcow2_file().display()),
     };
     let mut c = Command::new(&env.udrive);
     c.arg("serve");
@@ -273,6 +294,11 @@ fn qsd_cmd(b: Backend, env: &Env, sock: &Path) -> Command {
         Backend::File => format!(
             "driver=file,node-name=d0,filename={},cache.direct={},aio=io_uring",
             env.data_file.display(),
+            if m.file.direct { "on" } else { "off" }
+        ),
+        Backend::Qcow2 => format!(
+            "driver=qcow2,node-name=d0,file.driver=file,file.filename={},file.aio=io_uring,cache.direct={}",
+            env.qcow2_file().display(),
             if m.file.direct { "on" } else { "off" }
         ),
         Backend::Rbd => {

@@ -13,6 +13,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("poll-modes", include_str!("presets/poll-modes.toml")),
     ("rbd", include_str!("presets/rbd.toml")),
     ("thesis", include_str!("presets/thesis.toml")),
+    ("qcow2", include_str!("presets/qcow2.toml")),
 ];
 
 /// A preset's text by name.
@@ -160,6 +161,9 @@ pub enum Backend {
     File,
     /// An RBD image of the cluster `[rbd] conf` (or `--rbd-conf`) names.
     Rbd,
+    /// The `file` backend's data as a fully allocated qcow2 image (qemu-img
+    /// convert), in `[file] dir`.
+    Qcow2,
 }
 
 impl fmt::Display for Backend {
@@ -169,6 +173,7 @@ impl fmt::Display for Backend {
             Self::Ram => "ram",
             Self::File => "file",
             Self::Rbd => "rbd",
+            Self::Qcow2 => "qcow2",
         })
     }
 }

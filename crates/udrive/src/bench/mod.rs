@@ -142,6 +142,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let result = measure(&env, &raw, &a.out, &stop);
     let _ = std::fs::remove_file(&env.data_file);
+    let _ = std::fs::remove_file(env.qcow2_file());
     let failed = result?;
     if stop.load(Ordering::Relaxed) {
         bail!("interrupted; the runs so far are in {}", a.out.display());
@@ -169,18 +170,19 @@ fn measure(
         let on = s.backend.map_or(String::new(), |b| format!(" on {b}"));
         eprintln!("udrive bench: skipping {}{on}: {}", s.datapath, s.reason);
     }
-    let needs_file = m.backends.contains(&matrix::Backend::File)
-        && groups.iter().any(|g| {
-            g.backend == matrix::Backend::File
-                && !matches!(g.datapath, matrix::DatapathKind::Fake(_))
-        });
-    if needs_file {
+    let needs = |b: matrix::Backend| {
+        groups
+            .iter()
+            .any(|g| g.backend == b && !matches!(g.datapath, matrix::DatapathKind::Fake(_)))
+    };
+    let needs_qcow2 = needs(matrix::Backend::Qcow2);
+    if needs(matrix::Backend::File) || needs_qcow2 {
         write_data_file(&env.data_file, m.file.mib)?;
     }
-    let needs_image = groups.iter().any(|g| {
-        g.backend == matrix::Backend::Rbd && !matches!(g.datapath, matrix::DatapathKind::Fake(_))
-    });
-    if needs_image {
+    if needs_qcow2 {
+        datapath::make_qcow2(env)?;
+    }
+    if needs(matrix::Backend::Rbd) {
         eprintln!(
             "udrive bench: writing the RBD image {} once ...",
             m.rbd.image()
