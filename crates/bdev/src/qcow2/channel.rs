@@ -23,7 +23,7 @@ use guest_mem::DmaSlice;
 use super::backing::Backing;
 use super::image::Image;
 use super::live::Active;
-use super::tables::{classify, Cluster, L2Table};
+use super::tables::{classify_at, Cluster, L2Table};
 use crate::crypt::{copy_in, copy_out};
 use crate::{in_range, Armed, IoChannel, IoOp, IoRequest, IoStatus};
 
@@ -50,6 +50,8 @@ pub(super) struct Qcow2Channel {
     generation: u64,
     size: u64,
     read_only: bool,
+    /// The image's L2 entries are extended (subclusters).
+    ext: bool,
     /// A cluster of guest data, and a cluster for what surrounds it.
     piece: Vec<u8>,
     scratch: Vec<u8>,
@@ -87,6 +89,7 @@ impl Qcow2Channel {
             active,
             epoch,
             read_only: image.read_only,
+            ext: image.header.extended_l2(),
             generation: image.generation.load(Ordering::Acquire),
             image,
             local: Default::default(),
@@ -118,6 +121,7 @@ impl Qcow2Channel {
         }
         self.local = Default::default();
         self.generation = image.generation.load(Ordering::Acquire);
+        self.ext = image.header.extended_l2();
         self.image = image;
         self.epoch = epoch;
         Ok(())
@@ -170,11 +174,13 @@ impl Qcow2Channel {
             return Fast::Slow;
         }
         let n = (last - first) as usize;
-        match classify(t.get(l2i), cs, limit) {
+        let ext = self.ext;
+        let at = |i| classify_at(t, i, ext, cs, limit);
+        match at(l2i) {
             Cluster::Data { host, copied } if copied || !write => {
                 let contiguous = (1..=n).all(|k| {
                     let want = host + k as u64 * cs;
-                    matches!(classify(t.get(l2i + k), cs, limit),
+                    matches!(at(l2i + k),
                         Cluster::Data { host: h, copied } if h == want && (copied || !write))
                 });
                 if contiguous {
@@ -184,7 +190,7 @@ impl Qcow2Channel {
                 }
             }
             Cluster::Unallocated if !write && self.in_raw_backing(req) => {
-                let unallocated = (0..=n).all(|k| t.get(l2i + k) == 0);
+                let unallocated = (0..=n).all(|k| at(l2i + k) == Cluster::Unallocated);
                 if unallocated {
                     Fast::Backing
                 } else {
@@ -192,12 +198,12 @@ impl Qcow2Channel {
                 }
             }
             Cluster::Zero { .. } | Cluster::Unallocated if !write => {
-                let zero = |e| match classify(e, cs, limit) {
+                let zero = |i| match at(i) {
                     Cluster::Zero { .. } => true,
                     Cluster::Unallocated => no_backing,
                     _ => false,
                 };
-                if (0..=n).all(|k| zero(t.get(l2i + k))) {
+                if (0..=n).all(|k| zero(l2i + k)) {
                     Fast::Zeroes
                 } else {
                     Fast::Slow

@@ -11,13 +11,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::backing::Backing;
+use super::compress;
 use super::error::Qcow2Error;
 use super::header::{
     Header, INCOMPAT_COMPRESSION, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
     INCOMPAT_EXTL2,
 };
 use super::meta::Meta;
-use super::tables::{classify, Cluster, COPIED, ZERO};
+use super::tables::{classify_at, Cluster, COPIED, ZERO};
 
 /// How an image is opened.
 #[derive(Clone, Copy, Debug)]
@@ -82,6 +83,12 @@ enum Source {
     Host(u64),
     /// A compressed cluster's L2 entry.
     Compressed(u64),
+    /// Subclusters of different kinds (extended L2 entries).
+    Mixed {
+        host: u64,
+        alloc: u32,
+        zero: u32,
+    },
     Zeroes,
     Backing,
 }
@@ -174,14 +181,19 @@ impl Image {
     /// Guest cluster `c`'s L2 entry, classified and raw.
     fn entry(&self, meta: &mut Meta, c: u64) -> io::Result<(Cluster, u64)> {
         let (l1i, l2i) = self.split(c);
-        let entry = meta.l2(l1i)?.map_or(0, |t| t.get(l2i));
         let limit = self.limit.load(Ordering::Acquire);
-        Ok((classify(entry, self.cs(), limit), entry))
+        let ext = self.header.extended_l2();
+        let Some(t) = meta.l2(l1i)? else {
+            return Ok((Cluster::Unallocated, 0));
+        };
+        let entry = t.get(l2i << u32::from(ext));
+        Ok((classify_at(&t, l2i, ext, self.cs(), limit), entry))
     }
 
     fn source(&self, meta: &mut Meta, c: u64) -> io::Result<Source> {
         Ok(match self.entry(meta, c)? {
             (Cluster::Compressed, e) => Source::Compressed(e),
+            (Cluster::Mixed { host, alloc, zero }, _) => Source::Mixed { host, alloc, zero },
             (Cluster::Data { host, .. }, _) => Source::Host(host),
             (Cluster::Zero { .. }, _) => Source::Zeroes,
             (Cluster::Unallocated, _) if self.backing.is_some() => Source::Backing,
@@ -217,10 +229,50 @@ impl Image {
                     self.inflate(e, &mut whole)?;
                     part.copy_from_slice(&whole[within as usize..within as usize + n]);
                 }
-                Source::Backing => match &self.backing {
-                    Some(b) => b.read(off, part)?,
-                    None => part.fill(0),
-                },
+                Source::Backing => self.read_backing(off, part)?,
+                Source::Mixed { host, alloc, zero } => {
+                    self.read_subclusters(off, part, host, alloc, zero)?
+                }
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
+    fn read_backing(&self, off: u64, part: &mut [u8]) -> io::Result<()> {
+        match &self.backing {
+            Some(b) => b.read(off, part),
+            None => {
+                part.fill(0);
+                Ok(())
+            }
+        }
+    }
+
+    /// Reads `part` at guest offset `off` (inside one cluster) subcluster by
+    /// subcluster: from `host`, zeroes or the backing file, as the bitmaps say.
+    fn read_subclusters(
+        &self,
+        off: u64,
+        part: &mut [u8],
+        host: u64,
+        alloc: u32,
+        zero: u32,
+    ) -> io::Result<()> {
+        let cs = self.cs();
+        let sc = cs / 32;
+        let mut pos = 0usize;
+        while pos < part.len() {
+            let within = (off + pos as u64) & (cs - 1);
+            let i = within / sc;
+            let n = ((sc - within % sc) as usize).min(part.len() - pos);
+            let piece = &mut part[pos..pos + n];
+            if alloc & (1 << i) != 0 {
+                self.file.read_exact_at(piece, host + within)?;
+            } else if zero & (1 << i) != 0 {
+                piece.fill(0);
+            } else {
+                self.read_backing(off + pos as u64, piece)?;
             }
             pos += n;
         }
@@ -273,7 +325,9 @@ impl Image {
             // A compressed cluster is rewritten whole into a new one; its old
             // space leaks (freeing is not built).
             Cluster::Unallocated | Cluster::Zero { host: None } | Cluster::Compressed => None,
-            Cluster::Data { copied: false, .. } | Cluster::Bad => return Err(bad_data()),
+            Cluster::Data { copied: false, .. } | Cluster::Mixed { .. } | Cluster::Bad => {
+                return Err(bad_data())
+            }
         };
         let whole = &mut scratch[..cs as usize];
         if part.len() < whole.len() {
@@ -314,14 +368,8 @@ impl Image {
     }
 
     /// Decompresses the cluster L2 entry `entry` describes into `out` (one
-    /// cluster): raw deflate, as QEMU writes it; zstd is not built.
+    /// cluster), deflate or zstd as the header says.
     fn inflate(&self, entry: u64, out: &mut [u8]) -> io::Result<()> {
-        if self.header.compression_type != 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "qcow2: zstd-compressed cluster",
-            ));
-        }
         let (offset, len) = compressed_extent(entry, self.header.cluster_bits);
         let end = offset
             .checked_add(len)
@@ -331,13 +379,7 @@ impl Image {
         }
         let mut input = vec![0u8; len as usize];
         let n = read_some(&self.file, &mut input, offset)?;
-        let mut z = flate2::Decompress::new(false);
-        let st = z.decompress(&input[..n], out, flate2::FlushDecompress::Finish);
-        // A full cluster out is success even if the stream has padding left.
-        match st {
-            Ok(_) if z.total_out() == out.len() as u64 => Ok(()),
-            _ => Err(bad_data()),
-        }
+        compress::decompress(self.header.compression_type, &input[..n], out)
     }
 
     pub(super) fn flush(&self) -> io::Result<()> {
@@ -426,8 +468,10 @@ fn check_features(path: &Path, h: &Header, read_only: bool) -> Result<(), Qcow2E
     if inc & INCOMPAT_DATA_FILE != 0 {
         return Err(unsupported("an external data file"));
     }
-    if inc & INCOMPAT_EXTL2 != 0 {
-        return Err(unsupported("extended L2 entries (subclusters)"));
+    if inc & INCOMPAT_EXTL2 != 0 && !read_only {
+        return Err(unsupported(
+            "writing an image with extended L2 entries (subclusters; open it read-only)",
+        ));
     }
     let known = INCOMPAT_DIRTY
         | INCOMPAT_CORRUPT
