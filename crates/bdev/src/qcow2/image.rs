@@ -344,16 +344,25 @@ impl Image {
         meta.set_entry(l1i, l2i, host | COPIED)
     }
 
-    /// Makes whole guest clusters `first..first+count` read as zeroes (their
-    /// clusters stay allocated; `punch`: their host space is given back).
-    pub(super) fn zero_clusters(&self, first: u64, count: u64, punch: bool) -> io::Result<()> {
+    /// Makes whole guest clusters `first..first+count` read as zeroes. For a
+    /// discard their space is punched out and their clusters are freed (the
+    /// entry says zeroes over a backing file, unallocated without one); Write
+    /// Zeroes keeps them allocated.
+    pub(super) fn zero_clusters(&self, first: u64, count: u64, discard: bool) -> io::Result<()> {
         let mut meta = self.meta();
+        let freed_entry = if self.backing.is_some() { ZERO } else { 0 };
+        let mut freed = Vec::new();
         for c in first..first + count {
             let (l1i, l2i) = self.split(c);
             let keep = match self.cluster(&mut meta, c)? {
                 Cluster::Data { host, copied: true } | Cluster::Zero { host: Some(host) } => {
-                    if punch {
+                    if discard {
                         super::punch(&self.file, host, self.cs());
+                        if meta.can_free() {
+                            meta.set_entry(l1i, l2i, freed_entry)?;
+                            freed.push(host);
+                            continue;
+                        }
                     }
                     host | COPIED
                 }
@@ -364,6 +373,7 @@ impl Image {
             };
             meta.set_entry(l1i, l2i, keep | ZERO)?;
         }
+        meta.discard(&freed);
         zero_through(self, first, count)
     }
 

@@ -96,4 +96,3 @@ pub fn random_ops(ch: &mut dyn bdev::IoChannel, rng: &mut Rng, want: &mut [u8], 
         }
     }
 }
-
