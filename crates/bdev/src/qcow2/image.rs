@@ -18,7 +18,7 @@ use super::header::{
     INCOMPAT_EXTL2,
 };
 use super::meta::Meta;
-use super::tables::{classify_at, Cluster, COPIED, ZERO};
+use super::tables::{classify_at, Cluster, COPIED, OFFSET_MASK, ZERO};
 
 /// How an image is opened.
 #[derive(Clone, Copy, Debug)]
@@ -193,7 +193,12 @@ impl Image {
     fn source(&self, meta: &mut Meta, c: u64) -> io::Result<Source> {
         Ok(match self.entry(meta, c)? {
             (Cluster::Compressed, e) => Source::Compressed(e),
-            (Cluster::Mixed { host, alloc, zero }, _) => Source::Mixed { host, alloc, zero },
+            (
+                Cluster::Mixed {
+                    host, alloc, zero, ..
+                },
+                _,
+            ) => Source::Mixed { host, alloc, zero },
             (Cluster::Data { host, .. }, _) => Source::Host(host),
             (Cluster::Zero { .. }, _) => Source::Zeroes,
             (Cluster::Unallocated, _) if self.backing.is_some() => Source::Backing,
@@ -321,10 +326,16 @@ impl Image {
             Cluster::Data { host, copied: true } => {
                 return self.file.write_all_at(part, host + within as u64);
             }
+            // A cluster of the image's own, partly allocated or all zeroes, is
+            // written whole in place.
             Cluster::Zero { host: Some(h) } => Some(h),
+            Cluster::Mixed {
+                host, copied: true, ..
+            } if host != 0 => Some(host),
             // A compressed cluster is rewritten whole into a new one; its old
-            // space leaks (freeing is not built).
+            // space leaks (it may share a cluster with others).
             Cluster::Unallocated | Cluster::Zero { host: None } | Cluster::Compressed => None,
+            Cluster::Mixed { host: 0, .. } => None,
             Cluster::Data { copied: false, .. } | Cluster::Mixed { .. } | Cluster::Bad => {
                 return Err(bad_data())
             }
@@ -340,8 +351,27 @@ impl Image {
             None => meta.alloc()?,
         };
         self.file.write_all_at(whole, host)?;
+        self.set_entry(meta, c, host | COPIED)
+    }
+
+    /// Stores guest cluster `c`'s L2 entry, `value` as a standard entry
+    /// says it (`host | COPIED`, `ZERO`, 0). With extended entries every
+    /// subcluster follows it: the entry is stored first, then the bitmap; a
+    /// lock-free reader between the two sees a mix that sends it to the slow
+    /// path (this lock) or to the cluster's old content, never to stale data.
+    pub(super) fn set_entry(&self, meta: &mut Meta, c: u64, value: u64) -> io::Result<()> {
         let (l1i, l2i) = self.split(c);
-        meta.set_entry(l1i, l2i, host | COPIED)
+        if !self.header.extended_l2() {
+            return meta.set_entry(l1i, l2i, value);
+        }
+        let all = u64::from(u32::MAX);
+        let bitmap = match (value & ZERO != 0, value & OFFSET_MASK != 0) {
+            (true, _) => all << 32,
+            (false, true) => all,
+            (false, false) => 0,
+        };
+        meta.set_entry(l1i, 2 * l2i, value & !ZERO)?;
+        meta.set_entry(l1i, 2 * l2i + 1, bitmap)
     }
 
     /// Makes whole guest clusters `first..first+count` read as zeroes. For a
@@ -353,25 +383,26 @@ impl Image {
         let freed_entry = if self.backing.is_some() { ZERO } else { 0 };
         let mut freed = Vec::new();
         for c in first..first + count {
-            let (l1i, l2i) = self.split(c);
-            let keep = match self.cluster(&mut meta, c)? {
-                Cluster::Data { host, copied: true } | Cluster::Zero { host: Some(host) } => {
-                    if discard {
-                        super::punch(&self.file, host, self.cs());
-                        if meta.can_free() {
-                            meta.set_entry(l1i, l2i, freed_entry)?;
-                            freed.push(host);
-                            continue;
-                        }
-                    }
-                    host | COPIED
-                }
+            let host = match self.cluster(&mut meta, c)? {
+                Cluster::Data { host, copied: true } | Cluster::Zero { host: Some(host) } => host,
+                Cluster::Mixed {
+                    host, copied: true, ..
+                } if host != 0 => host,
                 Cluster::Zero { host: None } => continue,
                 // Shared or compressed clusters are left to their owners: the
                 // entry alone says zeroes.
                 _ => 0,
             };
-            meta.set_entry(l1i, l2i, keep | ZERO)?;
+            if discard && host != 0 {
+                super::punch(&self.file, host, self.cs());
+                if meta.can_free() {
+                    self.set_entry(&mut meta, c, freed_entry)?;
+                    freed.push(host);
+                    continue;
+                }
+            }
+            let keep = if host != 0 { host | COPIED } else { 0 };
+            self.set_entry(&mut meta, c, keep | ZERO)?;
         }
         meta.discard(&freed);
         zero_through(self, first, count)
@@ -477,11 +508,6 @@ fn check_features(path: &Path, h: &Header, read_only: bool) -> Result<(), Qcow2E
     }
     if inc & INCOMPAT_DATA_FILE != 0 {
         return Err(unsupported("an external data file"));
-    }
-    if inc & INCOMPAT_EXTL2 != 0 && !read_only {
-        return Err(unsupported(
-            "writing an image with extended L2 entries (subclusters; open it read-only)",
-        ));
     }
     let known = INCOMPAT_DIRTY
         | INCOMPAT_CORRUPT

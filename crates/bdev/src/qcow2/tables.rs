@@ -73,9 +73,10 @@ pub(super) enum Cluster {
     /// Extended L2 entries: subclusters not all alike. `host` is 0 when the
     /// cluster has no space; bit `i` of `alloc`: subcluster `i` is at
     /// `host + i * cs / 32`; of `zero`: it reads as zeroes; neither: it is the
-    /// backing file's (or zeroes).
+    /// backing file's (or zeroes); `copied` as for `Data`.
     Mixed {
         host: u64,
+        copied: bool,
         alloc: u32,
         zero: u32,
     },
@@ -122,9 +123,15 @@ pub(super) fn classify_ext(entry: u64, bitmap: u64, cs: u64, limit: u64) -> Clus
         Cluster::Unallocated if zero == 0 => Cluster::Unallocated,
         Cluster::Data { host, copied } if alloc == u32::MAX => Cluster::Data { host, copied },
         Cluster::Data { host, .. } if zero == u32::MAX => Cluster::Zero { host: Some(host) },
-        Cluster::Data { host, .. } => Cluster::Mixed { host, alloc, zero },
+        Cluster::Data { host, copied } => Cluster::Mixed {
+            host,
+            copied,
+            alloc,
+            zero,
+        },
         Cluster::Unallocated => Cluster::Mixed {
             host: 0,
+            copied: false,
             alloc,
             zero,
         },
@@ -278,6 +285,7 @@ mod tests {
             classify_ext(d, 0b101 | (0b10 << 32), cs, limit),
             Cluster::Mixed {
                 host: 2 * cs,
+                copied: true,
                 alloc: 0b101,
                 zero: 0b10
             }
@@ -286,6 +294,7 @@ mod tests {
             classify_ext(0, 0b10 << 32, cs, limit),
             Cluster::Mixed {
                 host: 0,
+                copied: false,
                 alloc: 0,
                 zero: 0b10
             }
