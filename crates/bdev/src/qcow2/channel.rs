@@ -154,8 +154,12 @@ impl Qcow2Channel {
             (self.piece, self.scratch) = (vec![0; cs], vec![0; cs]);
         }
         self.local = Default::default();
-        self.generation = image.generation.load(Ordering::Acquire);
+        self.generation = image.generation.load(Ordering::SeqCst);
         self.ext = image.header.extended_l2();
+        // What it published was in the old image's generations; nothing is in
+        // flight on the new image's ring yet.
+        self.quiet.store(self.generation + 1, Ordering::SeqCst);
+        self.idle = false;
         image.meta().register(&self.quiet);
         self.image = image;
         self.epoch = epoch;

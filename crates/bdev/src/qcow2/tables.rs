@@ -3,9 +3,11 @@
 //!
 //! The cache holds decoded tables as arrays of atomics behind `Arc`s: channels
 //! keep a few of them and read entries without the image's lock (the fast path);
-//! entries change in place, under the lock, only from "not allocated" to
-//! "allocated" or to "reads as zeroes" (an allocation's data is written before
-//! its entry is stored, with release ordering). Evicting a table bumps the
+//! entries change in place, under the lock (an allocation's data is written
+//! before its entry is stored, with release ordering). A discard that frees a
+//! cluster clears its entry; a request a channel translated before that may
+//! still be in flight, which is why a freed cluster waits before reuse
+//! (`meta::Quiet`). Evicting a table bumps the
 //! image's generation so channels drop the tables they kept (a reloaded table is
 //! a new `Arc`).
 
