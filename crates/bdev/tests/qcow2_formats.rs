@@ -10,7 +10,7 @@ use test_support::qemu::{have_qemu_tools, qemu_check, qemu_compare, qemu_create,
 use test_support::rng::Rng;
 
 mod qcow2_common;
-use qcow2_common::{fill, first_difference, open, random_ops, read_all, MIB};
+use qcow2_common::{fill, first_difference, open, random_ops, raw_base, read_all, MIB};
 
 fn read_only() -> Qcow2Options {
     Qcow2Options {
@@ -32,9 +32,7 @@ fn subcluster_images_qemu_wrote_read_back_exactly() {
     }
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let mut base = vec![0u8; 8 * MIB as usize];
-    Rng::new(11).fill(&mut base);
-    std::fs::write(d.join("base.raw"), &base).unwrap();
+    let base = raw_base(d, 8 * MIB, &mut Rng::new(11));
     for (cs, name) in [(16u64 << 10, "16k"), (64 << 10, "64k"), (2 * MIB, "2M")] {
         let img = d.join(format!("x{name}.qcow2"));
         let opts = format!("{name},extended_l2=on");
@@ -114,9 +112,7 @@ fn discards_free_clusters_for_later_writes() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let mut rng = Rng::new(21);
-    let mut base = vec![0u8; 16 * MIB as usize];
-    rng.fill(&mut base);
-    std::fs::write(d.join("base.raw"), &base).unwrap();
+    let base = raw_base(d, 16 * MIB, &mut rng);
     for backing in [false, true] {
         let img = d.join(format!("d{backing}.qcow2"));
         let mut want = vec![0u8; 16 * MIB as usize];

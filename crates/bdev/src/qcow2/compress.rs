@@ -44,8 +44,10 @@ fn inflate(input: &[u8], out: &mut [u8]) -> io::Result<()> {
 }
 
 /// zstd frames, one after another, until `out` is full; a frame that would
-/// produce more than `out` holds is corrupt (as for QEMU). Every turn of the
-/// loop consumes input or fills output, so it ends.
+/// produce more than `out` holds is corrupt (as for QEMU; empty blocks after
+/// the cluster's bytes are not). Every turn of the loop hands out bytes,
+/// consumes input or ends the frame, so it ends; the decoder holds at most its
+/// window and one block (128 KiB) it could not hand out.
 fn unzstd(input: &[u8], out: &mut [u8]) -> io::Result<()> {
     let mut src = input;
     let mut dec = FrameDecoder::new();
@@ -57,17 +59,16 @@ fn unzstd(input: &[u8], out: &mut [u8]) -> io::Result<()> {
     while at < out.len() {
         dec.reset(&mut src).map_err(|_| bad_compressed())?;
         loop {
-            while !dec.is_finished() && dec.can_collect() == 0 {
+            if dec.can_collect() > 0 {
+                if at == out.len() {
+                    return Err(bad_compressed());
+                }
+                at += dec.read(&mut out[at..]).map_err(|_| bad_compressed())?;
+            } else if dec.is_finished() {
+                break;
+            } else {
                 dec.decode_blocks(&mut src, BlockDecodingStrategy::UptoBlocks(1))
                     .map_err(|_| bad_compressed())?;
-            }
-            let n = dec.read(&mut out[at..]).map_err(|_| bad_compressed())?;
-            at += n;
-            if dec.is_finished() && dec.can_collect() == 0 {
-                break;
-            }
-            if at == out.len() {
-                return Err(bad_compressed());
             }
         }
     }
@@ -114,5 +115,12 @@ mod tests {
         // More than a cluster out of one frame.
         let mut small = [0u8; 8];
         assert!(decompress(ZSTD, &frame(&[3u8; 16]), &mut small).is_err());
+        // A frame whose last block is empty, after the cluster's bytes.
+        let mut trailing = frame(&[4u8; 16]);
+        trailing[6] &= !1; // not the last block
+        trailing.extend_from_slice(&1u32.to_le_bytes()[..3]); // empty last raw block
+        let mut out = [0u8; 16];
+        decompress(ZSTD, &trailing, &mut out).unwrap();
+        assert_eq!(out, [4u8; 16]);
     }
 }

@@ -96,3 +96,11 @@ pub fn random_ops(ch: &mut dyn bdev::IoChannel, rng: &mut Rng, want: &mut [u8], 
         }
     }
 }
+
+/// `size` random bytes written to `dir/base.raw` (a raw backing file).
+pub fn raw_base(dir: &Path, size: u64, rng: &mut Rng) -> Vec<u8> {
+    let mut base = vec![0u8; size as usize];
+    rng.fill(&mut base);
+    std::fs::write(dir.join("base.raw"), &base).unwrap();
+    base
+}
