@@ -430,7 +430,7 @@ impl IoChannel for Qcow2Channel {
     fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
         let mut n = self.data.poll(done);
         self.data_inflight = self.data_inflight.saturating_sub(n);
-        if n > 0 && self.data_inflight == 0 {
+        if self.data_inflight == 0 && !self.idle {
             // Release: the completions' data is in place before a freed
             // cluster they used may be handed out.
             self.quiet.store(IDLE, Ordering::Release);
