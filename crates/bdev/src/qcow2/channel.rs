@@ -23,7 +23,8 @@ use guest_mem::DmaSlice;
 use super::backing::Backing;
 use super::image::Image;
 use super::live::Active;
-use super::tables::{classify, Cluster, L2Table};
+use super::meta::{Quiet, IDLE};
+use super::tables::{classify_at, Cluster, L2Table};
 use crate::crypt::{copy_in, copy_out};
 use crate::{in_range, Armed, IoChannel, IoOp, IoRequest, IoStatus};
 
@@ -50,9 +51,15 @@ pub(super) struct Qcow2Channel {
     generation: u64,
     size: u64,
     read_only: bool,
+    /// The image's L2 entries are extended (subclusters).
+    ext: bool,
     /// A cluster of guest data, and a cluster for what surrounds it.
     piece: Vec<u8>,
     scratch: Vec<u8>,
+    /// What this channel publishes for the reuse of freed clusters (after
+    /// `data`: dropped once nothing is in flight), and whether it says `IDLE`.
+    quiet: Arc<Quiet>,
+    idle: bool,
 }
 
 /// What a request's clusters say, looked up without the lock.
@@ -87,13 +94,43 @@ impl Qcow2Channel {
             active,
             epoch,
             read_only: image.read_only,
+            ext: image.header.extended_l2(),
             generation: image.generation.load(Ordering::Acquire),
             image,
             local: Default::default(),
             size,
             piece: vec![0; cs],
             scratch: vec![0; cs],
-        })
+            quiet: Arc::new(Quiet::new(IDLE)),
+            idle: true,
+        }
+        .registered())
+    }
+
+    /// Makes the image wait for this channel before it reuses a freed cluster.
+    fn registered(self) -> Qcow2Channel {
+        self.image.meta().register(&self.quiet);
+        self
+    }
+
+    /// Before a request: a channel that published `IDLE` retracts it before
+    /// it reads an L2 entry (sequentially consistent: an allocation either
+    /// sees the retraction or this channel sees the discard's generation).
+    /// Only the first request after the channel ran empty pays for it.
+    #[inline]
+    fn busy(&mut self) {
+        if self.idle {
+            self.idle = false;
+            self.quiet.swap(self.generation + 1, Ordering::SeqCst);
+        }
+    }
+
+    /// Nothing in flight on the image's ring: every request translated so far
+    /// is done, and later ones read entries at least as new as `generation`.
+    fn publish_quiet(&mut self) {
+        if self.data_inflight == 0 && !self.idle {
+            self.quiet.store(self.generation + 1, Ordering::SeqCst);
+        }
     }
 
     /// Moves to the image the disk serves now, on rings made for it off the
@@ -117,7 +154,13 @@ impl Qcow2Channel {
             (self.piece, self.scratch) = (vec![0; cs], vec![0; cs]);
         }
         self.local = Default::default();
-        self.generation = image.generation.load(Ordering::Acquire);
+        self.generation = image.generation.load(Ordering::SeqCst);
+        self.ext = image.header.extended_l2();
+        // What it published was in the old image's generations; nothing is in
+        // flight on the new image's ring yet.
+        self.quiet.store(self.generation + 1, Ordering::SeqCst);
+        self.idle = false;
+        image.meta().register(&self.quiet);
         self.image = image;
         self.epoch = epoch;
         Ok(())
@@ -129,7 +172,9 @@ impl Qcow2Channel {
     /// `Err`: loading it failed (the slow path reports why). A hit costs no
     /// reference count: the fast path borrows the table from the slot.
     fn table(&mut self, l1i: usize) -> Result<Option<usize>, ()> {
-        let g = self.image.generation.load(Ordering::Acquire);
+        // Sequentially consistent for the reuse of freed clusters (`busy`);
+        // a plain load on x86 and an acquire load on Arm all the same.
+        let g = self.image.generation.load(Ordering::SeqCst);
         if g != self.generation {
             self.local = Default::default();
             self.generation = g;
@@ -170,11 +215,13 @@ impl Qcow2Channel {
             return Fast::Slow;
         }
         let n = (last - first) as usize;
-        match classify(t.get(l2i), cs, limit) {
+        let ext = self.ext;
+        let at = |i| classify_at(t, i, ext, cs, limit);
+        match at(l2i) {
             Cluster::Data { host, copied } if copied || !write => {
                 let contiguous = (1..=n).all(|k| {
                     let want = host + k as u64 * cs;
-                    matches!(classify(t.get(l2i + k), cs, limit),
+                    matches!(at(l2i + k),
                         Cluster::Data { host: h, copied } if h == want && (copied || !write))
                 });
                 if contiguous {
@@ -184,7 +231,7 @@ impl Qcow2Channel {
                 }
             }
             Cluster::Unallocated if !write && self.in_raw_backing(req) => {
-                let unallocated = (0..=n).all(|k| t.get(l2i + k) == 0);
+                let unallocated = (0..=n).all(|k| at(l2i + k) == Cluster::Unallocated);
                 if unallocated {
                     Fast::Backing
                 } else {
@@ -192,12 +239,12 @@ impl Qcow2Channel {
                 }
             }
             Cluster::Zero { .. } | Cluster::Unallocated if !write => {
-                let zero = |e| match classify(e, cs, limit) {
+                let zero = |i| match at(i) {
                     Cluster::Zero { .. } => true,
                     Cluster::Unallocated => no_backing,
                     _ => false,
                 };
-                if (0..=n).all(|k| zero(t.get(l2i + k))) {
+                if (0..=n).all(|k| zero(l2i + k)) {
                     Fast::Zeroes
                 } else {
                     Fast::Slow
@@ -252,6 +299,7 @@ impl Qcow2Channel {
 
     /// A read or write a cluster at a time, synchronously.
     fn slow(&mut self, req: &IoRequest<'_>) -> IoStatus {
+        self.publish_quiet();
         let cs = self.image.cs();
         let write = req.op == IoOp::Write;
         let mut pos = 0u64;
@@ -300,6 +348,7 @@ impl Qcow2Channel {
         let first = start.div_ceil(cs);
         let last = end / cs;
         let discard = req.op == IoOp::Discard;
+        self.publish_quiet();
         let mut r = Ok(());
         if first < last {
             r = self.image.zero_clusters(first, last - first, discard);
@@ -352,6 +401,7 @@ impl Drop for Qcow2Channel {
 
 impl IoChannel for Qcow2Channel {
     fn submit(&mut self, tag: u64, req: &IoRequest<'_>) -> Option<IoStatus> {
+        self.busy();
         let epoch = self.active.epoch.load(Ordering::Acquire);
         if epoch != self.epoch {
             if let Err(e) = self.switch() {
@@ -380,6 +430,12 @@ impl IoChannel for Qcow2Channel {
     fn poll(&mut self, done: &mut dyn FnMut(u64, IoStatus)) -> usize {
         let mut n = self.data.poll(done);
         self.data_inflight = self.data_inflight.saturating_sub(n);
+        if self.data_inflight == 0 && !self.idle {
+            // Release: the completions' data is in place before a freed
+            // cluster they used may be handed out.
+            self.quiet.store(IDLE, Ordering::Release);
+            self.idle = true;
+        }
         if !self.retired.is_empty() {
             for (ring, held) in &mut self.retired {
                 ring.flush();

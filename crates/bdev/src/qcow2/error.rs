@@ -65,6 +65,10 @@ pub enum HeaderError {
     Short(usize),
     #[error("cluster_bits {0} outside 9..=21")]
     ClusterBits(u32),
+    #[error(
+        "extended L2 entries with cluster_bits {0} (subclusters need clusters of 16 KiB or more)"
+    )]
+    Subclusters(u32),
     #[error("header length {0} is not a multiple of 8 between 104 and the cluster size")]
     HeaderLength(u32),
     #[error("virtual size {0} above the supported maximum")]

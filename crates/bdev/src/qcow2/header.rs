@@ -63,9 +63,14 @@ impl Header {
     pub fn cluster_size(&self) -> u64 {
         1 << self.cluster_bits
     }
-    /// L2 entries per table (8 bytes each, one cluster per table).
+    /// L2 entries per table (one cluster per table; 8 bytes each, 16 with
+    /// extended L2 entries).
     pub fn l2_bits(&self) -> u32 {
-        self.cluster_bits - 3
+        self.cluster_bits - 3 - u32::from(self.extended_l2())
+    }
+    /// Whether L2 entries carry subcluster bitmaps (`extended_l2=on`).
+    pub fn extended_l2(&self) -> bool {
+        self.incompatible & INCOMPAT_EXTL2 != 0
     }
     /// Refcount entries per refcount block.
     pub fn refblock_bits(&self) -> u32 {
@@ -118,6 +123,10 @@ impl Header {
             backing_file: None,
             backing_format: None,
         };
+        // 32 subclusters of at least 512 bytes (QEMU's minimum of 16 KiB).
+        if h.extended_l2() && cluster_bits < 14 {
+            return Err(HeaderError::Subclusters(cluster_bits));
+        }
         h.check_tables(file_len)?;
         h.backing_file = backing_name(buf, cs)?;
         h.backing_format = backing_format(buf, header_length as usize)?;

@@ -11,13 +11,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::backing::Backing;
+use super::compress;
 use super::error::Qcow2Error;
 use super::header::{
     Header, INCOMPAT_COMPRESSION, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
     INCOMPAT_EXTL2,
 };
 use super::meta::Meta;
-use super::tables::{classify, Cluster, COPIED, ZERO};
+use super::tables::{classify_at, Cluster, COPIED, OFFSET_MASK, ZERO};
 
 /// How an image is opened.
 #[derive(Clone, Copy, Debug)]
@@ -82,6 +83,12 @@ enum Source {
     Host(u64),
     /// A compressed cluster's L2 entry.
     Compressed(u64),
+    /// Subclusters of different kinds (extended L2 entries).
+    Mixed {
+        host: u64,
+        alloc: u32,
+        zero: u32,
+    },
     Zeroes,
     Backing,
 }
@@ -174,14 +181,24 @@ impl Image {
     /// Guest cluster `c`'s L2 entry, classified and raw.
     fn entry(&self, meta: &mut Meta, c: u64) -> io::Result<(Cluster, u64)> {
         let (l1i, l2i) = self.split(c);
-        let entry = meta.l2(l1i)?.map_or(0, |t| t.get(l2i));
         let limit = self.limit.load(Ordering::Acquire);
-        Ok((classify(entry, self.cs(), limit), entry))
+        let ext = self.header.extended_l2();
+        let Some(t) = meta.l2(l1i)? else {
+            return Ok((Cluster::Unallocated, 0));
+        };
+        let entry = t.get(l2i << u32::from(ext));
+        Ok((classify_at(&t, l2i, ext, self.cs(), limit), entry))
     }
 
     fn source(&self, meta: &mut Meta, c: u64) -> io::Result<Source> {
         Ok(match self.entry(meta, c)? {
             (Cluster::Compressed, e) => Source::Compressed(e),
+            (
+                Cluster::Mixed {
+                    host, alloc, zero, ..
+                },
+                _,
+            ) => Source::Mixed { host, alloc, zero },
             (Cluster::Data { host, .. }, _) => Source::Host(host),
             (Cluster::Zero { .. }, _) => Source::Zeroes,
             (Cluster::Unallocated, _) if self.backing.is_some() => Source::Backing,
@@ -217,10 +234,50 @@ impl Image {
                     self.inflate(e, &mut whole)?;
                     part.copy_from_slice(&whole[within as usize..within as usize + n]);
                 }
-                Source::Backing => match &self.backing {
-                    Some(b) => b.read(off, part)?,
-                    None => part.fill(0),
-                },
+                Source::Backing => self.read_backing(off, part)?,
+                Source::Mixed { host, alloc, zero } => {
+                    self.read_subclusters(off, part, host, alloc, zero)?
+                }
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
+    fn read_backing(&self, off: u64, part: &mut [u8]) -> io::Result<()> {
+        match &self.backing {
+            Some(b) => b.read(off, part),
+            None => {
+                part.fill(0);
+                Ok(())
+            }
+        }
+    }
+
+    /// Reads `part` at guest offset `off` (inside one cluster) subcluster by
+    /// subcluster: from `host`, zeroes or the backing file, as the bitmaps say.
+    fn read_subclusters(
+        &self,
+        off: u64,
+        part: &mut [u8],
+        host: u64,
+        alloc: u32,
+        zero: u32,
+    ) -> io::Result<()> {
+        let cs = self.cs();
+        let sc = cs / 32;
+        let mut pos = 0usize;
+        while pos < part.len() {
+            let within = (off + pos as u64) & (cs - 1);
+            let i = within / sc;
+            let n = ((sc - within % sc) as usize).min(part.len() - pos);
+            let piece = &mut part[pos..pos + n];
+            if alloc & (1 << i) != 0 {
+                self.file.read_exact_at(piece, host + within)?;
+            } else if zero & (1 << i) != 0 {
+                piece.fill(0);
+            } else {
+                self.read_backing(off + pos as u64, piece)?;
             }
             pos += n;
         }
@@ -269,11 +326,19 @@ impl Image {
             Cluster::Data { host, copied: true } => {
                 return self.file.write_all_at(part, host + within as u64);
             }
+            // A cluster of the image's own, partly allocated or all zeroes, is
+            // written whole in place.
             Cluster::Zero { host: Some(h) } => Some(h),
+            Cluster::Mixed {
+                host, copied: true, ..
+            } if host != 0 => Some(host),
             // A compressed cluster is rewritten whole into a new one; its old
-            // space leaks (freeing is not built).
+            // space leaks (it may share a cluster with others).
             Cluster::Unallocated | Cluster::Zero { host: None } | Cluster::Compressed => None,
-            Cluster::Data { copied: false, .. } | Cluster::Bad => return Err(bad_data()),
+            Cluster::Mixed { host: 0, .. } => None,
+            Cluster::Data { copied: false, .. } | Cluster::Mixed { .. } | Cluster::Bad => {
+                return Err(bad_data())
+            }
         };
         let whole = &mut scratch[..cs as usize];
         if part.len() < whole.len() {
@@ -286,42 +351,66 @@ impl Image {
             None => meta.alloc()?,
         };
         self.file.write_all_at(whole, host)?;
-        let (l1i, l2i) = self.split(c);
-        meta.set_entry(l1i, l2i, host | COPIED)
+        self.set_entry(meta, c, host | COPIED)
     }
 
-    /// Makes whole guest clusters `first..first+count` read as zeroes (their
-    /// clusters stay allocated; `punch`: their host space is given back).
-    pub(super) fn zero_clusters(&self, first: u64, count: u64, punch: bool) -> io::Result<()> {
+    /// Stores guest cluster `c`'s L2 entry, `value` as a standard entry
+    /// says it (`host | COPIED`, `ZERO`, 0). With extended entries every
+    /// subcluster follows it: the entry is stored first, then the bitmap; a
+    /// lock-free reader between the two sees a mix that sends it to the slow
+    /// path (this lock) or to the cluster's old content, never to stale data.
+    pub(super) fn set_entry(&self, meta: &mut Meta, c: u64, value: u64) -> io::Result<()> {
+        let (l1i, l2i) = self.split(c);
+        if !self.header.extended_l2() {
+            return meta.set_entry(l1i, l2i, value);
+        }
+        let all = u64::from(u32::MAX);
+        let bitmap = match (value & ZERO != 0, value & OFFSET_MASK != 0) {
+            (true, _) => all << 32,
+            (false, true) => all,
+            (false, false) => 0,
+        };
+        meta.set_entry(l1i, 2 * l2i, value & !ZERO)?;
+        meta.set_entry(l1i, 2 * l2i + 1, bitmap)
+    }
+
+    /// Makes whole guest clusters `first..first+count` read as zeroes. For a
+    /// discard their space is punched out and their clusters are freed (the
+    /// entry says zeroes over a backing file, unallocated without one); Write
+    /// Zeroes keeps them allocated.
+    pub(super) fn zero_clusters(&self, first: u64, count: u64, discard: bool) -> io::Result<()> {
         let mut meta = self.meta();
+        let freed_entry = if self.backing.is_some() { ZERO } else { 0 };
+        let mut freed = Vec::new();
         for c in first..first + count {
-            let (l1i, l2i) = self.split(c);
-            let keep = match self.cluster(&mut meta, c)? {
-                Cluster::Data { host, copied: true } | Cluster::Zero { host: Some(host) } => {
-                    if punch {
-                        super::punch(&self.file, host, self.cs());
-                    }
-                    host | COPIED
-                }
+            let host = match self.cluster(&mut meta, c)? {
+                Cluster::Data { host, copied: true } | Cluster::Zero { host: Some(host) } => host,
+                Cluster::Mixed {
+                    host, copied: true, ..
+                } if host != 0 => host,
                 Cluster::Zero { host: None } => continue,
                 // Shared or compressed clusters are left to their owners: the
                 // entry alone says zeroes.
                 _ => 0,
             };
-            meta.set_entry(l1i, l2i, keep | ZERO)?;
+            if discard && host != 0 {
+                super::punch(&self.file, host, self.cs());
+                if meta.can_free() {
+                    self.set_entry(&mut meta, c, freed_entry)?;
+                    freed.push(host);
+                    continue;
+                }
+            }
+            let keep = if host != 0 { host | COPIED } else { 0 };
+            self.set_entry(&mut meta, c, keep | ZERO)?;
         }
+        meta.discard(&freed);
         zero_through(self, first, count)
     }
 
     /// Decompresses the cluster L2 entry `entry` describes into `out` (one
-    /// cluster): raw deflate, as QEMU writes it; zstd is not built.
+    /// cluster), deflate or zstd as the header says.
     fn inflate(&self, entry: u64, out: &mut [u8]) -> io::Result<()> {
-        if self.header.compression_type != 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "qcow2: zstd-compressed cluster",
-            ));
-        }
         let (offset, len) = compressed_extent(entry, self.header.cluster_bits);
         let end = offset
             .checked_add(len)
@@ -331,13 +420,7 @@ impl Image {
         }
         let mut input = vec![0u8; len as usize];
         let n = read_some(&self.file, &mut input, offset)?;
-        let mut z = flate2::Decompress::new(false);
-        let st = z.decompress(&input[..n], out, flate2::FlushDecompress::Finish);
-        // A full cluster out is success even if the stream has padding left.
-        match st {
-            Ok(_) if z.total_out() == out.len() as u64 => Ok(()),
-            _ => Err(bad_data()),
-        }
+        compress::decompress(self.header.compression_type, &input[..n], out)
     }
 
     pub(super) fn flush(&self) -> io::Result<()> {
@@ -425,9 +508,6 @@ fn check_features(path: &Path, h: &Header, read_only: bool) -> Result<(), Qcow2E
     }
     if inc & INCOMPAT_DATA_FILE != 0 {
         return Err(unsupported("an external data file"));
-    }
-    if inc & INCOMPAT_EXTL2 != 0 {
-        return Err(unsupported("extended L2 entries (subclusters)"));
     }
     let known = INCOMPAT_DIRTY
         | INCOMPAT_CORRUPT

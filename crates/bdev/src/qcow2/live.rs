@@ -168,19 +168,27 @@ impl BlockJob {
     fn populate(&mut self, c: u64) -> io::Result<bool> {
         let img = &self.image;
         let mut meta = img.meta();
-        if img.cluster(&mut meta, c)? != Cluster::Unallocated {
-            return Ok(false);
-        }
+        // A cluster with subclusters left to the backing file is made whole,
+        // in its own space when it has some.
+        let own = match img.cluster(&mut meta, c)? {
+            Cluster::Unallocated | Cluster::Mixed { host: 0, .. } => None,
+            Cluster::Mixed {
+                host, copied: true, ..
+            } => Some(host),
+            _ => return Ok(false),
+        };
         let cs = img.cs();
         img.read_locked(&mut meta, c * cs, &mut self.buf)?;
-        let (l1i, l2i) = img.split(c);
         if self.buf.iter().all(|&b| b == 0) {
-            meta.set_entry(l1i, l2i, ZERO)?;
+            img.set_entry(&mut meta, c, own.map_or(0, |h| h | COPIED) | ZERO)?;
             return Ok(false);
         }
-        let host = meta.alloc()?;
+        let host = match own {
+            Some(h) => h,
+            None => meta.alloc()?,
+        };
         img.file.write_all_at(&self.buf, host)?;
-        meta.set_entry(l1i, l2i, host | COPIED)?;
+        img.set_entry(&mut meta, c, host | COPIED)?;
         Ok(true)
     }
 

@@ -2,24 +2,40 @@
 //! cache, the refcounts and the cluster allocator, and the flush that writes
 //! them back in an order a crash cannot turn into exposed stale data.
 //!
-//! Clusters are allocated at the end of the file and never freed (discards keep
-//! them, flagged as zeroes): a cluster an in-flight write of another channel
-//! still targets can never be handed out again. Metadata reads on a cache miss
-//! are synchronous `pread`s of one cluster on the calling reactor
+//! Clusters are allocated at the end of the file, or reused once a discard
+//! freed them ([`Meta::discard`]) and two things hold: the L2 entries that no
+//! longer point at them are durable (their refcounts drop to 0 only in a flush,
+//! after the tables), and no channel can still have a request in flight that
+//! was translated to them before the discard ([`Quiet`]). A crash leaks
+//! clusters at worst; a cluster is never referenced twice. Metadata reads on a
+//! cache miss are synchronous `pread`s of one cluster on the calling reactor
 //! (docs/decisions/0038-qcow2.md).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use super::header::{Header, MAX_REFTABLE_BYTES};
 use super::tables::{L2Cache, L2Table, COPIED, OFFSET_MASK};
 
 /// Refcount blocks kept in memory before a flush makes room.
 const REFBLOCK_CAP: usize = 64;
+
+/// Freed clusters remembered for reuse (16 bytes each); a discard past this
+/// keeps its clusters allocated, as zero clusters.
+const FREE_CAP: usize = 1 << 16;
+
+/// What a channel publishes about its translated requests: `IDLE` (none in
+/// flight, and the next one retracts this before it reads an L2 entry), or
+/// `g + 1` where `g` is a generation the channel had seen when nothing was in
+/// flight. A cluster freed when the generation became `G` is safe to reuse
+/// once every channel's value is above `G`: none of their requests in flight
+/// can have read the entry from before the discard.
+pub(super) type Quiet = AtomicU64;
+pub(super) const IDLE: u64 = u64::MAX;
 
 fn corrupt(what: &str, offset: u64) -> io::Error {
     io::Error::new(
@@ -57,6 +73,14 @@ pub(super) struct Meta {
     limit: Arc<AtomicU64>,
     /// Bumped when a table leaves the cache: channels drop the ones they keep.
     generation: Arc<AtomicU64>,
+    /// Clusters whose L2 entries a discard cleared, not yet durable (their
+    /// refcounts still 1), and the generation the discards left.
+    discarded: Vec<u64>,
+    discard_gen: u64,
+    /// Clusters with refcount 0, each with the generation to wait out.
+    freed: VecDeque<(u64, u64)>,
+    /// The channels' published [`Quiet`] values.
+    channels: Vec<Weak<Quiet>>,
 }
 
 fn read_u64s(file: &File, offset: u64, n: usize) -> io::Result<Vec<u64>> {
@@ -103,6 +127,10 @@ impl Meta {
             next_free,
             limit: Arc::new(AtomicU64::new(next_free << h.cluster_bits)),
             generation,
+            discarded: Vec::new(),
+            discard_gen: 0,
+            freed: VecDeque::new(),
+            channels: Vec::new(),
         })
     }
 
@@ -186,12 +214,73 @@ impl Meta {
         Ok(())
     }
 
-    /// A new cluster at the end of the image, its refcount set to 1.
+    /// A new cluster, its refcount set to 1: a freed one that is safe to
+    /// reuse, else one at the end of the image.
     pub(super) fn alloc(&mut self) -> io::Result<u64> {
-        let c = self.next_free;
-        self.advance();
+        let c = match self.reusable() {
+            Some(c) => c,
+            None => {
+                let c = self.next_free;
+                self.advance();
+                c
+            }
+        };
         self.mark_used(c)?;
         Ok(c << self.cluster_bits)
+    }
+
+    /// A channel to wait for before freed clusters are reused.
+    pub(super) fn register(&mut self, q: &Arc<Quiet>) {
+        self.channels.retain(|w| w.strong_count() > 0);
+        self.channels.push(Arc::downgrade(q));
+    }
+
+    /// The oldest freed cluster, if no channel may still use it.
+    fn reusable(&mut self) -> Option<u64> {
+        let &(c, g) = self.freed.front()?;
+        let quiet = self
+            .channels
+            .iter()
+            .filter_map(Weak::upgrade)
+            .all(|q| q.load(Ordering::SeqCst) > g);
+        if !quiet {
+            return None;
+        }
+        self.freed.pop_front();
+        Some(c)
+    }
+
+    /// Whether a discard may free more clusters (the lists are bounded).
+    pub(super) fn can_free(&self) -> bool {
+        self.discarded.len() + self.freed.len() < FREE_CAP
+    }
+
+    /// The clusters at `hosts` are no longer referenced by the (cached) L2
+    /// entries just changed: channels drop their tables and publish again,
+    /// and the clusters are freed at the next flush, to be reused once the
+    /// channels are past the generation this makes.
+    pub(super) fn discard(&mut self, hosts: &[u64]) {
+        if hosts.is_empty() {
+            return;
+        }
+        self.discard_gen = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        let bits = self.cluster_bits;
+        self.discarded.extend(hosts.iter().map(|h| h >> bits));
+    }
+
+    /// Drops the refcounts of the discarded clusters (their L2 entries are
+    /// durable) and makes that durable too; they become reusable.
+    fn release_discarded(&mut self) -> io::Result<()> {
+        let rb_bits = self.cluster_bits + 3 - self.refcount_order;
+        for c in std::mem::take(&mut self.discarded) {
+            let t = (c >> rb_bits) as usize;
+            if self.reftable.get(t).is_none_or(|e| e & OFFSET_MASK == 0) {
+                return Err(corrupt("refcount of a discarded cluster", c));
+            }
+            self.set_refcount(t, (c & ((1 << rb_bits) - 1)) as usize, 0)?;
+            self.freed.push_back((c, self.discard_gen));
+        }
+        self.flush()
     }
 
     /// Sets cluster `c`'s refcount to 1. A refcount block that is missing is
@@ -341,6 +430,9 @@ impl Meta {
         if !blocks.is_empty() || !tables.is_empty() {
             f.sync_data()?;
         }
+        if !self.discarded.is_empty() {
+            self.release_discarded()?;
+        }
         Ok(())
     }
 
@@ -351,6 +443,7 @@ impl Meta {
             || self.reftable_moved
             || self.l2.any_dirty()
             || self.refblocks.values().any(|b| b.dirty)
+            || !self.discarded.is_empty()
     }
 
     /// Where the image's allocated clusters end (bytes): what it takes on a

@@ -9,6 +9,7 @@
 
 mod backing;
 mod channel;
+mod compress;
 mod create;
 mod error;
 mod header;

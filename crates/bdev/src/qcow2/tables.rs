@@ -3,9 +3,11 @@
 //!
 //! The cache holds decoded tables as arrays of atomics behind `Arc`s: channels
 //! keep a few of them and read entries without the image's lock (the fast path);
-//! entries change in place, under the lock, only from "not allocated" to
-//! "allocated" or to "reads as zeroes" (an allocation's data is written before
-//! its entry is stored, with release ordering). Evicting a table bumps the
+//! entries change in place, under the lock (an allocation's data is written
+//! before its entry is stored, with release ordering). A discard that frees a
+//! cluster clears its entry; a request a channel translated before that may
+//! still be in flight, which is why a freed cluster waits before reuse
+//! (`meta::Quiet`). Evicting a table bumps the
 //! image's generation so channels drop the tables they kept (a reloaded table is
 //! a new `Arc`).
 
@@ -70,6 +72,16 @@ pub(super) enum Cluster {
         copied: bool,
     },
     Compressed,
+    /// Extended L2 entries: subclusters not all alike. `host` is 0 when the
+    /// cluster has no space; bit `i` of `alloc`: subcluster `i` is at
+    /// `host + i * cs / 32`; of `zero`: it reads as zeroes; neither: it is the
+    /// backing file's (or zeroes); `copied` as for `Data`.
+    Mixed {
+        host: u64,
+        copied: bool,
+        alloc: u32,
+        zero: u32,
+    },
     /// An offset that is unaligned, in the header cluster or past the file.
     Bad,
 }
@@ -91,6 +103,52 @@ pub(super) fn classify(entry: u64, cs: u64, limit: u64) -> Cluster {
             host: h,
             copied: entry & COPIED != 0,
         },
+    }
+}
+
+/// Classifies an extended L2 entry (the standard entry, whose zero bit is
+/// unused, and its subcluster bitmap: allocated in the low half, zeroes in
+/// the high). A cluster whose subclusters all agree is what a standard entry
+/// would say; subclusters both allocated and zero, or allocated without
+/// space, are `Bad` (QEMU calls them corrupt).
+pub(super) fn classify_ext(entry: u64, bitmap: u64, cs: u64, limit: u64) -> Cluster {
+    if entry & COMPRESSED != 0 {
+        return Cluster::Compressed;
+    }
+    let (alloc, zero) = (bitmap as u32, (bitmap >> 32) as u32);
+    if alloc & zero != 0 {
+        return Cluster::Bad;
+    }
+    match classify(entry & !ZERO, cs, limit) {
+        Cluster::Unallocated if alloc != 0 => Cluster::Bad,
+        Cluster::Unallocated if zero == u32::MAX => Cluster::Zero { host: None },
+        Cluster::Unallocated if zero == 0 => Cluster::Unallocated,
+        Cluster::Data { host, copied } if alloc == u32::MAX => Cluster::Data { host, copied },
+        Cluster::Data { host, .. } if zero == u32::MAX => Cluster::Zero { host: Some(host) },
+        Cluster::Data { host, copied } => Cluster::Mixed {
+            host,
+            copied,
+            alloc,
+            zero,
+        },
+        Cluster::Unallocated => Cluster::Mixed {
+            host: 0,
+            copied: false,
+            alloc,
+            zero,
+        },
+        _ => Cluster::Bad,
+    }
+}
+
+/// What entry `i` of table `t` says (`ext`: the table holds extended
+/// entries, two words each).
+#[inline]
+pub(super) fn classify_at(t: &L2Table, i: usize, ext: bool, cs: u64, limit: u64) -> Cluster {
+    if ext {
+        classify_ext(t.get(2 * i), t.get(2 * i + 1), cs, limit)
+    } else {
+        classify(t.get(i), cs, limit)
     }
 }
 
@@ -201,5 +259,55 @@ mod tests {
         assert_eq!(classify(COPIED | (2 * cs + 512), cs, limit), Cluster::Bad);
         assert_eq!(classify(COPIED | (10 * cs), cs, limit), Cluster::Bad);
         assert_eq!(classify(COPIED | OFFSET_MASK, cs, limit), Cluster::Bad);
+    }
+
+    #[test]
+    fn extended_entries_are_classified_by_their_bitmaps() {
+        let cs = 65536;
+        let limit = 10 * cs;
+        let d = COPIED | (2 * cs);
+        let all = u64::from(u32::MAX);
+        assert_eq!(classify_ext(0, 0, cs, limit), Cluster::Unallocated);
+        assert_eq!(
+            classify_ext(0, all << 32, cs, limit),
+            Cluster::Zero { host: None }
+        );
+        assert_eq!(
+            classify_ext(d, all, cs, limit),
+            Cluster::Data {
+                host: 2 * cs,
+                copied: true
+            }
+        );
+        assert_eq!(
+            classify_ext(d, all << 32, cs, limit),
+            Cluster::Zero { host: Some(2 * cs) }
+        );
+        assert_eq!(
+            classify_ext(d, 0b101 | (0b10 << 32), cs, limit),
+            Cluster::Mixed {
+                host: 2 * cs,
+                copied: true,
+                alloc: 0b101,
+                zero: 0b10
+            }
+        );
+        assert_eq!(
+            classify_ext(0, 0b10 << 32, cs, limit),
+            Cluster::Mixed {
+                host: 0,
+                copied: false,
+                alloc: 0,
+                zero: 0b10
+            }
+        );
+        assert_eq!(
+            classify_ext(COMPRESSED | 5, all, cs, limit),
+            Cluster::Compressed
+        );
+        // Allocated and zero at once; allocated without space; a bad offset.
+        assert_eq!(classify_ext(d, 1 | (1 << 32), cs, limit), Cluster::Bad);
+        assert_eq!(classify_ext(0, 1, cs, limit), Cluster::Bad);
+        assert_eq!(classify_ext(COPIED | 512, all, cs, limit), Cluster::Bad);
     }
 }
