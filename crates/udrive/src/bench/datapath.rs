@@ -123,9 +123,17 @@ impl Env {
 /// the data has no zero runs).
 pub fn make_qcow2(env: &Env) -> Result<(), DatapathError> {
     let mut c = Command::new("qemu-img");
-    c.args(["convert", "-f", "raw", "-O", "qcow2", "-o", "cluster_size=65536"])
-        .arg(&env.data_file)
-        .arg(env.qcow2_file());
+    c.args([
+        "convert",
+        "-f",
+        "raw",
+        "-O",
+        "qcow2",
+        "-o",
+        "cluster_size=65536",
+    ])
+    .arg(&env.data_file)
+    .arg(env.qcow2_file());
     output(c, "qemu-img convert (the qcow2 image)").map(drop)
 }
 
