@@ -188,3 +188,36 @@ fn a_migration_destination_takes_the_writer_claim_under_the_filters() {
     let e = bdev::WriterClaim::take(&other).unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::ResourceBusy, "{e}");
 }
+
+/// A qcow2 image on tmpfs over a raw backing file, engine chosen by probing the
+/// files: the probe runs when the image opens (control thread), not when a
+/// client's queue makes a channel on the connection's thread, whose filter has
+/// no file reads.
+#[test]
+fn a_qcow2_image_on_tmpfs_serves_under_the_filters() {
+    if !test_support::qemu::have_qemu_tools() {
+        eprintln!("skipped: no qemu-img");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let base = dir.path().join("base.raw");
+    std::fs::write(&base, vec![0x5au8; 4 << 20]).unwrap();
+    let img = dir.path().join("top.qcow2");
+    let st = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+        .arg(&base)
+        .arg(&img)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let ns = format!("qcow2:{}", img.display());
+    let allow = dir.path().display().to_string();
+    let s = Serve::start(&["--ns", &ns, "--allow-dir", &allow]);
+    let d = NvmeDriver::connect(&s.nvme, serve_opts()).unwrap();
+    let mut qp = d.create_qpair(16, false).unwrap();
+    let buf = qp.alloc_buf(4096).unwrap();
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 13) as u8).collect();
+    test_support::driver::write_read_ns(&mut qp, 2, &buf, 8, &data, DataMode::Prp);
+    drop(d);
+    s.ok("get_version", json!({}));
+}

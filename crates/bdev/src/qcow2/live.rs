@@ -35,7 +35,7 @@ pub(super) struct Active {
     /// The image, and rings on its files made for the channels that still
     /// serve an older one: a reactor takes them and makes no ring itself
     /// (its thread may not be allowed to set one up).
-    inner: Mutex<(Arc<Image>, Vec<Rings>)>,
+    inner: Mutex<(Arc<Image>, Vec<Rings>, Engines)>,
     /// Bumped on every replacement: one load per request tells a channel.
     pub epoch: AtomicU64,
     /// Channels alive (counted under `inner`).
@@ -46,34 +46,48 @@ pub(super) struct Active {
 /// Rings on an image's file and on its raw backing file, if it has one.
 pub(super) type Rings = (Box<dyn IoChannel>, Option<Box<dyn IoChannel>>);
 
-pub(super) fn rings(image: &Image, engine: FileEngine) -> io::Result<Rings> {
-    let data = crate::uring::data_channel(image.file.clone(), engine, image.read_only)?;
+/// The engines of an image's file and of its raw backing file, `Auto` decided
+/// (on the control path: see [`crate::uring::resolve_engine`]).
+pub(super) type Engines = (FileEngine, FileEngine);
+
+pub(super) fn engines(image: &Image, engine: FileEngine) -> Engines {
+    let backing = image
+        .raw_backing_file()
+        .map_or(engine, |f| crate::uring::resolve_engine(&f, engine));
+    (crate::uring::resolve_engine(&image.file, engine), backing)
+}
+
+pub(super) fn rings(image: &Image, (data, backing): Engines) -> io::Result<Rings> {
+    let data = crate::uring::data_channel(image.file.clone(), data, image.read_only)?;
     let backing = match image.raw_backing_file() {
-        Some(file) => Some(crate::uring::data_channel(file, engine, true)?),
+        Some(file) => Some(crate::uring::data_channel(file, backing, true)?),
         None => None,
     };
     Ok((data, backing))
 }
 
 impl Active {
+    /// Decides the engines (probing the files): call on the control path.
     pub(super) fn new(image: Image, engine: FileEngine) -> Active {
+        let e = engines(&image, engine);
         Active {
-            inner: Mutex::new((Arc::new(image), Vec::new())),
+            inner: Mutex::new((Arc::new(image), Vec::new(), e)),
             epoch: AtomicU64::new(0),
             channels: AtomicUsize::new(0),
             engine,
         }
     }
-    fn lock(&self) -> MutexGuard<'_, (Arc<Image>, Vec<Rings>)> {
+    fn lock(&self) -> MutexGuard<'_, (Arc<Image>, Vec<Rings>, Engines)> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
     pub(super) fn get(&self) -> Arc<Image> {
         self.lock().0.clone()
     }
-    /// A new channel: the image, its epoch and rings on its files.
+    /// A new channel: the image, its epoch and rings on its files (no probe:
+    /// a device's own thread attaches).
     pub(super) fn attach(&self) -> io::Result<(Arc<Image>, u64, Rings)> {
         let g = self.lock();
-        let r = rings(&g.0, self.engine)?;
+        let r = rings(&g.0, g.2)?;
         self.channels.fetch_add(1, Ordering::AcqRel);
         Ok((g.0.clone(), self.epoch.load(Ordering::Acquire), r))
     }
@@ -93,10 +107,11 @@ impl Active {
     fn set(&self, image: Arc<Image>) -> io::Result<()> {
         let mut g = self.lock();
         let n = self.channels.load(Ordering::Acquire);
+        let e = engines(&image, self.engine);
         let spare = (0..n)
-            .map(|_| rings(&image, self.engine))
+            .map(|_| rings(&image, e))
             .collect::<io::Result<Vec<_>>>()?;
-        *g = (image, spare);
+        *g = (image, spare, e);
         self.epoch.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }

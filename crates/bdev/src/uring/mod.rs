@@ -366,6 +366,20 @@ impl FileDisk {
     }
 }
 
+/// `engine` with `Auto` decided for `file` (inline where io_uring would hand its
+/// reads to kernel workers). The decision probes the file with a read, which a
+/// data-plane thread's system-call filter may not allow: decide on the control
+/// path and give the channels the answer.
+pub(crate) fn resolve_engine(file: &File, engine: FileEngine) -> FileEngine {
+    match engine {
+        FileEngine::Auto if sys::memory_backed(file) && sys::reads_punted(file) => {
+            FileEngine::Inline
+        }
+        FileEngine::Auto => FileEngine::Uring,
+        e => e,
+    }
+}
+
 /// A channel that reads and writes `file` at any offset the caller computed
 /// (a qcow2 image's data clusters: the caller checks ranges against its own
 /// metadata), buffered, with `engine` chosen as for a [`FileDisk`].
@@ -374,11 +388,7 @@ pub(crate) fn data_channel(
     engine: FileEngine,
     read_only: bool,
 ) -> io::Result<Box<dyn IoChannel>> {
-    let inline = match engine {
-        FileEngine::Uring => false,
-        FileEngine::Inline => true,
-        FileEngine::Auto => sys::memory_backed(&file) && sys::reads_punted(&file),
-    };
+    let inline = resolve_engine(&file, engine) == FileEngine::Inline;
     let info = BlockInfo {
         block_size: 512,
         // The channel's range check passes everything below 2^62 bytes.
