@@ -18,7 +18,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::BlockDevice;
 
@@ -39,8 +39,9 @@ pub struct RangeClaim {
     offset: u64,
     len: u64,
     /// Opened for writing (a write lock needs it); never read or written through.
+    /// Setting or clearing a lock it already has or has not is a no-op, so
+    /// `take` and `release` are idempotent without state of their own.
     fd: File,
-    held: Mutex<bool>,
 }
 
 impl RangeClaim {
@@ -52,7 +53,6 @@ impl RangeClaim {
             offset,
             len,
             fd,
-            held: Mutex::new(false),
         })
     }
 
@@ -85,23 +85,13 @@ impl RangeClaim {
 
 impl WriterClaim for RangeClaim {
     fn take(&self) -> io::Result<()> {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        if !*held {
-            // The lock belongs to this claim's open file description, so it
-            // conflicts with every other one, this process's included.
-            self.set_lock(libc::F_WRLCK)?;
-            *held = true;
-        }
-        Ok(())
+        // The lock belongs to this claim's open file description, so it
+        // conflicts with every other one, this process's included.
+        self.set_lock(libc::F_WRLCK)
     }
 
     fn release(&self) -> io::Result<()> {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        if *held {
-            self.set_lock(libc::F_UNLCK)?;
-            *held = false;
-        }
-        Ok(())
+        self.set_lock(libc::F_UNLCK)
     }
 }
 
