@@ -78,6 +78,34 @@ impl KeySpec {
             KeySpec::Secret(_) => None,
         }
     }
+
+    /// The passphrase ready to use: a secret is looked up in `env`.
+    pub fn resolve(&self, env: &dyn crate::kinds::OpenEnv) -> Result<Passphrase, EncryptError> {
+        Ok(match self {
+            KeySpec::File(p) => Passphrase::File(p.clone()),
+            KeySpec::Secret(name) => Passphrase::Secret(
+                name.clone(),
+                env.secret(name)
+                    .ok_or_else(|| EncryptError::NoSecret(name.clone()))?,
+            ),
+        })
+    }
+}
+
+/// A passphrase a [`KeySpec`] names: a key file, or a secret's name and a copy
+/// of its bytes (zeroed when dropped).
+pub enum Passphrase {
+    File(std::path::PathBuf),
+    Secret(String, zeroize::Zeroizing<Vec<u8>>),
+}
+
+impl Passphrase {
+    pub fn key(&self) -> bdev::Key<'_> {
+        match self {
+            Passphrase::File(p) => bdev::Key::File(p),
+            Passphrase::Secret(name, bytes) => bdev::Key::Secret { name, bytes },
+        }
+    }
 }
 
 /// Why an encrypted namespace cannot be opened.
@@ -85,7 +113,7 @@ impl KeySpec {
 pub enum EncryptError {
     #[error(transparent)]
     Luks(#[from] bdev::LuksError),
-    #[error("no secret named {0}: add it with secret_add before the disk that names it")]
+    #[error("no secret named {0}: add it with secret_add first")]
     NoSecret(String),
 }
 
@@ -134,19 +162,8 @@ impl EncryptSpec {
         dev: std::sync::Arc<dyn bdev::BlockDevice>,
         env: &dyn crate::kinds::OpenEnv,
     ) -> Result<bdev::CryptDisk, EncryptError> {
-        let secret;
-        let key = match &self.key {
-            KeySpec::File(p) => bdev::Key::File(p),
-            KeySpec::Secret(name) => {
-                secret = env
-                    .secret(name)
-                    .ok_or_else(|| EncryptError::NoSecret(name.clone()))?;
-                bdev::Key::Secret {
-                    name,
-                    bytes: &secret,
-                }
-            }
-        };
+        let pass = self.key.resolve(env)?;
+        let key = pass.key();
         Ok(match self.create {
             true => bdev::open_or_format_luks(dev, key)?,
             false => bdev::open_luks(dev, key)?,

@@ -239,10 +239,10 @@ impl FileDisk {
         } else {
             512
         };
+        // A block device node sits on devtmpfs, which looks memory backed.
         let inline = match opts.engine {
-            FileEngine::Uring => false,
-            FileEngine::Inline => true,
-            FileEngine::Auto => !blkdev && sys::memory_backed(&file) && sys::reads_punted(&file),
+            FileEngine::Auto if blkdev => false,
+            e => resolve_engine(&file, e) == FileEngine::Inline,
         };
         let info = BlockInfo {
             block_size,

@@ -311,7 +311,7 @@ fn qsd_cmd(b: Backend, env: &Env, sock: &Path) -> Command {
         ),
         Backend::Rbd => {
             let o = &m.rbd;
-            let (pool, image) = o.image().split_once('/').unwrap_or_default();
+            let (pool, image) = o.pool_image();
             format!(
                 "driver=rbd,node-name=d0,pool={pool},image={image},conf={},cache.direct=on",
                 o.conf.as_deref().unwrap_or_default()

@@ -277,6 +277,10 @@ impl RbdOpts {
     pub fn mib(&self) -> u64 {
         self.mib.unwrap_or(256)
     }
+    /// `(POOL, IMAGE)` of [`RbdOpts::image`] (empty if it has no '/').
+    pub fn pool_image(&self) -> (&str, &str) {
+        self.image().split_once('/').unwrap_or(("", ""))
+    }
 }
 
 impl Default for FileOpts {
@@ -457,7 +461,7 @@ impl Matrix {
         if !(1..=1 << 20).contains(&self.rbd.mib()) {
             return Err(invalid("rbd.mib", "must be 1..=1048576"));
         }
-        let (pool, image) = self.rbd.image().split_once('/').unwrap_or(("", ""));
+        let (pool, image) = self.rbd.pool_image();
         let name_ok = |n: &str| {
             !n.is_empty()
                 && n.bytes()

@@ -6,12 +6,11 @@
 
 use std::path::PathBuf;
 
-use zeroize::Zeroizing;
-
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::api::{parse_params, Registry, Rpc, RpcError, SERVER_ERROR};
+use crate::nsspec::{KeySpec, Passphrase};
 
 pub fn register(r: &mut Registry) {
     r.register(
@@ -74,48 +73,31 @@ enum Op {
     Remove,
 }
 
-/// A passphrase an RPC names: a file, or a secret's name and a copy of it.
-enum Pass {
-    File(PathBuf),
-    Secret(String, Zeroizing<Vec<u8>>),
-}
-
-impl Pass {
-    /// `file` or `secret` (`what`: the parameters' names for errors); None if
-    /// neither is given.
-    fn of(
-        rpc: &Rpc,
-        file: Option<PathBuf>,
-        secret: Option<String>,
-        what: &str,
-    ) -> Result<Option<Pass>, RpcError> {
-        match (file, secret) {
-            (Some(f), None) => Ok(Some(Pass::File(f))),
-            (None, Some(name)) => match rpc.server.process().secrets().get(&name) {
-                Some(bytes) => Ok(Some(Pass::Secret(name, bytes))),
-                None => Err(RpcError::new(
-                    SERVER_ERROR,
-                    format!("no secret named {name}: add it with secret_add"),
-                )),
-            },
-            (Some(_), Some(_)) => Err(RpcError::params(format!("give {what}, not both"))),
-            (None, None) => Ok(None),
-        }
-    }
-
-    fn key(&self) -> bdev::Key<'_> {
-        match self {
-            Pass::File(p) => bdev::Key::File(p),
-            Pass::Secret(name, bytes) => bdev::Key::Secret { name, bytes },
-        }
-    }
+/// The passphrase `file` or `secret` names (`what`: the parameters' names for
+/// errors); None if neither is given.
+fn passphrase(
+    rpc: &Rpc,
+    file: Option<PathBuf>,
+    secret: Option<String>,
+    what: &str,
+) -> Result<Option<Passphrase>, RpcError> {
+    let spec = match (file, secret) {
+        (Some(f), None) => KeySpec::File(f),
+        (None, Some(name)) => KeySpec::Secret(name),
+        (Some(_), Some(_)) => return Err(RpcError::params(format!("give {what}, not both"))),
+        (None, None) => return Ok(None),
+    };
+    let env: &dyn crate::kinds::OpenEnv = &**rpc.server.process();
+    spec.resolve(env)
+        .map(Some)
+        .map_err(|e| RpcError::new(SERVER_ERROR, e.to_string()))
 }
 
 fn change(rpc: &Rpc, p: Value, op: Op) -> Result<Value, RpcError> {
     let a: KeyParams = parse_params(p)?;
-    let key = Pass::of(rpc, a.key_file, a.key_secret, "key_file or key_secret")?
+    let key = passphrase(rpc, a.key_file, a.key_secret, "key_file or key_secret")?
         .ok_or_else(|| RpcError::params("key_file or key_secret is missing"))?;
-    let new = Pass::of(
+    let new = passphrase(
         rpc,
         a.new_key_file,
         a.new_key_secret,

@@ -2,6 +2,8 @@
 //! added once under a name, and specs (`key-secret=NAME`) and the LUKS keyslot
 //! methods (`key_secret`) name it. Replies and logs carry names only.
 
+use std::collections::BTreeMap;
+
 use base64::Engine;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -64,8 +66,7 @@ fn add(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
 
 fn remove(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
     let a: Name = parse_params(p)?;
-    let users = users_of(rpc, &a.name);
-    if !users.is_empty() {
+    if let Some(users) = secret_users(rpc).get(&a.name) {
         return Err(RpcError::new(
             SERVER_ERROR,
             format!(
@@ -84,34 +85,45 @@ fn remove(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
 }
 
 fn list(rpc: &Rpc) -> Value {
+    let mut users = secret_users(rpc);
     let names = rpc.server.process().secrets().names();
     Value::Array(
         names
             .into_iter()
-            .map(|n| json!({"name": n, "used_by": users_of(rpc, &n)}))
+            .map(|n| {
+                let used_by = users.remove(&n).unwrap_or_default();
+                json!({"name": n, "used_by": used_by})
+            })
             .collect(),
     )
 }
 
-/// The disks whose specs name secret `name`, as `SOCKET` or `SOCKET nsid N`.
-fn users_of(rpc: &Rpc, name: &str) -> Vec<String> {
+/// Secret name -> the disks whose specs name it, as `SOCKET` or `SOCKET nsid N`.
+fn secret_users(rpc: &Rpc) -> BTreeMap<String, Vec<String>> {
     let st = rpc.server.lock();
     let snap = crate::handover::snapshot::ServerSnapshot::of(&rpc.server, &st);
     drop(st);
-    let names = |spec: &NsSpec| matches!(&spec.encrypt, Some(e) if e.key == KeySpec::Secret(name.to_string()));
-    let mut out = Vec::new();
+    let secret = |spec: &NsSpec| match spec.encrypt.as_ref().map(|e| &e.key) {
+        Some(KeySpec::Secret(name)) => Some(name.clone()),
+        _ => None,
+    };
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for c in &snap.controllers {
         let ids = c.nsids.clone().unwrap_or_default();
         for (i, ns) in c.namespaces.iter().enumerate() {
-            if names(ns) {
+            if let Some(name) = secret(ns) {
                 let id = ids.get(i).copied().unwrap_or(i as u32 + 1);
-                out.push(format!("{} nsid {id}", c.socket.display()));
+                out.entry(name)
+                    .or_default()
+                    .push(format!("{} nsid {id}", c.socket.display()));
             }
         }
     }
     for v in &snap.vhost_user_blk {
-        if names(&v.disk) {
-            out.push(v.socket.display().to_string());
+        if let Some(name) = secret(&v.disk) {
+            out.entry(name)
+                .or_default()
+                .push(v.socket.display().to_string());
         }
     }
     out
