@@ -4,8 +4,8 @@
 //! (udrive itself, qemu-storage-daemon) or none (bare io_uring), and a `udrive perf`
 //! process per run; the fake one computes numbers without processes.
 //!
-//! Adding a datapath (SPDK, a guest's fio) is a `DatapathKind` variant, its line in
-//! `applies`/`probe`, and a `Target`.
+//! Adding a datapath (a guest's fio) is a `DatapathKind` variant, its line in
+//! `applies`/`probe`, and a `Target`, as the SPDK ones are (`spdk.rs`).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::matrix::{Backend, DatapathKind, Matrix, Point, Rw};
+use super::matrix::{Backend, DatapathKind, Matrix, Point, Poll, Rw};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
@@ -74,6 +74,7 @@ pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
         (DatapathKind::Librbd, b) if b != Backend::Rbd => {
             Err("librbd drives RBD images only".into())
         }
+        (d, b) if d.is_spdk() => super::spdk::applies(b),
         (DatapathKind::QsdVhost, Backend::Ram) => {
             Err("qemu-storage-daemon has no RAM disk driver".into())
         }
@@ -88,6 +89,7 @@ pub fn probe(d: &DatapathKind, env: &Env) -> Result<(), String> {
             Err("qemu-storage-daemon not found in PATH".into())
         }
         DatapathKind::Fake(_) => Ok(()),
+        d if d.is_spdk() => super::spdk::probe(d),
         DatapathKind::Librbd if !cfg!(feature = "rbd") => {
             Err("this udrive was built without the rbd feature".into())
         }
@@ -267,8 +269,12 @@ pub fn start<'e>(
         }));
     }
     make_fresh_images(b, env)?;
+    if d.is_spdk() {
+        let sock = super::spdk::udrive_socket(d, b, env);
+        return super::spdk::start(d, b, env, udrive_serve(d, b, env, &sock));
+    }
     let server = match d {
-        DatapathKind::Fake(_) => None,
+        DatapathKind::Fake(_) | DatapathKind::SpdkNvmf | DatapathKind::UdriveNvmeSpdk => None,
         DatapathKind::IoUring | DatapathKind::Librbd => None,
         DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_) => Some(Server::start(
             udrive_serve(d, b, env, &sock),
@@ -319,9 +325,11 @@ fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command
     c.arg("serve");
     let poll = match d {
         DatapathKind::UdriveNvme(Some(p)) | DatapathKind::UdriveVhost(Some(p)) => *p,
+        // SPDK's driver writes doorbells into the mapped page, which busy poll offers.
+        DatapathKind::UdriveNvmeSpdk => Poll::Busy,
         _ => m.poll,
     };
-    if let DatapathKind::UdriveNvme(_) = d {
+    if let DatapathKind::UdriveNvme(_) | DatapathKind::UdriveNvmeSpdk = d {
         c.arg("--vfio-user").arg(sock).args(["--ns", &spec]);
     } else {
         c.arg("--vhost-user-blk").arg(sock).args(["--disk", &spec]);
@@ -378,12 +386,16 @@ fn qsd_cmd(b: Backend, env: &Env, sock: &Path) -> Command {
 }
 
 /// A server process, stopped (TERM, then KILL) when dropped.
-struct Server {
+pub(super) struct Server {
     child: Child,
 }
 
 impl Server {
-    fn start(mut cmd: Command, what: &str, sock: &Path) -> Result<Server, DatapathError> {
+    pub(super) fn start(
+        mut cmd: Command,
+        what: &str,
+        sock: &Path,
+    ) -> Result<Server, DatapathError> {
         let _ = std::fs::remove_file(sock);
         let log = sock.with_extension("log");
         let io = |source| DatapathError::Io {
@@ -431,7 +443,7 @@ impl Drop for Server {
 }
 
 /// Runs `c` to its end; its output if it succeeded, else its stderr's tail.
-fn output(mut c: Command, what: &str) -> Result<std::process::Output, DatapathError> {
+pub(super) fn output(mut c: Command, what: &str) -> Result<std::process::Output, DatapathError> {
     let out = c
         .stdin(Stdio::null())
         .output()

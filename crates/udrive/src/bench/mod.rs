@@ -9,6 +9,7 @@ pub mod datapath;
 pub mod matrix;
 pub mod report;
 pub mod run;
+pub mod spdk;
 pub mod summary;
 
 use std::collections::BTreeMap;
@@ -192,6 +193,11 @@ fn measure(
         );
         datapath::prepare_rbd_image(env)?;
     }
+    let _hugepages = if groups.iter().any(|g| g.datapath.is_spdk()) {
+        Some(spdk::Hugepages::reserve(m.ram_mib)?)
+    } else {
+        None
+    };
     let mut host = host_facts(env);
     host.insert("load average before".into(), loadavg());
     let runs = run::execute(env, &groups, raw, stop).context("writing raw results")?;
@@ -265,6 +271,15 @@ fn host_facts(env: &datapath::Env) -> BTreeMap<String, String> {
         h.insert("ceph conf".into(), conf.clone());
         if let Some(rbd) = datapath::which("rbd") {
             h.insert("rbd".into(), version(&rbd));
+        }
+    }
+    if env.matrix.datapaths.iter().any(|d| d.is_spdk()) {
+        if let Some(dir) = spdk::dir() {
+            let v = std::fs::read_to_string(dir.join("VERSION")).unwrap_or_default();
+            h.insert(
+                "SPDK".into(),
+                format!("{} {}", dir.display(), v.lines().next().unwrap_or("")),
+            );
         }
     }
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
