@@ -309,6 +309,10 @@ fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command
     let m = &env.matrix;
     let spec = match b {
         Backend::Null => "null:64G".to_string(),
+        // Against SPDK's malloc bdev, which lives in hugepages, so does the RAM disk.
+        Backend::Ram if *d == DatapathKind::UdriveNvmeSpdk => {
+            format!("ram:{}M,hugepages=on", m.ram_mib)
+        }
         Backend::Ram => format!("ram:{}M", m.ram_mib),
         Backend::File => format!(
             "file:{},direct={},engine={}",

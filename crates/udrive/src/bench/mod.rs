@@ -6,6 +6,7 @@
 //! Design: docs/decisions/0039-bench-harness.md.
 
 pub mod datapath;
+pub mod floor;
 pub mod matrix;
 pub mod report;
 pub mod run;
@@ -200,6 +201,16 @@ fn measure(
     };
     let mut host = host_facts(env);
     host.insert("load average before".into(), loadavg());
+    let real = groups
+        .iter()
+        .any(|g| !matches!(g.datapath, matrix::DatapathKind::Fake(_)));
+    if real {
+        eprintln!("udrive bench: measuring the copy floor of this host ...");
+        host.insert(
+            "copy floor (scripts/copy-floor.c)".into(),
+            floor::measure(env),
+        );
+    }
     let runs = run::execute(env, &groups, raw, stop).context("writing raw results")?;
     host.insert("load average after".into(), loadavg());
     let s = summary::summarize(m, &runs, skipped, host);

@@ -8,7 +8,9 @@
 //! doorbell page, which udrive offers in `--poll busy` only, so udrive serves it in
 //! that mode whatever the matrix says; SPDK's processes take their memory from
 //! hugepages (`-g`: one file per segment list, which vfio-user shares with the
-//! server), which the harness reserves while it runs and gives back after.
+//! server), which the harness reserves while it runs and gives back after; SPDK's
+//! RAM disk (a malloc bdev) lives in hugepages, so udrive's `ram` disk does too
+//! here (`hugepages=on`, decision 0017).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -81,13 +83,15 @@ fn meminfo(key: &str) -> u64 {
 }
 
 impl Hugepages {
-    /// Makes at least `ram_mib` MiB plus SPDK's own share free in 2 MiB pages.
+    /// Makes a RAM disk of `ram_mib` MiB (SPDK's malloc bdev, or udrive's
+    /// `hugepages=on` one against it, never both at once) plus SPDK's own share
+    /// free in 2 MiB pages.
     pub fn reserve(ram_mib: u64) -> Result<Hugepages, DatapathError> {
         let io = |source| DatapathError::Io {
             what: format!("reserving hugepages through {NR_HUGEPAGES}"),
             source,
         };
-        let want = ram_mib / 2 + HUGEPAGES_BASE;
+        let want = ram_mib.div_ceil(2) + HUGEPAGES_BASE;
         let free = meminfo("HugePages_Free:");
         if free >= want {
             return Ok(Hugepages { before: None });
@@ -151,7 +155,7 @@ fn target_config(b: Backend, env: &Env, dir: &Path) -> Value {
              "params": {"nqn": NQN, "namespace": {"bdev_name": "D0"}}},
             {"method": "nvmf_subsystem_add_listener",
              "params": {"nqn": NQN, "listen_address":
-                 {"trtype": "VFIOUSER", "adrfam": "IPv4", "traddr": dir, "trsvcid": "0"}}}
+                 {"trtype": "VFIOUSER", "traddr": dir, "trsvcid": "0"}}}
         ]}
     ]})
 }
@@ -274,7 +278,10 @@ impl Target for SpdkTarget<'_> {
             Rw::Randwrite => "randwrite",
             Rw::Randrw => "randrw",
         };
-        c.args(["-w", rw, "-M", &p.rwmixread.to_string()]);
+        c.args(["-w", rw]);
+        if p.rw == Rw::Randrw {
+            c.args(["-M", &p.rwmixread.to_string()]);
+        }
         c.args(["-q", &p.qd.to_string(), "-o", &p.bs.to_string()]);
         c.args(["-P", &p.jobs.to_string()]);
         // Whole seconds only; the warm-up rounds up so that it is never shorter.
