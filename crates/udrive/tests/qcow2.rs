@@ -154,10 +154,17 @@ fn images_that_cannot_be_served_fail_at_open() {
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new()
+            .read(true)
             .write(true)
             .open(&dirty)
             .unwrap();
         f.write_all_at(&1u64.to_be_bytes(), 72).unwrap();
+        // An L1 entry past the end of the file: the refcounts cannot be rebuilt.
+        let mut l1 = [0u8; 8];
+        f.read_exact_at(&mut l1, 40).unwrap();
+        let at = u64::from_be_bytes(l1);
+        f.write_all_at(&((1u64 << 63) | (1 << 40)).to_be_bytes(), at)
+            .unwrap();
     }
     for (ns, want) in [
         (format!("qcow2:{}", plain.display()), "bad magic"),

@@ -20,8 +20,12 @@ pub enum Qcow2Error {
         #[source]
         source: HeaderError,
     },
-    #[error("{}: the image is marked dirty (lazy refcounts were not written back); repair it with `qemu-img check -r all`", path.display())]
-    Dirty { path: PathBuf },
+    #[error("{}: the image is marked dirty (lazy refcounts were not written back) and its refcounts could not be rebuilt: {source}; repair it with `qemu-img check -r all`", path.display())]
+    Dirty {
+        path: PathBuf,
+        #[source]
+        source: super::repair::RepairError,
+    },
     #[error("{}: the image is marked corrupt; repair it with `qemu-img check -r all`", path.display())]
     Corrupt { path: PathBuf },
     #[error("{}: {feature} is not supported", path.display())]

@@ -120,15 +120,20 @@ impl Image {
             .write(!o.read_only)
             .open(path)
             .map_err(io("open it"))?;
-        let file_len = file.metadata().map_err(io("read its metadata"))?.len();
-        let mut buf = vec![0u8; file_len.min(2 << 20) as usize];
-        file.read_exact_at(&mut buf, 0)
-            .map_err(io("read its header"))?;
-        let header = Header::parse(&buf, file_len).map_err(|source| Qcow2Error::Header {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let (mut header, mut file_len) = read_header(path, &file)?;
         check_features(path, &header, o.read_only)?;
+        if header.incompatible & INCOMPAT_DIRTY != 0 && !o.read_only {
+            // As QEMU: a dirty image opened for writing gets its refcounts
+            // rebuilt (read-only, the tables alone are enough).
+            super::repair::rebuild_refcounts(&file, &header).map_err(|source| {
+                Qcow2Error::Dirty {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            })?;
+            tracing::warn!(path = %path.display(), "qcow2: the image was dirty (lazy refcounts); its refcounts were rebuilt");
+            (header, file_len) = read_header(path, &file)?;
+        }
         let file = Arc::new(file);
         let generation = Arc::new(AtomicU64::new(0));
         let meta = Meta::load(
@@ -489,6 +494,26 @@ fn read_some(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     Ok(n)
 }
 
+/// The header of the image in `file`, and the file's length.
+fn read_header(path: &Path, file: &File) -> Result<(Header, u64), Qcow2Error> {
+    let io = |op: &'static str| {
+        move |source| Qcow2Error::Io {
+            path: path.to_path_buf(),
+            op,
+            source,
+        }
+    };
+    let file_len = file.metadata().map_err(io("read its metadata"))?.len();
+    let mut buf = vec![0u8; file_len.min(2 << 20) as usize];
+    file.read_exact_at(&mut buf, 0)
+        .map_err(io("read its header"))?;
+    let header = Header::parse(&buf, file_len).map_err(|source| Qcow2Error::Header {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok((header, file_len))
+}
+
 /// Refuses what this implementation does not handle, naming it.
 fn check_features(path: &Path, h: &Header, read_only: bool) -> Result<(), Qcow2Error> {
     let unsupported = |feature| Qcow2Error::Unsupported {
@@ -498,11 +523,6 @@ fn check_features(path: &Path, h: &Header, read_only: bool) -> Result<(), Qcow2E
     let inc = h.incompatible;
     if inc & INCOMPAT_CORRUPT != 0 {
         return Err(Qcow2Error::Corrupt {
-            path: path.to_path_buf(),
-        });
-    }
-    if inc & INCOMPAT_DIRTY != 0 {
-        return Err(Qcow2Error::Dirty {
             path: path.to_path_buf(),
         });
     }

@@ -16,6 +16,7 @@ mod header;
 mod image;
 mod live;
 mod meta;
+mod repair;
 mod tables;
 #[cfg(test)]
 mod tests;
