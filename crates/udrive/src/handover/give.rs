@@ -43,22 +43,26 @@ pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
     let mut st = server.lock();
     let t0 = Instant::now();
     refuse_what_cannot_move(&st)?;
-    let (paused, records) = pause_and_save(&mut st)?;
+    // Jobs stop between two steps before the devices pause (a commit or
+    // mirror writes guest writes through until then), and go on here if the
+    // handover fails.
+    crate::jobs::handover::hold_all(&st.jobs)?;
+    let (paused, records) = match pause_and_save(&mut st) {
+        Ok(r) => r,
+        Err(e) => {
+            crate::jobs::handover::release_all(&st.jobs);
+            return Err(e);
+        }
+    };
     let pause_took = t0.elapsed();
     if let Err(e) = pause_backends(&st) {
-        resume_backends(&st, &[]);
-        resume_all(&mut st);
-        tracing::warn!("handover failed, devices resumed: {e:#}");
-        return Err(e.context("handover failed; this process serves on"));
+        return Err(roll_back(&mut st, &[], e));
     }
     let pause_done = t0.elapsed();
     let mut successor = Successor::default();
     if let Err(e) = send_and_confirm(server, &st, &sock, records, &mut successor) {
         let dead = successor.dead_clients();
-        resume_backends(&st, &dead);
-        resume_all(&mut st);
-        tracing::warn!("handover failed, devices resumed: {e:#}");
-        return Err(e.context("handover failed; this process serves on"));
+        return Err(roll_back(&mut st, &dead, e));
     }
     let total = t0.elapsed();
     server.process().set_handed_over();
@@ -107,12 +111,18 @@ fn check_peer(sock: &OwnedFd) -> Result<()> {
     Ok(())
 }
 
+/// After the devices paused: backends, devices and jobs go on here.
+fn roll_back(st: &mut State, dead: &[String], e: anyhow::Error) -> anyhow::Error {
+    resume_backends(st, dead);
+    resume_all(st);
+    crate::jobs::handover::release_all(&st.jobs);
+    tracing::warn!("handover failed, devices and jobs resumed: {e:#}");
+    e.context("handover failed; this process serves on")
+}
+
 /// A backend whose kind refuses to be taken over fails the handover before
 /// anything pauses.
 fn refuse_what_cannot_move(st: &State) -> Result<()> {
-    if let Some(why) = crate::jobs::handover_refusal(st) {
-        bail!("{why}");
-    }
     for d in &st.devices {
         for r in d.disks() {
             if let Some(why) = r.spec.kind.0.handover_refusal() {
