@@ -424,6 +424,9 @@ fn mirror_paused_across_a_handover(h: &mut Handed) {
     qemu_check(&moved);
     qemu_check(&top3);
     qemu_compare(&top3, &h.want);
+    let log = h.s.log();
+    assert_eq!(log.matches("block job taken over").count(), 3, "{log}");
+    assert!(log.contains("changed this disk's chain before the handover"), "{log}");
 }
 
 #[test]
