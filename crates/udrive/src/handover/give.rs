@@ -41,12 +41,13 @@ pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
     let sock = connect_to(socket)?;
     check_peer(&sock)?;
     let mut st = server.lock();
-    let t0 = Instant::now();
     refuse_what_cannot_move(&st)?;
     // Jobs stop between two steps before the devices pause (a commit or
     // mirror writes guest writes through until then), and go on here if the
     // handover fails.
+    let hold = Instant::now();
     crate::jobs::handover::hold_all(&st.jobs)?;
+    let t0 = Instant::now();
     let (paused, records) = match pause_and_save(&mut st) {
         Ok(r) => r,
         Err(e) => {
@@ -73,6 +74,7 @@ pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
         pause_us = pause_took.as_micros() as u64,
         backends_us = (pause_done - pause_took).as_micros() as u64,
         total_us = total.as_micros() as u64,
+        jobs_hold_us = (t0 - hold).as_micros() as u64,
         "handover confirmed by the new process"
     );
     Ok(json!({
@@ -116,7 +118,7 @@ fn roll_back(st: &mut State, dead: &[String], e: anyhow::Error) -> anyhow::Error
     resume_backends(st, dead);
     resume_all(st);
     crate::jobs::handover::release_all(&st.jobs);
-    tracing::warn!("handover failed, devices and jobs resumed: {e:#}");
+    tracing::warn!("handover failed, devices resumed, block jobs go on: {e:#}");
     e.context("handover failed; this process serves on")
 }
 

@@ -21,7 +21,7 @@ use anyhow::{anyhow, bail, Result};
 use bdev::{Qcow2Job, Qcow2JobKind, QosDisk};
 use serde::{Deserialize, Serialize};
 
-use super::{as_qcow2, qcow2_disk, spawn, Job, JobState, Jobs};
+use super::{as_qcow2, kind_name, qcow2_disk, spawn, Job, JobState, Jobs, KINDS};
 use crate::server::{Server, State};
 
 /// How long a job may take to stop between two steps (one cluster each).
@@ -57,23 +57,17 @@ pub struct JobRecord {
 }
 
 fn kind_named(name: &str) -> Result<Qcow2JobKind> {
-    Ok(match name {
-        "stream" => Qcow2JobKind::Stream,
-        "commit" => Qcow2JobKind::Commit,
-        "mirror" => Qcow2JobKind::Mirror,
-        _ => bail!("unknown block job type {name:?}"),
-    })
+    KINDS
+        .into_iter()
+        .find(|k| kind_name(*k) == name)
+        .ok_or_else(|| anyhow!("unknown block job type {name:?}"))
 }
 
 fn state_named(name: &str) -> Result<JobState> {
-    Ok(match name {
-        "running" => JobState::Running,
-        "paused" => JobState::Paused,
-        "completed" => JobState::Completed,
-        "failed" => JobState::Failed,
-        "cancelled" => JobState::Cancelled,
-        _ => bail!("unknown block job state {name:?}"),
-    })
+    JobState::ALL
+        .into_iter()
+        .find(|s| s.name() == name)
+        .ok_or_else(|| anyhow!("unknown block job state {name:?}"))
 }
 
 impl Job {
@@ -261,5 +255,22 @@ pub fn log_served(images: &[ActiveImage]) {
              it goes on serving the image it served, not the one its spec names (update the \
              configuration to name it before the next restart or reload)"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_types_and_states_read_back_and_unknown_ones_are_refused() {
+        for k in KINDS {
+            assert_eq!(kind_named(kind_name(k)).unwrap(), k);
+        }
+        for s in JobState::ALL {
+            assert_eq!(state_named(s.name()).unwrap(), s);
+        }
+        assert!(kind_named("backup").is_err());
+        assert!(state_named("Running").is_err());
     }
 }

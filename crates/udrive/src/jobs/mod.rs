@@ -41,7 +41,28 @@ pub enum JobState {
     Cancelled,
 }
 
+const KINDS: [Qcow2JobKind; 3] = [
+    Qcow2JobKind::Stream,
+    Qcow2JobKind::Commit,
+    Qcow2JobKind::Mirror,
+];
+
+fn kind_name(kind: Qcow2JobKind) -> &'static str {
+    match kind {
+        Qcow2JobKind::Stream => "stream",
+        Qcow2JobKind::Commit => "commit",
+        Qcow2JobKind::Mirror => "mirror",
+    }
+}
+
 impl JobState {
+    const ALL: [JobState; 5] = [
+        JobState::Running,
+        JobState::Paused,
+        JobState::Completed,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
     fn name(self) -> &'static str {
         match self {
             JobState::Running => "running",
@@ -103,14 +124,7 @@ impl Job {
             done: AtomicU64::new(job.done_bytes()),
             total: AtomicU64::new(job.total_bytes()),
             rate: AtomicU64::new(rate),
-            control: Mutex::new(Control {
-                state: JobState::Running,
-                error: None,
-                pause: false,
-                cancel: false,
-                hold: false,
-                held: false,
-            }),
+            control: Mutex::default(),
             wake: Condvar::new(),
         }
     }
@@ -121,11 +135,7 @@ impl Job {
         self.control().state
     }
     fn kind_name(&self) -> &'static str {
-        match self.kind {
-            Qcow2JobKind::Stream => "stream",
-            Qcow2JobKind::Commit => "commit",
-            Qcow2JobKind::Mirror => "mirror",
-        }
+        kind_name(self.kind)
     }
     pub fn json(&self) -> Value {
         let c = self.control();
