@@ -611,7 +611,9 @@ fn handed_over(kind: bdev::Qcow2JobKind, seed: u64) {
             Err(bdev::Qcow2Error::Refused { .. })
         ));
     }
-    let job = next.resume_job(kind, target.as_deref(), pivot, done).unwrap();
+    let job = next
+        .resume_job(kind, target.as_deref(), pivot, done)
+        .unwrap();
     assert_eq!(job.done_bytes(), done);
     run_with_guest(&next, job, &mut rng, &mut want);
     let result = next.active_path();

@@ -283,12 +283,19 @@ impl Handed {
                 dir.join("base.qcow2").display()
             )
         });
-        let d = initiator::NvmeDriver::connect(&s.path("a.sock"), serve_opts()).unwrap();
+        let d = initiator::NvmeDriver::connect(s.path("a.sock"), serve_opts()).unwrap();
         let mut qp = d.create_qpair(8, false).unwrap();
         let buf = qp.alloc_buf(64 << 10).unwrap();
         let (mut rng, mut want) = (Rng::new(seed), vec![0u8; SIZE]);
         writes(&mut qp, &buf, &mut rng, &mut want, 60);
-        Handed { s, qp, buf, rng, want, _d: d }
+        Handed {
+            s,
+            qp,
+            buf,
+            rng,
+            want,
+            _d: d,
+        }
     }
     fn ok(&self, method: &str, params: Value) -> Value {
         self.s
@@ -297,7 +304,9 @@ impl Handed {
     }
     fn params(&self, more: Value) -> Value {
         let mut p = json!({"socket": self.s.path("a.sock"), "nsid": 2});
-        p.as_object_mut().unwrap().extend(more.as_object().unwrap().clone());
+        p.as_object_mut()
+            .unwrap()
+            .extend(more.as_object().unwrap().clone());
         p
     }
     fn writes(&mut self, n: usize) {
@@ -309,20 +318,26 @@ impl Handed {
     fn job(&self, id: &Value) -> Value {
         let jobs = self.ok("get_jobs", json!({}));
         let job = jobs.as_array().unwrap().iter().find(|j| j["id"] == *id);
-        job.cloned().unwrap_or_else(|| panic!("job {id} not in {jobs}"))
+        job.cloned()
+            .unwrap_or_else(|| panic!("job {id} not in {jobs}"))
     }
     /// Starts `method` at 256 KiB/s and waits until it copied something.
     fn start_job(&mut self, method: &str, more: Value) -> Value {
         let id = self.ok(method, self.params(more))["job"].clone();
         self.writes(10);
-        wait_until("the job copies", T, || self.job(&id)["done"].as_u64() > Some(0));
+        wait_until("the job copies", T, || {
+            self.job(&id)["done"].as_u64() > Some(0)
+        });
         id
     }
     /// `udrive upgrade` with job `id` part-way: it goes on in the new process
     /// with its id, its type, its state and at least its progress.
     fn upgrade_mid_job(&mut self, id: &Value, what: &str) -> Value {
         let before = self.job(id);
-        assert!(before["done"].as_u64() < before["total"].as_u64(), "{before}");
+        assert!(
+            before["done"].as_u64() < before["total"].as_u64(),
+            "{before}"
+        );
         let pid = self.s.pid();
         self.s.upgrade_ok(what);
         assert_ne!(self.s.pid(), pid, "{what}: a new process serves");
@@ -383,7 +398,9 @@ fn jobs_and_changed_chains_go_on_after_a_live_handover() {
         h.ok("get_jobs", json!({})).as_array().unwrap().len() == 2
     });
     let id = h.ok("get_jobs", json!({}))[1]["id"].clone();
-    wait_until("the stream copies", T, || h.job(&id)["done"].as_u64() > Some(0));
+    wait_until("the stream copies", T, || {
+        h.job(&id)["done"].as_u64() > Some(0)
+    });
     h.upgrade_mid_job(&id, "stream running");
     h.writes(20);
     h.ok("job_set_rate", json!({"id": id, "rate": 0}));
@@ -402,7 +419,10 @@ fn jobs_and_changed_chains_go_on_after_a_live_handover() {
 /// resumed there, the disk moves to the copy.
 fn mirror_paused_across_a_handover(h: &mut Handed) {
     let moved = h.s.path("moved.qcow2");
-    let id = h.start_job("blockdev_mirror", json!({"path": moved, "pivot": true, "rate": "256K"}));
+    let id = h.start_job(
+        "blockdev_mirror",
+        json!({"path": moved, "pivot": true, "rate": "256K"}),
+    );
     h.ok("job_pause", json!({"id": id}));
     wait_until("mirror paused", T, || h.job(&id)["state"] == "paused");
     h.writes(20);
@@ -419,14 +439,19 @@ fn mirror_paused_across_a_handover(h: &mut Handed) {
     h.ok("qcow2_snapshot_create", h.params(json!({"path": top3})));
     let next = h.ok("block_stream", h.params(json!({})))["job"].clone();
     assert!(next.as_u64() > id.as_u64(), "{next} after {id}");
-    wait_until("stream completed", T, || h.job(&next)["state"] == "completed");
+    wait_until("stream completed", T, || {
+        h.job(&next)["state"] == "completed"
+    });
     h.verify();
     qemu_check(&moved);
     qemu_check(&top3);
     qemu_compare(&top3, &h.want);
     let log = h.s.log();
     assert_eq!(log.matches("block job taken over").count(), 3, "{log}");
-    assert!(log.contains("changed this disk's chain before the handover"), "{log}");
+    assert!(
+        log.contains("changed this disk's chain before the handover"),
+        "{log}"
+    );
 }
 
 #[test]

@@ -181,7 +181,9 @@ impl BlockJob {
         if !done.is_multiple_of(cs) || done / cs > self.clusters {
             return Err(refused(
                 &self.image,
-                &format!("a job cannot go on from byte {done}: not a cluster boundary inside the image"),
+                &format!(
+                    "a job cannot go on from byte {done}: not a cluster boundary inside the image"
+                ),
             ));
         }
         self.next = done / cs;
@@ -381,6 +383,12 @@ impl Qcow2Disk {
     /// after a commit).
     pub fn active_path(&self) -> PathBuf {
         self.active.get().path.clone()
+    }
+
+    /// Writes back the metadata of the image a commit or mirror writes into
+    /// (none: nothing to do); safe while the guest runs.
+    pub fn flush_target(&self) -> io::Result<()> {
+        flush_target(&self.active.get())
     }
 
     /// The image the disk's spec names (the one it opened first).

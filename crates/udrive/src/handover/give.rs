@@ -47,6 +47,7 @@ pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
     // handover fails.
     let hold = Instant::now();
     crate::jobs::handover::hold_all(&st.jobs)?;
+    crate::jobs::handover::flush_targets(&st);
     let t0 = Instant::now();
     let (paused, records) = match pause_and_save(&mut st) {
         Ok(r) => r,

@@ -127,12 +127,33 @@ pub fn hold_all(jobs: &Jobs) -> Result<()> {
             if left.is_zero() {
                 drop(c);
                 release_all(jobs);
-                bail!("block job {} did not stop between two steps within {HOLD_LIMIT:?}", j.id);
+                bail!(
+                    "block job {} did not stop between two steps within {HOLD_LIMIT:?}",
+                    j.id
+                );
             }
-            c = j.wake.wait_timeout(c, left).unwrap_or_else(|p| p.into_inner()).0;
+            c = j
+                .wake
+                .wait_timeout(c, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
     Ok(())
+}
+
+/// With the jobs held and the guest still running: the targets of commits
+/// and mirrors get what the jobs wrote into them written back (and synced)
+/// now, so that the flush while the devices are paused has only what the
+/// guest wrote since. A failure here is said again by that flush.
+pub fn flush_targets(st: &State) {
+    for d in &st.devices {
+        for r in d.disks() {
+            if let Err(e) = as_qcow2(&r.disk).map_or(Ok(()), |q| q.flush_target()) {
+                tracing::warn!("{}: cannot write a job's target back: {e}", r.name);
+            }
+        }
+    }
 }
 
 /// After a failed handover: the held jobs go on here.
