@@ -265,7 +265,8 @@ fn start_taken_over(
 ) -> Result<(Running, crate::jobs::handover::Pending)> {
     let cfg = snap.config()?;
     crate::jobs::handover::log_served(&snap.active_images);
-    process.set_served(snap.active_images.clone());
+    let served = snap.active_images.iter();
+    process.set_served(served.map(|a| (a.spec.clone(), a.active.clone())).collect());
     let running = start(&cfg, 0o600, process.clone());
     process.set_served(Vec::new());
     let running = running?;

@@ -262,7 +262,7 @@ fn a_vhost_user_blk_disk_is_snapshotted_and_committed_under_libblkio() {
 
 /// A server from a configuration (so that `udrive upgrade` can replace it)
 /// with a qcow2 image as namespace 2 of an NVMe controller, and a client
-/// doing verified I/O on it.
+/// doing verified I/O on it, before and after a live snapshot.
 struct Handed {
     s: common::served::Service,
     qp: QueuePair,
@@ -288,14 +288,18 @@ impl Handed {
         let buf = qp.alloc_buf(64 << 10).unwrap();
         let (mut rng, mut want) = (Rng::new(seed), vec![0u8; SIZE]);
         writes(&mut qp, &buf, &mut rng, &mut want, 60);
-        Handed {
+        let mut h = Handed {
             s,
             qp,
             buf,
             rng,
             want,
             _d: d,
-        }
+        };
+        let top = h.s.path("top.qcow2");
+        h.ok("qcow2_snapshot_create", h.params(json!({"path": top})));
+        h.writes(40);
+        h
     }
     fn ok(&self, method: &str, params: Value) -> Value {
         self.s
@@ -361,9 +365,7 @@ fn jobs_and_changed_chains_go_on_after_a_live_handover() {
         return;
     }
     let mut h = Handed::start(70);
-    let (base, top) = (h.s.path("base.qcow2"), h.s.path("top.qcow2"));
-    h.ok("qcow2_snapshot_create", h.params(json!({"path": top})));
-    h.writes(40);
+    let base = h.s.path("base.qcow2");
     // A snapshot, a handover, I/O: the new process serves the overlay.
     let chain = h.image();
     h.s.upgrade_ok("after a snapshot");
@@ -460,9 +462,7 @@ fn a_failed_handover_leaves_the_jobs_running_in_the_old_process() {
         return;
     }
     let mut h = Handed::start(71);
-    let (base, top) = (h.s.path("base.qcow2"), h.s.path("top.qcow2"));
-    h.ok("qcow2_snapshot_create", h.params(json!({"path": top})));
-    h.writes(40);
+    let base = h.s.path("base.qcow2");
     let id = h.start_job("block_commit", json!({"rate": "128K"}));
     let pid = h.s.pid();
     // The new process dies after it received everything, then after it set

@@ -20,6 +20,7 @@ pub mod secrets;
 mod supervisor_link;
 
 use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -67,8 +68,9 @@ pub struct Process {
     library_cpus: Mutex<Vec<usize>>,
     /// Passphrases given over the control socket.
     secrets: secrets::Secrets,
-    /// While taking over: images disks served instead of their spec's.
-    served: Mutex<Vec<crate::jobs::handover::ActiveImage>>,
+    /// While taking over: images disks served instead of their spec's
+    /// (spec's image, image served).
+    served: Mutex<Vec<(PathBuf, PathBuf)>>,
 }
 
 /// What a device gets from the process when the server builds it.
@@ -251,7 +253,7 @@ impl Process {
     /// While taking over: the images the predecessor's disks served instead of
     /// their spec's, for the backends opening now (empty again once they are
     /// open: a disk added later opens what its spec names).
-    pub fn set_served(&self, images: Vec<crate::jobs::handover::ActiveImage>) {
+    pub fn set_served(&self, images: Vec<(PathBuf, PathBuf)>) {
         *lock(&self.served) = images;
     }
 
@@ -289,8 +291,8 @@ impl crate::kinds::OpenEnv for Process {
     fn served_instead(&self, spec: &std::path::Path) -> Option<std::path::PathBuf> {
         lock(&self.served)
             .iter()
-            .find(|a| a.spec == spec)
-            .map(|a| a.active.clone())
+            .find(|(s, _)| s == spec)
+            .map(|(_, active)| active.clone())
     }
 
     fn library_cpus(&self) -> Vec<usize> {
