@@ -325,7 +325,7 @@ impl Handed {
         job.cloned()
             .unwrap_or_else(|| panic!("job {id} not in {jobs}"))
     }
-    /// Starts `method` at 256 KiB/s and waits until it copied something.
+    /// Starts `method` (rate-limited by `more`) and waits until it moved on.
     fn start_job(&mut self, method: &str, more: Value) -> Value {
         let id = self.ok(method, self.params(more))["job"].clone();
         self.writes(10);
@@ -375,7 +375,7 @@ fn jobs_and_changed_chains_go_on_after_a_live_handover() {
     h.verify();
 
     // A commit handed over while it runs: it ends in the new process.
-    let id = h.start_job("block_commit", json!({"rate": "256K"}));
+    let id = h.start_job("block_commit", json!({"rate": "128K"}));
     let after = h.upgrade_mid_job(&id, "commit running");
     assert_eq!(after["state"], "running", "{after}");
     h.writes(20);
@@ -463,7 +463,7 @@ fn a_failed_handover_leaves_the_jobs_running_in_the_old_process() {
     }
     let mut h = Handed::start(71);
     let base = h.s.path("base.qcow2");
-    let id = h.start_job("block_commit", json!({"rate": "128K"}));
+    let id = h.start_job("block_commit", json!({"rate": "64K"}));
     let pid = h.s.pid();
     // The new process dies after it received everything, then after it set
     // the job up again (the commit's base opened, written through).
