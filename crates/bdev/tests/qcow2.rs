@@ -569,3 +569,65 @@ fn stream_into_small_clusters_keeps_a_moved_refcount_table() {
     qemu_check(&img);
     qemu_compare(&img, &want);
 }
+
+/// A job taken over by another process: the old disk is paused (its image's
+/// and the job's target's metadata written back) and left as a process that
+/// exits leaves it; a disk opened on the image it served (its spec still
+/// naming the base) goes on with the job from where it stopped, under guest
+/// writes, and the result is what the guest wrote.
+fn handed_over(kind: bdev::Qcow2JobKind, seed: u64) {
+    let (dir, base, overlay, disk, _, mut want) = snapshotted(seed);
+    let mut rng = Rng::new(seed + 100);
+    let mut job = match kind {
+        bdev::Qcow2JobKind::Mirror => disk.start_mirror(&dir.path().join("m.qcow2"), true),
+        k => disk.start_job(k),
+    }
+    .unwrap();
+    let mut ch = disk.channel().unwrap();
+    for _ in 0..(job.total_bytes() / (64 << 10)) / 2 {
+        job.step().unwrap();
+        random_ops(&mut *ch, &mut rng, &mut want, 1);
+    }
+    disk.pause().unwrap();
+    let (done, target, pivot) = (job.done_bytes(), job.target_path(), job.pivot());
+    assert!(done > 0 && done < job.total_bytes());
+    assert_eq!(target.is_some(), kind != bdev::Qcow2JobKind::Stream);
+    std::mem::forget((job, ch, disk));
+
+    let next = Qcow2Disk::open_serving(&overlay, &base, Qcow2Options::default()).unwrap();
+    assert!(next.chain_changed());
+    assert_eq!(first_difference(&read_all(&next), &want), None);
+    // Hostile: a resume point off a cluster boundary or past the end, a
+    // commit into another image than the base.
+    for bad in [done + 512, 1 << 40] {
+        assert!(matches!(
+            next.resume_job(kind, target.as_deref(), pivot, bad),
+            Err(bdev::Qcow2Error::Refused { .. })
+        ));
+    }
+    if kind == bdev::Qcow2JobKind::Commit {
+        assert!(matches!(
+            next.resume_job(kind, Some(&overlay), pivot, done),
+            Err(bdev::Qcow2Error::Refused { .. })
+        ));
+    }
+    let job = next
+        .resume_job(kind, target.as_deref(), pivot, done)
+        .unwrap();
+    assert_eq!(job.done_bytes(), done);
+    run_with_guest(&next, job, &mut rng, &mut want);
+    let result = next.active_path();
+    drop(next);
+    qemu_check(&result);
+    qemu_compare(&result, &want);
+}
+
+#[test]
+fn jobs_go_on_in_a_disk_opened_on_the_image_served() {
+    if !have_qemu_tools() {
+        return;
+    }
+    handed_over(bdev::Qcow2JobKind::Commit, 46);
+    handed_over(bdev::Qcow2JobKind::Mirror, 47);
+    handed_over(bdev::Qcow2JobKind::Stream, 48);
+}

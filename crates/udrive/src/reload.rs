@@ -77,6 +77,18 @@ pub fn apply(server: &Server, new: &Config) -> ReloadReport {
     let now = ServerSnapshot::of(server, &server.lock());
     let mut r = ReloadReport::default();
     process_settings(&now, new, &mut r);
+    // A spec that still names the image a disk served before a live snapshot,
+    // commit or mirror is the same spec: the disk goes on as it is.
+    for a in &now.active_images {
+        tracing::warn!(
+            spec = %a.spec.display(),
+            serves = %a.active.display(),
+            "reload: a disk serves another image than its spec names (its chain changed \
+             while it ran); a spec naming {} keeps it serving {}",
+            a.spec.display(),
+            a.active.display()
+        );
+    }
     for c in &now.controllers {
         if !new
             .controllers

@@ -169,9 +169,19 @@ fn follow_job(a: &RpcArgs, id: u64) -> Result<()> {
     use std::io::IsTerminal;
     let tty = std::io::stderr().is_terminal();
     let timeout = Duration::from_secs(a.timeout);
+    // Since the last answer: a live handover closes the old server's
+    // connections, and the new server answers on the same socket.
+    let mut answered = std::time::Instant::now();
     loop {
-        let jobs = call(&a.socket, "get_jobs", Value::Null, timeout)
-            .map_err(|e| anyhow!("get_jobs failed: {e}"))?;
+        let jobs = match call(&a.socket, "get_jobs", Value::Null, timeout) {
+            Ok(j) => j,
+            Err(CallError::Io(_)) if answered.elapsed() < timeout => {
+                std::thread::sleep(Duration::from_millis(250));
+                continue;
+            }
+            Err(e) => bail!("get_jobs failed: {e}"),
+        };
+        answered = std::time::Instant::now();
         let job = jobs
             .as_array()
             .and_then(|l| l.iter().find(|j| j["id"].as_u64() == Some(id)))

@@ -231,7 +231,7 @@ fn run_takeover(from: &Path, sandbox: &Sandboxing) -> Result<()> {
     }
     crate::handover::take::fail_point("start");
     let process = Process::taking_over(got.records, got.takeover.channel()?);
-    let running = match start_taken_over(&got.snapshot, &process) {
+    let (running, jobs) = match start_taken_over(&got.snapshot, &process) {
         Ok(r) => r,
         Err(e) => {
             got.takeover.abort(&e);
@@ -243,6 +243,9 @@ fn run_takeover(from: &Path, sandbox: &Sandboxing) -> Result<()> {
     crate::systemd::main_pid();
     got.takeover.confirm()?;
     process.commit();
+    // The jobs' threads start once the old process let go (it held its own
+    // between two steps until then), before the guest's first request.
+    crate::jobs::handover::launch(&running.server, jobs);
     for d in running.server.lock().devices.iter_mut() {
         d.resume();
     }
@@ -252,11 +255,21 @@ fn run_takeover(from: &Path, sandbox: &Sandboxing) -> Result<()> {
     running.run_until_signal(signals)
 }
 
-/// Starts what a handover sent: configuration, listeners, devices (paused), with
-/// the QoS limits set at run time; checks every device's restored state.
-fn start_taken_over(snap: &ServerSnapshot, process: &Arc<Process>) -> Result<Running> {
+/// Starts what a handover sent: configuration, listeners, devices (paused) on
+/// the images their disks served, with the QoS limits set at run time, and the
+/// block jobs set up again (their threads not started); checks every device's
+/// restored state.
+fn start_taken_over(
+    snap: &ServerSnapshot,
+    process: &Arc<Process>,
+) -> Result<(Running, crate::jobs::handover::Pending)> {
     let cfg = snap.config()?;
-    let running = start(&cfg, 0o600, process.clone())?;
+    crate::jobs::handover::log_served(&snap.active_images);
+    let served = snap.active_images.iter();
+    process.set_served(served.map(|a| (a.spec.clone(), a.active.clone())).collect());
+    let running = start(&cfg, 0o600, process.clone());
+    process.set_served(Vec::new());
+    let running = running?;
     for q in &snap.qos {
         running
             .server
@@ -266,8 +279,9 @@ fn start_taken_over(snap: &ServerSnapshot, process: &Arc<Process>) -> Result<Run
     for d in &running.server.lock().devices {
         d.check_restored()?;
     }
+    let jobs = crate::jobs::handover::restore(&running.server, &snap.jobs, snap.last_job_id)?;
     process.ready();
-    Ok(running)
+    Ok((running, jobs))
 }
 
 /// A started server: engine, devices, control socket and metrics endpoint.

@@ -3,8 +3,11 @@
 //! commit paused and resumed with writes meanwhile, a stream, a mirror with a
 //! pivot; the images pass
 //! `qemu-img check` and `qemu-img compare` against what was written; hostile
-//! calls get their reasons. Skipped, saying so, where qemu-img is not
-//! installed (Debian: qemu-utils).
+//! calls get their reasons. Live handovers (`udrive upgrade`) after a snapshot
+//! and with a commit, a stream and a mirror mid-way (decision 0043): the jobs
+//! go on in the new server under the same ids and end with the same images; a
+//! handover that fails leaves them running in the old one. Skipped, saying
+//! so, where qemu-img is not installed (Debian: qemu-utils).
 
 mod common;
 
@@ -125,8 +128,6 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     assert!(r["pause_us"].as_u64().is_some(), "{r}");
     eprintln!("snapshot: device paused {} us", r["pause_us"]);
     let before = want.clone();
-    let nowhere = json!({"socket": dir.path().join("successor.sock")});
-    srv.err("handover", nowhere.clone(), -32000, "since a live snapshot");
     writes(&mut qp, &buf, &mut rng, &mut want, 60);
     verify_and_flush(&mut qp, &buf, &want);
     qemu_check(&top);
@@ -150,7 +151,6 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     let paused = wait_state(&srv, &id, "paused");
     assert_eq!(paused["type"], "commit");
     writes(&mut qp, &buf, &mut rng, &mut want, 40);
-    srv.err("handover", nowhere, -32000, "block job");
     srv.ok("job_resume", json!({"id": id}));
     writes(&mut qp, &buf, &mut rng, &mut want, 20);
     srv.ok("job_set_rate", json!({"id": id, "rate": 0}));
@@ -258,4 +258,234 @@ fn a_vhost_user_blk_disk_is_snapshotted_and_committed_under_libblkio() {
     srv.ok("vhost_user_blk_remove", json!({"socket": v}));
     qemu_check(&base);
     qemu_compare(&base, &want);
+}
+
+/// A server from a configuration (so that `udrive upgrade` can replace it)
+/// with a qcow2 image as namespace 2 of an NVMe controller, and a client
+/// doing verified I/O on it, before and after a live snapshot.
+struct Handed {
+    s: common::served::Service,
+    qp: QueuePair,
+    buf: DmaBuf,
+    rng: Rng,
+    want: Vec<u8>,
+    _d: initiator::NvmeDriver,
+}
+
+impl Handed {
+    fn start(seed: u64) -> Handed {
+        let s = common::served::Service::start(|dir| {
+            format!(
+                "cpus = \"0\"\nrpc = \"{}\"\n[[controller]]\nsocket = \"{}\"\n\
+                 namespaces = [\"null:16M\", \"qcow2:{},create=16M\"]\n",
+                dir.join("rpc.sock").display(),
+                dir.join("a.sock").display(),
+                dir.join("base.qcow2").display()
+            )
+        });
+        let d = initiator::NvmeDriver::connect(s.path("a.sock"), serve_opts()).unwrap();
+        let mut qp = d.create_qpair(8, false).unwrap();
+        let buf = qp.alloc_buf(64 << 10).unwrap();
+        let (mut rng, mut want) = (Rng::new(seed), vec![0u8; SIZE]);
+        writes(&mut qp, &buf, &mut rng, &mut want, 60);
+        let mut h = Handed {
+            s,
+            qp,
+            buf,
+            rng,
+            want,
+            _d: d,
+        };
+        let top = h.s.path("top.qcow2");
+        h.ok("qcow2_snapshot_create", h.params(json!({"path": top})));
+        h.writes(40);
+        h
+    }
+    fn ok(&self, method: &str, params: Value) -> Value {
+        self.s
+            .rpc(method, params)
+            .unwrap_or_else(|e| panic!("{method}: {e}\n{}", self.s.log()))
+    }
+    fn params(&self, more: Value) -> Value {
+        let mut p = json!({"socket": self.s.path("a.sock"), "nsid": 2});
+        p.as_object_mut()
+            .unwrap()
+            .extend(more.as_object().unwrap().clone());
+        p
+    }
+    fn writes(&mut self, n: usize) {
+        writes(&mut self.qp, &self.buf, &mut self.rng, &mut self.want, n);
+    }
+    fn verify(&mut self) {
+        verify_and_flush(&mut self.qp, &self.buf, &self.want);
+    }
+    fn job(&self, id: &Value) -> Value {
+        let jobs = self.ok("get_jobs", json!({}));
+        let job = jobs.as_array().unwrap().iter().find(|j| j["id"] == *id);
+        job.cloned()
+            .unwrap_or_else(|| panic!("job {id} not in {jobs}"))
+    }
+    /// Starts `method` (rate-limited by `more`) and waits until it moved on.
+    fn start_job(&mut self, method: &str, more: Value) -> Value {
+        let id = self.ok(method, self.params(more))["job"].clone();
+        self.writes(10);
+        wait_until("the job copies", T, || {
+            self.job(&id)["done"].as_u64() > Some(0)
+        });
+        id
+    }
+    /// `udrive upgrade` with job `id` part-way: it goes on in the new process
+    /// with its id, its type, its state and at least its progress.
+    fn upgrade_mid_job(&mut self, id: &Value, what: &str) -> Value {
+        let before = self.job(id);
+        assert!(
+            before["done"].as_u64() < before["total"].as_u64(),
+            "{before}"
+        );
+        let pid = self.s.pid();
+        self.s.upgrade_ok(what);
+        assert_ne!(self.s.pid(), pid, "{what}: a new process serves");
+        let after = self.job(id);
+        for k in ["type", "state", "total", "socket", "nsid"] {
+            assert_eq!(after[k], before[k], "{what}: {k}: {after}");
+        }
+        assert!(after["done"].as_u64() >= before["done"].as_u64(), "{after}");
+        after
+    }
+    fn image(&self) -> Value {
+        self.ok("get_devices", json!({"socket": self.s.path("a.sock")}))[0]["namespaces"][1]
+            ["image"]
+            .clone()
+    }
+}
+
+#[test]
+fn jobs_and_changed_chains_go_on_after_a_live_handover() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let mut h = Handed::start(70);
+    let base = h.s.path("base.qcow2");
+    // A snapshot, a handover, I/O: the new process serves the overlay.
+    let chain = h.image();
+    h.s.upgrade_ok("after a snapshot");
+    assert_eq!(h.image()["path"], chain["path"]);
+    assert_eq!(h.image()["backing_chain"], chain["backing_chain"]);
+    h.writes(40);
+    h.verify();
+
+    // A commit handed over while it runs: it ends in the new process.
+    let id = h.start_job("block_commit", json!({"rate": "128K"}));
+    let after = h.upgrade_mid_job(&id, "commit running");
+    assert_eq!(after["state"], "running", "{after}");
+    h.writes(20);
+    h.ok("job_set_rate", json!({"id": id, "rate": 0}));
+    wait_until("commit completed", T, || h.job(&id)["state"] == "completed");
+    h.writes(20);
+    h.verify();
+    assert!(h.image()["path"].as_str().unwrap().ends_with("base.qcow2"));
+    qemu_check(&base);
+    qemu_compare(&base, &h.want);
+
+    // A stream followed by `udrive rpc --wait`, across a handover.
+    let top2 = h.s.path("top2.qcow2");
+    h.ok("qcow2_snapshot_create", h.params(json!({"path": top2})));
+    h.writes(20);
+    let (rpc, params) = (h.s.path("rpc.sock"), h.params(json!({"rate": "256K"})));
+    let waiter = std::thread::spawn(move || {
+        let (rpc, params) = (rpc.to_str().unwrap(), params.to_string());
+        udrive_ok(&["rpc", "--rpc", rpc, "--wait", "block_stream", &params])
+    });
+    wait_until("stream listed", T, || {
+        h.ok("get_jobs", json!({})).as_array().unwrap().len() == 2
+    });
+    let id = h.ok("get_jobs", json!({}))[1]["id"].clone();
+    wait_until("the stream copies", T, || {
+        h.job(&id)["done"].as_u64() > Some(0)
+    });
+    h.upgrade_mid_job(&id, "stream running");
+    h.writes(20);
+    h.ok("job_set_rate", json!({"id": id, "rate": 0}));
+    let out = waiter.join().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("\"state\": \"completed\""), "{text}");
+    h.verify();
+    let info = qemu_img(&["info", top2.to_str().unwrap()]);
+    assert!(!info.contains("backing file"), "{info}");
+    qemu_check(&top2);
+    qemu_compare(&top2, &h.want);
+    mirror_paused_across_a_handover(&mut h);
+}
+
+/// A mirror with pivot, paused when handed over: paused in the new process,
+/// resumed there, the disk moves to the copy.
+fn mirror_paused_across_a_handover(h: &mut Handed) {
+    let moved = h.s.path("moved.qcow2");
+    let id = h.start_job(
+        "blockdev_mirror",
+        json!({"path": moved, "pivot": true, "rate": "256K"}),
+    );
+    h.ok("job_pause", json!({"id": id}));
+    wait_until("mirror paused", T, || h.job(&id)["state"] == "paused");
+    h.writes(20);
+    h.upgrade_mid_job(&id, "mirror paused");
+    h.writes(20);
+    h.ok("job_set_rate", json!({"id": id, "rate": 0}));
+    h.ok("job_resume", json!({"id": id}));
+    wait_until("mirror completed", T, || h.job(&id)["state"] == "completed");
+    h.writes(10);
+    h.verify();
+    assert!(h.image()["path"].as_str().unwrap().ends_with("moved.qcow2"));
+    // Ids go on from the old process's.
+    let top3 = h.s.path("top3.qcow2");
+    h.ok("qcow2_snapshot_create", h.params(json!({"path": top3})));
+    let next = h.ok("block_stream", h.params(json!({})))["job"].clone();
+    assert!(next.as_u64() > id.as_u64(), "{next} after {id}");
+    wait_until("stream completed", T, || {
+        h.job(&next)["state"] == "completed"
+    });
+    h.verify();
+    qemu_check(&moved);
+    qemu_check(&top3);
+    qemu_compare(&top3, &h.want);
+    let log = h.s.log();
+    assert_eq!(log.matches("block job taken over").count(), 3, "{log}");
+    assert!(
+        log.contains("changed this disk's chain before the handover"),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_failed_handover_leaves_the_jobs_running_in_the_old_process() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let mut h = Handed::start(71);
+    let base = h.s.path("base.qcow2");
+    let id = h.start_job("block_commit", json!({"rate": "64K"}));
+    let pid = h.s.pid();
+    // The new process dies after it received everything, then after it set
+    // the job up again (the commit's base opened, written through).
+    for step in ["start", "confirm"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_udrive"))
+            .args(["serve", "--takeover"])
+            .arg(h.s.path("rpc.sock"))
+            .env("UDRIVE_TAKEOVER_DIE_AT", step)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{step}");
+        assert_eq!(h.s.pid(), pid, "{step}: the old process serves on");
+        let job = h.job(&id);
+        assert_eq!(job["state"], "running", "{step}: {job}");
+        let done = job["done"].as_u64();
+        h.writes(10);
+        wait_until("the job goes on", T, || h.job(&id)["done"].as_u64() > done);
+    }
+    h.ok("job_set_rate", json!({"id": id, "rate": 0}));
+    wait_until("commit completed", T, || h.job(&id)["state"] == "completed");
+    h.writes(20);
+    h.verify();
+    qemu_check(&base);
+    qemu_compare(&base, &h.want);
 }

@@ -164,6 +164,31 @@ impl BlockJob {
     pub fn done_bytes(&self) -> u64 {
         self.next * self.image.cs()
     }
+    /// The image a commit or mirror writes into (None: a stream, or a target
+    /// let go).
+    pub fn target_path(&self) -> Option<PathBuf> {
+        let t = self.image.through.lock().unwrap_or_else(|p| p.into_inner());
+        t.as_ref().map(|t| t.base.path.clone())
+    }
+    /// Mirror: whether the disk goes on in the copy at the end.
+    pub fn pivot(&self) -> bool {
+        self.pivot
+    }
+    /// Goes on from `done` bytes (a whole number of clusters, as
+    /// [`BlockJob::done_bytes`] said in another process).
+    fn resume_from(mut self, done: u64) -> Result<BlockJob, Qcow2Error> {
+        let cs = self.image.cs();
+        if !done.is_multiple_of(cs) || done / cs > self.clusters {
+            return Err(refused(
+                &self.image,
+                &format!(
+                    "a job cannot go on from byte {done}: not a cluster boundary inside the image"
+                ),
+            ));
+        }
+        self.next = done / cs;
+        Ok(self)
+    }
     /// Does one cluster; `Ok(None)` once all are done, else the bytes copied
     /// (0 for a cluster that needed nothing).
     pub fn step(&mut self) -> io::Result<Option<u64>> {
@@ -278,6 +303,16 @@ impl BlockJob {
     }
 }
 
+/// Writes back the metadata of the image a commit or mirror of `img` writes
+/// into (a successor opens it again).
+pub(super) fn flush_target(img: &Image) -> io::Result<()> {
+    let base = {
+        let t = img.through.lock().unwrap_or_else(|p| p.into_inner());
+        t.as_ref().map(|t| t.base.clone())
+    };
+    base.map_or(Ok(()), |b| b.flush())
+}
+
 fn take_through(img: &Image) -> Option<Arc<Image>> {
     let _meta = img.meta();
     img.writes_slow.store(false, Ordering::Release);
@@ -348,6 +383,17 @@ impl Qcow2Disk {
     /// after a commit).
     pub fn active_path(&self) -> PathBuf {
         self.active.get().path.clone()
+    }
+
+    /// Writes back the metadata of the image a commit or mirror writes into
+    /// (none: nothing to do); safe while the guest runs.
+    pub fn flush_target(&self) -> io::Result<()> {
+        flush_target(&self.active.get())
+    }
+
+    /// The image the disk's spec names (the one it opened first).
+    pub fn spec_path(&self) -> &Path {
+        &self.opened
     }
 
     /// Whether the disk serves another image than the one it opened: a
@@ -438,6 +484,55 @@ impl Qcow2Disk {
         Ok(BlockJob::new(JobKind::Mirror, img, pivot))
     }
 
+    /// Takes over a job another process ran on this disk up to `done` bytes:
+    /// a commit writes through into its base again, a mirror into its
+    /// `target` (which exists now, with what that process copied and wrote
+    /// through). Call with the device paused, as to start one: from here
+    /// guest writes go through, and what the job copies from `done` on
+    /// repairs whatever reached the target before.
+    pub fn resume_job(
+        &self,
+        kind: JobKind,
+        target: Option<&Path>,
+        pivot: bool,
+        done: u64,
+    ) -> Result<BlockJob, Qcow2Error> {
+        let job = match kind {
+            JobKind::Stream | JobKind::Commit => {
+                let job = self.start_job(kind)?;
+                let named = job.target_path();
+                if kind == JobKind::Commit && !same_file(named.as_deref(), target) {
+                    take_through(&job.image);
+                    return Err(refused(
+                        &job.image,
+                        "the commit's base is not the image the job wrote into",
+                    ));
+                }
+                job
+            }
+            JobKind::Mirror => {
+                let img = self.active.get();
+                let Some(target) = target else {
+                    return Err(refused(&img, "a mirror goes on only into its target"));
+                };
+                let to = Image::open(target, self.open_opts(), &mut Vec::new())?;
+                if to.cs() != img.cs() || to.header.size != img.header.size || to.backing.is_some()
+                {
+                    return Err(refused(
+                        &to,
+                        "a mirror's target with another size, cluster size or a backing file",
+                    ));
+                }
+                write_through_to(&img, to);
+                BlockJob::new(JobKind::Mirror, img, pivot)
+            }
+        };
+        let image = job.image.clone();
+        job.resume_from(done).inspect_err(|_| {
+            take_through(&image);
+        })
+    }
+
     /// Starts a stream or commit of the disk's image (a mirror is
     /// [`Qcow2Disk::start_mirror`]). A commit opens the base
     /// writable and from here sends every guest write through it: call with
@@ -469,6 +564,16 @@ impl Qcow2Disk {
         }
         Ok(BlockJob::new(kind, img, false))
     }
+}
+
+/// Whether two paths name one file (both must exist).
+fn same_file(a: Option<&Path>, b: Option<&Path>) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: Option<&Path>| {
+        p.and_then(|p| std::fs::metadata(p).ok())
+            .map(|m| (m.dev(), m.ino()))
+    };
+    id(a).is_some() && id(a) == id(b)
 }
 
 /// From here every guest write into `img` goes to the slow path and through

@@ -94,7 +94,19 @@ pub struct Qcow2Disk {
 impl Qcow2Disk {
     /// Opens the image at `path` and its backing chain.
     pub fn open(path: impl AsRef<Path>, o: Qcow2Options) -> Result<Qcow2Disk, Qcow2Error> {
-        let path = path.as_ref();
+        Qcow2Disk::open_serving(path.as_ref(), path.as_ref(), o)
+    }
+
+    /// Opens the image at `active` (and its chain) for a disk whose spec names
+    /// `spec`: a successor taking over a disk whose chain changed since the
+    /// spec's image was opened (a live snapshot, commit or mirror pivot) serves
+    /// the image its predecessor served, and still knows the chain changed.
+    pub fn open_serving(
+        active: &Path,
+        spec: &Path,
+        o: Qcow2Options,
+    ) -> Result<Qcow2Disk, Qcow2Error> {
+        let path = active;
         let bs = o.block_size.unwrap_or(512);
         let geometry = |e: GeometryError| Qcow2Error::Create {
             path: path.to_path_buf(),
@@ -120,7 +132,7 @@ impl Qcow2Disk {
             discard_zeroes: false,
         };
         Ok(Qcow2Disk {
-            opened: image.path.clone(),
+            opened: spec.to_path_buf(),
             active: Arc::new(live::Active::new(image, o.engine)),
             l2_cache: o.l2_cache,
             info,
@@ -164,12 +176,15 @@ impl BlockDevice for Qcow2Disk {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
-    /// A successor process opens the image by its spec: the metadata this one
-    /// holds in memory goes to disk first (the front end has nothing in flight).
+    /// A successor process opens the image (and a job's target) again: the
+    /// metadata this one holds in memory goes to disk first (the front end has
+    /// nothing in flight, a job is held between two steps).
     fn pause(&self) -> io::Result<()> {
         if self.info.read_only {
             return Ok(());
         }
-        self.active.get().flush()
+        let image = self.active.get();
+        image.flush()?;
+        live::flush_target(&image)
     }
 }

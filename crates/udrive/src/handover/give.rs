@@ -41,24 +41,30 @@ pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
     let sock = connect_to(socket)?;
     check_peer(&sock)?;
     let mut st = server.lock();
-    let t0 = Instant::now();
     refuse_what_cannot_move(&st)?;
-    let (paused, records) = pause_and_save(&mut st)?;
+    // Jobs stop between two steps before the devices pause (a commit or
+    // mirror writes guest writes through until then), and go on here if the
+    // handover fails.
+    let hold = Instant::now();
+    crate::jobs::handover::hold_all(&st.jobs)?;
+    crate::jobs::handover::flush_targets(&st);
+    let t0 = Instant::now();
+    let (paused, records) = match pause_and_save(&mut st) {
+        Ok(r) => r,
+        Err(e) => {
+            crate::jobs::handover::release_all(&st.jobs);
+            return Err(e);
+        }
+    };
     let pause_took = t0.elapsed();
     if let Err(e) = pause_backends(&st) {
-        resume_backends(&st, &[]);
-        resume_all(&mut st);
-        tracing::warn!("handover failed, devices resumed: {e:#}");
-        return Err(e.context("handover failed; this process serves on"));
+        return Err(roll_back(&mut st, &[], e));
     }
     let pause_done = t0.elapsed();
     let mut successor = Successor::default();
     if let Err(e) = send_and_confirm(server, &st, &sock, records, &mut successor) {
         let dead = successor.dead_clients();
-        resume_backends(&st, &dead);
-        resume_all(&mut st);
-        tracing::warn!("handover failed, devices resumed: {e:#}");
-        return Err(e.context("handover failed; this process serves on"));
+        return Err(roll_back(&mut st, &dead, e));
     }
     let total = t0.elapsed();
     server.process().set_handed_over();
@@ -69,6 +75,7 @@ pub fn handover(server: &Server, socket: &Path) -> Result<Value> {
         pause_us = pause_took.as_micros() as u64,
         backends_us = (pause_done - pause_took).as_micros() as u64,
         total_us = total.as_micros() as u64,
+        jobs_hold_us = (t0 - hold).as_micros() as u64,
         "handover confirmed by the new process"
     );
     Ok(json!({
@@ -107,12 +114,18 @@ fn check_peer(sock: &OwnedFd) -> Result<()> {
     Ok(())
 }
 
+/// After the devices paused: backends, devices and jobs go on here.
+fn roll_back(st: &mut State, dead: &[String], e: anyhow::Error) -> anyhow::Error {
+    resume_backends(st, dead);
+    resume_all(st);
+    crate::jobs::handover::release_all(&st.jobs);
+    tracing::warn!("handover failed, devices resumed, block jobs go on: {e:#}");
+    e.context("handover failed; this process serves on")
+}
+
 /// A backend whose kind refuses to be taken over fails the handover before
 /// anything pauses.
 fn refuse_what_cannot_move(st: &State) -> Result<()> {
-    if let Some(why) = crate::jobs::handover_refusal(st) {
-        bail!("{why}");
-    }
     for d in &st.devices {
         for r in d.disks() {
             if let Some(why) = r.spec.kind.0.handover_refusal() {

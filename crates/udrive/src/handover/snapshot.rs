@@ -8,10 +8,14 @@ use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, ControllerConfig, VhostBlkConfig};
+use crate::jobs::handover::{ActiveImage, JobRecord};
 use crate::server::{Server, State};
 
 /// Bumped when a field changes meaning; a process refuses a version it does not know.
-pub const VERSION: u32 = 1;
+/// 2: running jobs and the images disks serve instead of their spec's (a process
+/// that knows only 1 would drop them). A snapshot without either says 1, so
+/// that such a process can still take it over.
+pub const VERSION: u32 = 2;
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ServerSnapshot {
@@ -34,6 +38,15 @@ pub struct ServerSnapshot {
     /// `--allow-dir` (absent: none, or an older udrive).
     #[serde(default)]
     pub allow_dirs: Vec<PathBuf>,
+    /// Disks whose chain changed: the image each serves (version 2).
+    #[serde(default)]
+    pub active_images: Vec<ActiveImage>,
+    /// Block jobs, running, paused and finished (version 2 when any runs).
+    #[serde(default)]
+    pub jobs: Vec<JobRecord>,
+    /// The id the last job got (later jobs count on from it).
+    #[serde(default)]
+    pub last_job_id: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -91,7 +104,14 @@ impl ServerSnapshot {
             qos: Vec::new(),
             config_file: server.config_file.clone(),
             allow_dirs: crate::fs_access::allowed_dirs(),
+            active_images: crate::jobs::handover::active_images(st),
+            jobs: st.jobs.records(),
+            last_job_id: st.jobs.last_id(),
         };
+        let running = |j: &JobRecord| j.state == "running" || j.state == "paused";
+        if snap.active_images.is_empty() && !snap.jobs.iter().any(running) {
+            snap.version = 1;
+        }
         for d in &st.devices {
             if let Some(n) = d.as_nvme() {
                 let mut cfg = n.cfg.clone();
@@ -118,7 +138,7 @@ impl ServerSnapshot {
 
     /// The configuration to start from (validated like any).
     pub fn config(&self) -> Result<Config> {
-        if self.version != VERSION {
+        if !(1..=VERSION).contains(&self.version) {
             bail!(
                 "the running udrive speaks handover version {}, this one {VERSION}",
                 self.version

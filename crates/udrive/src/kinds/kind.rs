@@ -150,6 +150,12 @@ pub trait OpenEnv: Send + Sync {
         let _ = name;
         None
     }
+    /// The image a predecessor served for the one at `spec` (a qcow2 disk whose
+    /// chain a live snapshot, commit or mirror changed), while taking over.
+    fn served_instead(&self, spec: &std::path::Path) -> Option<std::path::PathBuf> {
+        let _ = spec;
+        None
+    }
 }
 
 /// An environment without a supervisor or a predecessor, with no CPU restriction.

@@ -156,7 +156,7 @@ impl KindSpec for Qcow2Spec {
     }
     fn open(
         &self,
-        _env: &dyn OpenEnv,
+        env: &dyn OpenEnv,
         block_size: Option<u32>,
         read_only: bool,
     ) -> Result<Arc<dyn BlockDevice>> {
@@ -166,6 +166,10 @@ impl KindSpec for Qcow2Spec {
             engine: self.engine,
             l2_cache: self.l2_cache,
         };
-        Ok(Arc::new(Qcow2Disk::open(self.made()?, opts)?))
+        let spec = self.made()?;
+        Ok(Arc::new(match env.served_instead(&spec) {
+            Some(active) => Qcow2Disk::open_serving(&active, &spec, opts)?,
+            None => Qcow2Disk::open(spec, opts)?,
+        }))
     }
 }

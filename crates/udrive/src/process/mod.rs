@@ -20,6 +20,7 @@ pub mod secrets;
 mod supervisor_link;
 
 use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -67,6 +68,9 @@ pub struct Process {
     library_cpus: Mutex<Vec<usize>>,
     /// Passphrases given over the control socket.
     secrets: secrets::Secrets,
+    /// While taking over: images disks served instead of their spec's
+    /// (spec's image, image served).
+    served: Mutex<Vec<(PathBuf, PathBuf)>>,
 }
 
 /// What a device gets from the process when the server builds it.
@@ -130,6 +134,7 @@ impl Process {
             noted_owners: Mutex::new(Vec::new()),
             library_cpus: Mutex::new(Vec::new()),
             secrets,
+            served: Mutex::new(Vec::new()),
         }
     }
 
@@ -245,6 +250,13 @@ impl Process {
         *lock(&self.predecessor) = None;
     }
 
+    /// While taking over: the images the predecessor's disks served instead of
+    /// their spec's, for the backends opening now (empty again once they are
+    /// open: a disk added later opens what its spec names).
+    pub fn set_served(&self, images: Vec<(PathBuf, PathBuf)>) {
+        *lock(&self.served) = images;
+    }
+
     /// A handover to a successor was confirmed by the control request running on
     /// the calling thread.
     pub fn set_handed_over(&self) {
@@ -274,6 +286,13 @@ impl Process {
 impl crate::kinds::OpenEnv for Process {
     fn secret(&self, name: &str) -> Option<zeroize::Zeroizing<Vec<u8>>> {
         self.secrets.get(name)
+    }
+
+    fn served_instead(&self, spec: &std::path::Path) -> Option<std::path::PathBuf> {
+        lock(&self.served)
+            .iter()
+            .find(|(s, _)| s == spec)
+            .map(|(_, active)| active.clone())
     }
 
     fn library_cpus(&self) -> Vec<usize> {

@@ -8,7 +8,10 @@
 //! Who owns what: the server's state keeps every job's shared record
 //! ([`Job`]); its thread owns the `Qcow2Job` and reports progress through
 //! atomics and the record's lock, which RPC handlers take to read it or to ask
-//! for a pause, a resume, a new rate or a cancel.
+//! for a pause, a resume, a new rate or a cancel. A live handover holds every
+//! job between two steps and passes it on ([`handover`]).
+
+pub mod handover;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,8 +31,9 @@ pub const QUIESCE_LIMIT: Duration = Duration::from_secs(5);
 /// Finished jobs kept for `get_jobs`, the oldest dropped first.
 const KEEP_FINISHED: usize = 32;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum JobState {
+    #[default]
     Running,
     Paused,
     Completed,
@@ -37,7 +41,28 @@ pub enum JobState {
     Cancelled,
 }
 
+const KINDS: [Qcow2JobKind; 3] = [
+    Qcow2JobKind::Stream,
+    Qcow2JobKind::Commit,
+    Qcow2JobKind::Mirror,
+];
+
+fn kind_name(kind: Qcow2JobKind) -> &'static str {
+    match kind {
+        Qcow2JobKind::Stream => "stream",
+        Qcow2JobKind::Commit => "commit",
+        Qcow2JobKind::Mirror => "mirror",
+    }
+}
+
 impl JobState {
+    const ALL: [JobState; 5] = [
+        JobState::Running,
+        JobState::Paused,
+        JobState::Completed,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
     fn name(self) -> &'static str {
         match self {
             JobState::Running => "running",
@@ -55,11 +80,17 @@ impl JobState {
     }
 }
 
+#[derive(Default)]
 struct Control {
     state: JobState,
     error: Option<String>,
     pause: bool,
     cancel: bool,
+    /// A live handover asks the thread to stop between two steps ...
+    hold: bool,
+    /// ... and the thread says it did, or that it has no step left (it waits
+    /// for the server's lock to pivot, which the handover holds).
+    held: bool,
 }
 
 /// A job as the control plane sees it.
@@ -68,6 +99,10 @@ pub struct Job {
     kind: Qcow2JobKind,
     socket: PathBuf,
     nsid: Option<u32>,
+    /// A commit's base or a mirror's copy.
+    target: Option<PathBuf>,
+    /// Mirror: the disk goes on in the copy.
+    pivot: bool,
     done: AtomicU64,
     total: AtomicU64,
     /// Bytes per second; 0: unlimited.
@@ -77,6 +112,22 @@ pub struct Job {
 }
 
 impl Job {
+    /// A job record as `get_jobs` shows it from the start.
+    fn new(id: u64, job: &Qcow2Job, socket: &Path, nsid: Option<u32>, rate: u64) -> Job {
+        Job {
+            id,
+            kind: job.kind(),
+            socket: socket.to_path_buf(),
+            nsid,
+            target: job.target_path(),
+            pivot: job.pivot(),
+            done: AtomicU64::new(job.done_bytes()),
+            total: AtomicU64::new(job.total_bytes()),
+            rate: AtomicU64::new(rate),
+            control: Mutex::default(),
+            wake: Condvar::new(),
+        }
+    }
     fn control(&self) -> MutexGuard<'_, Control> {
         self.control.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -84,11 +135,7 @@ impl Job {
         self.control().state
     }
     fn kind_name(&self) -> &'static str {
-        match self.kind {
-            Qcow2JobKind::Stream => "stream",
-            Qcow2JobKind::Commit => "commit",
-            Qcow2JobKind::Mirror => "mirror",
-        }
+        kind_name(self.kind)
     }
     pub fn json(&self) -> Value {
         let c = self.control();
@@ -128,6 +175,7 @@ impl Job {
         let mut c = self.control();
         c.state = state;
         c.error = error;
+        self.wake.notify_all();
     }
 }
 
@@ -190,17 +238,6 @@ impl Jobs {
             }
         }
         out
-    }
-    /// Why a live handover must wait: a successor would not take the job over.
-    pub fn handover_refusal(&self) -> Option<String> {
-        self.list.iter().find(|j| !j.state().finished()).map(|j| {
-            format!(
-                "block job {} ({}) runs on {}: let it finish or cancel it first",
-                j.id,
-                j.kind_name(),
-                j.socket.display()
-            )
-        })
     }
     fn add(&mut self, job: Arc<Job>) {
         self.list.push(job);
@@ -304,37 +341,39 @@ pub fn start(
             quiesced(&mut st, socket, || Ok(q.start_mirror(target, pivot)?))?
         }
     };
-    let kind = job.kind();
     st.jobs.next_id += 1;
-    let record = Arc::new(Job {
-        id: st.jobs.next_id,
-        kind,
-        socket: socket.to_path_buf(),
-        nsid,
-        done: AtomicU64::new(0),
-        total: AtomicU64::new(job.total_bytes()),
-        rate: AtomicU64::new(rate),
-        control: Mutex::new(Control {
-            state: JobState::Running,
-            error: None,
-            pause: false,
-            cancel: false,
-        }),
-        wake: Condvar::new(),
-    });
+    let record = Arc::new(Job::new(st.jobs.next_id, &job, socket, nsid, rate));
     st.jobs.add(record.clone());
     drop(st);
     let id = record.id;
-    let server = server.clone();
+    spawn(server, record, job, disk)?;
+    Ok(id)
+}
+
+/// Starts the thread that runs `job`; if it cannot start, the job ends failed
+/// (a commit or mirror stops writing through).
+fn spawn(server: &Arc<Server>, record: Arc<Job>, job: Qcow2Job, disk: Arc<QosDisk>) -> Result<()> {
+    let (id, server) = (record.id, server.clone());
+    // The job comes back if the thread does not start.
+    let slot = Arc::new(Mutex::new(Some((job, record.clone()))));
+    let theirs = slot.clone();
     // Started by the spawner, as every server thread (decision 0042): the
     // control role's calls (files opened for a stream's reopen).
     let spawned = sandbox::spawn(sandbox::Role::Control, format!("job-{id}"), move || {
-        run(&server, &record, job, &disk)
+        let taken = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((job, record)) = taken {
+            run(&server, &record, job, &disk)
+        }
     });
     if let Err(e) = spawned {
-        return Err(anyhow!(e).context("cannot start the job's thread"));
+        let e = anyhow!(e).context("cannot start the job's thread");
+        if let Some((job, record)) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            job.abandon();
+            record.end(JobState::Failed, Some(format!("{e:#}")));
+        }
+        return Err(e);
     }
-    Ok(id)
+    Ok(())
 }
 
 /// What the job's loop ended with.
@@ -347,6 +386,10 @@ enum Outcome {
 fn run(server: &Server, rec: &Job, job: Qcow2Job, disk: &QosDisk) {
     let (state, error) = match steps(rec, job) {
         Outcome::Done(job) => {
+            // A handover may go on without waiting for us: a successor
+            // resumes from the end and pivots itself.
+            rec.control().held = true;
+            rec.wake.notify_all();
             let mut job = Some(job);
             let pivot = quiesced(&mut server.lock(), &rec.socket, || {
                 match (as_qcow2(disk), job.take()) {
@@ -383,6 +426,13 @@ fn steps(rec: &Job, mut job: Qcow2Job) -> Outcome {
         {
             let mut c = rec.control();
             loop {
+                if c.hold {
+                    c.held = true;
+                    rec.wake.notify_all();
+                    c = rec.wake.wait(c).unwrap_or_else(|p| p.into_inner());
+                    continue;
+                }
+                c.held = false;
                 if c.cancel {
                     return Outcome::Cancelled(job);
                 }
@@ -418,25 +468,4 @@ fn steps(rec: &Job, mut job: Qcow2Job) -> Outcome {
             Err(e) => return Outcome::Failed(job, e.to_string()),
         }
     }
-}
-
-/// Why a live handover must wait: a job runs, or a disk serves another image
-/// than its spec names (a successor would open the old one).
-pub fn handover_refusal(st: &State) -> Option<String> {
-    if let Some(why) = st.jobs.handover_refusal() {
-        return Some(why);
-    }
-    for d in &st.devices {
-        for r in d.disks() {
-            if let Some(q) = as_qcow2(&r.disk).filter(|q| q.chain_changed()) {
-                return Some(format!(
-                    "{} serves {} since a live snapshot or commit, not the image its spec names: \
-                     update the configuration and restart, or commit back first",
-                    r.name,
-                    q.active_path().display()
-                ));
-            }
-        }
-    }
-    None
 }
