@@ -284,11 +284,20 @@ fn many_clients_give_a_result_each_and_their_figures() {
         let fair = c["fairness"]["median"].as_f64().unwrap();
         assert_eq!(fair == 1.0, n == 1, "{c}");
         assert!(c["client_iops_min"]["median"].as_f64().unwrap() <= got / n as f64);
-        assert!(c["server_us_per_io"]["median"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(
+            c["server_us_per_io"]["median"].as_f64().unwrap() > 0.0,
+            "{c}"
+        );
         // Compared with fake-a at the same client count.
-        assert_eq!(c["vs"].as_array().unwrap().is_empty(), c["datapath"] == "fake-a");
+        assert_eq!(
+            c["vs"].as_array().unwrap().is_empty(),
+            c["datapath"] == "fake-a"
+        );
     }
-    assert!(s["order"].as_array().unwrap().contains(&Value::from("1 fake-b null ×3")));
+    assert!(s["order"]
+        .as_array()
+        .unwrap()
+        .contains(&Value::from("1 fake-b null ×3")));
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     let mut points: Vec<Value> = cells.iter().map(|c| c["point"].clone()).collect();
     points.dedup();
@@ -308,7 +317,11 @@ fn many_clients_give_a_result_each_and_their_figures() {
     let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
     assert!(md.contains("### null: many clients on one server"), "{md}");
     // The cells' table and the one against fake-a.
-    assert_eq!(md.matches(", 3 clients | fake-b |").count(), 2 * POINTS, "{md}");
+    assert_eq!(
+        md.matches(", 3 clients | fake-b |").count(),
+        2 * POINTS,
+        "{md}"
+    );
 }
 
 fn invalid_field(text: &str) -> String {

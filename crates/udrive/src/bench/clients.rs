@@ -101,7 +101,11 @@ pub fn aggregate(clients: &[Value]) -> Value {
         return one.clone();
     }
     let f = |v: &Value, k: &str| v.get(k).and_then(Value::as_f64);
-    let lat = |v: &Value, k: &str| v.get("lat_ns").and_then(|l| l.get(k)).and_then(Value::as_f64);
+    let lat = |v: &Value, k: &str| {
+        v.get("lat_ns")
+            .and_then(|l| l.get(k))
+            .and_then(Value::as_f64)
+    };
     let sum = |k: &str| clients.iter().filter_map(|v| f(v, k)).sum::<f64>();
     let weight = |v: &Value| f(v, "ios").or_else(|| f(v, "iops")).unwrap_or(0.0);
     let total_w: f64 = clients.iter().map(weight).sum();

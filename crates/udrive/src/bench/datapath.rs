@@ -146,7 +146,8 @@ impl Env {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
-        self.data_file.with_file_name(format!("{stem}-c{n}-{i}.img"))
+        self.data_file
+            .with_file_name(format!("{stem}-c{n}-{i}.img"))
     }
 }
 
@@ -489,10 +490,12 @@ fn spawn(c: &mut Command, what: &str) -> Result<Child, DatapathError> {
 
 /// Waits for `child`; its output if it succeeded, else its stderr's tail.
 fn finish(child: Child, what: &str) -> Result<Output, DatapathError> {
-    let out = child.wait_with_output().map_err(|source| DatapathError::Io {
-        what: format!("waiting for {what}"),
-        source,
-    })?;
+    let out = child
+        .wait_with_output()
+        .map_err(|source| DatapathError::Io {
+            what: format!("waiting for {what}"),
+            source,
+        })?;
     if !out.status.success() {
         return Err(DatapathError::Failed {
             what: what.into(),
@@ -613,7 +616,9 @@ impl PerfTarget<'_> {
 
     /// Write each RAM disk once, so that reads copy real pages rather than untouched ones.
     fn fill(&self) -> Result<(), DatapathError> {
-        let args = ["--rw", "write", "--bs", "131072", "--qd", "8", "--time", "1"];
+        let args = [
+            "--rw", "write", "--bs", "131072", "--qd", "8", "--time", "1",
+        ];
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         self.exec_all(&args, &format!("filling {} {}", self.kind, self.backend))
             .map(drop)
@@ -671,8 +676,8 @@ impl Target for Fake {
             .map(|i| {
                 // Clients share the server: each gets less, the later ones a little less.
                 let share = n.sqrt() / n * (1.0 - 0.05 * f64::from(i));
-                let iops =
-                    base * rw * inflight.sqrt() * spread * share * 4096.0 / f64::from(p.bs.max(4096));
+                let iops = base * rw * inflight.sqrt() * spread * share * 4096.0
+                    / f64::from(p.bs.max(4096));
                 let mean = inflight / iops * 1e9;
                 let lat = json!({"mean": mean, "min": mean / 4.0, "p50": mean, "p99": mean * 2.0,
                     "p99_9": mean * 3.0, "p99_99": mean * 4.0, "max": mean * 10.0});

@@ -498,11 +498,7 @@ impl Matrix {
 
     fn check_clients(&self) -> Result<(), MatrixError> {
         check_list("clients", &self.clients)?;
-        if let Some(i) = self
-            .clients
-            .iter()
-            .position(|&n| n == 0 || n > MAX_CLIENTS)
-        {
+        if let Some(i) = self.clients.iter().position(|&n| n == 0 || n > MAX_CLIENTS) {
             return Err(invalid(
                 format!("clients[{i}]"),
                 format!("must be 1..={MAX_CLIENTS}"),

@@ -361,8 +361,11 @@ fn many_clients_table(o: &mut String, b: Backend, cells: &[&Cell]) {
     if cells.iter().all(|c| c.clients == 1) {
         return;
     }
-    let _ = writeln!(o, "### {b}: many clients on one server
-");
+    let _ = writeln!(
+        o,
+        "### {b}: many clients on one server
+"
+    );
     let _ = writeln!(
         o,
         "| workload | datapath | clients | IOPS (k), all | per client (k), slowest | fastest | slowest ÷ fastest | mean (µs) | p99 (µs), worst client | server cores | server CPU µs/I/O |"

@@ -88,11 +88,15 @@ fn many_clients(b: Backend, cells: &[&Cell]) -> Vec<Figure> {
                 n => format!("{n} clients"),
             })
             .collect();
-        let series = |f: &dyn Fn(&Cell) -> Option<Stat>| -> Vec<Series> {
+        // A datapath without any value keeps its place (and colour), named as such.
+        let series = |f: &dyn Fn(&Cell) -> Option<Stat>, none: &str| -> Vec<Series> {
             paths
                 .iter()
                 .map(|d| Series {
-                    name: d.to_string(),
+                    name: match here.iter().any(|c| c.datapath == *d && f(c).is_some()) {
+                        true => d.to_string(),
+                        false => format!("{d} ({none})"),
+                    },
                     bars: counts
                         .iter()
                         .map(|n| {
@@ -106,9 +110,9 @@ fn many_clients(b: Backend, cells: &[&Cell]) -> Vec<Figure> {
         };
         let what = point_label(&p);
         let id = many_clients_id(b, &p, "iops");
-        let title = format!("{b}, {what}: many clients on one server, IOPS of all clients");
+        let title = format!("{b}, {what}: IOPS of N clients together");
         out.push(Figure {
-            svg: svg::bars(&id, &title, "IOPS", &labels, &series(&|c| c.iops)),
+            svg: svg::bars(&id, &title, "IOPS", &labels, &series(&|c| c.iops, "failed")),
             caption: format!(
                 "{b}, {what}: the IOPS of N concurrent clients together, each with its own device \
                  (udrive: one server; qemu-storage-daemon: one process per client; io-uring: \
@@ -120,7 +124,13 @@ fn many_clients(b: Backend, cells: &[&Cell]) -> Vec<Figure> {
             let id = many_clients_id(b, &p, "cpu");
             let title = format!("{b}, {what}: server CPU per I/O");
             out.push(Figure {
-                svg: svg::bars(&id, &title, "µs", &labels, &series(&|c| c.server_us_per_io)),
+                svg: svg::bars(
+                    &id,
+                    &title,
+                    "µs",
+                    &labels,
+                    &series(&|c| c.server_us_per_io, "no server"),
+                ),
                 caption: format!(
                     "{b}, {what}: CPU time of the server's processes per I/O (µs), over the \
                      client count; busy polling spends its cores whatever the load"
