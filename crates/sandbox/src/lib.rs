@@ -16,6 +16,8 @@
 
 mod filter;
 mod fs_rules;
+#[cfg(feature = "forbidden-call-hook")]
+pub mod hook;
 mod policy;
 mod process;
 mod sigsys;

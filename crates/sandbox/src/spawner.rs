@@ -46,6 +46,8 @@ where
         // What the spawner passed on.
         crate::sigsys::set_role(Role::Control);
         crate::enter_or_exit(role);
+        #[cfg(feature = "forbidden-call-hook")]
+        crate::hook::forbidden_call_if_asked();
         f()
     };
     let gone = || io::Error::other("the sandbox's spawner thread is gone");

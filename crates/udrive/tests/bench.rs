@@ -469,3 +469,44 @@ fn the_rbd_backend_runs_against_a_cluster() {
     let s = json(&out.join("summary.json"));
     assert_eq!(s["host"]["ceph conf"], conf.as_str());
 }
+
+const QCOW2_FRESH: &str = r#"
+reps = 2
+time = 0.2
+ramp = 0.0
+datapaths = ["udrive-nvme", "udrive-vhost"]
+backends = ["qcow2-chain", "qcow2-new"]
+poll = "adaptive"
+[file]
+dir = "DIR"
+mib = 16
+[[workload]]
+rw = "randwrite"
+qd = [4]
+"#;
+
+/// The chain and empty-image backends: every run gets images made for it (the
+/// chain's overlays over the raw data, the empty image), both udrive datapaths
+/// serve them, and the images are gone when the bench ends.
+#[test]
+fn qcow2_chain_and_new_images_are_made_for_every_run() {
+    if !test_support::qemu::have_qemu_tools() {
+        eprintln!("skipped: no qemu-img");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let out = dir.path().join("out");
+    let matrix = QCOW2_FRESH.replace("DIR", data.to_str().unwrap());
+    let o = bench(&matrix, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 8, "{runs:?}");
+    for r in &runs {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["perf"]["iops"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let left: Vec<_> = std::fs::read_dir(&data).unwrap().flatten().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}

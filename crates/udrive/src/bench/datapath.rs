@@ -74,10 +74,10 @@ pub struct Env {
 /// Why a datapath does not run a backend at all (not a property of this machine).
 pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
     match (d, b) {
-        (DatapathKind::IoUring, Backend::Null | Backend::Ram | Backend::Rbd | Backend::Qcow2) => {
+        (DatapathKind::IoUring, b) if b != Backend::File => {
             Err("bare io_uring drives raw files only".into())
         }
-        (DatapathKind::Librbd, Backend::Null | Backend::Ram | Backend::File | Backend::Qcow2) => {
+        (DatapathKind::Librbd, b) if b != Backend::Rbd => {
             Err("librbd drives RBD images only".into())
         }
         (DatapathKind::QsdVhost, Backend::Ram) => {
@@ -87,11 +87,11 @@ pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
     }
 }
 
-/// Why a datapath does not run a backend with `n` clients: one RBD image and one
-/// qcow2 image are shared by every datapath, not made per client.
+/// Why a datapath does not run a backend with `n` clients: the RBD image and the
+/// qcow2 images are one each, shared by every datapath, not made per client.
 pub fn applies_clients(b: Backend, n: u32) -> Result<(), String> {
     match b {
-        Backend::Rbd | Backend::Qcow2 if n > 1 => Err(format!(
+        b if n > 1 && (b == Backend::Rbd || b.is_qcow2()) => Err(format!(
             "{n} clients need a backing each: only null, ram and file are split"
         )),
         _ => Ok(()),
@@ -149,6 +149,49 @@ impl Env {
         self.data_file
             .with_file_name(format!("{stem}-c{n}-{i}.img"))
     }
+
+    /// The image a qcow2 backend's server opens (the top of a chain).
+    pub fn image_of(&self, b: Backend) -> PathBuf {
+        match b {
+            Backend::Qcow2Chain => self.data_file.with_extension("top.qcow2"),
+            Backend::Qcow2New => self.data_file.with_extension("new.qcow2"),
+            _ => self.qcow2_file(),
+        }
+    }
+
+    /// Every image file the qcow2 backends make, for the clean-up.
+    pub fn qcow2_files(&self) -> [PathBuf; 4] {
+        [
+            self.qcow2_file(),
+            self.image_of(Backend::Qcow2Chain),
+            self.data_file.with_extension("mid.qcow2"),
+            self.image_of(Backend::Qcow2New),
+        ]
+    }
+}
+
+/// Makes afresh the images of the backends whose runs must not see what an
+/// earlier run wrote: the chain's two overlays, the empty image.
+fn make_fresh_images(b: Backend, env: &Env) -> Result<(), DatapathError> {
+    let create = |image: &Path, size: Option<&str>, backing: Option<(&Path, &str)>| {
+        let _ = std::fs::remove_file(image);
+        let mut c = Command::new("qemu-img");
+        c.args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=65536"]);
+        if let Some((file, format)) = backing {
+            c.arg("-b").arg(file).args(["-F", format]);
+        }
+        c.arg(image).args(size);
+        output(c, "qemu-img create (a fresh qcow2 image)").map(drop)
+    };
+    match b {
+        Backend::Qcow2Chain => {
+            let mid = env.data_file.with_extension("mid.qcow2");
+            create(&mid, None, Some((&env.data_file, "raw")))?;
+            create(&env.image_of(b), None, Some((&mid, "qcow2")))
+        }
+        Backend::Qcow2New => create(&env.image_of(b), Some("64G"), None),
+        _ => Ok(()),
+    }
 }
 
 /// Makes the `qcow2` backend's image from the data file (every cluster allocated:
@@ -178,7 +221,7 @@ pub fn backend_probe(b: Backend, env: &Env) -> Result<(), String> {
         Backend::Rbd if which("rbd").is_none() => {
             Err("the rbd tool (Debian's ceph-common) is not in PATH".into())
         }
-        Backend::Qcow2 if which("qemu-img").is_none() => {
+        b if b.is_qcow2() && which("qemu-img").is_none() => {
             Err("qemu-img (Debian's qemu-utils) is not in PATH".into())
         }
         _ => Ok(()),
@@ -265,15 +308,16 @@ pub fn start<'e>(
             _ => env.work.join(format!("{d}-{b}-c{n}-{i}.sock")),
         })
         .collect();
+    if let DatapathKind::Fake(name) = d {
+        return Ok(Box::new(Fake {
+            name: name.clone(),
+            backend: b,
+            clients: n,
+        }));
+    }
+    make_fresh_images(b, env)?;
     let servers = match d {
-        DatapathKind::Fake(name) => {
-            return Ok(Box::new(Fake {
-                name: name.clone(),
-                backend: b,
-                clients: n,
-            }))
-        }
-        DatapathKind::IoUring | DatapathKind::Librbd => Vec::new(),
+        DatapathKind::Fake(_) | DatapathKind::IoUring | DatapathKind::Librbd => Vec::new(),
         DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_) => {
             let cfg = socks[0].with_extension("toml");
             std::fs::write(&cfg, udrive_config(d, b, env, &socks)).map_err(|source| {
@@ -335,7 +379,9 @@ fn udrive_spec(b: Backend, env: &Env, n: u32, i: u32) -> String {
             m.file.engine
         ),
         Backend::Rbd => format!("rbd:{}", rbd_spec(env)),
-        Backend::Qcow2 => format!("qcow2:{}", env.qcow2_file().display()),
+        Backend::Qcow2 | Backend::Qcow2Chain | Backend::Qcow2New => {
+            format!("qcow2:{}", env.image_of(b).display())
+        }
     }
 }
 
@@ -390,9 +436,9 @@ fn qsd_cmd(b: Backend, env: &Env, sock: &Path, data: &Path) -> Command {
             data.display(),
             if m.file.direct { "on" } else { "off" }
         ),
-        Backend::Qcow2 => format!(
+        b if b.is_qcow2() => format!(
             "driver=qcow2,node-name=d0,file.driver=file,file.filename={},file.aio=io_uring,cache.direct={}",
-            env.qcow2_file().display(),
+            env.image_of(b).display(),
             if m.file.direct { "on" } else { "off" }
         ),
         Backend::Rbd => {

@@ -169,6 +169,21 @@ pub enum Backend {
     /// The `file` backend's data as a fully allocated qcow2 image (qemu-img
     /// convert), in `[file] dir`.
     Qcow2,
+    /// A backing chain three images deep: two empty qcow2 overlays above the
+    /// `file` backend's raw data, made afresh for every run, so every read goes
+    /// through both and writes allocate in the top one.
+    Qcow2Chain,
+    /// An empty qcow2 image of 64 GiB (64 KiB clusters, no backing) made afresh
+    /// for every run: a write to a cluster not yet written allocates it (the
+    /// cost of first writes); reads of it return zeroes.
+    Qcow2New,
+}
+
+impl Backend {
+    /// Served from a qcow2 image.
+    pub fn is_qcow2(self) -> bool {
+        matches!(self, Self::Qcow2 | Self::Qcow2Chain | Self::Qcow2New)
+    }
 }
 
 impl fmt::Display for Backend {
@@ -179,6 +194,8 @@ impl fmt::Display for Backend {
             Self::File => "file",
             Self::Rbd => "rbd",
             Self::Qcow2 => "qcow2",
+            Self::Qcow2Chain => "qcow2-chain",
+            Self::Qcow2New => "qcow2-new",
         })
     }
 }

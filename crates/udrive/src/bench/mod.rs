@@ -145,7 +145,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     for (f, _) in data_files(&env) {
         let _ = std::fs::remove_file(f);
     }
-    let _ = std::fs::remove_file(env.qcow2_file());
+    for f in env.qcow2_files() {
+        let _ = std::fs::remove_file(f);
+    }
     let failed = result?;
     if stop.load(Ordering::Relaxed) {
         bail!("interrupted; the runs so far are in {}", a.out.display());
@@ -179,7 +181,8 @@ fn measure(
             .any(|g| g.backend == b && !matches!(g.datapath, matrix::DatapathKind::Fake(_)))
     };
     let needs_qcow2 = needs(matrix::Backend::Qcow2);
-    if needs(matrix::Backend::File) || needs_qcow2 {
+    let needs_data = [matrix::Backend::File, matrix::Backend::Qcow2Chain];
+    if needs_qcow2 || needs_data.into_iter().any(needs) {
         for (f, mib) in data_files(env) {
             write_data_file(&f, mib)?;
         }
