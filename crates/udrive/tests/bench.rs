@@ -510,3 +510,46 @@ fn qcow2_chain_and_new_images_are_made_for_every_run() {
     let left: Vec<_> = std::fs::read_dir(&data).unwrap().flatten().collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+/// Without `SPDK_DIR` the SPDK datapaths are skipped with the reason, and the
+/// others still run.
+#[test]
+fn spdk_without_spdk_dir_is_skipped_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let matrix = r#"
+reps = 1
+time = 0.2
+datapaths = ["spdk-nvmf", "udrive-nvme-spdk", "fake-a"]
+backends = ["null"]
+[[workload]]
+rw = "randread"
+qd = [1]
+"#;
+    let f = out.with_extension("toml");
+    std::fs::write(&f, matrix).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["bench", "--matrix"])
+        .arg(&f)
+        .arg("--out")
+        .arg(&out)
+        .env_remove("SPDK_DIR")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = json(&out.join("summary.json"));
+    let skipped = s["skipped"].as_array().unwrap();
+    for d in ["spdk-nvmf", "udrive-nvme-spdk"] {
+        let why = skipped
+            .iter()
+            .find(|k| k["datapath"] == d)
+            .unwrap_or_else(|| panic!("{d} not skipped: {skipped:?}"));
+        assert!(
+            why["reason"].as_str().unwrap().contains("SPDK_DIR"),
+            "{why}"
+        );
+    }
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs[0]["datapath"], "fake-a");
+}

@@ -4,8 +4,8 @@
 //! (udrive itself, qemu-storage-daemon) or none (bare io_uring), and a `udrive perf`
 //! process per run; the fake one computes numbers without processes.
 //!
-//! Adding a datapath (SPDK, a guest's fio) is a `DatapathKind` variant, its line in
-//! `applies`/`probe`, and a `Target`.
+//! Adding a datapath (a guest's fio) is a `DatapathKind` variant, its line in
+//! `applies`/`probe`, and a `Target`, as the SPDK ones are (`spdk.rs`).
 //!
 //! A cell with N clients starts N `perf` processes at once, each with its own device
 //! (one udrive with N controllers or N vhost-user-blk devices; N qemu-storage-daemon
@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::clients::{self, ServerCpu};
-use super::matrix::{Backend, DatapathKind, Matrix, Point, Rw};
+use super::matrix::{Backend, DatapathKind, Matrix, Point, Poll, Rw};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
@@ -80,6 +80,7 @@ pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
         (DatapathKind::Librbd, b) if b != Backend::Rbd => {
             Err("librbd drives RBD images only".into())
         }
+        (d, b) if d.is_spdk() => super::spdk::applies(b),
         (DatapathKind::QsdVhost, Backend::Ram) => {
             Err("qemu-storage-daemon has no RAM disk driver".into())
         }
@@ -88,9 +89,13 @@ pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
 }
 
 /// Why a datapath does not run a backend with `n` clients: the RBD image and the
-/// qcow2 images are one each, shared by every datapath, not made per client.
-pub fn applies_clients(b: Backend, n: u32) -> Result<(), String> {
+/// qcow2 images are one each, shared by every datapath, not made per client; the
+/// SPDK datapaths start one `spdk_nvme_perf` against one controller.
+pub fn applies_clients(d: &DatapathKind, b: Backend, n: u32) -> Result<(), String> {
     match b {
+        _ if n > 1 && d.is_spdk() => Err(format!(
+            "{n} clients: the SPDK datapaths drive one controller with one client"
+        )),
         b if n > 1 && (b == Backend::Rbd || b.is_qcow2()) => Err(format!(
             "{n} clients need a backing each: only null, ram and file are split"
         )),
@@ -105,6 +110,7 @@ pub fn probe(d: &DatapathKind, env: &Env) -> Result<(), String> {
             Err("qemu-storage-daemon not found in PATH".into())
         }
         DatapathKind::Fake(_) => Ok(()),
+        d if d.is_spdk() => super::spdk::probe(d),
         DatapathKind::Librbd if !cfg!(feature = "rbd") => {
             Err("this udrive was built without the rbd feature".into())
         }
@@ -316,25 +322,22 @@ pub fn start<'e>(
         }));
     }
     make_fresh_images(b, env)?;
+    if d.is_spdk() {
+        let sock = super::spdk::udrive_socket(d, b, env);
+        let udrive = udrive_serve(d, b, env, std::slice::from_ref(&sock))?;
+        return super::spdk::start(d, b, env, udrive);
+    }
     let servers = match d {
-        DatapathKind::Fake(_) | DatapathKind::IoUring | DatapathKind::Librbd => Vec::new(),
-        DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_) => {
-            let cfg = socks[0].with_extension("toml");
-            std::fs::write(&cfg, udrive_config(d, b, env, &socks)).map_err(|source| {
-                DatapathError::Io {
-                    what: format!("writing {}", cfg.display()),
-                    source,
-                }
-            })?;
-            let mut c = Command::new(&env.udrive);
-            c.arg("serve").arg("--config").arg(&cfg);
-            c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
-            vec![Server::start(
-                c,
-                &format!("udrive serve ({d}, {b}, {n} clients)"),
-                &socks,
-            )?]
-        }
+        DatapathKind::Fake(_)
+        | DatapathKind::IoUring
+        | DatapathKind::Librbd
+        | DatapathKind::SpdkNvmf
+        | DatapathKind::UdriveNvmeSpdk => Vec::new(),
+        DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_) => vec![Server::start(
+            udrive_serve(d, b, env, &socks)?,
+            &format!("udrive serve ({d}, {b}, {n} clients)"),
+            &socks,
+        )?],
         DatapathKind::QsdVhost => (0..n)
             .zip(&socks)
             .map(|(i, sock)| {
@@ -367,10 +370,14 @@ pub fn start<'e>(
 }
 
 /// The backing of client `i` of `n` as a udrive disk spec.
-fn udrive_spec(b: Backend, env: &Env, n: u32, i: u32) -> String {
+fn udrive_spec(d: &DatapathKind, b: Backend, env: &Env, n: u32, i: u32) -> String {
     let m = &env.matrix;
     match b {
         Backend::Null => "null:64G".to_string(),
+        // Against SPDK's malloc bdev, which lives in hugepages, so does the RAM disk.
+        Backend::Ram if *d == DatapathKind::UdriveNvmeSpdk => {
+            format!("ram:{}M,hugepages=on", m.ram_mib / u64::from(n))
+        }
         Backend::Ram => format!("ram:{}M", m.ram_mib / u64::from(n)),
         Backend::File => format!(
             "file:{},direct={},engine={}",
@@ -385,6 +392,25 @@ fn udrive_spec(b: Backend, env: &Env, n: u32, i: u32) -> String {
     }
 }
 
+/// `udrive serve` with one NVMe controller or vhost-user-blk device per socket, from
+/// a configuration file written to the work directory.
+pub(super) fn udrive_serve(
+    d: &DatapathKind,
+    b: Backend,
+    env: &Env,
+    socks: &[PathBuf],
+) -> Result<Command, DatapathError> {
+    let cfg = env.work.join(format!("{d}-{b}-c{}.toml", socks.len()));
+    std::fs::write(&cfg, udrive_config(d, b, env, socks)).map_err(|source| DatapathError::Io {
+        what: format!("writing {}", cfg.display()),
+        source,
+    })?;
+    let mut c = Command::new(&env.udrive);
+    c.arg("serve").arg("--config").arg(&cfg);
+    c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
+    Ok(c)
+}
+
 /// udrive's configuration: one NVMe controller or vhost-user-blk device per socket,
 /// all on the reactors of the server's CPUs.
 fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> String {
@@ -393,14 +419,16 @@ fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> 
     let q = |s: &str| toml::Value::String(s.to_string()).to_string();
     let poll = match d {
         DatapathKind::UdriveNvme(Some(p)) | DatapathKind::UdriveVhost(Some(p)) => *p,
+        // SPDK's driver writes doorbells into the mapped page, which busy poll offers.
+        DatapathKind::UdriveNvmeSpdk => Poll::Busy,
         _ => m.poll,
     };
     let n = socks.len() as u32;
     let mut t = format!("cpus = {}\n", q(&m.cpus.server));
     for (i, sock) in (0..n).zip(socks) {
-        let spec = q(&udrive_spec(b, env, n, i));
+        let spec = q(&udrive_spec(d, b, env, n, i));
         let sock = q(&sock.display().to_string());
-        let _ = if let DatapathKind::UdriveNvme(_) = d {
+        let _ = if let DatapathKind::UdriveNvme(_) | DatapathKind::UdriveNvmeSpdk = d {
             // round-robin: `serve --vfio-user`'s default placement.
             writeln!(
                 t,
@@ -463,14 +491,18 @@ fn qsd_cmd(b: Backend, env: &Env, sock: &Path, data: &Path) -> Command {
 }
 
 /// A server process, stopped (TERM, then KILL) when dropped.
-struct Server {
+pub(super) struct Server {
     child: Child,
 }
 
 impl Server {
     /// Starts `cmd` and waits until it has opened every socket of `socks`; its log
     /// is the first socket's path with `.log`.
-    fn start(mut cmd: Command, what: &str, socks: &[PathBuf]) -> Result<Server, DatapathError> {
+    pub(super) fn start(
+        mut cmd: Command,
+        what: &str,
+        socks: &[PathBuf],
+    ) -> Result<Server, DatapathError> {
         for s in socks {
             let _ = std::fs::remove_file(s);
         }
@@ -505,6 +537,12 @@ impl Server {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(s)
+    }
+}
+
+impl Server {
+    pub(super) fn pid(&self) -> u32 {
+        self.child.id()
     }
 }
 
@@ -553,7 +591,7 @@ fn finish(child: Child, what: &str) -> Result<Output, DatapathError> {
 }
 
 /// Runs `c` to its end; its output if it succeeded, else its stderr's tail.
-fn output(mut c: Command, what: &str) -> Result<Output, DatapathError> {
+pub(super) fn output(mut c: Command, what: &str) -> Result<Output, DatapathError> {
     let child = spawn(&mut c, what)?;
     finish(child, what)
 }
@@ -687,7 +725,7 @@ impl Target for PerfTarget<'_> {
         .into_iter()
         .flat_map(|(k, v)| [k.to_string(), v])
         .collect();
-        let pids: Vec<u32> = self.servers.iter().map(|s| s.child.id()).collect();
+        let pids: Vec<u32> = self.servers.iter().map(Server::pid).collect();
         let clock = clients::CpuClock::start(&pids);
         let what = format!("perf on {} {} {}", self.kind, self.backend, p.slug());
         let clients = self.exec_all(&args, &what)?;

@@ -15,6 +15,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("thesis", include_str!("presets/thesis.toml")),
     ("qcow2", include_str!("presets/qcow2.toml")),
     ("many-vms", include_str!("presets/many-vms.toml")),
+    ("spdk", include_str!("presets/spdk.toml")),
 ];
 
 /// The most concurrent clients a cell may have: each is a process with its own
@@ -63,18 +64,31 @@ pub enum DatapathKind {
     /// The RBD image driven directly through librbd (`perf --rbd`): the baseline
     /// of udrive's `rbd:` disks.
     Librbd,
+    /// SPDK's `nvmf_tgt` serving a vfio-user controller, driven by SPDK's
+    /// `spdk_nvme_perf` (`SPDK_DIR`).
+    SpdkNvmf,
+    /// udrive's NVMe controller (busy poll) driven by `spdk_nvme_perf`: the same
+    /// client as `spdk-nvmf`.
+    UdriveNvmeSpdk,
     /// Deterministic numbers, no processes: `fake` or `fake-NAME`.
     Fake(String),
 }
 
 impl DatapathKind {
-    pub const REAL: [&'static str; 5] = [
+    pub const REAL: [&'static str; 7] = [
         "udrive-nvme",
         "udrive-vhost",
         "qsd-vhost",
         "io-uring",
         "librbd",
+        "spdk-nvmf",
+        "udrive-nvme-spdk",
     ];
+
+    /// Driven by SPDK's `spdk_nvme_perf`.
+    pub fn is_spdk(&self) -> bool {
+        matches!(self, Self::SpdkNvmf | Self::UdriveNvmeSpdk)
+    }
 }
 
 impl TryFrom<String> for DatapathKind {
@@ -101,6 +115,8 @@ impl TryFrom<String> for DatapathKind {
             "qsd-vhost" => Self::QsdVhost,
             "io-uring" => Self::IoUring,
             "librbd" => Self::Librbd,
+            "spdk-nvmf" => Self::SpdkNvmf,
+            "udrive-nvme-spdk" => Self::UdriveNvmeSpdk,
             f if f == "fake" || f.starts_with("fake-") => Self::Fake(s),
             _ => {
                 return Err(format!(
@@ -126,6 +142,8 @@ impl fmt::Display for DatapathKind {
             Self::QsdVhost => ("qsd-vhost", &None),
             Self::IoUring => ("io-uring", &None),
             Self::Librbd => ("librbd", &None),
+            Self::SpdkNvmf => ("spdk-nvmf", &None),
+            Self::UdriveNvmeSpdk => ("udrive-nvme-spdk", &None),
             Self::Fake(n) => (n.as_str(), &None),
         };
         match poll {

@@ -7,9 +7,11 @@
 
 pub mod clients;
 pub mod datapath;
+pub mod floor;
 pub mod matrix;
 pub mod report;
 pub mod run;
+pub mod spdk;
 pub mod summary;
 
 use std::collections::BTreeMap;
@@ -197,8 +199,23 @@ fn measure(
         );
         datapath::prepare_rbd_image(env)?;
     }
+    let _hugepages = if groups.iter().any(|g| g.datapath.is_spdk()) {
+        Some(spdk::Hugepages::reserve(m.ram_mib)?)
+    } else {
+        None
+    };
     let mut host = host_facts(env);
     host.insert("load average before".into(), loadavg());
+    let real = groups
+        .iter()
+        .any(|g| !matches!(g.datapath, matrix::DatapathKind::Fake(_)));
+    if real {
+        eprintln!("udrive bench: measuring the copy floor of this host ...");
+        host.insert(
+            "copy floor (scripts/copy-floor.c)".into(),
+            floor::measure(env),
+        );
+    }
     let runs = run::execute(env, &groups, raw, stop).context("writing raw results")?;
     host.insert("load average after".into(), loadavg());
     let s = summary::summarize(m, &runs, skipped, host);
@@ -280,6 +297,15 @@ fn host_facts(env: &datapath::Env) -> BTreeMap<String, String> {
         h.insert("ceph conf".into(), conf.clone());
         if let Some(rbd) = datapath::which("rbd") {
             h.insert("rbd".into(), version(&rbd));
+        }
+    }
+    if env.matrix.datapaths.iter().any(|d| d.is_spdk()) {
+        if let Some(dir) = spdk::dir() {
+            let v = std::fs::read_to_string(dir.join("VERSION")).unwrap_or_default();
+            h.insert(
+                "SPDK".into(),
+                format!("{} {}", dir.display(), v.lines().next().unwrap_or("")),
+            );
         }
     }
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());

@@ -158,7 +158,7 @@ pub fn plan(env: &Env) -> (Vec<Group>, Vec<Skipped>) {
                 _ => m
                     .clients
                     .iter()
-                    .try_for_each(|&n| datapath::applies_clients(b, n)),
+                    .try_for_each(|&n| datapath::applies_clients(d, b, n)),
             });
             if let Err(reason) = why {
                 skipped.push(Skipped {
@@ -175,7 +175,7 @@ pub fn plan(env: &Env) -> (Vec<Group>, Vec<Skipped>) {
             for &n in &m.clients {
                 for d in m.order_of(rep) {
                     let split = matches!(d, DatapathKind::Fake(_))
-                        || datapath::applies_clients(b, n).is_ok();
+                        || datapath::applies_clients(&d, b, n).is_ok();
                     if runnable.contains(&d) && ready(&d, b) && split {
                         groups.push(Group {
                             rep,

@@ -1,0 +1,391 @@
+//! SPDK as a peer: its NVMe-oF target `nvmf_tgt` serving a vfio-user controller
+//! (`spdk-nvmf`), and its userspace NVMe driver `spdk_nvme_perf` as the client of
+//! that target and of udrive's controller (`udrive-nvme-spdk`), so the two servers
+//! are compared through one client that is neither's. `SPDK_DIR` names an SPDK tree
+//! built with `./configure --with-vfio-user`.
+//!
+//! Facts these datapaths rest on: SPDK's driver writes doorbells into the mapped
+//! doorbell page, which udrive offers in `--poll busy` only, so udrive serves it in
+//! that mode whatever the matrix says; SPDK's processes take their memory from
+//! hugepages (`-g`: one file per segment list, which vfio-user shares with the
+//! server), which the harness reserves while it runs and gives back after; SPDK's
+//! RAM disk (a malloc bdev) lives in hugepages, so udrive's `ram` disk does too
+//! here (`hugepages=on`, decision 0017).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::{json, Value};
+
+use super::clients::CpuClock;
+use super::datapath::{output, DatapathError, Env, Measured, Server, Target};
+use super::matrix::{Backend, DatapathKind, Point, Rw};
+
+/// The NVMe subsystem both servers are addressed by (udrive accepts any).
+const NQN: &str = "nqn.2019-07.io.spdk:cnode1";
+
+/// Free 2 MiB pages SPDK's two processes need besides a RAM disk.
+const HUGEPAGES_BASE: u64 = 512;
+
+/// The SPDK tree `SPDK_DIR` names.
+pub fn dir() -> Option<PathBuf> {
+    std::env::var_os("SPDK_DIR").map(PathBuf::from)
+}
+
+fn bin(name: &str) -> Option<PathBuf> {
+    Some(dir()?.join("build/bin").join(name))
+}
+
+/// Why the SPDK datapaths cannot run here.
+pub fn probe(d: &DatapathKind) -> Result<(), String> {
+    let Some(root) = dir() else {
+        return Err("SPDK_DIR is not set (an SPDK tree built with --with-vfio-user)".into());
+    };
+    let mut need = vec!["spdk_nvme_perf"];
+    if *d == DatapathKind::SpdkNvmf {
+        need.push("nvmf_tgt");
+    }
+    for b in need {
+        let p = root.join("build/bin").join(b);
+        if !p.is_file() {
+            return Err(format!(
+                "no {} (build SPDK with --with-vfio-user)",
+                p.display()
+            ));
+        }
+    }
+    if !nix::unistd::geteuid().is_root() {
+        return Err("SPDK's processes need hugepages: run as root".into());
+    }
+    Ok(())
+}
+
+/// The backends SPDK's target serves like udrive's: nothing, and memory.
+pub fn applies(b: Backend) -> Result<(), String> {
+    match b {
+        Backend::Null | Backend::Ram => Ok(()),
+        _ => Err("the SPDK datapaths serve null and ram (SPDK's file bdevs need O_DIRECT, which tmpfs lacks)".into()),
+    }
+}
+
+/// Hugepages reserved for the SPDK datapaths, given back when dropped.
+pub struct Hugepages {
+    before: Option<u64>,
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+fn meminfo(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.trim().split(' ').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+impl Hugepages {
+    /// Makes a RAM disk of `ram_mib` MiB (SPDK's malloc bdev, or udrive's
+    /// `hugepages=on` one against it, never both at once) plus SPDK's own share
+    /// free in 2 MiB pages.
+    pub fn reserve(ram_mib: u64) -> Result<Hugepages, DatapathError> {
+        let io = |source| DatapathError::Io {
+            what: format!("reserving hugepages through {NR_HUGEPAGES}"),
+            source,
+        };
+        let want = ram_mib.div_ceil(2) + HUGEPAGES_BASE;
+        let free = meminfo("HugePages_Free:");
+        if free >= want {
+            return Ok(Hugepages { before: None });
+        }
+        let total = meminfo("HugePages_Total:");
+        std::fs::write(NR_HUGEPAGES, (total + want - free).to_string()).map_err(io)?;
+        let got = meminfo("HugePages_Free:");
+        let undo = Hugepages {
+            before: Some(total),
+        };
+        if got < want {
+            return Err(DatapathError::Failed {
+                what: "reserving hugepages".into(),
+                status: format!("{got} of {want} 2 MiB pages free"),
+                tail: "free memory, or run with fewer datapaths".into(),
+            });
+        }
+        Ok(undo)
+    }
+}
+
+impl Drop for Hugepages {
+    fn drop(&mut self) {
+        forget_exited();
+        if let Some(n) = self.before {
+            let _ = std::fs::write(NR_HUGEPAGES, n.to_string());
+        }
+    }
+}
+
+/// A CPU list (`1`, `0-1`, `2,3`) as an SPDK core mask.
+fn core_mask(list: &str) -> String {
+    let mut mask = 0u64;
+    for part in list.split(',').filter(|p| !p.is_empty()) {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        if let (Ok(a), Ok(b)) = (a.trim().parse::<u32>(), b.trim().parse::<u32>()) {
+            for c in a..=b.min(63) {
+                mask |= 1 << c;
+            }
+        }
+    }
+    format!("{mask:#x}")
+}
+
+/// `nvmf_tgt`'s configuration: one subsystem, the backend's bdev as NSID 1, a
+/// vfio-user listener in `dir`.
+fn target_config(b: Backend, env: &Env, dir: &Path) -> Value {
+    let bdev = match b {
+        Backend::Ram => json!({"method": "bdev_malloc_create",
+            "params": {"name": "D0", "num_blocks": env.matrix.ram_mib * 2048, "block_size": 512}}),
+        _ => json!({"method": "bdev_null_create",
+            "params": {"name": "D0", "num_blocks": 64u64 << 21, "block_size": 512}}),
+    };
+    json!({"subsystems": [
+        {"subsystem": "bdev", "config": [bdev]},
+        {"subsystem": "nvmf", "config": [
+            {"method": "nvmf_create_transport", "params": {"trtype": "VFIOUSER"}},
+            {"method": "nvmf_create_subsystem",
+             "params": {"nqn": NQN, "allow_any_host": true, "serial_number": "SPDK1"}},
+            {"method": "nvmf_subsystem_add_ns",
+             "params": {"nqn": NQN, "namespace": {"bdev_name": "D0"}}},
+            {"method": "nvmf_subsystem_add_listener",
+             "params": {"nqn": NQN, "listen_address":
+                 {"trtype": "VFIOUSER", "traddr": dir, "trsvcid": "0"}}}
+        ]}
+    ]})
+}
+
+/// Starts the server of an SPDK datapath: `nvmf_tgt`, or udrive in busy poll.
+pub fn start<'e>(
+    d: &DatapathKind,
+    b: Backend,
+    env: &'e Env,
+    udrive: Command,
+) -> Result<Box<dyn Target + 'e>, DatapathError> {
+    let dir = env.work.join(format!("{d}-{b}"));
+    std::fs::create_dir_all(&dir).map_err(|source| DatapathError::Io {
+        what: format!("making {}", dir.display()),
+        source,
+    })?;
+    // SPDK's initiator connects to `<traddr>/cntrl`.
+    let sock = dir.join("cntrl");
+    let server = if *d == DatapathKind::SpdkNvmf {
+        let conf = dir.join("nvmf.json");
+        let text = target_config(b, env, &dir).to_string();
+        std::fs::write(&conf, text).map_err(|source| DatapathError::Io {
+            what: format!("writing {}", conf.display()),
+            source,
+        })?;
+        let mut c = Command::new(bin("nvmf_tgt").unwrap_or_default());
+        c.args(["-m", &core_mask(&env.matrix.cpus.server), "-g", "--json"])
+            .arg(&conf)
+            .args(["-s", &(env.matrix.ram_mib + 512).to_string()]);
+        Server::start(c, &format!("nvmf_tgt ({b})"), std::slice::from_ref(&sock))?
+    } else {
+        Server::start(
+            udrive,
+            &format!("udrive serve ({d}, {b})"),
+            std::slice::from_ref(&sock),
+        )?
+    };
+    let t = SpdkTarget {
+        env,
+        dir,
+        server: Some(server),
+    };
+    if b == Backend::Ram {
+        t.fill()?;
+    }
+    Ok(Box::new(t))
+}
+
+/// The vfio-user socket the udrive side of `udrive-nvme-spdk` serves.
+pub fn udrive_socket(d: &DatapathKind, b: Backend, env: &Env) -> PathBuf {
+    env.work.join(format!("{d}-{b}")).join("cntrl")
+}
+
+struct SpdkTarget<'a> {
+    env: &'a Env,
+    dir: PathBuf,
+    server: Option<Server>,
+}
+
+impl Drop for SpdkTarget<'_> {
+    fn drop(&mut self) {
+        drop(self.server.take());
+        forget_exited();
+    }
+}
+
+/// Removes the hugepage files and runtime directories DPDK leaves behind for
+/// SPDK processes that have exited (`spdk_pid<PID>…`): left, they keep the pages.
+fn forget_exited() {
+    let exited = |name: &str| {
+        let Some(rest) = name.strip_prefix("spdk_pid") else {
+            return false;
+        };
+        let pid: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        !pid.is_empty() && !Path::new("/proc").join(&pid).exists()
+    };
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+    let huge = mounts
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.get(2) == Some(&"hugetlbfs")).then(|| PathBuf::from(f[1]))
+        })
+        .chain([PathBuf::from("/var/run/dpdk")]);
+    for dir in huge {
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if exited(&e.file_name().to_string_lossy()) {
+                let p = e.path();
+                let _ = std::fs::remove_file(&p).or_else(|_| std::fs::remove_dir_all(&p));
+            }
+        }
+    }
+}
+
+impl SpdkTarget<'_> {
+    fn perf(&self) -> Command {
+        let mut c = Command::new(bin("spdk_nvme_perf").unwrap_or_default());
+        c.arg("-g").arg("-r").arg(format!(
+            "trtype:VFIOUSER traddr:{} subnqn:{NQN} ns:1",
+            self.dir.display()
+        ));
+        c.args(["-c", &core_mask(&self.env.matrix.cpus.client)]);
+        c
+    }
+
+    /// Writes the RAM disk once, as `PerfTarget::fill` does for udrive's clients.
+    fn fill(&self) -> Result<(), DatapathError> {
+        let mib = self.env.matrix.ram_mib;
+        let mut c = self.perf();
+        c.args(["-q", "8", "-o", "131072", "-w", "write", "-t", "60"]);
+        c.args(["-d", &(mib * 8).to_string()]);
+        let out = output(c, "spdk_nvme_perf (filling the RAM disk)");
+        forget_exited();
+        parse(&String::from_utf8_lossy(&out?.stdout)).map(drop)
+    }
+}
+
+impl Target for SpdkTarget<'_> {
+    fn run(&mut self, p: &Point, _rep: u32) -> Result<Measured, DatapathError> {
+        let m = &self.env.matrix;
+        let mut c = self.perf();
+        let rw = match p.rw {
+            Rw::Randread => "randread",
+            Rw::Randwrite => "randwrite",
+            Rw::Randrw => "randrw",
+        };
+        c.args(["-w", rw]);
+        if p.rw == Rw::Randrw {
+            c.args(["-M", &p.rwmixread.to_string()]);
+        }
+        c.args(["-q", &p.qd.to_string(), "-o", &p.bs.to_string()]);
+        c.args(["-P", &p.jobs.to_string()]);
+        // Whole seconds only; the warm-up rounds up so that it is never shorter.
+        c.args(["-t", &(m.time.ceil() as u64).max(1).to_string()]);
+        c.args(["-a", &(m.ramp.ceil() as u64).to_string(), "-L"]);
+        let what = format!("spdk_nvme_perf on {}", p.slug());
+        let pids: Vec<u32> = self.server.iter().map(Server::pid).collect();
+        let clock = CpuClock::start(&pids);
+        let out = output(c, &what);
+        let server_cpu = clock.stop();
+        forget_exited();
+        let v = parse(&String::from_utf8_lossy(&out?.stdout)).map_err(|e| match e {
+            DatapathError::Failed { status, tail, .. } => {
+                DatapathError::Failed { what, status, tail }
+            }
+            other => other,
+        })?;
+        Ok(Measured {
+            clients: vec![v],
+            server_cpu,
+        })
+    }
+}
+
+/// `spdk_nvme_perf`'s text as `perf --json`'s shape: the `Total` line's IOPS and
+/// mean, and the 50th and 99th percentiles of its latency summary (`-L`).
+pub fn parse(text: &str) -> Result<Value, DatapathError> {
+    let total = text
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("Total")?.split_once(':'));
+    let nums: Vec<f64> = total
+        .map(|(_, v)| {
+            v.split_whitespace()
+                .filter_map(|x| x.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let [iops, _mib, mean_us, ..] = nums[..] else {
+        return Err(DatapathError::Failed {
+            what: "spdk_nvme_perf".into(),
+            status: "no Total line".into(),
+            tail: text.lines().rev().take(3).collect::<Vec<_>>().join(" / "),
+        });
+    };
+    let pct = |want: &str| {
+        text.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == want)
+                .then(|| v.trim().trim_end_matches("us").trim().parse::<f64>().ok())?
+        })
+    };
+    let mut lat = json!({"mean": mean_us * 1e3});
+    for (key, line) in [("p50", "50.00000%"), ("p99", "99.00000%")] {
+        if let Some(us) = pct(line) {
+            lat[key] = json!(us * 1e3);
+        }
+    }
+    Ok(json!({"iops": iops, "lat_ns": lat, "client": "spdk_nvme_perf"}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OUT: &str = "\
+========================================================
+                                                                           Latency(us)
+Device Information                                     :       IOPS      MiB/s    Average        min        max
+VFIOUSER (/tmp/x) NSID 1 from core  1:  312345.67    1220.10       3.19       1.02     812.33
+========================================================
+Total                                                  :  312345.67    1220.10       3.19       1.02     812.33
+
+Summary latency data for VFIOUSER (/tmp/x) NSID 1 from core 1:
+=================================================================================
+  1.00000% :     2.101us
+ 50.00000% :     2.950us
+ 99.00000% :     6.480us
+";
+
+    #[test]
+    fn perf_text_becomes_perf_json() {
+        let v = parse(OUT).unwrap();
+        assert_eq!(v["iops"], 312345.67);
+        assert_eq!(v["lat_ns"]["mean"], 3190.0);
+        assert_eq!(v["lat_ns"]["p50"], 2950.0);
+        assert_eq!(v["lat_ns"]["p99"], 6480.0);
+    }
+
+    #[test]
+    fn text_without_a_total_is_an_error() {
+        assert!(parse("EAL: cannot map hugepages\n").is_err());
+        assert!(parse("Total : x y\n").is_err());
+    }
+
+    #[test]
+    fn cpu_lists_become_core_masks() {
+        assert_eq!(core_mask("1"), "0x2");
+        assert_eq!(core_mask("0-1"), "0x3");
+        assert_eq!(core_mask("0,2-3"), "0xd");
+        assert_eq!(core_mask("99"), "0x0");
+    }
+}
