@@ -1,6 +1,7 @@
 //! `udrive bench` against the fake datapath (deterministic numbers, no processes): the
 //! report has every figure, every cell its repetitions, medians that are those of the
-//! raw runs, the execution order asked for; a broken matrix is refused naming its field.
+//! raw runs, the execution order asked for; a cell of N clients has N results and the
+//! "many clients" figures; a broken matrix is refused naming its field.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -239,6 +240,90 @@ fn a_missing_tool_skips_its_datapath_with_the_reason() {
         .all(|c| c["datapath"] == "fake-a"));
 }
 
+/// FAKE with a `clients` axis.
+fn with_clients(list: &str) -> String {
+    FAKE.replace(
+        "baselines = [\"fake-a\"]",
+        &format!("baselines = [\"fake-a\"]\nclients = {list}"),
+    )
+}
+
+/// Three clients at once on one (fake) server: every run has a result per client,
+/// the cell's IOPS are their sum, its fairness and server CPU per I/O are there,
+/// and the report has the "many clients on one server" figures.
+#[test]
+fn many_clients_give_a_result_each_and_their_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = with_clients("[1, 3]").replace("[\"null\", \"file\"]", "[\"null\"]");
+    let o = bench(&m, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let runs = raw_runs(&out);
+    // 2 reps × 2 client counts × 3 datapaths × the points.
+    assert_eq!(runs.len(), 2 * 2 * 3 * POINTS);
+    let mut sums: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for r in &runs {
+        let n = r["clients"].as_u64().unwrap();
+        let each = r["per_client"].as_array().unwrap();
+        assert_eq!(each.len() as u64, n, "{r}");
+        let sum: f64 = each.iter().map(|c| c["iops"].as_f64().unwrap()).sum();
+        assert!((r["perf"]["iops"].as_f64().unwrap() - sum).abs() <= sum * 1e-12);
+        let key = format!("{} {n} {}", r["datapath"], r["point"]);
+        sums.entry(key).or_default().push(sum);
+    }
+    let s = json(&out.join("summary.json"));
+    let cells = s["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 2 * 3 * POINTS);
+    for c in cells {
+        let n = c["clients"].as_u64().unwrap();
+        let key = format!("{} {n} {}", c["datapath"], c["point"]);
+        let got = c["iops"]["median"].as_f64().unwrap();
+        let want = median(sums[&key].clone());
+        assert!((got - want).abs() <= want * 1e-12, "{key}");
+        // The fake gives later clients less: one client is fair to itself.
+        let fair = c["fairness"]["median"].as_f64().unwrap();
+        assert_eq!(fair == 1.0, n == 1, "{c}");
+        assert!(c["client_iops_min"]["median"].as_f64().unwrap() <= got / n as f64);
+        assert!(
+            c["server_us_per_io"]["median"].as_f64().unwrap() > 0.0,
+            "{c}"
+        );
+        // Compared with fake-a at the same client count.
+        assert_eq!(
+            c["vs"].as_array().unwrap().is_empty(),
+            c["datapath"] == "fake-a"
+        );
+    }
+    assert!(s["order"]
+        .as_array()
+        .unwrap()
+        .contains(&Value::from("1 fake-b null ×3")));
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    let mut points: Vec<Value> = cells.iter().map(|c| c["point"].clone()).collect();
+    points.dedup();
+    assert_eq!(points.len(), POINTS);
+    for p in &points {
+        let p: udrive::bench::matrix::Point = serde_json::from_value(p.clone()).unwrap();
+        for what in ["iops", "cpu"] {
+            let id = udrive::bench::report::many_clients_id(
+                udrive::bench::matrix::Backend::Null,
+                &p,
+                what,
+            );
+            assert!(html.contains(&format!("<svg id=\"{id}\"")), "{id} missing");
+            assert!(out.join(format!("figures/{id}.svg")).exists(), "{id}.svg");
+        }
+    }
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(md.contains("### null: many clients on one server"), "{md}");
+    // The cells' table and the one against fake-a.
+    assert_eq!(
+        md.matches(", 3 clients | fake-b |").count(),
+        2 * POINTS,
+        "{md}"
+    );
+}
+
 fn invalid_field(text: &str) -> String {
     match Matrix::from_toml(text) {
         Err(MatrixError::Invalid { field, .. }) => field,
@@ -269,6 +354,23 @@ fn a_broken_matrix_is_refused_naming_the_field() {
             format!("{FAKE}\nthink_us = 2000000"),
             "workload[1].think_us",
         ),
+        (with_clients("[0]"), "clients[0]"),
+        (with_clients("[1, 100000]"), "clients[1]"),
+        (with_clients("[65]"), "clients[0]"),
+        (with_clients("[2, 2]"), "clients[1]"),
+        (with_clients("[]"), "clients"),
+        // 64 clients would each get less than 1 MiB of a 16 MiB RAM disk.
+        (
+            with_clients("[64]").replace("reps = 2", "reps = 2\nram_mib = 16"),
+            "clients",
+        ),
+        (
+            format!(
+                "{}\n[cpus]\nserver = \"0\"\nclient = \"x\"\n",
+                with_clients("[2]")
+            ),
+            "cpus.client",
+        ),
     ];
     for (bad, field) in cases {
         assert_eq!(invalid_field(&bad), field);
@@ -283,6 +385,7 @@ fn a_broken_matrix_is_refused_naming_the_field() {
             "seqread",
         ),
         (FAKE.replace("\"fake-c\"", "\"udrive-nvme@fast\""), "fast"),
+        (with_clients("[-1]"), "clients"),
         (
             FAKE.replace("reps = 2", "reps = 2\npoll = \"spin\""),
             "spin",

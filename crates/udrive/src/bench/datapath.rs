@@ -6,14 +6,20 @@
 //!
 //! Adding a datapath (a guest's fio) is a `DatapathKind` variant, its line in
 //! `applies`/`probe`, and a `Target`, as the SPDK ones are (`spdk.rs`).
+//!
+//! A cell with N clients starts N `perf` processes at once, each with its own device
+//! (one udrive with N controllers or N vhost-user-blk devices; N qemu-storage-daemon
+//! processes, one export each, as one per VM is how QEMU deployments run it) and its
+//! own backing, and measures the server processes' CPU time over the run.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use super::clients::{self, ServerCpu};
 use super::matrix::{Backend, DatapathKind, Matrix, Point, Poll, Rw};
 
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +88,21 @@ pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
     }
 }
 
+/// Why a datapath does not run a backend with `n` clients: the RBD image and the
+/// qcow2 images are one each, shared by every datapath, not made per client; the
+/// SPDK datapaths start one `spdk_nvme_perf` against one controller.
+pub fn applies_clients(d: &DatapathKind, b: Backend, n: u32) -> Result<(), String> {
+    match b {
+        _ if n > 1 && d.is_spdk() => Err(format!(
+            "{n} clients: the SPDK datapaths drive one controller with one client"
+        )),
+        b if n > 1 && (b == Backend::Rbd || b.is_qcow2()) => Err(format!(
+            "{n} clients need a backing each: only null, ram and file are split"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Why a datapath cannot run on this machine (a missing tool), checked once.
 pub fn probe(d: &DatapathKind, env: &Env) -> Result<(), String> {
     match d {
@@ -118,6 +139,21 @@ impl Env {
     /// The `qcow2` backend's image: the data file converted.
     pub fn qcow2_file(&self) -> PathBuf {
         self.data_file.with_extension("qcow2")
+    }
+
+    /// The `file` backend's data of client `i` of `n`: the data file itself for one
+    /// client, else one file of 1/n of its size per client.
+    pub fn data_file_of(&self, n: u32, i: u32) -> PathBuf {
+        if n == 1 {
+            return self.data_file.clone();
+        }
+        let stem = self
+            .data_file
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        self.data_file
+            .with_file_name(format!("{stem}-c{n}-{i}.img"))
     }
 
     /// The image a qcow2 backend's server opens (the top of a chain).
@@ -249,50 +285,78 @@ pub fn which(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// A datapath ready to be driven: its server (if any) is up.
-pub trait Target {
-    /// Run one workload for the matrix's time, after its warm-up; `perf`'s JSON.
-    fn run(&mut self, p: &Point, rep: u32) -> Result<Value, DatapathError>;
+/// One run's numbers: each client's `perf --json`, and the server's CPU over the run.
+pub struct Measured {
+    /// In client order.
+    pub clients: Vec<Value>,
+    /// None where there is no server (bare io_uring, librbd).
+    pub server_cpu: Option<ServerCpu>,
 }
 
-/// Start datapath `d` on backend `b` (a fresh server: no state from another run).
+/// A datapath ready to be driven: its server (if any) is up, with a device per client.
+pub trait Target {
+    /// Run one workload on every client at once for the matrix's time, after its
+    /// warm-up.
+    fn run(&mut self, p: &Point, rep: u32) -> Result<Measured, DatapathError>;
+}
+
+/// Start datapath `d` on backend `b` for `n` clients (a fresh server: no state from
+/// another run).
 pub fn start<'e>(
     d: &DatapathKind,
     b: Backend,
+    n: u32,
     env: &'e Env,
 ) -> Result<Box<dyn Target + 'e>, DatapathError> {
-    let sock = env.work.join(format!("{d}-{b}.sock"));
+    let socks: Vec<PathBuf> = (0..n)
+        .map(|i| match n {
+            1 => env.work.join(format!("{d}-{b}.sock")),
+            _ => env.work.join(format!("{d}-{b}-c{n}-{i}.sock")),
+        })
+        .collect();
     if let DatapathKind::Fake(name) = d {
         return Ok(Box::new(Fake {
             name: name.clone(),
             backend: b,
+            clients: n,
         }));
     }
     make_fresh_images(b, env)?;
     if d.is_spdk() {
         let sock = super::spdk::udrive_socket(d, b, env);
-        return super::spdk::start(d, b, env, udrive_serve(d, b, env, &sock));
+        let udrive = udrive_serve(d, b, env, std::slice::from_ref(&sock))?;
+        return super::spdk::start(d, b, env, udrive);
     }
-    let server = match d {
-        DatapathKind::Fake(_) | DatapathKind::SpdkNvmf | DatapathKind::UdriveNvmeSpdk => None,
-        DatapathKind::IoUring | DatapathKind::Librbd => None,
-        DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_) => Some(Server::start(
-            udrive_serve(d, b, env, &sock),
-            &format!("udrive serve ({d}, {b})"),
-            &sock,
-        )?),
-        DatapathKind::QsdVhost => Some(Server::start(
-            qsd_cmd(b, env, &sock),
-            &format!("qemu-storage-daemon ({b})"),
-            &sock,
-        )?),
+    let servers = match d {
+        DatapathKind::Fake(_)
+        | DatapathKind::IoUring
+        | DatapathKind::Librbd
+        | DatapathKind::SpdkNvmf
+        | DatapathKind::UdriveNvmeSpdk => Vec::new(),
+        DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_) => vec![Server::start(
+            udrive_serve(d, b, env, &socks)?,
+            &format!("udrive serve ({d}, {b}, {n} clients)"),
+            &socks,
+        )?],
+        DatapathKind::QsdVhost => (0..n)
+            .zip(&socks)
+            .map(|(i, sock)| {
+                Server::start(
+                    qsd_cmd(b, env, sock, &env.data_file_of(n, i)),
+                    &format!("qemu-storage-daemon ({b}, client {i})"),
+                    std::slice::from_ref(sock),
+                )
+            })
+            .collect::<Result<_, _>>()?,
     };
+    let cpus = clients::spread(&env.matrix.cpus.client, n);
     let t = PerfTarget {
         env,
         kind: d.clone(),
         backend: b,
-        sock,
-        _server: server,
+        socks,
+        cpus,
+        servers,
     };
     if b == Backend::Ram
         && matches!(
@@ -305,18 +369,19 @@ pub fn start<'e>(
     Ok(Box::new(t))
 }
 
-fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command {
+/// The backing of client `i` of `n` as a udrive disk spec.
+fn udrive_spec(d: &DatapathKind, b: Backend, env: &Env, n: u32, i: u32) -> String {
     let m = &env.matrix;
-    let spec = match b {
+    match b {
         Backend::Null => "null:64G".to_string(),
         // Against SPDK's malloc bdev, which lives in hugepages, so does the RAM disk.
         Backend::Ram if *d == DatapathKind::UdriveNvmeSpdk => {
-            format!("ram:{}M,hugepages=on", m.ram_mib)
+            format!("ram:{}M,hugepages=on", m.ram_mib / u64::from(n))
         }
-        Backend::Ram => format!("ram:{}M", m.ram_mib),
+        Backend::Ram => format!("ram:{}M", m.ram_mib / u64::from(n)),
         Backend::File => format!(
             "file:{},direct={},engine={}",
-            env.data_file.display(),
+            env.data_file_of(n, i).display(),
             if m.file.direct { "on" } else { "off" },
             m.file.engine
         ),
@@ -324,34 +389,70 @@ fn udrive_serve(d: &DatapathKind, b: Backend, env: &Env, sock: &Path) -> Command
         Backend::Qcow2 | Backend::Qcow2Chain | Backend::Qcow2New => {
             format!("qcow2:{}", env.image_of(b).display())
         }
-    };
+    }
+}
+
+/// `udrive serve` with one NVMe controller or vhost-user-blk device per socket, from
+/// a configuration file written to the work directory.
+pub(super) fn udrive_serve(
+    d: &DatapathKind,
+    b: Backend,
+    env: &Env,
+    socks: &[PathBuf],
+) -> Result<Command, DatapathError> {
+    let cfg = env.work.join(format!("{d}-{b}-c{}.toml", socks.len()));
+    std::fs::write(&cfg, udrive_config(d, b, env, socks)).map_err(|source| DatapathError::Io {
+        what: format!("writing {}", cfg.display()),
+        source,
+    })?;
     let mut c = Command::new(&env.udrive);
-    c.arg("serve");
+    c.arg("serve").arg("--config").arg(&cfg);
+    c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
+    Ok(c)
+}
+
+/// udrive's configuration: one NVMe controller or vhost-user-blk device per socket,
+/// all on the reactors of the server's CPUs.
+fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> String {
+    use std::fmt::Write as _;
+    let m = &env.matrix;
+    let q = |s: &str| toml::Value::String(s.to_string()).to_string();
     let poll = match d {
         DatapathKind::UdriveNvme(Some(p)) | DatapathKind::UdriveVhost(Some(p)) => *p,
         // SPDK's driver writes doorbells into the mapped page, which busy poll offers.
         DatapathKind::UdriveNvmeSpdk => Poll::Busy,
         _ => m.poll,
     };
-    if let DatapathKind::UdriveNvme(_) | DatapathKind::UdriveNvmeSpdk = d {
-        c.arg("--vfio-user").arg(sock).args(["--ns", &spec]);
-    } else {
-        c.arg("--vhost-user-blk").arg(sock).args(["--disk", &spec]);
-        c.args([
-            "--queues",
-            &m.max_jobs().to_string(),
-            "--placement",
-            &m.placement,
-        ]);
+    let n = socks.len() as u32;
+    let mut t = format!("cpus = {}\n", q(&m.cpus.server));
+    for (i, sock) in (0..n).zip(socks) {
+        let spec = q(&udrive_spec(d, b, env, n, i));
+        let sock = q(&sock.display().to_string());
+        let _ = if let DatapathKind::UdriveNvme(_) | DatapathKind::UdriveNvmeSpdk = d {
+            // round-robin: `serve --vfio-user`'s default placement.
+            writeln!(
+                t,
+                "[[controller]]\nsocket = {sock}\nnamespaces = [{spec}]\n\
+                 placement = \"round-robin\"\npoll = \"{}\"",
+                poll.as_str()
+            )
+        } else {
+            writeln!(
+                t,
+                "[[vhost_user_blk]]\nsocket = {sock}\ndisk = {spec}\nqueues = {}\n\
+                 placement = {}\npoll = \"{}\"",
+                m.max_jobs(),
+                q(&m.placement),
+                poll.as_str()
+            )
+        };
     }
-    c.args(["--cpus", &m.cpus.server, "--poll", poll.as_str()]);
-    c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
-    c
+    t
 }
 
 /// qemu-storage-daemon as scripts/bench-vhost starts it (null-co, or the file with
-/// io_uring), on the server's CPUs through taskset.
-fn qsd_cmd(b: Backend, env: &Env, sock: &Path) -> Command {
+/// io_uring), on the server's CPUs through taskset; `data` is this export's file.
+fn qsd_cmd(b: Backend, env: &Env, sock: &Path, data: &Path) -> Command {
     let m = &env.matrix;
     let qsd = env
         .qsd
@@ -360,7 +461,7 @@ fn qsd_cmd(b: Backend, env: &Env, sock: &Path) -> Command {
     let blockdev = match b {
         Backend::File => format!(
             "driver=file,node-name=d0,filename={},cache.direct={},aio=io_uring",
-            env.data_file.display(),
+            data.display(),
             if m.file.direct { "on" } else { "off" }
         ),
         b if b.is_qcow2() => format!(
@@ -395,13 +496,19 @@ pub(super) struct Server {
 }
 
 impl Server {
+    /// Starts `cmd` and waits until it has opened every socket of `socks`; its log
+    /// is the first socket's path with `.log`.
     pub(super) fn start(
         mut cmd: Command,
         what: &str,
-        sock: &Path,
+        socks: &[PathBuf],
     ) -> Result<Server, DatapathError> {
-        let _ = std::fs::remove_file(sock);
-        let log = sock.with_extension("log");
+        for s in socks {
+            let _ = std::fs::remove_file(s);
+        }
+        let log = socks
+            .first()
+            .map_or_else(|| PathBuf::from("server.log"), |s| s.with_extension("log"));
         let io = |source| DatapathError::Io {
             what: format!("server log {}", log.display()),
             source,
@@ -416,12 +523,12 @@ impl Server {
         })?;
         let mut s = Server { child };
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !sock.exists() {
+        while let Some(sock) = socks.iter().find(|p| !p.exists()) {
             let exited = matches!(s.child.try_wait(), Ok(Some(_)));
             if exited || Instant::now() > deadline {
                 return Err(DatapathError::NotReady {
                     what: what.into(),
-                    sock: sock.into(),
+                    sock: sock.clone(),
                     secs: 20,
                     tail: tail(&std::fs::read_to_string(&log).unwrap_or_default()),
                     log,
@@ -430,6 +537,12 @@ impl Server {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(s)
+    }
+}
+
+impl Server {
+    pub(super) fn pid(&self) -> u32 {
+        self.child.id()
     }
 }
 
@@ -446,14 +559,25 @@ impl Drop for Server {
     }
 }
 
-/// Runs `c` to its end; its output if it succeeded, else its stderr's tail.
-pub(super) fn output(mut c: Command, what: &str) -> Result<std::process::Output, DatapathError> {
-    let out = c
-        .stdin(Stdio::null())
-        .output()
+/// Starts `c` with its output captured.
+fn spawn(c: &mut Command, what: &str) -> Result<Child, DatapathError> {
+    c.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .map_err(|source| DatapathError::Spawn {
             what: what.into(),
             cmd: format!("{c:?}"),
+            source,
+        })
+}
+
+/// Waits for `child`; its output if it succeeded, else its stderr's tail.
+fn finish(child: Child, what: &str) -> Result<Output, DatapathError> {
+    let out = child
+        .wait_with_output()
+        .map_err(|source| DatapathError::Io {
+            what: format!("waiting for {what}"),
             source,
         })?;
     if !out.status.success() {
@@ -466,6 +590,39 @@ pub(super) fn output(mut c: Command, what: &str) -> Result<std::process::Output,
     Ok(out)
 }
 
+/// Runs `c` to its end; its output if it succeeded, else its stderr's tail.
+pub(super) fn output(mut c: Command, what: &str) -> Result<Output, DatapathError> {
+    let child = spawn(&mut c, what)?;
+    finish(child, what)
+}
+
+/// Runs every command at once and waits for all of them (a thread each, so that
+/// none blocks on a full pipe while another is waited for); the first failure, if
+/// any, else the outputs in order.
+fn outputs(cmds: Vec<(Command, String)>) -> Result<Vec<Output>, DatapathError> {
+    let started: Vec<(Result<Child, DatapathError>, String)> = cmds
+        .into_iter()
+        .map(|(mut c, what)| (spawn(&mut c, &what), what))
+        .collect();
+    std::thread::scope(|s| {
+        let waits: Vec<_> = started
+            .into_iter()
+            .map(|(child, what)| s.spawn(move || finish(child?, &what)))
+            .collect();
+        waits
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(DatapathError::Io {
+                        what: "waiting for a client".into(),
+                        source: std::io::Error::other("its waiting thread panicked"),
+                    })
+                })
+            })
+            .collect()
+    })
+}
+
 /// The last lines of a log, on one line.
 fn tail(s: &str) -> String {
     let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -476,16 +633,21 @@ struct PerfTarget<'a> {
     env: &'a Env,
     kind: DatapathKind,
     backend: Backend,
-    sock: PathBuf,
-    _server: Option<Server>,
+    /// One device per client.
+    socks: Vec<PathBuf>,
+    /// Each client's CPU list.
+    cpus: Vec<String>,
+    servers: Vec<Server>,
 }
 
 impl PerfTarget<'_> {
-    fn perf(&self) -> Command {
+    /// Client `i`'s `perf` command, up to its workload.
+    fn perf(&self, i: usize) -> Command {
         let mut c = Command::new(&self.env.udrive);
         c.arg("perf");
+        let n = self.socks.len() as u32;
         match self.kind {
-            DatapathKind::UdriveNvme(_) => c.arg("--vfio-user").arg(&self.sock),
+            DatapathKind::UdriveNvme(_) => c.arg("--vfio-user").arg(&self.socks[i]),
             DatapathKind::IoUring => {
                 let direct = if self.env.matrix.file.direct {
                     "on"
@@ -493,12 +655,12 @@ impl PerfTarget<'_> {
                     "off"
                 };
                 c.arg("--file")
-                    .arg(&self.env.data_file)
+                    .arg(self.env.data_file_of(n, i as u32))
                     .args(["--direct", direct]);
                 c.args(["--engine", &self.env.matrix.file.engine])
             }
             DatapathKind::Librbd => c.args(["--rbd", &rbd_spec(self.env)]),
-            _ => c.arg("--vhost-user").arg(&self.sock),
+            _ => c.arg("--vhost-user").arg(&self.socks[i]),
         };
         if self.env.matrix.wait {
             if let DatapathKind::UdriveNvme(_) = self.kind {
@@ -506,64 +668,85 @@ impl PerfTarget<'_> {
             }
             c.arg("--wait");
         }
-        c.args(["--cpus", &self.env.matrix.cpus.client, "--json"]);
+        c.args(["--cpus", &self.cpus[i], "--json"]);
         c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
         c
     }
 
-    fn exec(&self, c: Command, what: &str) -> Result<Value, DatapathError> {
-        let out = output(c, what)?;
-        serde_json::from_slice(&out.stdout).map_err(|source| DatapathError::BadJson {
-            what: what.into(),
-            source,
-        })
+    /// Every client runs `args` at once; their JSON in client order.
+    fn exec_all(&self, args: &[String], what: &str) -> Result<Vec<Value>, DatapathError> {
+        let n = self.socks.len();
+        let cmds = (0..n)
+            .map(|i| {
+                let mut c = self.perf(i);
+                c.args(args);
+                let who = match n {
+                    1 => what.to_string(),
+                    _ => format!("{what}, client {i}"),
+                };
+                (c, who)
+            })
+            .collect();
+        outputs(cmds)?
+            .iter()
+            .map(|o| {
+                serde_json::from_slice(&o.stdout).map_err(|source| DatapathError::BadJson {
+                    what: what.into(),
+                    source,
+                })
+            })
+            .collect()
     }
 
-    /// Write the RAM disk once, so that reads copy real pages rather than untouched ones.
+    /// Write each RAM disk once, so that reads copy real pages rather than untouched ones.
     fn fill(&self) -> Result<(), DatapathError> {
-        let mut c = self.perf();
-        c.args([
+        let args = [
             "--rw", "write", "--bs", "131072", "--qd", "8", "--time", "1",
-        ]);
-        self.exec(c, &format!("filling {} {}", self.kind, self.backend))
+        ];
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        self.exec_all(&args, &format!("filling {} {}", self.kind, self.backend))
             .map(drop)
     }
 }
 
 impl Target for PerfTarget<'_> {
-    fn run(&mut self, p: &Point, _rep: u32) -> Result<Value, DatapathError> {
+    fn run(&mut self, p: &Point, _rep: u32) -> Result<Measured, DatapathError> {
         let m = &self.env.matrix;
-        let mut c = self.perf();
-        c.args([
-            "--rw",
-            &p.rw.to_string(),
-            "--rwmixread",
-            &p.rwmixread.to_string(),
-        ]);
-        c.args(["--bs", &p.bs.to_string(), "--qd", &p.qd.to_string()]);
-        c.args([
-            "--jobs",
-            &p.jobs.to_string(),
-            "--think-us",
-            &p.think_us.to_string(),
-        ]);
-        c.args(["--time", &m.time.to_string(), "--ramp", &m.ramp.to_string()]);
-        self.exec(
-            c,
-            &format!("perf on {} {} {}", self.kind, self.backend, p.slug()),
-        )
+        let args: Vec<String> = [
+            ("--rw", p.rw.to_string()),
+            ("--rwmixread", p.rwmixread.to_string()),
+            ("--bs", p.bs.to_string()),
+            ("--qd", p.qd.to_string()),
+            ("--jobs", p.jobs.to_string()),
+            ("--think-us", p.think_us.to_string()),
+            ("--time", m.time.to_string()),
+            ("--ramp", m.ramp.to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_string(), v])
+        .collect();
+        let pids: Vec<u32> = self.servers.iter().map(Server::pid).collect();
+        let clock = clients::CpuClock::start(&pids);
+        let what = format!("perf on {} {} {}", self.kind, self.backend, p.slug());
+        let clients = self.exec_all(&args, &what)?;
+        Ok(Measured {
+            clients,
+            server_cpu: clock.stop(),
+        })
     }
 }
 
-/// Numbers that depend only on the datapath's name, the backend, the workload and the
-/// repetition, in the shape of `perf --json`: the harness's tests know what to expect.
+/// Numbers that depend only on the datapath's name, the backend, the workload, the
+/// repetition and the client, in the shape of `perf --json`: the harness's tests know
+/// what to expect.
 struct Fake {
     name: String,
     backend: Backend,
+    clients: u32,
 }
 
 impl Target for Fake {
-    fn run(&mut self, p: &Point, rep: u32) -> Result<Value, DatapathError> {
+    fn run(&mut self, p: &Point, rep: u32) -> Result<Measured, DatapathError> {
         let seed = self
             .name
             .bytes()
@@ -572,13 +755,28 @@ impl Target for Fake {
         let rw = if p.rw == Rw::Randread { 1.0 } else { 0.8 };
         let spread = 1.0 + 0.05 * f64::from((rep * 7) % 3);
         let inflight = f64::from(p.qd * p.jobs);
-        let iops = base * rw * inflight.sqrt() * spread * 4096.0 / f64::from(p.bs.max(4096));
-        let mean = inflight / iops * 1e9;
-        let lat = json!({"mean": mean, "min": mean / 4.0, "p50": mean, "p99": mean * 2.0,
-            "p99_9": mean * 3.0, "p99_99": mean * 4.0, "max": mean * 10.0});
-        Ok(
-            json!({"rw": p.rw.to_string(), "bs": p.bs, "qd": p.qd, "jobs_count": p.jobs,
-            "iops": iops, "errors": 0, "lat_ns": lat}),
-        )
+        let n = f64::from(self.clients);
+        let clients = (0..self.clients)
+            .map(|i| {
+                // Clients share the server: each gets less, the later ones a little less.
+                let share = n.sqrt() / n * (1.0 - 0.05 * f64::from(i));
+                let iops = base * rw * inflight.sqrt() * spread * share * 4096.0
+                    / f64::from(p.bs.max(4096));
+                let mean = inflight / iops * 1e9;
+                let lat = json!({"mean": mean, "min": mean / 4.0, "p50": mean, "p99": mean * 2.0,
+                    "p99_9": mean * 3.0, "p99_99": mean * 4.0, "max": mean * 10.0});
+                json!({"rw": p.rw.to_string(), "bs": p.bs, "qd": p.qd, "jobs_count": p.jobs,
+                    "iops": iops, "ios": (iops * 2.0).round(), "errors": 0, "lat_ns": lat})
+            })
+            .collect();
+        // One reactor's worth of CPU, plus a little per client.
+        let server_cpu = ServerCpu {
+            cpu_s: 2.0 * (1.0 + 0.1 * n) * spread,
+            wall_s: 2.0,
+        };
+        Ok(Measured {
+            clients,
+            server_cpu: Some(server_cpu),
+        })
     }
 }

@@ -1,5 +1,5 @@
-//! What `udrive bench` runs: a matrix of datapaths × backends × workloads ×
-//! repetitions, read from TOML (a preset embedded in the binary or a user's file),
+//! What `udrive bench` runs: a matrix of datapaths × backends × client counts ×
+//! workloads × repetitions, read from TOML (a preset embedded in the binary or a user's file),
 //! checked whole before anything starts, and expanded into cells.
 
 use std::fmt;
@@ -14,8 +14,13 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("rbd", include_str!("presets/rbd.toml")),
     ("thesis", include_str!("presets/thesis.toml")),
     ("qcow2", include_str!("presets/qcow2.toml")),
+    ("many-vms", include_str!("presets/many-vms.toml")),
     ("spdk", include_str!("presets/spdk.toml")),
 ];
+
+/// The most concurrent clients a cell may have: each is a process with its own
+/// device (a socket, a backing, for qsd a whole server process).
+pub const MAX_CLIENTS: u32 = 64;
 
 /// A preset's text by name.
 pub fn preset(name: &str) -> Option<&'static str> {
@@ -396,8 +401,19 @@ pub struct Matrix {
     /// Size of the RAM backend; udrive fills it before measuring.
     #[serde(default = "default_ram_mib")]
     pub ram_mib: u64,
+    /// Concurrent clients per cell, each a `perf` process with its own device on one
+    /// server (N NVMe controllers or N vhost-user-blk devices on one udrive; N
+    /// qemu-storage-daemon processes; N bare io_uring processes), each on its own
+    /// backing: the `file` backend's data in N files and the RAM disk in N disks of
+    /// 1/N of the size each, so the data the cell touches stays the same.
+    #[serde(default = "default_clients")]
+    pub clients: Vec<u32>,
     #[serde(rename = "workload")]
     pub workloads: Vec<Workload>,
+}
+
+fn default_clients() -> Vec<u32> {
+    vec![1]
 }
 
 fn default_placement() -> String {
@@ -467,6 +483,7 @@ impl Matrix {
         }
         check_list("datapaths", &self.datapaths)?;
         check_list("backends", &self.backends)?;
+        self.check_clients()?;
         for (i, b) in self.baselines.iter().enumerate() {
             if !self.datapaths.contains(b) {
                 return Err(invalid(
@@ -512,6 +529,32 @@ impl Matrix {
             check_workload(&format!("workload[{i}]"), w)?;
         }
         Ok(())
+    }
+
+    fn check_clients(&self) -> Result<(), MatrixError> {
+        check_list("clients", &self.clients)?;
+        if let Some(i) = self.clients.iter().position(|&n| n == 0 || n > MAX_CLIENTS) {
+            return Err(invalid(
+                format!("clients[{i}]"),
+                format!("must be 1..={MAX_CLIENTS}"),
+            ));
+        }
+        let n = u64::from(self.max_clients());
+        if self.file.mib < n || self.ram_mib < n {
+            return Err(invalid(
+                "clients",
+                format!("{n} clients need file.mib and ram_mib of at least {n} (1 MiB each)"),
+            ));
+        }
+        if let Err(e) = engine::parse_cpu_list(&self.cpus.client) {
+            return Err(invalid("cpus.client", e));
+        }
+        Ok(())
+    }
+
+    /// The most clients any cell has.
+    pub fn max_clients(&self) -> u32 {
+        self.clients.iter().copied().max().unwrap_or(1)
     }
 
     /// Every workload point, in the matrix's order, without repeats.

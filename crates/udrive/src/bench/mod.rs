@@ -5,6 +5,7 @@
 //! self-contained report.html with SVG figures (`report`).
 //! Design: docs/decisions/0039-bench-harness.md.
 
+pub mod clients;
 pub mod datapath;
 pub mod floor;
 pub mod matrix;
@@ -143,7 +144,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             .context("installing a signal handler")?;
     }
     let result = measure(&env, &raw, &a.out, &stop);
-    let _ = std::fs::remove_file(&env.data_file);
+    for (f, _) in data_files(&env) {
+        let _ = std::fs::remove_file(f);
+    }
     for f in env.qcow2_files() {
         let _ = std::fs::remove_file(f);
     }
@@ -182,7 +185,9 @@ fn measure(
     let needs_qcow2 = needs(matrix::Backend::Qcow2);
     let needs_data = [matrix::Backend::File, matrix::Backend::Qcow2Chain];
     if needs_qcow2 || needs_data.into_iter().any(needs) {
-        write_data_file(&env.data_file, m.file.mib)?;
+        for (f, mib) in data_files(env) {
+            write_data_file(&f, mib)?;
+        }
     }
     if needs_qcow2 {
         datapath::make_qcow2(env)?;
@@ -227,6 +232,16 @@ fn measure(
         w(&format!("figures/{}.svg", f.id), f.svg.as_bytes())?;
     }
     Ok(runs.iter().filter(|r| r.error.is_some()).count())
+}
+
+/// The `file` backend's data files and their sizes in MiB: for each client count N,
+/// N files of 1/N of `[file] mib` (one client's is the data file itself).
+fn data_files(env: &datapath::Env) -> Vec<(PathBuf, u64)> {
+    let m = &env.matrix;
+    m.clients
+        .iter()
+        .flat_map(|&n| (0..n).map(move |i| (env.data_file_of(n, i), m.file.mib / u64::from(n))))
+        .collect()
 }
 
 /// The `file` backend's data: written whole with pseudo-random bytes, so that no read

@@ -1,9 +1,9 @@
 //! The schedule of a bench run and its execution. Repetitions are the outer loop:
 //! repetition 1 of every datapath, then repetition 2, ... so that a machine that
 //! changes speed over the minutes (this one does, between two states about 2× apart)
-//! moves every datapath alike; within a repetition the backends, then the datapaths
-//! (in the matrix's order, reversed on every second repetition with `order = "flip"`),
-//! each with a fresh server for all its workloads.
+//! moves every datapath alike; within a repetition the backends, then the client
+//! counts, then the datapaths (in the matrix's order, reversed on every second
+//! repetition with `order = "flip"`), each with a fresh server for all its workloads.
 
 use std::io::{IsTerminal, Write};
 use std::path::Path;
@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::clients::{self, ServerCpu};
 use super::datapath::{self, Env};
 use super::matrix::{Backend, DatapathKind, Point};
 
@@ -24,10 +25,24 @@ pub struct RunRecord {
     pub rep: u32,
     pub datapath: DatapathKind,
     pub backend: Backend,
+    /// Concurrent clients, each with its own device.
+    #[serde(default = "one")]
+    pub clients: u32,
     pub point: Point,
-    /// `perf --json`'s output, or null when the run failed.
+    /// `perf --json`'s output (the clients' together: `clients::aggregate`), or null
+    /// when the run failed.
     pub perf: Value,
+    /// Each client's `perf --json`, in client order.
+    #[serde(default)]
+    pub per_client: Vec<Value>,
+    /// The server processes' CPU time over the run (none: no server).
+    #[serde(default)]
+    pub server_cpu: Option<ServerCpu>,
     pub error: Option<String>,
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl RunRecord {
@@ -37,6 +52,41 @@ impl RunRecord {
     /// A latency field of `perf --json` in µs (`mean`, `p99`, ...).
     pub fn lat_us(&self, k: &str) -> Option<f64> {
         Some(self.perf.get("lat_ns")?.get(k)?.as_f64()? / 1e3)
+    }
+    /// The lowest and the highest IOPS of one client.
+    pub fn client_iops_range(&self) -> Option<(f64, f64)> {
+        let v: Vec<f64> = self
+            .per_client
+            .iter()
+            .filter_map(|c| c.get("iops")?.as_f64())
+            .collect();
+        if v.is_empty() || v.len() != self.per_client.len() {
+            return None;
+        }
+        Some((
+            v.iter().copied().fold(f64::INFINITY, f64::min),
+            v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        ))
+    }
+    /// Server CPU µs per I/O at the run's rate.
+    pub fn server_us_per_io(&self) -> Option<f64> {
+        let iops = self.iops().filter(|i| *i > 0.0)?;
+        Some(self.server_cpu?.cores()? / iops * 1e6)
+    }
+    /// `raw/`'s name of this run.
+    pub fn file_name(&self) -> String {
+        let c = match self.clients {
+            1 => String::new(),
+            n => format!("-c{n}"),
+        };
+        format!(
+            "{:04}-r{}-{}-{}{c}-{}.json",
+            self.seq,
+            self.rep,
+            self.datapath,
+            self.backend,
+            self.point.slug()
+        )
     }
 }
 
@@ -48,12 +98,14 @@ pub struct Skipped {
     pub reason: String,
 }
 
-/// One server's stint: every workload of one datapath and backend in one repetition.
+/// One server's stint: every workload of one datapath, backend and client count in
+/// one repetition.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Group {
     pub rep: u32,
     pub datapath: DatapathKind,
     pub backend: Backend,
+    pub clients: u32,
 }
 
 /// The groups in execution order, and what is skipped (no tool, no such backend).
@@ -101,6 +153,13 @@ pub fn plan(env: &Env) -> (Vec<Group>, Vec<Skipped>) {
                 continue;
             }
             let why = datapath::applies(d, b).and_then(|()| datapath::pair_probe(d, b));
+            let why = why.and_then(|()| match d {
+                DatapathKind::Fake(_) => Ok(()),
+                _ => m
+                    .clients
+                    .iter()
+                    .try_for_each(|&n| datapath::applies_clients(d, b, n)),
+            });
             if let Err(reason) = why {
                 skipped.push(Skipped {
                     datapath: d.clone(),
@@ -113,13 +172,18 @@ pub fn plan(env: &Env) -> (Vec<Group>, Vec<Skipped>) {
     let mut groups = Vec::new();
     for rep in 1..=m.reps {
         for &b in &m.backends {
-            for d in m.order_of(rep) {
-                if runnable.contains(&d) && ready(&d, b) {
-                    groups.push(Group {
-                        rep,
-                        datapath: d,
-                        backend: b,
-                    });
+            for &n in &m.clients {
+                for d in m.order_of(rep) {
+                    let split = matches!(d, DatapathKind::Fake(_))
+                        || datapath::applies_clients(&d, b, n).is_ok();
+                    if runnable.contains(&d) && ready(&d, b) && split {
+                        groups.push(Group {
+                            rep,
+                            datapath: d,
+                            backend: b,
+                            clients: n,
+                        });
+                    }
                 }
             }
         }
@@ -144,7 +208,7 @@ pub fn execute(
         if stop.load(Ordering::Relaxed) {
             break;
         }
-        let mut target = datapath::start(&g.datapath, g.backend, env);
+        let mut target = datapath::start(&g.datapath, g.backend, g.clients, env);
         for p in &points {
             if stop.load(Ordering::Relaxed) {
                 break;
@@ -154,9 +218,13 @@ pub fn execute(
                 Ok(t) => t.run(p, g.rep).map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             };
-            let (perf, error) = match result {
-                Ok(v) => (v, None),
-                Err(e) => (Value::Null, Some(e)),
+            let (per_client, server_cpu, error) = match result {
+                Ok(v) => (v.clients, v.server_cpu, None),
+                Err(e) => (Vec::new(), None, Some(e)),
+            };
+            let perf = match per_client.is_empty() {
+                true => Value::Null,
+                false => clients::aggregate(&per_client),
             };
             if let Some(e) = &error {
                 progress.note(&format!("failed: {e}"));
@@ -166,19 +234,14 @@ pub fn execute(
                 rep: g.rep,
                 datapath: g.datapath.clone(),
                 backend: g.backend,
+                clients: g.clients,
                 point: *p,
                 perf,
+                per_client,
+                server_cpu,
                 error,
             };
-            let name = format!(
-                "{:04}-r{}-{}-{}-{}.json",
-                r.seq,
-                r.rep,
-                r.datapath,
-                r.backend,
-                p.slug()
-            );
-            std::fs::write(raw_dir.join(name), serde_json::to_vec_pretty(&r)?)?;
+            std::fs::write(raw_dir.join(r.file_name()), serde_json::to_vec_pretty(&r)?)?;
             out.push(r);
         }
     }
@@ -219,12 +282,13 @@ impl Progress {
         self.done += 1;
         if self.tty {
             eprint!(
-                "\r\x1b[K{}/{} rep {} {} {} {} ~{}m{:02}s left",
+                "\r\x1b[K{}/{} rep {} {} {} ×{} {} ~{}m{:02}s left",
                 self.done,
                 self.total,
                 g.rep,
                 g.datapath,
                 g.backend,
+                g.clients,
                 p.slug(),
                 left.as_secs() / 60,
                 left.as_secs() % 60

@@ -17,7 +17,8 @@ use std::process::Command;
 
 use serde_json::{json, Value};
 
-use super::datapath::{output, DatapathError, Env, Server, Target};
+use super::clients::CpuClock;
+use super::datapath::{output, DatapathError, Env, Measured, Server, Target};
 use super::matrix::{Backend, DatapathKind, Point, Rw};
 
 /// The NVMe subsystem both servers are addressed by (udrive accepts any).
@@ -185,9 +186,13 @@ pub fn start<'e>(
         c.args(["-m", &core_mask(&env.matrix.cpus.server), "-g", "--json"])
             .arg(&conf)
             .args(["-s", &(env.matrix.ram_mib + 512).to_string()]);
-        Server::start(c, &format!("nvmf_tgt ({b})"), &sock)?
+        Server::start(c, &format!("nvmf_tgt ({b})"), std::slice::from_ref(&sock))?
     } else {
-        Server::start(udrive, &format!("udrive serve ({d}, {b})"), &sock)?
+        Server::start(
+            udrive,
+            &format!("udrive serve ({d}, {b})"),
+            std::slice::from_ref(&sock),
+        )?
     };
     let t = SpdkTarget {
         env,
@@ -270,7 +275,7 @@ impl SpdkTarget<'_> {
 }
 
 impl Target for SpdkTarget<'_> {
-    fn run(&mut self, p: &Point, _rep: u32) -> Result<Value, DatapathError> {
+    fn run(&mut self, p: &Point, _rep: u32) -> Result<Measured, DatapathError> {
         let m = &self.env.matrix;
         let mut c = self.perf();
         let rw = match p.rw {
@@ -288,13 +293,20 @@ impl Target for SpdkTarget<'_> {
         c.args(["-t", &(m.time.ceil() as u64).max(1).to_string()]);
         c.args(["-a", &(m.ramp.ceil() as u64).to_string(), "-L"]);
         let what = format!("spdk_nvme_perf on {}", p.slug());
+        let pids: Vec<u32> = self.server.iter().map(Server::pid).collect();
+        let clock = CpuClock::start(&pids);
         let out = output(c, &what);
+        let server_cpu = clock.stop();
         forget_exited();
-        parse(&String::from_utf8_lossy(&out?.stdout)).map_err(|e| match e {
+        let v = parse(&String::from_utf8_lossy(&out?.stdout)).map_err(|e| match e {
             DatapathError::Failed { status, tail, .. } => {
                 DatapathError::Failed { what, status, tail }
             }
             other => other,
+        })?;
+        Ok(Measured {
+            clients: vec![v],
+            server_cpu,
         })
     }
 }

@@ -1,4 +1,5 @@
-//! From raw runs to cells: median and min–max per (datapath, backend, workload), and
+//! From raw runs to cells: median and min–max per (datapath, backend, client count,
+//! workload), and
 //! the comparison with each baseline datapath taken per repetition (the two ran
 //! minutes apart at most, on the machine in the same state) before their median.
 
@@ -52,6 +53,9 @@ impl Stat {
 pub struct Cell {
     pub datapath: DatapathKind,
     pub backend: Backend,
+    /// Concurrent clients; IOPS are theirs together, latencies over all their I/Os
+    /// (mean) or the worst client's (percentiles).
+    pub clients: u32,
     pub point: Point,
     /// Runs that produced numbers.
     pub n: usize,
@@ -62,6 +66,15 @@ pub struct Cell {
     /// move the mean, not this.
     pub p50_us: Option<Stat>,
     pub p99_us: Option<Stat>,
+    /// The IOPS of the slowest and of the fastest client of a run.
+    pub client_iops_min: Option<Stat>,
+    pub client_iops_max: Option<Stat>,
+    /// Slowest ÷ fastest client of a run (1: every client got the same).
+    pub fairness: Option<Stat>,
+    /// Cores the server's processes kept busy over a run.
+    pub server_cores: Option<Stat>,
+    /// Server CPU per I/O, µs: what one more client costs the host shows here.
+    pub server_us_per_io: Option<Stat>,
     /// Against each baseline that ran this backend and workload (not itself).
     pub vs: Vec<Versus>,
 }
@@ -94,12 +107,12 @@ pub struct Summary {
     pub host: BTreeMap<String, String>,
 }
 
-type Key = (DatapathKind, Backend, Point);
+type Key = (DatapathKind, Backend, u32, Point);
 
 fn by_cell(runs: &[RunRecord]) -> BTreeMap<Key, Vec<&RunRecord>> {
     let mut m: BTreeMap<Key, Vec<&RunRecord>> = BTreeMap::new();
     for r in runs {
-        m.entry((r.datapath.clone(), r.backend, r.point))
+        m.entry((r.datapath.clone(), r.backend, r.clients, r.point))
             .or_default()
             .push(r);
     }
@@ -129,10 +142,10 @@ fn versus(
     key: &Key,
     ok: &[&RunRecord],
 ) -> Vec<Versus> {
-    let (d, b, p) = key;
+    let (d, b, n, p) = key;
     let mut out = Vec::new();
     for bl in m.baselines.iter().filter(|bl| *bl != d) {
-        let Some(base) = all.get(&(bl.clone(), *b, *p)) else {
+        let Some(base) = all.get(&(bl.clone(), *b, *n, *p)) else {
             continue;
         };
         let base: Vec<&RunRecord> = base.iter().copied().filter(|r| r.error.is_none()).collect();
@@ -156,7 +169,11 @@ pub fn summarize(
     let cells_in = by_cell(runs);
     let mut order = Vec::new();
     for r in runs {
-        let s = format!("{} {} {}", r.rep, r.datapath, r.backend);
+        let c = match r.clients {
+            1 => String::new(),
+            n => format!(" ×{n}"),
+        };
+        let s = format!("{} {} {}{c}", r.rep, r.datapath, r.backend);
         if order.last() != Some(&s) {
             order.push(s);
         }
@@ -167,16 +184,26 @@ pub fn summarize(
         let col = |f: &dyn Fn(&RunRecord) -> Option<f64>| -> Vec<f64> {
             ok.iter().filter_map(|r| f(r)).collect()
         };
+        let range = |r: &RunRecord| r.client_iops_range();
         cells.push(Cell {
             datapath: key.0.clone(),
             backend: key.1,
-            point: key.2,
+            clients: key.2,
+            point: key.3,
             n: ok.len(),
             failed: rs.len() - ok.len(),
             iops: Stat::of(&col(&RunRecord::iops)),
             mean_us: Stat::of(&col(&|r| r.lat_us("mean"))),
             p50_us: Stat::of(&col(&|r| r.lat_us("p50"))),
             p99_us: Stat::of(&col(&|r| r.lat_us("p99"))),
+            client_iops_min: Stat::of(&col(&|r| Some(range(r)?.0))),
+            client_iops_max: Stat::of(&col(&|r| Some(range(r)?.1))),
+            fairness: Stat::of(&col(&|r| {
+                let (lo, hi) = range(r)?;
+                (hi > 0.0).then(|| lo / hi)
+            })),
+            server_cores: Stat::of(&col(&|r| r.server_cpu?.cores())),
+            server_us_per_io: Stat::of(&col(&RunRecord::server_us_per_io)),
             vs: versus(m, &cells_in, key, &ok),
         });
     }
@@ -186,6 +213,7 @@ pub fn summarize(
         (
             m.backends.iter().position(|b| *b == c.backend),
             points.iter().position(|p| *p == c.point),
+            m.clients.iter().position(|n| *n == c.clients),
             m.datapaths.iter().position(|d| *d == c.datapath),
         )
     };
@@ -215,6 +243,15 @@ pub fn point_label(p: &Point) -> String {
         t => format!(" think {t} µs"),
     };
     format!("{rw} {} QD{} ×{}{think}", bs_name(p.bs), p.qd, p.jobs)
+}
+
+/// A cell's workload with its client count when it has several:
+/// `randread 4k QD1 ×1, 4 clients`.
+pub fn cell_label(c: &Cell) -> String {
+    match c.clients {
+        1 => point_label(&c.point),
+        n => format!("{}, {n} clients", point_label(&c.point)),
+    }
 }
 
 /// Decimals for a number of thousands: low rates (a think time) keep their digits.
@@ -259,7 +296,7 @@ pub fn markdown(s: &Summary) -> String {
             let _ = writeln!(
                 o,
                 "| {} | {} | {}{failed} | {} | {} | {} | {} |",
-                point_label(&c.point),
+                cell_label(c),
                 c.datapath,
                 c.n,
                 opt(c.iops, 1e-3, kilo_digits(c.iops)),
@@ -269,6 +306,7 @@ pub fn markdown(s: &Summary) -> String {
             );
         }
         o.push('\n');
+        many_clients_table(&mut o, b, &cells);
         for bl in &s.baselines {
             versus_table(&mut o, b, bl, &cells);
         }
@@ -307,11 +345,55 @@ fn versus_table(o: &mut String, b: Backend, bl: &DatapathKind, cells: &[&Cell]) 
         let _ = writeln!(
             o,
             "| {} | {} | {} | {} | {} |",
-            point_label(&c.point),
+            cell_label(c),
             c.datapath,
             opt(v.iops_ratio, 1.0, 2),
             opt(v.mean_ratio, 1.0, 2),
             opt(v.mean_added_us, 1.0, 2)
+        );
+    }
+    o.push('\n');
+}
+
+/// The cells of one backend side by side over their client counts, if any cell has
+/// more than one client: what sharing one server costs.
+fn many_clients_table(o: &mut String, b: Backend, cells: &[&Cell]) {
+    if cells.iter().all(|c| c.clients == 1) {
+        return;
+    }
+    let _ = writeln!(
+        o,
+        "### {b}: many clients on one server
+"
+    );
+    let _ = writeln!(
+        o,
+        "| workload | datapath | clients | IOPS (k), all | per client (k), slowest | fastest | slowest ÷ fastest | mean (µs) | p99 (µs), worst client | server cores | server CPU µs/I/O |"
+    );
+    let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut rows: Vec<&&Cell> = cells.iter().collect();
+    // Per workload and datapath, the client counts in a row.
+    rows.sort_by_key(|c| {
+        let p = cells.iter().position(|x| x.point == c.point);
+        let d = cells.iter().position(|x| x.datapath == c.datapath);
+        (p, d, c.clients)
+    });
+    for c in rows {
+        let k = |s: Option<Stat>| opt(s, 1e-3, kilo_digits(s));
+        let _ = writeln!(
+            o,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            point_label(&c.point),
+            c.datapath,
+            c.clients,
+            k(c.iops),
+            k(c.client_iops_min),
+            k(c.client_iops_max),
+            opt(c.fairness, 1.0, 2),
+            opt(c.mean_us, 1.0, 2),
+            opt(c.p99_us, 1.0, 2),
+            opt(c.server_cores, 1.0, 2),
+            opt(c.server_us_per_io, 1.0, 2),
         );
     }
     o.push('\n');

@@ -5,7 +5,10 @@
 //! Figures: per backend, IOPS and mean latency as bars per workload (one bar per
 //! datapath, whiskers from min to max over the repetitions); and where the matrix
 //! has several QDs and several job counts for one rw/bs, a heatmap of median IOPS over
-//! QD × jobs per datapath and backend.
+//! QD × jobs per datapath and backend; these show the cells of the fewest clients.
+//! Where the matrix has several client counts, per backend and workload, "many
+//! clients on one server": the clients' IOPS together and the server's CPU per I/O
+//! as bars over the client count, one bar per datapath.
 
 pub mod svg;
 
@@ -36,8 +39,105 @@ pub fn figures(s: &Summary) -> Vec<Figure> {
     backends.dedup();
     for b in backends {
         let cells: Vec<&Cell> = s.cells.iter().filter(|c| c.backend == b).collect();
-        out.extend(bar_figures(b, &cells));
-        out.extend(heatmaps(b, &cells));
+        let fewest = cells.iter().map(|c| c.clients).min().unwrap_or(1);
+        let single: Vec<&Cell> = cells
+            .iter()
+            .copied()
+            .filter(|c| c.clients == fewest)
+            .collect();
+        out.extend(bar_figures(b, &single));
+        out.extend(heatmaps(b, &single));
+        out.extend(many_clients(b, &cells));
+    }
+    out
+}
+
+/// The id of a "many clients" figure of `what` (`iops`, `cpu`).
+pub fn many_clients_id(b: Backend, p: &Point, what: &str) -> String {
+    format!("many-{b}-{}-{what}", p.slug())
+}
+
+/// Per workload with several client counts: IOPS of all clients together, and the
+/// server's CPU per I/O where a server was measured, over the client count.
+fn many_clients(b: Backend, cells: &[&Cell]) -> Vec<Figure> {
+    let mut out = Vec::new();
+    let mut points: Vec<Point> = Vec::new();
+    for c in cells {
+        if !points.contains(&c.point) {
+            points.push(c.point);
+        }
+    }
+    for p in points {
+        let here: Vec<&Cell> = cells.iter().copied().filter(|c| c.point == p).collect();
+        let mut counts: Vec<u32> = here.iter().map(|c| c.clients).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        if counts.len() < 2 {
+            continue;
+        }
+        let mut paths = Vec::new();
+        for c in &here {
+            if !paths.contains(&c.datapath) {
+                paths.push(c.datapath.clone());
+            }
+        }
+        let labels: Vec<String> = counts
+            .iter()
+            .map(|n| match n {
+                1 => "1 client".to_string(),
+                n => format!("{n} clients"),
+            })
+            .collect();
+        // A datapath without any value keeps its place (and colour), named as such.
+        let series = |f: &dyn Fn(&Cell) -> Option<Stat>, none: &str| -> Vec<Series> {
+            paths
+                .iter()
+                .map(|d| Series {
+                    name: match here.iter().any(|c| c.datapath == *d && f(c).is_some()) {
+                        true => d.to_string(),
+                        false => format!("{d} ({none})"),
+                    },
+                    bars: counts
+                        .iter()
+                        .map(|n| {
+                            here.iter()
+                                .find(|c| c.datapath == *d && c.clients == *n)
+                                .and_then(|c| bar(f(c)))
+                        })
+                        .collect(),
+                })
+                .collect()
+        };
+        let what = point_label(&p);
+        let id = many_clients_id(b, &p, "iops");
+        let title = format!("{b}, {what}: IOPS of N clients together");
+        out.push(Figure {
+            svg: svg::bars(&id, &title, "IOPS", &labels, &series(&|c| c.iops, "failed")),
+            caption: format!(
+                "{b}, {what}: the IOPS of N concurrent clients together, each with its own device \
+                 (udrive: one server; qemu-storage-daemon: one process per client; io-uring: \
+                 no server), median with min–max over the repetitions"
+            ),
+            id,
+        });
+        if here.iter().any(|c| c.server_us_per_io.is_some()) {
+            let id = many_clients_id(b, &p, "cpu");
+            let title = format!("{b}, {what}: server CPU per I/O");
+            out.push(Figure {
+                svg: svg::bars(
+                    &id,
+                    &title,
+                    "µs",
+                    &labels,
+                    &series(&|c| c.server_us_per_io, "no server"),
+                ),
+                caption: format!(
+                    "{b}, {what}: CPU time of the server's processes per I/O (µs), over the \
+                     client count; busy polling spends its cores whatever the load"
+                ),
+                id,
+            });
+        }
     }
     out
 }
