@@ -1,5 +1,6 @@
-# Helpers for running SPDK's userspace NVMe tools (and SPDK's nvmf_tgt) against udrive;
-# sourced by scripts/spdk-client and scripts/bench (BENCH_PARTS=spdk). Not run on its own.
+# Helpers for running SPDK's userspace NVMe tools against udrive; sourced by
+# scripts/spdk-client. Not run on its own. (`udrive bench spdk` runs SPDK's nvmf_tgt
+# and spdk_nvme_perf as benchmark datapaths itself.)
 #
 # SPDK is not built here: any SPDK v24+ built with `./configure --with-vfio-user` (v26.05
 # was used) provides $SPDK_DIR/build/bin/{spdk_nvme_identify,spdk_nvme_perf,nvmf_tgt}.
@@ -99,62 +100,8 @@ spdk_perf() {
   }
 }
 
-# spdk_fill OUT DIR NSID MIB CPU: writes the first MIB MiB of a namespace once,
-# sequentially in 128 KiB writes at QD8, so later reads copy written memory.
-spdk_fill() {
-  local out=$1 dir=$2 nsid=$3 mib=$4 cpu=$5
-  spdk_run "$out" "$spdk_dir/build/bin/spdk_nvme_perf" -g -r "$(spdk_trid "$dir" "$nsid")" \
-    -q 8 -o 131072 -w write -t 60 -d $((mib * 8)) -c "$(printf '0x%x' $((1 << cpu)))" || {
-    cat "$out" >&2
-    return 1
-  }
-  grep -q '^Total' "$out" || {
-    cat "$out" >&2
-    return 1
-  }
-}
-
-# SPDK's own vfio-user target: nvmf_tgt on CPU, one subsystem with a null bdev (NSID 1,
-# 16 GiB) and a malloc bdev (NSID 2, 1 GiB; reads copy its memory like udrive's `ram`),
-# both 512-byte blocks, listening in DIR (socket DIR/cntrl). Sets spdk_tgt.
-spdk_tgt=
-spdk_tgt_start() { # DIR CPU
-  local dir=$1 cpu=$2 rpc="$spdk_tmp/tgt-rpc.sock" i
-  mkdir -p "$dir"
-  rm -f "$rpc"
-  "$spdk_dir/build/bin/nvmf_tgt" -m "$(printf '0x%x' $((1 << cpu)))" -g -r "$rpc" \
-    >"$spdk_tmp/tgt.log" 2>&1 &
-  spdk_tgt=$!
-  spdk_pids+=("$spdk_tgt")
-  for i in $(seq 200); do [ -S "$rpc" ] && break; sleep 0.05; done
-  local nqn=nqn.2019-07.io.spdk:cnode1
-  local r=(python3 "$spdk_dir/scripts/rpc.py" -s "$rpc")
-  { "${r[@]}" nvmf_create_transport -t VFIOUSER &&
-    "${r[@]}" bdev_null_create Null0 16384 512 &&
-    "${r[@]}" bdev_malloc_create -b Malloc0 1024 512 &&
-    "${r[@]}" nvmf_create_subsystem "$nqn" -a -s SPDK1 &&
-    "${r[@]}" nvmf_subsystem_add_ns "$nqn" Null0 &&
-    "${r[@]}" nvmf_subsystem_add_ns "$nqn" Malloc0 &&
-    "${r[@]}" nvmf_subsystem_add_listener "$nqn" -t VFIOUSER -a "$dir" -s 0; } >/dev/null || {
-    cat "$spdk_tmp/tgt.log" >&2
-    return 1
-  }
-  for i in $(seq 200); do [ -S "$dir/cntrl" ] && return 0; sleep 0.05; done
-  echo "nvmf_tgt did not create $dir/cntrl" >&2
-  return 1
-}
-
-spdk_tgt_stop() {
-  [ -n "$spdk_tgt" ] || return 0
-  kill "$spdk_tgt" 2>/dev/null || true
-  wait "$spdk_tgt" 2>/dev/null || true
-  spdk_forget "$spdk_tgt"
-  spdk_tgt=
-}
-
 spdk_cleanup() {
   local p
-  spdk_tgt_stop
   for p in "${spdk_pids[@]}"; do
     kill "$p" 2>/dev/null || true
     wait "$p" 2>/dev/null || true
