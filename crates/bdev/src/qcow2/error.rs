@@ -24,7 +24,7 @@ pub enum Qcow2Error {
     Dirty {
         path: PathBuf,
         #[source]
-        source: super::repair::RepairError,
+        source: RepairError,
     },
     #[error("{}: the image is marked corrupt; repair it with `qemu-img check -r all`", path.display())]
     Corrupt { path: PathBuf },
@@ -98,4 +98,17 @@ pub enum HeaderError {
     BackingName { offset: u64, len: u32 },
     #[error("header extension at {0:#x} runs past the header cluster")]
     Extension(u64),
+}
+
+/// Why a dirty image could not be repaired.
+#[derive(Debug, thiserror::Error)]
+pub enum RepairError {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("{what} at {offset:#x} lies outside the file or is not cluster aligned")]
+    Outside { what: &'static str, offset: u64 },
+    #[error("the file has {0} clusters, more than a repair here counts")]
+    TooLarge(u64),
+    #[error("the image has {0}, which this repair does not count")]
+    Unsupported(&'static str),
 }

@@ -18,7 +18,7 @@ use super::header::{
     INCOMPAT_EXTL2,
 };
 use super::meta::Meta;
-use super::tables::{classify_at, Cluster, COPIED, OFFSET_MASK, ZERO};
+use super::tables::{classify_at, compressed_extent, Cluster, COPIED, OFFSET_MASK, ZERO};
 
 /// How an image is opened.
 #[derive(Clone, Copy, Debug)]
@@ -468,15 +468,6 @@ impl Drop for Image {
             }
         }
     }
-}
-
-/// Where a compressed cluster's bytes are (offset, length) per its L2 entry:
-/// the offset in the low bits, the count of further 512-byte sectors above.
-pub(super) fn compressed_extent(entry: u64, cluster_bits: u32) -> (u64, u64) {
-    let shift = 62 - (cluster_bits - 8);
-    let offset = entry & ((1 << shift) - 1);
-    let sectors = ((entry >> shift) & ((1 << (cluster_bits - 8)) - 1)) + 1;
-    (offset, sectors * 512 - (offset & 511))
 }
 
 /// Reads what there is of `buf.len()` bytes at `offset` (a compressed

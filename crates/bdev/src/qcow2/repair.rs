@@ -13,30 +13,17 @@
 //! bounded ([`MAX_CLUSTERS`]).
 
 use std::fs::File;
-use std::io;
 use std::os::unix::fs::FileExt;
 
+use super::error::RepairError;
 use super::header::{Header, INCOMPAT_DIRTY, MAX_REFTABLE_BYTES};
-use super::image::compressed_extent;
+
 use super::meta::put_refcount;
-use super::tables::{COMPRESSED, OFFSET_MASK};
+use super::tables::{compressed_extent, COMPRESSED, OFFSET_MASK};
 
 /// The most host clusters a repair counts (2 bytes each in memory: 128 MiB;
 /// 4 TiB of file with 64 KiB clusters). A larger file: `qemu-img check -r all`.
 const MAX_CLUSTERS: u64 = 1 << 26;
-
-/// Why a dirty image could not be repaired.
-#[derive(Debug, thiserror::Error)]
-pub enum RepairError {
-    #[error("{0}")]
-    Io(#[from] io::Error),
-    #[error("{what} at {offset:#x} lies outside the file or is not cluster aligned")]
-    Outside { what: &'static str, offset: u64 },
-    #[error("the file has {0} clusters, more than a repair here counts")]
-    TooLarge(u64),
-    #[error("the image has {0}, which this repair does not count")]
-    Unsupported(&'static str),
-}
 
 fn be64s(b: &[u8]) -> impl Iterator<Item = u64> + '_ {
     b.chunks_exact(8)

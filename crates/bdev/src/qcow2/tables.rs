@@ -232,6 +232,15 @@ impl L2Cache {
     }
 }
 
+/// Where a compressed cluster's bytes are (offset, length) per its L2 entry:
+/// the offset in the low bits, the count of further 512-byte sectors above.
+pub(super) fn compressed_extent(entry: u64, cluster_bits: u32) -> (u64, u64) {
+    let shift = 62 - (cluster_bits - 8);
+    let offset = entry & ((1 << shift) - 1);
+    let sectors = ((entry >> shift) & ((1 << (cluster_bits - 8)) - 1)) + 1;
+    (offset, sectors * 512 - (offset & 511))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
