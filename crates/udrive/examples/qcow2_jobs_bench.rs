@@ -320,14 +320,11 @@ fn qsd_job(im: &Images, job: Job) -> Result<f64> {
     Ok(secs)
 }
 
-fn median_range(mut v: Vec<f64>) -> String {
+/// `median (min–max)` with `digits` decimals.
+fn median_range(mut v: Vec<f64>, digits: usize) -> String {
     v.sort_by(f64::total_cmp);
-    format!("{:.0} ({:.0}–{:.0})", v[v.len() / 2], v[0], v[v.len() - 1])
-}
-
-fn ratio_range(mut v: Vec<f64>) -> String {
-    v.sort_by(f64::total_cmp);
-    format!("{:.2} ({:.2}–{:.2})", v[v.len() / 2], v[0], v[v.len() - 1])
+    let (mid, lo, hi) = (v[v.len() / 2], v[0], v[v.len() - 1]);
+    format!("{mid:.digits$} ({lo:.digits$}–{hi:.digits$})")
 }
 
 fn main() -> Result<()> {
@@ -378,9 +375,9 @@ fn main() -> Result<()> {
             "| {} | {} | {} | {} | {} |",
             job.name(),
             job.mib(base, top),
-            median_range(u),
-            median_range(q),
-            ratio_range(r)
+            median_range(u, 0),
+            median_range(q, 0),
+            median_range(r, 2)
         );
     }
     Ok(())

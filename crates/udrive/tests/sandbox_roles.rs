@@ -10,11 +10,12 @@ mod common;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::control::serve_opts;
 use initiator::NvmeDriver;
 use serde_json::json;
+use test_support::wait::poll_until;
 
 /// How long a server may take to reach the thread and stop.
 const LIMIT: Duration = Duration::from_secs(60);
@@ -48,17 +49,9 @@ fn start(dir: &Path, thread: &str) -> Child {
 
 /// Waits for `path` to exist while `child` runs; false if it stopped first.
 fn wait_for(child: &mut Child, path: &Path) -> bool {
-    let t = Instant::now();
-    while t.elapsed() < LIMIT {
-        if path.exists() {
-            return true;
-        }
-        if let Ok(Some(_)) = child.try_wait() {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    false
+    poll_until(LIMIT, || {
+        path.exists() || matches!(child.try_wait(), Ok(Some(_)))
+    }) && path.exists()
 }
 
 /// Does what `how` says; each step may fail once the server has stopped, so
@@ -86,16 +79,16 @@ fn provoke(child: &mut Child, dir: &Path, how: Provoke) {
 }
 
 fn wait_exit(child: &mut Child) -> Option<std::process::ExitStatus> {
-    let t = Instant::now();
-    while t.elapsed() < LIMIT {
-        if let Ok(Some(st)) = child.try_wait() {
-            return Some(st);
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let mut status = None;
+    poll_until(LIMIT, || {
+        status = child.try_wait().ok().flatten();
+        status.is_some()
+    });
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
     }
-    let _ = child.kill();
-    let _ = child.wait();
-    None
+    status
 }
 
 /// Starts a server whose thread named `thread…` breaks its filter, provokes

@@ -83,7 +83,7 @@ pub(super) struct Meta {
     channels: Vec<Weak<Quiet>>,
 }
 
-fn read_u64s(file: &File, offset: u64, n: usize) -> io::Result<Vec<u64>> {
+pub(super) fn read_u64s(file: &File, offset: u64, n: usize) -> io::Result<Vec<u64>> {
     let mut b = vec![0u8; n * 8];
     file.read_exact_at(&mut b, offset)?;
     Ok(b.chunks_exact(8)

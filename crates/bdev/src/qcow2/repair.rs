@@ -17,18 +17,12 @@ use std::os::unix::fs::FileExt;
 
 use super::error::RepairError;
 use super::header::{Header, INCOMPAT_DIRTY, MAX_REFTABLE_BYTES};
-
-use super::meta::put_refcount;
+use super::meta::{put_refcount, read_u64s};
 use super::tables::{compressed_extent, COMPRESSED, OFFSET_MASK};
 
 /// The most host clusters a repair counts (2 bytes each in memory: 128 MiB;
 /// 4 TiB of file with 64 KiB clusters). A larger file: `qemu-img check -r all`.
 const MAX_CLUSTERS: u64 = 1 << 26;
-
-fn be64s(b: &[u8]) -> impl Iterator<Item = u64> + '_ {
-    b.chunks_exact(8)
-        .map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8])))
-}
 
 /// References counted per host cluster.
 struct Counts {
@@ -76,14 +70,12 @@ fn count(file: &File, h: &Header, file_len: u64) -> Result<Counts, RepairError> 
     n.add("the header", 0, cs)?;
     let l1_len = u64::from(h.l1_size) * 8;
     n.add_table("the L1 table", h.l1_offset, l1_len)?;
-    let mut l1 = vec![0u8; l1_len as usize];
-    file.read_exact_at(&mut l1, h.l1_offset)?;
+    let l1 = read_u64s(file, h.l1_offset, h.l1_size as usize)?;
     let step = if h.extended_l2() { 2 } else { 1 };
-    let mut l2 = vec![0u8; cs as usize];
-    for l2_offset in be64s(&l1).map(|e| e & OFFSET_MASK).filter(|&o| o != 0) {
+    for l2_offset in l1.iter().map(|e| e & OFFSET_MASK).filter(|&o| o != 0) {
         n.add_table("an L2 table", l2_offset, cs)?;
-        file.read_exact_at(&mut l2, l2_offset)?;
-        for entry in be64s(&l2).step_by(step) {
+        let l2 = read_u64s(file, l2_offset, (cs / 8) as usize)?;
+        for &entry in l2.iter().step_by(step) {
             if entry & COMPRESSED != 0 {
                 let (offset, len) = compressed_extent(entry, h.cluster_bits);
                 n.add("a compressed cluster", offset, len)?;
@@ -116,10 +108,8 @@ pub(super) fn rebuild_refcounts(file: &File, h: &Header) -> Result<(), RepairErr
     let (mut blocks, mut table) = (0u64, 0u64);
     loop {
         let total = first_new + blocks + table;
-        let (b, t) = (
-            total.div_ceil(per_block),
-            (total.div_ceil(per_block) * 8).div_ceil(cs),
-        );
+        let b = total.div_ceil(per_block);
+        let t = (b * 8).div_ceil(cs);
         if (b, t) == (blocks, table) {
             break;
         }

@@ -165,12 +165,17 @@ impl Env {
         }
     }
 
+    /// The middle image of the `qcow2-chain` backend, over the data file.
+    fn chain_middle(&self) -> PathBuf {
+        self.data_file.with_extension("mid.qcow2")
+    }
+
     /// Every image file the qcow2 backends make, for the clean-up.
     pub fn qcow2_files(&self) -> [PathBuf; 4] {
         [
             self.qcow2_file(),
             self.image_of(Backend::Qcow2Chain),
-            self.data_file.with_extension("mid.qcow2"),
+            self.chain_middle(),
             self.image_of(Backend::Qcow2New),
         ]
     }
@@ -191,7 +196,7 @@ fn make_fresh_images(b: Backend, env: &Env) -> Result<(), DatapathError> {
     };
     match b {
         Backend::Qcow2Chain => {
-            let mid = env.data_file.with_extension("mid.qcow2");
+            let mid = env.chain_middle();
             create(&mid, None, Some((&env.data_file, "raw")))?;
             create(&env.image_of(b), None, Some((&mid, "qcow2")))
         }
@@ -323,8 +328,13 @@ pub fn start<'e>(
     }
     make_fresh_images(b, env)?;
     if d.is_spdk() {
-        let sock = super::spdk::udrive_socket(d, b, env);
-        let udrive = udrive_serve(d, b, env, std::slice::from_ref(&sock))?;
+        let udrive = match d {
+            DatapathKind::UdriveNvmeSpdk => {
+                let sock = super::spdk::socket(d, b, env);
+                Some(udrive_serve(d, b, env, std::slice::from_ref(&sock))?)
+            }
+            _ => None,
+        };
         return super::spdk::start(d, b, env, udrive);
     }
     let servers = match d {

@@ -11,13 +11,10 @@ use super::datapath::Env;
 
 const SOURCE: &str = include_str!("../../../../scripts/copy-floor.c");
 
-/// The first CPU of a CPU list (`0-1` → `0`).
+/// The first CPU of a CPU list (`0-1` → `0`; 0 for a list that does not parse).
 fn first_cpu(list: &str) -> String {
-    list.split([',', '-'])
-        .next()
-        .unwrap_or("0")
-        .trim()
-        .to_string()
+    let cpus = engine::parse_cpu_list(list).unwrap_or_default();
+    cpus.first().copied().unwrap_or(0).to_string()
 }
 
 /// `QD1 2.01 M IOPS (497 ns per I/O), QD32 …`, or why it was not measured.

@@ -123,17 +123,14 @@ impl Drop for Hugepages {
     }
 }
 
-/// A CPU list (`1`, `0-1`, `2,3`) as an SPDK core mask.
+/// A CPU list (`1`, `0-1`, `2,3`) as an SPDK core mask (CPUs 0–63; none for a
+/// list that does not parse).
 fn core_mask(list: &str) -> String {
-    let mut mask = 0u64;
-    for part in list.split(',').filter(|p| !p.is_empty()) {
-        let (a, b) = part.split_once('-').unwrap_or((part, part));
-        if let (Ok(a), Ok(b)) = (a.trim().parse::<u32>(), b.trim().parse::<u32>()) {
-            for c in a..=b.min(63) {
-                mask |= 1 << c;
-            }
-        }
-    }
+    let cpus = engine::parse_cpu_list(list).unwrap_or_default();
+    let mask = cpus
+        .into_iter()
+        .filter(|&c| c < 64)
+        .fold(0u64, |m, c| m | 1 << c);
     format!("{mask:#x}")
 }
 
@@ -161,21 +158,38 @@ fn target_config(b: Backend, env: &Env, dir: &Path) -> Value {
     ]})
 }
 
-/// Starts the server of an SPDK datapath: `nvmf_tgt`, or udrive in busy poll.
+/// The directory SPDK's initiator addresses a datapath's controller by (its
+/// `traddr`): the controller's socket is `<traddr>/cntrl`.
+fn target_dir(d: &DatapathKind, b: Backend, env: &Env) -> PathBuf {
+    env.work.join(format!("{d}-{b}"))
+}
+
+/// The vfio-user socket of datapath `d`'s controller on backend `b`.
+pub fn socket(d: &DatapathKind, b: Backend, env: &Env) -> PathBuf {
+    target_dir(d, b, env).join("cntrl")
+}
+
+/// Starts the server of an SPDK datapath: `udrive` (udrive's, serving
+/// [`socket`]) or else `nvmf_tgt`.
 pub fn start<'e>(
     d: &DatapathKind,
     b: Backend,
     env: &'e Env,
-    udrive: Command,
+    udrive: Option<Command>,
 ) -> Result<Box<dyn Target + 'e>, DatapathError> {
-    let dir = env.work.join(format!("{d}-{b}"));
+    let dir = target_dir(d, b, env);
     std::fs::create_dir_all(&dir).map_err(|source| DatapathError::Io {
         what: format!("making {}", dir.display()),
         source,
     })?;
-    // SPDK's initiator connects to `<traddr>/cntrl`.
-    let sock = dir.join("cntrl");
-    let server = if *d == DatapathKind::SpdkNvmf {
+    let sock = socket(d, b, env);
+    let server = if let Some(udrive) = udrive {
+        Server::start(
+            udrive,
+            &format!("udrive serve ({d}, {b})"),
+            std::slice::from_ref(&sock),
+        )?
+    } else {
         let conf = dir.join("nvmf.json");
         let text = target_config(b, env, &dir).to_string();
         std::fs::write(&conf, text).map_err(|source| DatapathError::Io {
@@ -187,12 +201,6 @@ pub fn start<'e>(
             .arg(&conf)
             .args(["-s", &(env.matrix.ram_mib + 512).to_string()]);
         Server::start(c, &format!("nvmf_tgt ({b})"), std::slice::from_ref(&sock))?
-    } else {
-        Server::start(
-            udrive,
-            &format!("udrive serve ({d}, {b})"),
-            std::slice::from_ref(&sock),
-        )?
     };
     let t = SpdkTarget {
         env,
@@ -203,11 +211,6 @@ pub fn start<'e>(
         t.fill()?;
     }
     Ok(Box::new(t))
-}
-
-/// The vfio-user socket the udrive side of `udrive-nvme-spdk` serves.
-pub fn udrive_socket(d: &DatapathKind, b: Backend, env: &Env) -> PathBuf {
-    env.work.join(format!("{d}-{b}")).join("cntrl")
 }
 
 struct SpdkTarget<'a> {
