@@ -121,6 +121,9 @@ pub(super) fn rebuild_refcounts(file: &File, h: &Header) -> Result<(), RepairErr
     let table_at = first_new + blocks;
     let total = table_at + table;
     let mut reftable = vec![0u8; (table * cs) as usize];
+    // A count the entries cannot hold is stored as their largest value, never
+    // wrapped to a smaller one (0 would free a cluster in use).
+    let width_max = u64::MAX >> (64 - (1u32 << h.refcount_order));
     let mut block = vec![0u8; cs as usize];
     for b in 0..blocks {
         block.fill(0);
@@ -131,7 +134,12 @@ pub(super) fn rebuild_refcounts(file: &File, h: &Header) -> Result<(), RepairErr
                 None if c < total => 1,
                 None => 0,
             };
-            put_refcount(&mut block, h.refcount_order, i as usize, refs);
+            put_refcount(
+                &mut block,
+                h.refcount_order,
+                i as usize,
+                refs.min(width_max),
+            );
         }
         file.write_all_at(&block, (first_new + b) * cs)?;
         let at = (b * 8) as usize;
