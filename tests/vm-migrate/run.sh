@@ -32,7 +32,9 @@ SKIP_DIRTY=${UDRIVE_MIGRATE_SKIP_DIRTY_DATA:-0}
 # range) over at the switch-over.
 DISK_OPTS=${UDRIVE_MIGRATE_DISK_OPTS-,shared}
 # file: a file in TMP; rbd: image rbd/mig on a throwaway cluster (scripts/ceph-cluster),
-# whose exclusive lock is the writer claim (no `shared`: DISK_OPTS is ignored).
+# whose exclusive lock is the writer claim; qcow2: an empty qcow2 image in TMP, whose
+# claim carries its metadata over (flushed by the source, reloaded by the
+# destination). rbd and qcow2 have one writer: DISK_OPTS is ignored.
 BACKEND=${UDRIVE_MIGRATE_BACKEND:-file}
 # qsd: the same run with qemu-storage-daemon's vhost-user-blk export (the host's,
 # from Debian's backports) serving the file in both places, for comparison
@@ -225,8 +227,8 @@ build_initramfs
 phase "setup: build udrive"
 build_udrive
 case $BACKEND in
-file | rbd) ;;
-*) die "UDRIVE_MIGRATE_BACKEND=$BACKEND: file or rbd" ;;
+file | rbd | qcow2) ;;
+*) die "UDRIVE_MIGRATE_BACKEND=$BACKEND: file, rbd or qcow2" ;;
 esac
 [ "$BACKEND" = file ] || [ "$SERVER" = udrive ] || die "UDRIVE_MIGRATE_SERVER=qsd serves a file only"
 if [ "$SERVER" = qsd ]; then
@@ -239,6 +241,12 @@ fi
 if [ "$BACKEND" = rbd ]; then
     phase "setup: Ceph cluster"
     start_ceph
+    DISK_OPTS=''
+elif [ "$BACKEND" = qcow2 ]; then
+    # Empty: every guest write allocates, so each process must see the clusters
+    # and tables the other one wrote before it took the image over.
+    qemu-img create -q -f qcow2 "$TMP/disk.qcow2" "${DISK_MIB}M"
+    DISK_SPEC="qcow2:$TMP/disk.qcow2"
     DISK_OPTS=''
 else
     truncate -s "${DISK_MIB}M" "$TMP/disk.img"
@@ -293,6 +301,15 @@ if [[ $DISK_OPTS != *shared* ]]; then
     fi
 fi
 
+# Both processes wrote the image's metadata in turn: it must still be whole.
+if [ "$BACKEND" = qcow2 ]; then
+    if out=$(qemu-img check "$TMP/disk.qcow2" 2>&1); then
+        host_result qcow2-check PASS "qemu-img check: $(echo "$out" | grep -m1 -E 'No errors|allocated' | cut -c1-100)"
+    else
+        host_result qcow2-check FAIL "qemu-img check: $(echo "$out" | tr '\n' ' ' | cut -c1-200)"
+    fi
+fi
+
 cat "$TMP"/console-*.log >"$TMP/console.log"
 guest_results "$TMP/console.log"
 bad=$(grep -a '^MIGCHECK pass=' "$TMP/console.log" | grep -vc ' bad=0 ' || true)
@@ -308,6 +325,8 @@ gen=$(grep -oE 'final gen=[0-9]+' <<<"$final" | grep -oE '[0-9]+$' || true)
 if [ "$BACKEND" = rbd ]; then
     rbd --conf "$CEPH_CONF" export --no-progress rbd/mig "$TMP/disk.img" >/dev/null 2>&1 ||
         say "rbd export rbd/mig failed"
+elif [ "$BACKEND" = qcow2 ]; then
+    qemu-img convert -f qcow2 -O raw "$TMP/disk.qcow2" "$TMP/disk.img" || say "qemu-img convert of disk.qcow2 failed"
 fi
 if [ -n "$gen" ] && out=$("$TMP/migcheck-host" verify "$TMP/disk.img" "$CHECK_MIB" "$gen" 2>&1); then
     host_result backing-file PASS "$out"

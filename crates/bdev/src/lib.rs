@@ -7,6 +7,7 @@ mod claim;
 mod crypt;
 mod error;
 mod fault;
+pub mod image_lock;
 mod null;
 mod qcow2;
 mod qos;
@@ -30,7 +31,7 @@ pub use null::NullDisk;
 pub use qcow2::{
     create_qcow2, parse_header as parse_qcow2_header, BlockJob as Qcow2Job,
     CreateOptions as Qcow2Create, Header as Qcow2Header, HeaderError as Qcow2HeaderError,
-    JobKind as Qcow2JobKind, Qcow2Disk, Qcow2Error, Qcow2Options, Qcow2Status,
+    JobKind as Qcow2JobKind, Qcow2Claim, Qcow2Disk, Qcow2Error, Qcow2Options, Qcow2Status,
     DEFAULT_L2_CACHE as QCOW2_DEFAULT_L2_CACHE, MAX_BACKING_CHAIN,
 };
 pub use qos::{QosClock, QosDisk, QosError, QosLimits, BURST, QOS_MAX_NAP, QOS_QUEUE_DEPTH};

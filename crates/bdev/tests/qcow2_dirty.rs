@@ -22,9 +22,11 @@ fn dirty_bit(img: &Path) -> bool {
 }
 
 /// `qemu-img check`'s exit status: 0 clean, 2 errors, 3 leaks only.
+/// `qemu-img check`'s exit status (`-U`: the image may be open here, as a
+/// writer, under QEMU's image locks).
 fn check_status(img: &Path) -> Option<i32> {
     Command::new("qemu-img")
-        .args(["check", "-q"])
+        .args(["check", "-q", "-U"])
         .arg(img)
         .status()
         .unwrap()

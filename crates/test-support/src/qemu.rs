@@ -51,8 +51,19 @@ pub fn qemu_io(img: &Path, cmds: &[String]) {
 
 /// `qemu-img check`: no corruption (leaked clusters are allowed: exit 3).
 pub fn qemu_check(img: &Path) {
+    check(img, &[]);
+}
+
+/// [`qemu_check`] of an image a disk of this process still holds (`-U`: QEMU's
+/// image locks would refuse it).
+pub fn qemu_check_held(img: &Path) {
+    check(img, &["-U"]);
+}
+
+fn check(img: &Path, opts: &[&str]) {
     let out = Command::new("qemu-img")
         .args(["check", "-q"])
+        .args(opts)
         .arg(img)
         .output()
         .unwrap();
@@ -69,10 +80,22 @@ pub fn qemu_check(img: &Path) {
 /// `qemu-img compare`: the qcow2 image holds exactly `want` (written to a raw
 /// file beside it).
 pub fn qemu_compare(img: &Path, want: &[u8]) {
+    compare(img, want, &[]);
+}
+
+/// [`qemu_compare`] of an image a disk of this process still holds.
+pub fn qemu_compare_held(img: &Path, want: &[u8]) {
+    compare(img, want, &["-U"]);
+}
+
+fn compare(img: &Path, want: &[u8], opts: &[&str]) {
     let raw = img.with_extension("want.raw");
     std::fs::write(&raw, want).unwrap();
     let (i, r) = (img.to_str().unwrap(), raw.to_str().unwrap());
-    qemu_img(&["compare", "-q", "-f", "qcow2", "-F", "raw", i, r]);
+    let mut args = vec!["compare", "-q"];
+    args.extend(opts);
+    args.extend(["-f", "qcow2", "-F", "raw", i, r]);
+    qemu_img(&args);
     let _ = std::fs::remove_file(&raw);
 }
 

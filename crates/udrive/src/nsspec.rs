@@ -330,6 +330,9 @@ impl std::str::FromStr for NsSpec {
         if let Some(why) = kind.migration_refusal().filter(|_| incoming) {
             return Err(bad(format!("incoming: {why}")));
         }
+        if let Some(why) = kind.shared_refusal().filter(|_| shared) {
+            return Err(bad(format!("shared: {why}")));
+        }
         Ok(NsSpec {
             kind: NsKind(kind),
             block_size,

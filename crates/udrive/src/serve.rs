@@ -231,9 +231,13 @@ fn run_takeover(from: &Path, sandbox: &Sandboxing) -> Result<()> {
     }
     crate::handover::take::fail_point("start");
     let process = Process::taking_over(got.records, got.takeover.channel()?);
+    // The running process holds QEMU's locks on the images until it exits; the
+    // same locks taken here are not checked against its (bdev::image_lock).
+    bdev::image_lock::set_taking_over(true);
     let (running, jobs) = match start_taken_over(&got.snapshot, &process) {
         Ok(r) => r,
         Err(e) => {
+            bdev::image_lock::set_taking_over(false);
             got.takeover.abort(&e);
             return Err(e.context("takeover failed; the running udrive resumed its devices"));
         }
@@ -250,6 +254,7 @@ fn run_takeover(from: &Path, sandbox: &Sandboxing) -> Result<()> {
         d.resume();
     }
     got.takeover.finish();
+    bdev::image_lock::set_taking_over(false);
     running.print_banner();
     crate::systemd::ready(running.server.lock().devices.len());
     running.run_until_signal(signals)

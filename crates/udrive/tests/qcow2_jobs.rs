@@ -6,8 +6,10 @@
 //! calls get their reasons. Live handovers (`udrive upgrade`) after a snapshot
 //! and with a commit, a stream and a mirror mid-way (decision 0043): the jobs
 //! go on in the new server under the same ids and end with the same images; a
-//! handover that fails leaves them running in the old one. Skipped, saying
-//! so, where qemu-img is not installed (Debian: qemu-utils).
+//! handover that fails leaves them running in the old one. Images a running
+//! server holds are checked as an operator would, past QEMU's image locks
+//! (`qemu-img check -U`). Skipped, saying so, where qemu-img is not installed
+//! (Debian: qemu-utils).
 
 mod common;
 
@@ -17,7 +19,9 @@ use common::control::{serve_opts, udrive_ok, wait_disconnected, Serve};
 use common::*;
 use initiator::{DataMode, DmaBuf, IoOp, QueuePair};
 use serde_json::{json, Value};
-use test_support::qemu::{have_qemu_tools, qemu_check, qemu_compare, qemu_img};
+use test_support::qemu::{
+    have_qemu_tools, qemu_check, qemu_check_held, qemu_compare, qemu_compare_held, qemu_img,
+};
 
 const SIZE: usize = 16 << 20;
 
@@ -130,9 +134,9 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     let before = want.clone();
     writes(&mut qp, &buf, &mut rng, &mut want, 60);
     verify_and_flush(&mut qp, &buf, &want);
-    qemu_check(&top);
-    qemu_compare(&base, &before);
-    let info = qemu_img(&["info", top.to_str().unwrap()]);
+    qemu_check_held(&top);
+    qemu_compare_held(&base, &before);
+    let info = qemu_img(&["info", "-U", top.to_str().unwrap()]);
     assert!(info.contains("backing file: base.qcow2"), "{info}");
 
     // Commit at 1 MiB/s, paused with writes meanwhile, then unlimited.
@@ -164,8 +168,8 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     verify_and_flush(&mut qp, &buf, &want);
     let ns = &srv.ok("get_devices", json!({"socket": a}))[0]["namespaces"][1]["image"];
     assert!(ns["path"].as_str().unwrap().ends_with("base.qcow2"), "{ns}");
-    qemu_check(&base);
-    qemu_compare(&base, &want);
+    qemu_check_held(&base);
+    qemu_compare_held(&base, &want);
 
     stream_then_mirror(&srv, dir.path(), &mut qp, &buf, &mut rng, &mut want);
 }
@@ -197,10 +201,10 @@ fn stream_then_mirror(
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("\"state\": \"completed\""), "{text}");
     verify_and_flush(qp, buf, want);
-    let info = qemu_img(&["info", top2.to_str().unwrap()]);
+    let info = qemu_img(&["info", "-U", top2.to_str().unwrap()]);
     assert!(!info.contains("backing file"), "{info}");
-    qemu_check(&top2);
-    qemu_compare(&top2, want);
+    qemu_check_held(&top2);
+    qemu_compare_held(&top2, want);
 
     // A mirror into a new image, pivoting: the disk moves there.
     let moved = dir.join("moved.qcow2");
@@ -216,8 +220,8 @@ fn stream_then_mirror(
         ns["path"].as_str().unwrap().ends_with("moved.qcow2"),
         "{ns}"
     );
-    qemu_check(&moved);
-    qemu_compare(&moved, want);
+    qemu_check_held(&moved);
+    qemu_compare_held(&moved, want);
 }
 
 /// The same on a vhost-user-blk disk (its own pause path) under libblkio: a
@@ -384,8 +388,8 @@ fn jobs_and_changed_chains_go_on_after_a_live_handover() {
     h.writes(20);
     h.verify();
     assert!(h.image()["path"].as_str().unwrap().ends_with("base.qcow2"));
-    qemu_check(&base);
-    qemu_compare(&base, &h.want);
+    qemu_check_held(&base);
+    qemu_compare_held(&base, &h.want);
 
     // A stream followed by `udrive rpc --wait`, across a handover.
     let top2 = h.s.path("top2.qcow2");
@@ -410,10 +414,10 @@ fn jobs_and_changed_chains_go_on_after_a_live_handover() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("\"state\": \"completed\""), "{text}");
     h.verify();
-    let info = qemu_img(&["info", top2.to_str().unwrap()]);
+    let info = qemu_img(&["info", "-U", top2.to_str().unwrap()]);
     assert!(!info.contains("backing file"), "{info}");
-    qemu_check(&top2);
-    qemu_compare(&top2, &h.want);
+    qemu_check_held(&top2);
+    qemu_compare_held(&top2, &h.want);
     mirror_paused_across_a_handover(&mut h);
 }
 
@@ -445,9 +449,9 @@ fn mirror_paused_across_a_handover(h: &mut Handed) {
         h.job(&next)["state"] == "completed"
     });
     h.verify();
-    qemu_check(&moved);
-    qemu_check(&top3);
-    qemu_compare(&top3, &h.want);
+    qemu_check_held(&moved);
+    qemu_check_held(&top3);
+    qemu_compare_held(&top3, &h.want);
     let log = h.s.log();
     assert_eq!(log.matches("block job taken over").count(), 3, "{log}");
     assert!(
@@ -486,6 +490,6 @@ fn a_failed_handover_leaves_the_jobs_running_in_the_old_process() {
     wait_until("commit completed", T, || h.job(&id)["state"] == "completed");
     h.writes(20);
     h.verify();
-    qemu_check(&base);
-    qemu_compare(&base, &h.want);
+    qemu_check_held(&base);
+    qemu_compare_held(&base, &h.want);
 }

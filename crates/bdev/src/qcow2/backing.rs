@@ -13,6 +13,7 @@ use std::sync::Arc;
 use super::error::Qcow2Error;
 use super::header::{Header, MAGIC};
 use super::image::{Image, OpenOpts};
+use crate::image_lock::{ImageLock, Perms};
 
 /// The deepest backing chain opened.
 pub const MAX_CHAIN: usize = 32;
@@ -22,6 +23,8 @@ pub(super) enum Backing {
         path: PathBuf,
         file: Arc<File>,
         len: u64,
+        /// QEMU's locks of a backing file (none with `locking=off`).
+        _lock: Option<ImageLock>,
     },
     Qcow2(Box<Image>),
 }
@@ -87,8 +90,11 @@ impl Backing {
             None => file.read_exact_at(&mut magic, 0).is_ok() && u32::from_be_bytes(magic) == MAGIC,
         };
         if is_qcow2 {
+            // Whether or not the top image is active, its base is read by both
+            // processes of a migration alike.
             let ro = OpenOpts {
                 read_only: true,
+                inactive: false,
                 ..o
             };
             return Ok(Some(Backing::Qcow2(Box::new(Image::open(
@@ -99,10 +105,18 @@ impl Backing {
         let len = (&file)
             .seek(SeekFrom::End(0))
             .map_err(io("find the backing file's end"))?;
+        let lock = match o.locking {
+            true => Some(
+                ImageLock::acquire(&file, &target, Perms::READER)
+                    .map_err(io("lock the backing file"))?,
+            ),
+            false => None,
+        };
         Ok(Some(Backing::Raw {
             path: target,
             file: Arc::new(file),
             len,
+            _lock: lock,
         }))
     }
 

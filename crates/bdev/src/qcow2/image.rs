@@ -19,6 +19,7 @@ use super::header::{
 };
 use super::meta::Meta;
 use super::tables::{classify_at, compressed_extent, Cluster, COPIED, OFFSET_MASK, ZERO};
+use crate::image_lock::{ImageLock, Perms};
 
 /// How an image is opened.
 #[derive(Clone, Copy, Debug)]
@@ -26,6 +27,12 @@ pub(super) struct OpenOpts {
     pub read_only: bool,
     /// Bytes of L2 tables the cache holds (at least one table).
     pub l2_cache: u64,
+    /// Another process writes the image now (the destination of a live
+    /// migration): nothing is written, and no lock taken, until
+    /// [`Image::reload`].
+    pub inactive: bool,
+    /// QEMU's image locks on the chain (`locking=off`: none).
+    pub locking: bool,
 }
 
 pub(super) struct Image {
@@ -44,6 +51,8 @@ pub(super) struct Image {
     /// it does (docs/decisions/0041-qcow2-snapshots-and-jobs.md).
     pub(super) through: Mutex<Option<Through>>,
     pub writes_slow: std::sync::atomic::AtomicBool,
+    /// QEMU's locks on the image file (none with `locking=off`).
+    lock: Option<ImageLock>,
 }
 
 /// A commit's base, written through by every guest write while the job runs.
@@ -120,19 +129,19 @@ impl Image {
             .write(!o.read_only)
             .open(path)
             .map_err(io("open it"))?;
+        let perms = match (o.inactive, o.read_only) {
+            (true, _) => Perms::NONE,
+            (false, true) => Perms::READER,
+            (false, false) => Perms::QCOW2_WRITER,
+        };
+        let lock = match o.locking {
+            true => Some(ImageLock::acquire(&file, path, perms).map_err(io("lock it"))?),
+            false => None,
+        };
         let (mut header, mut file_len) = read_header(path, &file)?;
         check_features(path, &header, o.read_only)?;
-        if header.incompatible & INCOMPAT_DIRTY != 0 && !o.read_only {
-            // As QEMU: a dirty image opened for writing gets its refcounts
-            // rebuilt (read-only, the tables alone are enough).
-            super::repair::rebuild_refcounts(&file, &header).map_err(|source| {
-                Qcow2Error::Dirty {
-                    path: path.to_path_buf(),
-                    source,
-                }
-            })?;
-            tracing::warn!(path = %path.display(), "qcow2: the image was dirty (lazy refcounts); its refcounts were rebuilt");
-            (header, file_len) = read_header(path, &file)?;
+        if !o.read_only && !o.inactive {
+            (header, file_len) = prepare_for_writing(path, &file, header, file_len)?;
         }
         let file = Arc::new(file);
         let generation = Arc::new(AtomicU64::new(0));
@@ -145,12 +154,6 @@ impl Image {
         )
         .map_err(io("read its L1 and refcount tables"))?;
         let backing = Backing::open(path, &header, o, seen)?;
-        if !o.read_only && header.autoclear != 0 {
-            // Bitmaps and other autoclear extensions are not kept up to date:
-            // clearing their bits tells QEMU so, as QEMU does for unknown ones.
-            file.write_all_at(&0u64.to_be_bytes(), 88)
-                .map_err(io("clear its autoclear features"))?;
-        }
         Ok(Image {
             path: path.to_path_buf(),
             limit: meta.limit(),
@@ -162,7 +165,57 @@ impl Image {
             backing,
             through: Mutex::new(None),
             writes_slow: std::sync::atomic::AtomicBool::new(false),
+            lock,
         })
+    }
+
+    /// Takes the image back after another process wrote it (a migration's
+    /// destination starting to serve, or its source the VM came back to): the
+    /// header must describe the same disk, the tables are read again, and a
+    /// writer's preparation (dirty refcounts, autoclear bits) is done now.
+    /// Call with nothing in flight.
+    pub(super) fn reload(&self) -> Result<(), Qcow2Error> {
+        let (mut h, mut len) = read_header(&self.path, &self.file)?;
+        check_features(&self.path, &h, self.read_only)?;
+        let was = &self.header;
+        let disk = |h: &Header| {
+            (
+                h.cluster_bits,
+                h.size,
+                h.refcount_order,
+                h.compression_type,
+                h.incompatible & !INCOMPAT_DIRTY,
+                h.backing_file.clone(),
+                h.backing_format.clone(),
+            )
+        };
+        if disk(&h) != disk(was) {
+            return Err(Qcow2Error::Refused {
+                path: self.path.clone(),
+                why: "its size, cluster size, features or backing file changed while another \
+                      process served it; serve the disk again from its spec"
+                    .to_string(),
+            });
+        }
+        if !self.read_only {
+            (h, len) = prepare_for_writing(&self.path, &self.file, h, len)?;
+        }
+        self.meta()
+            .reload(&h, len)
+            .map_err(|source| Qcow2Error::Io {
+                path: self.path.clone(),
+                op: "read its tables again",
+                source,
+            })
+    }
+
+    /// Holds the image as a writer again, or lets it go for another process
+    /// (QEMU's locks; nothing with `locking=off`).
+    pub(super) fn set_lock(&self, perms: Perms) -> io::Result<()> {
+        match &self.lock {
+            Some(l) => l.set(perms),
+            None => Ok(()),
+        }
     }
 
     pub(super) fn meta(&self) -> MutexGuard<'_, Meta> {
@@ -486,6 +539,37 @@ fn read_some(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
 }
 
 /// The header of the image in `file`, and the file's length.
+/// What opening an image for writing does to it first, as QEMU does: a dirty
+/// image (lazy refcounts) gets its refcounts rebuilt, and the autoclear bits
+/// of extensions udrive does not keep up to date (bitmaps) are cleared. The
+/// header and length after it.
+fn prepare_for_writing(
+    path: &Path,
+    file: &File,
+    header: Header,
+    file_len: u64,
+) -> Result<(Header, u64), Qcow2Error> {
+    let (mut header, mut file_len) = (header, file_len);
+    if header.incompatible & INCOMPAT_DIRTY != 0 {
+        super::repair::rebuild_refcounts(file, &header).map_err(|source| Qcow2Error::Dirty {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        tracing::warn!(path = %path.display(), "qcow2: the image was dirty (lazy refcounts); its refcounts were rebuilt");
+        (header, file_len) = read_header(path, file)?;
+    }
+    if header.autoclear != 0 {
+        file.write_all_at(&0u64.to_be_bytes(), 88)
+            .map_err(|source| Qcow2Error::Io {
+                path: path.to_path_buf(),
+                op: "clear its autoclear features",
+                source,
+            })?;
+        header.autoclear = 0;
+    }
+    Ok((header, file_len))
+}
+
 fn read_header(path: &Path, file: &File) -> Result<(Header, u64), Qcow2Error> {
     let io = |op: &'static str| {
         move |source| Qcow2Error::Io {

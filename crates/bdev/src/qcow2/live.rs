@@ -406,6 +406,8 @@ impl Qcow2Disk {
         OpenOpts {
             read_only: self.info.read_only,
             l2_cache: self.l2_cache,
+            inactive: false,
+            locking: self.locking,
         }
     }
 

@@ -138,6 +138,28 @@ impl Meta {
         1 << self.cluster_bits
     }
 
+    /// Reads the tables again as header `h` places them: another process
+    /// wrote the image since they were loaded (the source of a live
+    /// migration). What this one cached is dropped; the generation moves on
+    /// so that channels drop the tables they keep. Call with nothing in
+    /// flight and nothing dirty.
+    pub(super) fn reload(&mut self, h: &Header, file_len: u64) -> io::Result<()> {
+        let mut fresh = Meta::load(
+            self.file.clone(),
+            h,
+            file_len,
+            self.l2.capacity(),
+            self.generation.clone(),
+        )?;
+        self.limit
+            .store(fresh.limit.load(Ordering::Acquire), Ordering::Release);
+        fresh.limit = self.limit.clone();
+        fresh.channels = std::mem::take(&mut self.channels);
+        *self = fresh;
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
     pub(super) fn limit(&self) -> Arc<AtomicU64> {
         self.limit.clone()
     }

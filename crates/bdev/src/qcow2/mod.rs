@@ -12,6 +12,7 @@ mod channel;
 mod compress;
 mod create;
 mod error;
+mod handoff;
 mod header;
 mod image;
 mod live;
@@ -24,6 +25,7 @@ mod tests;
 pub use backing::MAX_CHAIN as MAX_BACKING_CHAIN;
 pub use create::{create_qcow2, CreateOptions};
 pub use error::{HeaderError, Qcow2Error};
+pub use handoff::Qcow2Claim;
 pub use header::Header;
 pub use live::{BlockJob, JobKind};
 
@@ -55,6 +57,12 @@ pub struct Qcow2Options {
     pub engine: FileEngine,
     /// Bytes of L2 tables kept in memory (at least one table).
     pub l2_cache: u64,
+    /// The destination of a live migration: another process writes the image
+    /// until the disk's [`Qcow2Claim`] is taken (nothing is written or locked
+    /// before).
+    pub inactive: bool,
+    /// QEMU's image locks on the image and its backing chain (default on).
+    pub locking: bool,
 }
 
 impl Default for Qcow2Options {
@@ -64,6 +72,8 @@ impl Default for Qcow2Options {
             block_size: None,
             engine: FileEngine::Auto,
             l2_cache: DEFAULT_L2_CACHE,
+            inactive: false,
+            locking: true,
         }
     }
 }
@@ -88,6 +98,9 @@ pub struct Qcow2Disk {
     /// The image opened by path, as the spec names it.
     opened: std::path::PathBuf,
     l2_cache: u64,
+    locking: bool,
+    /// Another process writes the image (see [`Qcow2Claim`]).
+    handed_off: Arc<std::sync::Mutex<bool>>,
     info: BlockInfo,
 }
 
@@ -116,6 +129,8 @@ impl Qcow2Disk {
         let opts = OpenOpts {
             read_only: o.read_only,
             l2_cache: o.l2_cache,
+            inactive: o.inactive && !o.read_only,
+            locking: o.locking,
         };
         let image = Image::open(path, opts, &mut Vec::new())?;
         let num_blocks = image.header.size / u64::from(bs);
@@ -135,6 +150,8 @@ impl Qcow2Disk {
             opened: spec.to_path_buf(),
             active: Arc::new(live::Active::new(image, o.engine)),
             l2_cache: o.l2_cache,
+            locking: o.locking,
+            handed_off: Arc::new(std::sync::Mutex::new(opts.inactive)),
             info,
         })
     }

@@ -182,6 +182,9 @@ impl L2Cache {
         c.last_use = self.tick;
         Some(c.table.clone())
     }
+    pub(super) fn capacity(&self) -> usize {
+        self.cap
+    }
     pub(super) fn full(&self) -> bool {
         self.tables.len() >= self.cap
     }

@@ -96,6 +96,11 @@ pub trait KindSpec: Debug + Send + Sync {
     fn migration_refusal(&self) -> Option<&'static str> {
         self.handover_refusal()
     }
+    /// Why two processes may not both write a disk of this kind (`shared`), or
+    /// `None` when they may.
+    fn shared_refusal(&self) -> Option<&'static str> {
+        None
+    }
     /// Opens the device for a destination of a live migration (`incoming`): as
     /// [`KindSpec::open`] (writable), but without taking what a writer holds
     /// (an RBD image's exclusive lock): the source still writes; the device takes

@@ -4,7 +4,8 @@
 //! existing image is opened as it is), with `backing=PATH` (relative to the
 //! image's directory, as QEMU resolves it) and `cluster=SIZE` (default 64K);
 //! `l2-cache=SIZE` (bytes of L2 tables in memory, default 2M), `engine=` as for
-//! `file:`, and `ro`.
+//! `file:`, `locking=off` (no QEMU image locks, as QEMU's `file.locking=off`:
+//! docs/decisions/0044-image-locking.md), and `ro`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,6 +24,7 @@ struct Qcow2Spec {
     create: Option<Qcow2Create>,
     engine: FileEngine,
     l2_cache: u64,
+    locking: bool,
 }
 
 impl BackendKind for Qcow2 {
@@ -33,7 +35,9 @@ impl BackendKind for Qcow2 {
         "qcow2:/var/lib/vm1.qcow2"
     }
     fn options(&self) -> &'static [&'static str] {
-        &["create", "backing", "cluster", "l2-cache", "engine"]
+        &[
+            "create", "backing", "cluster", "l2-cache", "engine", "locking",
+        ]
     }
     fn read_only_ok(&self) -> bool {
         true
@@ -52,6 +56,7 @@ impl BackendKind for Qcow2 {
             create: None,
             engine: FileEngine::default(),
             l2_cache: bdev::QCOW2_DEFAULT_L2_CACHE,
+            locking: true,
         };
         let (mut backing, mut cluster) = (None, None);
         for &(k, v) in opts {
@@ -69,6 +74,13 @@ impl BackendKind for Qcow2 {
                 "cluster" => cluster = Some(size()?),
                 "l2-cache" => spec.l2_cache = size()?,
                 "engine" => spec.engine = v.parse()?,
+                "locking" => {
+                    spec.locking = match v {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(format!("locking={v}: on or off")),
+                    }
+                }
                 _ => {}
             }
         }
@@ -126,7 +138,10 @@ impl KindSpec for Qcow2Spec {
             Err(e) => return Err(e),
         };
         Ok(Some(Backing {
-            open_key: format!("{resource}\0qcow2\0{:?}\0{}", self.engine, self.l2_cache),
+            open_key: format!(
+                "{resource}\0qcow2\0{:?}\0{}\0{}",
+                self.engine, self.l2_cache, self.locking
+            ),
             resource,
         }))
     }
@@ -134,8 +149,11 @@ impl KindSpec for Qcow2Spec {
         if self.create.is_some() && !self.path.exists() {
             return self.create.as_ref().map(|c| c.size);
         }
+        // A look at the header and tables, as `qemu-img info -U`: the image may
+        // be served right now.
         let opts = Qcow2Options {
             read_only: true,
+            locking: false,
             ..Default::default()
         };
         match Qcow2Disk::open(&self.path, opts) {
@@ -160,11 +178,51 @@ impl KindSpec for Qcow2Spec {
         block_size: Option<u32>,
         read_only: bool,
     ) -> Result<Arc<dyn BlockDevice>> {
+        self.open_as(env, block_size, read_only, false)
+    }
+    /// Opens the image without writing or locking it: the source writes it
+    /// until the device's claim is taken (`bdev::Qcow2Claim`).
+    fn open_incoming(
+        &self,
+        env: &dyn OpenEnv,
+        block_size: Option<u32>,
+    ) -> Result<Arc<dyn BlockDevice>> {
+        self.open_as(env, block_size, false, true)
+    }
+    fn shared_refusal(&self) -> Option<&'static str> {
+        Some(
+            "a qcow2 image has one writer at a time (its metadata is cached by the process \
+             that writes it); for a migration, leave `shared` out: the image moves with the VM",
+        )
+    }
+    fn writer_claim(
+        &self,
+        disk: &Arc<dyn BlockDevice>,
+        _range: (u64, u64),
+    ) -> Result<Option<Arc<dyn bdev::WriterClaim>>> {
+        let claim = disk
+            .as_any()
+            .and_then(|d| d.downcast_ref::<Qcow2Disk>())
+            .map(|d| Arc::new(d.claim()) as Arc<dyn bdev::WriterClaim>);
+        Ok(claim)
+    }
+}
+
+impl Qcow2Spec {
+    fn open_as(
+        &self,
+        env: &dyn OpenEnv,
+        block_size: Option<u32>,
+        read_only: bool,
+        inactive: bool,
+    ) -> Result<Arc<dyn BlockDevice>> {
         let opts = Qcow2Options {
             read_only,
             block_size,
             engine: self.engine,
             l2_cache: self.l2_cache,
+            inactive,
+            locking: self.locking,
         };
         let spec = self.made()?;
         Ok(Arc::new(match env.served_instead(&spec) {
