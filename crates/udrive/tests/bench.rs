@@ -1,14 +1,16 @@
 //! `udrive bench` against the fake datapath (deterministic numbers, no processes): the
 //! report has every figure, every cell its repetitions, medians that are those of the
 //! raw runs, the execution order asked for; a cell of N clients has N results and the
-//! "many clients" figures; a broken matrix is refused naming its field.
+//! "many clients" figures; a broken matrix is refused naming its field; an encrypted
+//! backend is compared with its clear one; a `~b` datapath is served by `--udrive-b`
+//! and refused without it.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
-use udrive::bench::matrix::{Matrix, MatrixError};
+use udrive::bench::matrix::{preset, Binary, DatapathKind, Matrix, MatrixError};
 
 const FAKE: &str = r#"
 description = "fake datapaths"
@@ -552,4 +554,214 @@ qd = [1]
     let runs = raw_runs(&out);
     assert_eq!(runs.len(), 1, "{runs:?}");
     assert_eq!(runs[0]["datapath"], "fake-a");
+}
+
+/// The `ab` preset names `udrive-nvme~b`, which needs the second binary: refused
+/// without it naming the flag, complete with it, and the same through TOML and back.
+#[test]
+fn a_b_datapath_needs_the_second_binary() {
+    let text = preset("ab").unwrap();
+    let m = Matrix::parse(text).unwrap();
+    assert_eq!(m.baselines, [DatapathKind::UdriveNvme(None, Binary::Main)]);
+    match m.check() {
+        Err(MatrixError::Invalid { field, reason }) => {
+            assert_eq!(field, "datapaths[1]");
+            assert!(reason.contains("--udrive-b"), "{reason}");
+        }
+        other => panic!("not refused: {other:?}"),
+    }
+    let with_b = text.replace("reps =", "udrive_b = \"/usr/bin/true\"\nreps =");
+    let m = Matrix::from_toml(&with_b).unwrap();
+    let names: Vec<String> = m.datapaths.iter().map(|d| d.to_string()).collect();
+    assert_eq!(names, ["udrive-nvme", "udrive-nvme~b"]);
+    let again = Matrix::from_toml(&toml::to_string(&m).unwrap()).unwrap();
+    assert_eq!(again.datapaths, m.datapaths);
+    assert_eq!(again.udrive_b.as_deref(), Some("/usr/bin/true"));
+
+    // On the command line: before any run, naming the flag; a B that is not there.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_udrive"))
+            .args(["bench", "ab", "--out"])
+            .arg(&out)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    for (extra, says) in [
+        (&[][..], "--udrive-b"),
+        (
+            &["--udrive-b", "/nonexistent/udrive"][..],
+            "/nonexistent/udrive",
+        ),
+    ] {
+        let o = run(extra);
+        assert!(!o.status.success(), "{extra:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert!(!out.join("raw").exists());
+    }
+}
+
+/// Cells on `ram-luks` are compared per repetition with the same datapath on
+/// `ram`; qemu-storage-daemon is skipped on both with the reason.
+#[test]
+fn an_encrypted_backend_is_compared_with_its_clear_one() {
+    let matrix = FAKE
+        .replace(r#"["null", "file"]"#, r#"["ram", "ram-luks"]"#)
+        .replace(r#""fake-c"]"#, r#""qsd-vhost"]"#);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = bench(&matrix, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = json(&out.join("summary.json"));
+    let skipped = s["skipped"].as_array().unwrap();
+    // Per backend, or once if it is not installed.
+    assert!(!skipped.is_empty());
+    assert!(
+        skipped.iter().all(|k| k["datapath"] == "qsd-vhost"),
+        "{skipped:?}"
+    );
+    let runs = raw_runs(&out);
+    let iops = |d: &Value, b: &str, p: &Value, rep: &Value| {
+        runs.iter()
+            .find(|r| {
+                r["datapath"] == *d && r["backend"] == b && r["point"] == *p && r["rep"] == *rep
+            })
+            .map(|r| r["perf"]["iops"].as_f64().unwrap())
+            .unwrap()
+    };
+    let mut compared = 0;
+    for c in s["cells"].as_array().unwrap() {
+        let clear: Vec<&Value> = c["vs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|v| v["backend"] == "ram")
+            .collect();
+        if c["backend"] == "ram" {
+            assert!(clear.is_empty(), "{c}");
+            continue;
+        }
+        assert_eq!(clear.len(), 1, "{c}");
+        assert_eq!(clear[0]["baseline"], c["datapath"]);
+        let ratios: Vec<f64> = [1, 2]
+            .iter()
+            .map(|rep| {
+                let rep = Value::from(*rep);
+                iops(&c["datapath"], "ram-luks", &c["point"], &rep)
+                    / iops(&c["datapath"], "ram", &c["point"], &rep)
+            })
+            .collect();
+        let got = clear[0]["iops_ratio"]["median"].as_f64().unwrap();
+        assert!((got - median(ratios)).abs() < 1e-9, "{c}");
+        compared += 1;
+    }
+    assert_eq!(compared, 2 * POINTS);
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(
+        md.contains("### ram-luks: against ram, same datapath"),
+        "{md}"
+    );
+    assert_eq!(md.matches("against fake-a").count(), 2, "{md}");
+}
+
+/// udrive serves `file` and `file-luks` (made by the first server's `create=on`,
+/// opened by the next one) on both its datapaths; the volume and its key are gone
+/// when the bench ends.
+#[test]
+fn luks_volumes_are_served_and_compared_with_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let out = dir.path().join("out");
+    let matrix = format!(
+        r#"
+reps = 1
+time = 0.3
+datapaths = ["udrive-nvme", "udrive-vhost"]
+backends = ["file", "file-luks"]
+poll = "adaptive"
+[file]
+dir = "{}"
+mib = 16
+[[workload]]
+rw = "randread"
+qd = [1, 8]
+"#,
+        data.display()
+    );
+    let o = bench(&matrix, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 8, "{runs:?}");
+    for r in &runs {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["perf"]["ios"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(
+        md.contains("### file-luks: against file, same datapath"),
+        "{md}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&data).unwrap().flatten().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// `udrive-nvme~b` is served by the binary `--udrive-b` names (here a wrapper that
+/// notes its calls), and driven by this one's `perf`.
+#[test]
+fn the_b_side_is_served_by_the_second_binary() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = dir.path().join("b-calls");
+    let b = dir.path().join("udrive-b");
+    std::fs::write(
+        &b,
+        format!(
+            "#!/bin/sh\necho \"$1\" >> {}\nexec {} \"$@\"\n",
+            calls.display(),
+            env!("CARGO_BIN_EXE_udrive")
+        ),
+    )
+    .unwrap();
+    let mut perm = std::fs::metadata(&b).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&b, perm).unwrap();
+    let out = dir.path().join("out");
+    let matrix = r#"
+reps = 2
+time = 0.2
+datapaths = ["udrive-nvme", "udrive-nvme~b"]
+backends = ["null"]
+baselines = ["udrive-nvme"]
+poll = "adaptive"
+[[workload]]
+rw = "randread"
+qd = [1]
+"#;
+    let o = bench(matrix, &out, &["--udrive-b", b.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let runs = raw_runs(&out);
+    let names: Vec<&str> = runs
+        .iter()
+        .map(|r| r["datapath"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "udrive-nvme",
+            "udrive-nvme~b",
+            "udrive-nvme~b",
+            "udrive-nvme"
+        ]
+    );
+    assert!(runs.iter().all(|r| r["error"].is_null()), "{runs:?}");
+    // One server per repetition, no client.
+    assert_eq!(std::fs::read_to_string(&calls).unwrap(), "serve\nserve\n");
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(md.contains("| udrive-nvme~b | 2 |"), "{md}");
+    assert!(md.contains("### null: against udrive-nvme"), "{md}");
+    let s = json(&out.join("summary.json"));
+    assert_eq!(s["host"]["udrive B (serves ~b)"], b.to_str().unwrap());
 }

@@ -12,57 +12,21 @@
 //! processes, one export each, as one per VM is how QEMU deployments run it) and its
 //! own backing, and measures the server processes' CPU time over the run.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use serde_json::{json, Value};
 
 use super::clients::{self, ServerCpu};
 use super::matrix::{Backend, DatapathKind, Matrix, Point, Poll, Rw};
-
-#[derive(Debug, thiserror::Error)]
-pub enum DatapathError {
-    #[error("starting {what} ({cmd}): {source}")]
-    Spawn {
-        what: String,
-        cmd: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{what} did not open {sock} within {secs} s; its log ({log}) ends: {tail}")]
-    NotReady {
-        what: String,
-        sock: PathBuf,
-        secs: u64,
-        log: PathBuf,
-        tail: String,
-    },
-    #[error("{what} failed ({status}): {tail}")]
-    Failed {
-        what: String,
-        status: String,
-        tail: String,
-    },
-    #[error("{what} printed no JSON: {source}")]
-    BadJson {
-        what: String,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
-}
+use super::process::{output, outputs, which, DatapathError, Server};
 
 /// What every target of one bench run shares.
 pub struct Env {
     /// The udrive binary that serves and runs `perf`.
     pub udrive: PathBuf,
+    /// The udrive binary that serves the `~b` datapaths (`--udrive-b`).
+    pub udrive_b: Option<PathBuf>,
     pub qsd: Option<PathBuf>,
     /// Sockets and server logs.
     pub work: PathBuf,
@@ -81,12 +45,16 @@ pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
             Err("librbd drives RBD images only".into())
         }
         (d, b) if d.is_spdk() => super::spdk::applies(b),
-        (DatapathKind::QsdVhost, Backend::Ram) => {
+        (DatapathKind::QsdVhost, Backend::Ram | Backend::RamLuks) => {
             Err("qemu-storage-daemon has no RAM disk driver".into())
         }
+        (DatapathKind::QsdVhost, Backend::FileLuks) => Err(QSD_LUKS2.into()),
         _ => Ok(()),
     }
 }
+
+/// Why qemu-storage-daemon does not serve `file-luks`.
+const QSD_LUKS2: &str = "qemu-storage-daemon's luks driver opens LUKS1 volumes only (10.0.2: \"LUKS version 2 is not supported\"), and udrive's create=on makes LUKS2";
 
 /// Why a datapath does not run a backend with `n` clients: the RBD image and the
 /// qcow2 images are one each, shared by every datapath, not made per client; the
@@ -96,9 +64,9 @@ pub fn applies_clients(d: &DatapathKind, b: Backend, n: u32) -> Result<(), Strin
         _ if n > 1 && d.is_spdk() => Err(format!(
             "{n} clients: the SPDK datapaths drive one controller with one client"
         )),
-        b if n > 1 && (b == Backend::Rbd || b.is_qcow2()) => Err(format!(
-            "{n} clients need a backing each: only null, ram and file are split"
-        )),
+        b if n > 1 && (b == Backend::Rbd || b == Backend::FileLuks || b.is_qcow2()) => Err(
+            format!("{n} clients need a backing each: only null, ram, ram-luks and file are split"),
+        ),
         _ => Ok(()),
     }
 }
@@ -114,6 +82,11 @@ pub fn probe(d: &DatapathKind, env: &Env) -> Result<(), String> {
         DatapathKind::Librbd if !cfg!(feature = "rbd") => {
             Err("this udrive was built without the rbd feature".into())
         }
+        d if d.is_b() => match &env.udrive_b {
+            Some(b) if b.exists() => Ok(()),
+            Some(b) => Err(format!("{} does not exist", b.display())),
+            None => Err("no second udrive binary: give --udrive-b BIN".into()),
+        },
         _ if !env.udrive.exists() => Err(format!("{} does not exist", env.udrive.display())),
         _ => Ok(()),
     }
@@ -154,6 +127,16 @@ impl Env {
             .unwrap_or_default();
         self.data_file
             .with_file_name(format!("{stem}-c{n}-{i}.img"))
+    }
+
+    /// The LUKS2 volume of the `file-luks` backend.
+    pub fn luks_file(&self) -> PathBuf {
+        self.data_file.with_extension("luks.img")
+    }
+
+    /// The passphrase of the encrypted backends: a key file in the work directory.
+    pub fn luks_key(&self) -> PathBuf {
+        self.work.join("luks.key")
     }
 
     /// The image a qcow2 backend's server opens (the top of a chain).
@@ -282,14 +265,6 @@ fn rbd_spec(env: &Env) -> String {
     )
 }
 
-/// `PATH`'s first executable of this name.
-pub fn which(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-}
-
 /// One run's numbers: each client's `perf --json`, and the server's CPU over the run.
 pub struct Measured {
     /// In client order.
@@ -343,10 +318,12 @@ pub fn start<'e>(
         | DatapathKind::Librbd
         | DatapathKind::SpdkNvmf
         | DatapathKind::UdriveNvmeSpdk => Vec::new(),
-        DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_) => vec![Server::start(
+        DatapathKind::UdriveNvme(..) | DatapathKind::UdriveVhost(..) => vec![Server::start_within(
             udrive_serve(d, b, env, &socks)?,
             &format!("udrive serve ({d}, {b}, {n} clients)"),
             &socks,
+            // Formatting a LUKS2 volume benchmarks and runs argon2id: 11 s here.
+            if b.clear().is_some() { 120 } else { 20 },
         )?],
         DatapathKind::QsdVhost => (0..n)
             .zip(&socks)
@@ -368,10 +345,10 @@ pub fn start<'e>(
         cpus,
         servers,
     };
-    if b == Backend::Ram
+    if matches!(b, Backend::Ram | Backend::RamLuks)
         && matches!(
             d,
-            DatapathKind::UdriveNvme(_) | DatapathKind::UdriveVhost(_)
+            DatapathKind::UdriveNvme(..) | DatapathKind::UdriveVhost(..)
         )
     {
         t.fill()?;
@@ -382,6 +359,14 @@ pub fn start<'e>(
 /// The backing of client `i` of `n` as a udrive disk spec.
 fn udrive_spec(d: &DatapathKind, b: Backend, env: &Env, n: u32, i: u32) -> String {
     let m = &env.matrix;
+    let file = |p: &Path| {
+        let direct = if m.file.direct { "on" } else { "off" };
+        format!(
+            "file:{},direct={direct},engine={}",
+            p.display(),
+            m.file.engine
+        )
+    };
     match b {
         Backend::Null => "null:64G".to_string(),
         // Against SPDK's malloc bdev, which lives in hugepages, so does the RAM disk.
@@ -389,15 +374,18 @@ fn udrive_spec(d: &DatapathKind, b: Backend, env: &Env, n: u32, i: u32) -> Strin
             format!("ram:{}M,hugepages=on", m.ram_mib / u64::from(n))
         }
         Backend::Ram => format!("ram:{}M", m.ram_mib / u64::from(n)),
-        Backend::File => format!(
-            "file:{},direct={},engine={}",
-            env.data_file_of(n, i).display(),
-            if m.file.direct { "on" } else { "off" },
-            m.file.engine
-        ),
+        Backend::File => file(&env.data_file_of(n, i)),
         Backend::Rbd => format!("rbd:{}", rbd_spec(env)),
         Backend::Qcow2 | Backend::Qcow2Chain | Backend::Qcow2New => {
             format!("qcow2:{}", env.image_of(b).display())
+        }
+        Backend::RamLuks | Backend::FileLuks => {
+            let clear = match b {
+                Backend::FileLuks => file(&env.luks_file()),
+                _ => udrive_spec(d, Backend::Ram, env, n, i),
+            };
+            let key = env.luks_key();
+            format!("{clear},encrypt=luks,key-file={},create=on", key.display())
         }
     }
 }
@@ -415,7 +403,11 @@ pub(super) fn udrive_serve(
         what: format!("writing {}", cfg.display()),
         source,
     })?;
-    let mut c = Command::new(&env.udrive);
+    let bin = match (&env.udrive_b, d.is_b()) {
+        (Some(b), true) => b,
+        _ => &env.udrive,
+    };
+    let mut c = Command::new(bin);
     c.arg("serve").arg("--config").arg(&cfg);
     c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
     Ok(c)
@@ -428,7 +420,7 @@ fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> 
     let m = &env.matrix;
     let q = |s: &str| toml::Value::String(s.to_string()).to_string();
     let poll = match d {
-        DatapathKind::UdriveNvme(Some(p)) | DatapathKind::UdriveVhost(Some(p)) => *p,
+        DatapathKind::UdriveNvme(Some(p), _) | DatapathKind::UdriveVhost(Some(p), _) => *p,
         // SPDK's driver writes doorbells into the mapped page, which busy poll offers.
         DatapathKind::UdriveNvmeSpdk => Poll::Busy,
         _ => m.poll,
@@ -438,7 +430,7 @@ fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> 
     for (i, sock) in (0..n).zip(socks) {
         let spec = q(&udrive_spec(d, b, env, n, i));
         let sock = q(&sock.display().to_string());
-        let _ = if let DatapathKind::UdriveNvme(_) | DatapathKind::UdriveNvmeSpdk = d {
+        let _ = if let DatapathKind::UdriveNvme(..) | DatapathKind::UdriveNvmeSpdk = d {
             // round-robin: `serve --vfio-user`'s default placement.
             writeln!(
                 t,
@@ -500,145 +492,6 @@ fn qsd_cmd(b: Backend, env: &Env, sock: &Path, data: &Path) -> Command {
     c
 }
 
-/// A server process, stopped (TERM, then KILL) when dropped.
-pub(super) struct Server {
-    child: Child,
-}
-
-impl Server {
-    /// Starts `cmd` and waits until it has opened every socket of `socks`; its log
-    /// is the first socket's path with `.log`.
-    pub(super) fn start(
-        mut cmd: Command,
-        what: &str,
-        socks: &[PathBuf],
-    ) -> Result<Server, DatapathError> {
-        for s in socks {
-            let _ = std::fs::remove_file(s);
-        }
-        let log = socks
-            .first()
-            .map_or_else(|| PathBuf::from("server.log"), |s| s.with_extension("log"));
-        let io = |source| DatapathError::Io {
-            what: format!("server log {}", log.display()),
-            source,
-        };
-        let f = File::create(&log).map_err(io)?;
-        let f2 = f.try_clone().map_err(io)?;
-        cmd.stdin(Stdio::null()).stdout(f).stderr(f2);
-        let child = cmd.spawn().map_err(|source| DatapathError::Spawn {
-            what: what.into(),
-            cmd: format!("{cmd:?}"),
-            source,
-        })?;
-        let mut s = Server { child };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while let Some(sock) = socks.iter().find(|p| !p.exists()) {
-            let exited = matches!(s.child.try_wait(), Ok(Some(_)));
-            if exited || Instant::now() > deadline {
-                return Err(DatapathError::NotReady {
-                    what: what.into(),
-                    sock: sock.clone(),
-                    secs: 20,
-                    tail: tail(&std::fs::read_to_string(&log).unwrap_or_default()),
-                    log,
-                });
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(s)
-    }
-}
-
-impl Server {
-    pub(super) fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `c` with its output captured.
-fn spawn(c: &mut Command, what: &str) -> Result<Child, DatapathError> {
-    c.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|source| DatapathError::Spawn {
-            what: what.into(),
-            cmd: format!("{c:?}"),
-            source,
-        })
-}
-
-/// Waits for `child`; its output if it succeeded, else its stderr's tail.
-fn finish(child: Child, what: &str) -> Result<Output, DatapathError> {
-    let out = child
-        .wait_with_output()
-        .map_err(|source| DatapathError::Io {
-            what: format!("waiting for {what}"),
-            source,
-        })?;
-    if !out.status.success() {
-        return Err(DatapathError::Failed {
-            what: what.into(),
-            status: out.status.to_string(),
-            tail: tail(&String::from_utf8_lossy(&out.stderr)),
-        });
-    }
-    Ok(out)
-}
-
-/// Runs `c` to its end; its output if it succeeded, else its stderr's tail.
-pub(super) fn output(mut c: Command, what: &str) -> Result<Output, DatapathError> {
-    let child = spawn(&mut c, what)?;
-    finish(child, what)
-}
-
-/// Runs every command at once and waits for all of them (a thread each, so that
-/// none blocks on a full pipe while another is waited for); the first failure, if
-/// any, else the outputs in order.
-fn outputs(cmds: Vec<(Command, String)>) -> Result<Vec<Output>, DatapathError> {
-    let started: Vec<(Result<Child, DatapathError>, String)> = cmds
-        .into_iter()
-        .map(|(mut c, what)| (spawn(&mut c, &what), what))
-        .collect();
-    std::thread::scope(|s| {
-        let waits: Vec<_> = started
-            .into_iter()
-            .map(|(child, what)| s.spawn(move || finish(child?, &what)))
-            .collect();
-        waits
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(DatapathError::Io {
-                        what: "waiting for a client".into(),
-                        source: std::io::Error::other("its waiting thread panicked"),
-                    })
-                })
-            })
-            .collect()
-    })
-}
-
-/// The last lines of a log, on one line.
-fn tail(s: &str) -> String {
-    let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
-    lines[lines.len().saturating_sub(3)..].join(" / ")
-}
-
 struct PerfTarget<'a> {
     env: &'a Env,
     kind: DatapathKind,
@@ -657,7 +510,7 @@ impl PerfTarget<'_> {
         c.arg("perf");
         let n = self.socks.len() as u32;
         match self.kind {
-            DatapathKind::UdriveNvme(_) => c.arg("--vfio-user").arg(&self.socks[i]),
+            DatapathKind::UdriveNvme(..) => c.arg("--vfio-user").arg(&self.socks[i]),
             DatapathKind::IoUring => {
                 let direct = if self.env.matrix.file.direct {
                     "on"
@@ -673,7 +526,7 @@ impl PerfTarget<'_> {
             _ => c.arg("--vhost-user").arg(&self.socks[i]),
         };
         if self.env.matrix.wait {
-            if let DatapathKind::UdriveNvme(_) = self.kind {
+            if let DatapathKind::UdriveNvme(..) = self.kind {
                 c.arg("--irq");
             }
             c.arg("--wait");

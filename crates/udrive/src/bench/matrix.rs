@@ -16,6 +16,8 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("qcow2", include_str!("presets/qcow2.toml")),
     ("many-vms", include_str!("presets/many-vms.toml")),
     ("spdk", include_str!("presets/spdk.toml")),
+    ("luks", include_str!("presets/luks.toml")),
+    ("ab", include_str!("presets/ab.toml")),
 ];
 
 /// The most concurrent clients a cell may have: each is a process with its own
@@ -53,10 +55,12 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> MatrixError {
 #[serde(try_from = "String", into = "String")]
 pub enum DatapathKind {
     /// udrive's NVMe controller over vfio-user, driven by udrive's initiator;
-    /// `udrive-nvme@MODE` serves in that poll mode instead of the matrix's `poll`.
-    UdriveNvme(Option<Poll>),
-    /// udrive's vhost-user-blk device, driven by libblkio (`udrive-vhost@MODE` too).
-    UdriveVhost(Option<Poll>),
+    /// `udrive-nvme@MODE` serves in that poll mode instead of the matrix's `poll`,
+    /// `udrive-nvme~b` (`@MODE~b`) is served by the second binary (`udrive_b`).
+    UdriveNvme(Option<Poll>, Binary),
+    /// udrive's vhost-user-blk device, driven by libblkio (`udrive-vhost@MODE`,
+    /// `~b` too).
+    UdriveVhost(Option<Poll>, Binary),
     /// qemu-storage-daemon's vhost-user-blk export, driven by libblkio.
     QsdVhost,
     /// The backend file driven directly through io_uring (`perf --file`).
@@ -74,6 +78,18 @@ pub enum DatapathKind {
     Fake(String),
 }
 
+/// Which udrive binary serves a udrive datapath: the one that runs the bench's
+/// clients (`--udrive`), or the second one (`udrive_b`, `--udrive-b`), so that a
+/// before/after changes the server only, under the same `perf`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default,
+)]
+pub enum Binary {
+    #[default]
+    Main,
+    B,
+}
+
 impl DatapathKind {
     pub const REAL: [&'static str; 7] = [
         "udrive-nvme",
@@ -89,11 +105,28 @@ impl DatapathKind {
     pub fn is_spdk(&self) -> bool {
         matches!(self, Self::SpdkNvmf | Self::UdriveNvmeSpdk)
     }
+
+    /// Served by the second udrive binary (`~b`).
+    pub fn is_b(&self) -> bool {
+        matches!(
+            self,
+            Self::UdriveNvme(_, Binary::B) | Self::UdriveVhost(_, Binary::B)
+        )
+    }
 }
 
 impl TryFrom<String> for DatapathKind {
     type Error = String;
     fn try_from(s: String) -> Result<Self, String> {
+        if let Some(a) = s.strip_suffix("~b") {
+            return match Self::try_from(a.to_string()) {
+                Ok(Self::UdriveNvme(p, Binary::Main)) => Ok(Self::UdriveNvme(p, Binary::B)),
+                Ok(Self::UdriveVhost(p, Binary::Main)) => Ok(Self::UdriveVhost(p, Binary::B)),
+                _ => Err(format!(
+                    "datapath `{s}`: only udrive-nvme and udrive-vhost (with or without @MODE) take ~b"
+                )),
+            };
+        }
         if let Some((base, mode)) = s.split_once('@') {
             let poll = Poll::ALL
                 .into_iter()
@@ -102,16 +135,16 @@ impl TryFrom<String> for DatapathKind {
                     format!("datapath `{s}`: poll mode `{mode}` is not busy, adaptive or event")
                 })?;
             return match base {
-                "udrive-nvme" => Ok(Self::UdriveNvme(Some(poll))),
-                "udrive-vhost" => Ok(Self::UdriveVhost(Some(poll))),
+                "udrive-nvme" => Ok(Self::UdriveNvme(Some(poll), Binary::Main)),
+                "udrive-vhost" => Ok(Self::UdriveVhost(Some(poll), Binary::Main)),
                 _ => Err(format!(
                     "datapath `{s}`: only udrive-nvme and udrive-vhost take @MODE"
                 )),
             };
         }
         Ok(match s.as_str() {
-            "udrive-nvme" => Self::UdriveNvme(None),
-            "udrive-vhost" => Self::UdriveVhost(None),
+            "udrive-nvme" => Self::UdriveNvme(None, Binary::Main),
+            "udrive-vhost" => Self::UdriveVhost(None, Binary::Main),
             "qsd-vhost" => Self::QsdVhost,
             "io-uring" => Self::IoUring,
             "librbd" => Self::Librbd,
@@ -120,7 +153,7 @@ impl TryFrom<String> for DatapathKind {
             f if f == "fake" || f.starts_with("fake-") => Self::Fake(s),
             _ => {
                 return Err(format!(
-                    "unknown datapath `{s}` (one of {}, udrive-nvme@MODE, udrive-vhost@MODE, fake, fake-NAME)",
+                    "unknown datapath `{s}` (one of {}, udrive-nvme@MODE, udrive-vhost@MODE, each of those four with ~b, fake, fake-NAME)",
                     Self::REAL.join(", ")
                 ))
             }
@@ -137,8 +170,8 @@ impl From<DatapathKind> for String {
 impl fmt::Display for DatapathKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (name, poll) = match self {
-            Self::UdriveNvme(p) => ("udrive-nvme", p),
-            Self::UdriveVhost(p) => ("udrive-vhost", p),
+            Self::UdriveNvme(p, _) => ("udrive-nvme", p),
+            Self::UdriveVhost(p, _) => ("udrive-vhost", p),
             Self::QsdVhost => ("qsd-vhost", &None),
             Self::IoUring => ("io-uring", &None),
             Self::Librbd => ("librbd", &None),
@@ -146,10 +179,14 @@ impl fmt::Display for DatapathKind {
             Self::UdriveNvmeSpdk => ("udrive-nvme-spdk", &None),
             Self::Fake(n) => (n.as_str(), &None),
         };
-        match poll {
-            Some(p) => write!(f, "{name}@{}", p.as_str()),
-            None => f.write_str(name),
+        f.write_str(name)?;
+        if let Some(p) = poll {
+            write!(f, "@{}", p.as_str())?;
         }
+        if self.is_b() {
+            f.write_str("~b")?;
+        }
+        Ok(())
     }
 }
 
@@ -195,12 +232,29 @@ pub enum Backend {
     /// for every run: a write to a cluster not yet written allocates it (the
     /// cost of first writes); reads of it return zeroes.
     Qcow2New,
+    /// The RAM disk as a LUKS2 volume (`encrypt=luks,create=on`: formatted at every
+    /// server start; aes-xts-plain64, 512-bit key, 4096-byte sectors).
+    RamLuks,
+    /// A LUKS2 volume whose payload is `[file] mib` (the header's 16 MiB more), in
+    /// `[file] dir`, formatted by the first udrive to serve it and opened by the
+    /// later ones; its payload is pseudo-random ciphertext (no holes), as the
+    /// `file` backend's data is.
+    FileLuks,
 }
 
 impl Backend {
     /// Served from a qcow2 image.
     pub fn is_qcow2(self) -> bool {
         matches!(self, Self::Qcow2 | Self::Qcow2Chain | Self::Qcow2New)
+    }
+
+    /// The clear backend an encrypted one is compared with (`ram` for `ram-luks`).
+    pub fn clear(self) -> Option<Backend> {
+        match self {
+            Self::RamLuks => Some(Self::Ram),
+            Self::FileLuks => Some(Self::File),
+            _ => None,
+        }
     }
 }
 
@@ -214,6 +268,8 @@ impl fmt::Display for Backend {
             Self::Qcow2 => "qcow2",
             Self::Qcow2Chain => "qcow2-chain",
             Self::Qcow2New => "qcow2-new",
+            Self::RamLuks => "ram-luks",
+            Self::FileLuks => "file-luks",
         })
     }
 }
@@ -408,6 +464,10 @@ pub struct Matrix {
     /// 1/N of the size each, so the data the cell touches stays the same.
     #[serde(default = "default_clients")]
     pub clients: Vec<u32>,
+    /// The udrive binary that serves the `~b` datapaths (`--udrive-b`): the other
+    /// side of a before/after, whose clients stay the main binary's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub udrive_b: Option<String>,
     #[serde(rename = "workload")]
     pub workloads: Vec<Workload>,
 }
@@ -466,12 +526,19 @@ const PLACEMENTS: [&str; 3] = ["single", "dedicated", "round-robin"];
 impl Matrix {
     /// Parse and check a matrix; the error names the field at fault.
     pub fn from_toml(text: &str) -> Result<Matrix, MatrixError> {
-        let m: Matrix = toml::from_str(text).map_err(|source| MatrixError::Toml { source })?;
+        let m = Matrix::parse(text)?;
         m.check()?;
         Ok(m)
     }
 
-    fn check(&self) -> Result<(), MatrixError> {
+    /// Parse without the checks, for a caller that applies the command line's
+    /// overrides (`--udrive-b` completes the `ab` preset) and then checks.
+    pub fn parse(text: &str) -> Result<Matrix, MatrixError> {
+        toml::from_str(text).map_err(|source| MatrixError::Toml { source })
+    }
+
+    /// Whether the harness can run this matrix; the error names the field at fault.
+    pub fn check(&self) -> Result<(), MatrixError> {
         if self.reps == 0 || self.reps > 1000 {
             return Err(invalid("reps", "must be 1..=1000"));
         }
@@ -483,6 +550,17 @@ impl Matrix {
         }
         check_list("datapaths", &self.datapaths)?;
         check_list("backends", &self.backends)?;
+        if let Some(i) = self.datapaths.iter().position(DatapathKind::is_b) {
+            if self.udrive_b.as_deref().is_none_or(str::is_empty) {
+                return Err(invalid(
+                    format!("datapaths[{i}]"),
+                    format!(
+                        "`{}` is served by a second udrive binary: give --udrive-b BIN (or udrive_b = \"PATH\" in the matrix)",
+                        self.datapaths[i]
+                    ),
+                ));
+            }
+        }
         self.check_clients()?;
         for (i, b) in self.baselines.iter().enumerate() {
             if !self.datapaths.contains(b) {
@@ -636,14 +714,19 @@ mod tests {
     #[test]
     fn poll_variants_name_themselves() {
         for (s, d) in [
-            ("udrive-nvme", DatapathKind::UdriveNvme(None)),
+            ("udrive-nvme", DatapathKind::UdriveNvme(None, Binary::Main)),
             (
                 "udrive-nvme@adaptive",
-                DatapathKind::UdriveNvme(Some(Poll::Adaptive)),
+                DatapathKind::UdriveNvme(Some(Poll::Adaptive), Binary::Main),
             ),
             (
                 "udrive-vhost@event",
-                DatapathKind::UdriveVhost(Some(Poll::Event)),
+                DatapathKind::UdriveVhost(Some(Poll::Event), Binary::Main),
+            ),
+            ("udrive-nvme~b", DatapathKind::UdriveNvme(None, Binary::B)),
+            (
+                "udrive-vhost@adaptive~b",
+                DatapathKind::UdriveVhost(Some(Poll::Adaptive), Binary::B),
             ),
         ] {
             assert_eq!(DatapathKind::try_from(s.to_string()), Ok(d.clone()));
@@ -654,6 +737,14 @@ mod tests {
             "qsd-vhost@busy",
             "fake-a@busy",
             "udrive-nvme@",
+            "udrive-nvme~b@busy",
+            "udrive-nvme~b~b",
+            "udrive-nvme~a",
+            "qsd-vhost~b",
+            "io-uring~b",
+            "udrive-nvme-spdk~b",
+            "fake-a~b",
+            "~b",
         ] {
             assert!(DatapathKind::try_from(bad.to_string()).is_err(), "{bad}");
         }
@@ -662,7 +753,13 @@ mod tests {
     #[test]
     fn every_preset_parses() {
         for (name, text) in PRESETS {
-            let m = Matrix::from_toml(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let mut m = Matrix::parse(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            // A before/after preset is complete with the second binary only.
+            if m.datapaths.iter().any(DatapathKind::is_b) {
+                assert!(m.check().is_err(), "{name}");
+                m.udrive_b = Some("/usr/bin/true".into());
+            }
+            m.check().unwrap_or_else(|e| panic!("{name}: {e}"));
             assert!(!m.points().is_empty(), "{name}");
         }
     }
@@ -670,12 +767,10 @@ mod tests {
     #[test]
     fn flip_reverses_even_repetitions() {
         let mut m = Matrix::from_toml(preset("quick").unwrap()).unwrap();
-        m.datapaths = vec![DatapathKind::UdriveNvme(None), DatapathKind::IoUring];
+        let nvme = DatapathKind::UdriveNvme(None, Binary::Main);
+        m.datapaths = vec![nvme.clone(), DatapathKind::IoUring];
         assert_eq!(m.order_of(1), m.datapaths);
-        assert_eq!(
-            m.order_of(2),
-            vec![DatapathKind::IoUring, DatapathKind::UdriveNvme(None)]
-        );
+        assert_eq!(m.order_of(2), vec![DatapathKind::IoUring, nvme]);
         m.order = Order::Fixed;
         assert_eq!(m.order_of(2), m.datapaths);
     }

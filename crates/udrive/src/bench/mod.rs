@@ -9,13 +9,14 @@ pub mod clients;
 pub mod datapath;
 pub mod floor;
 pub mod matrix;
+pub mod process;
 pub mod report;
 pub mod run;
 pub mod spdk;
 pub mod summary;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -48,6 +49,11 @@ pub struct BenchArgs {
     /// compare against
     #[arg(long, value_name = "PATH")]
     pub udrive: Option<PathBuf>,
+    /// A second udrive binary that serves the `~b` datapaths (`udrive-nvme~b`,
+    /// `udrive-vhost~b`) while the clients stay the first one's: a before/after of
+    /// the server (preset `ab`)
+    #[arg(long, value_name = "BIN")]
+    pub udrive_b: Option<PathBuf>,
     /// The Ceph cluster of the `rbd` backend (overrides the matrix's `[rbd] conf`);
     /// its image (`[rbd] image`, default rbd/udrive-bench) is made if missing
     #[arg(long, value_name = "PATH")]
@@ -79,7 +85,7 @@ fn load(a: &BenchArgs) -> Result<Matrix> {
         (Some(p), None) => preset_text(p)?.to_string(),
         (None, None) => bail!("name a preset (udrive bench --list) or --matrix FILE.toml"),
     };
-    let mut m = Matrix::from_toml(&text)?;
+    let mut m = Matrix::parse(&text)?;
     if let Some(r) = a.reps {
         m.reps = r;
     }
@@ -96,15 +102,22 @@ fn load(a: &BenchArgs) -> Result<Matrix> {
     if let Some(c) = &a.rbd_conf {
         m.rbd.conf = Some(c.display().to_string());
     }
+    if let Some(b) = &a.udrive_b {
+        m.udrive_b = Some(b.display().to_string());
+    }
     // The overrides go through the same checks as the file.
     let text = toml::to_string(&m).context("matrix back to TOML")?;
-    Ok(Matrix::from_toml(&text)?)
+    let m = Matrix::from_toml(&text)?;
+    if let Some(b) = m.udrive_b.as_deref().filter(|b| !Path::new(b).is_file()) {
+        bail!("the second udrive binary {b} (--udrive-b, udrive_b) is not a file");
+    }
+    Ok(m)
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.list {
         for (name, text) in PRESETS {
-            let d = Matrix::from_toml(text)
+            let d = Matrix::parse(text)
                 .map(|m| m.description)
                 .unwrap_or_default();
             println!("{name:10} {d}");
@@ -133,7 +146,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         PathBuf::from(&m.file.dir).join(format!("udrive-bench-{}.img", std::process::id()));
     let env = datapath::Env {
         udrive,
-        qsd: datapath::which("qemu-storage-daemon"),
+        udrive_b: m.udrive_b.as_ref().map(PathBuf::from),
+        qsd: process::which("qemu-storage-daemon"),
         work,
         data_file,
         matrix: m,
@@ -150,6 +164,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     for f in env.qcow2_files() {
         let _ = std::fs::remove_file(f);
     }
+    let _ = std::fs::remove_file(env.luks_file());
     let failed = result?;
     if stop.load(Ordering::Relaxed) {
         bail!("interrupted; the runs so far are in {}", a.out.display());
@@ -186,8 +201,25 @@ fn measure(
     let needs_data = [matrix::Backend::File, matrix::Backend::Qcow2Chain];
     if needs_qcow2 || needs_data.into_iter().any(needs) {
         for (f, mib) in data_files(env) {
-            write_data_file(&f, mib)?;
+            write_data_file(&f, mib, 0)?;
         }
+    }
+    if needs(matrix::Backend::RamLuks) || needs(matrix::Backend::FileLuks) {
+        let key = env.luks_key();
+        let mut pass = [0u8; 32];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut r| std::io::Read::read_exact(&mut r, &mut pass))
+            .context("reading a passphrase from /dev/urandom")?;
+        std::fs::write(&key, pass).with_context(|| format!("writing {}", key.display()))?;
+    }
+    if needs(matrix::Backend::FileLuks) {
+        // Blank where the header goes, so that the first server formats it there
+        // (create=on), and ciphertext after it.
+        write_data_file(
+            &env.luks_file(),
+            m.file.mib + LUKS_HEADER_MIB,
+            LUKS_HEADER_MIB,
+        )?;
     }
     if needs_qcow2 {
         datapath::make_qcow2(env)?;
@@ -244,19 +276,27 @@ fn data_files(env: &datapath::Env) -> Vec<(PathBuf, u64)> {
         .collect()
 }
 
+/// What a LUKS2 volume made by `create=on` keeps before its payload
+/// (libcryptsetup's default header and keyslot area).
+const LUKS_HEADER_MIB: u64 = 16;
+
 /// The `file` backend's data: written whole with pseudo-random bytes, so that no read
-/// lands on a hole.
-fn write_data_file(p: &std::path::Path, mib: u64) -> Result<()> {
+/// lands on a hole; the first `zero_mib` MiB are zeroes.
+fn write_data_file(p: &Path, mib: u64, zero_mib: u64) -> Result<()> {
     use std::io::Write;
     let mut f = std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?;
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
     let mut buf = vec![0u8; 1 << 20];
-    for _ in 0..mib {
-        for c in buf.chunks_exact_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            c.copy_from_slice(&x.to_le_bytes());
+    for i in 0..mib {
+        if i < zero_mib {
+            buf.fill(0);
+        } else {
+            for c in buf.chunks_exact_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                c.copy_from_slice(&x.to_le_bytes());
+            }
         }
         f.write_all(&buf)
             .with_context(|| format!("writing {}", p.display()))?;
@@ -277,6 +317,9 @@ fn host_facts(env: &datapath::Env) -> BTreeMap<String, String> {
         "udrive".into(),
         format!("{} {}", env.udrive.display(), env!("CARGO_PKG_VERSION")),
     );
+    if let Some(b) = &env.udrive_b {
+        h.insert("udrive B (serves ~b)".into(), b.display().to_string());
+    }
     let version = |tool: &std::path::Path| {
         std::process::Command::new(tool)
             .arg("--version")
@@ -295,7 +338,7 @@ fn host_facts(env: &datapath::Env) -> BTreeMap<String, String> {
     }
     if let Some(conf) = &env.matrix.rbd.conf {
         h.insert("ceph conf".into(), conf.clone());
-        if let Some(rbd) = datapath::which("rbd") {
+        if let Some(rbd) = process::which("rbd") {
             h.insert("rbd".into(), version(&rbd));
         }
     }

@@ -18,8 +18,9 @@ use std::process::Command;
 use serde_json::{json, Value};
 
 use super::clients::CpuClock;
-use super::datapath::{output, DatapathError, Env, Measured, Server, Target};
+use super::datapath::{Env, Measured, Target};
 use super::matrix::{Backend, DatapathKind, Point, Rw};
+use super::process::{output, DatapathError, Server};
 
 /// The NVMe subsystem both servers are addressed by (udrive accepts any).
 const NQN: &str = "nqn.2019-07.io.spdk:cnode1";

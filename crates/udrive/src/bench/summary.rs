@@ -1,7 +1,9 @@
 //! From raw runs to cells: median and min–max per (datapath, backend, client count,
 //! workload), and
 //! the comparison with each baseline datapath taken per repetition (the two ran
-//! minutes apart at most, on the machine in the same state) before their median.
+//! minutes apart at most, on the machine in the same state) before their median;
+//! a cell on an encrypted backend is compared the same way with its datapath's cell
+//! on the clear one (`ram-luks` with `ram`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -75,7 +77,8 @@ pub struct Cell {
     pub server_cores: Option<Stat>,
     /// Server CPU per I/O, µs: what one more client costs the host shows here.
     pub server_us_per_io: Option<Stat>,
-    /// Against each baseline that ran this backend and workload (not itself).
+    /// Against each baseline that ran this backend and workload (not itself), then
+    /// against this datapath on the clear backend of an encrypted one.
     pub vs: Vec<Versus>,
 }
 
@@ -83,6 +86,9 @@ pub struct Cell {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Versus {
     pub baseline: DatapathKind,
+    /// The baseline's backend where it is not the cell's (the clear one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<Backend>,
     /// IOPS ÷ the baseline's.
     pub iops_ratio: Option<Stat>,
     /// Mean latency ÷ the baseline's.
@@ -143,15 +149,22 @@ fn versus(
     ok: &[&RunRecord],
 ) -> Vec<Versus> {
     let (d, b, n, p) = key;
+    let others = m.baselines.iter().filter(|bl| *bl != d);
+    let mut against: Vec<(DatapathKind, Option<Backend>)> =
+        others.map(|bl| (bl.clone(), None)).collect();
+    if let Some(clear) = b.clear() {
+        against.push((d.clone(), Some(clear)));
+    }
     let mut out = Vec::new();
-    for bl in m.baselines.iter().filter(|bl| *bl != d) {
-        let Some(base) = all.get(&(bl.clone(), *b, *n, *p)) else {
+    for (bl, on) in against {
+        let Some(base) = all.get(&(bl.clone(), on.unwrap_or(*b), *n, *p)) else {
             continue;
         };
         let base: Vec<&RunRecord> = base.iter().copied().filter(|r| r.error.is_none()).collect();
         let mean = |r: &RunRecord| r.lat_us("mean");
         out.push(Versus {
-            baseline: bl.clone(),
+            baseline: bl,
+            backend: on,
             iops_ratio: per_rep(ok, &base, RunRecord::iops, |a, b| a / b),
             mean_ratio: per_rep(ok, &base, mean, |a, b| a / b),
             mean_added_us: per_rep(ok, &base, mean, |a, b| a - b),
@@ -310,6 +323,7 @@ pub fn markdown(s: &Summary) -> String {
         for bl in &s.baselines {
             versus_table(&mut o, b, bl, &cells);
         }
+        clear_table(&mut o, b, &cells);
     }
     if !s.skipped.is_empty() {
         let _ = writeln!(o, "## Skipped\n");
@@ -330,15 +344,38 @@ pub fn markdown(s: &Summary) -> String {
 fn versus_table(o: &mut String, b: Backend, bl: &DatapathKind, cells: &[&Cell]) {
     let rows: Vec<(&Cell, &Versus)> = cells
         .iter()
-        .filter_map(|c| Some((*c, c.vs.iter().find(|v| v.baseline == *bl)?)))
+        .filter_map(|c| {
+            let v =
+                c.vs.iter()
+                    .find(|v| v.baseline == *bl && v.backend.is_none())?;
+            Some((*c, v))
+        })
         .collect();
+    ratio_table(o, &format!("{b}: against {bl}"), &bl.to_string(), &rows);
+}
+
+/// The cells of an encrypted backend against the same datapath on the clear one.
+fn clear_table(o: &mut String, b: Backend, cells: &[&Cell]) {
+    let Some(clear) = b.clear() else {
+        return;
+    };
+    let rows: Vec<(&Cell, &Versus)> = cells
+        .iter()
+        .filter_map(|c| Some((*c, c.vs.iter().find(|v| v.backend == Some(clear))?)))
+        .collect();
+    let heading = format!("{b}: against {clear}, same datapath");
+    ratio_table(o, &heading, &clear.to_string(), &rows);
+}
+
+/// A table of ratios against `base`, if there is any row.
+fn ratio_table(o: &mut String, heading: &str, base: &str, rows: &[(&Cell, &Versus)]) {
     if rows.is_empty() {
         return;
     }
-    let _ = writeln!(o, "### {b}: against {bl}\n");
+    let _ = writeln!(o, "### {heading}\n");
     let _ = writeln!(
         o,
-        "| workload | datapath | IOPS ÷ {bl} | mean ÷ {bl} | mean − {bl} (µs) |"
+        "| workload | datapath | IOPS ÷ {base} | mean ÷ {base} | mean − {base} (µs) |"
     );
     let _ = writeln!(o, "|---|---|---|---|---|");
     for (c, v) in rows {

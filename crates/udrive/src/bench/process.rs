@@ -1,0 +1,202 @@
+//! The processes of `udrive bench`'s real datapaths: a server started and stopped
+//! (TERM, then KILL), a client run to its end or several at once, and the errors
+//! they give, with the tail of their logs.
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    #[error("starting {what} ({cmd}): {source}")]
+    Spawn {
+        what: String,
+        cmd: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what} did not open {sock} within {secs} s; its log ({log}) ends: {tail}")]
+    NotReady {
+        what: String,
+        sock: PathBuf,
+        secs: u64,
+        log: PathBuf,
+        tail: String,
+    },
+    #[error("{what} failed ({status}): {tail}")]
+    Failed {
+        what: String,
+        status: String,
+        tail: String,
+    },
+    #[error("{what} printed no JSON: {source}")]
+    BadJson {
+        what: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// `PATH`'s first executable of this name.
+pub fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// A server process, stopped (TERM, then KILL) when dropped.
+pub(super) struct Server {
+    child: Child,
+}
+
+impl Server {
+    /// Starts `cmd` and waits until it has opened every socket of `socks`; its log
+    /// is the first socket's path with `.log`.
+    pub(super) fn start(
+        cmd: Command,
+        what: &str,
+        socks: &[PathBuf],
+    ) -> Result<Server, DatapathError> {
+        Server::start_within(cmd, what, socks, 20)
+    }
+
+    /// [`Server::start`], waiting up to `secs` for the sockets.
+    pub(super) fn start_within(
+        mut cmd: Command,
+        what: &str,
+        socks: &[PathBuf],
+        secs: u64,
+    ) -> Result<Server, DatapathError> {
+        for s in socks {
+            let _ = std::fs::remove_file(s);
+        }
+        let log = socks
+            .first()
+            .map_or_else(|| PathBuf::from("server.log"), |s| s.with_extension("log"));
+        let io = |source| DatapathError::Io {
+            what: format!("server log {}", log.display()),
+            source,
+        };
+        let f = File::create(&log).map_err(io)?;
+        let f2 = f.try_clone().map_err(io)?;
+        cmd.stdin(Stdio::null()).stdout(f).stderr(f2);
+        let child = cmd.spawn().map_err(|source| DatapathError::Spawn {
+            what: what.into(),
+            cmd: format!("{cmd:?}"),
+            source,
+        })?;
+        let mut s = Server { child };
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        while let Some(sock) = socks.iter().find(|p| !p.exists()) {
+            let exited = matches!(s.child.try_wait(), Ok(Some(_)));
+            if exited || Instant::now() > deadline {
+                return Err(DatapathError::NotReady {
+                    what: what.into(),
+                    sock: sock.clone(),
+                    secs,
+                    tail: tail(&std::fs::read_to_string(&log).unwrap_or_default()),
+                    log,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(s)
+    }
+}
+
+impl Server {
+    pub(super) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `c` with its output captured.
+fn spawn(c: &mut Command, what: &str) -> Result<Child, DatapathError> {
+    c.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| DatapathError::Spawn {
+            what: what.into(),
+            cmd: format!("{c:?}"),
+            source,
+        })
+}
+
+/// Waits for `child`; its output if it succeeded, else its stderr's tail.
+fn finish(child: Child, what: &str) -> Result<Output, DatapathError> {
+    let out = child
+        .wait_with_output()
+        .map_err(|source| DatapathError::Io {
+            what: format!("waiting for {what}"),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(DatapathError::Failed {
+            what: what.into(),
+            status: out.status.to_string(),
+            tail: tail(&String::from_utf8_lossy(&out.stderr)),
+        });
+    }
+    Ok(out)
+}
+
+/// Runs `c` to its end; its output if it succeeded, else its stderr's tail.
+pub(super) fn output(mut c: Command, what: &str) -> Result<Output, DatapathError> {
+    let child = spawn(&mut c, what)?;
+    finish(child, what)
+}
+
+/// Runs every command at once and waits for all of them (a thread each, so that
+/// none blocks on a full pipe while another is waited for); the first failure, if
+/// any, else the outputs in order.
+pub(super) fn outputs(cmds: Vec<(Command, String)>) -> Result<Vec<Output>, DatapathError> {
+    let started: Vec<(Result<Child, DatapathError>, String)> = cmds
+        .into_iter()
+        .map(|(mut c, what)| (spawn(&mut c, &what), what))
+        .collect();
+    std::thread::scope(|s| {
+        let waits: Vec<_> = started
+            .into_iter()
+            .map(|(child, what)| s.spawn(move || finish(child?, &what)))
+            .collect();
+        waits
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(DatapathError::Io {
+                        what: "waiting for a client".into(),
+                        source: std::io::Error::other("its waiting thread panicked"),
+                    })
+                })
+            })
+            .collect()
+    })
+}
+
+/// The last lines of a log, on one line.
+pub(super) fn tail(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(3)..].join(" / ")
+}
