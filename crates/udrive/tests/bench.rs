@@ -553,3 +553,54 @@ qd = [1]
     assert_eq!(runs.len(), 1, "{runs:?}");
     assert_eq!(runs[0]["datapath"], "fake-a");
 }
+
+/// Without the guest chroot (here: `UDRIVE_VM_CACHE` names an empty directory) the
+/// VM datapaths are skipped with the reason, never started (no debootstrap); the
+/// others still run.
+#[test]
+fn vm_datapaths_without_the_guest_chroot_are_skipped_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let matrix = r#"
+reps = 1
+time = 0.2
+datapaths = ["vm-udrive-nvme", "vm-udrive-vhost", "vm-qemu-nvme", "vm-qemu-virtio", "fake-a"]
+backends = ["null"]
+[[workload]]
+rw = "randread"
+qd = [1]
+"#;
+    let f = out.with_extension("toml");
+    std::fs::write(&f, matrix).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["bench", "--matrix"])
+        .arg(&f)
+        .arg("--out")
+        .arg(&out)
+        .env("UDRIVE_VM_CACHE", dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = json(&out.join("summary.json"));
+    let skipped = s["skipped"].as_array().unwrap();
+    for d in [
+        "vm-udrive-nvme",
+        "vm-udrive-vhost",
+        "vm-qemu-nvme",
+        "vm-qemu-virtio",
+    ] {
+        let why = skipped
+            .iter()
+            .find(|k| k["datapath"] == d)
+            .unwrap_or_else(|| panic!("{d} not skipped: {skipped:?}"));
+        let why = why["reason"].as_str().unwrap();
+        // Not root: that reason comes first; root: the missing chroot.
+        assert!(
+            why.contains("scripts/vm-test once") || why.contains("root"),
+            "{why}"
+        );
+    }
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs[0]["datapath"], "fake-a");
+}

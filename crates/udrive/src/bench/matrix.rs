@@ -16,6 +16,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("qcow2", include_str!("presets/qcow2.toml")),
     ("many-vms", include_str!("presets/many-vms.toml")),
     ("spdk", include_str!("presets/spdk.toml")),
+    ("vm", include_str!("presets/vm.toml")),
 ];
 
 /// The most concurrent clients a cell may have: each is a process with its own
@@ -70,12 +71,52 @@ pub enum DatapathKind {
     /// udrive's NVMe controller (busy poll) driven by `spdk_nvme_perf`: the same
     /// client as `spdk-nvmf`.
     UdriveNvmeSpdk,
+    /// fio in a Linux guest under QEMU on this device (`vm-*`, `vm.rs`).
+    Vm(VmDevice),
     /// Deterministic numbers, no processes: `fake` or `fake-NAME`.
     Fake(String),
 }
 
+/// The disk a `vm-*` datapath's guest runs fio on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum VmDevice {
+    /// udrive's NVMe controller through QEMU's `vfio-user-pci`.
+    UdriveNvme,
+    /// udrive's vhost-user-blk device through QEMU's `vhost-user-blk-pci`.
+    UdriveVhost,
+    /// QEMU's own emulated NVMe controller on the backing file.
+    QemuNvme,
+    /// QEMU's own virtio-blk on the backing file.
+    QemuVirtio,
+}
+
+impl VmDevice {
+    pub const ALL: [VmDevice; 4] = [
+        VmDevice::UdriveNvme,
+        VmDevice::UdriveVhost,
+        VmDevice::QemuNvme,
+        VmDevice::QemuVirtio,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            VmDevice::UdriveNvme => "vm-udrive-nvme",
+            VmDevice::UdriveVhost => "vm-udrive-vhost",
+            VmDevice::QemuNvme => "vm-qemu-nvme",
+            VmDevice::QemuVirtio => "vm-qemu-virtio",
+        }
+    }
+    /// The udrive datapath whose server this guest's disk is (none: QEMU's own).
+    pub fn udrive(self) -> Option<DatapathKind> {
+        match self {
+            VmDevice::UdriveNvme => Some(DatapathKind::UdriveNvme(None)),
+            VmDevice::UdriveVhost => Some(DatapathKind::UdriveVhost(None)),
+            VmDevice::QemuNvme | VmDevice::QemuVirtio => None,
+        }
+    }
+}
+
 impl DatapathKind {
-    pub const REAL: [&'static str; 7] = [
+    pub const REAL: [&'static str; 11] = [
         "udrive-nvme",
         "udrive-vhost",
         "qsd-vhost",
@@ -83,6 +124,10 @@ impl DatapathKind {
         "librbd",
         "spdk-nvmf",
         "udrive-nvme-spdk",
+        "vm-udrive-nvme",
+        "vm-udrive-vhost",
+        "vm-qemu-nvme",
+        "vm-qemu-virtio",
     ];
 
     /// Driven by SPDK's `spdk_nvme_perf`.
@@ -117,6 +162,14 @@ impl TryFrom<String> for DatapathKind {
             "librbd" => Self::Librbd,
             "spdk-nvmf" => Self::SpdkNvmf,
             "udrive-nvme-spdk" => Self::UdriveNvmeSpdk,
+            v if v.starts_with("vm-") => match VmDevice::ALL.into_iter().find(|d| d.name() == v) {
+                Some(d) => Self::Vm(d),
+                None => {
+                    return Err(format!(
+                        "unknown datapath `{s}` (the VM ones: vm-udrive-nvme, vm-udrive-vhost, vm-qemu-nvme, vm-qemu-virtio)"
+                    ))
+                }
+            },
             f if f == "fake" || f.starts_with("fake-") => Self::Fake(s),
             _ => {
                 return Err(format!(
@@ -144,6 +197,7 @@ impl fmt::Display for DatapathKind {
             Self::Librbd => ("librbd", &None),
             Self::SpdkNvmf => ("spdk-nvmf", &None),
             Self::UdriveNvmeSpdk => ("udrive-nvme-spdk", &None),
+            Self::Vm(v) => (v.name(), &None),
             Self::Fake(n) => (n.as_str(), &None),
         };
         match poll {

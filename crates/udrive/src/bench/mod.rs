@@ -8,11 +8,14 @@
 pub mod clients;
 pub mod datapath;
 pub mod floor;
+pub mod images;
 pub mod matrix;
 pub mod report;
 pub mod run;
 pub mod spdk;
 pub mod summary;
+pub mod vm;
+pub mod vm_target;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -190,14 +193,14 @@ fn measure(
         }
     }
     if needs_qcow2 {
-        datapath::make_qcow2(env)?;
+        images::make_qcow2(env)?;
     }
     if needs(matrix::Backend::Rbd) {
         eprintln!(
             "udrive bench: writing the RBD image {} once ...",
             m.rbd.image()
         );
-        datapath::prepare_rbd_image(env)?;
+        images::prepare_rbd_image(env)?;
     }
     let _hugepages = if groups.iter().any(|g| g.datapath.is_spdk()) {
         Some(spdk::Hugepages::reserve(m.ram_mib)?)
