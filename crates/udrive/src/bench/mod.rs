@@ -311,6 +311,20 @@ fn host_facts(env: &datapath::Env) -> BTreeMap<String, String> {
             );
         }
     }
+    if env
+        .matrix
+        .datapaths
+        .iter()
+        .any(|d| matches!(d, matrix::DatapathKind::Vm(_)))
+    {
+        h.insert(
+            "VM guest".into(),
+            format!(
+                "QEMU of {} (scripts/vm-bench), 2 vCPUs, 1 GiB; KVM or TCG: each run's `accel`",
+                vm::cache().join("sid").display()
+            ),
+        );
+    }
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     h.insert("CPUs".into(), cpus.to_string());
     h.insert("data file".into(), env.data_file.display().to_string());

@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use super::matrix::{Backend, Point, Rw, VmDevice};
 
 /// Where the VM tests keep their chroots and the guest kernel.
-fn cache() -> PathBuf {
+pub fn cache() -> PathBuf {
     std::env::var_os("UDRIVE_VM_CACHE").map_or_else(|| "/var/cache/udrive-vm".into(), PathBuf::from)
 }
 
@@ -173,10 +173,9 @@ pub fn to_perf(fio: &Value, p: &Point, accel: &str) -> Result<Value, String> {
         "fio": job,
     });
     if accel != "kvm" {
-        let accel = if accel.is_empty() {
-            "an unknown accelerator"
-        } else {
-            accel
+        let accel = match accel {
+            "" => "an unknown accelerator".to_string(),
+            a => a.to_uppercase(),
         };
         v["not_meaningful"] = json!(format!(
             "QEMU ran under {accel} (no usable KVM): emulated vCPUs, a functional check, not a measurement"
@@ -242,7 +241,7 @@ mod tests {
         // (600 × 100 + 200 × 300) / 800
         assert_eq!(v["lat_ns"]["mean"], 150.0);
         assert_eq!(v["lat_ns"]["p99"], 500.0);
-        assert!(v["not_meaningful"].as_str().unwrap().contains("tcg"));
+        assert!(v["not_meaningful"].as_str().unwrap().contains("TCG"));
         let kvm = to_perf(&fio, &point(Rw::Randrw), "kvm").unwrap();
         assert!(kvm.get("not_meaningful").is_none());
     }

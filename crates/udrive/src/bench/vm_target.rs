@@ -137,7 +137,13 @@ impl VmTarget<'_> {
 impl Target for VmTarget<'_> {
     fn run(&mut self, p: &Point, rep: u32) -> Result<Measured, DatapathError> {
         if self.results.is_none() {
-            self.results = Some(self.boot(rep)?);
+            // A boot that failed fails every point: one boot per target, not per point.
+            let r = self.boot(rep).unwrap_or_else(|e| {
+                let why = e.to_string();
+                let points = self.env.matrix.points();
+                points.into_iter().map(|p| (p, Err(why.clone()))).collect()
+            });
+            self.results = Some(r);
         }
         let got = self.results.as_ref().and_then(|r| r.get(p));
         match got {
