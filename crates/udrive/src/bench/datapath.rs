@@ -115,7 +115,7 @@ pub fn probe(d: &DatapathKind, env: &Env) -> Result<(), String> {
         }
         DatapathKind::Fake(_) => Ok(()),
         d if d.is_spdk() => super::spdk::probe(d),
-        DatapathKind::Vm(_) if !env.udrive.exists() => {
+        DatapathKind::Vm(v) if v.udrive().is_some() && !env.udrive.exists() => {
             Err(format!("{} does not exist", env.udrive.display()))
         }
         DatapathKind::Vm(_) => super::vm::probe(),
