@@ -136,16 +136,22 @@ ensure_chroot() {
 # in_chroot DIR CMD...: runs CMD in chroot DIR inside a private mount namespace that
 # bind-mounts $TMP at $IN_CHROOT and mounts /proc and /dev; the mounts vanish with
 # CMD. Dies with the harness (PDEATHSIG). CHROOT_CPUS=LIST pins CMD (taskset).
+# CHROOT_BINDS="PATH=NAME ..." also shows host file PATH (a socket, a disk image
+# outside $TMP) as $IN_CHROOT/NAME.
 in_chroot() {
     local dir=$1 pin=()
     shift
     [ -z "${CHROOT_CPUS:-}" ] || pin=(taskset -c "$CHROOT_CPUS")
     setpriv --pdeathsig KILL -- "${pin[@]}" unshare --mount --propagation private -- sh -c '
-        dir=$1 run=$2 d=$3
-        shift 3
+        dir=$1 run=$2 d=$3 binds=$4
+        shift 4
         mount --bind "$run" "$dir$d" && mount -t proc proc "$dir/proc" &&
-            mount --rbind /dev "$dir/dev" && exec chroot "$dir" "$@"' \
-        - "$dir" "$TMP" "$IN_CHROOT" "$@"
+            mount --rbind /dev "$dir/dev" || exit 1
+        for b in $binds; do
+            : >"$dir$d/${b##*=}" && mount --bind "${b%=*}" "$dir$d/${b##*=}" || exit 1
+        done
+        exec chroot "$dir" "$@"' \
+        - "$dir" "$TMP" "$IN_CHROOT" "${CHROOT_BINDS:-}" "$@"
 }
 
 # ------------------------------------------------------------ guest kernel

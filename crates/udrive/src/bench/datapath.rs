@@ -4,8 +4,8 @@
 //! (udrive itself, qemu-storage-daemon) or none (bare io_uring), and a `udrive perf`
 //! process per run; the fake one computes numbers without processes.
 //!
-//! Adding a datapath (a guest's fio) is a `DatapathKind` variant, its line in
-//! `applies`/`probe`, and a `Target`, as the SPDK ones are (`spdk.rs`).
+//! Adding a datapath is a `DatapathKind` variant, its line in `applies`/`probe`, and
+//! a `Target`, as the SPDK ones (`spdk.rs`) and the guest's fio (`vm.rs`) are.
 //!
 //! A cell with N clients starts N `perf` processes at once, each with its own device
 //! (one udrive with N controllers or N vhost-user-blk devices; N qemu-storage-daemon
@@ -45,6 +45,7 @@ pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
             Err("librbd drives RBD images only".into())
         }
         (d, b) if d.is_spdk() => super::spdk::applies(b),
+        (DatapathKind::Vm(v), b) => super::vm::applies(*v, b),
         (DatapathKind::QsdVhost, Backend::Ram | Backend::RamLuks) => {
             Err("qemu-storage-daemon has no RAM disk driver".into())
         }
@@ -64,6 +65,9 @@ pub fn applies_clients(d: &DatapathKind, b: Backend, n: u32) -> Result<(), Strin
         _ if n > 1 && d.is_spdk() => Err(format!(
             "{n} clients: the SPDK datapaths drive one controller with one client"
         )),
+        _ if n > 1 && matches!(d, DatapathKind::Vm(_)) => {
+            Err(format!("{n} clients: a VM datapath boots one guest"))
+        }
         b if n > 1 && (b == Backend::Rbd || b == Backend::FileLuks || b.is_qcow2()) => Err(
             format!("{n} clients need a backing each: only null, ram, ram-luks and file are split"),
         ),
@@ -79,6 +83,10 @@ pub fn probe(d: &DatapathKind, env: &Env) -> Result<(), String> {
         }
         DatapathKind::Fake(_) => Ok(()),
         d if d.is_spdk() => super::spdk::probe(d),
+        DatapathKind::Vm(v) if v.udrive().is_some() && !env.udrive.exists() => {
+            Err(format!("{} does not exist", env.udrive.display()))
+        }
+        DatapathKind::Vm(_) => super::vm::probe(),
         DatapathKind::Librbd if !cfg!(feature = "rbd") => {
             Err("this udrive was built without the rbd feature".into())
         }
@@ -166,7 +174,7 @@ impl Env {
 
 /// Makes afresh the images of the backends whose runs must not see what an
 /// earlier run wrote: the chain's two overlays, the empty image.
-fn make_fresh_images(b: Backend, env: &Env) -> Result<(), DatapathError> {
+pub(super) fn make_fresh_images(b: Backend, env: &Env) -> Result<(), DatapathError> {
     let create = |image: &Path, size: Option<&str>, backing: Option<(&Path, &str)>| {
         let _ = std::fs::remove_file(image);
         let mut c = Command::new("qemu-img");
@@ -188,24 +196,6 @@ fn make_fresh_images(b: Backend, env: &Env) -> Result<(), DatapathError> {
     }
 }
 
-/// Makes the `qcow2` backend's image from the data file (every cluster allocated:
-/// the data has no zero runs).
-pub fn make_qcow2(env: &Env) -> Result<(), DatapathError> {
-    let mut c = Command::new("qemu-img");
-    c.args([
-        "convert",
-        "-f",
-        "raw",
-        "-O",
-        "qcow2",
-        "-o",
-        "cluster_size=65536",
-    ])
-    .arg(&env.data_file)
-    .arg(env.qcow2_file());
-    output(c, "qemu-img convert (the qcow2 image)").map(drop)
-}
-
 /// Why a backend cannot be served on this machine (real datapaths only).
 pub fn backend_probe(b: Backend, env: &Env) -> Result<(), String> {
     match b {
@@ -220,39 +210,6 @@ pub fn backend_probe(b: Backend, env: &Env) -> Result<(), String> {
         }
         _ => Ok(()),
     }
-}
-
-/// The `rbd` backend's image, made if it is missing and written through once
-/// (sequential 4 MiB writes, as `rbd bench`), so that reads hit objects.
-pub fn prepare_rbd_image(env: &Env) -> Result<(), DatapathError> {
-    let o = &env.matrix.rbd;
-    let conf = o.conf.clone().unwrap_or_default();
-    let rbd = |args: &[&str], what: &str| {
-        let mut c = Command::new("rbd");
-        c.args(["--conf", &conf]).args(args);
-        output(c, what).map(drop)
-    };
-    let size = format!("{}M", o.mib());
-    if rbd(&["info", o.image()], "rbd info").is_err() {
-        rbd(&["create", "--size", &size, o.image()], "rbd create")?;
-    }
-    rbd(
-        &[
-            "bench",
-            "--io-type",
-            "write",
-            "--io-size",
-            "4M",
-            "--io-threads",
-            "4",
-            "--io-total",
-            &size,
-            "--io-pattern",
-            "seq",
-            o.image(),
-        ],
-        "rbd bench (writing the image once)",
-    )
 }
 
 /// The `rbd:` spec options of the `rbd` backend's image.
@@ -281,19 +238,13 @@ pub trait Target {
 }
 
 /// Start datapath `d` on backend `b` for `n` clients (a fresh server: no state from
-/// another run).
+/// another run). The `vm-*` datapaths start in `vm_target::start`.
 pub fn start<'e>(
     d: &DatapathKind,
     b: Backend,
     n: u32,
     env: &'e Env,
 ) -> Result<Box<dyn Target + 'e>, DatapathError> {
-    let socks: Vec<PathBuf> = (0..n)
-        .map(|i| match n {
-            1 => env.work.join(format!("{d}-{b}.sock")),
-            _ => env.work.join(format!("{d}-{b}-c{n}-{i}.sock")),
-        })
-        .collect();
     if let DatapathKind::Fake(name) = d {
         return Ok(Box::new(Fake {
             name: name.clone(),
@@ -312,8 +263,40 @@ pub fn start<'e>(
         };
         return super::spdk::start(d, b, env, udrive);
     }
+    Ok(Box::new(perf_target(d, b, n, env)?))
+}
+
+/// udrive serving one client for a client other than `perf` (a guest), started as
+/// the `udrive-nvme` and `udrive-vhost` datapaths start it; it ends when this is dropped.
+pub(super) struct Udrive<'e>(PerfTarget<'e>);
+
+impl<'e> Udrive<'e> {
+    pub(super) fn start(d: &DatapathKind, b: Backend, env: &'e Env) -> Result<Self, DatapathError> {
+        perf_target(d, b, 1, env).map(Udrive)
+    }
+
+    /// The device's socket.
+    pub(super) fn socket(&self) -> &Path {
+        &self.0.socks[0]
+    }
+}
+
+/// A process-backed datapath's servers, with `perf` as the client.
+fn perf_target<'e>(
+    d: &DatapathKind,
+    b: Backend,
+    n: u32,
+    env: &'e Env,
+) -> Result<PerfTarget<'e>, DatapathError> {
+    let socks: Vec<PathBuf> = (0..n)
+        .map(|i| match n {
+            1 => env.work.join(format!("{d}-{b}.sock")),
+            _ => env.work.join(format!("{d}-{b}-c{n}-{i}.sock")),
+        })
+        .collect();
     let servers = match d {
         DatapathKind::Fake(_)
+        | DatapathKind::Vm(_)
         | DatapathKind::IoUring
         | DatapathKind::Librbd
         | DatapathKind::SpdkNvmf
@@ -353,7 +336,7 @@ pub fn start<'e>(
     {
         t.fill()?;
     }
-    Ok(Box::new(t))
+    Ok(t)
 }
 
 /// The backing of client `i` of `n` as a udrive disk spec.

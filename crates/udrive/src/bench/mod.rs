@@ -7,13 +7,17 @@
 
 pub mod clients;
 pub mod datapath;
+pub mod datapath_kind;
 pub mod floor;
+pub mod images;
 pub mod matrix;
 pub mod process;
 pub mod report;
 pub mod run;
 pub mod spdk;
 pub mod summary;
+pub mod vm;
+pub mod vm_target;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -222,14 +226,14 @@ fn measure(
         )?;
     }
     if needs_qcow2 {
-        datapath::make_qcow2(env)?;
+        images::make_qcow2(env)?;
     }
     if needs(matrix::Backend::Rbd) {
         eprintln!(
             "udrive bench: writing the RBD image {} once ...",
             m.rbd.image()
         );
-        datapath::prepare_rbd_image(env)?;
+        images::prepare_rbd_image(env)?;
     }
     let _hugepages = if groups.iter().any(|g| g.datapath.is_spdk()) {
         Some(spdk::Hugepages::reserve(m.ram_mib)?)
@@ -350,6 +354,20 @@ fn host_facts(env: &datapath::Env) -> BTreeMap<String, String> {
                 format!("{} {}", dir.display(), v.lines().next().unwrap_or("")),
             );
         }
+    }
+    if env
+        .matrix
+        .datapaths
+        .iter()
+        .any(|d| matches!(d, matrix::DatapathKind::Vm(_)))
+    {
+        h.insert(
+            "VM guest".into(),
+            format!(
+                "QEMU of {} (scripts/vm-bench), 2 vCPUs, 1 GiB; KVM or TCG: each run's `accel`",
+                vm::cache().join("sid").display()
+            ),
+        );
     }
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     h.insert("CPUs".into(), cpus.to_string());

@@ -208,7 +208,10 @@ pub fn execute(
         if stop.load(Ordering::Relaxed) {
             break;
         }
-        let mut target = datapath::start(&g.datapath, g.backend, g.clients, env);
+        let mut target = match &g.datapath {
+            DatapathKind::Vm(v) => super::vm_target::start(*v, g.backend, env),
+            d => datapath::start(d, g.backend, g.clients, env),
+        };
         for p in &points {
             if stop.load(Ordering::Relaxed) {
                 break;

@@ -80,6 +80,10 @@ pub struct Cell {
     /// Against each baseline that ran this backend and workload (not itself), then
     /// against this datapath on the clear backend of an encrypted one.
     pub vs: Vec<Versus>,
+    /// Why the numbers do not measure the datapath (a guest under TCG), from the
+    /// runs' `not_meaningful`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_meaningful: Option<String>,
 }
 
 /// One cell against one baseline, per repetition.
@@ -218,6 +222,9 @@ pub fn summarize(
             server_cores: Stat::of(&col(&|r| r.server_cpu?.cores())),
             server_us_per_io: Stat::of(&col(&RunRecord::server_us_per_io)),
             vs: versus(m, &cells_in, key, &ok),
+            not_meaningful: ok
+                .iter()
+                .find_map(|r| Some(r.perf.get("not_meaningful")?.as_str()?.to_string())),
         });
     }
     // The matrix's order, not the map's: datapaths as listed, workloads as listed.
@@ -306,9 +313,14 @@ pub fn markdown(s: &Summary) -> String {
             } else {
                 String::new()
             };
+            let mark = if c.not_meaningful.is_some() {
+                " †"
+            } else {
+                ""
+            };
             let _ = writeln!(
                 o,
-                "| {} | {} | {}{failed} | {} | {} | {} | {} |",
+                "| {} | {}{mark} | {}{failed} | {} | {} | {} | {} |",
                 cell_label(c),
                 c.datapath,
                 c.n,
@@ -319,6 +331,7 @@ pub fn markdown(s: &Summary) -> String {
             );
         }
         o.push('\n');
+        not_meaningful_notes(&mut o, &cells);
         many_clients_table(&mut o, b, &cells);
         for bl in &s.baselines {
             versus_table(&mut o, b, bl, &cells);
@@ -338,6 +351,24 @@ pub fn markdown(s: &Summary) -> String {
         let _ = writeln!(o, "- {k}: {v}");
     }
     o
+}
+
+/// Under a table, why its † rows measure nothing (once per datapath and reason).
+fn not_meaningful_notes(o: &mut String, cells: &[&Cell]) {
+    let mut seen: Vec<(&DatapathKind, &str)> = Vec::new();
+    for c in cells {
+        if let Some(why) = &c.not_meaningful {
+            if !seen.contains(&(&c.datapath, why.as_str())) {
+                seen.push((&c.datapath, why));
+            }
+        }
+    }
+    for (d, why) in &seen {
+        let _ = writeln!(o, "† {d}: not meaningful: {why}.");
+    }
+    if !seen.is_empty() {
+        o.push('\n');
+    }
 }
 
 /// The cells of one backend against one baseline, if any was compared.
@@ -379,9 +410,14 @@ fn ratio_table(o: &mut String, heading: &str, base: &str, rows: &[(&Cell, &Versu
     );
     let _ = writeln!(o, "|---|---|---|---|---|");
     for (c, v) in rows {
+        let mark = if c.not_meaningful.is_some() {
+            " †"
+        } else {
+            ""
+        };
         let _ = writeln!(
             o,
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {}{mark} | {} | {} | {} |",
             cell_label(c),
             c.datapath,
             opt(v.iops_ratio, 1.0, 2),

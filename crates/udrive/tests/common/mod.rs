@@ -5,6 +5,7 @@
 //! re-exported here as the tests' prelude.
 #![allow(dead_code, unused_imports)]
 
+pub mod bench;
 pub mod control;
 pub mod rbd;
 pub mod serve;

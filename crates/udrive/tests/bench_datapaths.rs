@@ -1,0 +1,423 @@
+//! `udrive bench` on its real datapaths and backends where this machine may lack
+//! them: rbd without a cluster and with a throwaway one, the qcow2 images made for
+//! every run, SPDK without `SPDK_DIR`, the VM datapaths without the guest chroot,
+//! a `~b` datapath served by `--udrive-b` and refused without it, and encrypted
+//! backends compared with their clear ones.
+
+mod common;
+
+use std::process::Command;
+
+use common::bench::{bench, json, median, raw_runs, FAKE, POINTS};
+use serde_json::Value;
+use udrive::bench::matrix::{preset, Binary, DatapathKind, Matrix, MatrixError};
+
+const RBD: &str = r#"
+reps = 1
+time = 0.3
+datapaths = ["udrive-nvme", "udrive-vhost", "librbd", "fake-a"]
+backends = ["rbd"]
+baselines = ["librbd"]
+poll = "adaptive"
+wait = true
+[rbd]
+image = "rbd/bench-test"
+mib = 16
+[[workload]]
+rw = "randread"
+qd = [4]
+"#;
+
+#[test]
+fn rbd_without_a_cluster_is_skipped_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = bench(RBD, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = json(&out.join("summary.json"));
+    let skipped = s["skipped"].as_array().unwrap();
+    assert_eq!(skipped.len(), 3, "{skipped:?}");
+    for k in skipped {
+        assert_eq!(k["backend"], "rbd", "{k}");
+        assert!(k["reason"].as_str().unwrap().contains("--rbd-conf"), "{k}");
+    }
+    assert!(raw_runs(&out).iter().all(|r| r["datapath"] == "fake-a"));
+}
+
+/// udrive's `rbd:` disks and bare librbd on one image of a throwaway cluster,
+/// which the harness makes and writes once.
+#[test]
+fn the_rbd_backend_runs_against_a_cluster() {
+    if !test_support::ceph::available() {
+        eprintln!("skipped: no Ceph packages");
+        return;
+    }
+    let c = test_support::ceph::Cluster::start();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let conf = c.conf().to_str().unwrap().to_string();
+    let o = bench(
+        &RBD.replace(r#", "fake-a""#, ""),
+        &out,
+        &["--rbd-conf", &conf],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let runs = raw_runs(&out);
+    let names: Vec<&str> = runs
+        .iter()
+        .map(|r| r["datapath"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["udrive-nvme", "udrive-vhost", "librbd"], "{runs:?}");
+    for r in &runs {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["perf"]["iops"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(c.rbd(&["ls", "rbd"]).contains("bench-test"));
+    let s = json(&out.join("summary.json"));
+    assert_eq!(s["host"]["ceph conf"], conf.as_str());
+}
+
+const QCOW2_FRESH: &str = r#"
+reps = 2
+time = 0.2
+ramp = 0.0
+datapaths = ["udrive-nvme", "udrive-vhost"]
+backends = ["qcow2-chain", "qcow2-new"]
+poll = "adaptive"
+[file]
+dir = "DIR"
+mib = 16
+[[workload]]
+rw = "randwrite"
+qd = [4]
+"#;
+
+/// The chain and empty-image backends: every run gets images made for it (the
+/// chain's overlays over the raw data, the empty image), both udrive datapaths
+/// serve them, and the images are gone when the bench ends.
+#[test]
+fn qcow2_chain_and_new_images_are_made_for_every_run() {
+    if !test_support::qemu::have_qemu_tools() {
+        eprintln!("skipped: no qemu-img");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let out = dir.path().join("out");
+    let matrix = QCOW2_FRESH.replace("DIR", data.to_str().unwrap());
+    let o = bench(&matrix, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 8, "{runs:?}");
+    for r in &runs {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["perf"]["iops"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let left: Vec<_> = std::fs::read_dir(&data).unwrap().flatten().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// Without `SPDK_DIR` the SPDK datapaths are skipped with the reason, and the
+/// others still run.
+#[test]
+fn spdk_without_spdk_dir_is_skipped_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let matrix = r#"
+reps = 1
+time = 0.2
+datapaths = ["spdk-nvmf", "udrive-nvme-spdk", "fake-a"]
+backends = ["null"]
+[[workload]]
+rw = "randread"
+qd = [1]
+"#;
+    let f = out.with_extension("toml");
+    std::fs::write(&f, matrix).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["bench", "--matrix"])
+        .arg(&f)
+        .arg("--out")
+        .arg(&out)
+        .env_remove("SPDK_DIR")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = json(&out.join("summary.json"));
+    let skipped = s["skipped"].as_array().unwrap();
+    for d in ["spdk-nvmf", "udrive-nvme-spdk"] {
+        let why = skipped
+            .iter()
+            .find(|k| k["datapath"] == d)
+            .unwrap_or_else(|| panic!("{d} not skipped: {skipped:?}"));
+        assert!(
+            why["reason"].as_str().unwrap().contains("SPDK_DIR"),
+            "{why}"
+        );
+    }
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs[0]["datapath"], "fake-a");
+}
+
+/// The `ab` preset names `udrive-nvme~b`, which needs the second binary: refused
+/// without it naming the flag, complete with it, and the same through TOML and back.
+#[test]
+fn a_b_datapath_needs_the_second_binary() {
+    let text = preset("ab").unwrap();
+    let m = Matrix::parse(text).unwrap();
+    assert_eq!(m.baselines, [DatapathKind::UdriveNvme(None, Binary::Main)]);
+    match m.check() {
+        Err(MatrixError::Invalid { field, reason }) => {
+            assert_eq!(field, "datapaths[1]");
+            assert!(reason.contains("--udrive-b"), "{reason}");
+        }
+        other => panic!("not refused: {other:?}"),
+    }
+    let with_b = text.replace("reps =", "udrive_b = \"/usr/bin/true\"\nreps =");
+    let m = Matrix::from_toml(&with_b).unwrap();
+    let names: Vec<String> = m.datapaths.iter().map(|d| d.to_string()).collect();
+    assert_eq!(names, ["udrive-nvme", "udrive-nvme~b"]);
+    let again = Matrix::from_toml(&toml::to_string(&m).unwrap()).unwrap();
+    assert_eq!(again.datapaths, m.datapaths);
+    assert_eq!(again.udrive_b.as_deref(), Some("/usr/bin/true"));
+
+    // On the command line: before any run, naming the flag; a B that is not there.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_udrive"))
+            .args(["bench", "ab", "--out"])
+            .arg(&out)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    for (extra, says) in [
+        (&[][..], "--udrive-b"),
+        (
+            &["--udrive-b", "/nonexistent/udrive"][..],
+            "/nonexistent/udrive",
+        ),
+    ] {
+        let o = run(extra);
+        assert!(!o.status.success(), "{extra:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert!(!out.join("raw").exists());
+    }
+}
+
+/// Cells on `ram-luks` are compared per repetition with the same datapath on
+/// `ram`; qemu-storage-daemon is skipped on both with the reason.
+#[test]
+fn an_encrypted_backend_is_compared_with_its_clear_one() {
+    let matrix = FAKE
+        .replace(r#"["null", "file"]"#, r#"["ram", "ram-luks"]"#)
+        .replace(r#""fake-c"]"#, r#""qsd-vhost"]"#);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = bench(&matrix, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = json(&out.join("summary.json"));
+    let skipped = s["skipped"].as_array().unwrap();
+    // Per backend, or once if it is not installed.
+    assert!(!skipped.is_empty());
+    assert!(
+        skipped.iter().all(|k| k["datapath"] == "qsd-vhost"),
+        "{skipped:?}"
+    );
+    let runs = raw_runs(&out);
+    let iops = |d: &Value, b: &str, p: &Value, rep: &Value| {
+        runs.iter()
+            .find(|r| {
+                r["datapath"] == *d && r["backend"] == b && r["point"] == *p && r["rep"] == *rep
+            })
+            .map(|r| r["perf"]["iops"].as_f64().unwrap())
+            .unwrap()
+    };
+    let mut compared = 0;
+    for c in s["cells"].as_array().unwrap() {
+        let clear: Vec<&Value> = c["vs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|v| v["backend"] == "ram")
+            .collect();
+        if c["backend"] == "ram" {
+            assert!(clear.is_empty(), "{c}");
+            continue;
+        }
+        assert_eq!(clear.len(), 1, "{c}");
+        assert_eq!(clear[0]["baseline"], c["datapath"]);
+        let ratios: Vec<f64> = [1, 2]
+            .iter()
+            .map(|rep| {
+                let rep = Value::from(*rep);
+                iops(&c["datapath"], "ram-luks", &c["point"], &rep)
+                    / iops(&c["datapath"], "ram", &c["point"], &rep)
+            })
+            .collect();
+        let got = clear[0]["iops_ratio"]["median"].as_f64().unwrap();
+        assert!((got - median(ratios)).abs() < 1e-9, "{c}");
+        compared += 1;
+    }
+    assert_eq!(compared, 2 * POINTS);
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(
+        md.contains("### ram-luks: against ram, same datapath"),
+        "{md}"
+    );
+    assert_eq!(md.matches("against fake-a").count(), 2, "{md}");
+}
+
+/// udrive serves `file` and `file-luks` (made by the first server's `create=on`,
+/// opened by the next one) on both its datapaths; the volume and its key are gone
+/// when the bench ends.
+#[test]
+fn luks_volumes_are_served_and_compared_with_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let out = dir.path().join("out");
+    let matrix = format!(
+        r#"
+reps = 1
+time = 0.3
+datapaths = ["udrive-nvme", "udrive-vhost"]
+backends = ["file", "file-luks"]
+poll = "adaptive"
+[file]
+dir = "{}"
+mib = 16
+[[workload]]
+rw = "randread"
+qd = [1, 8]
+"#,
+        data.display()
+    );
+    let o = bench(&matrix, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 8, "{runs:?}");
+    for r in &runs {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["perf"]["ios"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(
+        md.contains("### file-luks: against file, same datapath"),
+        "{md}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&data).unwrap().flatten().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// `udrive-nvme~b` is served by the binary `--udrive-b` names (here a wrapper that
+/// notes its calls), and driven by this one's `perf`.
+#[test]
+fn the_b_side_is_served_by_the_second_binary() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = dir.path().join("b-calls");
+    let b = dir.path().join("udrive-b");
+    std::fs::write(
+        &b,
+        format!(
+            "#!/bin/sh\necho \"$1\" >> {}\nexec {} \"$@\"\n",
+            calls.display(),
+            env!("CARGO_BIN_EXE_udrive")
+        ),
+    )
+    .unwrap();
+    let mut perm = std::fs::metadata(&b).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&b, perm).unwrap();
+    let out = dir.path().join("out");
+    let matrix = r#"
+reps = 2
+time = 0.2
+datapaths = ["udrive-nvme", "udrive-nvme~b"]
+backends = ["null"]
+baselines = ["udrive-nvme"]
+poll = "adaptive"
+[[workload]]
+rw = "randread"
+qd = [1]
+"#;
+    let o = bench(matrix, &out, &["--udrive-b", b.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let runs = raw_runs(&out);
+    let names: Vec<&str> = runs
+        .iter()
+        .map(|r| r["datapath"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "udrive-nvme",
+            "udrive-nvme~b",
+            "udrive-nvme~b",
+            "udrive-nvme"
+        ]
+    );
+    assert!(runs.iter().all(|r| r["error"].is_null()), "{runs:?}");
+    // One server per repetition, no client.
+    assert_eq!(std::fs::read_to_string(&calls).unwrap(), "serve\nserve\n");
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(md.contains("| udrive-nvme~b | 2 |"), "{md}");
+    assert!(md.contains("### null: against udrive-nvme"), "{md}");
+    let s = json(&out.join("summary.json"));
+    assert_eq!(s["host"]["udrive B (serves ~b)"], b.to_str().unwrap());
+}
+
+/// Without the guest chroot (here: `UDRIVE_VM_CACHE` names an empty directory) the
+/// VM datapaths are skipped with the reason, never started (no debootstrap); the
+/// others still run.
+#[test]
+fn vm_datapaths_without_the_guest_chroot_are_skipped_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let matrix = r#"
+reps = 1
+time = 0.2
+datapaths = ["vm-udrive-nvme", "vm-udrive-vhost", "vm-qemu-nvme", "vm-qemu-virtio", "fake-a"]
+backends = ["null"]
+[[workload]]
+rw = "randread"
+qd = [1]
+"#;
+    let f = out.with_extension("toml");
+    std::fs::write(&f, matrix).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["bench", "--matrix"])
+        .arg(&f)
+        .arg("--out")
+        .arg(&out)
+        .env("UDRIVE_VM_CACHE", dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = json(&out.join("summary.json"));
+    let skipped = s["skipped"].as_array().unwrap();
+    for d in [
+        "vm-udrive-nvme",
+        "vm-udrive-vhost",
+        "vm-qemu-nvme",
+        "vm-qemu-virtio",
+    ] {
+        let why = skipped
+            .iter()
+            .find(|k| k["datapath"] == d)
+            .unwrap_or_else(|| panic!("{d} not skipped: {skipped:?}"));
+        let why = why["reason"].as_str().unwrap();
+        // Not root: that reason comes first; root: the missing chroot.
+        assert!(
+            why.contains("scripts/vm-test once") || why.contains("root"),
+            "{why}"
+        );
+    }
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs[0]["datapath"], "fake-a");
+}

@@ -1,0 +1,63 @@
+//! What the `udrive bench` tests share: running the harness on a matrix and
+//! reading what it wrote.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+pub const FAKE: &str = r#"
+description = "fake datapaths"
+reps = 2
+time = 1.0
+datapaths = ["fake-a", "fake-b", "fake-c"]
+backends = ["null", "file"]
+baselines = ["fake-a"]
+[[workload]]
+rw = "randread"
+qd = [1, 8]
+jobs = [1, 2]
+[[workload]]
+rw = "randrw"
+rwmixread = 70
+qd = [4]
+"#;
+
+pub const POINTS: usize = 5;
+
+pub fn bench(matrix: &str, out: &Path, extra: &[&str]) -> std::process::Output {
+    let f = out.with_extension("toml");
+    std::fs::write(&f, matrix).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_udrive"))
+        .args(["bench", "--matrix"])
+        .arg(&f)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+pub fn json(p: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+}
+
+/// The raw runs in execution order.
+pub fn raw_runs(out: &Path) -> Vec<Value> {
+    let mut v: Vec<Value> = std::fs::read_dir(out.join("raw"))
+        .unwrap()
+        .map(|e| json(&e.unwrap().path()))
+        .collect();
+    v.sort_by_key(|r| r["seq"].as_u64().unwrap());
+    v
+}
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
