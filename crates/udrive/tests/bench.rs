@@ -7,9 +7,8 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::process::Command;
 
-use common::bench::{bench, json, median, raw_runs, FAKE, POINTS};
+use common::bench::{bench, bench_cmd, json, median, raw_runs, FAKE, POINTS};
 use serde_json::Value;
 use udrive::bench::matrix::{Matrix, MatrixError};
 
@@ -161,13 +160,7 @@ fn a_missing_tool_skips_its_datapath_with_the_reason() {
         r#"["fake-a", "fake-b", "fake-c"]"#,
         r#"["fake-a", "qsd-vhost"]"#,
     );
-    let f = out.with_extension("toml");
-    std::fs::write(&f, m).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args(["bench", "--matrix"])
-        .arg(&f)
-        .arg("--out")
-        .arg(&out)
+    let o = bench_cmd(&m, &out)
         .env("PATH", dir.path()) // no qemu-storage-daemon here
         .output()
         .unwrap();

@@ -8,7 +8,7 @@ mod common;
 
 use std::process::Command;
 
-use common::bench::{bench, json, median, raw_runs, FAKE, POINTS};
+use common::bench::{bench, bench_cmd, json, median, raw_runs, FAKE, POINTS};
 use serde_json::Value;
 use udrive::bench::matrix::{preset, Binary, DatapathKind, Matrix, MatrixError};
 
@@ -133,13 +133,7 @@ backends = ["null"]
 rw = "randread"
 qd = [1]
 "#;
-    let f = out.with_extension("toml");
-    std::fs::write(&f, matrix).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args(["bench", "--matrix"])
-        .arg(&f)
-        .arg("--out")
-        .arg(&out)
+    let o = bench_cmd(matrix, &out)
         .env_remove("SPDK_DIR")
         .output()
         .unwrap();
@@ -387,13 +381,7 @@ backends = ["null"]
 rw = "randread"
 qd = [1]
 "#;
-    let f = out.with_extension("toml");
-    std::fs::write(&f, matrix).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args(["bench", "--matrix"])
-        .arg(&f)
-        .arg("--out")
-        .arg(&out)
+    let o = bench_cmd(matrix, &out)
         .env("UDRIVE_VM_CACHE", dir.path())
         .output()
         .unwrap();

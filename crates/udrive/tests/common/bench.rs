@@ -25,17 +25,17 @@ qd = [4]
 
 pub const POINTS: usize = 5;
 
-pub fn bench(matrix: &str, out: &Path, extra: &[&str]) -> std::process::Output {
+/// `udrive bench --matrix OUT.toml --out OUT` on `matrix`, to run.
+pub fn bench_cmd(matrix: &str, out: &Path) -> Command {
     let f = out.with_extension("toml");
     std::fs::write(&f, matrix).unwrap();
-    Command::new(env!("CARGO_BIN_EXE_udrive"))
-        .args(["bench", "--matrix"])
-        .arg(&f)
-        .arg("--out")
-        .arg(out)
-        .args(extra)
-        .output()
-        .unwrap()
+    let mut c = Command::new(env!("CARGO_BIN_EXE_udrive"));
+    c.args(["bench", "--matrix"]).arg(&f).arg("--out").arg(out);
+    c
+}
+
+pub fn bench(matrix: &str, out: &Path, extra: &[&str]) -> std::process::Output {
+    bench_cmd(matrix, out).args(extra).output().unwrap()
 }
 
 pub fn json(p: &Path) -> Value {
