@@ -10,7 +10,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::control::Serve;
+use common::control::{wait_disconnected, Serve};
 use serde_json::json;
 use test_support::blkio::BlkioSession;
 use test_support::qemu::{have_qemu_tools, qemu_check, qemu_compare, qemu_create};
@@ -88,11 +88,21 @@ fn a_qcow2_image_moves_between_processes_with_its_metadata_and_locks() {
     // The source lets go (its VM left); the destination reads the clusters
     // the source allocated after the destination opened the image.
     drop(s);
+    wait_disconnected(&a, &va);
     a.ok("vhost_user_blk_remove", json!({"socket": va}));
-    let mut s = BlkioSession::open(&vb).unwrap();
+    // The source's image closes with its device; its locks go with it.
+    let until = std::time::Instant::now() + common::T;
+    let mut s = loop {
+        match BlkioSession::open(&vb) {
+            Ok(s) => break s,
+            Err(e) if std::time::Instant::now() > until => panic!("destination: {e}"),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    };
     read_back(&mut s, &[0, 3 << 20, 9 << 20], &want);
     write_chunks(&mut s, &[1 << 20, 3 << 20, 15 << 20], 0xb2, &mut want);
     drop(s);
+    wait_disconnected(&b, &vb);
     b.ok("vhost_user_blk_remove", json!({"socket": vb}));
     qemu_check(&img);
     qemu_compare(&img, &want);
