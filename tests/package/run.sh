@@ -20,7 +20,11 @@ source "$root/tests/package/libvirt.sh"
 CHROOT=$CACHE/bookworm-systemd
 # What the container needs beyond minbase: systemd as init, and the libraries
 # udrive links (the package's Depends are checked by dpkg, not fetched).
-PKGS=systemd,systemd-sysv,dbus,adduser,librbd1,librados2,libcryptsetup12,procps,$LIBVIRT_PKGS
+# libvirt comes after debootstrap, through apt-get in the chroot: debootstrap
+# configures packages in an order that fails polkitd (libvirt's dependency) before
+# logind is set up.
+BASE_PKGS=systemd,systemd-sysv,dbus,adduser,librbd1,librados2,libcryptsetup12,procps
+PKGS=$BASE_PKGS,$LIBVIRT_PKGS
 NSPAWN_PID=''
 pass=0 fail=0
 ok() { say "ok: $*"; pass=$((pass + 1)); }
@@ -57,6 +61,7 @@ check "man page renders" sh -c "man -l '$root/dist/generated/man/udrive-serve.1.
 check "bash completion loads" bash -c "source '$root/dist/generated/completions/udrive' && complete -p udrive"
 
 phase "boot a systemd container"
+[ -f "$CHROOT/.udrive-vm-ready" ] || ensure_chroot "$CHROOT" bookworm "$BASE_PKGS"
 ensure_chroot "$CHROOT" bookworm "$PKGS"
 systemd-nspawn -q -D "$CHROOT" --volatile=overlay --register=no --keep-unit \
     --bind="$TMP:/pkg" -b >"$TMP/container.log" 2>&1 &
