@@ -8,7 +8,9 @@ mod common;
 
 use std::process::Command;
 
-use common::bench::{bench, bench_cmd, json, median, raw_runs, FAKE, POINTS};
+use common::bench::{
+    bench, bench_cmd, json, median, ran_only, raw_runs, skip_reason, FAKE, POINTS,
+};
 use serde_json::Value;
 use udrive::bench::matrix::{preset, Binary, DatapathKind, Matrix, MatrixError};
 
@@ -138,21 +140,11 @@ qd = [1]
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let s = json(&out.join("summary.json"));
-    let skipped = s["skipped"].as_array().unwrap();
     for d in ["spdk-nvmf", "udrive-nvme-spdk"] {
-        let why = skipped
-            .iter()
-            .find(|k| k["datapath"] == d)
-            .unwrap_or_else(|| panic!("{d} not skipped: {skipped:?}"));
-        assert!(
-            why["reason"].as_str().unwrap().contains("SPDK_DIR"),
-            "{why}"
-        );
+        let why = skip_reason(&out, d);
+        assert!(why.contains("SPDK_DIR"), "{why}");
     }
-    let runs = raw_runs(&out);
-    assert_eq!(runs.len(), 1, "{runs:?}");
-    assert_eq!(runs[0]["datapath"], "fake-a");
+    ran_only(&out, "fake-a");
 }
 
 /// The `ab` preset names `udrive-nvme~b`, which needs the second binary: refused
@@ -386,26 +378,18 @@ qd = [1]
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let s = json(&out.join("summary.json"));
-    let skipped = s["skipped"].as_array().unwrap();
     for d in [
         "vm-udrive-nvme",
         "vm-udrive-vhost",
         "vm-qemu-nvme",
         "vm-qemu-virtio",
     ] {
-        let why = skipped
-            .iter()
-            .find(|k| k["datapath"] == d)
-            .unwrap_or_else(|| panic!("{d} not skipped: {skipped:?}"));
-        let why = why["reason"].as_str().unwrap();
+        let why = skip_reason(&out, d);
         // Not root: that reason comes first; root: the missing chroot.
         assert!(
             why.contains("scripts/vm-test once") || why.contains("root"),
             "{why}"
         );
     }
-    let runs = raw_runs(&out);
-    assert_eq!(runs.len(), 1, "{runs:?}");
-    assert_eq!(runs[0]["datapath"], "fake-a");
+    ran_only(&out, "fake-a");
 }

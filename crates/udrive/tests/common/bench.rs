@@ -61,3 +61,21 @@ pub fn median(mut v: Vec<f64>) -> f64 {
         (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
 }
+
+/// Why the run in `out` skipped datapath `d` (it must have).
+pub fn skip_reason(out: &Path, d: &str) -> String {
+    let s = json(&out.join("summary.json"));
+    let skipped = s["skipped"].as_array().unwrap();
+    let why = skipped
+        .iter()
+        .find(|k| k["datapath"] == d)
+        .unwrap_or_else(|| panic!("{d} not skipped: {skipped:?}"));
+    why["reason"].as_str().unwrap().to_owned()
+}
+
+/// The run in `out` ran datapath `d` alone, once.
+pub fn ran_only(out: &Path, d: &str) {
+    let runs = raw_runs(out);
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs[0]["datapath"], d);
+}
