@@ -101,7 +101,7 @@ start_qemu() {
     mkfifo "$TMP/ctl-$n.in" "$TMP/ctl-$n.out"
     # shellcheck disable=SC2054 # commas belong to QEMU options
     args=(
-        -accel tcg -smp 1 -m "$MEM"
+        -accel tcg -cpu "$TCG_CPU" -smp 1 -m "$MEM"
         -object "memory-backend-memfd,id=mem,size=$MEM,share=on" -numa node,memdev=mem
         -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
         -qmp "unix:$d/qmp-$n.sock,server=on,wait=off"

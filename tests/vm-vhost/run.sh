@@ -126,7 +126,7 @@ start_qemu() {
     mkfifo "$TMP/ctl.in" "$TMP/ctl.out" # ttyS1: host -> guest messages
     # shellcheck disable=SC2054 # commas belong to QEMU options
     QEMU_ARGS=(
-        -accel tcg -smp "$VCPUS" -m "$mem"
+        -accel tcg -cpu "$TCG_CPU" -smp "$VCPUS" -m "$mem"
         -object "memory-backend-memfd,id=mem,size=$mem,share=on" -numa node,memdev=mem
         -bios /usr/share/qemu/qboot.rom -nic none -nographic -monitor none
         -serial "file:$d/console.log" -chardev "pipe,id=ctl,path=$d/ctl" -serial chardev:ctl

@@ -155,6 +155,12 @@ in_chroot() {
 }
 
 # ------------------------------------------------------------ guest kernel
+# The CPU of TCG guests: QEMU's default model plus RDRAND, so that the guest's
+# random pool is ready at boot. Without it a 6.1 kernel makes the first readers
+# of /dev/urandom gather jitter entropy, and two vCPUs doing that at once under
+# TCG were seen to spin (a soft lockup on both) for minutes.
+TCG_CPU=qemu64,+rdrand
+
 # Debian 12's cloud kernel: vmlinuz plus the virtio modules, copied into $TMP
 # (vmlinuz) and $TMP/modules/*.ko. Cached in $CACHE/kernel.
 ensure_kernel() {

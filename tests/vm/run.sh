@@ -147,7 +147,7 @@ start_ceph() {
 start_qemu() {
     local mem=1G d=$IN_CHROOT
     : >"$TMP/console.log"
-    QEMU_ARGS=(-accel tcg -smp "$VCPUS" -m $mem)
+    QEMU_ARGS=(-accel tcg -cpu "$TCG_CPU" -smp "$VCPUS" -m $mem)
     if [ "$MEM" = shared ]; then
         QEMU_ARGS+=(-object memory-backend-memfd,id=mem,size=$mem,share=on -numa node,memdev=mem)
     fi

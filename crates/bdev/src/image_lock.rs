@@ -93,6 +93,9 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// a conflicting one since (it would have found the predecessor's).
 static SUCCESSOR: AtomicBool = AtomicBool::new(false);
 
+/// How long a conflicting lock may take to go away before it is a refusal.
+pub const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 fn registry() -> MutexGuard<'static, Option<HashMap<Key, Entry>>> {
     LOCKS.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -114,7 +117,27 @@ pub struct ImageLock {
 impl ImageLock {
     /// Locks `file` (opened from `path`) for `perms`, or says which
     /// permission another process holds or does not share.
+    ///
+    /// A conflict is tried again for [`RELEASE_WAIT`] before it is refused: a
+    /// process killed with I/O in flight (udrive restarted by its supervisor,
+    /// QEMU with `aio=io_uring`) keeps its file, and so its locks, until the
+    /// kernel has finished that I/O, after the process itself is gone.
     pub fn acquire(file: &File, path: &Path, perms: Perms) -> io::Result<ImageLock> {
+        let since = std::time::Instant::now();
+        loop {
+            match Self::try_acquire(file, path, perms) {
+                Err(e) if e.kind() == io::ErrorKind::ResourceBusy => {
+                    if since.elapsed() >= RELEASE_WAIT {
+                        return Err(e);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn try_acquire(file: &File, path: &Path, perms: Perms) -> io::Result<ImageLock> {
         let m = file.metadata()?;
         let key = (m.dev(), m.ino());
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
@@ -344,6 +367,23 @@ mod tests {
         let e = ImageLock::acquire(&f, &p, Perms::QCOW2_WRITER).unwrap_err();
         assert!(e.to_string().contains("does not share \"write\""), "{e}");
         drop((q, r));
+    }
+
+    #[test]
+    fn a_lock_released_soon_after_is_waited_for() {
+        let (_d, p) = image();
+        // A writer that has just been killed: its locks outlive it briefly.
+        let q = foreign(&p, &[100, 101, 103, 201, 203]);
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(RELEASE_WAIT / 20);
+            drop(q);
+        });
+        let f = File::open(&p).unwrap();
+        let w = ImageLock::acquire(&f, &p, Perms::QCOW2_WRITER).unwrap();
+        release.join().unwrap();
+        let other = File::open(&p).unwrap();
+        assert!(locked_elsewhere(&other, 101).unwrap());
+        drop(w);
     }
 
     #[test]

@@ -61,12 +61,24 @@ pub fn qemu_check_held(img: &Path) {
 }
 
 fn check(img: &Path, opts: &[&str]) {
-    let out = Command::new("qemu-img")
-        .args(["check", "-q"])
-        .args(opts)
-        .arg(img)
-        .output()
-        .unwrap();
+    let run = || {
+        Command::new("qemu-img")
+            .args(["check", "-q"])
+            .args(opts)
+            .arg(img)
+            .output()
+            .unwrap()
+    };
+    let mut out = run();
+    // A server just killed with I/O in flight keeps its locks until the
+    // kernel has finished that I/O, after the process is reaped.
+    let since = std::time::Instant::now();
+    while String::from_utf8_lossy(&out.stderr).contains("Failed to get")
+        && since.elapsed() < std::time::Duration::from_secs(10)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        out = run();
+    }
     assert!(
         matches!(out.status.code(), Some(0) | Some(3)),
         "qemu-img check {}: {:?} {}{}",
