@@ -571,12 +571,18 @@ fn stream_into_small_clusters_keeps_a_moved_refcount_table() {
     qemu_compare(&img, &want);
 }
 
-/// A job taken over by another process: the old disk is paused (its image's
-/// and the job's target's metadata written back) and left as a process that
-/// exits leaves it; a disk opened on the image it served (its spec still
-/// naming the base) goes on with the job from where it stopped, under guest
-/// writes, and the result is what the guest wrote.
-fn handed_over(kind: bdev::Qcow2JobKind, seed: u64) {
+/// A job half-way through a snapshotted disk, run under guest writes.
+struct Half {
+    _dir: tempfile::TempDir,
+    base: PathBuf,
+    overlay: PathBuf,
+    disk: Qcow2Disk,
+    want: Vec<u8>,
+    rng: Rng,
+    job: bdev::Qcow2Job,
+}
+
+fn half_done(kind: bdev::Qcow2JobKind, seed: u64) -> Half {
     let (dir, base, overlay, disk, _, mut want) = snapshotted(seed);
     let mut rng = Rng::new(seed + 100);
     let mut job = match kind {
@@ -589,6 +595,34 @@ fn handed_over(kind: bdev::Qcow2JobKind, seed: u64) {
         job.step().unwrap();
         random_ops(&mut *ch, &mut rng, &mut want, 1);
     }
+    drop(ch);
+    Half {
+        _dir: dir,
+        base,
+        overlay,
+        disk,
+        want,
+        rng,
+        job,
+    }
+}
+
+/// A job taken over by another process: the old disk is paused (its image's
+/// and the job's target's metadata written back) and left as a process that
+/// exits leaves it; a disk opened on the image it served (its spec still
+/// naming the base) goes on with the job from where it stopped, under guest
+/// writes, and the result is what the guest wrote.
+fn handed_over(kind: bdev::Qcow2JobKind, seed: u64) {
+    let Half {
+        _dir,
+        base,
+        overlay,
+        disk,
+        mut want,
+        mut rng,
+        job,
+    } = half_done(kind, seed);
+    let ch = disk.channel().unwrap();
     disk.pause().unwrap();
     let (done, target, pivot) = (job.done_bytes(), job.target_path(), job.pivot());
     assert!(done > 0 && done < job.total_bytes());
@@ -633,4 +667,56 @@ fn jobs_go_on_in_a_disk_opened_on_the_image_served() {
     handed_over(bdev::Qcow2JobKind::Commit, 46);
     handed_over(bdev::Qcow2JobKind::Mirror, 47);
     handed_over(bdev::Qcow2JobKind::Stream, 48);
+}
+
+/// A job on a disk whose VM migrates away and back: it waits while another
+/// process writes the image (here `qemu-io`, as the destination would), its
+/// target is let go with the image, and once the image is taken back a
+/// commit or mirror copies again from the start, so that what the other
+/// process wrote reaches the target too.
+fn migrated_away_and_back(kind: bdev::Qcow2JobKind, seed: u64) {
+    use bdev::WriterClaim;
+    let Half {
+        _dir,
+        overlay,
+        disk,
+        mut want,
+        mut rng,
+        mut job,
+        ..
+    } = half_done(kind, seed);
+    let done = job.done_bytes();
+    let claim = disk.claim();
+    claim.release().unwrap();
+    let e = job.step().unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}");
+    assert_eq!(job.done_bytes(), done);
+    // The other process can open the chain (QEMU's locks) and writes into
+    // clusters the job had copied already.
+    qemu_io(&overlay, &["write -P 0x6d 64k 128k".to_string()]);
+    fill(&mut want, 0x6d, 64 << 10, 128 << 10);
+    claim.take().unwrap();
+    assert_eq!(first_difference(&read_all(&disk), &want), None);
+    job.step().unwrap();
+    let again = if kind == bdev::Qcow2JobKind::Stream {
+        done + (64 << 10)
+    } else {
+        64 << 10
+    };
+    assert_eq!(job.done_bytes(), again, "{kind:?}");
+    run_with_guest(&disk, job, &mut rng, &mut want);
+    let result = disk.active_path();
+    drop((claim, disk));
+    qemu_check(&result);
+    qemu_compare(&result, &want);
+}
+
+#[test]
+fn a_job_waits_while_its_vm_is_away_and_starts_over_when_it_is_back() {
+    if !have_qemu_tools() {
+        return;
+    }
+    migrated_away_and_back(bdev::Qcow2JobKind::Commit, 51);
+    migrated_away_and_back(bdev::Qcow2JobKind::Mirror, 52);
+    migrated_away_and_back(bdev::Qcow2JobKind::Stream, 53);
 }

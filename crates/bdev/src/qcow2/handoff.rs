@@ -9,9 +9,16 @@
 //! it since, reads its tables again; releasing it (the VM left) writes the
 //! metadata back and lets the locks go. A destination's disk opens with
 //! nothing written or locked ([`super::Qcow2Options::inactive`]).
+//!
+//! A block job on the disk stops between two steps while the image is handed
+//! off, and its target (a commit's base, a mirror's copy) is written back and
+//! its locks let go with the image, so that the other process can open the
+//! chain. If the image comes back, a commit or mirror copies again from the
+//! start: what the guest wrote in the other process did not reach its target.
 
 use std::fmt;
 use std::io;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::live::{self, Active};
@@ -59,10 +66,14 @@ impl WriterClaim for Qcow2Claim {
         let image = self.active.get();
         image.set_lock(Perms::QCOW2_WRITER)?;
         if *handed_off {
-            if let Err(e) = image.reload() {
+            let taken = live::take_target(&image).and_then(|()| Ok(image.reload()?));
+            if let Err(e) = taken {
+                let _ = live::release_target(&image);
                 let _ = image.set_lock(Perms::NONE);
-                return Err(e.into());
+                return Err(e);
             }
+            image.takeovers.fetch_add(1, Ordering::AcqRel);
+            image.handed_off.store(false, Ordering::Release);
             tracing::info!(path = %image.path.display(), "qcow2: took the image over; its metadata was read again");
             *handed_off = false;
         }
@@ -78,9 +89,21 @@ impl WriterClaim for Qcow2Claim {
             return Ok(());
         }
         let image = self.active.get();
-        image.flush()?;
-        live::flush_target(&image)?;
-        image.set_lock(Perms::NONE)?;
+        {
+            // Under the metadata lock: a block job's step in progress ends
+            // first, and the next one waits until the image comes back.
+            let _meta = image.meta();
+            image.handed_off.store(true, Ordering::Release);
+        }
+        let released = image
+            .flush()
+            .and_then(|()| live::release_target(&image))
+            .and_then(|()| image.set_lock(Perms::NONE));
+        if let Err(e) = released {
+            let _ = live::take_target(&image);
+            image.handed_off.store(false, Ordering::Release);
+            return Err(e);
+        }
         *handed_off = true;
         Ok(())
     }

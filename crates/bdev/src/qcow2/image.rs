@@ -53,6 +53,13 @@ pub(super) struct Image {
     pub writes_slow: std::sync::atomic::AtomicBool,
     /// QEMU's locks on the image file (none with `locking=off`).
     lock: Option<ImageLock>,
+    /// Another process may write the image now (set under `meta`): a block
+    /// job's step waits.
+    pub(super) handed_off: std::sync::atomic::AtomicBool,
+    /// Times the image was taken back from another process: a commit or
+    /// mirror copies again from the start, as the other process's writes did
+    /// not go through to its target.
+    pub(super) takeovers: AtomicU64,
 }
 
 /// A commit's base, written through by every guest write while the job runs.
@@ -166,6 +173,8 @@ impl Image {
             through: Mutex::new(None),
             writes_slow: std::sync::atomic::AtomicBool::new(false),
             lock,
+            handed_off: std::sync::atomic::AtomicBool::new(o.inactive),
+            takeovers: AtomicU64::new(0),
         })
     }
 

@@ -28,6 +28,7 @@ use super::header::Header;
 use super::image::{Image, OpenOpts, Through};
 use super::tables::{Cluster, COPIED, ZERO};
 use super::Qcow2Disk;
+use crate::image_lock::Perms;
 use crate::{FileEngine, IoChannel};
 
 /// The image a disk's channels serve, replaceable while the device is paused.
@@ -140,6 +141,8 @@ pub struct BlockJob {
     buf: Vec<u8>,
     /// Mirror: serve the copy at the end.
     pivot: bool,
+    /// The image's `takeovers` when the job last stepped.
+    takeovers: u64,
 }
 
 impl BlockJob {
@@ -148,10 +151,11 @@ impl BlockJob {
         BlockJob {
             kind,
             clusters: image.header.size.div_ceil(cs),
-            image,
             next: 0,
             buf: vec![0; cs as usize],
             pivot,
+            takeovers: image.takeovers.load(Ordering::Acquire),
+            image,
         }
     }
     pub fn kind(&self) -> JobKind {
@@ -191,7 +195,19 @@ impl BlockJob {
     }
     /// Does one cluster; `Ok(None)` once all are done, else the bytes copied
     /// (0 for a cluster that needed nothing).
+    ///
+    /// While another process writes the image (the VM migrated away) it
+    /// fails with [`io::ErrorKind::WouldBlock`] and copies nothing: try again
+    /// later. Once the image came back, a commit or mirror starts over.
     pub fn step(&mut self) -> io::Result<Option<u64>> {
+        let takeovers = self.image.takeovers.load(Ordering::Acquire);
+        if takeovers != self.takeovers {
+            self.takeovers = takeovers;
+            if self.kind != JobKind::Stream && self.next > 0 {
+                tracing::info!(path = %self.image.path.display(), "qcow2 {:?}: the image was written by another process meanwhile; copying again from the start", self.kind);
+                self.next = 0;
+            }
+        }
         if self.next >= self.clusters {
             return Ok(None);
         }
@@ -208,6 +224,7 @@ impl BlockJob {
     fn populate(&mut self, c: u64) -> io::Result<bool> {
         let img = &self.image;
         let mut meta = img.meta();
+        check_not_handed_off(img)?;
         // A cluster with subclusters left to the backing file is made whole,
         // in its own space when it has some.
         let own = match img.cluster(&mut meta, c)? {
@@ -237,6 +254,7 @@ impl BlockJob {
     fn copy(&mut self, c: u64) -> io::Result<bool> {
         let img = &self.image;
         let mut meta = img.meta();
+        check_not_handed_off(img)?;
         let cluster = img.cluster(&mut meta, c)?;
         let mirror = self.kind == JobKind::Mirror;
         if cluster == Cluster::Unallocated && !mirror {
@@ -306,11 +324,48 @@ impl BlockJob {
 /// Writes back the metadata of the image a commit or mirror of `img` writes
 /// into (a successor opens it again).
 pub(super) fn flush_target(img: &Image) -> io::Result<()> {
-    let base = {
-        let t = img.through.lock().unwrap_or_else(|p| p.into_inner());
-        t.as_ref().map(|t| t.base.clone())
-    };
-    base.map_or(Ok(()), |b| b.flush())
+    target(img).map_or(Ok(()), |b| b.flush())
+}
+
+/// The image a commit or mirror of `img` writes into, if a job runs.
+fn target(img: &Image) -> Option<Arc<Image>> {
+    let t = img.through.lock().unwrap_or_else(|p| p.into_inner());
+    t.as_ref().map(|t| t.base.clone())
+}
+
+/// With `img` handed to another process: its job's target is written back
+/// and unlocked too (the other process opens it as part of the chain).
+pub(super) fn release_target(img: &Image) -> io::Result<()> {
+    match target(img) {
+        Some(b) => b.flush().and_then(|()| b.set_lock(Perms::NONE)),
+        None => Ok(()),
+    }
+}
+
+/// With `img` taken back: its job's target is locked and read again.
+pub(super) fn take_target(img: &Image) -> io::Result<()> {
+    match target(img) {
+        Some(b) => {
+            b.set_lock(Perms::QCOW2_WRITER)?;
+            Ok(b.reload()?)
+        }
+        None => Ok(()),
+    }
+}
+
+/// Refuses a job's step while the image is handed off (the VM migrated away,
+/// or its device is paused for a handover).
+pub(super) fn check_not_handed_off(img: &Image) -> io::Result<()> {
+    if img.handed_off.load(Ordering::Acquire) {
+        return Err(io::Error::new(
+            io::ErrorKind::WouldBlock,
+            format!(
+                "{}: another process writes the image now (its VM migrated there)",
+                img.path.display()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn take_through(img: &Image) -> Option<Arc<Image>> {

@@ -30,6 +30,8 @@ pub const QUIESCE_LIMIT: Duration = Duration::from_secs(5);
 
 /// Finished jobs kept for `get_jobs`, the oldest dropped first.
 const KEEP_FINISHED: usize = 32;
+/// How often a job whose image another process writes looks again.
+const HANDED_OFF_RETRY: Duration = Duration::from_millis(200);
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum JobState {
@@ -422,6 +424,7 @@ fn run(server: &Server, rec: &Job, job: Qcow2Job, disk: &QosDisk) {
 /// Steps the job to its end, honouring pause, cancel and the rate.
 fn steps(rec: &Job, mut job: Qcow2Job) -> Outcome {
     let mut next = Instant::now();
+    let mut waiting = false;
     loop {
         {
             let mut c = rec.control();
@@ -465,7 +468,56 @@ fn steps(rec: &Job, mut job: Qcow2Job) -> Outcome {
                 }
             }
             Ok(None) => return Outcome::Done(job),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                // The VM migrated away: wait for it to come back (or a cancel).
+                if !waiting {
+                    tracing::info!(job = rec.id, "block job waits: {e}");
+                }
+                waiting = true;
+                next = Instant::now() + HANDED_OFF_RETRY;
+                continue;
+            }
             Err(e) => return Outcome::Failed(job, e.to_string()),
         }
+        waiting = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bdev::{create_qcow2, Qcow2Create, Qcow2Disk, Qcow2Options, WriterClaim};
+
+    #[test]
+    fn a_job_waits_while_another_process_writes_its_image() {
+        let dir = tempfile::tempdir().unwrap();
+        let (base, top) = (dir.path().join("base.qcow2"), dir.path().join("top.qcow2"));
+        let create = |p: &Path, backing: Option<&str>| {
+            let o = Qcow2Create {
+                size: 4 << 20,
+                cluster_size: 64 << 10,
+                backing: backing.map(str::to_string),
+            };
+            create_qcow2(p, &o).unwrap();
+        };
+        create(&base, None);
+        create(&top, Some("base.qcow2"));
+        let disk = Qcow2Disk::open(&top, Qcow2Options::default()).unwrap();
+        let job = disk.start_job(Qcow2JobKind::Stream).unwrap();
+        let claim = disk.claim();
+        claim.release().unwrap();
+        let rec = Arc::new(Job::new(1, &job, Path::new("/run/vm.sock"), None, 0));
+        let theirs = rec.clone();
+        let t = std::thread::spawn(move || matches!(steps(&theirs, job), Outcome::Done(_)));
+        std::thread::sleep(HANDED_OFF_RETRY * 3);
+        // Neither failed nor done while the image is away, however long that is.
+        assert!(!t.is_finished());
+        assert_eq!(rec.done.load(Ordering::Relaxed), 0);
+        claim.take().unwrap();
+        assert!(
+            t.join().unwrap(),
+            "the job did not finish once its image came back"
+        );
+        assert_eq!(rec.done.load(Ordering::Relaxed), 4 << 20);
     }
 }
