@@ -217,6 +217,63 @@ start_ceph() {
     say "ceph: $(tail -n 2 "$TMP/ceph.log" | head -n 1 | cut -c1-120); image rbd/mig, ${DISK_MIB} MiB"
 }
 
+# A block stream on A across the migrations: started slow (1 MiB/s over the
+# base's pattern) so that it still runs at the switch-over; while the VM runs on
+# B it must wait without copying (A does not write the image B writes); once the
+# VM is back it finishes on A at full speed.
+rpc_a() { "$UDRIVE" rpc --rpc "$TMP/rpc-a.sock" "$@" 2>&1; }
+job_field() { grep -oE "\"$1\": *\"?[a-z0-9]*" | head -n1 | grep -oE '[a-z0-9]*$'; }
+stream_start() {
+    local out
+    if out=$(rpc_a block_stream "{\"socket\":\"$TMP/a.sock\",\"rate\":\"1M\"}") &&
+        STREAM_ID=$(job_field job <<<"$out") && [ -n "$STREAM_ID" ]; then
+        say "stream: job $STREAM_ID on A at 1 MiB/s"
+    else
+        host_result stream-across-migration FAIL "block_stream on A: $(tr '\n' ' ' <<<"$out" | cut -c1-200)"
+    fi
+}
+stream_job() { rpc_a get_jobs | tr -d '\n' | grep -oE "\{[^{}]*\"id\": *$STREAM_ID,[^{}]*\}"; }
+stream_waits() {
+    [ -n "${STREAM_ID:-}" ] || return 0
+    local j1 j2
+    j1=$(stream_job) && sleep 1.5 && j2=$(stream_job)
+    STREAM_AWAY="state $(job_field state <<<"$j2"), done $(job_field done <<<"$j1") -> $(job_field done <<<"$j2") bytes in 1.5 s"
+    if [ "$(job_field state <<<"$j2")" != running ] || [ "$(job_field done <<<"$j1")" != "$(job_field done <<<"$j2")" ] ||
+        ! grep -q 'block job waits' "$TMP/udrive-a.log"; then
+        host_result stream-across-migration FAIL "while the VM ran on B, A's stream went on or ended: $STREAM_AWAY"
+        STREAM_ID=
+    fi
+}
+stream_finishes() {
+    [ -n "${STREAM_ID:-}" ] || return 0
+    local out
+    rpc_a job_set_rate "{\"id\":$STREAM_ID,\"rate\":0}" >/dev/null
+    for _ in $(seq 120); do
+        out=$(stream_job)
+        [ "$(job_field state <<<"$out")" = running ] || break
+        sleep 0.5
+    done
+    if [ "$(job_field state <<<"$out")" = completed ]; then
+        STREAM_DONE=1
+    else
+        host_result stream-across-migration FAIL "after the VM came back to A: $out"
+    fi
+}
+# After the servers exited: the stream's result is in disk.qcow2 alone.
+stream_check() {
+    [ "${STREAM_DONE:-}" = 1 ] || return 0
+    local info
+    info=$(qemu-img info "$TMP/disk.qcow2" 2>&1)
+    if grep -q 'backing file' <<<"$info"; then
+        host_result stream-across-migration FAIL "disk.qcow2 still has a backing file: $(grep 'backing file' <<<"$info")"
+    elif qemu-io -f qcow2 -c "read -q -P 0x5a ${CHECK_MIB}M $((DISK_MIB - CHECK_MIB))M" "$TMP/disk.qcow2" >"$TMP/stream-read.out" 2>&1 &&
+        ! grep -q 'Pattern verification failed' "$TMP/stream-read.out"; then
+        host_result stream-across-migration PASS "started on A, waited on A while the VM ran on B ($STREAM_AWAY), finished on A after the VM came back: disk.qcow2 stands alone and holds the base's pattern"
+    else
+        host_result stream-across-migration FAIL "disk.qcow2 does not hold the base's pattern past migcheck's region: $(head -c 200 "$TMP/stream-read.out")"
+    fi
+}
+
 # ------------------------------------------------------------ main
 phase "setup: bookworm chroot with QEMU 7.2"
 ensure_chroot "$BOOKWORM" bookworm "$BOOKWORM_PKGS"
@@ -243,9 +300,14 @@ if [ "$BACKEND" = rbd ]; then
     start_ceph
     DISK_OPTS=''
 elif [ "$BACKEND" = qcow2 ]; then
-    # Empty: every guest write allocates, so each process must see the clusters
-    # and tables the other one wrote before it took the image over.
-    qemu-img create -q -f qcow2 "$TMP/disk.qcow2" "${DISK_MIB}M"
+    # Empty over its base: every guest write allocates, so each process must see
+    # the clusters and tables the other one wrote before it took the image over.
+    # The base holds a pattern past migcheck's region, which a stream started on
+    # A copies up while the VM migrates (stream_* below).
+    qemu-img create -q -f qcow2 "$TMP/base.qcow2" "${DISK_MIB}M"
+    qemu-io -f qcow2 -c "write -q -P 0x5a ${CHECK_MIB}M $((DISK_MIB - CHECK_MIB))M" "$TMP/base.qcow2" >/dev/null ||
+        die "qemu-io could not fill base.qcow2"
+    qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 "$TMP/disk.qcow2" "${DISK_MIB}M"
     DISK_SPEC="qcow2:$TMP/disk.qcow2"
     DISK_OPTS=''
 else
@@ -265,10 +327,13 @@ fi
 start_qemu 1 a
 wait_passes 1 "$PASSES" || HARNESS_FAIL+=("no migcheck passes on QEMU 1")
 
+[ "$BACKEND" != qcow2 ] || stream_start
 phase "migrate QEMU 1 (udrive A) -> QEMU 2 (udrive B)"
 hop 1 2 b
+[ "$BACKEND" != qcow2 ] || stream_waits
 phase "migrate back QEMU 2 (udrive B) -> QEMU 3 (udrive A)"
 hop 2 3 a
+[ "$BACKEND" != qcow2 ] || stream_finishes
 LAST=${#QEMU_PIDS[@]}
 phase "final check on QEMU $LAST"
 timeout 5 sh -c 'printf "stop\n" >"$1"' - "$TMP/ctl-$LAST.in" || say "could not write to ttyS1 of QEMU $LAST"
@@ -303,6 +368,7 @@ fi
 
 # Both processes wrote the image's metadata in turn: it must still be whole.
 if [ "$BACKEND" = qcow2 ]; then
+    stream_check
     if out=$(qemu-img check "$TMP/disk.qcow2" 2>&1); then
         host_result qcow2-check PASS "qemu-img check: $(echo "$out" | grep -m1 -E 'No errors|allocated' | cut -c1-100)"
     else
