@@ -243,6 +243,14 @@ stream_waits() {
         host_result stream-across-migration FAIL "while the VM ran on B, A's stream went on or ended: $STREAM_AWAY"
         STREAM_ID=
     fi
+    # Nor does A start anything on the image B writes.
+    local out
+    out=$(rpc_a qcow2_snapshot_create "{\"socket\":\"$TMP/a.sock\",\"path\":\"$TMP/snap.qcow2\"}")
+    if grep -q 'runs in another process' <<<"$out" && [ ! -e "$TMP/snap.qcow2" ]; then
+        host_result source-changes-nothing PASS "a snapshot on A while the VM runs on B is refused: $(grep -o 'the VM of .*' <<<"$out" | cut -c1-120)"
+    else
+        host_result source-changes-nothing FAIL "a snapshot on A while the VM runs on B: $(tr '\n' ' ' <<<"$out" | cut -c1-200)"
+    fi
 }
 stream_finishes() {
     [ -n "${STREAM_ID:-}" ] || return 0

@@ -33,6 +33,9 @@ RECONNECT=${UDRIVE_VHOST_RECONNECT:-1}
 WRITERS=${UDRIVE_VHOST_WRITERS:-4}        # concurrent guest writers (requests in flight) during the reconnect
 KILL_AFTER=${UDRIVE_VHOST_KILL_AFTER:-16}  # acknowledged chunks before the SIGKILL
 DOWN_SECS=${UDRIVE_VHOST_DOWN_SECS:-1}     # backend down time
+# KILL: a crash (the guest's requests in flight stay in the inflight log); TERM: a
+# stop (udrive finishes what is in flight first), as `systemctl restart` does.
+RECON_SIGNAL=${UDRIVE_VHOST_RECON_SIGNAL:-KILL}
 STALL_SECS=${UDRIVE_VHOST_STALL_SECS:-60}  # no guest progress after the restart = failure
 TIMEOUT=${UDRIVE_VM_TIMEOUT:-240}
 UDRIVE_ARGS=${UDRIVE_VHOST_ARGS:-} # more `udrive serve` options, e.g. "--placement single"
@@ -178,11 +181,11 @@ host_resize() {
 # the same socket and file, tell the guest; then watch that the guest's I/O resumes.
 RECON_STATE=off RECON_ACKS=0 KILL_T='' RESUME_T='' ACKS_AT_KILL=0 LAST_PROGRESS_T=''
 kill_and_restart() {
-    say "reconnect: SIGKILL $BACKEND (pid $SERVER_PID) after $RECON_ACKS acknowledged chunks"
+    say "reconnect: SIG$RECON_SIGNAL $BACKEND (pid $SERVER_PID) after $RECON_ACKS acknowledged chunks"
     KILL_T=$EPOCHREALTIME ACKS_AT_KILL=$RECON_ACKS
-    kill -KILL "$SERVER_PID"
+    kill "-$RECON_SIGNAL" "$SERVER_PID"
     wait "$SERVER_PID" 2>/dev/null || true
-    echo "---- $(date +%T.%N) killed with SIGKILL" >>"$TMP/backend.log"
+    echo "---- $(date +%T.%N) stopped with SIG$RECON_SIGNAL" >>"$TMP/backend.log"
     sleep "$DOWN_SECS"
     start_backend
     say "reconnect: $BACKEND restarted (pid $SERVER_PID) $(elapsed "$KILL_T") s after the kill"

@@ -29,6 +29,11 @@ pub trait FrontEnd: Traced + Send {
     fn remove_method(&self) -> &'static str;
     /// A client (VMM) is connected.
     fn connected(&self) -> bool;
+    /// Whether it writes its disks now (a live migration's source after its
+    /// VM left, or destination before it arrived, does not).
+    fn writes_disk(&self) -> bool {
+        true
+    }
     /// Stops serving and removes the socket.
     fn stop(self: Box<Self>);
     /// Its `get_devices` entry: configuration and state.

@@ -147,6 +147,9 @@ impl FrontEnd for VhostBlkDevice {
     fn connected(&self) -> bool {
         self.dev.connected()
     }
+    fn writes_disk(&self) -> bool {
+        self.dev.writes_disk()
+    }
     fn stop(self: Box<Self>) {
         self.dev.stop()
     }
@@ -170,6 +173,7 @@ impl FrontEnd for VhostBlkDevice {
             "size_bytes": v.dev.capacity_bytes(),
             "qos": crate::json::qos_json(v.disk.limits()),
             "state": {
+                "writer": v.dev.writes_disk(),
                 "poll_mode": v.dev.poll_mode().as_str(),
                 "queue_reactors": v.dev.queue_reactors(),
             },

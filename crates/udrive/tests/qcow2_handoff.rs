@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::Command;
 
 use common::control::{wait_disconnected, Serve};
-use serde_json::json;
+use serde_json::{json, Value};
 use test_support::blkio::BlkioSession;
 use test_support::qemu::{have_qemu_tools, qemu_check, qemu_compare, qemu_create};
 
@@ -48,6 +48,15 @@ fn read_back(s: &mut BlkioSession, offsets: &[usize], want: &[u8]) {
     }
 }
 
+/// `get_devices`' `state.writer` of the device on `sock`.
+fn writer(s: &Serve, sock: &Path) -> Value {
+    let all = s.ok("get_devices", json!({}));
+    let dev = all
+        .as_array()
+        .and_then(|a| a.iter().find(|d| d["socket"] == json!(sock)));
+    dev.unwrap_or_else(|| panic!("{} not in {all}", sock.display()))["state"]["writer"].clone()
+}
+
 fn add(s: &Serve, sock: &Path, disk: String) {
     s.ok("vhost_user_blk_add", json!({"socket": sock, "disk": disk}));
 }
@@ -69,6 +78,17 @@ fn a_qcow2_image_moves_between_processes_with_its_metadata_and_locks() {
     let (va, vb) = (a.path("src.sock"), b.path("dst.sock"));
     add(&a, &va, format!("qcow2:{i}"));
     add(&b, &vb, format!("qcow2:{i},incoming"));
+    // The destination changes nothing of an image it does not write yet.
+    assert_eq!(writer(&b, &vb), json!(false));
+    let snap = dir.path().join("snap.qcow2");
+    let params = json!({"socket": vb, "path": snap});
+    b.err(
+        "qcow2_snapshot_create",
+        params,
+        -32000,
+        "runs in another process",
+    );
+    assert!(!snap.exists());
     let mut s = BlkioSession::open(&va).unwrap();
     write_chunks(&mut s, &[0, 3 << 20, 9 << 20], 0xa1, &mut want);
 
@@ -100,6 +120,7 @@ fn a_qcow2_image_moves_between_processes_with_its_metadata_and_locks() {
         }
     };
     read_back(&mut s, &[0, 3 << 20, 9 << 20], &want);
+    assert_eq!(writer(&b, &vb), json!(true));
     write_chunks(&mut s, &[1 << 20, 3 << 20, 15 << 20], 0xb2, &mut want);
     drop(s);
     wait_disconnected(&b, &vb);

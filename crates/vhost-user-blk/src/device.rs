@@ -324,6 +324,12 @@ impl VhostUserBlk {
         }
     }
 
+    /// Whether the device writes its disk: not a migration's destination
+    /// before its VM starts here, nor a source after its VM left.
+    pub fn writes_disk(&self) -> bool {
+        self.shared.migration.wanted()
+    }
+
     /// Whether the device is paused ([`pause`](Self::pause)).
     pub fn paused(&self) -> bool {
         lock(&self.handover).paused

@@ -479,6 +479,13 @@ impl VhostUserBackendReqHandlerMut for Handler {
         self.claim_if_starting(index, false)?;
         let mut st = self.vring(u32::from(index))?;
         st.call = fd;
+        // A reconnecting front end may start the ring before it sends its call
+        // fd: requests the ring had in flight complete meanwhile with nobody to
+        // tell, and a guest with EVENT_IDX then waits for that interrupt
+        // forever. One spurious interrupt costs a driver a look at its used ring.
+        if st.call.is_some() {
+            st.signal_used();
+        }
         self.start_if_kicked(usize::from(index), &mut st)
     }
 

@@ -167,6 +167,13 @@ impl Guest {
     /// One virtio-blk request of 512 bytes at sector 1 (`out`: a write of
     /// `fill`); returns its status.
     fn request(&mut self, out: bool, fill: u8) -> u8 {
+        self.post(out, fill);
+        self.kick.write(1).unwrap();
+        self.completed()
+    }
+
+    /// Puts the request on the avail ring, without a kick.
+    fn post(&mut self, out: bool, fill: u8) {
         let mut h = Vec::new();
         h.extend_from_slice(&u32::from(out).to_le_bytes());
         h.extend_from_slice(&0u32.to_le_bytes());
@@ -181,7 +188,10 @@ impl Guest {
         self.put(slot, &0u16.to_le_bytes());
         self.avail = self.avail.wrapping_add(1);
         self.put(AVAIL + 2, &self.avail.to_le_bytes());
-        self.kick.write(1).unwrap();
+    }
+
+    /// Waits for every posted request to be used; the last one's status.
+    fn completed(&self) -> u8 {
         let want = self.avail;
         assert!(
             engine::wait_until(Duration::from_secs(10), Duration::from_millis(1), || {
@@ -230,6 +240,42 @@ fn setup_config_and_io_on_a_ring() {
     assert_eq!(g.request(false, 0), 0);
     assert_eq!(g.data(), vec![0x5a; 512]);
     assert_eq!(dev.connections(), 2);
+    dev.stop();
+}
+
+/// QEMU reconnecting: the ring starts (kick, enable) with a request already
+/// on it and before the call fd comes; the request completes with nobody to
+/// tell, so the call fd must be signalled once it arrives, or a guest using
+/// EVENT_IDX waits for that interrupt forever.
+#[test]
+fn a_call_fd_sent_after_the_ring_started_is_signalled() {
+    let path = sock("late-call.sock");
+    let d = disk();
+    let dev = start(&path, &d);
+    let mut g = Guest::connect(&path);
+    g.post(true, 0x3c);
+    let fe = &mut g.fe;
+    fe.set_vring_num(0, QSIZE).unwrap();
+    let cfg = VringConfigData {
+        queue_max_size: QSIZE,
+        queue_size: QSIZE,
+        flags: 0,
+        desc_table_addr: UADDR + DESC,
+        used_ring_addr: UADDR + USED,
+        avail_ring_addr: UADDR + AVAIL,
+        log_addr: None,
+    };
+    fe.set_vring_addr(0, &cfg).unwrap();
+    fe.set_vring_base(0, 0).unwrap();
+    fe.set_vring_kick(0, &g.kick).unwrap();
+    fe.set_vring_enable(0, true).unwrap();
+    assert_eq!(g.completed(), 0);
+    let call = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    g.fe.set_vring_call(0, &call).unwrap();
+    assert!(
+        call.read().is_ok_and(|n| n > 0),
+        "the new call fd was not signalled"
+    );
     dev.stop();
 }
 

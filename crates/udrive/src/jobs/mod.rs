@@ -284,8 +284,18 @@ pub fn quiesced<R>(st: &mut State, socket: &Path, f: impl FnOnce() -> Result<R>)
     r
 }
 
-/// Refuses a change to a disk a job works on.
+/// Refuses a change to a disk a job works on, or whose VM runs in another
+/// process (a live migration's source after the VM left, or destination
+/// before it arrived: the image is that process's to change).
 pub fn refuse_if_busy(st: &State, socket: &Path, nsid: Option<u32>) -> Result<()> {
+    let device = st.devices.iter().find(|d| same_socket(d.socket(), socket));
+    if device.is_some_and(|d| !d.writes_disk()) {
+        bail!(
+            "the VM of {} runs in another process (live migration): snapshots and block \
+             jobs go where it runs",
+            socket.display()
+        );
+    }
     match st.jobs.active_on(socket, nsid) {
         Some(j) => bail!(
             "block job {} ({}) runs on this disk: let it finish or cancel it first",
