@@ -231,35 +231,116 @@ fn a_vhost_user_blk_disk_is_snapshotted_and_committed_under_libblkio() {
     if !have_qemu_tools() {
         return;
     }
-    use test_support::blkio::BlkioSession;
     let dir = tempfile::tempdir().unwrap();
     let srv = Serve::start(&["--allow-dir", dir.path().to_str().unwrap()]);
     let v = srv.path("v.sock");
     let base = dir.path().join("base.qcow2");
     let disk = format!("qcow2:{},create=8M", base.display());
     srv.ok("vhost_user_blk_add", json!({"socket": v, "disk": disk}));
-    let mut s = BlkioSession::open(&v).unwrap();
-    let mut want = vec![0u8; 8 << 20];
-    let mut n = 0u8;
-    let mut rounds = |s: &mut BlkioSession, want: &mut [u8], k: u64| {
-        for i in 0..k {
-            n = n.wrapping_add(1);
-            let off = (u64::from(n) * 37 + i * 301) % 2000 * 4096;
-            s.round(off, n).unwrap();
-            want[off as usize..off as usize + 4096].fill(n);
-        }
-    };
-    rounds(&mut s, &mut want, 20);
+    let mut s = Rounds::open(&v);
+    s.run(20);
     let top = dir.path().join("top.qcow2");
     srv.ok("qcow2_snapshot_create", json!({"socket": v, "path": top}));
-    rounds(&mut s, &mut want, 20);
+    s.run(20);
     let id = srv.ok("block_commit", json!({"socket": v, "rate": "4M"}))["job"].clone();
-    rounds(&mut s, &mut want, 20);
+    s.run(20);
     wait_state(&srv, &id, "completed");
-    rounds(&mut s, &mut want, 20);
-    drop(s);
+    s.run(20);
+    let want = s.close();
     wait_disconnected(&srv, &v);
     srv.ok("vhost_user_blk_remove", json!({"socket": v}));
+    qemu_check(&base);
+    qemu_compare(&base, &want);
+}
+
+/// A libblkio client writing 4 KiB rounds (write, read back) over 8 MiB of a
+/// vhost-user-blk disk, and what the disk must hold.
+struct Rounds {
+    s: test_support::blkio::BlkioSession,
+    want: Vec<u8>,
+    n: u8,
+}
+
+impl Rounds {
+    fn open(sock: &Path) -> Rounds {
+        let s = test_support::blkio::BlkioSession::open(sock).unwrap();
+        Rounds {
+            s,
+            want: vec![0u8; 8 << 20],
+            n: 0,
+        }
+    }
+    fn run(&mut self, k: u64) {
+        for i in 0..k {
+            self.n = self.n.wrapping_add(1);
+            let off = (u64::from(self.n) * 37 + i * 301) % 2000 * 4096;
+            self.s.round(off, self.n).unwrap();
+            self.want[off as usize..off as usize + 4096].fill(self.n);
+        }
+    }
+    fn close(self) -> Vec<u8> {
+        self.want
+    }
+}
+
+/// A commit on a vhost-user-blk disk across `udrive upgrade`: the connection
+/// and the job are taken over, guest writes go on through the new process
+/// (written through to the base), and the job ends there.
+#[test]
+fn a_commit_on_a_vhost_user_blk_disk_goes_on_after_a_live_handover() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let s = common::served::Service::start(|dir| {
+        format!(
+            "cpus = \"0\"\nrpc = \"{}\"\n[[vhost_user_blk]]\nsocket = \"{}\"\n\
+             disk = \"qcow2:{},create=8M\"\n",
+            dir.join("rpc.sock").display(),
+            dir.join("v.sock").display(),
+            dir.join("base.qcow2").display()
+        )
+    });
+    let (v, base) = (s.path("v.sock"), s.path("base.qcow2"));
+    let ok = |m: &str, p: Value| {
+        s.rpc(m, p)
+            .unwrap_or_else(|e| panic!("{m}: {e}\n{}", s.log()))
+    };
+    let job = |id: &Value| {
+        let jobs = ok("get_jobs", json!({}));
+        let j = jobs.as_array().unwrap().iter().find(|j| j["id"] == *id);
+        j.cloned()
+            .unwrap_or_else(|| panic!("job {id} not in {jobs}"))
+    };
+    let mut r = Rounds::open(&v);
+    r.run(20);
+    ok(
+        "qcow2_snapshot_create",
+        json!({"socket": v, "path": s.path("top.qcow2")}),
+    );
+    r.run(40);
+    let id = ok("block_commit", json!({"socket": v, "rate": "64K"}))["job"].clone();
+    r.run(10);
+    wait_until("the commit copies", T, || {
+        job(&id)["done"].as_u64() > Some(0)
+    });
+    let before = job(&id);
+    assert!(
+        before["done"].as_u64() < before["total"].as_u64(),
+        "{before}"
+    );
+    let pid = s.pid();
+    s.upgrade_ok("commit running on a vhost-user-blk disk");
+    assert_ne!(s.pid(), pid, "a new process serves");
+    let after = job(&id);
+    assert_eq!(after["state"], "running", "{after}");
+    assert!(after["done"].as_u64() >= before["done"].as_u64(), "{after}");
+    r.run(20);
+    ok("job_set_rate", json!({"id": id, "rate": 0}));
+    wait_until("commit completed", T, || job(&id)["state"] == "completed");
+    r.run(20);
+    let want = r.close();
+    // A clean stop writes the metadata back.
+    s.stop();
     qemu_check(&base);
     qemu_compare(&base, &want);
 }
