@@ -69,16 +69,17 @@ fn check(img: &Path, opts: &[&str]) {
             .output()
             .unwrap()
     };
+    let locked =
+        |o: &std::process::Output| String::from_utf8_lossy(&o.stderr).contains("Failed to get");
     let mut out = run();
     // A server just killed with I/O in flight keeps its locks until the
     // kernel has finished that I/O, after the process is reaped.
-    let since = std::time::Instant::now();
-    while String::from_utf8_lossy(&out.stderr).contains("Failed to get")
-        && since.elapsed() < std::time::Duration::from_secs(10)
-    {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        out = run();
-    }
+    crate::wait::poll_until(std::time::Duration::from_secs(10), || {
+        if locked(&out) {
+            out = run();
+        }
+        !locked(&out)
+    });
     assert!(
         matches!(out.status.code(), Some(0) | Some(3)),
         "qemu-img check {}: {:?} {}{}",

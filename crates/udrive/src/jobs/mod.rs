@@ -288,8 +288,7 @@ pub fn quiesced<R>(st: &mut State, socket: &Path, f: impl FnOnce() -> Result<R>)
 /// process (a live migration's source after the VM left, or destination
 /// before it arrived: the image is that process's to change).
 pub fn refuse_if_busy(st: &State, socket: &Path, nsid: Option<u32>) -> Result<()> {
-    let device = st.devices.iter().find(|d| same_socket(d.socket(), socket));
-    if device.is_some_and(|d| !d.writes_disk()) {
+    if st.find(socket).is_some_and(|d| !d.writes_disk()) {
         bail!(
             "the VM of {} runs in another process (live migration): snapshots and block \
              jobs go where it runs",
