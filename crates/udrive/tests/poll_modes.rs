@@ -96,10 +96,11 @@ fn an_awake_controller_gets_no_doorbell_messages() {
         // Per run, creating the queue pair: two admin commands, two doorbells each;
         // the first SQ ring; and now and then a controller that reads a doorbell
         // between the driver's shadow store and its EventIdx load (observed: 2-5 in
-        // all per run). Before EventIdx moved ahead of the completions: one per few
-        // hundred I/Os.
+        // all per run, more when the machine preempts the controller in that
+        // window). Before EventIdx moved ahead of the completions: one per few
+        // hundred I/Os, several times this bound.
         assert!(
-            messages <= 10 * runs + ios / 50_000,
+            messages <= 10 * runs + ios / 2_000,
             "{entries:?}: {messages} doorbell messages for {ios} I/Os in {runs} runs ({} skipped)",
             d.doorbells_skipped()
         );
