@@ -142,7 +142,7 @@ fn main() {
             Some(rpc) => {
                 let server = trace_cmd::RpcServerTrace {
                     rpc,
-                    device: a.vfio_user.clone(),
+                    device: a.vfio_user.clone().or_else(|| a.vhost_user.clone()),
                 };
                 perf::run_with(*a, Some(&server))
             }

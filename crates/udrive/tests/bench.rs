@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use common::bench::{bench, bench_cmd, json, median, raw_runs, FAKE, POINTS};
 use serde_json::Value;
-use udrive::bench::matrix::{Matrix, MatrixError};
+use udrive::bench::matrix::{Backend, Matrix, MatrixError};
 
 #[test]
 fn report_of_the_fake_datapath_is_whole() {
@@ -29,6 +29,10 @@ fn report_of_the_fake_datapath_is_whole() {
             // QD × jobs only where both vary: randread, not the single randrw point.
             want.push(format!("heat-{d}-{b}-randread-4k"));
         }
+        // Percentile curves per kind of workload at its fewest jobs; no layers
+        // without a trace.
+        want.push(format!("pct-{b}-randread-4k-j1"));
+        want.push(format!("pct-{b}-randrw70-4k-j1"));
     }
     for id in &want {
         assert!(
@@ -181,6 +185,89 @@ fn a_missing_tool_skips_its_datapath_with_the_reason() {
 }
 
 /// FAKE with a `clients` axis.
+/// A traced matrix: every run has a layer table, every cell the median of each
+/// layer over its runs (layers in request order, adding up to the total), the
+/// report a time-per-layer figure per backend and kind of workload, and the
+/// percentile curves have every point.
+#[test]
+fn traced_runs_give_each_cell_its_time_per_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = FAKE.replace(
+        "baselines = [\"fake-a\"]",
+        "baselines = [\"fake-a\"]\ntrace = true",
+    );
+    let o = bench(&m, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for r in raw_runs(&out) {
+        assert!(r["perf"]["trace"]["ops"].is_array(), "{r}");
+    }
+    let s = json(&out.join("summary.json"));
+    for c in s["cells"].as_array().unwrap() {
+        let layers = c["layers"].as_array().unwrap();
+        let names: Vec<&str> = layers
+            .iter()
+            .map(|l| l["layer"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "submit",
+                "queue",
+                "backend",
+                "complete",
+                "notify",
+                "transport",
+                "reap",
+                "total"
+            ]
+        );
+        // A 70 % read mix shows its reads.
+        let op = if c["point"]["rw"] == "randwrite" {
+            "write"
+        } else {
+            "read"
+        };
+        assert!(layers.iter().all(|l| l["op"] == op), "{c}");
+        let med = |l: &Value| l["mean_us"]["median"].as_f64().unwrap();
+        let parts: f64 = layers[..7].iter().map(med).sum();
+        let total = med(&layers[7]);
+        assert!((parts - total).abs() <= total * 1e-9, "{parts} vs {total}");
+        for k in [
+            "min_us",
+            "p50_us",
+            "p99_us",
+            "p99_9_us",
+            "p99_99_us",
+            "max_us",
+        ] {
+            assert!(c[k]["median"].as_f64().unwrap() > 0.0, "{k}: {c}");
+        }
+    }
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    for b in [Backend::Null, Backend::File] {
+        for k in ["randread-4k-j1", "randrw70-4k-j1"] {
+            for what in ["pct", "layers"] {
+                let id = udrive::bench::report::latency::figure_id(what, b, k);
+                assert!(html.contains(&format!("<svg id=\"{id}\"")), "{id} missing");
+                assert!(out.join(format!("figures/{id}.svg")).exists(), "{id}.svg");
+            }
+        }
+    }
+    // randread at QD1 and QD8, jobs 1: a bar for each datapath and QD.
+    let svg = std::fs::read_to_string(out.join("figures/layers-null-randread-4k-j1.svg")).unwrap();
+    for d in ["fake-a", "fake-b", "fake-c"] {
+        for q in [1, 8] {
+            assert!(svg.contains(&format!(">{d} QD{q} (read)<")), "{d} QD{q}");
+        }
+    }
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(
+        md.contains("### null: time per layer") && md.contains("### file: time per layer"),
+        "{md}"
+    );
+}
+
 fn with_clients(list: &str) -> String {
     FAKE.replace(
         "baselines = [\"fake-a\"]",

@@ -2,7 +2,7 @@
 //! them: rbd without a cluster and with a throwaway one, the qcow2 images made for
 //! every run, SPDK without `SPDK_DIR`, the VM datapaths without the guest chroot,
 //! a `~b` datapath served by `--udrive-b` and refused without it, and encrypted
-//! backends compared with their clear ones.
+//! backends compared with their clear ones, traced runs with the server's layers.
 
 mod common;
 
@@ -392,4 +392,70 @@ qd = [1]
         );
     }
     ran_only(&out, "fake-a");
+}
+
+/// `trace = true` on real datapaths: udrive's cells have the server's layers
+/// between the client's (read through the server's control socket, each client's
+/// device its own with two clients on one server), bare io_uring only the client's,
+/// and the report has the layer figure.
+#[test]
+fn traced_runs_have_the_servers_layers() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let out = dir.path().join("out");
+    let matrix = format!(
+        r#"
+reps = 1
+time = 0.3
+datapaths = ["udrive-nvme", "udrive-vhost", "io-uring"]
+backends = ["file"]
+poll = "adaptive"
+trace = true
+clients = [1, 2]
+[file]
+dir = "{}"
+mib = 16
+[[workload]]
+rw = "randread"
+qd = [1, 4]
+"#,
+        data.display()
+    );
+    let o = bench(&matrix, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for r in raw_runs(&out) {
+        assert!(r["error"].is_null(), "{r}");
+    }
+    let s = json(&out.join("summary.json"));
+    let cells = s["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 3 * 2 * 2);
+    for c in cells {
+        let names: Vec<&str> = c["layers"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no layers: {c}"))
+            .iter()
+            .map(|l| l["layer"].as_str().unwrap())
+            .collect();
+        let want: &[&str] = match c["datapath"].as_str().unwrap() {
+            "io-uring" => &["submit", "device", "reap", "total"],
+            _ => &[
+                "submit",
+                "queue",
+                "backend",
+                "complete",
+                "notify",
+                "transport",
+                "reap",
+                "total",
+            ],
+        };
+        assert_eq!(names, want, "{c}");
+    }
+    let id = udrive::bench::report::latency::figure_id(
+        "layers",
+        udrive::bench::matrix::Backend::File,
+        "randread-4k-j1",
+    );
+    assert!(out.join(format!("figures/{id}.svg")).exists(), "{id}");
 }

@@ -250,6 +250,7 @@ pub fn start<'e>(
             name: name.clone(),
             backend: b,
             clients: n,
+            trace: env.matrix.trace,
         }));
     }
     make_fresh_images(b, env)?;
@@ -304,7 +305,11 @@ fn perf_target<'e>(
         DatapathKind::UdriveNvme(..) | DatapathKind::UdriveVhost(..) => vec![Server::start_within(
             udrive_serve(d, b, env, &socks)?,
             &format!("udrive serve ({d}, {b}, {n} clients)"),
-            &socks,
+            &socks
+                .iter()
+                .cloned()
+                .chain(control_socket(d, b, env, n))
+                .collect::<Vec<_>>(),
             // Formatting a LUKS2 volume benchmarks and runs argon2id: 11 s here.
             if b.clear().is_some() { 120 } else { 20 },
         )?],
@@ -396,6 +401,14 @@ pub(super) fn udrive_serve(
     Ok(c)
 }
 
+/// The control socket of udrive serving `d` on `b` to `n` clients, when the matrix
+/// traces (`perf --trace --rpc` reads the server's layers through it).
+fn control_socket(d: &DatapathKind, b: Backend, env: &Env, n: u32) -> Option<PathBuf> {
+    env.matrix
+        .trace
+        .then(|| env.work.join(format!("{d}-{b}-c{n}.rpc")))
+}
+
 /// udrive's configuration: one NVMe controller or vhost-user-blk device per socket,
 /// all on the reactors of the server's CPUs.
 fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> String {
@@ -410,6 +423,9 @@ fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> 
     };
     let n = socks.len() as u32;
     let mut t = format!("cpus = {}\n", q(&m.cpus.server));
+    if let Some(rpc) = control_socket(d, b, env, n) {
+        let _ = writeln!(t, "rpc = {}", q(&rpc.display().to_string()));
+    }
     for (i, sock) in (0..n).zip(socks) {
         let spec = q(&udrive_spec(d, b, env, n, i));
         let sock = q(&sock.display().to_string());
@@ -514,6 +530,18 @@ impl PerfTarget<'_> {
             }
             c.arg("--wait");
         }
+        if self.env.matrix.trace {
+            c.arg("--trace");
+            let udrive = matches!(
+                self.kind,
+                DatapathKind::UdriveNvme(..) | DatapathKind::UdriveVhost(..)
+            );
+            if let Some(rpc) = control_socket(&self.kind, self.backend, self.env, n) {
+                if udrive {
+                    c.arg("--rpc").arg(rpc);
+                }
+            }
+        }
         c.args(["--cpus", &self.cpus[i], "--json"]);
         c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
         c
@@ -589,6 +617,49 @@ struct Fake {
     name: String,
     backend: Backend,
     clients: u32,
+    /// Add a full-path layer table, as `perf --trace --rpc` gives one.
+    trace: bool,
+}
+
+/// The fake's layer table for I/Os of `mean` ns: the full path's layers in request
+/// order, each a fixed share of the total, per op the workload does (a mix split
+/// by its share of reads).
+fn fake_trace(p: &Point, mean: f64, ios: f64) -> Value {
+    const SHARES: [(&str, &str, f64); 8] = [
+        ("submit", "initiator", 0.05),
+        ("queue", "server", 0.10),
+        ("backend", "server", 0.50),
+        ("complete", "server", 0.10),
+        ("notify", "server", 0.05),
+        ("transport", "transport", 0.15),
+        ("reap", "initiator", 0.05),
+        ("total", "initiator", 1.0),
+    ];
+    let reads = match p.rw {
+        Rw::Randread => 1.0,
+        Rw::Randwrite => 0.0,
+        Rw::Randrw => f64::from(p.rwmixread) / 100.0,
+    };
+    let ops: Vec<Value> = [("read", reads), ("write", 1.0 - reads)]
+        .iter()
+        .filter(|(_, part)| *part > 0.0)
+        .map(|(op, part)| {
+            // Counts and percentiles are whole numbers in trace's table.
+            let count = (ios * part).round() as u64;
+            let rows: Vec<Value> = SHARES
+                .iter()
+                .map(|(layer, side, share)| {
+                    let ns = mean * share;
+                    let at = |k: f64| (k * ns).round() as u64;
+                    json!({"layer": layer, "side": side, "count": count, "mean_ns": ns,
+                        "p50_ns": at(1.0), "p99_ns": at(2.0), "p99_9_ns": at(3.0),
+                        "max_ns": at(10.0)})
+                })
+                .collect();
+            json!({"op": op, "rows": rows})
+        })
+        .collect();
+    json!({ "ops": ops })
 }
 
 impl Target for Fake {
@@ -611,8 +682,13 @@ impl Target for Fake {
                 let mean = inflight / iops * 1e9;
                 let lat = json!({"mean": mean, "min": mean / 4.0, "p50": mean, "p99": mean * 2.0,
                     "p99_9": mean * 3.0, "p99_99": mean * 4.0, "max": mean * 10.0});
-                json!({"rw": p.rw.to_string(), "bs": p.bs, "qd": p.qd, "jobs_count": p.jobs,
-                    "iops": iops, "ios": (iops * 2.0).round(), "errors": 0, "lat_ns": lat})
+                let mut run = json!({"rw": p.rw.to_string(), "bs": p.bs, "qd": p.qd,
+                    "jobs_count": p.jobs, "iops": iops, "ios": (iops * 2.0).round(), "errors": 0,
+                    "lat_ns": lat});
+                if self.trace {
+                    run["trace"] = fake_trace(p, mean, (iops * 2.0).round());
+                }
+                run
             })
             .collect();
         // One reactor's worth of CPU, plus a little per client.

@@ -293,6 +293,11 @@ pub struct Matrix {
     /// `--irq` on NVMe): leaves the CPUs to the server and a cluster.
     #[serde(default)]
     pub wait: bool,
+    /// Every run traced (`perf --trace`; udrive's servers also give their layers
+    /// through their control socket): the report draws each datapath's time per
+    /// layer. Tracing every I/O costs udrive a few % of IOPS at most.
+    #[serde(default)]
+    pub trace: bool,
     /// Size of the RAM backend; udrive fills it before measuring.
     #[serde(default = "default_ram_mib")]
     pub ram_mib: u64,

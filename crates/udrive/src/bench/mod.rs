@@ -10,6 +10,7 @@ pub mod datapath;
 pub mod datapath_kind;
 pub mod floor;
 pub mod images;
+pub mod layers;
 pub mod matrix;
 pub mod process;
 pub mod report;

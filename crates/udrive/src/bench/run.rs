@@ -68,6 +68,17 @@ impl RunRecord {
             v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
         ))
     }
+    /// The layer table (`perf --trace`) of the traced op with the most I/Os; the
+    /// first client's when there are several (their tables are not merged).
+    pub fn layers(&self) -> Option<trace::OpBreakdown> {
+        let t = match self.perf.get("trace") {
+            Some(t) => t,
+            None => self.per_client.first()?.get("trace")?,
+        };
+        let b: trace::Breakdown = serde_json::from_value(t.clone()).ok()?;
+        let ios = |o: &trace::OpBreakdown| o.row(trace::TOTAL).map_or(0, |r| r.count);
+        b.ops.into_iter().max_by_key(ios)
+    }
     /// Server CPU µs per I/O at the run's rate.
     pub fn server_us_per_io(&self) -> Option<f64> {
         let iops = self.iops().filter(|i| *i > 0.0)?;

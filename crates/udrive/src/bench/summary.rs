@@ -68,6 +68,19 @@ pub struct Cell {
     /// move the mean, not this.
     pub p50_us: Option<Stat>,
     pub p99_us: Option<Stat>,
+    /// The rest of the latency percentile curve (µs): fastest I/O, p99.9, p99.99,
+    /// slowest.
+    #[serde(default)]
+    pub min_us: Option<Stat>,
+    #[serde(default)]
+    pub p99_9_us: Option<Stat>,
+    #[serde(default)]
+    pub p99_99_us: Option<Stat>,
+    #[serde(default)]
+    pub max_us: Option<Stat>,
+    /// Mean time per layer of traced runs (`trace = true`), in request order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<super::layers::LayerStat>,
     /// The IOPS of the slowest and of the fastest client of a run.
     pub client_iops_min: Option<Stat>,
     pub client_iops_max: Option<Stat>,
@@ -213,6 +226,11 @@ pub fn summarize(
             mean_us: Stat::of(&col(&|r| r.lat_us("mean"))),
             p50_us: Stat::of(&col(&|r| r.lat_us("p50"))),
             p99_us: Stat::of(&col(&|r| r.lat_us("p99"))),
+            min_us: Stat::of(&col(&|r| r.lat_us("min"))),
+            p99_9_us: Stat::of(&col(&|r| r.lat_us("p99_9"))),
+            p99_99_us: Stat::of(&col(&|r| r.lat_us("p99_99"))),
+            max_us: Stat::of(&col(&|r| r.lat_us("max"))),
+            layers: super::layers::stats(&ok),
             client_iops_min: Stat::of(&col(&|r| Some(range(r)?.0))),
             client_iops_max: Stat::of(&col(&|r| Some(range(r)?.1))),
             fairness: Stat::of(&col(&|r| {
@@ -333,6 +351,7 @@ pub fn markdown(s: &Summary) -> String {
         o.push('\n');
         not_meaningful_notes(&mut o, &cells);
         many_clients_table(&mut o, b, &cells);
+        super::layers::table(&mut o, b, &cells);
         for bl in &s.baselines {
             versus_table(&mut o, b, bl, &cells);
         }

@@ -8,9 +8,14 @@
 //! QD × jobs per datapath and backend; these show the cells of the fewest clients.
 //! Where the matrix has several client counts, per backend and workload, "many
 //! clients on one server": the clients' IOPS together and the server's CPU per I/O
-//! as bars over the client count, one bar per datapath.
+//! as bars over the client count, one bar per datapath. Per backend and kind of
+//! workload, latency percentile curves and, from traced runs, the time per layer
+//! (`latency`).
 
+pub mod latency;
 pub mod svg;
+pub mod svg_log_lines;
+pub mod svg_stacked;
 
 use std::fmt::Write as _;
 
@@ -47,6 +52,7 @@ pub fn figures(s: &Summary) -> Vec<Figure> {
             .collect();
         out.extend(bar_figures(b, &single));
         out.extend(heatmaps(b, &single));
+        out.extend(latency::figures(b, &single));
         out.extend(many_clients(b, &cells));
     }
     out

@@ -7,7 +7,7 @@
 use std::fmt::Write as _;
 
 /// Colours that stay apart for the colour-blind (Okabe–Ito).
-const PALETTE: [&str; 8] = [
+pub(super) const PALETTE: [&str; 8] = [
     "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000",
 ];
 
@@ -48,7 +48,7 @@ pub fn short(v: f64) -> String {
 
 /// The smallest round number at or above `v` (steps of 1, 1.2, 1.5, 2, 2.5, 3, 4,
 /// 5, 6, 8 × 10^k: the top bar fills most of the plot).
-fn nice_ceil(v: f64) -> f64 {
+pub(super) fn nice_ceil(v: f64) -> f64 {
     if !(v.is_finite() && v > 0.0) {
         return 1.0;
     }
@@ -62,9 +62,9 @@ fn nice_ceil(v: f64) -> f64 {
 }
 
 const BAR_W: f64 = 18.0;
-const LEFT: f64 = 70.0;
-const TOP: f64 = 40.0;
-const PLOT_H: f64 = 220.0;
+pub(super) const LEFT: f64 = 70.0;
+pub(super) const TOP: f64 = 40.0;
+pub(super) const PLOT_H: f64 = 220.0;
 
 /// Grouped bars (one group per workload, one bar per series) with min–max whiskers.
 pub fn bars(id: &str, title: &str, y_label: &str, groups: &[String], series: &[Series]) -> String {
@@ -140,7 +140,7 @@ pub fn bars(id: &str, title: &str, y_label: &str, groups: &[String], series: &[S
 }
 
 /// An SVG's start: its size, a white ground and the title at `title_x`.
-fn open(id: &str, w: f64, h: f64, title: &str, title_x: f64) -> String {
+pub(super) fn open(id: &str, w: f64, h: f64, title: &str, title_x: f64) -> String {
     let mut o = String::new();
     let _ = write!(
         o,
