@@ -398,6 +398,23 @@ fn a_broken_matrix_is_refused_naming_the_field() {
             ),
             "cpus.client",
         ),
+        // A variant named but not defined, or one that sets what the cell decides.
+        (
+            FAKE.replace("\"fake-c\"]", "\"udrive-nvme+x\"]"),
+            "datapaths[2]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\nperf = [\"--irq\", \"--qd=4\"]\n"),
+            "variant.x.perf[1]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\nserve_env = [\"RUST_LOG\", \"A=1\"]\n"),
+            "variant.x.serve_env[0]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\nexpect_log = \"\"\n"),
+            "variant.x.expect_log",
+        ),
     ];
     for (bad, field) in cases {
         assert_eq!(invalid_field(&bad), field);

@@ -153,7 +153,10 @@ qd = [1]
 fn a_b_datapath_needs_the_second_binary() {
     let text = preset("ab").unwrap();
     let m = Matrix::parse(text).unwrap();
-    assert_eq!(m.baselines, [DatapathKind::UdriveNvme(None, Binary::Main)]);
+    assert_eq!(
+        m.baselines,
+        [DatapathKind::UdriveNvme(None, Binary::Main, None)]
+    );
     match m.check() {
         Err(MatrixError::Invalid { field, reason }) => {
             assert_eq!(field, "datapaths[1]");
@@ -458,4 +461,46 @@ qd = [1, 4]
         "randread-4k-j1",
     );
     assert!(out.join(format!("figures/{id}.svg")).exists(), "{id}");
+}
+
+/// `[variant.NAME]`: its perf options reach that datapath's clients only, its
+/// environment that server only, and a knob whose log line is missing fails the
+/// variant's runs (naming the text) instead of measuring the plain server.
+#[test]
+fn a_variant_changes_its_datapath_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let matrix = r#"
+reps = 1
+time = 0.3
+datapaths = ["udrive-nvme", "udrive-nvme+gaps", "udrive-vhost+logged", "udrive-vhost+missing"]
+backends = ["null"]
+poll = "adaptive"
+[variant.gaps]
+perf = ["--gaps", "3"]
+[variant.logged]
+serve_env = ["RUST_LOG=info"]
+expect_log = "reactors started"
+[variant.missing]
+expect_log = "reactors started"
+[[workload]]
+rw = "randread"
+qd = [1]
+"#;
+    let o = bench(matrix, &out, &[]);
+    assert!(!o.status.success(), "a run failed: the status says so");
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 4, "{runs:?}");
+    for r in &runs {
+        let d = r["datapath"].as_str().unwrap();
+        match d {
+            "udrive-vhost+missing" => {
+                let e = r["error"].as_str().unwrap_or_default();
+                assert!(e.contains("does not say `reactors started`"), "{r}");
+            }
+            _ => assert!(r["error"].is_null(), "{r}"),
+        }
+        let gaps = r["perf"]["gaps"].as_array().map_or(0, Vec::len);
+        assert_eq!(gaps > 0, d == "udrive-nvme+gaps", "{r}");
+    }
 }

@@ -398,15 +398,18 @@ pub(super) fn udrive_serve(
     let mut c = Command::new(bin);
     c.arg("serve").arg("--config").arg(&cfg);
     c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
+    for kv in env.matrix.variant_of(d).map_or(&[][..], |v| &v.serve_env) {
+        if let Some((k, v)) = kv.split_once('=') {
+            c.env(k, v);
+        }
+    }
     Ok(c)
 }
 
-/// The control socket of udrive serving `d` on `b` to `n` clients, when the matrix
-/// traces (`perf --trace --rpc` reads the server's layers through it).
+/// The control socket of udrive serving `d` on `b` to `n` clients, when its runs
+/// are traced (`perf --trace --rpc` reads the server's layers through it).
 fn control_socket(d: &DatapathKind, b: Backend, env: &Env, n: u32) -> Option<PathBuf> {
-    env.matrix
-        .trace
-        .then(|| env.work.join(format!("{d}-{b}-c{n}.rpc")))
+    (env.matrix.traces(d) && d.is_udrive()).then(|| env.work.join(format!("{d}-{b}-c{n}.rpc")))
 }
 
 /// udrive's configuration: one NVMe controller or vhost-user-blk device per socket,
@@ -416,7 +419,7 @@ fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> 
     let m = &env.matrix;
     let q = |s: &str| toml::Value::String(s.to_string()).to_string();
     let poll = match d {
-        DatapathKind::UdriveNvme(Some(p), _) | DatapathKind::UdriveVhost(Some(p), _) => *p,
+        DatapathKind::UdriveNvme(Some(p), ..) | DatapathKind::UdriveVhost(Some(p), ..) => *p,
         // SPDK's driver writes doorbells into the mapped page, which busy poll offers.
         DatapathKind::UdriveNvmeSpdk => Poll::Busy,
         _ => m.poll,
@@ -530,17 +533,8 @@ impl PerfTarget<'_> {
             }
             c.arg("--wait");
         }
-        if self.env.matrix.trace {
-            c.arg("--trace");
-            let udrive = matches!(
-                self.kind,
-                DatapathKind::UdriveNvme(..) | DatapathKind::UdriveVhost(..)
-            );
-            if let Some(rpc) = control_socket(&self.kind, self.backend, self.env, n) {
-                if udrive {
-                    c.arg("--rpc").arg(rpc);
-                }
-            }
+        if let Some(v) = self.env.matrix.variant_of(&self.kind) {
+            c.args(&v.perf);
         }
         c.args(["--cpus", &self.cpus[i], "--json"]);
         c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
@@ -599,10 +593,27 @@ impl Target for PerfTarget<'_> {
         .into_iter()
         .flat_map(|(k, v)| [k.to_string(), v])
         .collect();
+        let mut args = args;
+        if m.traces(&self.kind) {
+            args.push("--trace".into());
+            let n = self.socks.len() as u32;
+            if let Some(rpc) = control_socket(&self.kind, self.backend, self.env, n) {
+                args.extend(["--rpc".into(), rpc.display().to_string()]);
+            }
+        }
         let pids: Vec<u32> = self.servers.iter().map(Server::pid).collect();
         let clock = clients::CpuClock::start(&pids);
         let what = format!("perf on {} {} {}", self.kind, self.backend, p.slug());
         let clients = self.exec_all(&args, &what)?;
+        // After a run: a device may apply its knob only once a client attached.
+        if let Some(text) = m
+            .variant_of(&self.kind)
+            .and_then(|v| v.expect_log.as_deref())
+        {
+            for s in &self.servers {
+                s.expect_log(&format!("udrive serve ({})", self.kind), text)?;
+            }
+        }
         Ok(Measured {
             clients,
             server_cpu: clock.stop(),

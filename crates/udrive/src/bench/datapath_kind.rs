@@ -1,6 +1,7 @@
 //! Which datapaths a matrix names: the kinds, their poll mode and which udrive
-//! binary serves them, parsed from and printed as the names the TOML uses
-//! (`udrive-nvme@busy~b`, `vm-qemu-virtio`, `fake-NAME`).
+//! binary serves them and which of the matrix's variants they are, parsed from and
+//! printed as the names the TOML uses (`udrive-nvme@busy+msgs~b`, `vm-qemu-virtio`,
+//! `fake-NAME`).
 
 use std::fmt;
 
@@ -13,11 +14,13 @@ use serde::{Deserialize, Serialize};
 pub enum DatapathKind {
     /// udrive's NVMe controller over vfio-user, driven by udrive's initiator;
     /// `udrive-nvme@MODE` serves in that poll mode instead of the matrix's `poll`,
-    /// `udrive-nvme~b` (`@MODE~b`) is served by the second binary (`udrive_b`).
-    UdriveNvme(Option<Poll>, Binary),
+    /// `udrive-nvme+NAME` with the matrix's `[variant.NAME]` (client options, server
+    /// environment), `udrive-nvme~b` (`@MODE+NAME~b`) is served by the second binary
+    /// (`udrive_b`).
+    UdriveNvme(Option<Poll>, Binary, Option<String>),
     /// udrive's vhost-user-blk device, driven by libblkio (`udrive-vhost@MODE`,
-    /// `~b` too).
-    UdriveVhost(Option<Poll>, Binary),
+    /// `+NAME` and `~b` too).
+    UdriveVhost(Option<Poll>, Binary, Option<String>),
     /// qemu-storage-daemon's vhost-user-blk export, driven by libblkio.
     QsdVhost,
     /// The backend file driven directly through io_uring (`perf --file`).
@@ -80,8 +83,8 @@ impl VmDevice {
     /// The udrive datapath whose server this guest's disk is (none: QEMU's own).
     pub fn udrive(self) -> Option<DatapathKind> {
         match self {
-            VmDevice::UdriveNvme => Some(DatapathKind::UdriveNvme(None, Binary::Main)),
-            VmDevice::UdriveVhost => Some(DatapathKind::UdriveVhost(None, Binary::Main)),
+            VmDevice::UdriveNvme => Some(DatapathKind::UdriveNvme(None, Binary::Main, None)),
+            VmDevice::UdriveVhost => Some(DatapathKind::UdriveVhost(None, Binary::Main, None)),
             VmDevice::QemuNvme | VmDevice::QemuVirtio => None,
         }
     }
@@ -111,8 +114,36 @@ impl DatapathKind {
     pub fn is_b(&self) -> bool {
         matches!(
             self,
-            Self::UdriveNvme(_, Binary::B) | Self::UdriveVhost(_, Binary::B)
+            Self::UdriveNvme(_, Binary::B, _) | Self::UdriveVhost(_, Binary::B, _)
         )
+    }
+
+    /// The matrix variant it names (`+NAME`).
+    pub fn variant(&self) -> Option<&str> {
+        match self {
+            Self::UdriveNvme(.., v) | Self::UdriveVhost(.., v) => v.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// Served by udrive with udrive's own client (`perf`).
+    pub fn is_udrive(&self) -> bool {
+        matches!(self, Self::UdriveNvme(..) | Self::UdriveVhost(..))
+    }
+}
+
+/// A variant's name: what `+NAME` may be, so that it reads back as one datapath.
+fn variant_name(s: &str, name: &str) -> Result<String, String> {
+    let ok = !name.is_empty()
+        && name.len() <= 32
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    match ok {
+        true => Ok(name.to_string()),
+        false => Err(format!(
+            "datapath `{s}`: variant `{name}` must be 1-32 of a-z, 0-9 and -"
+        )),
     }
 }
 
@@ -121,10 +152,25 @@ impl TryFrom<String> for DatapathKind {
     fn try_from(s: String) -> Result<Self, String> {
         if let Some(a) = s.strip_suffix("~b") {
             return match Self::try_from(a.to_string()) {
-                Ok(Self::UdriveNvme(p, Binary::Main)) => Ok(Self::UdriveNvme(p, Binary::B)),
-                Ok(Self::UdriveVhost(p, Binary::Main)) => Ok(Self::UdriveVhost(p, Binary::B)),
+                Ok(Self::UdriveNvme(p, Binary::Main, v)) => Ok(Self::UdriveNvme(p, Binary::B, v)),
+                Ok(Self::UdriveVhost(p, Binary::Main, v)) => {
+                    Ok(Self::UdriveVhost(p, Binary::B, v))
+                }
                 _ => Err(format!(
                     "datapath `{s}`: only udrive-nvme and udrive-vhost (with or without @MODE) take ~b"
+                )),
+            };
+        }
+        if let Some((a, name)) = s.split_once('+') {
+            let v = Some(variant_name(&s, name)?);
+            // One spelling per datapath: `+NAME` before `~b`.
+            return match Self::try_from(a.to_string()) {
+                Ok(Self::UdriveNvme(p, Binary::Main, None)) => Ok(Self::UdriveNvme(p, Binary::Main, v)),
+                Ok(Self::UdriveVhost(p, Binary::Main, None)) => {
+                    Ok(Self::UdriveVhost(p, Binary::Main, v))
+                }
+                _ => Err(format!(
+                    "datapath `{s}`: only udrive-nvme and udrive-vhost (with or without @MODE) take +VARIANT"
                 )),
             };
         }
@@ -136,16 +182,16 @@ impl TryFrom<String> for DatapathKind {
                     format!("datapath `{s}`: poll mode `{mode}` is not busy, adaptive or event")
                 })?;
             return match base {
-                "udrive-nvme" => Ok(Self::UdriveNvme(Some(poll), Binary::Main)),
-                "udrive-vhost" => Ok(Self::UdriveVhost(Some(poll), Binary::Main)),
+                "udrive-nvme" => Ok(Self::UdriveNvme(Some(poll), Binary::Main, None)),
+                "udrive-vhost" => Ok(Self::UdriveVhost(Some(poll), Binary::Main, None)),
                 _ => Err(format!(
                     "datapath `{s}`: only udrive-nvme and udrive-vhost take @MODE"
                 )),
             };
         }
         Ok(match s.as_str() {
-            "udrive-nvme" => Self::UdriveNvme(None, Binary::Main),
-            "udrive-vhost" => Self::UdriveVhost(None, Binary::Main),
+            "udrive-nvme" => Self::UdriveNvme(None, Binary::Main, None),
+            "udrive-vhost" => Self::UdriveVhost(None, Binary::Main, None),
             "qsd-vhost" => Self::QsdVhost,
             "io-uring" => Self::IoUring,
             "librbd" => Self::Librbd,
@@ -162,7 +208,7 @@ impl TryFrom<String> for DatapathKind {
             f if f == "fake" || f.starts_with("fake-") => Self::Fake(s),
             _ => {
                 return Err(format!(
-                    "unknown datapath `{s}` (one of {}, udrive-nvme@MODE, udrive-vhost@MODE, each of those four with ~b, fake, fake-NAME)",
+                    "unknown datapath `{s}` (one of {}, udrive-nvme@MODE, udrive-vhost@MODE, each of those four with +VARIANT and ~b, fake, fake-NAME)",
                     Self::REAL.join(", ")
                 ))
             }
@@ -179,8 +225,8 @@ impl From<DatapathKind> for String {
 impl fmt::Display for DatapathKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (name, poll) = match self {
-            Self::UdriveNvme(p, _) => ("udrive-nvme", p),
-            Self::UdriveVhost(p, _) => ("udrive-vhost", p),
+            Self::UdriveNvme(p, ..) => ("udrive-nvme", p),
+            Self::UdriveVhost(p, ..) => ("udrive-vhost", p),
             Self::QsdVhost => ("qsd-vhost", &None),
             Self::IoUring => ("io-uring", &None),
             Self::Librbd => ("librbd", &None),
@@ -192,6 +238,9 @@ impl fmt::Display for DatapathKind {
         f.write_str(name)?;
         if let Some(p) = poll {
             write!(f, "@{}", p.as_str())?;
+        }
+        if let Some(v) = self.variant() {
+            write!(f, "+{v}")?;
         }
         if self.is_b() {
             f.write_str("~b")?;

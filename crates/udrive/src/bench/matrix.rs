@@ -2,6 +2,7 @@
 //! workloads × repetitions, read from TOML (a preset embedded in the binary or a user's file),
 //! checked whole before anything starts, and expanded into cells.
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -21,6 +22,9 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("luks", include_str!("presets/luks.toml")),
     ("ab", include_str!("presets/ab.toml")),
     ("vm", include_str!("presets/vm.toml")),
+    ("dma-messages", include_str!("presets/dma-messages.toml")),
+    ("dirty-log", include_str!("presets/dirty-log.toml")),
+    ("trace-cost", include_str!("presets/trace-cost.toml")),
 ];
 
 /// The most concurrent clients a cell may have: each is a process with its own
@@ -312,6 +316,13 @@ pub struct Matrix {
     /// side of a before/after, whose clients stay the main binary's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub udrive_b: Option<String>,
+    /// `[variant.NAME]`: what `udrive-nvme+NAME` / `udrive-vhost+NAME` change.
+    #[serde(
+        default,
+        rename = "variant",
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
+    pub variants: BTreeMap<String, super::variant::Variant>,
     #[serde(rename = "workload")]
     pub workloads: Vec<Workload>,
 }
@@ -406,6 +417,7 @@ impl Matrix {
             }
         }
         self.check_clients()?;
+        super::variant::check(&self.datapaths, &self.variants)?;
         for (i, b) in self.baselines.iter().enumerate() {
             if !self.datapaths.contains(b) {
                 return Err(invalid(
@@ -503,6 +515,16 @@ impl Matrix {
     }
 
     /// The most jobs any workload asks for: the queues a vhost-user server exports.
+    /// The variant datapath `d` names, if any.
+    pub fn variant_of(&self, d: &DatapathKind) -> Option<&super::variant::Variant> {
+        self.variants.get(d.variant()?)
+    }
+
+    /// Whether `d`'s runs are traced.
+    pub fn traces(&self, d: &DatapathKind) -> bool {
+        self.trace || self.variant_of(d).is_some_and(|v| v.trace)
+    }
+
     pub fn max_jobs(&self) -> u32 {
         self.points().iter().map(|p| p.jobs).max().unwrap_or(1)
     }
@@ -558,19 +580,33 @@ mod tests {
     #[test]
     fn poll_variants_name_themselves() {
         for (s, d) in [
-            ("udrive-nvme", DatapathKind::UdriveNvme(None, Binary::Main)),
+            (
+                "udrive-nvme",
+                DatapathKind::UdriveNvme(None, Binary::Main, None),
+            ),
             (
                 "udrive-nvme@adaptive",
-                DatapathKind::UdriveNvme(Some(Poll::Adaptive), Binary::Main),
+                DatapathKind::UdriveNvme(Some(Poll::Adaptive), Binary::Main, None),
             ),
             (
                 "udrive-vhost@event",
-                DatapathKind::UdriveVhost(Some(Poll::Event), Binary::Main),
+                DatapathKind::UdriveVhost(Some(Poll::Event), Binary::Main, None),
             ),
-            ("udrive-nvme~b", DatapathKind::UdriveNvme(None, Binary::B)),
+            (
+                "udrive-nvme~b",
+                DatapathKind::UdriveNvme(None, Binary::B, None),
+            ),
             (
                 "udrive-vhost@adaptive~b",
-                DatapathKind::UdriveVhost(Some(Poll::Adaptive), Binary::B),
+                DatapathKind::UdriveVhost(Some(Poll::Adaptive), Binary::B, None),
+            ),
+            (
+                "udrive-nvme+msgs",
+                DatapathKind::UdriveNvme(None, Binary::Main, Some("msgs".into())),
+            ),
+            (
+                "udrive-vhost@busy+dirty-log-2~b",
+                DatapathKind::UdriveVhost(Some(Poll::Busy), Binary::B, Some("dirty-log-2".into())),
             ),
         ] {
             assert_eq!(DatapathKind::try_from(s.to_string()), Ok(d.clone()));
@@ -589,6 +625,14 @@ mod tests {
             "udrive-nvme-spdk~b",
             "fake-a~b",
             "~b",
+            "udrive-nvme+",
+            "udrive-nvme+Msgs",
+            "udrive-nvme+a+b",
+            "udrive-nvme+a@busy",
+            "udrive-nvme~b+a",
+            "io-uring+a",
+            "fake-a+a",
+            "udrive-nvme+aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
         ] {
             assert!(DatapathKind::try_from(bad.to_string()).is_err(), "{bad}");
         }
@@ -611,7 +655,7 @@ mod tests {
     #[test]
     fn flip_reverses_even_repetitions() {
         let mut m = Matrix::from_toml(preset("quick").unwrap()).unwrap();
-        let nvme = DatapathKind::UdriveNvme(None, Binary::Main);
+        let nvme = DatapathKind::UdriveNvme(None, Binary::Main, None);
         m.datapaths = vec![nvme.clone(), DatapathKind::IoUring];
         assert_eq!(m.order_of(1), m.datapaths);
         assert_eq!(m.order_of(2), vec![DatapathKind::IoUring, nvme]);

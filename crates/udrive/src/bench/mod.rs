@@ -17,6 +17,7 @@ pub mod report;
 pub mod run;
 pub mod spdk;
 pub mod summary;
+pub mod variant;
 pub mod vm;
 pub mod vm_target;
 

@@ -36,6 +36,13 @@ pub enum DatapathError {
         #[source]
         source: serde_json::Error,
     },
+    /// A variant's knob did not take (`expect_log`).
+    #[error("{what}: its log ({log}) does not say `{text}`: is the knob in this build (a test knob needs a binary built with its feature)?")]
+    MissingLog {
+        what: String,
+        text: String,
+        log: PathBuf,
+    },
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -55,6 +62,7 @@ pub fn which(name: &str) -> Option<PathBuf> {
 /// A server process, stopped (TERM, then KILL) when dropped.
 pub(super) struct Server {
     child: Child,
+    log: PathBuf,
 }
 
 impl Server {
@@ -93,7 +101,10 @@ impl Server {
             cmd: format!("{cmd:?}"),
             source,
         })?;
-        let mut s = Server { child };
+        let mut s = Server {
+            child,
+            log: log.clone(),
+        };
         let deadline = Instant::now() + Duration::from_secs(secs);
         while let Some(sock) = socks.iter().find(|p| !p.exists()) {
             let exited = matches!(s.child.try_wait(), Ok(Some(_)));
@@ -115,6 +126,19 @@ impl Server {
 impl Server {
     pub(super) fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Fails unless the server's log so far holds `text`.
+    pub(super) fn expect_log(&self, what: &str, text: &str) -> Result<(), DatapathError> {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        if log.contains(text) {
+            return Ok(());
+        }
+        Err(DatapathError::MissingLog {
+            what: what.into(),
+            text: text.into(),
+            log: self.log.clone(),
+        })
     }
 }
 

@@ -1,0 +1,101 @@
+//! A matrix's variants of udrive's datapaths: `[variant.NAME]` with client options,
+//! server environment and tracing, named in `datapaths` as `udrive-nvme+NAME`, so
+//! that one matrix compares udrive with itself under one changed knob (DMA by
+//! messages, shadow doorbells, a dirty log, tracing), alternated like any datapath.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::matrix::{DatapathKind, MatrixError};
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Variant {
+    /// More `udrive perf` options for this datapath's clients (e.g.
+    /// `["--dma-messages"]`, `["--queue-entries", "1024"]`).
+    #[serde(default)]
+    pub perf: Vec<String>,
+    /// `KEY=VALUE` pairs in the server's environment.
+    #[serde(default)]
+    pub serve_env: Vec<String>,
+    /// Trace every run of this datapath (the matrix's `trace` does it for all).
+    #[serde(default)]
+    pub trace: bool,
+    /// Text the server's log must hold once it is up: the proof that a knob only
+    /// some builds have (a test knob in `serve_env`) took effect. A server without
+    /// it fails the datapath's runs instead of measuring the plain server.
+    #[serde(default)]
+    pub expect_log: Option<String>,
+}
+
+/// Options the harness sets itself: a variant giving one would run another device
+/// or workload than its cell says.
+const HARNESS_OPTIONS: [&str; 15] = [
+    "--vfio-user",
+    "--vhost-user",
+    "--file",
+    "--rbd",
+    "--json",
+    "--cpus",
+    "--rw",
+    "--rwmixread",
+    "--bs",
+    "--qd",
+    "--jobs",
+    "--think-us",
+    "--time",
+    "--ramp",
+    "--rpc",
+];
+
+fn invalid(field: String, reason: String) -> MatrixError {
+    MatrixError::Invalid { field, reason }
+}
+
+/// Every `+NAME` of `datapaths` has its `[variant.NAME]`, and every variant is one
+/// the harness can run.
+pub fn check(
+    datapaths: &[DatapathKind],
+    variants: &BTreeMap<String, Variant>,
+) -> Result<(), MatrixError> {
+    for (i, d) in datapaths.iter().enumerate() {
+        if let Some(v) = d.variant() {
+            if !variants.contains_key(v) {
+                return Err(invalid(
+                    format!("datapaths[{i}]"),
+                    format!("`{d}` names variant `{v}`: add [variant.{v}]"),
+                ));
+            }
+        }
+    }
+    for (name, v) in variants {
+        let field = |f: &str| format!("variant.{name}.{f}");
+        for (j, a) in v.perf.iter().enumerate() {
+            let flag = a.split('=').next().unwrap_or(a);
+            if HARNESS_OPTIONS.contains(&flag) {
+                return Err(invalid(
+                    format!("{}[{j}]", field("perf")),
+                    format!("`{flag}` is set by the harness from the cell"),
+                ));
+            }
+        }
+        for (j, kv) in v.serve_env.iter().enumerate() {
+            let key_ok = kv.split_once('=').is_some_and(|(k, _)| {
+                !k.is_empty()
+                    && k.bytes()
+                        .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+            });
+            if !key_ok {
+                return Err(invalid(
+                    format!("{}[{j}]", field("serve_env")),
+                    "KEY=VALUE with KEY of A-Z, 0-9 and _".into(),
+                ));
+            }
+        }
+        if v.expect_log.as_deref() == Some("") {
+            return Err(invalid(field("expect_log"), "must not be empty".into()));
+        }
+    }
+    Ok(())
+}
