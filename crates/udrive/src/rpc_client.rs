@@ -206,21 +206,25 @@ fn follow_job(a: &RpcArgs, id: u64) -> Result<()> {
     }
 }
 
-/// `[#####---------------]  25%  4.0/16.0 MiB  running`
+/// `[#####---------------]  25%  4.0/16.0 MiB  running`; a running job that
+/// copies nothing for now says `waiting` and why.
 pub fn progress_line(job: &Value) -> String {
     const WIDTH: u64 = 30;
     let done = job["done"].as_u64().unwrap_or(0);
     let total = job["total"].as_u64().unwrap_or(0).max(1);
     let filled = (done.min(total) * WIDTH / total) as usize;
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let state = match job["waiting"].as_str() {
+        Some(why) => format!("waiting: {why}"),
+        None => job["state"].as_str().unwrap_or("?").to_string(),
+    };
     format!(
-        "[{}{}] {:3}%  {:.1}/{:.1} MiB  {:<9}",
+        "[{}{}] {:3}%  {:.1}/{:.1} MiB  {state:<9}",
         "#".repeat(filled),
         "-".repeat(WIDTH as usize - filled),
         done.min(total) * 100 / total,
         mib(done),
         mib(total),
-        job["state"].as_str().unwrap_or("?")
     )
 }
 
@@ -233,5 +237,24 @@ pub fn run_metrics(a: MetricsArgs) -> Result<()> {
         }
         Ok(v) => bail!("get_metrics returned {v}, not text"),
         Err(e) => bail!("get_metrics failed: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::progress_line;
+    use serde_json::json;
+
+    #[test]
+    fn a_waiting_job_says_why() {
+        let mut j = json!({"done": 1 << 20, "total": 4 << 20, "state": "running",
+            "waiting": "the image is written by another process"});
+        let line = progress_line(&j);
+        assert!(line.starts_with("[#######-"), "{line}");
+        assert!(
+            line.contains(" 25%  1.0/4.0 MiB  waiting: the image is written by another process")
+        );
+        j["waiting"] = serde_json::Value::Null;
+        assert!(progress_line(&j).trim_end().ends_with("MiB  running"));
     }
 }

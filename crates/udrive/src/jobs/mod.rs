@@ -93,6 +93,9 @@ struct Control {
     /// ... and the thread says it did, or that it has no step left (it waits
     /// for the server's lock to pivot, which the handover holds).
     held: bool,
+    /// Why a running job copies nothing for now (its VM runs in another
+    /// process); `get_jobs` shows it.
+    waiting: Option<String>,
 }
 
 /// A job as the control plane sees it.
@@ -151,6 +154,7 @@ impl Job {
             "rate": self.rate.load(Ordering::Relaxed),
             "state": c.state.name(),
             "error": c.error,
+            "waiting": c.waiting,
         })
     }
     fn on(&self, socket: &Path, nsid: Option<u32>) -> bool {
@@ -481,12 +485,16 @@ fn steps(rec: &Job, mut job: Qcow2Job) -> Outcome {
                 // The VM migrated away: wait for it to come back (or a cancel).
                 if !waiting {
                     tracing::info!(job = rec.id, "block job waits: {e}");
+                    rec.control().waiting = Some(e.to_string());
                 }
                 waiting = true;
                 next = Instant::now() + HANDED_OFF_RETRY;
                 continue;
             }
             Err(e) => return Outcome::Failed(job, e.to_string()),
+        }
+        if waiting {
+            rec.control().waiting = None;
         }
         waiting = false;
     }
@@ -519,14 +527,22 @@ mod tests {
         let theirs = rec.clone();
         let t = std::thread::spawn(move || matches!(steps(&theirs, job), Outcome::Done(_)));
         std::thread::sleep(HANDED_OFF_RETRY * 3);
-        // Neither failed nor done while the image is away, however long that is.
+        // Neither failed nor done while the image is away, however long that is,
+        // and get_jobs says why it copies nothing.
         assert!(!t.is_finished());
         assert_eq!(rec.done.load(Ordering::Relaxed), 0);
+        let says_why = || rec.json()["waiting"].is_string();
+        assert!(test_support::wait::poll_until(
+            Duration::from_secs(10),
+            says_why
+        ));
+        assert_eq!(rec.json()["state"], "running");
         claim.take().unwrap();
         assert!(
             t.join().unwrap(),
             "the job did not finish once its image came back"
         );
         assert_eq!(rec.done.load(Ordering::Relaxed), 4 << 20);
+        assert!(rec.json()["waiting"].is_null());
     }
 }
