@@ -9,7 +9,7 @@ mod common;
 use std::process::Command;
 
 use common::bench::{
-    bench, bench_cmd, json, median, ran_only, raw_runs, skip_reason, FAKE, POINTS,
+    bench, bench_cmd, data_and_out, json, median, ran_only, raw_runs, skip_reason, FAKE, POINTS,
 };
 use serde_json::Value;
 use udrive::bench::matrix::{preset, Binary, DatapathKind, Matrix, MatrixError};
@@ -103,10 +103,7 @@ fn qcow2_chain_and_new_images_are_made_for_every_run() {
         eprintln!("skipped: no qemu-img");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let out = dir.path().join("out");
+    let (_dir, data, out) = data_and_out();
     let matrix = QCOW2_FRESH.replace("DIR", data.to_str().unwrap());
     let o = bench(&matrix, &out, &[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -266,10 +263,7 @@ fn an_encrypted_backend_is_compared_with_its_clear_one() {
 /// when the bench ends.
 #[test]
 fn luks_volumes_are_served_and_compared_with_clear() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let out = dir.path().join("out");
+    let (_dir, data, out) = data_and_out();
     let matrix = format!(
         r#"
 reps = 1
@@ -403,10 +397,7 @@ qd = [1]
 /// and the report has the layer figure.
 #[test]
 fn traced_runs_have_the_servers_layers() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let out = dir.path().join("out");
+    let (_dir, data, out) = data_and_out();
     let matrix = format!(
         r#"
 reps = 1

@@ -38,6 +38,16 @@ pub fn bench(matrix: &str, out: &Path, extra: &[&str]) -> std::process::Output {
     bench_cmd(matrix, out).args(extra).output().unwrap()
 }
 
+/// A temporary directory (kept while the first value lives) with `data/` made for
+/// a matrix's `[file] dir`, and where the report goes (`out/`, made by the bench).
+pub fn data_and_out() -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let out = dir.path().join("out");
+    (dir, data, out)
+}
+
 pub fn json(p: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
 }

@@ -158,9 +158,18 @@ pub(super) fn open(id: &str, w: f64, h: f64, title: &str, title_x: f64) -> Strin
 
 /// The y axis with five ticks and grid lines up to `right`.
 fn axis(o: &mut String, ymax: f64, label: &str, right: f64) {
-    for i in 0..=5 {
-        let v = ymax * f64::from(i) / 5.0;
-        let yy = TOP + PLOT_H * (1.0 - v / ymax);
+    let ticks: Vec<(f64, f64)> = (0..=5)
+        .map(|i| {
+            let v = ymax * f64::from(i) / 5.0;
+            (v, TOP + PLOT_H * (1.0 - v / ymax))
+        })
+        .collect();
+    y_axis(o, &ticks, label, right);
+}
+
+/// A y axis: a grid line up to `right` and a label at each tick (value, y).
+pub(super) fn y_axis(o: &mut String, ticks: &[(f64, f64)], label: &str, right: f64) {
+    for &(v, yy) in ticks {
         let _ = write!(
             o,
             r##"<line x1="{LEFT}" x2="{right:.1}" y1="{yy:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##,

@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use super::svg::{esc, open, short, LEFT, PALETTE, PLOT_H, TOP};
+use super::svg::{esc, open, short, y_axis, LEFT, PALETTE, PLOT_H, TOP};
 
 /// One curve: its values at the x labels (None: not measured there).
 pub struct Line {
@@ -106,24 +106,13 @@ pub fn log_lines(id: &str, title: &str, x: &[&str], y_label: &str, lines: &[Line
 
 /// A grid line and label at every power of ten from 10^d0 to 10^d1.
 fn log_axis(o: &mut String, (d0, d1): (f64, f64), right: f64, y_label: &str) {
-    for k in 0..=(d1 - d0) as i32 {
-        let v = 10f64.powi(d0 as i32 + k);
-        let yy = TOP + PLOT_H * (1.0 - f64::from(k) / (d1 - d0));
-        let _ = write!(
-            o,
-            r##"<line x1="{LEFT}" x2="{right:.1}" y1="{yy:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##,
-            LEFT - 4.0,
-            yy + 4.0,
-            short(v)
-        );
-    }
-    let _ = write!(
-        o,
-        r#"<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{:.1}" stroke="black"/><text transform="translate(14 {:.1}) rotate(-90)" text-anchor="middle">{} (log)</text>"#,
-        TOP + PLOT_H,
-        TOP + PLOT_H / 2.0,
-        esc(y_label)
-    );
+    let ticks: Vec<(f64, f64)> = (0..=(d1 - d0) as i32)
+        .map(|k| {
+            let v = 10f64.powi(d0 as i32 + k);
+            (v, TOP + PLOT_H * (1.0 - f64::from(k) / (d1 - d0)))
+        })
+        .collect();
+    y_axis(o, &ticks, &format!("{y_label} (log)"), right);
 }
 
 #[cfg(test)]
