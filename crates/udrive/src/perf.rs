@@ -126,9 +126,13 @@ pub struct PerfArgs {
     /// With --trace: also write a stacked-bar chart of mean time per layer
     #[arg(long, value_name = "PNG", requires = "trace")]
     pub plot: Option<PathBuf>,
-    /// With --trace: the server's control socket (`udrive serve --rpc`), to add the
-    /// server's layers to the breakdown
-    #[arg(long, value_name = "PATH", requires = "trace")]
+    /// Trace every I/O on the server's side only (through --rpc), not the
+    /// initiator's: the server's layers, and what tracing costs the server alone
+    #[arg(long, requires = "rpc", conflicts_with = "trace")]
+    pub trace_server: bool,
+    /// With --trace or --trace-server: the server's control socket (`udrive serve
+    /// --rpc`), to add the server's layers to the breakdown
+    #[arg(long, value_name = "PATH")]
     pub rpc: Option<PathBuf>,
 }
 
@@ -182,10 +186,14 @@ pub fn run_with(a: PerfArgs, server: Option<&dyn ServerTrace>) -> Result<()> {
     if a.wait && a.vfio_user.is_some() && !a.irq {
         bail!("--wait on an NVMe controller sleeps on CQ interrupts: add --irq");
     }
+    if a.rpc.is_some() && !a.trace && !a.trace_server {
+        bail!("--rpc reads the server's trace: add --trace or --trace-server");
+    }
     if let Some(list) = &a.cpus {
         pin_process(list)?;
     }
-    if let Some(srv) = server.filter(|_| a.trace) {
+    let server = server.filter(|_| a.trace || a.trace_server);
+    if let Some(srv) = server {
         srv.start().context("cannot start the server's trace")?;
     }
     #[cfg(feature = "rbd")]
@@ -201,13 +209,14 @@ pub fn run_with(a: PerfArgs, server: Option<&dyn ServerTrace>) -> Result<()> {
             bail!("give --vfio-user SOCKET, --vhost-user SOCKET, --file PATH or --rbd POOL/IMAGE")
         }
     };
-    if let Some(srv) = server.filter(|_| a.trace) {
+    if let Some(srv) = server {
         let srv = srv
             .stop_and_read()
             .context("cannot read the server's trace")?;
-        if let Some(init) = &report.trace {
-            report.trace = Some(trace::Breakdown::full_path(init, &srv));
-        }
+        report.trace = Some(match &report.trace {
+            Some(init) => trace::Breakdown::full_path(init, &srv),
+            None => srv,
+        });
     }
     if a.json {
         crate::outln!("{}", serde_json::to_string(&report)?)?;

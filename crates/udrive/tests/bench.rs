@@ -246,19 +246,24 @@ fn traced_runs_give_each_cell_its_time_per_layer() {
     }
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
     for b in [Backend::Null, Backend::File] {
-        for k in ["randread-4k-j1", "randrw70-4k-j1"] {
-            for what in ["pct", "layers"] {
-                let id = udrive::bench::report::latency::figure_id(what, b, k);
-                assert!(html.contains(&format!("<svg id=\"{id}\"")), "{id} missing");
-                assert!(out.join(format!("figures/{id}.svg")).exists(), "{id}.svg");
-            }
+        for (what, k) in [
+            ("pct", "randread-4k-j1"),
+            ("pct", "randrw70-4k-j1"),
+            ("layers", "randread-4k-j1-qd1"),
+            ("layers", "randread-4k-j1-qd8"),
+            ("layers", "randrw70-4k-j1-qd4"),
+        ] {
+            let id = udrive::bench::report::latency::figure_id(what, b, k);
+            assert!(html.contains(&format!("<svg id=\"{id}\"")), "{id} missing");
+            assert!(out.join(format!("figures/{id}.svg")).exists(), "{id}.svg");
         }
     }
-    // randread at QD1 and QD8, jobs 1: a bar for each datapath and QD.
-    let svg = std::fs::read_to_string(out.join("figures/layers-null-randread-4k-j1.svg")).unwrap();
-    for d in ["fake-a", "fake-b", "fake-c"] {
-        for q in [1, 8] {
-            assert!(svg.contains(&format!(">{d} QD{q} (read)<")), "{d} QD{q}");
+    // randread at QD1 and QD8, jobs 1: a figure per QD, a bar per datapath.
+    for q in [1, 8] {
+        let f = out.join(format!("figures/layers-null-randread-4k-j1-qd{q}.svg"));
+        let svg = std::fs::read_to_string(f).unwrap();
+        for d in ["fake-a", "fake-b", "fake-c"] {
+            assert!(svg.contains(&format!(">{d} (read)<")), "{d} QD{q}");
         }
     }
     let md = std::fs::read_to_string(out.join("summary.md")).unwrap();

@@ -459,7 +459,7 @@ qd = [1, 4]
     let id = udrive::bench::report::latency::figure_id(
         "layers",
         udrive::bench::matrix::Backend::File,
-        "randread-4k-j1",
+        "randread-4k-j1-qd1",
     );
     assert!(out.join(format!("figures/{id}.svg")).exists(), "{id}");
 }

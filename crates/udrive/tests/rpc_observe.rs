@@ -141,6 +141,36 @@ fn udrive_trace_and_perf_trace_over_the_socket() {
     for w in ["submit", "reap", "queue", "backend", "notify", "transport"] {
         assert!(text.contains(w), "{w} missing in\n{text}");
     }
+    // --trace-server: the server's layers alone, the initiator untraced.
+    let out = udrive_ok(&[
+        "perf",
+        "--time",
+        "0.3",
+        "--json",
+        "--trace-server",
+        "--vfio-user",
+        s.nvme.to_str().unwrap(),
+        "--rpc",
+        s.rpc.to_str().unwrap(),
+    ]);
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let b: trace::Breakdown = serde_json::from_value(r["trace"].clone()).unwrap();
+    let read = b.op("read").expect("the server's reads");
+    let layers: Vec<&str> = read.rows.iter().map(|r| r.layer.as_str()).collect();
+    assert_eq!(layers, ["queue", "backend", "complete", "notify", "total"]);
+    assert!(read.row("total").unwrap().count > 0);
+    // --rpc alone traces nothing: refused with what to add.
+    let out = udrive(&[
+        "perf",
+        "--time",
+        "0.1",
+        "--vfio-user",
+        s.nvme.to_str().unwrap(),
+        "--rpc",
+        s.rpc.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("add --trace or --trace-server"));
 }
 
 #[test]

@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use super::clients::{self, ServerCpu};
 use super::matrix::{Backend, DatapathKind, Matrix, Point, Poll, Rw};
 use super::process::{output, outputs, which, DatapathError, Server};
+use super::variant::TraceScope;
 
 /// What every target of one bench run shares.
 pub struct Env {
@@ -395,7 +396,12 @@ pub(super) fn udrive_serve(
         (Some(b), true) => b,
         _ => &env.udrive,
     };
-    let mut c = Command::new(bin);
+    // Under taskset like qemu-storage-daemon: the reactors have their CPUs from the
+    // configuration, but the threads that carry doorbell messages and wake a
+    // sleeping reactor would otherwise run on the client's CPU and wait there
+    // behind a spinning client (2 ms p99 for the first I/O after idle).
+    let mut c = Command::new("taskset");
+    c.args(["-c", &env.matrix.cpus.server]).arg(bin);
     c.arg("serve").arg("--config").arg(&cfg);
     c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
     for kv in env.matrix.variant_of(d).map_or(&[][..], |v| &v.serve_env) {
@@ -409,7 +415,8 @@ pub(super) fn udrive_serve(
 /// The control socket of udrive serving `d` on `b` to `n` clients, when its runs
 /// are traced (`perf --trace --rpc` reads the server's layers through it).
 fn control_socket(d: &DatapathKind, b: Backend, env: &Env, n: u32) -> Option<PathBuf> {
-    (env.matrix.traces(d) && d.is_udrive()).then(|| env.work.join(format!("{d}-{b}-c{n}.rpc")))
+    (env.matrix.tracing(d).is_some() && d.is_udrive())
+        .then(|| env.work.join(format!("{d}-{b}-c{n}.rpc")))
 }
 
 /// udrive's configuration: one NVMe controller or vhost-user-blk device per socket,
@@ -594,8 +601,11 @@ impl Target for PerfTarget<'_> {
         .flat_map(|(k, v)| [k.to_string(), v])
         .collect();
         let mut args = args;
-        if m.traces(&self.kind) {
-            args.push("--trace".into());
+        if let Some(scope) = m.tracing(&self.kind) {
+            args.push(match scope {
+                TraceScope::Both => "--trace".into(),
+                TraceScope::Server => "--trace-server".into(),
+            });
             let n = self.socks.len() as u32;
             if let Some(rpc) = control_socket(&self.kind, self.backend, self.env, n) {
                 args.extend(["--rpc".into(), rpc.display().to_string()]);

@@ -520,9 +520,15 @@ impl Matrix {
         self.variants.get(d.variant()?)
     }
 
-    /// Whether `d`'s runs are traced.
-    pub fn traces(&self, d: &DatapathKind) -> bool {
-        self.trace || self.variant_of(d).is_some_and(|v| v.trace)
+    /// Which sides `d`'s runs trace, if any: its variant's `trace`, else the
+    /// matrix's.
+    pub fn tracing(&self, d: &DatapathKind) -> Option<super::variant::TraceScope> {
+        use super::variant::{TraceOpt, TraceScope};
+        match self.variant_of(d).map(|v| v.trace) {
+            Some(TraceOpt::Side(_)) => Some(TraceScope::Server),
+            Some(TraceOpt::Flag(true)) => Some(TraceScope::Both),
+            _ => self.trace.then_some(TraceScope::Both),
+        }
     }
 
     pub fn max_jobs(&self) -> u32 {

@@ -19,9 +19,11 @@ pub struct Variant {
     /// `KEY=VALUE` pairs in the server's environment.
     #[serde(default)]
     pub serve_env: Vec<String>,
-    /// Trace every run of this datapath (the matrix's `trace` does it for all).
+    /// Trace every run of this datapath (the matrix's `trace` does it for all);
+    /// `"server"`: the server's side only (`perf --trace-server`), what tracing
+    /// costs the server without the client's stamps.
     #[serde(default)]
-    pub trace: bool,
+    pub trace: TraceOpt,
     /// Text the server's log must hold once it is up: the proof that a knob only
     /// some builds have (a test knob in `serve_env`) took effect. A server without
     /// it fails the datapath's runs instead of measuring the plain server.
@@ -29,9 +31,39 @@ pub struct Variant {
     pub expect_log: Option<String>,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TraceOpt {
+    Flag(bool),
+    Side(ServerOnly),
+}
+
+impl Default for TraceOpt {
+    fn default() -> Self {
+        TraceOpt::Flag(false)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ServerOnly {
+    Server,
+}
+
+/// Which sides a datapath's runs trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceScope {
+    /// The client's layers, and udrive's server's through its control socket.
+    Both,
+    /// udrive's server's only.
+    Server,
+}
+
 /// Options the harness sets itself: a variant giving one would run another device
 /// or workload than its cell says.
-const HARNESS_OPTIONS: [&str; 15] = [
+const HARNESS_OPTIONS: [&str; 17] = [
+    "--trace",
+    "--trace-server",
     "--vfio-user",
     "--vhost-user",
     "--file",

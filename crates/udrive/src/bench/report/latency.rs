@@ -80,8 +80,8 @@ fn groups<'a>(cells: &[&'a Cell]) -> Vec<Group<'a>> {
         .collect()
 }
 
-/// The id of the percentile figure (`what` = `pct`) or the layer figure (`layers`)
-/// of backend `b`'s workloads like `p`, when the figure exists.
+/// The id of the percentile figure (`what` = `pct`, `slug` = `randread-4k-j1`) or
+/// a layer figure (`layers`, `randread-4k-j1-qd32`) of backend `b`.
 pub fn figure_id(what: &str, b: Backend, slug: &str) -> String {
     format!("{what}-{b}-{slug}")
 }
@@ -156,39 +156,45 @@ pub fn figures(b: Backend, cells: &[&Cell]) -> Vec<Figure> {
         if traced.is_empty() {
             continue;
         }
+        // One figure per QD: a deep queue's waits would flatten QD1's layers.
         let legend = layers::names(&traced);
-        let mut rows = Vec::new();
-        for d in &paths {
-            for q in &g.qds {
-                let Some(c) = traced.iter().find(|c| c.datapath == *d && c.point.qd == *q) else {
-                    continue;
-                };
-                let mean = |n: &str| {
-                    c.layers
+        for q in &g.qds {
+            let rows: Vec<StackRow> = paths
+                .iter()
+                .filter_map(|d| {
+                    let c = traced
                         .iter()
-                        .find(|l| l.layer == n)
-                        .map(|l| l.mean_us.median)
-                };
-                rows.push(StackRow {
-                    label: format!("{d} QD{q} ({})", c.layers[0].op),
-                    parts: legend.iter().map(|n| mean(n)).collect(),
-                    total: mean(trace::TOTAL),
-                });
+                        .find(|c| c.datapath == *d && c.point.qd == *q)?;
+                    let mean = |n: &str| {
+                        c.layers
+                            .iter()
+                            .find(|l| l.layer == n)
+                            .map(|l| l.mean_us.median)
+                    };
+                    Some(StackRow {
+                        label: format!("{d} ({})", c.layers[0].op),
+                        parts: legend.iter().map(|n| mean(n)).collect(),
+                        total: mean(trace::TOTAL),
+                    })
+                })
+                .collect();
+            if rows.is_empty() {
+                continue;
             }
+            let id = figure_id("layers", b, &format!("{}-qd{q}", g.slug));
+            let title = format!("{b}, {} QD{q}: time per layer", g.label);
+            out.push(Figure {
+                svg: stacked(&id, &title, "mean µs per I/O", &legend, &rows),
+                caption: format!(
+                    "{title}: mean µs per I/O in each layer, median over the traced runs, \
+                     the total after each bar. udrive's datapaths show the server's layers \
+                     between the client's submit and reap, and transport (what the client \
+                     waited beyond the server's time: doorbells, polling, the kernel); a \
+                     datapath without udrive's server shows its whole time there as device"
+                ),
+                id,
+            });
         }
-        let id = figure_id("layers", b, &g.slug);
-        let title = format!("{b}, {}: time per layer", g.label);
-        out.push(Figure {
-            svg: stacked(&id, &title, "mean µs per I/O", &legend, &rows),
-            caption: format!(
-                "{title}: mean µs per I/O in each layer, median over the traced runs, the \
-                 total after each bar. udrive's datapaths show the server's layers between \
-                 the client's submit and reap, and transport (what the client waited beyond \
-                 the server's time: doorbells, polling, the kernel); a datapath without \
-                 udrive's server shows its whole time there as device"
-            ),
-            id,
-        });
     }
     out
 }

@@ -25,6 +25,15 @@ pub struct Series {
     pub bars: Vec<Option<Bar>>,
 }
 
+/// The width a line of 11 px sans-serif text takes, at most (~6.5 px per
+/// character): legends and labels get room for the longest name.
+pub fn text_w<'a>(lines: impl IntoIterator<Item = &'a str>) -> f64 {
+    lines
+        .into_iter()
+        .map(|l| l.chars().count() as f64 * 6.5)
+        .fold(0.0, f64::max)
+}
+
 pub fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -69,7 +78,7 @@ pub(super) const PLOT_H: f64 = 220.0;
 /// Grouped bars (one group per workload, one bar per series) with min–max whiskers.
 pub fn bars(id: &str, title: &str, y_label: &str, groups: &[String], series: &[Series]) -> String {
     let group_w = (series.len() as f64 * BAR_W + 24.0).max(110.0);
-    let legend_w = 150.0;
+    let legend_w = (text_w(series.iter().map(|s| s.name.as_str())) + 40.0).max(150.0);
     let w = LEFT + groups.len() as f64 * group_w + legend_w;
     let h = TOP + PLOT_H + 50.0;
     let top = series

@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use super::svg::{esc, open, short, y_axis, LEFT, PALETTE, PLOT_H, TOP};
+use super::svg::{esc, open, short, text_w, y_axis, LEFT, PALETTE, PLOT_H, TOP};
 
 /// One curve: its values at the x labels (None: not measured there).
 pub struct Line {
@@ -35,7 +35,7 @@ pub fn log_lines(id: &str, title: &str, x: &[&str], y_label: &str, lines: &[Line
         d1 = d0 + 1.0;
     }
     let right = LEFT + 40.0 + STEP * (x.len().max(1) - 1) as f64;
-    let legend_w = 200.0;
+    let legend_w = text_w(lines.iter().map(|l| l.name.as_str())) + 50.0;
     let (w, h) = (right + 20.0 + legend_w, TOP + PLOT_H + 40.0);
     let y = |v: f64| TOP + PLOT_H * (1.0 - (v.log10() - d0) / (d1 - d0));
     let xx = |i: usize| LEFT + 20.0 + STEP * i as f64;

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::svg::{esc, nice_ceil, open, short, PALETTE};
+use super::svg::{esc, nice_ceil, open, short, text_w, PALETTE};
 
 pub struct StackRow {
     pub label: String,
@@ -13,7 +13,6 @@ pub struct StackRow {
     pub total: Option<f64>,
 }
 
-const LABEL_W: f64 = 180.0;
 const BAR_AREA: f64 = 460.0;
 const ROW_H: f64 = 24.0;
 const TOP: f64 = 36.0;
@@ -33,10 +32,11 @@ pub fn stacked(
         .map(|r| drawn(r).max(r.total.unwrap_or(0.0)))
         .fold(0.0, f64::max);
     let xmax = nice_ceil(top);
-    let legend_w = 130.0;
-    let w = LABEL_W + BAR_AREA + 70.0 + legend_w;
+    let label_w = text_w(rows.iter().map(|r| r.label.as_str())) + 16.0;
+    let legend_w = text_w(legend.iter().map(String::as_str)) + 30.0;
+    let w = label_w + BAR_AREA + 70.0 + legend_w;
     let h = (TOP + rows.len() as f64 * ROW_H + 40.0).max(TOP + legend.len() as f64 * 18.0 + 10.0);
-    let x = |v: f64| LABEL_W + BAR_AREA * v / xmax;
+    let x = |v: f64| label_w + BAR_AREA * v / xmax;
     let mut o = open(id, w, h, title, 10.0);
     let bottom = TOP + rows.len() as f64 * ROW_H;
     for i in 0..=4 {
@@ -52,7 +52,7 @@ pub fn stacked(
     let _ = write!(
         o,
         r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
-        LABEL_W + BAR_AREA / 2.0,
+        label_w + BAR_AREA / 2.0,
         bottom + 30.0,
         esc(x_label)
     );
@@ -66,7 +66,7 @@ pub fn stacked(
         let _ = write!(
             o,
             r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}<title>{}</title></text>"#,
-            LABEL_W - 6.0,
+            label_w - 6.0,
             ry + ROW_H / 2.0 + 2.0,
             esc(&r.label),
             esc(&all.join(", "))
@@ -99,7 +99,7 @@ pub fn stacked(
             );
         }
     }
-    let lx = LABEL_W + BAR_AREA + 70.0;
+    let lx = label_w + BAR_AREA + 70.0;
     for (i, n) in legend.iter().enumerate() {
         let ly = TOP + 10.0 + i as f64 * 18.0;
         let _ = write!(
