@@ -587,7 +587,7 @@ impl PerfTarget<'_> {
 impl Target for PerfTarget<'_> {
     fn run(&mut self, p: &Point, _rep: u32) -> Result<Measured, DatapathError> {
         let m = &self.env.matrix;
-        let args: Vec<String> = [
+        let mut args: Vec<String> = [
             ("--rw", p.rw.to_string()),
             ("--rwmixread", p.rwmixread.to_string()),
             ("--bs", p.bs.to_string()),
@@ -600,7 +600,6 @@ impl Target for PerfTarget<'_> {
         .into_iter()
         .flat_map(|(k, v)| [k.to_string(), v])
         .collect();
-        let mut args = args;
         if let Some(scope) = m.tracing(&self.kind) {
             args.push(match scope {
                 TraceScope::Both => "--trace".into(),
@@ -703,11 +702,11 @@ impl Target for Fake {
                 let mean = inflight / iops * 1e9;
                 let lat = json!({"mean": mean, "min": mean / 4.0, "p50": mean, "p99": mean * 2.0,
                     "p99_9": mean * 3.0, "p99_99": mean * 4.0, "max": mean * 10.0});
+                let ios = (iops * 2.0).round();
                 let mut run = json!({"rw": p.rw.to_string(), "bs": p.bs, "qd": p.qd,
-                    "jobs_count": p.jobs, "iops": iops, "ios": (iops * 2.0).round(), "errors": 0,
-                    "lat_ns": lat});
+                    "jobs_count": p.jobs, "iops": iops, "ios": ios, "errors": 0, "lat_ns": lat});
                 if self.trace {
-                    run["trace"] = fake_trace(p, mean, (iops * 2.0).round());
+                    run["trace"] = fake_trace(p, mean, ios);
                 }
                 run
             })

@@ -5,9 +5,9 @@
 
 use super::svg_log_lines::{log_lines, Line};
 use super::svg_stacked::{stacked, StackRow};
-use super::Figure;
+use super::{kind_slug, Figure};
 use crate::bench::layers;
-use crate::bench::matrix::{Backend, DatapathKind, Point};
+use crate::bench::matrix::{Backend, DatapathKind};
 use crate::bench::summary::{point_label, Cell, Stat};
 
 /// The cells of one kind of workload that the figures show.
@@ -20,18 +20,10 @@ struct Group<'a> {
     cells: Vec<&'a Cell>,
 }
 
-fn kind(p: &Point) -> (String, u32, u32) {
-    let mix = match p.rw {
-        crate::bench::matrix::Rw::Randrw => p.rwmixread.to_string(),
-        _ => String::new(),
-    };
-    (format!("{}{mix}", p.rw), p.bs, p.think_us)
-}
-
 fn groups<'a>(cells: &[&'a Cell]) -> Vec<Group<'a>> {
-    let mut kinds: Vec<(String, u32, u32)> = Vec::new();
+    let mut kinds: Vec<String> = Vec::new();
     for c in cells {
-        let k = kind(&c.point);
+        let k = kind_slug(&c.point);
         if !kinds.contains(&k) {
             kinds.push(k);
         }
@@ -42,7 +34,7 @@ fn groups<'a>(cells: &[&'a Cell]) -> Vec<Group<'a>> {
             let same: Vec<&Cell> = cells
                 .iter()
                 .copied()
-                .filter(|c| kind(&c.point) == k)
+                .filter(|c| kind_slug(&c.point) == k)
                 .collect();
             let jobs = same.iter().map(|c| c.point.jobs).min()?;
             let mut qds: Vec<u32> = same
@@ -62,16 +54,8 @@ fn groups<'a>(cells: &[&'a Cell]) -> Vec<Group<'a>> {
                 .filter(|c| c.point.jobs == jobs && qds.contains(&c.point.qd))
                 .collect();
             let p = chosen.first()?.point;
-            let think = match p.think_us {
-                0 => String::new(),
-                t => format!("-think{t}"),
-            };
             Some(Group {
-                slug: format!(
-                    "{}-{}{think}-j{jobs}",
-                    k.0,
-                    crate::bench::matrix::bs_name(k.1)
-                ),
+                slug: format!("{k}-j{jobs}"),
                 label: point_label(&p).replace(&format!(" QD{}", p.qd), ""),
                 qds,
                 cells: chosen,

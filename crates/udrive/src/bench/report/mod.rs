@@ -205,8 +205,8 @@ fn bar_figures(b: Backend, cells: &[&Cell]) -> Vec<Figure> {
     ]
 }
 
-/// The id of a heatmap figure (also the test's way to name what it expects).
-pub fn heatmap_id(d: &str, b: Backend, p: &Point) -> String {
+/// A kind of workload, all but its QD and jobs: `randrw70-4k-think2000`.
+pub fn kind_slug(p: &Point) -> String {
     let mix = if p.rw == super::matrix::Rw::Randrw {
         p.rwmixread.to_string()
     } else {
@@ -216,7 +216,12 @@ pub fn heatmap_id(d: &str, b: Backend, p: &Point) -> String {
         0 => String::new(),
         t => format!("-think{t}"),
     };
-    format!("heat-{d}-{b}-{}{mix}-{}{think}", p.rw, bs_name(p.bs))
+    format!("{}{mix}-{}{think}", p.rw, bs_name(p.bs))
+}
+
+/// The id of a heatmap figure (also the test's way to name what it expects).
+pub fn heatmap_id(d: &str, b: Backend, p: &Point) -> String {
+    format!("heat-{d}-{b}-{}", kind_slug(p))
 }
 
 fn heatmaps(b: Backend, cells: &[&Cell]) -> Vec<Figure> {

@@ -132,20 +132,25 @@ pub fn bars(id: &str, title: &str, y_label: &str, groups: &[String], series: &[S
         );
     }
     let lx = LEFT + groups.len() as f64 * group_w + 16.0;
-    for (si, s) in series.iter().enumerate() {
-        let ly = TOP + 10.0 + si as f64 * 18.0;
-        let c = PALETTE[si % PALETTE.len()];
-        let _ = write!(
-            o,
-            r#"<rect x="{lx:.1}" y="{:.1}" width="12" height="12" fill="{c}"/><text x="{:.1}" y="{:.1}">{}</text>"#,
-            ly - 10.0,
-            lx + 16.0,
-            ly,
-            esc(&s.name)
-        );
-    }
+    swatches(&mut o, lx, TOP, series.iter().map(|s| s.name.as_str()));
     o.push_str("</svg>");
     o
+}
+
+/// A legend at (`x`, below `top`): a square of the palette's colour per name, in order.
+pub(super) fn swatches<'a>(o: &mut String, x: f64, top: f64, names: impl Iterator<Item = &'a str>) {
+    for (i, name) in names.enumerate() {
+        let ly = top + 10.0 + i as f64 * 18.0;
+        let c = PALETTE[i % PALETTE.len()];
+        let _ = write!(
+            o,
+            r#"<rect x="{x:.1}" y="{:.1}" width="12" height="12" fill="{c}"/><text x="{:.1}" y="{:.1}">{}</text>"#,
+            ly - 10.0,
+            x + 16.0,
+            ly,
+            esc(name)
+        );
+    }
 }
 
 /// An SVG's start: its size, a white ground and the title at `title_x`.

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::svg::{esc, nice_ceil, open, short, text_w, PALETTE};
+use super::svg::{esc, nice_ceil, open, short, swatches, text_w, PALETTE};
 
 pub struct StackRow {
     pub label: String,
@@ -100,17 +100,7 @@ pub fn stacked(
         }
     }
     let lx = label_w + BAR_AREA + 70.0;
-    for (i, n) in legend.iter().enumerate() {
-        let ly = TOP + 10.0 + i as f64 * 18.0;
-        let _ = write!(
-            o,
-            r#"<rect x="{lx:.1}" y="{:.1}" width="12" height="12" fill="{}"/><text x="{:.1}" y="{ly:.1}">{}</text>"#,
-            ly - 10.0,
-            PALETTE[i % PALETTE.len()],
-            lx + 16.0,
-            esc(n)
-        );
-    }
+    swatches(&mut o, lx, TOP, legend.iter().map(String::as_str));
     o.push_str("</svg>");
     o
 }
