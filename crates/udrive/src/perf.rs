@@ -70,7 +70,8 @@ pub struct PerfArgs {
     #[arg(long)]
     pub verify: bool,
     /// Think time in µs: each job sleeps this long after a completion before it
-    /// issues the next I/O (at --qd 1: the first-I/O-after-idle latency)
+    /// issues the next I/O (at --qd 1: the first-I/O-after-idle latency); cut
+    /// short at the end of the run, so one as long as the run is an idle client
     #[arg(long, value_name = "US", default_value_t = 0)]
     pub think_us: u64,
     /// Describe data with SGLs instead of PRPs

@@ -383,7 +383,7 @@ fn a_broken_matrix_is_refused_naming_the_field() {
         ),
         (format!("{FAKE}\nbs = 1000"), "workload[1].bs"),
         (
-            format!("{FAKE}\nthink_us = 2000000"),
+            format!("{FAKE}\nthink_us = 600000001"),
             "workload[1].think_us",
         ),
         (with_clients("[0]"), "clients[0]"),
@@ -419,6 +419,22 @@ fn a_broken_matrix_is_refused_naming_the_field() {
         (
             format!("{FAKE}\n[variant.x]\nexpect_log = \"\"\n"),
             "variant.x.expect_log",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\nplacement = \"everywhere\"\n"),
+            "variant.x.placement",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\ndisk = [\"iops=1000,rd_iops=5\"]\n"),
+            "variant.x.disk[0]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x.neighbour]\nperf = [\"--qd\", \"8\", \"--time=9\"]\n"),
+            "variant.x.neighbour.perf[2]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x.neighbour]\ndisk = [\"iops\"]\n"),
+            "variant.x.neighbour.disk[0]",
         ),
     ];
     for (bad, field) in cases {

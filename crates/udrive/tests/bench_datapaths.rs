@@ -505,3 +505,58 @@ qd = [1]
         assert_eq!(gaps > 0, d == "udrive-nvme+gaps", "{r}");
     }
 }
+
+/// A variant's disk options reach its namespaces, and its neighbour is a second
+/// device on the same server whose client runs through each run; a neighbour that
+/// cannot run fails the variant's runs instead of leaving them unloaded.
+#[test]
+fn a_variant_limits_its_disk_and_loads_a_neighbour() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let matrix = r#"
+reps = 1
+time = 1.0
+ramp = 0.2
+datapaths = ["udrive-nvme+limited", "udrive-nvme+crowded", "udrive-vhost+crowded", "udrive-nvme+broken"]
+backends = ["null"]
+poll = "adaptive"
+[variant.limited]
+disk = ["iops=200"]
+[variant.crowded.neighbour]
+disk = ["iops=100"]
+perf = ["--qd", "64"]
+idle_priority = true
+[variant.broken.neighbour]
+perf = ["--bs", "1000"]
+[[workload]]
+rw = "randread"
+qd = [8]
+"#;
+    let o = bench(matrix, &out, &[]);
+    assert!(!o.status.success(), "the broken neighbour's run failed");
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 4, "{runs:?}");
+    for r in &runs {
+        let d = r["datapath"].as_str().unwrap();
+        if d == "udrive-nvme+broken" {
+            let e = r["error"].as_str().unwrap_or_default();
+            assert!(e.contains("the neighbour's client"), "{r}");
+            continue;
+        }
+        assert!(r["error"].is_null(), "{r}");
+        if d == "udrive-nvme+limited" {
+            // 200 a second and the limiter's start burst; a busy machine only does less.
+            let ios = r["perf"]["ios"].as_f64().unwrap();
+            assert!(ios <= 300.0, "{ios} I/Os in 1 s at iops=200: {r}");
+        }
+    }
+    let work = out.join("work");
+    let config = |name: &str| std::fs::read_to_string(work.join(name)).unwrap();
+    assert!(config("udrive-nvme+limited-null-c1.toml").contains("null:64G,iops=200"));
+    for d in ["udrive-nvme+crowded", "udrive-vhost+crowded"] {
+        let c = config(&format!("{d}-null-c1.toml"));
+        assert!(c.contains("null:64G,iops=100"), "{c}");
+        assert!(c.contains("-neighbour.sock"), "{c}");
+        assert!(!c.contains("null:64G,iops=200"), "{c}");
+    }
+}

@@ -81,6 +81,7 @@ pub struct WorkloadConfig {
     /// Pause (sleeping) after each batch of completions before the next I/Os are
     /// issued: at QD1 with a think time longer than a server's idle threshold,
     /// every I/O is the first after the server went to sleep. Not part of latency.
+    /// Cut short at the run's end: one as long as the run makes an idle client.
     pub think: Duration,
     /// Block on the target's completion notification when nothing has completed
     /// ([`JobQueue::poll_wait`]) instead of spinning: leaves the CPUs to the server

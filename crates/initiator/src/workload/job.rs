@@ -379,7 +379,10 @@ impl Job<'_> {
                 let lat = self.complete(d)?;
                 inflight -= 1;
                 if !self.cfg.think.is_zero() && !stopped {
-                    std::thread::sleep(self.cfg.think);
+                    // Not past the run's end: a think time as long as the run
+                    // makes an idle client that still stops on time.
+                    let left = end.saturating_duration_since(Instant::now());
+                    std::thread::sleep(self.cfg.think.min(left));
                 }
                 // Count what was issued and finished inside the measured window.
                 let s = self.slots[d.slot as usize];

@@ -131,3 +131,19 @@ fn sequential_write_and_bad_config() {
     assert_eq!("randrw70".parse::<Rw>(), Ok(Rw::RandRw { read_pct: 70 }));
     assert!("bogus".parse::<Rw>().is_err());
 }
+
+#[test]
+fn a_think_time_longer_than_the_run_makes_an_idle_client() {
+    let t = MemTarget {
+        data: Mutex::new(vec![0; 64 << 10]),
+        corrupt_every: 0,
+    };
+    let mut c = cfg(Rw::RandRead, false);
+    c.ramp = Duration::from_millis(50);
+    // An hour: a run that slept it out would never return in a test's time.
+    c.think = Duration::from_secs(3600);
+    let r = run(&t, &c).unwrap();
+    // The first I/Os complete within the warm-up; then nothing until the end.
+    assert_eq!(r.ios, 0, "{r}");
+    assert_eq!(r.errors, 0);
+}

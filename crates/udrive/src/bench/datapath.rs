@@ -14,6 +14,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
@@ -310,6 +311,12 @@ fn perf_target<'e>(
                 .iter()
                 .cloned()
                 .chain(control_socket(d, b, env, n))
+                .chain(
+                    env.matrix
+                        .variant_of(d)
+                        .and_then(|v| v.neighbour.as_ref())
+                        .map(|_| neighbour_socket(d, b, env, n)),
+                )
                 .collect::<Vec<_>>(),
             // Formatting a LUKS2 volume benchmarks and runs argon2id: 11 s here.
             if b.clear().is_some() { 120 } else { 20 },
@@ -412,6 +419,11 @@ pub(super) fn udrive_serve(
     Ok(c)
 }
 
+/// The socket of the neighbour's device, when `d` is a variant with one.
+fn neighbour_socket(d: &DatapathKind, b: Backend, env: &Env, n: u32) -> PathBuf {
+    env.work.join(format!("{d}-{b}-c{n}-neighbour.sock"))
+}
+
 /// The control socket of udrive serving `d` on `b` to `n` clients, when its runs
 /// are traced (`perf --trace --rpc` reads the server's layers through it).
 fn control_socket(d: &DatapathKind, b: Backend, env: &Env, n: u32) -> Option<PathBuf> {
@@ -431,20 +443,32 @@ fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> 
         DatapathKind::UdriveNvmeSpdk => Poll::Busy,
         _ => m.poll,
     };
+    let variant = m.variant_of(d);
+    let placement = variant.and_then(|v| v.placement.as_deref());
+    let with_opts =
+        |spec: String, opts: &[String]| opts.iter().fold(spec, |s, o| format!("{s},{o}"));
     let n = socks.len() as u32;
     let mut t = format!("cpus = {}\n", q(&m.cpus.server));
     if let Some(rpc) = control_socket(d, b, env, n) {
         let _ = writeln!(t, "rpc = {}", q(&rpc.display().to_string()));
     }
-    for (i, sock) in (0..n).zip(socks) {
-        let spec = q(&udrive_spec(d, b, env, n, i));
+    let disk_opts = variant.map_or(&[][..], |v| &v.disk);
+    let specs = (0..n).map(|i| with_opts(udrive_spec(d, b, env, n, i), disk_opts));
+    let neighbour = variant.and_then(|v| v.neighbour.as_ref()).map(|nb| {
+        let spec = with_opts("null:64G".into(), &nb.disk);
+        (spec, neighbour_socket(d, b, env, n))
+    });
+    let devices = specs.zip(socks.iter().cloned()).chain(neighbour);
+    for (spec, sock) in devices {
+        let spec = q(&spec);
         let sock = q(&sock.display().to_string());
         let _ = if let DatapathKind::UdriveNvme(..) | DatapathKind::UdriveNvmeSpdk = d {
             // round-robin: `serve --vfio-user`'s default placement.
             writeln!(
                 t,
                 "[[controller]]\nsocket = {sock}\nnamespaces = [{spec}]\n\
-                 placement = \"round-robin\"\npoll = \"{}\"",
+                 placement = {}\npoll = \"{}\"",
+                q(placement.unwrap_or("round-robin")),
                 poll.as_str()
             )
         } else {
@@ -453,7 +477,7 @@ fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> 
                 "[[vhost_user_blk]]\nsocket = {sock}\ndisk = {spec}\nqueues = {}\n\
                  placement = {}\npoll = \"{}\"",
                 m.max_jobs(),
-                q(&m.placement),
+                q(placement.unwrap_or(&m.placement)),
                 poll.as_str()
             )
         };
@@ -461,7 +485,7 @@ fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> 
     t
 }
 
-/// qemu-storage-daemon as scripts/bench-vhost starts it (null-co, or the file with
+/// qemu-storage-daemon with its best settings for the backend (null-co, or the file with
 /// io_uring), on the server's CPUs through taskset; `data` is this export's file.
 fn qsd_cmd(b: Backend, env: &Env, sock: &Path, data: &Path) -> Command {
     let m = &env.matrix;
@@ -548,6 +572,40 @@ impl PerfTarget<'_> {
         c
     }
 
+    /// The variant's neighbour's client, started with its queue filled; it stops
+    /// when the returned process is dropped (after the run).
+    fn load_neighbour(&self) -> Result<Option<Server>, DatapathError> {
+        let m = &self.env.matrix;
+        let Some(nb) = m.variant_of(&self.kind).and_then(|v| v.neighbour.as_ref()) else {
+            return Ok(None);
+        };
+        let n = self.socks.len() as u32;
+        let sock = neighbour_socket(&self.kind, self.backend, self.env, n);
+        let mut c = if nb.idle_priority {
+            let mut c = Command::new("chrt");
+            c.args(["--idle", "0"]).arg(&self.env.udrive);
+            c
+        } else {
+            Command::new(&self.env.udrive)
+        };
+        let device = match self.kind {
+            DatapathKind::UdriveVhost(..) => "--vhost-user",
+            _ => "--vfio-user",
+        };
+        // Longer than the run: stopped when it ends.
+        let secs = m.ramp + m.time + 60.0;
+        c.arg("perf").arg(device).arg(&sock);
+        c.args(["--time", &secs.to_string(), "--cpus", &m.cpus.client]);
+        c.args(&nb.perf);
+        c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
+        let what = format!("the neighbour's client of {}", self.kind);
+        let mut p = Server::spawn(c, &what, sock.with_extension("perf.log"))?;
+        // Its queue full before the measured clients start.
+        std::thread::sleep(Duration::from_secs(1));
+        p.still_running(&what)?;
+        Ok(Some(p))
+    }
+
     /// Every client runs `args` at once; their JSON in client order.
     fn exec_all(&self, args: &[String], what: &str) -> Result<Vec<Value>, DatapathError> {
         let n = self.socks.len();
@@ -610,8 +668,13 @@ impl Target for PerfTarget<'_> {
                 args.extend(["--rpc".into(), rpc.display().to_string()]);
             }
         }
+        let _neighbour = self.load_neighbour()?;
         let pids: Vec<u32> = self.servers.iter().map(Server::pid).collect();
-        let clock = clients::CpuClock::start(&pids);
+        let clock = clients::CpuClock::start(
+            &pids,
+            Duration::from_secs_f64(m.ramp),
+            Duration::from_secs_f64(m.time),
+        );
         let what = format!("perf on {} {} {}", self.kind, self.backend, p.slug());
         let clients = self.exec_all(&args, &what)?;
         // After a run: a device may apply its knob only once a client attached.
@@ -715,6 +778,7 @@ impl Target for Fake {
         let server_cpu = ServerCpu {
             cpu_s: 2.0 * (1.0 + 0.1 * n) * spread,
             wall_s: 2.0,
+            threads: Some(3 + self.clients),
         };
         Ok(Measured {
             clients,

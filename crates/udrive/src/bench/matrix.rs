@@ -25,11 +25,18 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("dma-messages", include_str!("presets/dma-messages.toml")),
     ("dirty-log", include_str!("presets/dirty-log.toml")),
     ("trace-cost", include_str!("presets/trace-cost.toml")),
+    ("vhost", include_str!("presets/vhost.toml")),
+    ("poll-idle", include_str!("presets/poll-idle.toml")),
+    ("poll-shared", include_str!("presets/poll-shared.toml")),
+    ("qos", include_str!("presets/qos.toml")),
 ];
 
 /// The most concurrent clients a cell may have: each is a process with its own
 /// device (a socket, a backing, for qsd a whole server process).
 pub const MAX_CLIENTS: u32 = 64;
+
+/// The longest think time: an idle client for the longest run worth measuring.
+const MAX_THINK_US: u32 = 600_000_000;
 
 /// A preset's text by name.
 pub fn preset(name: &str) -> Option<&'static str> {
@@ -247,7 +254,9 @@ pub struct Workload {
     #[serde(default = "default_jobs")]
     pub jobs: Vec<u32>,
     /// µs each job waits after a completion before its next I/O (`perf --think-us`):
-    /// at QD1 every I/O is the first after the server went idle.
+    /// at QD1 every I/O is the first after the server went idle. As long as the
+    /// run (warm-up and time) it makes idle clients: each job's first I/Os, then
+    /// nothing until the run ends (the server's CPU while its clients idle).
     #[serde(default)]
     pub think_us: u32,
 }
@@ -376,7 +385,7 @@ pub fn bs_name(bs: u32) -> String {
 }
 
 const ENGINES: [&str; 3] = ["auto", "uring", "inline"];
-const PLACEMENTS: [&str; 3] = ["single", "dedicated", "round-robin"];
+pub(super) const PLACEMENTS: [&str; 3] = ["single", "dedicated", "round-robin"];
 
 impl Matrix {
     /// Parse and check a matrix; the error names the field at fault.
@@ -573,8 +582,11 @@ fn check_workload(at: &str, w: &Workload) -> Result<(), MatrixError> {
     if w.jobs.is_empty() || w.jobs.iter().any(|&j| j == 0 || j > 64) {
         return Err(invalid(format!("{at}.jobs"), "a non-empty list of 1..=64"));
     }
-    if w.think_us > 1_000_000 {
-        return Err(invalid(format!("{at}.think_us"), "at most 1000000 (1 s)"));
+    if w.think_us > MAX_THINK_US {
+        return Err(invalid(
+            format!("{at}.think_us"),
+            "at most 600000000 (10 min)",
+        ));
     }
     Ok(())
 }

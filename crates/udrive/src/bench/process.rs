@@ -78,7 +78,7 @@ impl Server {
 
     /// [`Server::start`], waiting up to `secs` for the sockets.
     pub(super) fn start_within(
-        mut cmd: Command,
+        cmd: Command,
         what: &str,
         socks: &[PathBuf],
         secs: u64,
@@ -89,22 +89,7 @@ impl Server {
         let log = socks
             .first()
             .map_or_else(|| PathBuf::from("server.log"), |s| s.with_extension("log"));
-        let io = |source| DatapathError::Io {
-            what: format!("server log {}", log.display()),
-            source,
-        };
-        let f = File::create(&log).map_err(io)?;
-        let f2 = f.try_clone().map_err(io)?;
-        cmd.stdin(Stdio::null()).stdout(f).stderr(f2);
-        let child = cmd.spawn().map_err(|source| DatapathError::Spawn {
-            what: what.into(),
-            cmd: format!("{cmd:?}"),
-            source,
-        })?;
-        let mut s = Server {
-            child,
-            log: log.clone(),
-        };
+        let mut s = Server::spawn(cmd, what, log.clone())?;
         let deadline = Instant::now() + Duration::from_secs(secs);
         while let Some(sock) = socks.iter().find(|p| !p.exists()) {
             let exited = matches!(s.child.try_wait(), Ok(Some(_)));
@@ -124,8 +109,41 @@ impl Server {
 }
 
 impl Server {
+    /// Starts `cmd` with its output in `log`, stopped like a server when dropped.
+    pub(super) fn spawn(
+        mut cmd: Command,
+        what: &str,
+        log: PathBuf,
+    ) -> Result<Server, DatapathError> {
+        let io = |source| DatapathError::Io {
+            what: format!("log {}", log.display()),
+            source,
+        };
+        let f = File::create(&log).map_err(io)?;
+        let f2 = f.try_clone().map_err(io)?;
+        cmd.stdin(Stdio::null()).stdout(f).stderr(f2);
+        let child = cmd.spawn().map_err(|source| DatapathError::Spawn {
+            what: what.into(),
+            cmd: format!("{cmd:?}"),
+            source,
+        })?;
+        Ok(Server { child, log })
+    }
+
     pub(super) fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Fails with its log's tail if it has exited.
+    pub(super) fn still_running(&mut self, what: &str) -> Result<(), DatapathError> {
+        match self.child.try_wait() {
+            Ok(None) => Ok(()),
+            status => Err(DatapathError::Failed {
+                what: what.into(),
+                status: status.map_or_else(|e| e.to_string(), |s| format!("{s:?}")),
+                tail: tail(&std::fs::read_to_string(&self.log).unwrap_or_default()),
+            }),
+        }
     }
 
     /// Fails unless the server's log so far holds `text`.

@@ -49,8 +49,12 @@ impl RunRecord {
     pub fn iops(&self) -> Option<f64> {
         self.perf.get("iops")?.as_f64()
     }
-    /// A latency field of `perf --json` in µs (`mean`, `p99`, ...).
+    /// A latency field of `perf --json` in µs (`mean`, `p99`, ...); none when the
+    /// run measured no I/O (idle clients).
     pub fn lat_us(&self, k: &str) -> Option<f64> {
+        if self.perf.get("ios").and_then(Value::as_f64) == Some(0.0) {
+            return None;
+        }
         Some(self.perf.get("lat_ns")?.get(k)?.as_f64()? / 1e3)
     }
     /// The lowest and the highest IOPS of one client.

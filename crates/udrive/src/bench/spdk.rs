@@ -14,6 +14,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
@@ -298,7 +299,11 @@ impl Target for SpdkTarget<'_> {
         c.args(["-a", &(m.ramp.ceil() as u64).to_string(), "-L"]);
         let what = format!("spdk_nvme_perf on {}", p.slug());
         let pids: Vec<u32> = self.server.iter().map(Server::pid).collect();
-        let clock = CpuClock::start(&pids);
+        let clock = CpuClock::start(
+            &pids,
+            Duration::from_secs(m.ramp.ceil() as u64),
+            Duration::from_secs((m.time.ceil() as u64).max(1)),
+        );
         let out = output(c, &what);
         let server_cpu = clock.stop();
         forget_exited();

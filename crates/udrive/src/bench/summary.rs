@@ -88,6 +88,9 @@ pub struct Cell {
     pub fairness: Option<Stat>,
     /// Cores the server's processes kept busy over a run.
     pub server_cores: Option<Stat>,
+    /// The server processes' threads at the end of a run.
+    #[serde(default)]
+    pub server_threads: Option<Stat>,
     /// Server CPU per I/O, µs: what one more client costs the host shows here.
     pub server_us_per_io: Option<Stat>,
     /// Against each baseline that ran this backend and workload (not itself), then
@@ -238,6 +241,7 @@ pub fn summarize(
                 (hi > 0.0).then(|| lo / hi)
             })),
             server_cores: Stat::of(&col(&|r| r.server_cpu?.cores())),
+            server_threads: Stat::of(&col(&|r| Some(f64::from(r.server_cpu?.threads?)))),
             server_us_per_io: Stat::of(&col(&RunRecord::server_us_per_io)),
             vs: versus(m, &cells_in, key, &ok),
             not_meaningful: ok
@@ -278,6 +282,7 @@ pub fn point_label(p: &Point) -> String {
     };
     let think = match p.think_us {
         0 => String::new(),
+        t if t >= 1_000_000 => format!(" think {} s", f64::from(t) / 1e6),
         t => format!(" think {t} µs"),
     };
     format!("{rw} {} QD{} ×{}{think}", bs_name(p.bs), p.qd, p.jobs)
@@ -322,9 +327,9 @@ pub fn markdown(s: &Summary) -> String {
         let _ = writeln!(o, "## {b}\n");
         let _ = writeln!(
             o,
-            "| workload | datapath | n | IOPS (k) | mean (µs) | p50 (µs) | p99 (µs) |"
+            "| workload | datapath | n | IOPS (k) | mean (µs) | p50 (µs) | p99 (µs) | server CPU (% of a core) | threads |"
         );
-        let _ = writeln!(o, "|---|---|---|---|---|---|---|");
+        let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|");
         for c in &cells {
             let failed = if c.failed > 0 {
                 format!(" ({} failed)", c.failed)
@@ -338,7 +343,7 @@ pub fn markdown(s: &Summary) -> String {
             };
             let _ = writeln!(
                 o,
-                "| {} | {}{mark} | {}{failed} | {} | {} | {} | {} |",
+                "| {} | {}{mark} | {}{failed} | {} | {} | {} | {} | {} | {} |",
                 cell_label(c),
                 c.datapath,
                 c.n,
@@ -346,6 +351,8 @@ pub fn markdown(s: &Summary) -> String {
                 opt(c.mean_us, 1.0, 2),
                 opt(c.p50_us, 1.0, 2),
                 opt(c.p99_us, 1.0, 2),
+                opt(c.server_cores, 100.0, 2),
+                opt(c.server_threads, 1.0, 0),
             );
         }
         o.push('\n');
@@ -460,9 +467,9 @@ fn many_clients_table(o: &mut String, b: Backend, cells: &[&Cell]) {
     );
     let _ = writeln!(
         o,
-        "| workload | datapath | clients | IOPS (k), all | per client (k), slowest | fastest | slowest ÷ fastest | mean (µs) | p99 (µs), worst client | server cores | server CPU µs/I/O |"
+        "| workload | datapath | clients | IOPS (k), all | per client (k), slowest | fastest | slowest ÷ fastest | mean (µs) | p99 (µs), worst client | server cores | server CPU µs/I/O | threads |"
     );
-    let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut rows: Vec<&&Cell> = cells.iter().collect();
     // Per workload and datapath, the client counts in a row.
     rows.sort_by_key(|c| {
@@ -474,7 +481,7 @@ fn many_clients_table(o: &mut String, b: Backend, cells: &[&Cell]) {
         let k = |s: Option<Stat>| opt(s, 1e-3, kilo_digits(s));
         let _ = writeln!(
             o,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             point_label(&c.point),
             c.datapath,
             c.clients,
@@ -486,6 +493,7 @@ fn many_clients_table(o: &mut String, b: Backend, cells: &[&Cell]) {
             opt(c.p99_us, 1.0, 2),
             opt(c.server_cores, 1.0, 2),
             opt(c.server_us_per_io, 1.0, 2),
+            opt(c.server_threads, 1.0, 0),
         );
     }
     o.push('\n');
