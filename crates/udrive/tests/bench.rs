@@ -364,6 +364,58 @@ fn invalid_field(text: &str) -> String {
 }
 
 #[test]
+fn a_broken_variant_is_refused_naming_the_field() {
+    let cases = [
+        // A variant named but not defined, or one that sets what the cell decides.
+        (
+            FAKE.replace("\"fake-c\"]", "\"udrive-nvme+x\"]"),
+            "datapaths[2]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\nperf = [\"--irq\", \"--qd=4\"]\n"),
+            "variant.x.perf[1]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\nserve_env = [\"RUST_LOG\", \"A=1\"]\n"),
+            "variant.x.serve_env[0]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\nexpect_log = \"\"\n"),
+            "variant.x.expect_log",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\nplacement = \"everywhere\"\n"),
+            "variant.x.placement",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\ndisk = [\"iops=1000,rd_iops=5\"]\n"),
+            "variant.x.disk[0]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x.neighbour]\nperf = [\"--qd\", \"8\", \"--time=9\"]\n"),
+            "variant.x.neighbour.perf[2]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x.neighbour]\ndisk = [\"iops\"]\n"),
+            "variant.x.neighbour.disk[0]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\nhandovers = 1001\n"),
+            "variant.x.handovers",
+        ),
+        (
+            format!(
+                "{FAKE}\n[variant.x]\nhandovers = 3\nperf = [\"--verify\", \"--gaps\", \"9\"]\n"
+            ),
+            "variant.x.perf[1]",
+        ),
+    ];
+    for (bad, field) in cases {
+        assert_eq!(invalid_field(&bad), field);
+    }
+}
+
+#[test]
 fn a_broken_matrix_is_refused_naming_the_field() {
     let cases = [
         (FAKE.replace("qd = [4]", "qd = [0]"), "workload[1].qd"),
@@ -403,39 +455,6 @@ fn a_broken_matrix_is_refused_naming_the_field() {
             ),
             "cpus.client",
         ),
-        // A variant named but not defined, or one that sets what the cell decides.
-        (
-            FAKE.replace("\"fake-c\"]", "\"udrive-nvme+x\"]"),
-            "datapaths[2]",
-        ),
-        (
-            format!("{FAKE}\n[variant.x]\nperf = [\"--irq\", \"--qd=4\"]\n"),
-            "variant.x.perf[1]",
-        ),
-        (
-            format!("{FAKE}\n[variant.x]\nserve_env = [\"RUST_LOG\", \"A=1\"]\n"),
-            "variant.x.serve_env[0]",
-        ),
-        (
-            format!("{FAKE}\n[variant.x]\nexpect_log = \"\"\n"),
-            "variant.x.expect_log",
-        ),
-        (
-            format!("{FAKE}\n[variant.x]\nplacement = \"everywhere\"\n"),
-            "variant.x.placement",
-        ),
-        (
-            format!("{FAKE}\n[variant.x]\ndisk = [\"iops=1000,rd_iops=5\"]\n"),
-            "variant.x.disk[0]",
-        ),
-        (
-            format!("{FAKE}\n[variant.x.neighbour]\nperf = [\"--qd\", \"8\", \"--time=9\"]\n"),
-            "variant.x.neighbour.perf[2]",
-        ),
-        (
-            format!("{FAKE}\n[variant.x.neighbour]\ndisk = [\"iops\"]\n"),
-            "variant.x.neighbour.disk[0]",
-        ),
     ];
     for (bad, field) in cases {
         assert_eq!(invalid_field(&bad), field);
@@ -468,4 +487,53 @@ fn a_broken_matrix_is_refused_naming_the_field() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("workload[1].qd"));
     assert!(!out.join("raw").exists());
+}
+
+/// A suite runs each matrix into its own directory and links their reports; a
+/// member that is missing is refused before anything runs.
+#[test]
+fn a_suite_runs_each_matrix_into_its_own_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("first.toml"), FAKE.replace("reps = 2", "reps = 1")).unwrap();
+    let second = FAKE
+        .replace("reps = 2", "reps = 1")
+        .replace("fake datapaths", "second matrix");
+    std::fs::write(d.join("second.toml"), second).unwrap();
+    let suite = d.join("suite.toml");
+    std::fs::write(
+        &suite,
+        "description = \"two fakes\"\nsuite = [\"first.toml\", \"second.toml\"]\n",
+    )
+    .unwrap();
+    let out = d.join("out");
+    let run = |suite: &std::path::Path, out: &std::path::Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_udrive"))
+            .args(["bench", "--matrix"])
+            .arg(suite)
+            .arg("--out")
+            .arg(out)
+            .output()
+            .unwrap()
+    };
+    let o = run(&suite, &out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for m in ["first", "second"] {
+        assert!(out.join(m).join("report.html").is_file(), "{m}");
+        assert_eq!(raw_runs(&out.join(m)).len(), 3 * 2 * POINTS, "{m}");
+    }
+    let index = std::fs::read_to_string(out.join("index.html")).unwrap();
+    assert!(index.contains("href=\"first/report.html\""), "{index}");
+    assert!(index.contains("href=\"second/report.html\""), "{index}");
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(md.contains("# first") && md.contains("# second"), "{md}");
+    assert!(md.contains("second matrix"), "{md}");
+
+    std::fs::write(&suite, "suite = [\"first.toml\", \"missing.toml\"]\n").unwrap();
+    let out = d.join("out2");
+    let o = run(&suite, &out);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("suite[1]"), "{err}");
+    assert!(!out.join("first").exists(), "nothing ran");
 }

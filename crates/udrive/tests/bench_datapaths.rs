@@ -560,3 +560,80 @@ qd = [8]
         assert!(!c.contains("null:64G,iops=200"), "{c}");
     }
 }
+
+/// Processes whose command line names `path`: what a bench run left behind.
+fn processes_naming(path: &std::path::Path) -> Vec<String> {
+    let needle = path.display().to_string();
+    let me = std::process::id().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .filter(|e| e.file_name().to_string_lossy() != me)
+        .filter_map(|e| {
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            cmd.contains(&needle).then_some(cmd)
+        })
+        .collect()
+}
+
+/// A variant's handovers run `udrive upgrade` during each run: the clients report
+/// that many pauses, the run keeps every upgrade's time, the server that took over
+/// serves the next workload, and the last successor is stopped with the run.
+#[test]
+fn handovers_during_a_run_are_timed_and_their_successor_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let matrix = r#"
+reps = 1
+time = 1.5
+ramp = 0.2
+datapaths = ["udrive-nvme+ho", "udrive-vhost+ho"]
+# A RAM disk lives in the server's memory: it refuses a handover.
+backends = ["file"]
+[file]
+mib = 64
+[variant.ho]
+handovers = 2
+perf = ["--verify"]
+[[workload]]
+rw = "randrw"
+qd = [4]
+[[workload]]
+rw = "randread"
+qd = [1]
+"#;
+    let o = bench(matrix, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let runs = raw_runs(&out);
+    assert_eq!(runs.len(), 4, "{runs:?}");
+    for r in &runs {
+        assert!(r["error"].is_null(), "{r}");
+        assert_eq!(r["upgrades_ms"].as_array().map(Vec::len), Some(2), "{r}");
+        assert!(
+            r["server_cpu"].is_null(),
+            "the process measured handed over: {r}"
+        );
+        assert_eq!(r["perf"]["gaps"].as_array().map(Vec::len), Some(2), "{r}");
+        assert_eq!(r["perf"]["verify_errors"].as_u64().unwrap_or(0), 0, "{r}");
+    }
+    let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(summary.contains("### file: live handovers"), "{summary}");
+    assert_eq!(processes_naming(&out), Vec::<String>::new());
+
+    // A RAM disk refuses: the run fails saying why, and nothing is left running.
+    let out = dir.path().join("ram");
+    let o = bench(&matrix.replace("\"file\"]", "\"ram\"]"), &out, &[]);
+    assert!(!o.status.success());
+    for r in raw_runs(&out) {
+        let e = r["error"].as_str().unwrap_or_default();
+        assert!(e.contains("refused the handover"), "{r}");
+    }
+    assert_eq!(processes_naming(&out), Vec::<String>::new());
+}

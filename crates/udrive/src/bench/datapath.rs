@@ -14,12 +14,12 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::clients::{self, ServerCpu};
-use super::matrix::{Backend, DatapathKind, Matrix, Point, Poll, Rw};
+use super::clients;
+use super::matrix::{Backend, DatapathKind, Matrix, Point, Poll};
 use super::process::{output, outputs, which, DatapathError, Server};
 use super::variant::TraceScope;
 
@@ -224,20 +224,7 @@ fn rbd_spec(env: &Env) -> String {
     )
 }
 
-/// One run's numbers: each client's `perf --json`, and the server's CPU over the run.
-pub struct Measured {
-    /// In client order.
-    pub clients: Vec<Value>,
-    /// None where there is no server (bare io_uring, librbd).
-    pub server_cpu: Option<ServerCpu>,
-}
-
-/// A datapath ready to be driven: its server (if any) is up, with a device per client.
-pub trait Target {
-    /// Run one workload on every client at once for the matrix's time, after its
-    /// warm-up.
-    fn run(&mut self, p: &Point, rep: u32) -> Result<Measured, DatapathError>;
-}
+pub use super::target::{Measured, Target};
 
 /// Start datapath `d` on backend `b` for `n` clients (a fresh server: no state from
 /// another run). The `vm-*` datapaths start in `vm_target::start`.
@@ -248,7 +235,7 @@ pub fn start<'e>(
     env: &'e Env,
 ) -> Result<Box<dyn Target + 'e>, DatapathError> {
     if let DatapathKind::Fake(name) = d {
-        return Ok(Box::new(Fake {
+        return Ok(Box::new(super::fake::Fake {
             name: name.clone(),
             backend: b,
             clients: n,
@@ -399,10 +386,7 @@ pub(super) fn udrive_serve(
         what: format!("writing {}", cfg.display()),
         source,
     })?;
-    let bin = match (&env.udrive_b, d.is_b()) {
-        (Some(b), true) => b,
-        _ => &env.udrive,
-    };
+    let bin = server_binary(d, env);
     // Under taskset like qemu-storage-daemon: the reactors have their CPUs from the
     // configuration, but the threads that carry doorbell messages and wake a
     // sleeping reactor would otherwise run on the client's CPU and wait there
@@ -419,16 +403,30 @@ pub(super) fn udrive_serve(
     Ok(c)
 }
 
+/// The udrive binary serving `d`: the second one for the `~b` datapaths.
+fn server_binary<'e>(d: &DatapathKind, env: &'e Env) -> &'e Path {
+    match (&env.udrive_b, d.is_b()) {
+        (Some(b), true) => b,
+        _ => &env.udrive,
+    }
+}
+
+/// Live handovers a run of `d` has (its variant's `handovers`).
+fn handovers(d: &DatapathKind, env: &Env) -> u32 {
+    env.matrix.variant_of(d).map_or(0, |v| v.handovers)
+}
+
 /// The socket of the neighbour's device, when `d` is a variant with one.
 fn neighbour_socket(d: &DatapathKind, b: Backend, env: &Env, n: u32) -> PathBuf {
     env.work.join(format!("{d}-{b}-c{n}-neighbour.sock"))
 }
 
 /// The control socket of udrive serving `d` on `b` to `n` clients, when its runs
-/// are traced (`perf --trace --rpc` reads the server's layers through it).
+/// are traced (`perf --trace --rpc` reads the server's layers through it) or hand
+/// the server over (`udrive upgrade --rpc`).
 fn control_socket(d: &DatapathKind, b: Backend, env: &Env, n: u32) -> Option<PathBuf> {
-    (env.matrix.tracing(d).is_some() && d.is_udrive())
-        .then(|| env.work.join(format!("{d}-{b}-c{n}.rpc")))
+    let wanted = env.matrix.tracing(d).is_some() || handovers(d, env) > 0;
+    (wanted && d.is_udrive()).then(|| env.work.join(format!("{d}-{b}-c{n}.rpc")))
 }
 
 /// udrive's configuration: one NVMe controller or vhost-user-blk device per socket,
@@ -525,6 +523,9 @@ fn qsd_cmd(b: Backend, env: &Env, sock: &Path, data: &Path) -> Command {
     c
 }
 
+/// The thread of a run's handovers: each `udrive upgrade`'s time in ms.
+type HandoverThread = std::thread::JoinHandle<Result<Vec<f64>, DatapathError>>;
+
 struct PerfTarget<'a> {
     env: &'a Env,
     kind: DatapathKind,
@@ -606,6 +607,71 @@ impl PerfTarget<'_> {
         Ok(Some(p))
     }
 
+    /// `n` live handovers of the server (`udrive upgrade` to its own binary, under
+    /// taskset on the server's CPUs like the server), evenly spaced over the run's
+    /// measured time, in a thread of their own; how long each command took, in ms.
+    fn start_handovers(&self, n: u32) -> Option<HandoverThread> {
+        let m = &self.env.matrix;
+        let rpc = control_socket(&self.kind, self.backend, self.env, self.socks.len() as u32)?;
+        if n == 0 {
+            return None;
+        }
+        let bin = server_binary(&self.kind, self.env).to_path_buf();
+        let log = rpc.with_extension("upgrades.log");
+        let cpus = m.cpus.server.clone();
+        let (ramp, time) = (m.ramp, m.time);
+        Some(std::thread::spawn(move || {
+            let start = Instant::now();
+            let mut took = Vec::new();
+            for k in 0..n {
+                // Each in the middle of its share of the measured time.
+                let at = ramp + time * (f64::from(k) + 0.5) / f64::from(n);
+                if let Some(wait) = Duration::from_secs_f64(at).checked_sub(start.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+                let t = Instant::now();
+                let mut c = Command::new("taskset");
+                c.args(["-c", &cpus]).arg(&bin).arg("upgrade");
+                c.arg("--rpc").arg(&rpc).arg("--log").arg(&log);
+                let what = format!("udrive upgrade {} of {n}", k + 1);
+                output(c, &what).map_err(|e| {
+                    // Why the new server gave up is in its log, not the command's.
+                    let log = std::fs::read_to_string(&log).unwrap_or_default();
+                    DatapathError::Failed {
+                        what,
+                        status: e.to_string(),
+                        tail: super::process::tail(&log),
+                    }
+                })?;
+                took.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            Ok(took)
+        }))
+    }
+
+    /// After handovers: the server process is the last successor, which the
+    /// control socket names.
+    fn adopt_successor(&mut self) -> Result<(), DatapathError> {
+        let n = self.socks.len() as u32;
+        let Some(rpc) = control_socket(&self.kind, self.backend, self.env, n) else {
+            return Ok(());
+        };
+        let v = crate::rpc_client::call(&rpc, "get_version", json!({}), Duration::from_secs(10))
+            .map_err(|e| DatapathError::Io {
+                what: format!("asking {} for the server's pid", rpc.display()),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        let pid = v
+            .get("pid")
+            .and_then(Value::as_u64)
+            .and_then(|p| u32::try_from(p).ok());
+        match (pid, self.servers.first_mut()) {
+            (Some(pid), Some(s)) if pid != s.pid() => s.adopt(pid),
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// Every client runs `args` at once; their JSON in client order.
     fn exec_all(&self, args: &[String], what: &str) -> Result<Vec<Value>, DatapathError> {
         let n = self.socks.len();
@@ -668,6 +734,10 @@ impl Target for PerfTarget<'_> {
                 args.extend(["--rpc".into(), rpc.display().to_string()]);
             }
         }
+        let handovers = handovers(&self.kind, self.env);
+        if handovers > 0 {
+            args.extend(["--gaps".into(), handovers.to_string()]);
+        }
         let _neighbour = self.load_neighbour()?;
         let pids: Vec<u32> = self.servers.iter().map(Server::pid).collect();
         let clock = clients::CpuClock::start(
@@ -676,7 +746,23 @@ impl Target for PerfTarget<'_> {
             Duration::from_secs_f64(m.time),
         );
         let what = format!("perf on {} {} {}", self.kind, self.backend, p.slug());
-        let clients = self.exec_all(&args, &what)?;
+        let upgrades = self.start_handovers(handovers);
+        let clients = self.exec_all(&args, &what);
+        let upgrades_ms = match upgrades {
+            Some(h) => {
+                let took = h.join().unwrap_or_else(|_| {
+                    Err(DatapathError::Io {
+                        what: "the handovers".into(),
+                        source: std::io::Error::other("their thread panicked"),
+                    })
+                });
+                // Whatever happened, the server to stop later is the one serving now.
+                self.adopt_successor()?;
+                took?
+            }
+            None => Vec::new(),
+        };
+        let clients = clients?;
         // After a run: a device may apply its knob only once a client attached.
         if let Some(text) = m
             .variant_of(&self.kind)
@@ -686,103 +772,12 @@ impl Target for PerfTarget<'_> {
                 s.expect_log(&format!("udrive serve ({})", self.kind), text)?;
             }
         }
+        // The process measured handed over and ended (a zombie until reaped).
+        let server_cpu = clock.stop().filter(|_| handovers == 0);
         Ok(Measured {
             clients,
-            server_cpu: clock.stop(),
-        })
-    }
-}
-
-/// Numbers that depend only on the datapath's name, the backend, the workload, the
-/// repetition and the client, in the shape of `perf --json`: the harness's tests know
-/// what to expect.
-struct Fake {
-    name: String,
-    backend: Backend,
-    clients: u32,
-    /// Add a full-path layer table, as `perf --trace --rpc` gives one.
-    trace: bool,
-}
-
-/// The fake's layer table for I/Os of `mean` ns: the full path's layers in request
-/// order, each a fixed share of the total, per op the workload does (a mix split
-/// by its share of reads).
-fn fake_trace(p: &Point, mean: f64, ios: f64) -> Value {
-    const SHARES: [(&str, &str, f64); 8] = [
-        ("submit", "initiator", 0.05),
-        ("queue", "server", 0.10),
-        ("backend", "server", 0.50),
-        ("complete", "server", 0.10),
-        ("notify", "server", 0.05),
-        ("transport", "transport", 0.15),
-        ("reap", "initiator", 0.05),
-        ("total", "initiator", 1.0),
-    ];
-    let reads = match p.rw {
-        Rw::Randread => 1.0,
-        Rw::Randwrite => 0.0,
-        Rw::Randrw => f64::from(p.rwmixread) / 100.0,
-    };
-    let ops: Vec<Value> = [("read", reads), ("write", 1.0 - reads)]
-        .iter()
-        .filter(|(_, part)| *part > 0.0)
-        .map(|(op, part)| {
-            // Counts and percentiles are whole numbers in trace's table.
-            let count = (ios * part).round() as u64;
-            let rows: Vec<Value> = SHARES
-                .iter()
-                .map(|(layer, side, share)| {
-                    let ns = mean * share;
-                    let at = |k: f64| (k * ns).round() as u64;
-                    json!({"layer": layer, "side": side, "count": count, "mean_ns": ns,
-                        "p50_ns": at(1.0), "p99_ns": at(2.0), "p99_9_ns": at(3.0),
-                        "max_ns": at(10.0)})
-                })
-                .collect();
-            json!({"op": op, "rows": rows})
-        })
-        .collect();
-    json!({ "ops": ops })
-}
-
-impl Target for Fake {
-    fn run(&mut self, p: &Point, rep: u32) -> Result<Measured, DatapathError> {
-        let seed = self
-            .name
-            .bytes()
-            .fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
-        let base = 100_000.0 * (1 + seed % 5) as f64 / (1 + self.backend as u64) as f64;
-        let rw = if p.rw == Rw::Randread { 1.0 } else { 0.8 };
-        let spread = 1.0 + 0.05 * f64::from((rep * 7) % 3);
-        let inflight = f64::from(p.qd * p.jobs);
-        let n = f64::from(self.clients);
-        let clients = (0..self.clients)
-            .map(|i| {
-                // Clients share the server: each gets less, the later ones a little less.
-                let share = n.sqrt() / n * (1.0 - 0.05 * f64::from(i));
-                let iops = base * rw * inflight.sqrt() * spread * share * 4096.0
-                    / f64::from(p.bs.max(4096));
-                let mean = inflight / iops * 1e9;
-                let lat = json!({"mean": mean, "min": mean / 4.0, "p50": mean, "p99": mean * 2.0,
-                    "p99_9": mean * 3.0, "p99_99": mean * 4.0, "max": mean * 10.0});
-                let ios = (iops * 2.0).round();
-                let mut run = json!({"rw": p.rw.to_string(), "bs": p.bs, "qd": p.qd,
-                    "jobs_count": p.jobs, "iops": iops, "ios": ios, "errors": 0, "lat_ns": lat});
-                if self.trace {
-                    run["trace"] = fake_trace(p, mean, ios);
-                }
-                run
-            })
-            .collect();
-        // One reactor's worth of CPU, plus a little per client.
-        let server_cpu = ServerCpu {
-            cpu_s: 2.0 * (1.0 + 0.1 * n) * spread,
-            wall_s: 2.0,
-            threads: Some(3 + self.clients),
-        };
-        Ok(Measured {
-            clients,
-            server_cpu: Some(server_cpu),
+            server_cpu,
+            upgrades_ms,
         })
     }
 }

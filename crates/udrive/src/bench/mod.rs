@@ -8,7 +8,9 @@
 pub mod clients;
 pub mod datapath;
 pub mod datapath_kind;
+mod fake;
 pub mod floor;
+pub mod handovers;
 pub mod images;
 pub mod layers;
 pub mod matrix;
@@ -16,7 +18,10 @@ pub mod process;
 pub mod report;
 pub mod run;
 pub mod spdk;
+pub mod stat;
+pub mod suite;
 pub mod summary;
+pub mod target;
 pub mod variant;
 pub mod vm;
 pub mod vm_target;
@@ -31,7 +36,7 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 
 use matrix::{Matrix, PRESETS};
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
     /// A preset matrix (`--list` shows them)
     #[arg(conflicts_with = "matrix")]
@@ -82,16 +87,24 @@ fn preset_text(name: &str) -> Result<&'static str> {
     }
 }
 
-/// The matrix asked for, with the command line's overrides applied and checked.
-fn load(a: &BenchArgs) -> Result<Matrix> {
-    let text = match (&a.preset, &a.matrix) {
+/// The text of the matrix or suite asked for, and the directory its relative
+/// names start from.
+fn source(a: &BenchArgs) -> Result<(String, PathBuf)> {
+    match (&a.preset, &a.matrix) {
         (_, Some(f)) => {
-            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?
+            let t =
+                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            let dir = f.parent().map_or_else(PathBuf::new, Path::to_path_buf);
+            Ok((t, dir))
         }
-        (Some(p), None) => preset_text(p)?.to_string(),
+        (Some(p), None) => Ok((preset_text(p)?.to_string(), PathBuf::new())),
         (None, None) => bail!("name a preset (udrive bench --list) or --matrix FILE.toml"),
-    };
-    let mut m = Matrix::parse(&text)?;
+    }
+}
+
+/// The matrix in `text`, with the command line's overrides applied and checked.
+fn load(a: &BenchArgs, text: &str) -> Result<Matrix> {
+    let mut m = Matrix::parse(text)?;
     if let Some(r) = a.reps {
         m.reps = r;
     }
@@ -123,10 +136,13 @@ fn load(a: &BenchArgs) -> Result<Matrix> {
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.list {
         for (name, text) in PRESETS {
-            let d = Matrix::parse(text)
-                .map(|m| m.description)
-                .unwrap_or_default();
-            println!("{name:10} {d}");
+            let d = match suite::parse(text) {
+                Ok(Some(s)) => format!("{} (suite: {})", s.description, s.suite.join(", ")),
+                _ => Matrix::parse(text)
+                    .map(|m| m.description)
+                    .unwrap_or_default(),
+            };
+            println!("{name:12} {d}");
         }
         return Ok(());
     }
@@ -134,7 +150,35 @@ pub fn run(a: BenchArgs) -> Result<()> {
         print!("{}", preset_text(p)?);
         return Ok(());
     }
-    let m = load(&a)?;
+    let (text, base) = source(&a)?;
+    match suite::parse(&text)? {
+        Some(s) => suite::run(&a, &s, &base),
+        None => run_matrix(&a, &text),
+    }
+}
+
+/// Set by SIGINT or SIGTERM: the runs stop, the results so far are written (and a
+/// suite starts no further matrix). Registered once per process.
+fn stop_flag() -> Result<&'static AtomicBool> {
+    static STOP: std::sync::OnceLock<Arc<AtomicBool>> = std::sync::OnceLock::new();
+    if let Some(s) = STOP.get() {
+        return Ok(s);
+    }
+    let s = Arc::new(AtomicBool::new(false));
+    for sig in [SIGINT, SIGTERM] {
+        signal_hook::flag::register(sig, Arc::clone(&s)).context("installing a signal handler")?;
+    }
+    Ok(STOP.get_or_init(|| s))
+}
+
+/// Whether SIGINT or SIGTERM asked to stop.
+fn stopped() -> bool {
+    stop_flag().is_ok_and(|s| s.load(Ordering::Relaxed))
+}
+
+/// Runs the matrix in `text` into `a.out`.
+fn run_matrix(a: &BenchArgs, text: &str) -> Result<()> {
+    let m = load(a, text)?;
     let raw = a.out.join("raw");
     // Old runs would mix into this one's summary.
     if raw.exists() {
@@ -158,12 +202,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         data_file,
         matrix: m,
     };
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [SIGINT, SIGTERM] {
-        signal_hook::flag::register(sig, Arc::clone(&stop))
-            .context("installing a signal handler")?;
-    }
-    let result = measure(&env, &raw, &a.out, &stop);
+    let stop = stop_flag()?;
+    let result = measure(&env, &raw, &a.out, stop);
     for (f, _) in data_files(&env) {
         let _ = std::fs::remove_file(f);
     }

@@ -59,10 +59,12 @@ pub fn which(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// A server process, stopped (TERM, then KILL) when dropped.
+/// A server process, stopped (TERM, then KILL) when dropped; after a live handover,
+/// its successor is the server (`adopt`), stopped the same way.
 pub(super) struct Server {
     child: Child,
     log: PathBuf,
+    successor: Option<u32>,
 }
 
 impl Server {
@@ -127,11 +129,26 @@ impl Server {
             cmd: format!("{cmd:?}"),
             source,
         })?;
-        Ok(Server { child, log })
+        Ok(Server {
+            child,
+            log,
+            successor: None,
+        })
     }
 
+    /// The serving process: the successor after a handover.
     pub(super) fn pid(&self) -> u32 {
-        self.child.id()
+        self.successor.unwrap_or_else(|| self.child.id())
+    }
+
+    /// `pid` took over from this server (`udrive upgrade`); stopping the server now
+    /// stops it, and a successor it replaced in turn.
+    pub(super) fn adopt(&mut self, pid: u32) {
+        if let Some(old) = self.successor.replace(pid) {
+            if old != pid {
+                stop_pid(old);
+            }
+        }
     }
 
     /// Fails with its log's tail if it has exited.
@@ -160,8 +177,27 @@ impl Server {
     }
 }
 
+/// TERM, then KILL after 5 s, for a process that is not our child (a successor,
+/// started by `udrive upgrade`): gone when /proc no longer has it.
+fn stop_pid(pid: u32) {
+    use nix::sys::signal::{kill, Signal};
+    let p = nix::unistd::Pid::from_raw(pid as i32);
+    let gone = || !std::path::Path::new(&format!("/proc/{pid}")).exists();
+    if kill(p, Signal::SIGTERM).is_err() {
+        return;
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !gone() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = kill(p, Signal::SIGKILL);
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
+        if let Some(s) = self.successor.take() {
+            stop_pid(s);
+        }
         let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(5);

@@ -38,6 +38,10 @@ pub struct RunRecord {
     /// The server processes' CPU time over the run (none: no server).
     #[serde(default)]
     pub server_cpu: Option<ServerCpu>,
+    /// How long each live handover's `udrive upgrade` took, in ms (a variant's
+    /// `handovers`); the pauses the clients saw are `perf`'s `gaps`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upgrades_ms: Vec<f64>,
     pub error: Option<String>,
 }
 
@@ -83,6 +87,29 @@ impl RunRecord {
         let ios = |o: &trace::OpBreakdown| o.row(trace::TOTAL).map_or(0, |r| r.count);
         b.ops.into_iter().max_by_key(ios)
     }
+    /// The pauses between completions each client saw (`perf --gaps`), in ms, all
+    /// clients' together.
+    pub fn pauses_ms(&self) -> Vec<f64> {
+        let clients = match self.per_client.is_empty() {
+            true => std::slice::from_ref(&self.perf),
+            false => &self.per_client[..],
+        };
+        clients
+            .iter()
+            .filter_map(|c| c.get("gaps")?.as_array())
+            .flatten()
+            .filter_map(|g| Some(g.get("ns")?.as_f64()? / 1e6))
+            .collect()
+    }
+
+    /// I/O and verify errors the clients counted.
+    pub fn errors(&self) -> f64 {
+        ["errors", "verify_errors"]
+            .iter()
+            .filter_map(|k| self.perf.get(k)?.as_f64())
+            .sum()
+    }
+
     /// Server CPU µs per I/O at the run's rate.
     pub fn server_us_per_io(&self) -> Option<f64> {
         let iops = self.iops().filter(|i| *i > 0.0)?;
@@ -236,9 +263,9 @@ pub fn execute(
                 Ok(t) => t.run(p, g.rep).map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             };
-            let (per_client, server_cpu, error) = match result {
-                Ok(v) => (v.clients, v.server_cpu, None),
-                Err(e) => (Vec::new(), None, Some(e)),
+            let (per_client, server_cpu, upgrades_ms, error) = match result {
+                Ok(v) => (v.clients, v.server_cpu, v.upgrades_ms, None),
+                Err(e) => (Vec::new(), None, Vec::new(), Some(e)),
             };
             let perf = match per_client.is_empty() {
                 true => Value::Null,
@@ -257,6 +284,7 @@ pub fn execute(
                 perf,
                 per_client,
                 server_cpu,
+                upgrades_ms,
                 error,
             };
             std::fs::write(raw_dir.join(r.file_name()), serde_json::to_vec_pretty(&r)?)?;

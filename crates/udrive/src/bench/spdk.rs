@@ -316,6 +316,7 @@ impl Target for SpdkTarget<'_> {
         Ok(Measured {
             clients: vec![v],
             server_cpu,
+            upgrades_ms: Vec::new(),
         })
     }
 }

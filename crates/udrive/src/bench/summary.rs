@@ -13,43 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::matrix::{bs_name, Backend, DatapathKind, Matrix, Point};
 use super::run::{RunRecord, Skipped};
 
-/// Median and range of one quantity over a cell's runs.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Stat {
-    pub median: f64,
-    pub min: f64,
-    pub max: f64,
-}
-
-impl Stat {
-    pub fn of(v: &[f64]) -> Option<Stat> {
-        let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
-        if s.is_empty() {
-            return None;
-        }
-        s.sort_by(f64::total_cmp);
-        let n = s.len();
-        let median = if n % 2 == 1 {
-            s[n / 2]
-        } else {
-            (s[n / 2 - 1] + s[n / 2]) / 2.0
-        };
-        Some(Stat {
-            median,
-            min: s[0],
-            max: s[n - 1],
-        })
-    }
-
-    fn fmt(&self, scale: f64, nd: usize) -> String {
-        format!(
-            "{:.nd$} ({:.nd$}–{:.nd$})",
-            self.median * scale,
-            self.min * scale,
-            self.max * scale
-        )
-    }
-}
+pub use super::stat::Stat;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Cell {
@@ -93,6 +57,9 @@ pub struct Cell {
     pub server_threads: Option<Stat>,
     /// Server CPU per I/O, µs: what one more client costs the host shows here.
     pub server_us_per_io: Option<Stat>,
+    /// Live handovers during the runs (a variant's `handovers`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handovers: Option<super::handovers::Handovers>,
     /// Against each baseline that ran this backend and workload (not itself), then
     /// against this datapath on the clear backend of an encrypted one.
     pub vs: Vec<Versus>,
@@ -243,6 +210,7 @@ pub fn summarize(
             server_cores: Stat::of(&col(&|r| r.server_cpu?.cores())),
             server_threads: Stat::of(&col(&|r| Some(f64::from(r.server_cpu?.threads?)))),
             server_us_per_io: Stat::of(&col(&RunRecord::server_us_per_io)),
+            handovers: super::handovers::of(&ok),
             vs: versus(m, &cells_in, key, &ok),
             not_meaningful: ok
                 .iter()
@@ -359,6 +327,7 @@ pub fn markdown(s: &Summary) -> String {
         not_meaningful_notes(&mut o, &cells);
         many_clients_table(&mut o, b, &cells);
         super::layers::table(&mut o, b, &cells);
+        handovers_table(&mut o, b, &cells);
         for bl in &s.baselines {
             versus_table(&mut o, b, bl, &cells);
         }
@@ -494,6 +463,37 @@ fn many_clients_table(o: &mut String, b: Backend, cells: &[&Cell]) {
             opt(c.server_cores, 1.0, 2),
             opt(c.server_us_per_io, 1.0, 2),
             opt(c.server_threads, 1.0, 0),
+        );
+    }
+    o.push('\n');
+}
+
+/// The cells of one backend with live handovers, if any.
+fn handovers_table(o: &mut String, b: Backend, cells: &[&Cell]) {
+    let rows: Vec<(&Cell, &super::handovers::Handovers)> = cells
+        .iter()
+        .filter_map(|c| Some((*c, c.handovers.as_ref()?)))
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(o, "### {b}: live handovers\n");
+    let _ = writeln!(
+        o,
+        "| workload | datapath | handovers per run | pause, median (ms) | longest pause (ms) | `udrive upgrade` (ms) | I/O + verify errors |"
+    );
+    let _ = writeln!(o, "|---|---|---|---|---|---|---|");
+    for (c, h) in rows {
+        let _ = writeln!(
+            o,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            cell_label(c),
+            c.datapath,
+            h.per_run,
+            opt(h.pause_ms, 1.0, 2),
+            opt(h.pause_max_ms, 1.0, 2),
+            opt(h.upgrade_ms, 1.0, 2),
+            h.errors
         );
     }
     o.push('\n');

@@ -30,6 +30,12 @@ pub struct Variant {
     /// clients are measured.
     #[serde(default)]
     pub neighbour: Option<Neighbour>,
+    /// Live handovers (`udrive upgrade`, to the server's own binary) during each
+    /// run, evenly spaced over its measured time; the clients report that many
+    /// longest pauses between completions (`perf --gaps`): what a guest sees of
+    /// each.
+    #[serde(default)]
+    pub handovers: u32,
     /// Trace every run of this datapath (the matrix's `trace` does it for all);
     /// `"server"`: the server's side only (`perf --trace-server`), what tracing
     /// costs the server without the client's stamps.
@@ -112,6 +118,9 @@ const HARNESS_OPTIONS: [&str; 17] = [
     "--rpc",
 ];
 
+/// The most handovers in one run.
+const MAX_HANDOVERS: u32 = 1000;
+
 /// Options the harness sets on a neighbour's client.
 const NEIGHBOUR_HARNESS_OPTIONS: [&str; 10] = [
     "--trace",
@@ -179,6 +188,15 @@ pub fn check(
     for (name, v) in variants {
         let field = |f: &str| format!("variant.{name}.{f}");
         check_perf(&field("perf"), &v.perf, &HARNESS_OPTIONS)?;
+        if v.handovers > MAX_HANDOVERS {
+            return Err(invalid(
+                field("handovers"),
+                format!("at most {MAX_HANDOVERS} (the pauses `perf --gaps` keeps)"),
+            ));
+        }
+        if v.handovers > 0 {
+            check_perf(&field("perf"), &v.perf, &["--gaps"])?;
+        }
         check_disk(&field("disk"), &v.disk)?;
         if let Some(n) = &v.neighbour {
             check_perf(

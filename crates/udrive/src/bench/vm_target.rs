@@ -152,6 +152,7 @@ impl Target for VmTarget<'_> {
                 clients: vec![v.clone()],
                 // The guest's boot and every other workload ran on the server too.
                 server_cpu: None,
+                upgrades_ms: Vec::new(),
             }),
             Some(Err(e)) => Err(DatapathError::Failed {
                 what: format!("fio in the guest, {}", p.slug()),

@@ -1,0 +1,25 @@
+//! What every datapath gives the runner: a target to drive, and one run's numbers.
+
+use serde_json::Value;
+
+use super::clients::ServerCpu;
+use super::matrix::Point;
+use super::process::DatapathError;
+
+/// One run's numbers: each client's `perf --json`, and the server's CPU over the run.
+pub struct Measured {
+    /// In client order.
+    pub clients: Vec<Value>,
+    /// None where there is no server (bare io_uring, librbd).
+    pub server_cpu: Option<ServerCpu>,
+    /// How long each `udrive upgrade` of the run took, in ms (a variant's
+    /// `handovers`).
+    pub upgrades_ms: Vec<f64>,
+}
+
+/// A datapath ready to be driven: its server (if any) is up, with a device per client.
+pub trait Target {
+    /// Run one workload on every client at once for the matrix's time, after its
+    /// warm-up.
+    fn run(&mut self, p: &Point, rep: u32) -> Result<Measured, DatapathError>;
+}
