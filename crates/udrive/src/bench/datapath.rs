@@ -453,7 +453,7 @@ fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> 
     let disk_opts = variant.map_or(&[][..], |v| &v.disk);
     let specs = (0..n).map(|i| with_opts(udrive_spec(d, b, env, n, i), disk_opts));
     let neighbour = variant.and_then(|v| v.neighbour.as_ref()).map(|nb| {
-        let spec = with_opts("null:64G".into(), &nb.disk);
+        let spec = with_opts(udrive_spec(d, Backend::Null, env, 1, 0), &nb.disk);
         (spec, neighbour_socket(d, b, env, n))
     });
     let devices = specs.zip(socks.iter().cloned()).chain(neighbour);
@@ -611,11 +611,11 @@ impl PerfTarget<'_> {
     /// taskset on the server's CPUs like the server), evenly spaced over the run's
     /// measured time, in a thread of their own; how long each command took, in ms.
     fn start_handovers(&self, n: u32) -> Option<HandoverThread> {
-        let m = &self.env.matrix;
-        let rpc = control_socket(&self.kind, self.backend, self.env, self.socks.len() as u32)?;
         if n == 0 {
             return None;
         }
+        let m = &self.env.matrix;
+        let rpc = control_socket(&self.kind, self.backend, self.env, self.socks.len() as u32)?;
         let bin = server_binary(&self.kind, self.env).to_path_buf();
         let log = rpc.with_extension("upgrades.log");
         let cpus = m.cpus.server.clone();

@@ -21,23 +21,27 @@ pub struct Handovers {
     pub errors: f64,
 }
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
-    v.retain(|x| x.is_finite());
-    Stat::of(&v).map(|s| s.median)
+fn median(v: &[f64]) -> Option<f64> {
+    Stat::of(v).map(|s| s.median)
 }
 
 /// The handovers of a cell's successful runs, if they had any.
 pub fn of(ok: &[&RunRecord]) -> Option<Handovers> {
     let runs: Vec<&&RunRecord> = ok.iter().filter(|r| !r.upgrades_ms.is_empty()).collect();
     let per_run = runs.iter().map(|r| r.upgrades_ms.len()).max()?;
-    let col = |f: &dyn Fn(&RunRecord) -> Option<f64>| -> Vec<f64> {
-        runs.iter().filter_map(|r| f(r)).collect()
-    };
+    // Each run's pauses, read from its clients' JSON once.
+    let pauses: Vec<Vec<f64>> = runs.iter().map(|r| r.pauses_ms()).collect();
+    let stat = |v: Vec<f64>| Stat::of(&v);
     Some(Handovers {
         per_run,
-        pause_ms: Stat::of(&col(&|r| median(r.pauses_ms()))),
-        pause_max_ms: Stat::of(&col(&|r| r.pauses_ms().into_iter().reduce(f64::max))),
-        upgrade_ms: Stat::of(&col(&|r| median(r.upgrades_ms.clone()))),
+        pause_ms: stat(pauses.iter().filter_map(|p| median(p)).collect()),
+        pause_max_ms: stat(
+            pauses
+                .iter()
+                .filter_map(|p| p.iter().copied().reduce(f64::max))
+                .collect(),
+        ),
+        upgrade_ms: stat(runs.iter().filter_map(|r| median(&r.upgrades_ms)).collect()),
         errors: runs.iter().map(|r| r.errors()).sum(),
     })
 }

@@ -38,6 +38,7 @@ pub fn parse(text: &str) -> Result<Option<Suite>> {
 struct Member {
     name: String,
     text: String,
+    description: String,
     /// The matrix file, for a member that is one.
     file: Option<PathBuf>,
 }
@@ -59,14 +60,21 @@ fn members(s: &Suite, base: &Path) -> Result<Vec<Member>> {
         if parse(&text)?.is_some() {
             bail!("suite[{i}]: `{m}` is a suite itself; list its members instead");
         }
-        Matrix::parse(&text).with_context(|| format!("suite[{i}]: `{m}`"))?;
+        let description = Matrix::parse(&text)
+            .with_context(|| format!("suite[{i}]: `{m}`"))?
+            .description;
         let name = Path::new(m)
             .file_stem()
             .map_or_else(|| m.clone(), |s| s.to_string_lossy().into_owned());
         if out.iter().any(|o| o.name == name) {
             bail!("suite[{i}]: `{name}` twice: its results would overwrite each other");
         }
-        out.push(Member { name, text, file });
+        out.push(Member {
+            name,
+            text,
+            description,
+            file,
+        });
     }
     Ok(out)
 }
@@ -132,16 +140,13 @@ fn write_index(out: &Path, s: &Suite, members: &[Member]) -> Result<()> {
     let mut md = format!("# udrive bench\n\n{}\n\n", s.description);
     for m in members {
         let dir = out.join(&m.name);
-        let description = Matrix::parse(&m.text)
-            .map(|x| x.description)
-            .unwrap_or_default();
         let has_report = dir.join("report.html").is_file();
         let link = if has_report {
             format!("<a href=\"{0}/report.html\">{0}</a>", esc(&m.name))
         } else {
             format!("{} (no report)", esc(&m.name))
         };
-        let _ = write!(html, "<li>{link}: {}</li>", esc(&description));
+        let _ = write!(html, "<li>{link}: {}</li>", esc(&m.description));
         let summary = std::fs::read_to_string(dir.join("summary.md"))
             .unwrap_or_else(|_| "(no summary: the matrix did not run)\n".into());
         // Each member's headings one level down, under its name.
