@@ -356,6 +356,69 @@ fn many_clients_give_a_result_each_and_their_figures() {
     );
 }
 
+/// `cpu = "threads"`: each cell's CPU per I/O by role is what its runs used over
+/// their IOPS, and summary.md tables the roles and the threads by name.
+#[test]
+fn cpu_by_role_and_thread_is_tabled() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = FAKE.replace("reps = 2", "reps = 3\ncpu = \"threads\"");
+    let o = bench(&m, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let runs = raw_runs(&out);
+    let s = json(&out.join("summary.json"));
+    for c in s["cells"].as_array().unwrap() {
+        let mine: Vec<&Value> = runs
+            .iter()
+            .filter(|r| {
+                r["datapath"] == c["datapath"]
+                    && r["backend"] == c["backend"]
+                    && r["point"] == c["point"]
+            })
+            .collect();
+        assert_eq!(mine.len(), 3, "{c}");
+        let per_io = |role: &str| -> Vec<f64> {
+            mine.iter()
+                .map(|r| {
+                    let cpu = &r["cpu"];
+                    cpu["roles"][role].as_f64().unwrap()
+                        / cpu["wall_s"].as_f64().unwrap()
+                        / r["perf"]["iops"].as_f64().unwrap()
+                        * 1e6
+                })
+                .collect()
+        };
+        let u = &c["cpu"];
+        for role in ["server", "client"] {
+            let got = u["roles"][role]["median"].as_f64().unwrap();
+            assert!((got - median(per_io(role))).abs() < 1e-9, "{role}: {c}");
+        }
+        assert!(u["roles"].get("cluster").is_none(), "no cluster: {c}");
+        let total = u["total_us"]["median"].as_f64().unwrap();
+        let parts: Vec<f64> = per_io("server")
+            .iter()
+            .zip(per_io("client"))
+            .map(|(a, b)| a + b)
+            .collect();
+        assert!((total - median(parts)).abs() < 1e-9, "{c}");
+        assert!(u["threads"]["server:reactor-#"]["median"].as_f64().unwrap() > 0.0);
+    }
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    for heading in [
+        "### null: CPU per I/O (µs)",
+        "### file: CPU per I/O by thread",
+    ] {
+        assert!(md.contains(heading), "{heading}: {md}");
+    }
+    assert!(md.contains("server:reactor-# "), "{md}");
+    // Without `cpu`, the server's column only.
+    let out = dir.path().join("plain");
+    assert!(bench(FAKE, &out, &[]).status.success());
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(!md.contains("CPU per I/O (µs)"), "{md}");
+    assert!(raw_runs(&out).iter().all(|r| r.get("cpu").is_none()));
+}
+
 fn invalid_field(text: &str) -> String {
     match Matrix::from_toml(text) {
         Err(MatrixError::Invalid { field, .. }) => field,
@@ -398,6 +461,10 @@ fn a_broken_variant_is_refused_naming_the_field() {
         (
             format!("{FAKE}\n[variant.x.neighbour]\ndisk = [\"iops\"]\n"),
             "variant.x.neighbour.disk[0]",
+        ),
+        (
+            format!("{FAKE}\n[variant.x]\nceph = [\"a = 1\", \"[osd]\"]\n"),
+            "variant.x.ceph[1]",
         ),
         (
             format!("{FAKE}\n[variant.x]\nhandovers = 1001\n"),
@@ -455,6 +522,10 @@ fn a_broken_matrix_is_refused_naming_the_field() {
             ),
             "cpus.client",
         ),
+        (
+            format!("{FAKE}\n[rbd]\nconf = \"/etc/ceph/ceph.conf\"\nthrowaway = true\n"),
+            "rbd.throwaway",
+        ),
     ];
     for (bad, field) in cases {
         assert_eq!(invalid_field(&bad), field);
@@ -473,6 +544,10 @@ fn a_broken_matrix_is_refused_naming_the_field() {
         (
             FAKE.replace("reps = 2", "reps = 2\npoll = \"spin\""),
             "spin",
+        ),
+        (
+            FAKE.replace("reps = 2", "reps = 2\ncpu = \"everyone\""),
+            "everyone",
         ),
     ] {
         match Matrix::from_toml(&bad) {

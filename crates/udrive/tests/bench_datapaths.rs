@@ -80,6 +80,65 @@ fn the_rbd_backend_runs_against_a_cluster() {
     assert_eq!(s["host"]["ceph conf"], conf.as_str());
 }
 
+/// `[rbd] throwaway = true`: the harness starts a cluster for the matrix, counts its
+/// daemons as the `cluster` role of each run's CPU (`cpu = "threads"`), serves a
+/// variant with its own Ceph settings, and purges the cluster when the matrix ends.
+#[test]
+fn a_throwaway_cluster_serves_the_matrix_and_is_purged() {
+    if !test_support::ceph::available() {
+        eprintln!("skipped: no Ceph packages");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let m = RBD
+        .replace(
+            r#""udrive-vhost", "librbd", "fake-a""#,
+            r#""udrive-nvme+ops", "librbd""#,
+        )
+        .replace("wait = true", "wait = true\ncpu = \"threads\"")
+        // Long enough for the cluster's CPU to show in 10 ms ticks.
+        .replace("time = 0.3", "time = 1.0\nramp = 0.5")
+        .replace("mib = 16", "mib = 16\nthrowaway = true")
+        + "[variant.ops]\nceph = [\"rbd_op_threads = 2\"]\n";
+    let o = bench(&m, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = json(&out.join("summary.json"));
+    assert!(
+        s["host"]["ceph conf"]
+            .as_str()
+            .unwrap()
+            .contains("throwaway"),
+        "{}",
+        s["host"]
+    );
+    let cells = s["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 3, "{cells:?}");
+    for c in cells {
+        assert_eq!(c["n"], 1, "{c}");
+        let roles = &c["cpu"]["roles"];
+        assert!(roles["cluster"]["median"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(roles["client"]["median"].as_f64().unwrap() > 0.0, "{c}");
+        // Bare librbd has no server.
+        assert_eq!(roles.get("server").is_some(), c["datapath"] != "librbd");
+        let threads = c["cpu"]["threads"].as_object().unwrap();
+        assert!(threads.keys().any(|k| k.starts_with("cluster:")), "{c}");
+    }
+    // The variant's server read the cluster's conf with its setting last.
+    let own = std::fs::read_to_string(out.join("work/udrive-nvme+ops-ceph.conf")).unwrap();
+    assert!(
+        own.trim_end().ends_with("[client]\nrbd_op_threads = 2"),
+        "{own}"
+    );
+    let ceph = out.join("work/ceph");
+    assert!(!ceph.exists(), "the cluster's directory is purged");
+    let ps = Command::new("pgrep")
+        .args(["-f", ceph.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(ps.stdout.is_empty(), "a daemon of the cluster still runs");
+}
+
 const QCOW2_FRESH: &str = r#"
 reps = 2
 time = 0.2

@@ -1,13 +1,7 @@
-//! What a cell with several clients needs besides its processes: each client's CPUs,
-//! the server's CPU time over a run, and the clients' numbers taken together.
+//! What a cell with several clients needs besides its processes: each client's CPUs
+//! and the clients' numbers taken together.
 
-use std::time::{Duration, Instant};
-
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
-
-/// The kernel reports process times in USER_HZ ticks, 100 on every Linux ABI.
-const TICKS_PER_S: f64 = 100.0;
 
 /// The CPU lists of `n` clients over the CPUs of `list` (a list the matrix checked):
 /// with as many CPUs as clients or more, each client has its own share of them;
@@ -25,84 +19,6 @@ pub fn spread(list: &str, n: u32) -> Vec<String> {
     (0..n)
         .map(|i| engine::format_cpu_list(&cpus[i * cpus.len() / n..(i + 1) * cpus.len() / n]))
         .collect()
-}
-
-/// CPU time the server's processes used over one run, and the run's wall time:
-/// `cpu_s / wall_s` is the cores it kept busy, and that over the run's IOPS its CPU
-/// per I/O (both over the measured window, as the IOPS are).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct ServerCpu {
-    pub cpu_s: f64,
-    pub wall_s: f64,
-    /// The server processes' threads at the end of the run.
-    #[serde(default)]
-    pub threads: Option<u32>,
-}
-
-impl ServerCpu {
-    /// Cores the server kept busy.
-    pub fn cores(&self) -> Option<f64> {
-        (self.wall_s > 0.0).then(|| self.cpu_s / self.wall_s)
-    }
-}
-
-/// User and system time of a process and its threads, in seconds.
-fn process_cpu_s(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may hold spaces and parentheses: fields count from the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // Fields 14 and 15 of proc(5): utime, stime; `rest` starts at field 3.
-    let utime: u64 = f.get(11)?.parse().ok()?;
-    let stime: u64 = f.get(12)?.parse().ok()?;
-    Some((utime + stime) as f64 / TICKS_PER_S)
-}
-
-/// Threads of a process.
-fn process_threads(pid: u32) -> Option<u32> {
-    let n = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.count();
-    u32::try_from(n).ok()
-}
-
-/// A stopwatch of the server processes' CPU time over a run's measured window: from
-/// the end of its warm-up to the end of its time. What clients cost while they set
-/// up (connect, map memory, create queues) and tear down is not the cost of serving
-/// them.
-pub struct CpuClock {
-    window: Option<std::thread::JoinHandle<Option<ServerCpu>>>,
-}
-
-impl CpuClock {
-    /// Reads the servers' times `warmup` from now and `time` after that, in a thread
-    /// of its own: the run goes on meanwhile.
-    pub fn start(pids: &[u32], warmup: Duration, time: Duration) -> CpuClock {
-        let window = (!pids.is_empty()).then(|| {
-            let pids = pids.to_vec();
-            std::thread::spawn(move || {
-                std::thread::sleep(warmup);
-                let before = Self::total(&pids);
-                let started = Instant::now();
-                std::thread::sleep(time);
-                let after = Self::total(&pids)?;
-                Some(ServerCpu {
-                    cpu_s: after - before?,
-                    wall_s: started.elapsed().as_secs_f64(),
-                    threads: pids.iter().map(|&p| process_threads(p)).sum(),
-                })
-            })
-        });
-        CpuClock { window }
-    }
-
-    fn total(pids: &[u32]) -> Option<f64> {
-        pids.iter().map(|&p| process_cpu_s(p)).sum()
-    }
-
-    /// None without a server, or if a server's times could not be read (it exited
-    /// within the window). A run that ended early waits for the window's end.
-    pub fn stop(self) -> Option<ServerCpu> {
-        self.window?.join().ok()?
-    }
 }
 
 /// The clients' `perf --json` taken together, in its shape: IOPS, I/Os and errors
@@ -184,22 +100,5 @@ mod tests {
         assert_eq!(a["lat_ns"]["mean"], 15.0);
         assert_eq!(a["lat_ns"]["p99"], 90.0);
         assert_eq!(a["lat_ns"]["min"], 5.0);
-    }
-
-    #[test]
-    fn a_process_has_cpu_time() {
-        let ms = Duration::from_millis;
-        let c = CpuClock::start(&[std::process::id()], ms(1), ms(20));
-        let t = Instant::now();
-        while t.elapsed().as_millis() < 30 {
-            std::hint::black_box(t.elapsed());
-        }
-        let s = c.stop().expect("own /proc/PID/stat");
-        assert!(s.cpu_s >= 0.0 && s.wall_s >= 0.02);
-        assert!(
-            s.threads.is_some_and(|n| n >= 2),
-            "this thread and the clock's"
-        );
-        assert!(CpuClock::start(&[], ms(0), ms(0)).stop().is_none());
     }
 }

@@ -19,23 +19,12 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::clients;
-use super::matrix::{Backend, DatapathKind, Matrix, Point, Poll};
+use super::cpu;
+use super::matrix::{Backend, DatapathKind, Point, Poll};
 use super::process::{output, outputs, which, DatapathError, Server};
 use super::variant::TraceScope;
 
-/// What every target of one bench run shares.
-pub struct Env {
-    /// The udrive binary that serves and runs `perf`.
-    pub udrive: PathBuf,
-    /// The udrive binary that serves the `~b` datapaths (`--udrive-b`).
-    pub udrive_b: Option<PathBuf>,
-    pub qsd: Option<PathBuf>,
-    /// Sockets and server logs.
-    pub work: PathBuf,
-    /// The data file of the `file` backend (made once, before the first run).
-    pub data_file: PathBuf,
-    pub matrix: Matrix,
-}
+pub use super::env::Env;
 
 /// Why a datapath does not run a backend at all (not a property of this machine).
 pub fn applies(d: &DatapathKind, b: Backend) -> Result<(), String> {
@@ -118,92 +107,17 @@ pub fn pair_probe(d: &DatapathKind, b: Backend) -> Result<(), String> {
     }
 }
 
-impl Env {
-    /// The `qcow2` backend's image: the data file converted.
-    pub fn qcow2_file(&self) -> PathBuf {
-        self.data_file.with_extension("qcow2")
-    }
-
-    /// The `file` backend's data of client `i` of `n`: the data file itself for one
-    /// client, else one file of 1/n of its size per client.
-    pub fn data_file_of(&self, n: u32, i: u32) -> PathBuf {
-        if n == 1 {
-            return self.data_file.clone();
-        }
-        let stem = self
-            .data_file
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        self.data_file
-            .with_file_name(format!("{stem}-c{n}-{i}.img"))
-    }
-
-    /// The LUKS2 volume of the `file-luks` backend.
-    pub fn luks_file(&self) -> PathBuf {
-        self.data_file.with_extension("luks.img")
-    }
-
-    /// The passphrase of the encrypted backends: a key file in the work directory.
-    pub fn luks_key(&self) -> PathBuf {
-        self.work.join("luks.key")
-    }
-
-    /// The image a qcow2 backend's server opens (the top of a chain).
-    pub fn image_of(&self, b: Backend) -> PathBuf {
-        match b {
-            Backend::Qcow2Chain => self.data_file.with_extension("top.qcow2"),
-            Backend::Qcow2New => self.data_file.with_extension("new.qcow2"),
-            _ => self.qcow2_file(),
-        }
-    }
-
-    /// The middle image of the `qcow2-chain` backend, over the data file.
-    fn chain_middle(&self) -> PathBuf {
-        self.data_file.with_extension("mid.qcow2")
-    }
-
-    /// Every image file the qcow2 backends make, for the clean-up.
-    pub fn qcow2_files(&self) -> [PathBuf; 4] {
-        [
-            self.qcow2_file(),
-            self.image_of(Backend::Qcow2Chain),
-            self.chain_middle(),
-            self.image_of(Backend::Qcow2New),
-        ]
-    }
-}
-
-/// Makes afresh the images of the backends whose runs must not see what an
-/// earlier run wrote: the chain's two overlays, the empty image.
-pub(super) fn make_fresh_images(b: Backend, env: &Env) -> Result<(), DatapathError> {
-    let create = |image: &Path, size: Option<&str>, backing: Option<(&Path, &str)>| {
-        let _ = std::fs::remove_file(image);
-        let mut c = Command::new("qemu-img");
-        c.args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=65536"]);
-        if let Some((file, format)) = backing {
-            c.arg("-b").arg(file).args(["-F", format]);
-        }
-        c.arg(image).args(size);
-        output(c, "qemu-img create (a fresh qcow2 image)").map(drop)
-    };
-    match b {
-        Backend::Qcow2Chain => {
-            let mid = env.chain_middle();
-            create(&mid, None, Some((&env.data_file, "raw")))?;
-            create(&env.image_of(b), None, Some((&mid, "qcow2")))
-        }
-        Backend::Qcow2New => create(&env.image_of(b), Some("64G"), None),
-        _ => Ok(()),
-    }
-}
-
 /// Why a backend cannot be served on this machine (real datapaths only).
 pub fn backend_probe(b: Backend, env: &Env) -> Result<(), String> {
     match b {
-        Backend::Rbd if env.matrix.rbd.conf.is_none() => {
-            Err("no Ceph cluster: give --rbd-conf PATH (or [rbd] conf in the matrix)".into())
-        }
+        Backend::Rbd if env.matrix.rbd.conf.is_none() => Err(match env.matrix.rbd.throwaway {
+            true => super::ceph::probe()
+                .err()
+                .unwrap_or_else(|| "the throwaway Ceph cluster did not start".into()),
+            false => "no Ceph cluster: give --rbd-conf PATH (or [rbd] conf, or [rbd] \
+                      throwaway = true for one the harness starts)"
+                .into(),
+        }),
         Backend::Rbd if which("rbd").is_none() => {
             Err("the rbd tool (Debian's ceph-common) is not in PATH".into())
         }
@@ -214,14 +128,38 @@ pub fn backend_probe(b: Backend, env: &Env) -> Result<(), String> {
     }
 }
 
-/// The `rbd:` spec options of the `rbd` backend's image.
-fn rbd_spec(env: &Env) -> String {
+/// The `rbd:` spec options of the `rbd` backend's image, for `d`: its variant's
+/// `ceph` settings are in a conf of its own ([`write_ceph_conf`]).
+fn rbd_spec(d: &DatapathKind, env: &Env) -> String {
     let o = &env.matrix.rbd;
-    format!(
-        "{},conf={}",
-        o.image(),
-        o.conf.as_deref().unwrap_or_default()
-    )
+    let conf = match ceph_conf_of(d, env) {
+        Some(own) => own.display().to_string(),
+        None => o.conf.clone().unwrap_or_default(),
+    };
+    format!("{},conf={conf}", o.image())
+}
+
+/// The conf of `d`'s server when its variant has `ceph` settings.
+fn ceph_conf_of(d: &DatapathKind, env: &Env) -> Option<PathBuf> {
+    let v = env.matrix.variant_of(d)?;
+    (!v.ceph.is_empty()).then(|| env.work.join(format!("{d}-ceph.conf")))
+}
+
+/// The cluster's conf with `d`'s variant's `ceph` settings in a `[client]` section
+/// after the rest (Ceph reads the last value of a key).
+fn write_ceph_conf(d: &DatapathKind, env: &Env) -> Result<(), DatapathError> {
+    let (Some(own), Some(v)) = (ceph_conf_of(d, env), env.matrix.variant_of(d)) else {
+        return Ok(());
+    };
+    let base = env.matrix.rbd.conf.clone().unwrap_or_default();
+    let io = |what: String, source| DatapathError::Io { what, source };
+    let mut text = std::fs::read_to_string(&base).map_err(|e| io(format!("reading {base}"), e))?;
+    text.push_str("\n[client]\n");
+    for line in &v.ceph {
+        text.push_str(line);
+        text.push('\n');
+    }
+    std::fs::write(&own, text).map_err(|e| io(format!("writing {}", own.display()), e))
 }
 
 pub use super::target::{Measured, Target};
@@ -240,9 +178,10 @@ pub fn start<'e>(
             backend: b,
             clients: n,
             trace: env.matrix.trace,
+            cpu: env.matrix.cpu,
         }));
     }
-    make_fresh_images(b, env)?;
+    super::images::make_fresh(b, env)?;
     if d.is_spdk() {
         let udrive = match d {
             DatapathKind::UdriveNvmeSpdk => {
@@ -358,7 +297,7 @@ fn udrive_spec(d: &DatapathKind, b: Backend, env: &Env, n: u32, i: u32) -> Strin
         }
         Backend::Ram => format!("ram:{}M", m.ram_mib / u64::from(n)),
         Backend::File => file(&env.data_file_of(n, i)),
-        Backend::Rbd => format!("rbd:{}", rbd_spec(env)),
+        Backend::Rbd => format!("rbd:{}", rbd_spec(d, env)),
         Backend::Qcow2 | Backend::Qcow2Chain | Backend::Qcow2New => {
             format!("qcow2:{}", env.image_of(b).display())
         }
@@ -381,6 +320,9 @@ pub(super) fn udrive_serve(
     env: &Env,
     socks: &[PathBuf],
 ) -> Result<Command, DatapathError> {
+    if b == Backend::Rbd {
+        write_ceph_conf(d, env)?;
+    }
     let cfg = env.work.join(format!("{d}-{b}-c{}.toml", socks.len()));
     std::fs::write(&cfg, udrive_config(d, b, env, socks)).map_err(|source| DatapathError::Io {
         what: format!("writing {}", cfg.display()),
@@ -556,7 +498,7 @@ impl PerfTarget<'_> {
                     .args(["--direct", direct]);
                 c.args(["--engine", &self.env.matrix.file.engine])
             }
-            DatapathKind::Librbd => c.args(["--rbd", &rbd_spec(self.env)]),
+            DatapathKind::Librbd => c.args(["--rbd", &rbd_spec(&self.kind, self.env)]),
             _ => c.arg("--vhost-user").arg(&self.socks[i]),
         };
         if self.env.matrix.wait {
@@ -672,8 +614,14 @@ impl PerfTarget<'_> {
         Ok(())
     }
 
-    /// Every client runs `args` at once; their JSON in client order.
-    fn exec_all(&self, args: &[String], what: &str) -> Result<Vec<Value>, DatapathError> {
+    /// Every client runs `args` at once; their JSON in client order. `started`
+    /// learns their pids.
+    fn exec_all(
+        &self,
+        args: &[String],
+        what: &str,
+        started: impl FnOnce(&[u32]),
+    ) -> Result<Vec<Value>, DatapathError> {
         let n = self.socks.len();
         let cmds = (0..n)
             .map(|i| {
@@ -686,7 +634,7 @@ impl PerfTarget<'_> {
                 (c, who)
             })
             .collect();
-        outputs(cmds)?
+        outputs(cmds, started)?
             .iter()
             .map(|o| {
                 serde_json::from_slice(&o.stdout).map_err(|source| DatapathError::BadJson {
@@ -703,8 +651,8 @@ impl PerfTarget<'_> {
             "--rw", "write", "--bs", "131072", "--qd", "8", "--time", "1",
         ];
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        self.exec_all(&args, &format!("filling {} {}", self.kind, self.backend))
-            .map(drop)
+        let what = format!("filling {} {}", self.kind, self.backend);
+        self.exec_all(&args, &what, |_| {}).map(drop)
     }
 }
 
@@ -739,15 +687,23 @@ impl Target for PerfTarget<'_> {
             args.extend(["--gaps".into(), handovers.to_string()]);
         }
         let _neighbour = self.load_neighbour()?;
-        let pids: Vec<u32> = self.servers.iter().map(Server::pid).collect();
-        let clock = clients::CpuClock::start(
-            &pids,
+        let watched = cpu::Watched {
+            server: self.servers.iter().map(Server::pid).collect(),
+            cluster: match (self.backend, m.cpu) {
+                (_, cpu::CpuDetail::Server) => Vec::new(),
+                (Backend::Rbd, _) => self.env.ceph_daemons.clone(),
+                _ => Vec::new(),
+            },
+            detail: m.cpu,
+        };
+        let clock = cpu::CpuClock::start(
+            watched,
             Duration::from_secs_f64(m.ramp),
             Duration::from_secs_f64(m.time),
         );
         let what = format!("perf on {} {} {}", self.kind, self.backend, p.slug());
         let upgrades = self.start_handovers(handovers);
-        let clients = self.exec_all(&args, &what);
+        let clients = self.exec_all(&args, &what, |pids| clock.clients(pids));
         let upgrades_ms = match upgrades {
             Some(h) => {
                 let took = h.join().unwrap_or_else(|_| {
@@ -773,10 +729,12 @@ impl Target for PerfTarget<'_> {
             }
         }
         // The process measured handed over and ended (a zombie until reaped).
-        let server_cpu = clock.stop().filter(|_| handovers == 0);
+        let (server_cpu, cpu) = clock.stop();
+        let server_cpu = server_cpu.filter(|_| handovers == 0);
         Ok(Measured {
             clients,
             server_cpu,
+            cpu: cpu.filter(|_| handovers == 0),
             upgrades_ms,
         })
     }

@@ -4,7 +4,7 @@
 
 use serde_json::{json, Value};
 
-use super::clients::ServerCpu;
+use super::cpu::{CpuDetail, CpuShare, ServerCpu};
 use super::matrix::{Backend, Point, Rw};
 use super::process::DatapathError;
 use super::target::{Measured, Target};
@@ -18,6 +18,8 @@ pub(super) struct Fake {
     pub(super) clients: u32,
     /// Add a full-path layer table, as `perf --trace --rpc` gives one.
     pub(super) trace: bool,
+    /// Whose CPU to report besides the server's (the matrix's `cpu`).
+    pub(super) cpu: CpuDetail,
 }
 
 /// The fake's layer table for I/Os of `mean` ns: the full path's layers in request
@@ -99,7 +101,40 @@ impl Target for Fake {
         Ok(Measured {
             clients,
             server_cpu: Some(server_cpu),
+            cpu: self.cpu_share(&server_cpu),
             upgrades_ms: Vec::new(),
         })
+    }
+}
+
+impl Fake {
+    /// The server's CPU as its reactors' and a control thread's, and each client
+    /// half a core, a quarter of it in a completion thread.
+    fn cpu_share(&self, server: &ServerCpu) -> Option<CpuShare> {
+        let client_s = 0.5 * server.wall_s * f64::from(self.clients);
+        let mut s = CpuShare {
+            wall_s: server.wall_s,
+            roles: [("server", server.cpu_s), ("client", client_s)]
+                .into_iter()
+                .map(|(r, t)| (r.to_string(), t))
+                .collect(),
+            threads: Default::default(),
+        };
+        match self.cpu {
+            CpuDetail::Server => return None,
+            CpuDetail::Roles => {}
+            CpuDetail::Threads => {
+                s.threads = [
+                    ("server:reactor-#", server.cpu_s * 0.9),
+                    ("server:udrive", server.cpu_s * 0.1),
+                    ("client:perf", client_s * 0.75),
+                    ("client:completions", client_s * 0.25),
+                ]
+                .into_iter()
+                .map(|(k, t)| (k.to_string(), t))
+                .collect();
+            }
+        }
+        Some(s)
     }
 }

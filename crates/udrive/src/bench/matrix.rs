@@ -14,8 +14,11 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("quick", include_str!("presets/quick.toml")),
     ("readme", include_str!("presets/readme.toml")),
     ("headline", include_str!("presets/headline.toml")),
+    ("file-disk", include_str!("presets/file-disk.toml")),
+    ("file-uring", include_str!("presets/file-uring.toml")),
     ("poll-modes", include_str!("presets/poll-modes.toml")),
     ("rbd", include_str!("presets/rbd.toml")),
+    ("rbd-threads", include_str!("presets/rbd-threads.toml")),
     ("thesis", include_str!("presets/thesis.toml")),
     ("qcow2", include_str!("presets/qcow2.toml")),
     ("many-vms", include_str!("presets/many-vms.toml")),
@@ -207,9 +210,14 @@ fn default_mib() -> u64 {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RbdOpts {
-    /// The cluster's configuration; none: `rbd` entries are skipped.
+    /// The cluster's configuration; none: `rbd` entries are skipped, unless
+    /// `throwaway` starts a cluster.
     #[serde(default)]
     pub conf: Option<String>,
+    /// With no `conf`, start a throwaway cluster for the matrix (one mon, one OSD
+    /// on memstore: scripts/ceph-cluster) and purge it after.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub throwaway: bool,
     /// POOL/IMAGE [default: rbd/udrive-bench].
     #[serde(default)]
     pub image: Option<String>,
@@ -313,6 +321,11 @@ pub struct Matrix {
     /// layer. Tracing every I/O costs udrive a few % of IOPS at most.
     #[serde(default)]
     pub trace: bool,
+    /// Whose CPU each run accounts: `"server"` (the main table's column), `"roles"`
+    /// (also the clients' and the cluster's: a "CPU per I/O" table) or `"threads"`
+    /// (also each of their threads by name).
+    #[serde(default)]
+    pub cpu: super::cpu::CpuDetail,
     /// Size of the RAM backend; udrive fills it before measuring.
     #[serde(default = "default_ram_mib")]
     pub ram_mib: u64,
@@ -428,6 +441,12 @@ impl Matrix {
             }
         }
         self.check_clients()?;
+        if self.rbd.throwaway && self.rbd.conf.is_some() {
+            return Err(invalid(
+                "rbd.throwaway",
+                "a cluster is named by `conf` already: drop one of them",
+            ));
+        }
         super::variant::check(&self.datapaths, &self.variants)?;
         for (i, b) in self.baselines.iter().enumerate() {
             if !self.datapaths.contains(b) {

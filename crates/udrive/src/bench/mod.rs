@@ -5,9 +5,13 @@
 //! self-contained report.html with SVG figures (`report`).
 //! Design: docs/decisions/0039-bench-harness.md.
 
+pub mod ceph;
 pub mod clients;
+pub mod cpu;
+pub mod cpu_table;
 pub mod datapath;
 pub mod datapath_kind;
+pub mod env;
 mod fake;
 pub mod floor;
 pub mod handovers;
@@ -120,6 +124,8 @@ fn load(a: &BenchArgs, text: &str) -> Result<Matrix> {
     }
     if let Some(c) = &a.rbd_conf {
         m.rbd.conf = Some(c.display().to_string());
+        // The cluster named replaces the one the matrix would start.
+        m.rbd.throwaway = false;
     }
     if let Some(b) = &a.udrive_b {
         m.udrive_b = Some(b.display().to_string());
@@ -178,7 +184,7 @@ fn stopped() -> bool {
 
 /// Runs the matrix in `text` into `a.out`.
 fn run_matrix(a: &BenchArgs, text: &str) -> Result<()> {
-    let m = load(a, text)?;
+    let mut m = load(a, text)?;
     let raw = a.out.join("raw");
     // Old runs would mix into this one's summary.
     if raw.exists() {
@@ -194,12 +200,19 @@ fn run_matrix(a: &BenchArgs, text: &str) -> Result<()> {
     };
     let data_file =
         PathBuf::from(&m.file.dir).join(format!("udrive-bench-{}.img", std::process::id()));
+    let cluster = ceph::Throwaway::start_for(&mut m, &work.join("ceph"))?;
+    let ceph_daemons = match (&cluster, m.backends.contains(&matrix::Backend::Rbd)) {
+        (Some(c), _) => c.daemons(),
+        (None, true) => ceph::host_daemons(),
+        (None, false) => Vec::new(),
+    };
     let env = datapath::Env {
         udrive,
         udrive_b: m.udrive_b.as_ref().map(PathBuf::from),
         qsd: process::which("qemu-storage-daemon"),
         work,
         data_file,
+        ceph_daemons,
         matrix: m,
     };
     let stop = stop_flag()?;
@@ -383,7 +396,11 @@ fn host_facts(env: &datapath::Env) -> BTreeMap<String, String> {
         h.insert("qemu-storage-daemon".into(), version(q));
     }
     if let Some(conf) = &env.matrix.rbd.conf {
-        h.insert("ceph conf".into(), conf.clone());
+        let throwaway = match env.matrix.rbd.throwaway {
+            true => " (throwaway: one mon, one OSD on memstore, 127.0.0.1; scripts/ceph-cluster)",
+            false => "",
+        };
+        h.insert("ceph conf".into(), format!("{conf}{throwaway}"));
         if let Some(rbd) = process::which("rbd") {
             h.insert("rbd".into(), version(&rbd));
         }

@@ -248,12 +248,22 @@ pub(super) fn output(mut c: Command, what: &str) -> Result<Output, DatapathError
 
 /// Runs every command at once and waits for all of them (a thread each, so that
 /// none blocks on a full pipe while another is waited for); the first failure, if
-/// any, else the outputs in order.
-pub(super) fn outputs(cmds: Vec<(Command, String)>) -> Result<Vec<Output>, DatapathError> {
-    let started: Vec<(Result<Child, DatapathError>, String)> = cmds
+/// any, else the outputs in order. `started` learns the processes' pids once they
+/// run (a CPU clock's clients).
+pub(super) fn outputs(
+    cmds: Vec<(Command, String)>,
+    started: impl FnOnce(&[u32]),
+) -> Result<Vec<Output>, DatapathError> {
+    let started_cmds: Vec<(Result<Child, DatapathError>, String)> = cmds
         .into_iter()
         .map(|(mut c, what)| (spawn(&mut c, &what), what))
         .collect();
+    let pids: Vec<u32> = started_cmds
+        .iter()
+        .filter_map(|(c, _)| Some(c.as_ref().ok()?.id()))
+        .collect();
+    started(&pids);
+    let started = started_cmds;
     std::thread::scope(|s| {
         let waits: Vec<_> = started
             .into_iter()

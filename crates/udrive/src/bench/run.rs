@@ -13,9 +13,11 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::clients::{self, ServerCpu};
+use super::clients;
+use super::cpu::{CpuShare, ServerCpu};
 use super::datapath::{self, Env};
 use super::matrix::{Backend, DatapathKind, Point};
+use super::target::Measured;
 
 /// One measured run, as written to `raw/` and read back by the summary.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -38,6 +40,9 @@ pub struct RunRecord {
     /// The server processes' CPU time over the run (none: no server).
     #[serde(default)]
     pub server_cpu: Option<ServerCpu>,
+    /// Every role's CPU time over the run (the matrix's `cpu = "roles"`/`"threads"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<CpuShare>,
     /// How long each live handover's `udrive upgrade` took, in ms (a variant's
     /// `handovers`); the pauses the clients saw are `perf`'s `gaps`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -263,13 +268,13 @@ pub fn execute(
                 Ok(t) => t.run(p, g.rep).map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             };
-            let (per_client, server_cpu, upgrades_ms, error) = match result {
-                Ok(v) => (v.clients, v.server_cpu, v.upgrades_ms, None),
-                Err(e) => (Vec::new(), None, Vec::new(), Some(e)),
+            let (m, error) = match result {
+                Ok(v) => (v, None),
+                Err(e) => (Measured::default(), Some(e)),
             };
-            let perf = match per_client.is_empty() {
+            let perf = match m.clients.is_empty() {
                 true => Value::Null,
-                false => clients::aggregate(&per_client),
+                false => clients::aggregate(&m.clients),
             };
             if let Some(e) = &error {
                 progress.note(&format!("failed: {e}"));
@@ -282,9 +287,10 @@ pub fn execute(
                 clients: g.clients,
                 point: *p,
                 perf,
-                per_client,
-                server_cpu,
-                upgrades_ms,
+                per_client: m.clients,
+                server_cpu: m.server_cpu,
+                cpu: m.cpu,
+                upgrades_ms: m.upgrades_ms,
                 error,
             };
             std::fs::write(raw_dir.join(r.file_name()), serde_json::to_vec_pretty(&r)?)?;

@@ -18,10 +18,11 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::clients::CpuClock;
-use super::datapath::{Env, Measured, Target};
+use super::cpu::{CpuClock, Watched};
+use super::env::Env;
 use super::matrix::{Backend, DatapathKind, Point, Rw};
-use super::process::{output, DatapathError, Server};
+use super::process::{output, outputs, DatapathError, Server};
+use super::target::{Measured, Target};
 
 /// The NVMe subsystem both servers are addressed by (udrive accepts any).
 const NQN: &str = "nqn.2019-07.io.spdk:cnode1";
@@ -298,14 +299,23 @@ impl Target for SpdkTarget<'_> {
         c.args(["-t", &(m.time.ceil() as u64).max(1).to_string()]);
         c.args(["-a", &(m.ramp.ceil() as u64).to_string(), "-L"]);
         let what = format!("spdk_nvme_perf on {}", p.slug());
-        let pids: Vec<u32> = self.server.iter().map(Server::pid).collect();
+        let watched = Watched {
+            server: self.server.iter().map(Server::pid).collect(),
+            cluster: Vec::new(),
+            detail: m.cpu,
+        };
         let clock = CpuClock::start(
-            &pids,
+            watched,
             Duration::from_secs(m.ramp.ceil() as u64),
             Duration::from_secs((m.time.ceil() as u64).max(1)),
         );
-        let out = output(c, &what);
-        let server_cpu = clock.stop();
+        let out = outputs(vec![(c, what.clone())], |pids| clock.clients(pids)).and_then(|o| {
+            o.into_iter().next().ok_or_else(|| DatapathError::Io {
+                what: what.clone(),
+                source: std::io::Error::other("no output"),
+            })
+        });
+        let (server_cpu, cpu) = clock.stop();
         forget_exited();
         let v = parse(&String::from_utf8_lossy(&out?.stdout)).map_err(|e| match e {
             DatapathError::Failed { status, tail, .. } => {
@@ -316,6 +326,7 @@ impl Target for SpdkTarget<'_> {
         Ok(Measured {
             clients: vec![v],
             server_cpu,
+            cpu,
             upgrades_ms: Vec::new(),
         })
     }

@@ -57,6 +57,9 @@ pub struct Cell {
     pub server_threads: Option<Stat>,
     /// Server CPU per I/O, µs: what one more client costs the host shows here.
     pub server_us_per_io: Option<Stat>,
+    /// CPU per I/O by role and thread (the matrix's `cpu = "roles"`/`"threads"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<super::cpu_table::CpuCell>,
     /// Live handovers during the runs (a variant's `handovers`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handovers: Option<super::handovers::Handovers>,
@@ -210,6 +213,7 @@ pub fn summarize(
             server_cores: Stat::of(&col(&|r| r.server_cpu?.cores())),
             server_threads: Stat::of(&col(&|r| Some(f64::from(r.server_cpu?.threads?)))),
             server_us_per_io: Stat::of(&col(&RunRecord::server_us_per_io)),
+            cpu: super::cpu_table::stats(&ok),
             handovers: super::handovers::of(&ok),
             vs: versus(m, &cells_in, key, &ok),
             not_meaningful: ok
@@ -327,6 +331,17 @@ pub fn markdown(s: &Summary) -> String {
         not_meaningful_notes(&mut o, &cells);
         many_clients_table(&mut o, b, &cells);
         super::layers::table(&mut o, b, &cells);
+        let cpu_rows: Vec<super::cpu_table::Row> = cells
+            .iter()
+            .filter_map(|c| {
+                Some(super::cpu_table::Row {
+                    workload: cell_label(c),
+                    datapath: c.datapath.to_string(),
+                    cpu: c.cpu.as_ref()?,
+                })
+            })
+            .collect();
+        super::cpu_table::tables(&mut o, b, &cpu_rows);
         handovers_table(&mut o, b, &cells);
         for bl in &s.baselines {
             versus_table(&mut o, b, bl, &cells);

@@ -26,6 +26,11 @@ pub struct Variant {
     /// Options added to each client's disk spec (e.g. `["iops=1000"]`, a QoS limit).
     #[serde(default)]
     pub disk: Vec<String>,
+    /// Ceph client settings for the `rbd` backend's image (`["rbd_op_threads = 2"]`):
+    /// the server reads a copy of the cluster's conf with these in its `[client]`
+    /// section, so one cluster compares librbd settings, alternated.
+    #[serde(default)]
+    pub ceph: Vec<String>,
     /// A device of another tenant on the same server, loaded while this datapath's
     /// clients are measured.
     #[serde(default)]
@@ -198,6 +203,17 @@ pub fn check(
             check_perf(&field("perf"), &v.perf, &["--gaps"])?;
         }
         check_disk(&field("disk"), &v.disk)?;
+        for (j, line) in v.ceph.iter().enumerate() {
+            let ok = line
+                .split_once('=')
+                .is_some_and(|(k, _)| !k.trim().is_empty() && !line.contains(['\n', '[']));
+            if !ok {
+                return Err(invalid(
+                    format!("{}[{j}]", field("ceph")),
+                    "one Ceph setting, `key = value` (e.g. rbd_op_threads = 2)".into(),
+                ));
+            }
+        }
         if let Some(n) = &v.neighbour {
             check_perf(
                 &field("neighbour.perf"),

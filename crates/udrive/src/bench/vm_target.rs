@@ -33,7 +33,7 @@ pub fn start<'e>(
     backend: Backend,
     env: &'e Env,
 ) -> Result<Box<dyn Target + 'e>, DatapathError> {
-    datapath::make_fresh_images(backend, env)?;
+    super::images::make_fresh(backend, env)?;
     let server = match device.udrive() {
         Some(d) => Some(datapath::Udrive::start(&d, backend, env)?),
         None => None,
@@ -152,6 +152,7 @@ impl Target for VmTarget<'_> {
                 clients: vec![v.clone()],
                 // The guest's boot and every other workload ran on the server too.
                 server_cpu: None,
+                cpu: None,
                 upgrades_ms: Vec::new(),
             }),
             Some(Err(e)) => Err(DatapathError::Failed {
