@@ -69,8 +69,9 @@ pub struct BenchArgs {
     /// the server (preset `ab`)
     #[arg(long, value_name = "BIN")]
     pub udrive_b: Option<PathBuf>,
-    /// The Ceph cluster of the `rbd` backend (overrides the matrix's `[rbd] conf`);
-    /// its image (`[rbd] image`, default rbd/udrive-bench) is made if missing
+    /// The Ceph cluster of the `rbd` backend (overrides the matrix's `[rbd] conf` and
+    /// its throwaway cluster); its image (`[rbd] image`, default rbd/udrive-bench) is
+    /// made if missing
     #[arg(long, value_name = "PATH")]
     pub rbd_conf: Option<PathBuf>,
     /// List the presets
