@@ -333,8 +333,7 @@ pub(super) fn udrive_serve(
     // configuration, but the threads that carry doorbell messages and wake a
     // sleeping reactor would otherwise run on the client's CPU and wait there
     // behind a spinning client (2 ms p99 for the first I/O after idle).
-    let mut c = Command::new("taskset");
-    c.args(["-c", &env.matrix.cpus.server]).arg(bin);
+    let mut c = server_command(b, env, bin);
     c.arg("serve").arg("--config").arg(&cfg);
     c.env("RUST_LOG", "warn").env("NO_COLOR", "1");
     for kv in env.matrix.variant_of(d).map_or(&[][..], |v| &v.serve_env) {
@@ -343,6 +342,21 @@ pub(super) fn udrive_serve(
         }
     }
     Ok(c)
+}
+
+/// A server's command on the server's CPUs (`taskset`), but on `rbd`: librbd's and
+/// librados' threads are part of that datapath, and pinned beside a polling reactor
+/// on its one CPU they starve (a 2-CPU host served reads at half bare librbd's
+/// rate). udrive then pins its reactors from its configuration and runs those
+/// threads on the CPUs the reactors leave, as it does by default;
+/// qemu-storage-daemon leaves them to the kernel.
+fn server_command(b: Backend, env: &Env, bin: &Path) -> Command {
+    if b == Backend::Rbd {
+        return Command::new(bin);
+    }
+    let mut c = Command::new("taskset");
+    c.args(["-c", &env.matrix.cpus.server]).arg(bin);
+    c
 }
 
 /// The udrive binary serving `d`: the second one for the `~b` datapaths.
@@ -454,8 +468,7 @@ fn qsd_cmd(b: Backend, env: &Env, sock: &Path, data: &Path) -> Command {
         }
         _ => "driver=null-co,node-name=d0,size=68719476736".to_string(),
     };
-    let mut c = Command::new("taskset");
-    c.args(["-c", &m.cpus.server]).arg(qsd);
+    let mut c = server_command(b, env, &qsd);
     c.args(["--blockdev", &blockdev, "--export"]);
     c.arg(format!(
         "type=vhost-user-blk,id=e0,node-name=d0,addr.type=unix,addr.path={},writable=on,num-queues={}",
