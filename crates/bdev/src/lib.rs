@@ -32,7 +32,7 @@ pub use qcow2::{
     create_qcow2, parse_header as parse_qcow2_header, BlockJob as Qcow2Job,
     CreateOptions as Qcow2Create, Header as Qcow2Header, HeaderError as Qcow2HeaderError,
     JobKind as Qcow2JobKind, Qcow2Claim, Qcow2Disk, Qcow2Error, Qcow2Options, Qcow2Status,
-    DEFAULT_L2_CACHE as QCOW2_DEFAULT_L2_CACHE, MAX_BACKING_CHAIN,
+    RemoteTarget, DEFAULT_L2_CACHE as QCOW2_DEFAULT_L2_CACHE, MAX_BACKING_CHAIN,
 };
 pub use qos::{QosClock, QosDisk, QosError, QosLimits, BURST, QOS_MAX_NAP, QOS_QUEUE_DEPTH};
 pub use ram::{RamDisk, RamError};

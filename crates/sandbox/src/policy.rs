@@ -57,7 +57,7 @@ impl Role {
     /// The threads of this role, by the names `ps -L` and the kernel's log show.
     pub fn threads(self) -> &'static str {
         match self {
-            Role::Control => "main, `spawner`, `rpc-*`, `takeover-rpc`, `successor-wait`, librados/librbd threads",
+            Role::Control => "main, `spawner`, `rpc-*`, `takeover-rpc`, `successor-wait`, `job-*`, `nbd-accept`, `nbd-conn-*`, librados/librbd threads",
             Role::Metrics => "`metrics-http`",
             Role::VfuHub => "`vfu-hub`",
             Role::VfuConn => "`vfu-<socket>`, `vfu-stop`",
@@ -192,9 +192,12 @@ const NVME_ADMIN: &[(c_long, Check)] = &[
 ];
 
 /// `shutdown`: a reactor that finds a client's memory gone disconnects it;
-/// `recvmsg`: DMA replies of a client whose memory is not shared.
+/// `recvmsg`: DMA replies of a client whose memory is not shared;
+/// `recvfrom`: the replies of the NBD export a mirror to another host
+/// writes guest writes through to.
 const REACTOR: &[(c_long, Check)] = &[
     (libc::SYS_recvmsg, Check::Any),
+    (libc::SYS_recvfrom, Check::Any),
     (libc::SYS_shutdown, Check::Any),
     (libc::SYS_epoll_ctl, Check::Any),
     (libc::SYS_epoll_wait, Check::Any),

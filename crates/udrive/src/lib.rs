@@ -24,6 +24,7 @@ pub mod json;
 pub mod kinds;
 pub mod libvirt_xml;
 pub mod metrics;
+pub mod nbd_export;
 pub mod nsspec;
 #[cfg(feature = "tools")]
 pub mod perf;

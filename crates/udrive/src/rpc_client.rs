@@ -21,9 +21,10 @@ pub struct RpcArgs {
     /// Seconds to wait for the reply
     #[arg(long, short = 't', default_value_t = 60)]
     pub timeout: u64,
-    /// When the method starts a block job (`block_stream`, `block_commit`):
-    /// follow it with a progress bar on stderr until it ends (exit 1 unless it
-    /// completed)
+    /// When the method starts a block job (`block_stream`, `block_commit`,
+    /// `blockdev_mirror`): follow it with a progress bar on stderr until it
+    /// ends, or until a mirror to another host is ready (exit 1 unless it
+    /// completed or is ready)
     #[arg(long)]
     pub wait: bool,
     /// Method name (rpc_get_methods lists them)
@@ -164,7 +165,8 @@ pub fn run(a: RpcArgs) -> Result<()> {
     }
 }
 
-/// Polls `get_jobs` until job `id` ends, drawing its progress on stderr.
+/// Polls `get_jobs` until job `id` ends or is ready, drawing its progress
+/// on stderr.
 fn follow_job(a: &RpcArgs, id: u64) -> Result<()> {
     use std::io::IsTerminal;
     let tty = std::io::stderr().is_terminal();
@@ -197,7 +199,8 @@ fn follow_job(a: &RpcArgs, id: u64) -> Result<()> {
             _ => {
                 eprintln!("{}{line}", if tty { "\r" } else { "" });
                 crate::outln!("{}", serde_json::to_string_pretty(&job)?)?;
-                if state != "completed" {
+                // A mirror to another host waits, ready, for job_complete.
+                if state != "completed" && state != "ready" {
                     bail!("job {id} {state}");
                 }
                 return Ok(());

@@ -112,6 +112,8 @@ pub struct Server {
     /// Socket mode and group of devices added later that do not name their own.
     socket_defaults: crate::config::SocketPerms,
     state: Mutex<State>,
+    /// The NBD server `nbd_server_start` started, if any.
+    pub nbd: Mutex<Option<crate::nbd_export::NbdServer>>,
 }
 
 /// Most reactors `vhost_user_blk_add` may bring the engine to with `dedicated`
@@ -147,6 +149,7 @@ impl Server {
                 jobs: Default::default(),
                 next_cntlid: 1,
             }),
+            nbd: Mutex::new(None),
         });
         for (c, devs) in cfg.controllers.iter().zip(devs) {
             let mut st = server.lock();
@@ -333,6 +336,9 @@ impl Server {
         let d = st.devices.remove(at);
         st.backends.release_all(d.socket());
         drop(st);
+        if let Some(n) = self.nbd_server().as_ref() {
+            n.forget_device(&|s| same_socket(s, d.socket()));
+        }
         d.stop();
         Ok(())
     }
@@ -388,6 +394,10 @@ impl Server {
     /// Disk `nsid` of the device on `socket` (vhost-user-blk: its disk), held
     /// past the control lock: for control operations that take long (a LUKS
     /// keyslot's key derivation) and must not stall other requests.
+    pub fn nbd_server(&self) -> std::sync::MutexGuard<'_, Option<crate::nbd_export::NbdServer>> {
+        self.nbd.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub fn disk(&self, socket: &Path, nsid: Option<u32>) -> Result<Arc<bdev::QosDisk>> {
         let st = self.lock();
         let d = st.find(socket).ok_or_else(|| st.not_found(socket))?;

@@ -25,29 +25,6 @@ use test_support::qemu::{
 
 const SIZE: usize = 16 << 20;
 
-/// Random writes of 4-64 KiB to namespace 2, applied to `want`.
-fn writes(qp: &mut QueuePair, buf: &DmaBuf, rng: &mut Rng, want: &mut [u8], n: usize) {
-    for _ in 0..n {
-        let blocks = rng.range(8, 128);
-        let slba = rng.below(SIZE as u64 / 512 - blocks);
-        let data = rng.bytes(blocks as usize * 512);
-        let b = buf.sub(0, data.len()).unwrap();
-        b.write(0, &data).unwrap();
-        let c = io(
-            qp,
-            IoOp::Write,
-            2,
-            slba,
-            blocks as u32,
-            Some(&b),
-            DataMode::Prp,
-        );
-        assert_ok(&c, "write");
-        let at = slba as usize * 512;
-        want[at..at + data.len()].copy_from_slice(&data);
-    }
-}
-
 /// Reads namespace 2 whole and compares it with `want`, then flushes it
 /// (which writes the image's metadata back for qemu-img).
 fn verify_and_flush(qp: &mut QueuePair, buf: &DmaBuf, want: &[u8]) {
@@ -70,22 +47,6 @@ fn verify_and_flush(qp: &mut QueuePair, buf: &DmaBuf, want: &[u8]) {
     assert_ok(&io(qp, IoOp::Flush, 2, 0, 0, None, DataMode::Prp), "flush");
 }
 
-fn job_state(srv: &Serve, id: &Value) -> Value {
-    let jobs = srv.ok("get_jobs", json!({}));
-    let job = jobs.as_array().unwrap().iter().find(|j| j["id"] == *id);
-    job.cloned()
-        .unwrap_or_else(|| panic!("job {id} not in {jobs}"))
-}
-
-fn wait_state(srv: &Serve, id: &Value, want: &str) -> Value {
-    let mut last = Value::Null;
-    wait_until(&format!("job {id} {want}"), T, || {
-        last = job_state(srv, id);
-        last["state"] == want
-    });
-    last
-}
-
 #[test]
 fn snapshot_commit_and_stream_over_rpc_under_io() {
     if !have_qemu_tools() {
@@ -102,7 +63,7 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     let buf = qp.alloc_buf(64 << 10).unwrap();
     let mut rng = Rng::new(60);
     let mut want = vec![0u8; SIZE];
-    writes(&mut qp, &buf, &mut rng, &mut want, 60);
+    ns2_writes(&mut qp, &buf, &mut rng, &mut want, 60);
 
     // Hostile: not a qcow2 disk, a target that exists, no backing file.
     let top = dir.path().join("top.qcow2");
@@ -132,7 +93,7 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
     assert!(r["pause_us"].as_u64().is_some(), "{r}");
     eprintln!("snapshot: device paused {} us", r["pause_us"]);
     let before = want.clone();
-    writes(&mut qp, &buf, &mut rng, &mut want, 60);
+    ns2_writes(&mut qp, &buf, &mut rng, &mut want, 60);
     verify_and_flush(&mut qp, &buf, &want);
     qemu_check_held(&top);
     qemu_compare_held(&base, &before);
@@ -152,19 +113,19 @@ fn snapshot_commit_and_stream_over_rpc_under_io() {
         "block job",
     );
     srv.ok("job_pause", json!({"id": id}));
-    let paused = wait_state(&srv, &id, "paused");
+    let paused = srv.wait_job(&id, "paused");
     assert_eq!(paused["type"], "commit");
-    writes(&mut qp, &buf, &mut rng, &mut want, 40);
+    ns2_writes(&mut qp, &buf, &mut rng, &mut want, 40);
     srv.ok("job_resume", json!({"id": id}));
-    writes(&mut qp, &buf, &mut rng, &mut want, 20);
+    ns2_writes(&mut qp, &buf, &mut rng, &mut want, 20);
     srv.ok("job_set_rate", json!({"id": id, "rate": 0}));
-    let done = wait_state(&srv, &id, "completed");
+    let done = srv.wait_job(&id, "completed");
     assert_eq!(done["done"], done["total"], "{done}");
     srv.err("job_resume", json!({"id": id}), -32000, "completed already");
     let metrics = srv.ok("get_metrics", json!({}));
     let line = format!("udrive_block_job_total_bytes{{id=\"{id}\",type=\"commit\"");
     assert!(metrics.as_str().unwrap().contains(&line), "{metrics}");
-    writes(&mut qp, &buf, &mut rng, &mut want, 30);
+    ns2_writes(&mut qp, &buf, &mut rng, &mut want, 30);
     verify_and_flush(&mut qp, &buf, &want);
     let ns = &srv.ok("get_devices", json!({"socket": a}))[0]["namespaces"][1]["image"];
     assert!(ns["path"].as_str().unwrap().ends_with("base.qcow2"), "{ns}");
@@ -188,7 +149,7 @@ fn stream_then_mirror(
     let snap = |path: &Path| json!({"socket": a, "nsid": 2, "path": path});
     let top2 = dir.join("top2.qcow2");
     srv.ok("qcow2_snapshot_create", snap(&top2));
-    writes(qp, buf, rng, want, 30);
+    ns2_writes(qp, buf, rng, want, 30);
     // Through `udrive rpc --wait`, which returns once the job ended.
     let rpc = srv.rpc.clone();
     let params = json!({"socket": a, "nsid": 2, "rate": "64M"}).to_string();
@@ -196,7 +157,7 @@ fn stream_then_mirror(
         let rpc = rpc.to_str().unwrap();
         udrive_ok(&["rpc", "--rpc", rpc, "--wait", "block_stream", &params])
     });
-    writes(qp, buf, rng, want, 30);
+    ns2_writes(qp, buf, rng, want, 30);
     let out = waiter.join().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("\"state\": \"completed\""), "{text}");
@@ -211,9 +172,9 @@ fn stream_then_mirror(
     let m = |path: &Path| json!({"socket": a, "nsid": 2, "path": path, "pivot": true});
     srv.err("blockdev_mirror", m(&top2), -32000, "already exists");
     let id = srv.ok("blockdev_mirror", m(&moved))["job"].clone();
-    writes(qp, buf, rng, want, 30);
-    assert_eq!(wait_state(srv, &id, "completed")["type"], "mirror");
-    writes(qp, buf, rng, want, 10);
+    ns2_writes(qp, buf, rng, want, 30);
+    assert_eq!(srv.wait_job(&id, "completed")["type"], "mirror");
+    ns2_writes(qp, buf, rng, want, 10);
     verify_and_flush(qp, buf, want);
     let ns = &srv.ok("get_devices", json!({"socket": a}))[0]["namespaces"][1]["image"];
     assert!(
@@ -244,7 +205,7 @@ fn a_vhost_user_blk_disk_is_snapshotted_and_committed_under_libblkio() {
     s.run(20);
     let id = srv.ok("block_commit", json!({"socket": v, "rate": "4M"}))["job"].clone();
     s.run(20);
-    wait_state(&srv, &id, "completed");
+    srv.wait_job(&id, "completed");
     s.run(20);
     let want = s.close();
     wait_disconnected(&srv, &v);
@@ -372,7 +333,7 @@ impl Handed {
         let mut qp = d.create_qpair(8, false).unwrap();
         let buf = qp.alloc_buf(64 << 10).unwrap();
         let (mut rng, mut want) = (Rng::new(seed), vec![0u8; SIZE]);
-        writes(&mut qp, &buf, &mut rng, &mut want, 60);
+        ns2_writes(&mut qp, &buf, &mut rng, &mut want, 60);
         let mut h = Handed {
             s,
             qp,
@@ -399,7 +360,7 @@ impl Handed {
         p
     }
     fn writes(&mut self, n: usize) {
-        writes(&mut self.qp, &self.buf, &mut self.rng, &mut self.want, n);
+        ns2_writes(&mut self.qp, &self.buf, &mut self.rng, &mut self.want, n);
     }
     fn verify(&mut self) {
         verify_and_flush(&mut self.qp, &self.buf, &self.want);
@@ -573,4 +534,58 @@ fn a_failed_handover_leaves_the_jobs_running_in_the_old_process() {
     h.verify();
     qemu_check_held(&base);
     qemu_compare_held(&base, &h.want);
+}
+
+/// A mirror into another server's NBD export (decision 0045), handed over
+/// while it copies: the new process connects again and goes on; ready, it
+/// follows the guest until `job_complete`, and the export holds the guest's
+/// data.
+#[test]
+fn a_mirror_to_another_host_goes_on_after_a_live_handover() {
+    if !have_qemu_tools() {
+        return;
+    }
+    let mut h = Handed::start(72);
+    let dst = Serve::start(&[]);
+    let dst_img = dst.dir.path().join("moved.qcow2");
+    let spec = format!("qcow2:{},create=16M", dst_img.display());
+    let b = dst.nvme.to_str().unwrap();
+    dst.ok("nvme_add_namespace", json!({"socket": b, "spec": spec}));
+    let nbd_sock = dst.dir.path().join("nbd.sock");
+    let listen = format!("unix:{}", nbd_sock.display());
+    dst.ok("nbd_server_start", json!({"listen": listen}));
+    dst.ok(
+        "nbd_server_add",
+        json!({"socket": b, "nsid": 2, "name": "vm", "writable": true}),
+    );
+    let uri = format!("nbd+unix:///vm?socket={}", nbd_sock.display());
+    let id = h.start_job("blockdev_mirror", json!({"target": uri, "rate": "256K"}));
+    let after = h.upgrade_mid_job(&id, "mirror to another host");
+    assert_eq!(after["target"], uri.as_str(), "{after}");
+    h.writes(20);
+    h.ok("job_set_rate", json!({"id": id, "rate": 0}));
+    wait_until("mirror ready", T, || h.job(&id)["state"] == "ready");
+    h.writes(20);
+    h.ok("job_complete", json!({"id": id}));
+    wait_until("mirror completed", T, || h.job(&id)["state"] == "completed");
+    let want = dst.dir.path().join("want.raw");
+    std::fs::write(&want, &h.want).unwrap();
+    let out = std::process::Command::new("qemu-img")
+        .args([
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            want.to_str().unwrap(),
+            &uri,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    h.verify();
 }

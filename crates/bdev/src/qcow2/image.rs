@@ -19,6 +19,7 @@ use super::header::{
 };
 use super::meta::Meta;
 use super::tables::{classify_at, compressed_extent, Cluster, COPIED, OFFSET_MASK, ZERO};
+use super::target::{LocalTarget, Through};
 use crate::image_lock::{ImageLock, Perms};
 
 /// How an image is opened.
@@ -46,10 +47,10 @@ pub(super) struct Image {
     /// Where allocated clusters end.
     pub limit: Arc<AtomicU64>,
     pub backing: Option<Backing>,
-    /// While a commit job runs: the base every write also goes to, and the
-    /// flag that sends every write to the slow path (under `meta`) so that
-    /// it does (docs/decisions/0041-qcow2-snapshots-and-jobs.md).
-    pub(super) through: Mutex<Option<Through>>,
+    /// While a commit or mirror runs: the target every write also goes to,
+    /// and the flag that sends every write to the slow path (under `meta`)
+    /// so that it does (docs/decisions/0041-qcow2-snapshots-and-jobs.md).
+    pub(super) through: Mutex<Option<Through<Image>>>,
     pub writes_slow: std::sync::atomic::AtomicBool,
     /// QEMU's locks on the image file (none with `locking=off`).
     lock: Option<ImageLock>,
@@ -62,24 +63,14 @@ pub(super) struct Image {
     pub(super) takeovers: AtomicU64,
 }
 
-/// A commit's base, written through by every guest write while the job runs.
-pub(super) struct Through {
-    pub base: Arc<Image>,
-    /// One cluster of the base, for its partial writes.
-    pub scratch: Vec<u8>,
-}
-
 /// After a guest write of `data` at `off` into `img` (its metadata lock
-/// held): the same write into the base a commit job copies into.
+/// held): the same write into the target a commit or mirror copies into.
 fn write_through(img: &Image, off: u64, data: &[u8]) -> io::Result<()> {
     if !img.writes_slow.load(Ordering::Acquire) {
         return Ok(());
     }
     let mut t = img.through.lock().unwrap_or_else(|p| p.into_inner());
-    match t.as_mut() {
-        Some(Through { base, scratch }) => base.write_sync(off, data, scratch),
-        None => Ok(()),
-    }
+    t.as_mut().map_or(Ok(()), |t| t.write(off, data))
 }
 
 /// After guest clusters `first..first+count` of `img` were made zeroes.
@@ -87,11 +78,9 @@ fn zero_through(img: &Image, first: u64, count: u64) -> io::Result<()> {
     if !img.writes_slow.load(Ordering::Acquire) {
         return Ok(());
     }
-    let t = img.through.lock().unwrap_or_else(|p| p.into_inner());
-    match t.as_ref() {
-        Some(t) => t.base.zero_clusters(first, count, false),
-        None => Ok(()),
-    }
+    let mut t = img.through.lock().unwrap_or_else(|p| p.into_inner());
+    t.as_mut()
+        .map_or(Ok(()), |t| t.zero(img.cs(), first, count))
 }
 
 /// Where a guest cluster's data is, for the slow path.
@@ -515,6 +504,15 @@ impl Image {
     /// Bytes allocated in the image file.
     pub(super) fn allocated_bytes(&self) -> u64 {
         self.meta().allocated_bytes()
+    }
+}
+
+impl LocalTarget for Image {
+    fn write_sync(&self, offset: u64, data: &[u8], scratch: &mut [u8]) -> io::Result<()> {
+        Image::write_sync(self, offset, data, scratch)
+    }
+    fn zero_clusters(&self, first: u64, count: u64, discard: bool) -> io::Result<()> {
+        Image::zero_clusters(self, first, count, discard)
     }
 }
 

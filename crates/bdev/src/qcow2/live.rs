@@ -25,8 +25,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::create::{create_qcow2, CreateOptions};
 use super::error::Qcow2Error;
 use super::header::Header;
-use super::image::{Image, OpenOpts, Through};
+use super::image::{Image, OpenOpts};
 use super::tables::{Cluster, COPIED, ZERO};
+use super::target::{Remote, RemoteTarget, Target, Through};
 use super::Qcow2Disk;
 use crate::image_lock::Perms;
 use crate::{FileEngine, IoChannel};
@@ -168,11 +169,33 @@ impl BlockJob {
     pub fn done_bytes(&self) -> u64 {
         self.next * self.image.cs()
     }
-    /// The image a commit or mirror writes into (None: a stream, or a target
-    /// let go).
+    /// The image a commit or mirror writes into on this host (None: a
+    /// stream, a mirror to another host, or a target let go).
     pub fn target_path(&self) -> Option<PathBuf> {
         let t = self.image.through.lock().unwrap_or_else(|p| p.into_inner());
-        t.as_ref().map(|t| t.base.path.clone())
+        match t.as_ref().map(|t| &t.target) {
+            Some(Target::Image(b)) => Some(b.path.clone()),
+            _ => None,
+        }
+    }
+    /// The export on another host a mirror writes into, as its URI.
+    pub fn remote(&self) -> Option<String> {
+        let t = self.image.through.lock().unwrap_or_else(|p| p.into_inner());
+        match t.as_ref().map(|t| &t.target) {
+            Some(Target::Remote(r)) => Some(r.name()),
+            _ => None,
+        }
+    }
+    /// Whether the job, its copy done, keeps writing through until it is
+    /// told to complete (a mirror to another host: the VM moves there).
+    pub fn waits_for_complete(&self) -> bool {
+        self.kind == JobKind::Mirror && self.remote().is_some()
+    }
+    /// Fails once writing a guest write through into a remote target failed:
+    /// the target misses that write, the job must end.
+    pub fn check_target(&self) -> io::Result<()> {
+        let t = self.image.through.lock().unwrap_or_else(|p| p.into_inner());
+        t.as_ref().map_or(Ok(()), |t| t.failed())
     }
     /// Mirror: whether the disk goes on in the copy at the end.
     pub fn pivot(&self) -> bool {
@@ -269,15 +292,11 @@ impl BlockJob {
             }
         };
         let mut t = img.through.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(Through { base, scratch }) = t.as_mut() else {
+        let Some(through) = t.as_mut() else {
             return Err(io::Error::other("the job's target was let go"));
         };
-        if zero {
-            base.zero_clusters(c, 1, false)?;
-            return Ok(false);
-        }
-        base.write_sync(c * cs, &self.buf, scratch)?;
-        Ok(true)
+        through.copy(cs, c, (!zero).then_some(&self.buf[..]))?;
+        Ok(!zero)
     }
 
     /// After the last step, with the device paused: stream drops the backing
@@ -298,11 +317,18 @@ impl BlockJob {
                     .map_err(io("set up rings on it"))?;
             }
             JobKind::Commit | JobKind::Mirror => {
-                let to =
-                    take_through(img).ok_or_else(|| refused(img, "the job lost its target"))?;
-                to.flush().map_err(io("write the target's metadata back"))?;
-                if self.kind == JobKind::Commit || self.pivot {
-                    disk.active.set(to).map_err(io("set up rings on it"))?;
+                match take_through(img).ok_or_else(|| refused(img, "the job lost its target"))? {
+                    Target::Image(to) => {
+                        to.flush().map_err(io("write the target's metadata back"))?;
+                        if self.kind == JobKind::Commit || self.pivot {
+                            disk.active.set(to).map_err(io("set up rings on it"))?;
+                        }
+                    }
+                    Target::Remote(mut r) => r.flush().map_err(|source| Qcow2Error::Io {
+                        path: PathBuf::from(r.name()),
+                        op: "flush the mirror's target",
+                        source,
+                    })?,
                 }
             }
         }
@@ -313,10 +339,15 @@ impl BlockJob {
     /// what it got, the image is whole as it was); a stream leaves what it
     /// copied.
     pub fn abandon(self) {
-        if let Some(base) = take_through(&self.image) {
-            if let Err(e) = base.flush() {
-                tracing::error!(path = %base.path.display(), "commit cancelled: base flush: {e}");
-            }
+        let flushed = match take_through(&self.image) {
+            Some(Target::Image(base)) => base
+                .flush()
+                .map_err(|e| (base.path.display().to_string(), e)),
+            Some(Target::Remote(mut r)) => r.flush().map_err(|e| (r.name(), e)),
+            None => Ok(()),
+        };
+        if let Err((target, e)) = flushed {
+            tracing::error!(target, "block job ended: flushing its target: {e}");
         }
     }
 }
@@ -324,21 +355,31 @@ impl BlockJob {
 /// Writes back the metadata of the image a commit or mirror of `img` writes
 /// into (a successor opens it again).
 pub(super) fn flush_target(img: &Image) -> io::Result<()> {
+    let mut t = img.through.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(Target::Remote(r)) = t.as_mut().map(|t| &mut t.target) {
+        return r.flush();
+    }
+    drop(t);
     target(img).map_or(Ok(()), |b| b.flush())
 }
 
-/// The image a commit or mirror of `img` writes into, if a job runs.
+/// The image on this host a commit or mirror of `img` writes into, if a
+/// job runs.
 fn target(img: &Image) -> Option<Arc<Image>> {
     let t = img.through.lock().unwrap_or_else(|p| p.into_inner());
-    t.as_ref().map(|t| t.base.clone())
+    match t.as_ref().map(|t| &t.target) {
+        Some(Target::Image(b)) => Some(b.clone()),
+        _ => None,
+    }
 }
 
 /// With `img` handed to another process: its job's target is written back
-/// and unlocked too (the other process opens it as part of the chain).
+/// and unlocked too (the other process opens it as part of the chain, or
+/// connects to the remote one again).
 pub(super) fn release_target(img: &Image) -> io::Result<()> {
     match target(img) {
         Some(b) => b.flush().and_then(|()| b.set_lock(Perms::NONE)),
-        None => Ok(()),
+        None => flush_target(img),
     }
 }
 
@@ -368,11 +409,11 @@ pub(super) fn check_not_handed_off(img: &Image) -> io::Result<()> {
     Ok(())
 }
 
-fn take_through(img: &Image) -> Option<Arc<Image>> {
+fn take_through(img: &Image) -> Option<Target<Image>> {
     let _meta = img.meta();
     img.writes_slow.store(false, Ordering::Release);
     let t = img.through.lock().unwrap_or_else(|p| p.into_inner()).take();
-    t.map(|t| t.base)
+    t.map(|t| t.target)
 }
 
 fn refused(img: &Image, why: &str) -> Qcow2Error {
@@ -537,8 +578,40 @@ impl Qcow2Disk {
             return Err(refused(&img, "a read-only disk runs no block job"));
         }
         let to = self.new_image(target, &img, None)?;
-        write_through_to(&img, to);
+        write_through_to(&img, Target::Image(Arc::new(to)));
         Ok(BlockJob::new(JobKind::Mirror, img, pivot))
+    }
+
+    /// Starts a mirror of the disk into an export on another host, going on
+    /// from `done` bytes (0: from the start; else what a predecessor
+    /// process said it copied). The job keeps writing guest writes through
+    /// after its copy until it is told to complete: call with the device
+    /// paused, so that no write in flight escapes it.
+    pub fn start_remote_mirror(
+        &self,
+        to: Box<dyn RemoteTarget>,
+        done: u64,
+    ) -> Result<BlockJob, Qcow2Error> {
+        let img = self.active.get();
+        if self.info.read_only {
+            return Err(refused(&img, "a read-only disk runs no block job"));
+        }
+        if to.size() < img.header.size {
+            return Err(refused(
+                &img,
+                &format!(
+                    "the mirror's target {} has {} bytes, fewer than the disk's {}",
+                    to.name(),
+                    to.size(),
+                    img.header.size
+                ),
+            ));
+        }
+        write_through_to(&img, Target::Remote(Remote::new(to, img.header.size)));
+        let job = BlockJob::new(JobKind::Mirror, img.clone(), false);
+        job.resume_from(done).inspect_err(|_| {
+            take_through(&img);
+        })
     }
 
     /// Takes over a job another process ran on this disk up to `done` bytes:
@@ -580,7 +653,7 @@ impl Qcow2Disk {
                         "a mirror's target with another size, cluster size or a backing file",
                     ));
                 }
-                write_through_to(&img, to);
+                write_through_to(&img, Target::Image(Arc::new(to)));
                 BlockJob::new(JobKind::Mirror, img, pivot)
             }
         };
@@ -617,7 +690,7 @@ impl Qcow2Disk {
                     "committing into a base with another cluster size or a smaller size",
                 ));
             }
-            write_through_to(&img, base);
+            write_through_to(&img, Target::Image(Arc::new(base)));
         }
         Ok(BlockJob::new(kind, img, false))
     }
@@ -634,12 +707,9 @@ fn same_file(a: Option<&Path>, b: Option<&Path>) -> bool {
 }
 
 /// From here every guest write into `img` goes to the slow path and through
-/// into `to` (same cluster size).
-fn write_through_to(img: &Image, to: Image) {
+/// into `to` (an image of the same cluster size, or a remote export).
+fn write_through_to(img: &Image, to: Target<Image>) {
     let _meta = img.meta();
-    *img.through.lock().unwrap_or_else(|p| p.into_inner()) = Some(Through {
-        scratch: vec![0; to.cs() as usize],
-        base: Arc::new(to),
-    });
+    *img.through.lock().unwrap_or_else(|p| p.into_inner()) = Some(Through::new(to, img.cs()));
     img.writes_slow.store(true, Ordering::Release);
 }

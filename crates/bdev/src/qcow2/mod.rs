@@ -19,6 +19,7 @@ mod live;
 mod meta;
 mod repair;
 mod tables;
+mod target;
 #[cfg(test)]
 mod tests;
 
@@ -28,6 +29,7 @@ pub use error::{HeaderError, Qcow2Error};
 pub use handoff::Qcow2Claim;
 pub use header::Header;
 pub use live::{BlockJob, JobKind};
+pub use target::RemoteTarget;
 
 /// Parses a header from the first bytes of an image of `file_len` bytes (what
 /// the fuzz target drives).

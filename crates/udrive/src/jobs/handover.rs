@@ -46,6 +46,10 @@ pub struct JobRecord {
     pub nsid: Option<u32>,
     /// A commit's base or a mirror's copy.
     pub target: Option<PathBuf>,
+    /// A mirror's export on another host (its URI): the successor connects
+    /// to it again.
+    #[serde(default)]
+    pub remote: Option<String>,
     pub pivot: bool,
     /// Bytes done: the resume point, a cluster boundary.
     pub done: u64,
@@ -86,6 +90,7 @@ impl Job {
             socket: self.socket.clone(),
             nsid: self.nsid,
             target: self.target.clone(),
+            remote: self.remote.clone(),
             pivot: self.pivot,
             done: self.done.load(Ordering::Relaxed),
             total: self.total.load(Ordering::Relaxed),
@@ -228,6 +233,7 @@ fn restore_one(server: &Server, r: &JobRecord) -> Result<(Job, Running)> {
             socket: r.socket.clone(),
             nsid: r.nsid,
             target: r.target.clone(),
+            remote: r.remote.clone(),
             pivot: r.pivot,
             done: r.done.into(),
             total: r.total.into(),
@@ -239,7 +245,12 @@ fn restore_one(server: &Server, r: &JobRecord) -> Result<(Job, Running)> {
     } else {
         let disk = qcow2_disk(server, &r.socket, r.nsid)?;
         let q = as_qcow2(&disk).ok_or_else(|| anyhow!("not a qcow2 disk"))?;
-        let qjob = q.resume_job(kind, r.target.as_deref(), r.pivot, r.done)?;
+        let qjob = match &r.remote {
+            Some(uri) if kind == Qcow2JobKind::Mirror => {
+                q.start_remote_mirror(Box::new(super::remote::connect(uri)?), r.done)?
+            }
+            _ => q.resume_job(kind, r.target.as_deref(), r.pivot, r.done)?,
+        };
         let job = Job::new(r.id, &qjob, &r.socket, r.nsid, r.rate);
         (job, Some((qjob, disk)))
     };

@@ -12,6 +12,7 @@
 //! job between two steps and passes it on ([`handover`]).
 
 pub mod handover;
+mod remote;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,6 +39,9 @@ pub enum JobState {
     #[default]
     Running,
     Paused,
+    /// A mirror to another host copied everything and keeps writing guest
+    /// writes through until `job_complete`.
+    Ready,
     Completed,
     Failed,
     Cancelled,
@@ -58,9 +62,10 @@ fn kind_name(kind: Qcow2JobKind) -> &'static str {
 }
 
 impl JobState {
-    const ALL: [JobState; 5] = [
+    const ALL: [JobState; 6] = [
         JobState::Running,
         JobState::Paused,
+        JobState::Ready,
         JobState::Completed,
         JobState::Failed,
         JobState::Cancelled,
@@ -69,6 +74,7 @@ impl JobState {
         match self {
             JobState::Running => "running",
             JobState::Paused => "paused",
+            JobState::Ready => "ready",
             JobState::Completed => "completed",
             JobState::Failed => "failed",
             JobState::Cancelled => "cancelled",
@@ -88,6 +94,8 @@ struct Control {
     error: Option<String>,
     pause: bool,
     cancel: bool,
+    /// `job_complete`: a ready mirror to another host ends.
+    complete: bool,
     /// A live handover asks the thread to stop between two steps ...
     hold: bool,
     /// ... and the thread says it did, or that it has no step left (it waits
@@ -106,6 +114,8 @@ pub struct Job {
     nsid: Option<u32>,
     /// A commit's base or a mirror's copy.
     target: Option<PathBuf>,
+    /// A mirror's export on another host (its URI).
+    remote: Option<String>,
     /// Mirror: the disk goes on in the copy.
     pivot: bool,
     done: AtomicU64,
@@ -125,6 +135,7 @@ impl Job {
             socket: socket.to_path_buf(),
             nsid,
             target: job.target_path(),
+            remote: job.remote(),
             pivot: job.pivot(),
             done: AtomicU64::new(job.done_bytes()),
             total: AtomicU64::new(job.total_bytes()),
@@ -149,6 +160,7 @@ impl Job {
             "type": self.kind_name(),
             "socket": self.socket,
             "nsid": self.nsid,
+            "target": self.remote.clone().or_else(|| self.target.as_ref().map(|t| t.display().to_string())),
             "done": self.done.load(Ordering::Relaxed),
             "total": self.total.load(Ordering::Relaxed),
             "rate": self.rate.load(Ordering::Relaxed),
@@ -170,6 +182,29 @@ impl Job {
             c.pause = p;
         }
         c.cancel |= cancel;
+        self.wake.notify_all();
+        Ok(())
+    }
+    /// `job_complete`: a ready mirror to another host flushes its target
+    /// and stops writing through (the VM moved there).
+    pub fn complete(&self) -> Result<()> {
+        let mut c = self.control();
+        if self.remote.is_none() {
+            bail!(
+                "job {} ends by itself: only a mirror to another host waits for job_complete",
+                self.id
+            );
+        }
+        if c.state != JobState::Ready {
+            bail!(
+                "job {} is {}, not ready: it has copied {} of {} bytes (get_jobs)",
+                self.id,
+                c.state.name(),
+                self.done.load(Ordering::Relaxed),
+                self.total.load(Ordering::Relaxed)
+            );
+        }
+        c.complete = true;
         self.wake.notify_all();
         Ok(())
     }
@@ -333,6 +368,10 @@ pub enum JobRequest<'a> {
         target: &'a Path,
         pivot: bool,
     },
+    /// Into an NBD export on another host, until `job_complete`.
+    MirrorTo {
+        uri: &'a str,
+    },
 }
 
 /// Starts a job on a qcow2 disk; its id.
@@ -345,6 +384,11 @@ pub fn start(
 ) -> Result<u64> {
     let disk = qcow2_disk(server, socket, nsid)?;
     let q = as_qcow2(&disk).context("not a qcow2 disk")?;
+    // Connected before the server's lock: a remote host may take its time.
+    let mut remote = match what {
+        JobRequest::MirrorTo { uri } => Some(remote::connect(uri)?),
+        _ => None,
+    };
     // One lock from the check to the record: no handover or other job slips in.
     let mut st = server.lock();
     refuse_if_busy(&st, socket, nsid)?;
@@ -355,6 +399,10 @@ pub fn start(
         JobRequest::Mirror { target, pivot } => {
             quiesced(&mut st, socket, || Ok(q.start_mirror(target, pivot)?))?
         }
+        JobRequest::MirrorTo { .. } => quiesced(&mut st, socket, || {
+            let to = remote.take().context("the mirror's connection is gone")?;
+            Ok(q.start_remote_mirror(Box::new(to), 0)?)
+        })?,
     };
     st.jobs.next_id += 1;
     let record = Arc::new(Job::new(st.jobs.next_id, &job, socket, nsid, rate));
@@ -400,6 +448,24 @@ enum Outcome {
 
 fn run(server: &Server, rec: &Job, job: Qcow2Job, disk: &QosDisk) {
     let (state, error) = match steps(rec, job) {
+        Outcome::Done(job) if job.waits_for_complete() => match until_complete(rec, &job) {
+            Ok(true) => match as_qcow2(disk).map(|q| job.finish(q)) {
+                Some(Ok(())) => (JobState::Completed, None),
+                Some(Err(e)) => (JobState::Failed, Some(format!("{e:#}"))),
+                None => (
+                    JobState::Failed,
+                    Some("the disk is not a qcow2 image any more".into()),
+                ),
+            },
+            Ok(false) => {
+                job.abandon();
+                (JobState::Cancelled, None)
+            }
+            Err(e) => {
+                job.abandon();
+                (JobState::Failed, Some(e))
+            }
+        },
         Outcome::Done(job) => {
             // A handover may go on without waiting for us: a successor
             // resumes from the end and pivots itself.
@@ -432,6 +498,36 @@ fn run(server: &Server, rec: &Job, job: Qcow2Job, disk: &QosDisk) {
     };
     tracing::info!(job = rec.id, state = state.name(), error = ?error, "block job ended");
     rec.end(state, error);
+}
+
+/// A mirror to another host, its copy done: guest writes keep going through
+/// until `job_complete` (true) or `job_cancel` (false); Err: writing through
+/// failed. A handover may take it over meanwhile.
+fn until_complete(rec: &Job, job: &Qcow2Job) -> Result<bool, String> {
+    let mut c = rec.control();
+    c.state = JobState::Ready;
+    c.held = true;
+    rec.wake.notify_all();
+    tracing::info!(
+        job = rec.id,
+        "block job ready: its target follows the guest until job_complete"
+    );
+    loop {
+        if c.cancel {
+            return Ok(false);
+        }
+        if c.complete && !c.hold {
+            return Ok(true);
+        }
+        if let Err(e) = job.check_target() {
+            return Err(e.to_string());
+        }
+        c = rec
+            .wake
+            .wait_timeout(c, HANDED_OFF_RETRY)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
 }
 
 /// Steps the job to its end, honouring pause, cancel and the rate.

@@ -32,7 +32,7 @@ pub fn register(r: &mut Registry) {
     );
     r.register(
         "blockdev_mirror",
-        "background job: copy the disk as the guest sees it into a new qcow2 image at `path` (then serve it if `pivot`)",
+        "background job: copy the disk as the guest sees it into a new qcow2 image at `path` (then serve it if `pivot`), or into the NBD export `target` on another host (then follow the guest until job_complete)",
         mirror,
     );
     r.register(
@@ -49,6 +49,11 @@ pub fn register(r: &mut Registry) {
     r.register("job_cancel", "cancel a block job", |rpc, p| {
         control(rpc, p, None, true)
     });
+    r.register(
+        "job_complete",
+        "end a ready mirror to another host: flush its target and stop writing through",
+        complete,
+    );
     r.register(
         "job_set_rate",
         "change a block job's rate limit (bytes/s; 0 lifts it)",
@@ -97,8 +102,11 @@ fn start(rpc: &Rpc, p: Value, what: JobRequest<'_>) -> Result<Value, RpcError> {
 struct Mirror {
     socket: PathBuf,
     nsid: Option<u32>,
-    /// The new image (must not exist).
-    path: PathBuf,
+    /// The new image (must not exist) ...
+    path: Option<PathBuf>,
+    /// ... or an NBD export on another host (`nbd://HOST[:PORT]/NAME`,
+    /// `nbd+unix:///NAME?socket=PATH`).
+    target: Option<String>,
     #[serde(default)]
     pivot: bool,
     rate: Option<Rate>,
@@ -106,9 +114,25 @@ struct Mirror {
 
 fn mirror(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
     let a: Mirror = parse_params(p)?;
-    let what = JobRequest::Mirror {
-        target: &a.path,
-        pivot: a.pivot,
+    let what = match (&a.path, &a.target) {
+        (Some(path), None) => JobRequest::Mirror {
+            target: path,
+            pivot: a.pivot,
+        },
+        (None, Some(uri)) if !a.pivot => JobRequest::MirrorTo { uri },
+        (None, Some(_)) => {
+            return Err(anyhow::anyhow!(
+                "`pivot` is for a mirror into a local image: a disk does not go on in \
+                 another host's export (the VM moves there, and its udrive serves it)"
+            )
+            .into())
+        }
+        _ => {
+            return Err(anyhow::anyhow!(
+                "name either `path` (a new local image) or `target` (an NBD export), not both"
+            )
+            .into())
+        }
     };
     let id = jobs::start(&rpc.server, &a.socket, a.nsid, what, rate(&a.rate)?)?;
     Ok(json!({"job": id}))
@@ -129,6 +153,13 @@ fn control(rpc: &Rpc, p: Value, pause: Option<bool>, cancel: bool) -> Result<Val
     let a: JobId = parse_params(p)?;
     let job = rpc.server.lock().jobs.get(a.id)?;
     job.request(pause, cancel)?;
+    Ok(job.json())
+}
+
+fn complete(rpc: &Rpc, p: Value) -> Result<Value, RpcError> {
+    let a: JobId = parse_params(p)?;
+    let job = rpc.server.lock().jobs.get(a.id)?;
+    job.complete()?;
     Ok(job.json())
 }
 

@@ -19,6 +19,7 @@ mod api;
 mod job_methods;
 mod luks_methods;
 pub mod methods;
+mod nbd_methods;
 mod params;
 #[cfg(feature = "rbd")]
 mod rbd_methods;
@@ -56,6 +57,7 @@ pub fn register_all(r: &mut Registry) {
     luks_methods::register(r);
     secret_methods::register(r);
     job_methods::register(r);
+    nbd_methods::register(r);
     #[cfg(feature = "rbd")]
     rbd_methods::register(r);
 }

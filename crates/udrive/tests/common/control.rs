@@ -292,3 +292,24 @@ pub fn udrive_ok(args: &[&str]) -> std::process::Output {
     );
     out
 }
+
+/// Block jobs as `get_jobs` shows them.
+impl Serve {
+    /// Job `id` now.
+    pub fn job(&self, id: &Value) -> Value {
+        let jobs = self.ok("get_jobs", json!({}));
+        let job = jobs.as_array().unwrap().iter().find(|j| j["id"] == *id);
+        job.cloned()
+            .unwrap_or_else(|| panic!("job {id} not in {jobs}"))
+    }
+
+    /// Waits until job `id` is in state `want`; the job then.
+    pub fn wait_job(&self, id: &Value, want: &str) -> Value {
+        let mut last = Value::Null;
+        test_support::wait_until(&format!("job {id} {want}"), T, || {
+            last = self.job(id);
+            last["state"] == want
+        });
+        last
+    }
+}

@@ -258,3 +258,27 @@ pub use initiator::cmd::opc as op;
 /// Convenience: the opcodes tests use most.
 pub const READ: u8 = opc::READ;
 pub const WRITE: u8 = opc::WRITE;
+
+/// Random writes of 4-64 KiB to namespace 2 (as large as `want`), applied to
+/// `want`.
+pub fn ns2_writes(qp: &mut QueuePair, buf: &DmaBuf, rng: &mut Rng, want: &mut [u8], n: usize) {
+    for _ in 0..n {
+        let blocks = rng.range(8, 128);
+        let slba = rng.below(want.len() as u64 / 512 - blocks);
+        let data = rng.bytes(blocks as usize * 512);
+        let b = buf.sub(0, data.len()).unwrap();
+        b.write(0, &data).unwrap();
+        let c = io(
+            qp,
+            IoOp::Write,
+            2,
+            slba,
+            blocks as u32,
+            Some(&b),
+            DataMode::Prp,
+        );
+        assert_ok(&c, "write");
+        let at = slba as usize * 512;
+        want[at..at + data.len()].copy_from_slice(&data);
+    }
+}
