@@ -36,6 +36,10 @@ DISK_OPTS=${UDRIVE_MIGRATE_DISK_OPTS-,shared}
 # claim carries its metadata over (flushed by the source, reloaded by the
 # destination). rbd and qcow2 have one writer: DISK_OPTS is ignored.
 BACKEND=${UDRIVE_MIGRATE_BACKEND:-file}
+# shared: both processes serve the same disk. nbd (qcow2 only): B serves an image
+# of its own, which A's disk is mirrored into over B's NBD export before the
+# migration (migration without shared storage); one hop, A -> B.
+STORAGE=${UDRIVE_MIGRATE_STORAGE:-shared}
 # qsd: the same run with qemu-storage-daemon's vhost-user-blk export (the host's,
 # from Debian's backports) serving the file in both places, for comparison
 # (docs/benchmarks.md). Its exports share the file with image locking off.
@@ -233,7 +237,8 @@ stream_start() {
         host_result stream-across-migration FAIL "block_stream on A: $(tr '\n' ' ' <<<"$out" | cut -c1-200)"
     fi
 }
-stream_job() { rpc_a get_jobs | tr -d '\n' | grep -oE "\{[^{}]*\"id\": *$STREAM_ID,[^{}]*\}" || true; }
+job_json() { rpc_a get_jobs | tr -d '\n' | grep -oE "\{[^{}]*\"id\": *$1,[^{}]*\}" || true; }
+stream_job() { job_json "$STREAM_ID"; }
 stream_waits() {
     [ -n "${STREAM_ID:-}" ] || return 0
     local j1 j2
@@ -268,6 +273,45 @@ stream_finishes() {
         host_result stream-across-migration FAIL "after the VM came back to A: $out"
     fi
 }
+# Without shared storage: B exports its own image over NBD and A mirrors its
+# running disk into it; `udrive rpc --wait` returns once the mirror is ready.
+rpc_b() { "$UDRIVE" rpc --rpc "$TMP/rpc-b.sock" "$@" 2>&1; }
+mirror_to_b() {
+    local out uri="nbd+unix:///vm?socket=$TMP/nbd.sock"
+    if ! out=$(rpc_b nbd_server_start "{\"listen\":\"unix:$TMP/nbd.sock\"}") ||
+        ! out=$(rpc_b nbd_server_add "{\"socket\":\"$TMP/b.sock\",\"name\":\"vm\",\"writable\":true}"); then
+        host_result mirror-to-destination FAIL "B's NBD export: $(tr '\n' ' ' <<<"$out" | cut -c1-200)"
+        HARNESS_FAIL+=("no NBD export on B")
+        return 0
+    fi
+    if out=$(rpc_a --wait -t "$TIMEOUT" blockdev_mirror "{\"socket\":\"$TMP/a.sock\",\"target\":\"$uri\"}") &&
+        MIRROR_ID=$(job_field job <<<"$out") && [ -n "$MIRROR_ID" ]; then
+        say "mirror: job $MIRROR_ID ready: $(job_json "$MIRROR_ID" | cut -c1-160)"
+    else
+        host_result mirror-to-destination FAIL "blockdev_mirror on A: $(tr '\n' ' ' <<<"$out" | cut -c1-200)"
+        HARNESS_FAIL+=("no mirror into B")
+    fi
+}
+# After the switch-over: A's mirror completes (the VM runs on B), B stops its
+# NBD server.
+mirror_complete() {
+    [ -n "${MIRROR_ID:-}" ] || return 0
+    local out before
+    before=$(job_json "$MIRROR_ID")
+    out=$(rpc_a job_complete "{\"id\":$MIRROR_ID}") || true
+    for _ in $(seq 60); do
+        out=$(job_json "$MIRROR_ID")
+        [ "$(job_field state <<<"$out")" = ready ] || break
+        sleep 0.5
+    done
+    rpc_b nbd_server_stop >/dev/null || true
+    if [ "$(job_field state <<<"$before")" = ready ] && [ "$(job_field state <<<"$out")" = completed ]; then
+        host_result mirror-to-destination PASS "ready through the migration, completed after it: $(cut -c1-160 <<<"$out")"
+    else
+        host_result mirror-to-destination FAIL "before job_complete: $before; after: $out"
+    fi
+}
+
 # After the servers exited: the stream's result is in disk.qcow2 alone.
 stream_check() {
     [ "${STREAM_DONE:-}" = 1 ] || return 0
@@ -297,6 +341,11 @@ file | rbd | qcow2) ;;
 *) die "UDRIVE_MIGRATE_BACKEND=$BACKEND: file, rbd or qcow2" ;;
 esac
 [ "$BACKEND" = file ] || [ "$SERVER" = udrive ] || die "UDRIVE_MIGRATE_SERVER=qsd serves a file only"
+case $STORAGE in
+shared) ;;
+nbd) [ "$BACKEND" = qcow2 ] || die "UDRIVE_MIGRATE_STORAGE=nbd mirrors a qcow2 disk: set UDRIVE_MIGRATE_BACKEND=qcow2" ;;
+*) die "UDRIVE_MIGRATE_STORAGE=$STORAGE: shared or nbd" ;;
+esac
 if [ "$SERVER" = qsd ]; then
     command -v qemu-storage-daemon >/dev/null || die "UDRIVE_MIGRATE_SERVER=qsd: no qemu-storage-daemon on the host"
     [ "$SKIP_DIRTY" = 0 ] && [[ $DISK_OPTS == *shared* ]] || die "UDRIVE_MIGRATE_SERVER=qsd: only the shared-file run applies"
@@ -327,7 +376,12 @@ fi
 phase "guest on QEMU 1 (udrive A)"
 # Two processes serve the same disk: A the source, B the destination (`incoming`).
 start_udrive a "$DISK_SPEC$DISK_OPTS"
-start_udrive b "$DISK_SPEC$DISK_OPTS,incoming"
+if [ "$STORAGE" = nbd ]; then
+    # B's own image, on storage A does not see.
+    start_udrive b "qcow2:$TMP/moved.qcow2,create=${DISK_MIB}M"
+else
+    start_udrive b "$DISK_SPEC$DISK_OPTS,incoming"
+fi
 # The knob exists only in the udrive that `cargo test` builds (vhost-user-blk's
 # `test-knobs` feature); a product build would silently log as usual.
 if [ "$SKIP_DIRTY" = 1 ] && ! grep -q 'UDRIVE_TEST_SKIP_DIRTY_DATA=1: read data is not marked' "$TMP/udrive-a.log"; then
@@ -336,13 +390,21 @@ fi
 start_qemu 1 a
 wait_passes 1 "$PASSES" || HARNESS_FAIL+=("no migcheck passes on QEMU 1")
 
-[ "$BACKEND" != qcow2 ] || stream_start
-phase "migrate QEMU 1 (udrive A) -> QEMU 2 (udrive B)"
-hop 1 2 b
-[ "$BACKEND" != qcow2 ] || stream_waits
-phase "migrate back QEMU 2 (udrive B) -> QEMU 3 (udrive A)"
-hop 2 3 a
-[ "$BACKEND" != qcow2 ] || stream_finishes
+if [ "$STORAGE" = nbd ]; then
+    phase "mirror A's disk into B's NBD export"
+    mirror_to_b
+    phase "migrate QEMU 1 (udrive A) -> QEMU 2 (udrive B, its own image)"
+    hop 1 2 b
+    mirror_complete
+else
+    [ "$BACKEND" != qcow2 ] || stream_start
+    phase "migrate QEMU 1 (udrive A) -> QEMU 2 (udrive B)"
+    hop 1 2 b
+    [ "$BACKEND" != qcow2 ] || stream_waits
+    phase "migrate back QEMU 2 (udrive B) -> QEMU 3 (udrive A)"
+    hop 2 3 a
+    [ "$BACKEND" != qcow2 ] || stream_finishes
+fi
 LAST=${#QEMU_PIDS[@]}
 phase "final check on QEMU $LAST"
 timeout 5 sh -c 'printf "stop\n" >"$1"' - "$TMP/ctl-$LAST.in" || say "could not write to ttyS1 of QEMU $LAST"
@@ -362,7 +424,7 @@ phase ""
 # Without `shared` the disk's writer claim (the file's range lock, the image's
 # exclusive lock) moved at each switch-over: A gave it up and took it back, B took
 # it and gave it up.
-if [[ $DISK_OPTS != *shared* ]]; then
+if [[ $DISK_OPTS != *shared* ]] && [ "$STORAGE" = shared ]; then
     claims=''
     for n in a b; do
         claims+=" $n: $(grep -c 'this device no longer writes it' "$TMP/udrive-$n.log" || true) released,"
@@ -376,13 +438,20 @@ if [[ $DISK_OPTS != *shared* ]]; then
 fi
 
 # Both processes wrote the image's metadata in turn: it must still be whole.
+# Without shared storage the guest's disk is B's image from the switch-over on.
+GUEST_IMAGE=$TMP/disk.qcow2
+[ "$STORAGE" = shared ] || GUEST_IMAGE=$TMP/moved.qcow2
 if [ "$BACKEND" = qcow2 ]; then
     stream_check
-    if out=$(qemu-img check "$TMP/disk.qcow2" 2>&1); then
-        host_result qcow2-check PASS "qemu-img check: $(echo "$out" | grep -m1 -E 'No errors|allocated' | cut -c1-100)"
-    else
-        host_result qcow2-check FAIL "qemu-img check: $(echo "$out" | tr '\n' ' ' | cut -c1-200)"
-    fi
+    checks=(qcow2-check "$TMP/disk.qcow2")
+    [ "$STORAGE" = shared ] || checks+=(qcow2-check-destination "$GUEST_IMAGE")
+    for ((i = 0; i < ${#checks[@]}; i += 2)); do
+        if out=$(qemu-img check "${checks[i + 1]}" 2>&1); then
+            host_result "${checks[i]}" PASS "qemu-img check: $(echo "$out" | grep -m1 -E 'No errors|allocated' | cut -c1-100)"
+        else
+            host_result "${checks[i]}" FAIL "qemu-img check: $(echo "$out" | tr '\n' ' ' | cut -c1-200)"
+        fi
+    done
 fi
 
 cat "$TMP"/console-*.log >"$TMP/console.log"
@@ -401,7 +470,7 @@ if [ "$BACKEND" = rbd ]; then
     rbd --conf "$CEPH_CONF" export --no-progress rbd/mig "$TMP/disk.img" >/dev/null 2>&1 ||
         say "rbd export rbd/mig failed"
 elif [ "$BACKEND" = qcow2 ]; then
-    qemu-img convert -f qcow2 -O raw "$TMP/disk.qcow2" "$TMP/disk.img" || say "qemu-img convert of disk.qcow2 failed"
+    qemu-img convert -f qcow2 -O raw "$GUEST_IMAGE" "$TMP/disk.img" || say "qemu-img convert of $GUEST_IMAGE failed"
 fi
 if [ -n "$gen" ] && out=$("$TMP/migcheck-host" verify "$TMP/disk.img" "$CHECK_MIB" "$gen" 2>&1); then
     host_result backing-file PASS "$out"
