@@ -13,6 +13,11 @@
 //! - `mirror`: the whole disk to a new qcow2 image, then the disk goes on there
 //!   (`blockdev_mirror` with `pivot` / `drive-mirror sync=full` and `job-complete`);
 //!   BASE MiB.
+//! - `mirror-nbd`: the whole disk into an NBD export, as for a migration without
+//!   shared storage: `qemu-nbd` serving a new qcow2 image on a unix socket (on CPU
+//!   1), the same for both; until ready, then ended without a pivot
+//!   (`blockdev_mirror` with `target` and `job_complete` / `blockdev-mirror` onto
+//!   an `nbd` node and `block-job-cancel` once ready); BASE MiB.
 //!
 //! Which server goes first alternates per repetition. Prints per job the MB/s of
 //! each (median, min–max) and udrive ÷ qsd per repetition.
@@ -36,15 +41,17 @@ enum Job {
     Stream,
     Commit,
     Mirror,
+    MirrorNbd,
 }
 
 impl Job {
-    const ALL: [Job; 3] = [Job::Stream, Job::Commit, Job::Mirror];
+    const ALL: [Job; 4] = [Job::Stream, Job::Commit, Job::Mirror, Job::MirrorNbd];
     fn name(self) -> &'static str {
         match self {
             Job::Stream => "stream",
             Job::Commit => "commit",
             Job::Mirror => "mirror",
+            Job::MirrorNbd => "mirror-nbd",
         }
     }
     /// MiB the job copies.
@@ -52,7 +59,7 @@ impl Job {
         match self {
             Job::Stream => base - top,
             Job::Commit => top,
-            Job::Mirror => base,
+            Job::Mirror | Job::MirrorNbd => base,
         }
     }
 }
@@ -64,6 +71,7 @@ struct Images {
     top: PathBuf,
     mirror: PathBuf,
     top_mib: u64,
+    base_mib: u64,
 }
 
 fn run(c: &mut Command, what: &str) -> Result<()> {
@@ -99,6 +107,7 @@ impl Images {
             top: dir.join("top.qcow2"),
             mirror: dir.join("mirror.qcow2"),
             top_mib,
+            base_mib,
         })
     }
 
@@ -155,6 +164,30 @@ impl Drop for Stop {
     }
 }
 
+/// `qemu-nbd` on CPU 1 serving a new qcow2 image of BASE MiB as export `x`
+/// on a unix socket (the mirror-nbd job's destination).
+fn nbd_target(im: &Images) -> Result<(Stop, PathBuf)> {
+    let sock = im.dir.join("nbd.sock");
+    let _ = std::fs::remove_file(&sock);
+    run(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=65536"])
+            .arg(&im.mirror)
+            .arg(format!("{}M", im.base_mib)),
+        "qemu-img create",
+    )?;
+    let mut child = Command::new("taskset")
+        .args(["-c", "1", "qemu-nbd", "-f", "qcow2", "-x", "x", "-k"])
+        .arg(&sock)
+        .arg(&im.mirror)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("qemu-nbd (apt-get install qemu-utils)")?;
+    wait_socket(&mut child, &sock)?;
+    Ok((Stop(child), sock))
+}
+
 /// One udrive job, start to end: seconds.
 fn udrive_job(bin: &str, im: &Images, job: Job) -> Result<f64> {
     let (sock, rpc) = (im.dir.join("u.sock"), im.dir.join("u.rpc"));
@@ -184,6 +217,18 @@ fn udrive_job(bin: &str, im: &Images, job: Job) -> Result<f64> {
             "blockdev_mirror",
             json!({"socket": sock, "path": im.mirror, "pivot": true}),
         ),
+        Job::MirrorNbd => ("blockdev_mirror", Value::Null),
+    };
+    let nbd = match job {
+        Job::MirrorNbd => Some(nbd_target(im)?),
+        _ => None,
+    };
+    let params = match &nbd {
+        Some((_, nbd_sock)) => {
+            let uri = format!("nbd+unix:///x?socket={}", nbd_sock.display());
+            json!({"socket": sock, "target": uri})
+        }
+        None => params,
     };
     let t = Instant::now();
     let id = call(method, params)?["job"].clone();
@@ -196,6 +241,9 @@ fn udrive_job(bin: &str, im: &Images, job: Job) -> Result<f64> {
             .unwrap_or(Value::Null);
         match me["state"].as_str() {
             Some("completed") => break,
+            Some("ready") => {
+                call("job_complete", json!({"id": id}))?;
+            }
             Some("running") if t.elapsed() < LIMIT => {}
             _ => bail!("udrive {}: {me}", job.name()),
         }
@@ -288,6 +336,17 @@ fn qsd_job(im: &Images, job: Job) -> Result<f64> {
     wait_socket(&mut child, &mon)?;
     let _server = Stop(child);
     let mut q = Qmp::connect(&mon)?;
+    let nbd = match job {
+        Job::MirrorNbd => Some(nbd_target(im)?),
+        _ => None,
+    };
+    if let Some((_, nbd_sock)) = &nbd {
+        q.cmd(
+            "blockdev-add",
+            json!({"driver": "nbd", "node-name": "t0", "export": "x",
+                   "server": {"type": "unix", "path": nbd_sock}}),
+        )?;
+    }
     let t = Instant::now();
     let ready_then_complete = match job {
         Job::Stream => {
@@ -306,6 +365,16 @@ fn qsd_job(im: &Images, job: Job) -> Result<f64> {
                        "sync": "full", "mode": "absolute-paths"}),
             )?;
             true
+        }
+        Job::MirrorNbd => {
+            q.cmd(
+                "blockdev-mirror",
+                json!({"job-id": "j", "device": "d0", "target": "t0", "sync": "full"}),
+            )?;
+            q.event("BLOCK_JOB_READY")?;
+            // Ends a ready mirror without a pivot, as after a migration.
+            q.cmd("block-job-cancel", json!({"device": "j"}))?;
+            false
         }
     };
     if ready_then_complete {
