@@ -94,6 +94,36 @@ fn a_disk_outside_the_allowed_directories_is_refused() {
     assert_eq!(ns["nsid"], 2);
 }
 
+/// A qcow2 image inside the allowed directories whose header names a backing
+/// file outside them: refused at open, saying where and what to do.
+#[test]
+fn a_backing_file_outside_the_allowed_directories_is_refused_by_name() {
+    if !test_support::qemu::have_qemu_tools() {
+        return;
+    }
+    let (inside, elsewhere) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let base = elsewhere.path().join("secret.raw");
+    std::fs::write(&base, vec![0u8; 1 << 20]).unwrap();
+    let top = inside.path().join("top.qcow2");
+    let base_name = base.display().to_string();
+    test_support::qemu::qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        &base_name,
+        "-F",
+        "raw",
+        top.to_str().unwrap(),
+        "1M",
+    ]);
+    let s = Serve::start(&["--allow-dir", inside.path().to_str().unwrap()]);
+    let add = json!({"socket": s.nvme, "spec": format!("qcow2:{}", top.display())});
+    let want = format!("a backing file of the image: {base_name} is outside the directories");
+    s.err("nvme_add_namespace", add, SERVER_ERROR, &want);
+}
+
 /// The value of `name` (`"Uid:"`) in a `/proc/.../status` text.
 fn field_of(status: &str, name: &str) -> String {
     let line = status.lines().find_map(|l| l.strip_prefix(name));

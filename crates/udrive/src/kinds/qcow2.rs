@@ -167,7 +167,7 @@ impl KindSpec for Qcow2Spec {
                 Some(d.status().virtual_size)
             }
             Err(e) => {
-                problems.push(format!("{:#}", anyhow::Error::from(e)));
+                problems.push(format!("{:#}", outside_allowed(e)));
                 None
             }
         }
@@ -225,9 +225,24 @@ impl Qcow2Spec {
             locking: self.locking,
         };
         let spec = self.made()?;
-        Ok(Arc::new(match env.served_instead(&spec) {
-            Some(active) => Qcow2Disk::open_serving(&active, &spec, opts)?,
-            None => Qcow2Disk::open(spec, opts)?,
-        }))
+        let disk = match env.served_instead(&spec) {
+            Some(active) => Qcow2Disk::open_serving(&active, &spec, opts),
+            None => Qcow2Disk::open(&spec, opts),
+        };
+        Ok(Arc::new(disk.map_err(outside_allowed)?))
     }
+}
+
+/// An image's header names its backing file: one the server's Landlock rules
+/// keep it from opening is said to be so (the kernel says only "permission
+/// denied").
+fn outside_allowed(e: bdev::Qcow2Error) -> anyhow::Error {
+    if let bdev::Qcow2Error::Io { path, source, .. } = &e {
+        if source.kind() == std::io::ErrorKind::PermissionDenied {
+            if let Err(why) = crate::fs_access::check_paths(vec![(path.clone(), false)]) {
+                return why.context("a backing file of the image");
+            }
+        }
+    }
+    e.into()
 }
