@@ -134,3 +134,73 @@ fn qcow2_requests(path: &std::path::Path, read_only: bool) {
         let _ = ch.submit(99, &IoRequest::without_data(IoOp::Flush, 0, 0, false));
     }
 }
+
+/// An NBD client's byte stream into udrive's NBD server: the handshake's
+/// options, then requests, against a 64 KiB writable export `x` in memory
+/// (what the server sends back is dropped).
+pub fn nbd_server(data: &[u8]) {
+    struct Duplex<'a>(std::io::Cursor<&'a [u8]>);
+    impl std::io::Read for Duplex<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.0.read(buf)
+        }
+    }
+    impl std::io::Write for Duplex<'_> {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    struct Memory(Vec<u8>);
+    impl Memory {
+        fn range(&mut self, offset: u64, len: usize) -> std::io::Result<&mut [u8]> {
+            let at = usize::try_from(offset).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+            let end = at
+                .checked_add(len)
+                .ok_or(std::io::ErrorKind::InvalidInput)?;
+            // The server checks every range against the size before it calls.
+            assert!(end <= self.0.len(), "request past the export's end");
+            Ok(&mut self.0[at..end])
+        }
+    }
+    impl nbd::Export for Memory {
+        fn size(&self) -> u64 {
+            self.0.len() as u64
+        }
+        fn read_only(&self) -> bool {
+            false
+        }
+        fn read(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            buf.copy_from_slice(self.range(offset, buf.len())?);
+            Ok(())
+        }
+        fn write(&mut self, offset: u64, data: &[u8], _fua: bool) -> std::io::Result<()> {
+            self.range(offset, data.len())?.copy_from_slice(data);
+            Ok(())
+        }
+        fn write_zeroes(&mut self, offset: u64, len: u64, _may_trim: bool) -> std::io::Result<()> {
+            let len = usize::try_from(len).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+            self.range(offset, len)?.fill(0);
+            Ok(())
+        }
+        fn trim(&mut self, offset: u64, len: u64) -> std::io::Result<()> {
+            self.write_zeroes(offset, len, true)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn min_block(&self) -> u32 {
+            512
+        }
+    }
+    let names = || vec!["x".to_string()];
+    let mut open = |name: &str| -> Result<Box<dyn nbd::Export>, String> {
+        match name {
+            "x" => Ok(Box::new(Memory(vec![0; 64 << 10]))),
+            _ => Err(format!("no export named {name:?}")),
+        }
+    };
+    let _ = nbd::serve(Duplex(std::io::Cursor::new(data)), &names, &mut open);
+}

@@ -410,16 +410,27 @@ fn wait(chan: &mut dyn IoChannel) -> IoStatus {
         if let Some(st) = got {
             return st;
         }
-        if chan.arm_notifier() == Armed::Fd {
-            if let Some(fd) = chan.notifier() {
-                use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-                let _ = poll(
-                    &mut [PollFd::new(fd, PollFlags::POLLIN)],
-                    PollTimeout::from(100u16),
+        match chan.arm_notifier() {
+            Armed::Ready => {}
+            Armed::Fd => {
+                if let Some(fd) = chan.notifier() {
+                    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+                    let _ = poll(
+                        &mut [PollFd::new(fd, PollFlags::POLLIN)],
+                        PollTimeout::from(100u16),
+                    );
+                }
+            }
+            // Held back by the disk's QoS limits: until they let it go.
+            _ => {
+                let now = std::time::Instant::now();
+                let until = chan.wake_by().unwrap_or(now + Duration::from_micros(50));
+                std::thread::sleep(
+                    until
+                        .saturating_duration_since(now)
+                        .min(Duration::from_millis(100)),
                 );
             }
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
         }
     }
 }

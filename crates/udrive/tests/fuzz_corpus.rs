@@ -62,3 +62,8 @@ fn ns_spec() {
 fn qcow2_image() {
     replay("qcow2_image", udrive::fuzzing::qcow2_image);
 }
+
+#[test]
+fn nbd_server() {
+    replay("nbd_server", udrive::fuzzing::nbd_server);
+}

@@ -269,4 +269,9 @@ fn qemu_img_writes_into_and_reads_from_an_export() {
     let out = qemu_img(&["info", "-f", "raw", &w]);
     assert!(!out.status.success());
     assert_same(&raw, &r);
+    // Stopped, the TCP listener is gone.
+    dst.ok("nbd_server_stop", json!({}));
+    assert!(!qemu_img(&["info", "-f", "raw", &r]).status.success());
+    assert!(std::net::TcpStream::connect(&addr).is_err());
+    dst.ok("nbd_server_start", json!({"listen": addr}));
 }
