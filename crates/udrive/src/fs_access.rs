@@ -6,16 +6,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use crate::config::Config;
 use crate::kinds::dir_of;
 use crate::nsspec::NsSpec;
 
-/// The directories and files the server may write beneath, once restricted.
-static WRITABLE: OnceLock<Vec<PathBuf>> = OnceLock::new();
-/// Where it may read (besides beneath `WRITABLE`).
-static READABLE: OnceLock<Vec<PathBuf>> = OnceLock::new();
+pub use crate::fs_allowed::check_paths;
+
 /// `--allow-dir` as given: what a handover passes on.
 static ALLOWED_DIRS: OnceLock<Vec<PathBuf>> = OnceLock::new();
 
@@ -82,8 +80,10 @@ pub fn restrict(rules: sandbox::FsRules, allow_dirs: Vec<PathBuf>) -> Result<()>
         }
     }
     let system = sandbox::SYSTEM_READ_ONLY.iter().map(PathBuf::from);
-    let _ = READABLE.set(rules.read_only.into_iter().chain(system).collect());
-    let _ = WRITABLE.set(rules.read_write);
+    crate::fs_allowed::set(
+        rules.read_only.into_iter().chain(system).collect(),
+        rules.read_write,
+    );
     let _ = ALLOWED_DIRS.set(allow_dirs);
     Ok(())
 }
@@ -93,30 +93,4 @@ pub fn restrict(rules: sandbox::FsRules, allow_dirs: Vec<PathBuf>) -> Result<()>
 /// would refuse with a bare "permission denied").
 pub fn check_ns(ns: &NsSpec) -> Result<()> {
     check_paths(ns_paths(ns))
-}
-
-/// [`check_ns`] for the paths `(path, writes)` of something else a client names
-/// (a Ceph configuration for the image methods).
-pub fn check_paths(paths: Vec<(PathBuf, bool)>) -> Result<()> {
-    let Some(writable) = WRITABLE.get() else {
-        return Ok(());
-    };
-    let readable = READABLE.get().map_or(&[][..], Vec::as_slice);
-    for (path, write) in paths {
-        // Read-only: the files named (a key file, Ceph's configuration and
-        // keyring), not the directories searched.
-        if !write && !path.is_file() {
-            continue;
-        }
-        let path = std::fs::canonicalize(&path).unwrap_or(path);
-        let beneath = |dirs: &[PathBuf]| dirs.iter().any(|d| path.starts_with(d));
-        if !beneath(writable) && (write || !beneath(readable)) {
-            bail!(
-                "{} is outside the directories this server may open (Landlock): start it \
-                 with --allow-dir for that directory (allow_dirs in the TOML file)",
-                path.display()
-            );
-        }
-    }
-    Ok(())
 }

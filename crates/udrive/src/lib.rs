@@ -15,6 +15,7 @@ pub mod device;
 pub mod framing;
 pub mod frontend;
 pub mod fs_access;
+pub mod fs_allowed;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod generate;

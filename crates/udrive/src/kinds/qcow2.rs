@@ -239,7 +239,7 @@ impl Qcow2Spec {
 fn outside_allowed(e: bdev::Qcow2Error) -> anyhow::Error {
     if let bdev::Qcow2Error::Io { path, source, .. } = &e {
         if source.kind() == std::io::ErrorKind::PermissionDenied {
-            if let Err(why) = crate::fs_access::check_paths(vec![(path.clone(), false)]) {
+            if let Err(why) = crate::fs_allowed::check_paths(vec![(path.clone(), false)]) {
                 return why.context("a backing file of the image");
             }
         }
