@@ -45,15 +45,7 @@ fn qemu_io_read_pattern_mismatch_is_seen() {
     // The check above must be able to fail: a wrong pattern is reported.
     require("qemu-io");
     let srv = TestServer::start("disk0", SIZE, false);
-    let out = Command::new("qemu-io")
-        .args(["-f", "raw", &srv.uri("disk0"), "-c", "read -P 0xab 0 4k"])
-        .output()
-        .unwrap();
-    let all = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (_, all) = qemu_io_once(&srv.uri("disk0"), "read -P 0xab 0 4k");
     assert!(all.contains("Pattern verification failed"), "{all}");
 }
 
@@ -92,20 +84,9 @@ fn qemu_img_converts_into_our_export_and_reads_its_size() {
 fn qemu_io_sees_a_read_only_export_and_unknown_names_fail() {
     require("qemu-io");
     let srv = TestServer::start("ro", SIZE, true);
-    let out = Command::new("qemu-io")
-        .args(["-f", "raw", &srv.uri("ro"), "-c", "write -P 1 0 4k"])
-        .output()
-        .unwrap();
-    let all = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, all) = qemu_io_once(&srv.uri("ro"), "write -P 1 0 4k");
     // qemu opens read-write by default and refuses an export flagged read-only.
-    assert!(
-        !out.status.success() || all.contains("not permitted"),
-        "{all}"
-    );
+    assert!(!ok || all.contains("not permitted"), "{all}");
     assert!(
         all.contains("Permission denied") || all.contains("not permitted"),
         "{all}"
@@ -188,4 +169,19 @@ fn our_client_gets_errors_from_a_read_only_export() {
     let e = Client::connect(&wrong).err().unwrap();
     assert_eq!(e.kind(), std::io::ErrorKind::NotFound);
     assert!(e.to_string().contains("try \"ro\""), "{e}");
+}
+
+/// `qemu-io -f raw URI -c CMD`: whether it exited 0, and its stdout and
+/// stderr together.
+fn qemu_io_once(uri: &str, cmd: &str) -> (bool, String) {
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", uri, "-c", cmd])
+        .output()
+        .unwrap();
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), all)
 }

@@ -15,31 +15,11 @@ use std::process::Command;
 
 use common::control::{serve_opts, Serve};
 use common::*;
-use initiator::{DataMode, DmaBuf, IoOp, QueuePair};
+use initiator::{DataMode, IoOp};
 use serde_json::{json, Value};
 use test_support::qemu::{have_qemu_tools, qemu_check_held};
 
 const SIZE: usize = 16 << 20;
-
-/// Namespace 2 read whole.
-fn read_all(qp: &mut QueuePair, buf: &DmaBuf) -> Vec<u8> {
-    let step = 64 << 10;
-    let mut all = vec![0u8; SIZE];
-    for at in (0..SIZE).step_by(step) {
-        let c = io(
-            qp,
-            IoOp::Read,
-            2,
-            at as u64 / 512,
-            128,
-            Some(buf),
-            DataMode::Prp,
-        );
-        assert_ok(&c, "read");
-        buf.read(0, &mut all[at..at + step]).unwrap();
-    }
-    all
-}
 
 fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
     a.iter().zip(b).position(|(x, y)| x != y)
@@ -142,7 +122,10 @@ fn a_running_disk_moves_to_another_udrive_over_nbd() {
     // The source goes on as it was, on its own image.
     let at_switch = want.clone();
     ns2_writes(&mut qp, &buf, &mut rng, &mut want, 10);
-    assert_eq!(first_difference(&read_all(&mut qp, &buf), &want), None);
+    assert_eq!(
+        first_difference(&ns2_read_all(&mut qp, &buf, SIZE), &want),
+        None
+    );
 
     // The destination's own namespace reads what the guest had written.
     wait_until("the mirror's connection closed", T, || {
@@ -155,7 +138,7 @@ fn a_running_disk_moves_to_another_udrive_over_nbd() {
     let mut qp2 = d2.create_qpair(8, false).unwrap();
     let buf2 = qp2.alloc_buf(64 << 10).unwrap();
     assert_eq!(
-        first_difference(&read_all(&mut qp2, &buf2), &at_switch),
+        first_difference(&ns2_read_all(&mut qp2, &buf2, SIZE), &at_switch),
         None
     );
     assert_ok(

@@ -28,21 +28,9 @@ const SIZE: usize = 16 << 20;
 /// Reads namespace 2 whole and compares it with `want`, then flushes it
 /// (which writes the image's metadata back for qemu-img).
 fn verify_and_flush(qp: &mut QueuePair, buf: &DmaBuf, want: &[u8]) {
-    let step = 64 << 10;
-    let mut got = vec![0u8; step];
-    for at in (0..SIZE).step_by(step) {
-        let c = io(
-            qp,
-            IoOp::Read,
-            2,
-            at as u64 / 512,
-            128,
-            Some(buf),
-            DataMode::Prp,
-        );
-        assert_ok(&c, "read");
-        buf.read(0, &mut got).unwrap();
-        assert!(got == want[at..at + step], "data at {at}");
+    let got = ns2_read_all(qp, buf, SIZE);
+    if let Some(at) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!("data at {at}");
     }
     assert_ok(&io(qp, IoOp::Flush, 2, 0, 0, None, DataMode::Prp), "flush");
 }

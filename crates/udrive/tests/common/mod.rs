@@ -282,3 +282,24 @@ pub fn ns2_writes(qp: &mut QueuePair, buf: &DmaBuf, rng: &mut Rng, want: &mut [u
         want[at..at + data.len()].copy_from_slice(&data);
     }
 }
+
+/// Namespace 2 (as large as `size`) read whole, 64 KiB at a time through
+/// `buf`.
+pub fn ns2_read_all(qp: &mut QueuePair, buf: &DmaBuf, size: usize) -> Vec<u8> {
+    let step = 64 << 10;
+    let mut all = vec![0u8; size];
+    for at in (0..size).step_by(step) {
+        let c = io(
+            qp,
+            IoOp::Read,
+            2,
+            at as u64 / 512,
+            128,
+            Some(buf),
+            DataMode::Prp,
+        );
+        assert_ok(&c, "read");
+        buf.read(0, &mut all[at..at + step]).unwrap();
+    }
+    all
+}
