@@ -210,25 +210,22 @@ fn udrive_job(bin: &str, im: &Images, job: Job) -> Result<f64> {
         rpc_client::call(&rpc, method, params, Duration::from_secs(30))
             .map_err(|e| anyhow::anyhow!("{method}: {e}"))
     };
-    let (method, params) = match job {
-        Job::Stream => ("block_stream", json!({"socket": sock})),
-        Job::Commit => ("block_commit", json!({"socket": sock})),
-        Job::Mirror => (
+    // The mirror-nbd job's destination, served while the job runs.
+    let nbd = (job == Job::MirrorNbd)
+        .then(|| nbd_target(im))
+        .transpose()?;
+    let (method, params) = match (job, &nbd) {
+        (Job::Stream, _) => ("block_stream", json!({"socket": sock})),
+        (Job::Commit, _) => ("block_commit", json!({"socket": sock})),
+        (Job::Mirror, _) => (
             "blockdev_mirror",
             json!({"socket": sock, "path": im.mirror, "pivot": true}),
         ),
-        Job::MirrorNbd => ("blockdev_mirror", Value::Null),
-    };
-    let nbd = match job {
-        Job::MirrorNbd => Some(nbd_target(im)?),
-        _ => None,
-    };
-    let params = match &nbd {
-        Some((_, nbd_sock)) => {
+        (Job::MirrorNbd, Some((_, nbd_sock))) => {
             let uri = format!("nbd+unix:///x?socket={}", nbd_sock.display());
-            json!({"socket": sock, "target": uri})
+            ("blockdev_mirror", json!({"socket": sock, "target": uri}))
         }
-        None => params,
+        (Job::MirrorNbd, None) => bail!("mirror-nbd without its destination"),
     };
     let t = Instant::now();
     let id = call(method, params)?["job"].clone();
@@ -336,10 +333,9 @@ fn qsd_job(im: &Images, job: Job) -> Result<f64> {
     wait_socket(&mut child, &mon)?;
     let _server = Stop(child);
     let mut q = Qmp::connect(&mon)?;
-    let nbd = match job {
-        Job::MirrorNbd => Some(nbd_target(im)?),
-        _ => None,
-    };
+    let nbd = (job == Job::MirrorNbd)
+        .then(|| nbd_target(im))
+        .transpose()?;
     if let Some((_, nbd_sock)) = &nbd {
         q.cmd(
             "blockdev-add",

@@ -92,8 +92,11 @@ impl NbdServer {
     pub fn start(listen: &str) -> Result<NbdServer> {
         let (listener, shown, unix_path) = match listen.strip_prefix("unix:") {
             Some(path) => {
+                // Owner only, like the device and control sockets: whoever
+                // connects may write the exported disks.
                 let path = PathBuf::from(path);
-                let l = UnixListener::bind(&path)
+                crate::fs_access::check_socket(&path)?;
+                let l = sockfile::bind(&path, sockfile::SocketAccess::default())
                     .with_context(|| format!("cannot listen on {}", path.display()))?;
                 (Listener::Unix(l), listen.to_string(), Some(path))
             }
@@ -161,17 +164,24 @@ impl NbdServer {
 
     /// Removes export `name` and ends the connections that use it.
     pub fn remove(&self, name: &str) -> Result<()> {
-        let mut s = lock(&self.shared);
-        let Some(at) = s.exports.iter().position(|e| e.name == name) else {
+        if self.drop_exports(|e| e.name == name) == 0 {
             bail!("no NBD export named {name:?}");
-        };
-        s.exports.remove(at);
+        }
+        Ok(())
+    }
+
+    /// Removes the exports `gone` picks and ends the connections that use
+    /// them; how many it removed.
+    fn drop_exports(&self, gone: impl Fn(&Entry) -> bool) -> usize {
+        let mut s = lock(&self.shared);
+        let (dropped, kept): (Vec<Entry>, Vec<Entry>) = s.exports.drain(..).partition(|e| gone(e));
+        s.exports = kept;
         for (_, c) in &s.conns {
-            if c.export.as_deref() == Some(name) {
+            if dropped.iter().any(|e| c.export.as_deref() == Some(&e.name)) {
                 c.stream.shutdown();
             }
         }
-        Ok(())
+        dropped.len()
     }
 
     /// The exports, as `nbd_server_start` and `get_nbd_exports` show them.
@@ -196,15 +206,7 @@ impl NbdServer {
     /// Stops exporting the disks of the device whose socket `is_device`
     /// names (it goes away).
     pub fn forget_device(&self, is_device: &dyn Fn(&Path) -> bool) {
-        let names: Vec<String> = lock(&self.shared)
-            .exports
-            .iter()
-            .filter(|e| is_device(&e.socket))
-            .map(|e| e.name.clone())
-            .collect();
-        for n in names {
-            let _ = self.remove(&n);
-        }
+        self.drop_exports(|e| is_device(&e.socket));
     }
 }
 
@@ -348,8 +350,8 @@ impl DiskExport {
         })
     }
 
-    /// Runs one request to its end.
-    fn run(&mut self, op: IoOp, offset: u64, len: u64) -> io::Result<()> {
+    /// Runs one request to its end (`fua`: durable when it completes).
+    fn run(&mut self, op: IoOp, offset: u64, len: u64, fua: bool) -> io::Result<()> {
         let bs = u64::from(self.disk.info().block_size);
         if !offset.is_multiple_of(bs) || !len.is_multiple_of(bs) {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
@@ -369,7 +371,7 @@ impl DiskExport {
             offset,
             len,
             iov: slice.as_slice(),
-            fua: false,
+            fua,
         };
         let status = match self.chan.submit(0, &req) {
             Some(st) => st,
@@ -395,7 +397,7 @@ impl DiskExport {
         let end = offset + len;
         while offset < end {
             let n = (end - offset).min(PIECE);
-            self.run(op, offset, n)?;
+            self.run(op, offset, n, false)?;
             offset += n;
         }
         Ok(())
@@ -443,7 +445,7 @@ impl nbd::Export for DiskExport {
         !self.writable
     }
     fn read(&mut self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.run(IoOp::Read, offset, buf.len() as u64)?;
+        self.run(IoOp::Read, offset, buf.len() as u64, false)?;
         self.buf
             .slice(0, buf.len())
             .and_then(|s| s.read_into(0, buf).ok())
@@ -454,11 +456,7 @@ impl nbd::Export for DiskExport {
             .slice(0, data.len())
             .and_then(|s| s.write_from(0, data).ok())
             .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
-        self.run(IoOp::Write, offset, data.len() as u64)?;
-        if fua {
-            self.flush()?;
-        }
-        Ok(())
+        self.run(IoOp::Write, offset, data.len() as u64, fua)
     }
     fn write_zeroes(&mut self, offset: u64, len: u64, _may_trim: bool) -> io::Result<()> {
         self.ranges(IoOp::WriteZeroes, offset, len)
@@ -467,7 +465,7 @@ impl nbd::Export for DiskExport {
         self.ranges(IoOp::Discard, offset, len)
     }
     fn flush(&mut self) -> io::Result<()> {
-        self.run(IoOp::Flush, 0, 0)
+        self.run(IoOp::Flush, 0, 0, false)
     }
     fn min_block(&self) -> u32 {
         self.disk.info().block_size

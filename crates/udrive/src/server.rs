@@ -113,7 +113,7 @@ pub struct Server {
     socket_defaults: crate::config::SocketPerms,
     state: Mutex<State>,
     /// The NBD server `nbd_server_start` started, if any.
-    pub nbd: Mutex<Option<crate::nbd_export::NbdServer>>,
+    nbd: Mutex<Option<crate::nbd_export::NbdServer>>,
 }
 
 /// Most reactors `vhost_user_blk_add` may bring the engine to with `dedicated`
@@ -391,13 +391,14 @@ impl Server {
         f(&*d.qos(nsid)?)
     }
 
-    /// Disk `nsid` of the device on `socket` (vhost-user-blk: its disk), held
-    /// past the control lock: for control operations that take long (a LUKS
-    /// keyslot's key derivation) and must not stall other requests.
+    /// The NBD server, if `nbd_server_start` started one.
     pub fn nbd_server(&self) -> std::sync::MutexGuard<'_, Option<crate::nbd_export::NbdServer>> {
         self.nbd.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Disk `nsid` of the device on `socket` (vhost-user-blk: its disk), held
+    /// past the control lock: for control operations that take long (a LUKS
+    /// keyslot's key derivation) and must not stall other requests.
     pub fn disk(&self, socket: &Path, nsid: Option<u32>) -> Result<Arc<bdev::QosDisk>> {
         let st = self.lock();
         let d = st.find(socket).ok_or_else(|| st.not_found(socket))?;

@@ -25,6 +25,13 @@ fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
     a.iter().zip(b).position(|(x, y)| x != y)
 }
 
+/// Whoever connects to the NBD socket may write the exported disks.
+fn assert_owner_only(sock: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(sock).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "{} is not owner-only", sock.display());
+}
+
 /// A server with namespace 2 on a new qcow2 image `name` in `dir`.
 fn serve_qcow2(dir: &Path, name: &str) -> Serve {
     let srv = Serve::start(&["--allow-dir", dir.to_str().unwrap()]);
@@ -68,6 +75,7 @@ fn a_running_disk_moves_to_another_udrive_over_nbd() {
     );
     let listen = format!("unix:{}", nbd_sock.display());
     dst.ok("nbd_server_start", json!({"listen": listen}));
+    assert_owner_only(&nbd_sock);
     dst.err(
         "nbd_server_start",
         json!({"listen": listen}),

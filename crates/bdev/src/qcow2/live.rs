@@ -356,11 +356,16 @@ impl BlockJob {
 /// into (a successor opens it again).
 pub(super) fn flush_target(img: &Image) -> io::Result<()> {
     let mut t = img.through.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(Target::Remote(r)) = t.as_mut().map(|t| &mut t.target) {
-        return r.flush();
+    match t.as_mut().map(|t| &mut t.target) {
+        Some(Target::Remote(r)) => r.flush(),
+        Some(Target::Image(b)) => {
+            // Flushed outside the lock guest writes take to write through.
+            let b = b.clone();
+            drop(t);
+            b.flush()
+        }
+        None => Ok(()),
     }
-    drop(t);
-    target(img).map_or(Ok(()), |b| b.flush())
 }
 
 /// The image on this host a commit or mirror of `img` writes into, if a
