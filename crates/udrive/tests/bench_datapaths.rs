@@ -198,7 +198,7 @@ fn spdk_without_spdk_dir_is_skipped_with_the_reason() {
     let matrix = r#"
 reps = 1
 time = 0.2
-datapaths = ["spdk-nvmf", "udrive-nvme-spdk", "fake-a"]
+datapaths = ["spdk-nvmf", "udrive-nvme-spdk", "spdk-vhost", "udrive-vhost-spdk", "fake-a"]
 backends = ["null"]
 [[workload]]
 rw = "randread"
@@ -209,9 +209,50 @@ qd = [1]
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    for d in ["spdk-nvmf", "udrive-nvme-spdk"] {
+    for d in [
+        "spdk-nvmf",
+        "udrive-nvme-spdk",
+        "spdk-vhost",
+        "udrive-vhost-spdk",
+    ] {
         let why = skip_reason(&out, d);
         assert!(why.contains("SPDK_DIR"), "{why}");
+    }
+    ran_only(&out, "fake-a");
+}
+
+/// An SPDK tree built without vhost and virtio (as `--with-vfio-user` alone
+/// builds it) has no `vhost` or `bdevperf`: the vhost pair is skipped naming the
+/// program and the configure option that builds it.
+#[test]
+fn spdk_without_its_vhost_programs_names_the_configure_option() {
+    let dir = tempfile::tempdir().unwrap();
+    let tree = dir.path().join("spdk");
+    std::fs::create_dir_all(tree.join("build/bin")).unwrap();
+    for p in ["spdk_nvme_perf", "nvmf_tgt", "vhost"] {
+        std::fs::write(tree.join("build/bin").join(p), "").unwrap();
+    }
+    let out = dir.path().join("out");
+    let matrix = r#"
+reps = 1
+time = 0.2
+datapaths = ["spdk-vhost", "udrive-vhost-spdk", "fake-a"]
+backends = ["null"]
+[[workload]]
+rw = "randread"
+qd = [1]
+"#;
+    let o = bench_cmd(matrix, &out)
+        .env("SPDK_DIR", &tree)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for d in ["spdk-vhost", "udrive-vhost-spdk"] {
+        let why = skip_reason(&out, d);
+        assert!(
+            why.contains("build/examples/bdevperf") && why.contains("--with-virtio"),
+            "{why}"
+        );
     }
     ran_only(&out, "fake-a");
 }

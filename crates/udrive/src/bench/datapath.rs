@@ -183,12 +183,12 @@ pub fn start<'e>(
     }
     super::images::make_fresh(b, env)?;
     if d.is_spdk() {
-        let udrive = match d {
-            DatapathKind::UdriveNvmeSpdk => {
+        let udrive = match d.is_udrive_for_spdk() {
+            true => {
                 let sock = super::spdk::socket(d, b, env);
                 Some(udrive_serve(d, b, env, std::slice::from_ref(&sock))?)
             }
-            _ => None,
+            false => None,
         };
         return super::spdk::start(d, b, env, udrive);
     }
@@ -229,7 +229,9 @@ fn perf_target<'e>(
         | DatapathKind::IoUring
         | DatapathKind::Librbd
         | DatapathKind::SpdkNvmf
-        | DatapathKind::UdriveNvmeSpdk => Vec::new(),
+        | DatapathKind::UdriveNvmeSpdk
+        | DatapathKind::SpdkVhost
+        | DatapathKind::UdriveVhostSpdk => Vec::new(),
         DatapathKind::UdriveNvme(..) | DatapathKind::UdriveVhost(..) => vec![Server::start_within(
             udrive_serve(d, b, env, &socks)?,
             &format!("udrive serve ({d}, {b}, {n} clients)"),
@@ -292,7 +294,7 @@ fn udrive_spec(d: &DatapathKind, b: Backend, env: &Env, n: u32, i: u32) -> Strin
     match b {
         Backend::Null => "null:64G".to_string(),
         // Against SPDK's malloc bdev, which lives in hugepages, so does the RAM disk.
-        Backend::Ram if *d == DatapathKind::UdriveNvmeSpdk => {
+        Backend::Ram if d.is_udrive_for_spdk() => {
             format!("ram:{}M,hugepages=on", m.ram_mib / u64::from(n))
         }
         Backend::Ram => format!("ram:{}M", m.ram_mib / u64::from(n)),
@@ -430,7 +432,10 @@ fn udrive_config(d: &DatapathKind, b: Backend, env: &Env, socks: &[PathBuf]) -> 
                 t,
                 "[[vhost_user_blk]]\nsocket = {sock}\ndisk = {spec}\nqueues = {}\n\
                  placement = {}\npoll = \"{}\"",
-                m.max_jobs(),
+                match d {
+                    DatapathKind::UdriveVhostSpdk => super::spdk_vhost::VQ_COUNT,
+                    _ => m.max_jobs(),
+                },
                 q(placement.unwrap_or(&m.placement)),
                 poll.as_str()
             )

@@ -34,6 +34,13 @@ pub enum DatapathKind {
     /// udrive's NVMe controller (busy poll) driven by `spdk_nvme_perf`: the same
     /// client as `spdk-nvmf`.
     UdriveNvmeSpdk,
+    /// SPDK's `vhost` target serving a vhost-user-blk controller, driven by SPDK's
+    /// `bdevperf` over its virtio-user initiator (`SPDK_DIR`): libblkio cannot
+    /// attach it, so `udrive perf` does not drive it.
+    SpdkVhost,
+    /// udrive's vhost-user-blk device driven by `bdevperf`: the same client as
+    /// `spdk-vhost`.
+    UdriveVhostSpdk,
     /// fio in a Linux guest under QEMU on this device (`vm-*`, `vm.rs`).
     Vm(VmDevice),
     /// Deterministic numbers, no processes: `fake` or `fake-NAME`.
@@ -91,7 +98,7 @@ impl VmDevice {
 }
 
 impl DatapathKind {
-    pub const REAL: [&'static str; 11] = [
+    pub const REAL: [&'static str; 13] = [
         "udrive-nvme",
         "udrive-vhost",
         "qsd-vhost",
@@ -99,15 +106,25 @@ impl DatapathKind {
         "librbd",
         "spdk-nvmf",
         "udrive-nvme-spdk",
+        "spdk-vhost",
+        "udrive-vhost-spdk",
         "vm-udrive-nvme",
         "vm-udrive-vhost",
         "vm-qemu-nvme",
         "vm-qemu-virtio",
     ];
 
-    /// Driven by SPDK's `spdk_nvme_perf`.
+    /// Driven by one of SPDK's clients (`spdk_nvme_perf`, `bdevperf`).
     pub fn is_spdk(&self) -> bool {
-        matches!(self, Self::SpdkNvmf | Self::UdriveNvmeSpdk)
+        matches!(
+            self,
+            Self::SpdkNvmf | Self::UdriveNvmeSpdk | Self::SpdkVhost | Self::UdriveVhostSpdk
+        )
+    }
+
+    /// Served by udrive to one of SPDK's clients.
+    pub fn is_udrive_for_spdk(&self) -> bool {
+        matches!(self, Self::UdriveNvmeSpdk | Self::UdriveVhostSpdk)
     }
 
     /// Served by the second udrive binary (`~b`).
@@ -197,6 +214,8 @@ impl TryFrom<String> for DatapathKind {
             "librbd" => Self::Librbd,
             "spdk-nvmf" => Self::SpdkNvmf,
             "udrive-nvme-spdk" => Self::UdriveNvmeSpdk,
+            "spdk-vhost" => Self::SpdkVhost,
+            "udrive-vhost-spdk" => Self::UdriveVhostSpdk,
             v if v.starts_with("vm-") => match VmDevice::ALL.into_iter().find(|d| d.name() == v) {
                 Some(d) => Self::Vm(d),
                 None => {
@@ -232,6 +251,8 @@ impl fmt::Display for DatapathKind {
             Self::Librbd => ("librbd", &None),
             Self::SpdkNvmf => ("spdk-nvmf", &None),
             Self::UdriveNvmeSpdk => ("udrive-nvme-spdk", &None),
+            Self::SpdkVhost => ("spdk-vhost", &None),
+            Self::UdriveVhostSpdk => ("udrive-vhost-spdk", &None),
             Self::Vm(v) => (v.name(), &None),
             Self::Fake(n) => (n.as_str(), &None),
         };

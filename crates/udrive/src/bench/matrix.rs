@@ -23,6 +23,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("qcow2", include_str!("presets/qcow2.toml")),
     ("many-vms", include_str!("presets/many-vms.toml")),
     ("spdk", include_str!("presets/spdk.toml")),
+    ("spdk-vhost", include_str!("presets/spdk-vhost.toml")),
     ("luks", include_str!("presets/luks.toml")),
     ("ab", include_str!("presets/ab.toml")),
     ("vm", include_str!("presets/vm.toml")),

@@ -22,6 +22,7 @@ pub mod process;
 pub mod report;
 pub mod run;
 pub mod spdk;
+pub mod spdk_vhost;
 pub mod stat;
 pub mod suite;
 pub mod summary;

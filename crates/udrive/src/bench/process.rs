@@ -5,6 +5,8 @@
 use std::fs::File;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, thiserror::Error)]
@@ -287,4 +289,88 @@ pub(super) fn outputs(
 pub(super) fn tail(s: &str) -> String {
     let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
     lines[lines.len().saturating_sub(3)..].join(" / ")
+}
+
+/// Kills processes that outlive their run: SPDK's clients spin on when their
+/// connection fails while they set up, and would hold the bench forever.
+pub(super) struct Deadline {
+    state: Arc<(Mutex<bool>, Condvar)>,
+    fired: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Deadline {
+    /// SIGKILL for `pids` once `after` has passed, unless dropped first.
+    pub(super) fn start(pids: &[u32], after: Duration) -> Deadline {
+        let state = Arc::new((Mutex::new(false), Condvar::new()));
+        let fired = Arc::new(AtomicBool::new(false));
+        let (s, f, pids) = (state.clone(), fired.clone(), pids.to_vec());
+        let thread = std::thread::spawn(move || {
+            let (lock, cv) = &*s;
+            let Ok(done) = lock.lock() else { return };
+            let Ok((done, _)) = cv.wait_timeout_while(done, after, |d| !*d) else {
+                return;
+            };
+            if !*done {
+                f.store(true, Ordering::Relaxed);
+                for p in pids {
+                    let pid = nix::unistd::Pid::from_raw(p as i32);
+                    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                }
+            }
+        });
+        Deadline {
+            state,
+            fired,
+            thread: Some(thread),
+        }
+    }
+
+    /// Whether it killed them.
+    pub(super) fn fired(&self) -> bool {
+        self.fired.load(Ordering::Relaxed)
+    }
+
+    /// `r`, with a failure of a killed process told as what it was.
+    pub(super) fn explain<T>(
+        &self,
+        r: Result<T, DatapathError>,
+        after: Duration,
+    ) -> Result<T, DatapathError> {
+        match r {
+            Err(DatapathError::Failed { what, tail, .. }) if self.fired() => {
+                Err(DatapathError::Failed {
+                    what,
+                    status: format!("killed: still running after {} s", after.as_secs()),
+                    tail,
+                })
+            }
+            r => r,
+        }
+    }
+}
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.state;
+        if let Ok(mut d) = lock.lock() {
+            *d = true;
+        }
+        cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// [`output`], killing `c` if it runs longer than `after`.
+pub(super) fn output_within(
+    mut c: Command,
+    what: &str,
+    after: Duration,
+) -> Result<Output, DatapathError> {
+    let child = spawn(&mut c, what)?;
+    let deadline = Deadline::start(&[child.id()], after);
+    let r = finish(child, what);
+    deadline.explain(r, after)
 }

@@ -1,8 +1,11 @@
 //! SPDK as a peer: its NVMe-oF target `nvmf_tgt` serving a vfio-user controller
 //! (`spdk-nvmf`), and its userspace NVMe driver `spdk_nvme_perf` as the client of
 //! that target and of udrive's controller (`udrive-nvme-spdk`), so the two servers
-//! are compared through one client that is neither's. `SPDK_DIR` names an SPDK tree
-//! built with `./configure --with-vfio-user`.
+//! are compared through one client that is neither's. The same for vhost-user-blk:
+//! SPDK's `vhost` target (`spdk-vhost`) and udrive's device (`udrive-vhost-spdk`),
+//! both driven by `bdevperf` over SPDK's virtio-user initiator (`spdk_vhost.rs`).
+//! `SPDK_DIR` names an SPDK tree built with `./configure --with-vfio-user`, and
+//! `--with-vhost --with-virtio` for the vhost pair.
 //!
 //! Facts these datapaths rest on: SPDK's driver writes doorbells into the mapped
 //! doorbell page, which udrive offers in `--poll busy` only, so udrive serves it in
@@ -21,11 +24,18 @@ use serde_json::{json, Value};
 use super::cpu::{CpuClock, Watched};
 use super::env::Env;
 use super::matrix::{Backend, DatapathKind, Point, Rw};
-use super::process::{output, outputs, DatapathError, Server};
+use super::process::{output_within, outputs, DatapathError, Deadline, Server};
 use super::target::{Measured, Target};
 
 /// The NVMe subsystem both servers are addressed by (udrive accepts any).
 const NQN: &str = "nqn.2019-07.io.spdk:cnode1";
+
+/// How long an SPDK client may take beyond its run before it is killed: DPDK's
+/// start-up takes about a second; a client whose connection failed while it set
+/// up spins on forever.
+pub(super) fn limit(run_secs: u64) -> Duration {
+    Duration::from_secs(run_secs + 60)
+}
 
 /// Free 2 MiB pages SPDK's two processes need besides a RAM disk.
 const HUGEPAGES_BASE: u64 = 512;
@@ -35,8 +45,21 @@ pub fn dir() -> Option<PathBuf> {
     std::env::var_os("SPDK_DIR").map(PathBuf::from)
 }
 
-fn bin(name: &str) -> Option<PathBuf> {
-    Some(dir()?.join("build/bin").join(name))
+/// An SPDK program by its path in the tree (`build/bin/nvmf_tgt`).
+pub(super) fn bin(path: &str) -> PathBuf {
+    dir().unwrap_or_default().join(path)
+}
+
+/// The programs datapath `d` runs, and the configure option that builds them.
+fn programs(d: &DatapathKind) -> Vec<(&'static str, &'static str)> {
+    const PERF: (&str, &str) = ("build/bin/spdk_nvme_perf", "--with-vfio-user");
+    const BDEVPERF: (&str, &str) = ("build/examples/bdevperf", "--with-virtio");
+    match d {
+        DatapathKind::SpdkNvmf => vec![PERF, ("build/bin/nvmf_tgt", "--with-vfio-user")],
+        DatapathKind::SpdkVhost => vec![BDEVPERF, ("build/bin/vhost", "--with-vhost")],
+        DatapathKind::UdriveVhostSpdk => vec![BDEVPERF],
+        _ => vec![PERF],
+    }
 }
 
 /// Why the SPDK datapaths cannot run here.
@@ -44,17 +67,10 @@ pub fn probe(d: &DatapathKind) -> Result<(), String> {
     let Some(root) = dir() else {
         return Err("SPDK_DIR is not set (an SPDK tree built with --with-vfio-user)".into());
     };
-    let mut need = vec!["spdk_nvme_perf"];
-    if *d == DatapathKind::SpdkNvmf {
-        need.push("nvmf_tgt");
-    }
-    for b in need {
-        let p = root.join("build/bin").join(b);
+    for (prog, option) in programs(d) {
+        let p = root.join(prog);
         if !p.is_file() {
-            return Err(format!(
-                "no {} (build SPDK with --with-vfio-user)",
-                p.display()
-            ));
+            return Err(format!("no {} (build SPDK with {option})", p.display()));
         }
     }
     if !nix::unistd::geteuid().is_root() {
@@ -128,7 +144,7 @@ impl Drop for Hugepages {
 
 /// A CPU list (`1`, `0-1`, `2,3`) as an SPDK core mask (CPUs 0–63; none for a
 /// list that does not parse).
-fn core_mask(list: &str) -> String {
+pub(super) fn core_mask(list: &str) -> String {
     let cpus = engine::parse_cpu_list(list).unwrap_or_default();
     let mask = cpus
         .into_iter()
@@ -137,15 +153,21 @@ fn core_mask(list: &str) -> String {
     format!("{mask:#x}")
 }
 
-/// `nvmf_tgt`'s configuration: one subsystem, the backend's bdev as NSID 1, a
-/// vfio-user listener in `dir`.
-fn target_config(b: Backend, env: &Env, dir: &Path) -> Value {
-    let bdev = match b {
+/// The backend as SPDK's bdev `D0`: a malloc bdev (in hugepages) or a null one,
+/// the sizes of udrive's `ram:` and `null:64G`.
+pub(super) fn bdev_config(b: Backend, env: &Env) -> Value {
+    match b {
         Backend::Ram => json!({"method": "bdev_malloc_create",
             "params": {"name": "D0", "num_blocks": env.matrix.ram_mib * 2048, "block_size": 512}}),
         _ => json!({"method": "bdev_null_create",
             "params": {"name": "D0", "num_blocks": 64u64 << 21, "block_size": 512}}),
-    };
+    }
+}
+
+/// `nvmf_tgt`'s configuration: one subsystem, the backend's bdev as NSID 1, a
+/// vfio-user listener in `dir`.
+fn target_config(b: Backend, env: &Env, dir: &Path) -> Value {
+    let bdev = bdev_config(b, env);
     json!({"subsystems": [
         {"subsystem": "bdev", "config": [bdev]},
         {"subsystem": "nvmf", "config": [
@@ -167,13 +189,29 @@ fn target_dir(d: &DatapathKind, b: Backend, env: &Env) -> PathBuf {
     env.work.join(format!("{d}-{b}"))
 }
 
-/// The vfio-user socket of datapath `d`'s controller on backend `b`.
+/// The socket of datapath `d`'s controller on backend `b`: vfio-user's `cntrl`,
+/// or the vhost-user-blk controller's.
 pub fn socket(d: &DatapathKind, b: Backend, env: &Env) -> PathBuf {
-    target_dir(d, b, env).join("cntrl")
+    match d {
+        DatapathKind::SpdkVhost | DatapathKind::UdriveVhostSpdk => {
+            target_dir(d, b, env).join(super::spdk_vhost::CONTROLLER)
+        }
+        _ => target_dir(d, b, env).join("cntrl"),
+    }
+}
+
+/// Writes an SPDK process's JSON configuration into `dir`.
+pub(super) fn write_config(dir: &Path, name: &str, v: &Value) -> Result<PathBuf, DatapathError> {
+    let conf = dir.join(name);
+    std::fs::write(&conf, v.to_string()).map_err(|source| DatapathError::Io {
+        what: format!("writing {}", conf.display()),
+        source,
+    })?;
+    Ok(conf)
 }
 
 /// Starts the server of an SPDK datapath: `udrive` (udrive's, serving
-/// [`socket`]) or else `nvmf_tgt`.
+/// [`socket`]) or else `nvmf_tgt` or `vhost`.
 pub fn start<'e>(
     d: &DatapathKind,
     b: Backend,
@@ -192,22 +230,37 @@ pub fn start<'e>(
             &format!("udrive serve ({d}, {b})"),
             std::slice::from_ref(&sock),
         )?
+    } else if *d == DatapathKind::SpdkVhost {
+        let conf = write_config(
+            &dir,
+            "vhost.json",
+            &super::spdk_vhost::target_config(b, env),
+        )?;
+        let mut c = Command::new(bin("build/bin/vhost"));
+        c.args(["-m", &core_mask(&env.matrix.cpus.server), "-g", "-S"])
+            .arg(&dir)
+            .arg("--json")
+            .arg(&conf)
+            .args(["-s", &(env.matrix.ram_mib + 512).to_string()]);
+        Server::start(c, &format!("SPDK vhost ({b})"), std::slice::from_ref(&sock))?
     } else {
-        let conf = dir.join("nvmf.json");
-        let text = target_config(b, env, &dir).to_string();
-        std::fs::write(&conf, text).map_err(|source| DatapathError::Io {
-            what: format!("writing {}", conf.display()),
-            source,
-        })?;
-        let mut c = Command::new(bin("nvmf_tgt").unwrap_or_default());
+        let conf = write_config(&dir, "nvmf.json", &target_config(b, env, &dir))?;
+        let mut c = Command::new(bin("build/bin/nvmf_tgt"));
         c.args(["-m", &core_mask(&env.matrix.cpus.server), "-g", "--json"])
             .arg(&conf)
             .args(["-s", &(env.matrix.ram_mib + 512).to_string()]);
         Server::start(c, &format!("nvmf_tgt ({b})"), std::slice::from_ref(&sock))?
     };
+    let client = match d {
+        DatapathKind::SpdkVhost | DatapathKind::UdriveVhostSpdk => {
+            Client::Bdevperf(super::spdk_vhost::client_config(&dir, &sock)?)
+        }
+        _ => Client::NvmePerf,
+    };
     let t = SpdkTarget {
         env,
         dir,
+        client,
         server: Some(server),
     };
     if b == Backend::Ram {
@@ -219,7 +272,16 @@ pub fn start<'e>(
 struct SpdkTarget<'a> {
     env: &'a Env,
     dir: PathBuf,
+    client: Client,
     server: Option<Server>,
+}
+
+/// Which of SPDK's programs drives the target.
+enum Client {
+    /// `spdk_nvme_perf` over vfio-user.
+    NvmePerf,
+    /// `bdevperf` over a virtio-user bdev; its configuration file.
+    Bdevperf(PathBuf),
 }
 
 impl Drop for SpdkTarget<'_> {
@@ -231,7 +293,7 @@ impl Drop for SpdkTarget<'_> {
 
 /// Removes the hugepage files and runtime directories DPDK leaves behind for
 /// SPDK processes that have exited (`spdk_pid<PID>…`): left, they keep the pages.
-fn forget_exited() {
+pub(super) fn forget_exited() {
     let exited = |name: &str| {
         let Some(rest) = name.strip_prefix("spdk_pid") else {
             return false;
@@ -259,7 +321,7 @@ fn forget_exited() {
 
 impl SpdkTarget<'_> {
     fn perf(&self) -> Command {
-        let mut c = Command::new(bin("spdk_nvme_perf").unwrap_or_default());
+        let mut c = Command::new(bin("build/bin/spdk_nvme_perf"));
         c.arg("-g").arg("-r").arg(format!(
             "trtype:VFIOUSER traddr:{} subnqn:{NQN} ns:1",
             self.dir.display()
@@ -271,10 +333,13 @@ impl SpdkTarget<'_> {
     /// Writes the RAM disk once, as `PerfTarget::fill` does for udrive's clients.
     fn fill(&self) -> Result<(), DatapathError> {
         let mib = self.env.matrix.ram_mib;
+        if let Client::Bdevperf(conf) = &self.client {
+            return super::spdk_vhost::fill(conf, &self.env.matrix.cpus.client, mib);
+        }
         let mut c = self.perf();
         c.args(["-q", "8", "-o", "131072", "-w", "write", "-t", "60"]);
         c.args(["-d", &(mib * 8).to_string()]);
-        let out = output(c, "spdk_nvme_perf (filling the RAM disk)");
+        let out = output_within(c, "spdk_nvme_perf (filling the RAM disk)", limit(60));
         forget_exited();
         parse(&String::from_utf8_lossy(&out?.stdout)).map(drop)
     }
@@ -283,22 +348,33 @@ impl SpdkTarget<'_> {
 impl Target for SpdkTarget<'_> {
     fn run(&mut self, p: &Point, _rep: u32) -> Result<Measured, DatapathError> {
         let m = &self.env.matrix;
-        let mut c = self.perf();
-        let rw = match p.rw {
-            Rw::Randread => "randread",
-            Rw::Randwrite => "randwrite",
-            Rw::Randrw => "randrw",
+        // Whole seconds only; the warm-up rounds up so that it is never shorter.
+        let (secs, ramp) = ((m.time.ceil() as u64).max(1), m.ramp.ceil() as u64);
+        let (mut c, program) = match &self.client {
+            Client::NvmePerf => {
+                let mut c = self.perf();
+                c.args(["-P", &p.jobs.to_string()]);
+                c.args(["-a", &ramp.to_string(), "-L"]);
+                (c, "spdk_nvme_perf")
+            }
+            Client::Bdevperf(conf) => {
+                let cpus = &m.cpus.client;
+                super::spdk_vhost::warm_up(conf, cpus, p, ramp)?;
+                (super::spdk_vhost::bdevperf(conf, cpus, p)?, "bdevperf")
+            }
         };
-        c.args(["-w", rw]);
+        c.args(["-w", rw_name(p.rw)]);
         if p.rw == Rw::Randrw {
             c.args(["-M", &p.rwmixread.to_string()]);
         }
         c.args(["-q", &p.qd.to_string(), "-o", &p.bs.to_string()]);
-        c.args(["-P", &p.jobs.to_string()]);
-        // Whole seconds only; the warm-up rounds up so that it is never shorter.
-        c.args(["-t", &(m.time.ceil() as u64).max(1).to_string()]);
-        c.args(["-a", &(m.ramp.ceil() as u64).to_string(), "-L"]);
-        let what = format!("spdk_nvme_perf on {}", p.slug());
+        c.args(["-t", &secs.to_string()]);
+        let what = format!("{program} on {}", p.slug());
+        let ramp = match self.client {
+            Client::NvmePerf => ramp,
+            // bdevperf's warm-up was a run of its own.
+            Client::Bdevperf(_) => 0,
+        };
         let watched = Watched {
             server: self.server.iter().map(Server::pid).collect(),
             cluster: Vec::new(),
@@ -306,10 +382,21 @@ impl Target for SpdkTarget<'_> {
         };
         let clock = CpuClock::start(
             watched,
-            Duration::from_secs(m.ramp.ceil() as u64),
-            Duration::from_secs((m.time.ceil() as u64).max(1)),
+            Duration::from_secs(ramp),
+            Duration::from_secs(secs),
         );
-        let out = outputs(vec![(c, what.clone())], |pids| clock.clients(pids)).and_then(|o| {
+        let limit = limit(ramp + secs);
+        let mut deadline = None;
+        let out = outputs(vec![(c, what.clone())], |pids| {
+            clock.clients(pids);
+            deadline = Some(Deadline::start(pids, limit));
+        });
+        let out = match &deadline {
+            Some(d) => d.explain(out, limit),
+            None => out,
+        };
+        drop(deadline);
+        let out = out.and_then(|o| {
             o.into_iter().next().ok_or_else(|| DatapathError::Io {
                 what: what.clone(),
                 source: std::io::Error::other("no output"),
@@ -317,7 +404,12 @@ impl Target for SpdkTarget<'_> {
         });
         let (server_cpu, cpu) = clock.stop();
         forget_exited();
-        let v = parse(&String::from_utf8_lossy(&out?.stdout)).map_err(|e| match e {
+        let text = String::from_utf8_lossy(&out?.stdout).into_owned();
+        let parsed = match self.client {
+            Client::NvmePerf => parse(&text),
+            Client::Bdevperf(_) => super::spdk_vhost::parse(&text),
+        };
+        let v = parsed.map_err(|e| match e {
             DatapathError::Failed { status, tail, .. } => {
                 DatapathError::Failed { what, status, tail }
             }
@@ -332,26 +424,55 @@ impl Target for SpdkTarget<'_> {
     }
 }
 
-/// `spdk_nvme_perf`'s text as `perf --json`'s shape: the `Total` line's IOPS and
-/// mean, and the 50th and 99th percentiles of its latency summary (`-L`).
-pub fn parse(text: &str) -> Result<Value, DatapathError> {
-    let total = text
+/// The workload's name for SPDK's clients (both take fio's).
+fn rw_name(rw: Rw) -> &'static str {
+    match rw {
+        Rw::Randread => "randread",
+        Rw::Randwrite => "randwrite",
+        Rw::Randrw => "randrw",
+    }
+}
+
+/// The numbers of the last `Total` line of an SPDK client's text (what follows
+/// its colon), or why there is none.
+pub(super) fn total(text: &str, program: &str) -> Result<Vec<f64>, DatapathError> {
+    let nums: Vec<f64> = text
         .lines()
-        .find_map(|l| l.trim_start().strip_prefix("Total")?.split_once(':'));
-    let nums: Vec<f64> = total
+        .rev()
+        .find_map(|l| l.trim_start().strip_prefix("Total")?.split_once(':'))
         .map(|(_, v)| {
             v.split_whitespace()
                 .filter_map(|x| x.parse().ok())
                 .collect()
         })
         .unwrap_or_default();
+    match nums.is_empty() {
+        true => Err(DatapathError::Failed {
+            what: program.into(),
+            status: "no Total line".into(),
+            tail: text.lines().rev().take(3).collect::<Vec<_>>().join(" / "),
+        }),
+        false => Ok(nums),
+    }
+}
+
+/// `spdk_nvme_perf`'s text as `perf --json`'s shape: the `Total` line's IOPS and
+/// mean, and the 50th and 99th percentiles of its latency summary (`-L`).
+pub fn parse(text: &str) -> Result<Value, DatapathError> {
+    let nums = total(text, "spdk_nvme_perf")?;
     let [iops, _mib, mean_us, ..] = nums[..] else {
         return Err(DatapathError::Failed {
             what: "spdk_nvme_perf".into(),
-            status: "no Total line".into(),
+            status: "a short Total line".into(),
             tail: text.lines().rev().take(3).collect::<Vec<_>>().join(" / "),
         });
     };
+    Ok(with_percentiles(text, iops, mean_us, "spdk_nvme_perf"))
+}
+
+/// `perf --json`'s shape from an SPDK client's IOPS, mean latency and the 50th and
+/// 99th percentiles of its latency summary (both print `  50.00000% :  2.950us`).
+pub(super) fn with_percentiles(text: &str, iops: f64, mean_us: f64, client: &str) -> Value {
     let pct = |want: &str| {
         text.lines().find_map(|l| {
             let (k, v) = l.split_once(':')?;
@@ -365,7 +486,7 @@ pub fn parse(text: &str) -> Result<Value, DatapathError> {
             lat[key] = json!(us * 1e3);
         }
     }
-    Ok(json!({"iops": iops, "lat_ns": lat, "client": "spdk_nvme_perf"}))
+    json!({"iops": iops, "lat_ns": lat, "client": client})
 }
 
 #[cfg(test)]
