@@ -101,7 +101,7 @@ pub fn pair_probe(d: &DatapathKind, b: Backend) -> Result<(), String> {
         (DatapathKind::QsdVhost, Backend::Rbd)
             if !qsd_rbd.iter().any(|p| Path::new(p).exists()) =>
         {
-            Err("qemu-storage-daemon has no rbd driver here (Debian: qemu-block-extra)".into())
+            Err("qemu-storage-daemon has no rbd driver here: install Debian's qemu-block-extra of qemu-utils' version (apt-get install qemu-block-extra=$(dpkg-query -W -f='${Version}' qemu-utils), from bookworm-backports where qemu-utils came from there)".into())
         }
         _ => Ok(()),
     }
