@@ -456,23 +456,30 @@ pub(super) fn total(text: &str, program: &str) -> Result<Vec<f64>, DatapathError
     }
 }
 
-/// `spdk_nvme_perf`'s text as `perf --json`'s shape: the `Total` line's IOPS and
-/// mean, and the 50th and 99th percentiles of its latency summary (`-L`).
+/// `spdk_nvme_perf`'s text as `perf --json`'s shape: the `Total` line's IOPS,
+/// mean, min and max, and the percentiles of its latency summary (`-L`).
 pub fn parse(text: &str) -> Result<Value, DatapathError> {
     let nums = total(text, "spdk_nvme_perf")?;
-    let [iops, _mib, mean_us, ..] = nums[..] else {
+    let [iops, _mib, mean_us, min_us, max_us, ..] = nums[..] else {
         return Err(DatapathError::Failed {
             what: "spdk_nvme_perf".into(),
             status: "a short Total line".into(),
             tail: text.lines().rev().take(3).collect::<Vec<_>>().join(" / "),
         });
     };
-    Ok(with_percentiles(text, iops, mean_us, "spdk_nvme_perf"))
+    let known = [("mean", mean_us), ("min", min_us), ("max", max_us)];
+    Ok(with_percentiles(text, iops, &known, "spdk_nvme_perf"))
 }
 
-/// `perf --json`'s shape from an SPDK client's IOPS, mean latency and the 50th and
-/// 99th percentiles of its latency summary (both print `  50.00000% :  2.950us`).
-pub(super) fn with_percentiles(text: &str, iops: f64, mean_us: f64, client: &str) -> Value {
+/// `perf --json`'s shape from an SPDK client's IOPS, the latencies its `Total`
+/// line gives (µs, by `perf`'s key) and the percentiles of its latency summary
+/// (both clients print `  50.00000% :  2.950us`).
+pub(super) fn with_percentiles(
+    text: &str,
+    iops: f64,
+    known: &[(&str, f64)],
+    client: &str,
+) -> Value {
     let pct = |want: &str| {
         text.lines().find_map(|l| {
             let (k, v) = l.split_once(':')?;
@@ -480,8 +487,17 @@ pub(super) fn with_percentiles(text: &str, iops: f64, mean_us: f64, client: &str
                 .then(|| v.trim().trim_end_matches("us").trim().parse::<f64>().ok())?
         })
     };
-    let mut lat = json!({"mean": mean_us * 1e3});
-    for (key, line) in [("p50", "50.00000%"), ("p99", "99.00000%")] {
+    let mut lat = json!({});
+    for &(key, us) in known {
+        lat[key] = json!(us * 1e3);
+    }
+    let lines = [
+        ("p50", "50.00000%"),
+        ("p99", "99.00000%"),
+        ("p99_9", "99.90000%"),
+        ("p99_99", "99.99000%"),
+    ];
+    for (key, line) in lines {
         if let Some(us) = pct(line) {
             lat[key] = json!(us * 1e3);
         }
@@ -506,6 +522,7 @@ Summary latency data for VFIOUSER (/tmp/x) NSID 1 from core 1:
   1.00000% :     2.101us
  50.00000% :     2.950us
  99.00000% :     6.480us
+ 99.90000% :     9.120us
 ";
 
     #[test]
@@ -515,6 +532,10 @@ Summary latency data for VFIOUSER (/tmp/x) NSID 1 from core 1:
         assert_eq!(v["lat_ns"]["mean"], 3190.0);
         assert_eq!(v["lat_ns"]["p50"], 2950.0);
         assert_eq!(v["lat_ns"]["p99"], 6480.0);
+        assert_eq!(v["lat_ns"]["p99_9"], 9120.0);
+        assert_eq!(v["lat_ns"]["min"], 1020.0);
+        assert_eq!(v["lat_ns"]["max"], 812330.0);
+        assert!(v["lat_ns"].get("p99_99").is_none());
     }
 
     #[test]

@@ -135,7 +135,8 @@ pub fn fill(conf: &Path, cpus: &str, mib: u64) -> Result<(), DatapathError> {
 
 /// `bdevperf`'s text as `perf --json`'s shape. Its `Total` line holds IOPS, MiB/s,
 /// failed and timed-out I/Os per second, then the mean, min and max latency (µs);
-/// a run with failed I/Os is an error, not a number.
+/// its latency summary (`-l`) the percentiles. A run with failed I/Os is an error,
+/// not a number.
 pub fn parse(text: &str) -> Result<Value, DatapathError> {
     let nums = total(text, "bdevperf")?;
     let short = || DatapathError::Failed {
@@ -143,7 +144,7 @@ pub fn parse(text: &str) -> Result<Value, DatapathError> {
         status: "a short Total line".into(),
         tail: super::process::tail(text),
     };
-    let [iops, _mib, failed, timed_out, mean_us, ..] = nums[..] else {
+    let [iops, _mib, failed, timed_out, mean_us, min_us, max_us, ..] = nums[..] else {
         return Err(short());
     };
     if failed > 0.0 || timed_out > 0.0 {
@@ -153,7 +154,8 @@ pub fn parse(text: &str) -> Result<Value, DatapathError> {
             tail: super::process::tail(text),
         });
     }
-    Ok(with_percentiles(text, iops, mean_us, "bdevperf"))
+    let known = [("mean", mean_us), ("min", min_us), ("max", max_us)];
+    Ok(with_percentiles(text, iops, &known, "bdevperf"))
 }
 
 #[cfg(test)]
@@ -176,6 +178,7 @@ Running I/O for 3 seconds...
   1.00000% :     3.512us
  50.00000% :     4.712us
  99.00000% :     7.901us
+ 99.99000% :    30.250us
 ";
 
     #[test]
@@ -185,6 +188,9 @@ Running I/O for 3 seconds...
         assert_eq!(v["lat_ns"]["mean"], 4850.0);
         assert_eq!(v["lat_ns"]["p50"], 4712.0);
         assert_eq!(v["lat_ns"]["p99"], 7901.0);
+        assert_eq!(v["lat_ns"]["p99_99"], 30250.0);
+        assert_eq!(v["lat_ns"]["min"], 3100.0);
+        assert_eq!(v["lat_ns"]["max"], 120400.0);
         assert_eq!(v["client"], "bdevperf");
     }
 
