@@ -7,6 +7,7 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::process::Command;
 
 use common::bench::{
@@ -189,36 +190,42 @@ fn served_by_each(runs: &[Value]) {
     }
 }
 
+/// Runs `datapaths` beside `fake-a` with `SPDK_DIR` set to `spdk_dir` (unset for
+/// none): the run succeeds and runs `fake-a` alone; the reason each of
+/// `datapaths` was skipped, in order.
+fn spdk_skip_reasons(datapaths: &[&str], spdk_dir: Option<&Path>) -> Vec<String> {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let names: Vec<String> = datapaths.iter().map(|d| format!("\"{d}\"")).collect();
+    let matrix = format!(
+        "reps = 1\ntime = 0.2\ndatapaths = [{}, \"fake-a\"]\nbackends = [\"null\"]\n\
+         [[workload]]\nrw = \"randread\"\nqd = [1]\n",
+        names.join(", ")
+    );
+    let mut c = bench_cmd(&matrix, &out);
+    match spdk_dir {
+        Some(d) => c.env("SPDK_DIR", d),
+        None => c.env_remove("SPDK_DIR"),
+    };
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    ran_only(&out, "fake-a");
+    datapaths.iter().map(|d| skip_reason(&out, d)).collect()
+}
+
 /// Without `SPDK_DIR` the SPDK datapaths are skipped with the reason, and the
 /// others still run.
 #[test]
 fn spdk_without_spdk_dir_is_skipped_with_the_reason() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    let matrix = r#"
-reps = 1
-time = 0.2
-datapaths = ["spdk-nvmf", "udrive-nvme-spdk", "spdk-vhost", "udrive-vhost-spdk", "fake-a"]
-backends = ["null"]
-[[workload]]
-rw = "randread"
-qd = [1]
-"#;
-    let o = bench_cmd(matrix, &out)
-        .env_remove("SPDK_DIR")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    for d in [
+    let all = [
         "spdk-nvmf",
         "udrive-nvme-spdk",
         "spdk-vhost",
         "udrive-vhost-spdk",
-    ] {
-        let why = skip_reason(&out, d);
+    ];
+    for why in spdk_skip_reasons(&all, None) {
         assert!(why.contains("SPDK_DIR"), "{why}");
     }
-    ran_only(&out, "fake-a");
 }
 
 /// An SPDK tree built without vhost and virtio (as `--with-vfio-user` alone
@@ -232,29 +239,12 @@ fn spdk_without_its_vhost_programs_names_the_configure_option() {
     for p in ["spdk_nvme_perf", "nvmf_tgt", "vhost"] {
         std::fs::write(tree.join("build/bin").join(p), "").unwrap();
     }
-    let out = dir.path().join("out");
-    let matrix = r#"
-reps = 1
-time = 0.2
-datapaths = ["spdk-vhost", "udrive-vhost-spdk", "fake-a"]
-backends = ["null"]
-[[workload]]
-rw = "randread"
-qd = [1]
-"#;
-    let o = bench_cmd(matrix, &out)
-        .env("SPDK_DIR", &tree)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    for d in ["spdk-vhost", "udrive-vhost-spdk"] {
-        let why = skip_reason(&out, d);
+    for why in spdk_skip_reasons(&["spdk-vhost", "udrive-vhost-spdk"], Some(&tree)) {
         assert!(
             why.contains("build/examples/bdevperf") && why.contains("--with-virtio"),
             "{why}"
         );
     }
-    ran_only(&out, "fake-a");
 }
 
 /// The `ab` preset names `udrive-nvme~b`, which needs the second binary: refused

@@ -294,19 +294,22 @@ pub(super) fn tail(s: &str) -> String {
 /// Kills processes that outlive their run: SPDK's clients spin on when their
 /// connection fails while they set up, and would hold the bench forever.
 pub(super) struct Deadline {
-    state: Arc<(Mutex<bool>, Condvar)>,
+    /// Set when the deadline is dropped (the processes ended in time).
+    ended: Arc<(Mutex<bool>, Condvar)>,
+    /// Set by the thread when it killed them.
     fired: Arc<AtomicBool>,
+    after: Duration,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Deadline {
     /// SIGKILL for `pids` once `after` has passed, unless dropped first.
     pub(super) fn start(pids: &[u32], after: Duration) -> Deadline {
-        let state = Arc::new((Mutex::new(false), Condvar::new()));
+        let ended = Arc::new((Mutex::new(false), Condvar::new()));
         let fired = Arc::new(AtomicBool::new(false));
-        let (s, f, pids) = (state.clone(), fired.clone(), pids.to_vec());
+        let (e, f, pids) = (ended.clone(), fired.clone(), pids.to_vec());
         let thread = std::thread::spawn(move || {
-            let (lock, cv) = &*s;
+            let (lock, cv) = &*e;
             let Ok(done) = lock.lock() else { return };
             let Ok((done, _)) = cv.wait_timeout_while(done, after, |d| !*d) else {
                 return;
@@ -320,28 +323,21 @@ impl Deadline {
             }
         });
         Deadline {
-            state,
+            ended,
             fired,
+            after,
             thread: Some(thread),
         }
     }
 
-    /// Whether it killed them.
-    pub(super) fn fired(&self) -> bool {
-        self.fired.load(Ordering::Relaxed)
-    }
-
-    /// `r`, with a failure of a killed process told as what it was.
-    pub(super) fn explain<T>(
-        &self,
-        r: Result<T, DatapathError>,
-        after: Duration,
-    ) -> Result<T, DatapathError> {
+    /// `r`, with a failure of a process it killed told as what it was; ends the
+    /// deadline.
+    pub(super) fn explain<T>(self, r: Result<T, DatapathError>) -> Result<T, DatapathError> {
         match r {
-            Err(DatapathError::Failed { what, tail, .. }) if self.fired() => {
+            Err(DatapathError::Failed { what, tail, .. }) if self.fired.load(Ordering::Relaxed) => {
                 Err(DatapathError::Failed {
                     what,
-                    status: format!("killed: still running after {} s", after.as_secs()),
+                    status: format!("killed: still running after {} s", self.after.as_secs()),
                     tail,
                 })
             }
@@ -352,7 +348,7 @@ impl Deadline {
 
 impl Drop for Deadline {
     fn drop(&mut self) {
-        let (lock, cv) = &*self.state;
+        let (lock, cv) = &*self.ended;
         if let Ok(mut d) = lock.lock() {
             *d = true;
         }
@@ -371,6 +367,5 @@ pub(super) fn output_within(
 ) -> Result<Output, DatapathError> {
     let child = spawn(&mut c, what)?;
     let deadline = Deadline::start(&[child.id()], after);
-    let r = finish(child, what);
-    deadline.explain(r, after)
+    deadline.explain(finish(child, what))
 }

@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use super::cpu::{CpuClock, Watched};
 use super::env::Env;
 use super::matrix::{Backend, DatapathKind, Point, Rw};
-use super::process::{output_within, outputs, DatapathError, Deadline, Server};
+use super::process::{output_within, outputs, tail, DatapathError, Deadline, Server};
 use super::target::{Measured, Target};
 
 /// The NVMe subsystem both servers are addressed by (udrive accepts any).
@@ -189,15 +189,19 @@ fn target_dir(d: &DatapathKind, b: Backend, env: &Env) -> PathBuf {
     env.work.join(format!("{d}-{b}"))
 }
 
+/// The vhost-user-blk pair, driven by `bdevperf` (the others by `spdk_nvme_perf`).
+fn is_vhost(d: &DatapathKind) -> bool {
+    matches!(d, DatapathKind::SpdkVhost | DatapathKind::UdriveVhostSpdk)
+}
+
 /// The socket of datapath `d`'s controller on backend `b`: vfio-user's `cntrl`,
 /// or the vhost-user-blk controller's.
 pub fn socket(d: &DatapathKind, b: Backend, env: &Env) -> PathBuf {
-    match d {
-        DatapathKind::SpdkVhost | DatapathKind::UdriveVhostSpdk => {
-            target_dir(d, b, env).join(super::spdk_vhost::CONTROLLER)
-        }
-        _ => target_dir(d, b, env).join("cntrl"),
-    }
+    let name = match is_vhost(d) {
+        true => super::spdk_vhost::CONTROLLER,
+        false => "cntrl",
+    };
+    target_dir(d, b, env).join(name)
 }
 
 /// Writes an SPDK process's JSON configuration into `dir`.
@@ -251,11 +255,9 @@ pub fn start<'e>(
             .args(["-s", &(env.matrix.ram_mib + 512).to_string()]);
         Server::start(c, &format!("nvmf_tgt ({b})"), std::slice::from_ref(&sock))?
     };
-    let client = match d {
-        DatapathKind::SpdkVhost | DatapathKind::UdriveVhostSpdk => {
-            Client::Bdevperf(super::spdk_vhost::client_config(&dir, &sock)?)
-        }
-        _ => Client::NvmePerf,
+    let client = match is_vhost(d) {
+        true => Client::Bdevperf(super::spdk_vhost::client_config(&dir, &sock)?),
+        false => Client::NvmePerf,
     };
     let t = SpdkTarget {
         env,
@@ -363,11 +365,7 @@ impl Target for SpdkTarget<'_> {
                 (super::spdk_vhost::bdevperf(conf, cpus, p)?, "bdevperf")
             }
         };
-        c.args(["-w", rw_name(p.rw)]);
-        if p.rw == Rw::Randrw {
-            c.args(["-M", &p.rwmixread.to_string()]);
-        }
-        c.args(["-q", &p.qd.to_string(), "-o", &p.bs.to_string()]);
+        workload(&mut c, p);
         c.args(["-t", &secs.to_string()]);
         let what = format!("{program} on {}", p.slug());
         let ramp = match self.client {
@@ -385,17 +383,15 @@ impl Target for SpdkTarget<'_> {
             Duration::from_secs(ramp),
             Duration::from_secs(secs),
         );
-        let limit = limit(ramp + secs);
         let mut deadline = None;
         let out = outputs(vec![(c, what.clone())], |pids| {
             clock.clients(pids);
-            deadline = Some(Deadline::start(pids, limit));
+            deadline = Some(Deadline::start(pids, limit(ramp + secs)));
         });
-        let out = match &deadline {
-            Some(d) => d.explain(out, limit),
+        let out = match deadline.take() {
+            Some(d) => d.explain(out),
             None => out,
         };
-        drop(deadline);
         let out = out.and_then(|o| {
             o.into_iter().next().ok_or_else(|| DatapathError::Io {
                 what: what.clone(),
@@ -424,49 +420,52 @@ impl Target for SpdkTarget<'_> {
     }
 }
 
-/// The workload's name for SPDK's clients (both take fio's).
-fn rw_name(rw: Rw) -> &'static str {
-    match rw {
+/// The point's workload in the options both SPDK clients take (fio's names):
+/// pattern, read share of a mix, queue depth, block size.
+pub(super) fn workload(c: &mut Command, p: &Point) {
+    let rw = match p.rw {
         Rw::Randread => "randread",
         Rw::Randwrite => "randwrite",
         Rw::Randrw => "randrw",
+    };
+    c.args(["-w", rw]);
+    if p.rw == Rw::Randrw {
+        c.args(["-M", &p.rwmixread.to_string()]);
     }
+    c.args(["-q", &p.qd.to_string(), "-o", &p.bs.to_string()]);
 }
 
-/// The numbers of the last `Total` line of an SPDK client's text (what follows
-/// its colon), or why there is none.
-pub(super) fn total(text: &str, program: &str) -> Result<Vec<f64>, DatapathError> {
-    let nums: Vec<f64> = text
+/// The first `N` numbers of the last `Total` line of an SPDK client's text (what
+/// follows its colon), or why there are none.
+pub(super) fn total<const N: usize>(text: &str, program: &str) -> Result<[f64; N], DatapathError> {
+    let line = text
         .lines()
         .rev()
-        .find_map(|l| l.trim_start().strip_prefix("Total")?.split_once(':'))
-        .map(|(_, v)| {
-            v.split_whitespace()
-                .filter_map(|x| x.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    match nums.is_empty() {
-        true => Err(DatapathError::Failed {
+        .find_map(|l| l.trim_start().strip_prefix("Total")?.split_once(':'));
+    let Some((_, v)) = line else {
+        return Err(DatapathError::Failed {
             what: program.into(),
             status: "no Total line".into(),
-            tail: text.lines().rev().take(3).collect::<Vec<_>>().join(" / "),
-        }),
-        false => Ok(nums),
-    }
+            tail: tail(text),
+        });
+    };
+    let nums: Vec<f64> = v
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    nums.get(..N)
+        .and_then(|n| n.try_into().ok())
+        .ok_or_else(|| DatapathError::Failed {
+            what: program.into(),
+            status: "a short Total line".into(),
+            tail: tail(text),
+        })
 }
 
 /// `spdk_nvme_perf`'s text as `perf --json`'s shape: the `Total` line's IOPS,
 /// mean, min and max, and the percentiles of its latency summary (`-L`).
 pub fn parse(text: &str) -> Result<Value, DatapathError> {
-    let nums = total(text, "spdk_nvme_perf")?;
-    let [iops, _mib, mean_us, min_us, max_us, ..] = nums[..] else {
-        return Err(DatapathError::Failed {
-            what: "spdk_nvme_perf".into(),
-            status: "a short Total line".into(),
-            tail: text.lines().rev().take(3).collect::<Vec<_>>().join(" / "),
-        });
-    };
+    let [iops, _mib, mean_us, min_us, max_us] = total(text, "spdk_nvme_perf")?;
     let known = [("mean", mean_us), ("min", min_us), ("max", max_us)];
     Ok(with_percentiles(text, iops, &known, "spdk_nvme_perf"))
 }

@@ -16,8 +16,10 @@ use serde_json::{json, Value};
 
 use super::env::Env;
 use super::matrix::{Backend, Point};
-use super::process::{output_within, DatapathError};
-use super::spdk::{bdev_config, bin, core_mask, forget_exited, limit, total, with_percentiles};
+use super::process::{output_within, tail, DatapathError};
+use super::spdk::{
+    bdev_config, bin, core_mask, forget_exited, limit, total, with_percentiles, workload,
+};
 
 /// The vhost-user-blk controller's name: its socket's file name.
 pub const CONTROLLER: &str = "vhost.0";
@@ -101,8 +103,8 @@ pub fn warm_up(conf: &Path, cpus: &str, p: &Point, ramp: u64) -> Result<(), Data
         return Ok(());
     }
     let mut c = bdevperf(conf, cpus, p)?;
-    c.args(["-w", "randread", "-q", &p.qd.to_string()]);
-    c.args(["-o", &p.bs.to_string(), "-t", &ramp.to_string()]);
+    workload(&mut c, p);
+    c.args(["-t", &ramp.to_string()]);
     let what = format!("bdevperf warming up for {}", p.slug());
     let out = output_within(c, &what, limit(ramp));
     forget_exited();
@@ -138,20 +140,12 @@ pub fn fill(conf: &Path, cpus: &str, mib: u64) -> Result<(), DatapathError> {
 /// its latency summary (`-l`) the percentiles. A run with failed I/Os is an error,
 /// not a number.
 pub fn parse(text: &str) -> Result<Value, DatapathError> {
-    let nums = total(text, "bdevperf")?;
-    let short = || DatapathError::Failed {
-        what: "bdevperf".into(),
-        status: "a short Total line".into(),
-        tail: super::process::tail(text),
-    };
-    let [iops, _mib, failed, timed_out, mean_us, min_us, max_us, ..] = nums[..] else {
-        return Err(short());
-    };
+    let [iops, _mib, failed, timed_out, mean_us, min_us, max_us] = total(text, "bdevperf")?;
     if failed > 0.0 || timed_out > 0.0 {
         return Err(DatapathError::Failed {
             what: "bdevperf".into(),
             status: format!("{failed} failed and {timed_out} timed-out I/Os per second"),
-            tail: super::process::tail(text),
+            tail: tail(text),
         });
     }
     let known = [("mean", mean_us), ("min", min_us), ("max", max_us)];
