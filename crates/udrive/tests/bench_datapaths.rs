@@ -98,7 +98,7 @@ fn a_throwaway_cluster_serves_the_matrix_and_is_purged() {
             r#""udrive-nvme+ops", "librbd""#,
         )
         .replace("wait = true", "wait = true\ncpu = \"threads\"")
-        // Long enough for the cluster's CPU to show in 10 ms ticks.
+        // Long enough for every role to have run within the window.
         .replace("time = 0.3", "time = 1.0\nramp = 0.5")
         .replace("mib = 16", "mib = 16\nthrowaway = true")
         + "[variant.ops]\nceph = [\"rbd_op_threads = 2\"]\n";

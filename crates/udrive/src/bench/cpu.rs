@@ -98,11 +98,15 @@ impl CpuClock {
             std::thread::spawn(move || {
                 std::thread::sleep(warmup);
                 let clients = wait_for_clients(&shared, w.detail);
-                let before = snapshot(&w, &clients);
                 let started = Instant::now();
-                std::thread::sleep(time);
+                let before = snapshot(&w, &clients);
+                // The window's end counts from its start, not from the end of a
+                // snapshot that may take long on a busy host.
+                let end = started + window(time);
+                std::thread::sleep(end.saturating_duration_since(Instant::now()));
+                let ended = Instant::now();
                 let after = snapshot(&w, &clients);
-                let wall_s = started.elapsed().as_secs_f64();
+                let wall_s = ended.duration_since(started).as_secs_f64();
                 let server = server_cpu(&w.server, &before, &after, wall_s);
                 let share = (w.detail != CpuDetail::Server).then(|| share(&before, &after, wall_s));
                 (server, share)
@@ -128,6 +132,15 @@ impl CpuClock {
     }
 }
 
+/// The part of a run's measured `time` the clock reads. The clients measure the same
+/// time but from their own start, and they exit right after it: a client gone before
+/// the last reading has no total. Leaving out the window's last fifth (at most a
+/// second) gives the reading that slack on a host busy with other work; CPU per I/O
+/// is a rate, so a window inside the measured one gives the same rate.
+fn window(time: Duration) -> Duration {
+    time.saturating_sub((time / 5).min(Duration::from_secs(1)))
+}
+
 /// The clients' pids once they run: they start right after the clock, but with no
 /// warm-up the window would open before them and miss their role.
 fn wait_for_clients(shared: &Mutex<Vec<u32>>, detail: CpuDetail) -> Vec<u32> {
@@ -143,13 +156,17 @@ fn wait_for_clients(shared: &Mutex<Vec<u32>>, detail: CpuDetail) -> Vec<u32> {
 
 fn snapshot(w: &Watched, clients: &[u32]) -> Snapshot {
     let mut s = Snapshot::default();
-    let mut roles: Vec<(&'static str, u32)> = w.server.iter().map(|&p| ("server", p)).collect();
+    // Clients first: they are the ones that exit soon after the window.
+    let mut roles: Vec<(&'static str, u32)> = Vec::new();
     if w.detail != CpuDetail::Server {
         roles.extend(clients.iter().map(|&p| ("client", p)));
+    }
+    roles.extend(w.server.iter().map(|&p| ("server", p)));
+    if w.detail != CpuDetail::Server {
         roles.extend(w.cluster.iter().map(|&p| ("cluster", p)));
     }
     for (role, pid) in roles {
-        if let Some(t) = stat_cpu_s(&format!("/proc/{pid}/stat")) {
+        if let Some(t) = process_cpu_s(pid) {
             s.procs.insert((role, pid), t);
         }
         if w.detail == CpuDetail::Threads {
@@ -174,7 +191,7 @@ fn read_threads(
         };
         let dir = t.path();
         let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        if let Some(secs) = stat_cpu_s(&dir.join("stat").to_string_lossy()) {
+        if let Some(secs) = thread_cpu_s(&dir) {
             into.insert(
                 (role, tid),
                 (format!("{role}:{}", fold_digits(name.trim())), secs),
@@ -236,6 +253,31 @@ fn share(before: &Snapshot, after: &Snapshot, wall_s: f64) -> CpuShare {
     }
 }
 
+/// The CPU time of a whole process (its exited threads too), in seconds. Its CPU clock
+/// counts nanoseconds, `/proc/PID/stat` 10 ms ticks: a client that a busy host
+/// lets run for a few milliseconds of a short window has a time, not zero.
+fn process_cpu_s(pid: u32) -> Option<f64> {
+    // The clock of pid 0 is the caller's own.
+    let pid = i32::try_from(pid).ok().filter(|&p| p > 0)?;
+    let clock = nix::time::clock_getcpuclockid(nix::unistd::Pid::from_raw(pid)).ok();
+    match clock.and_then(|c| nix::time::clock_gettime(c).ok()) {
+        Some(t) => Some(t.tv_sec() as f64 + t.tv_nsec() as f64 * 1e-9),
+        None => stat_cpu_s(&format!("/proc/{pid}/stat")),
+    }
+}
+
+/// A thread's CPU time in seconds: the nanoseconds that lead its `schedstat`, or
+/// the ticks of its `stat` where the kernel keeps no schedstat.
+fn thread_cpu_s(dir: &std::path::Path) -> Option<f64> {
+    let ns = std::fs::read_to_string(dir.join("schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+    match ns {
+        Some(ns) => Some(ns as f64 * 1e-9),
+        None => stat_cpu_s(&dir.join("stat").to_string_lossy()),
+    }
+}
+
 /// User and system time of a process or thread (`/proc/.../stat`), in seconds.
 fn stat_cpu_s(path: &str) -> Option<f64> {
     let stat = std::fs::read_to_string(path).ok()?;
@@ -278,7 +320,7 @@ mod tests {
         busy(30);
         let (s, share) = c.stop();
         let s = s.expect("own /proc/PID/stat");
-        assert!(s.cpu_s >= 0.0 && s.wall_s >= 0.02);
+        assert!(s.cpu_s >= 0.0 && s.wall_s >= window(ms(20)).as_secs_f64());
         assert!(
             s.threads.is_some_and(|n| n >= 2),
             "this thread and the clock's"
@@ -325,6 +367,36 @@ mod tests {
         };
         let (_, share) = CpuClock::start(w, ms(0), ms(1)).stop();
         assert!(share.expect("asked for").roles.is_empty());
+    }
+
+    #[test]
+    fn times_are_finer_than_ticks() {
+        // Longer than a scheduler tick, which is when a running thread's
+        // schedstat is brought up to date.
+        busy(30);
+        let me = std::process::id();
+        // The thread first: its time then is at most the process's after.
+        let thread = thread_cpu_s(std::path::Path::new("/proc/thread-self"));
+        let own = process_cpu_s(me).expect("own CPU clock");
+        // Ticks are whole hundredths of a second; the clock's time is one but
+        // for 1 in 10^7, and it is the time `stat` gives in ticks.
+        let ns = (own * 1e9).round() as u64;
+        assert_ne!(ns % 10_000_000, 0, "{own}");
+        let ticks = stat_cpu_s(&format!("/proc/{me}/stat")).expect("own stat");
+        assert!((own - ticks).abs() < 0.05, "{own} vs {ticks}");
+        assert!(
+            thread.is_some_and(|t| t > 0.0 && t <= own),
+            "{thread:?} of {own}"
+        );
+        assert_eq!(process_cpu_s(0), None, "pid 0's clock would be our own");
+    }
+
+    #[test]
+    fn the_window_leaves_the_clients_time_to_be_read() {
+        let s = Duration::from_secs_f64;
+        assert_eq!(window(s(1.0)), s(0.8));
+        assert_eq!(window(s(10.0)), s(9.0));
+        assert_eq!(window(Duration::ZERO), Duration::ZERO);
     }
 
     #[test]
