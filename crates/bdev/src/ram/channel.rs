@@ -1,7 +1,8 @@
 //! A RAM disk's channel: every request is a copy on the calling thread, so the
 //! channel's work is memory latency. It hides what it can
-//! (docs/decisions/0027-prefetch-next-copy.md, 0033-backend-batches.md): the next
-//! request of a batch is loaded while the current one is copied, and the
+//! (docs/decisions/0027-prefetch-next-copy.md, 0033-backend-batches.md,
+//! 0047-prefetch-write-destination.md): the next request of a batch, its disk
+//! bytes and a write's buffers, is loaded while the current one is copied, and the
 //! announced first request of a batch starts its page walk before it arrives.
 
 use std::sync::Arc;
@@ -66,9 +67,11 @@ impl RamChannel {
         true
     }
 
-    /// Prepares `next`, the request after the one about to be copied: a read's
-    /// first blocks are returned, to be loaded during that copy; a write's
-    /// buffers (the client's) are requested at once.
+    /// Prepares `next`, the request after the one about to be copied: its first
+    /// blocks on the disk are returned, to be loaded during that copy (a read's
+    /// source, a write's destination: a store to a line that is not cached waits
+    /// for it as a load does); a write's buffers (the client's) are requested at
+    /// once (docs/decisions/0047-prefetch-write-destination.md).
     fn ahead(&self, next: &IoRequest<'_>) -> Option<(u64, u64)> {
         match next.op {
             IoOp::Read if in_range(next.offset, next.len, self.size) => {
@@ -83,7 +86,8 @@ impl RamChannel {
                         break;
                     }
                 }
-                None
+                in_range(next.offset, next.len, self.size)
+                    .then(|| (next.offset, next.len.min(PREFETCH_MAX as u64)))
             }
             _ => None,
         }

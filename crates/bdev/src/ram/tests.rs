@@ -117,7 +117,7 @@ fn announce_takes_any_range_and_moves_no_data() {
 /// copy runs in two halves around those loads: every split of the buffers (the
 /// midpoint inside a buffer, on a boundary, odd lengths, across two mappings of a
 /// grown disk) must move the right bytes, whatever follows (a read elsewhere, out
-/// of range or at the same offset, a write, nothing).
+/// of range or at the same offset, a write in or out of range, nothing).
 #[test]
 fn batches_move_the_right_bytes_around_the_next_requests_loads() {
     const MIB: u64 = 1 << 20;
@@ -167,14 +167,17 @@ fn batches_move_the_right_bytes_around_the_next_requests_loads() {
             iov: &iov,
             fua: false,
         };
-        // What follows: out of range, the request's own offset, a write, elsewhere.
+        // What follows: out of range, the request's own offset, a write, a write
+        // out of range, elsewhere.
+        let write_at = |offset| IoRequest {
+            op: IoOp::Write,
+            ..next(offset)
+        };
         let after = match round {
             1 => next(u64::MAX - 100),
             2 => next(offset),
-            3 => IoRequest {
-                op: IoOp::Write,
-                ..next(2 * MIB - 4096)
-            },
+            3 => write_at(2 * MIB - 4096),
+            4 => write_at(u64::MAX - 100),
             _ => next((offset + 3 * 4096) % MIB),
         };
         let st = batch(&mut *ch, &[req(IoOp::Write), after]);
