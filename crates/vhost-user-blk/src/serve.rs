@@ -451,6 +451,13 @@ fn run_connection(
     for q in &shared.queues {
         q.attach(None);
     }
+    // A poll that began before the detach may be taking chains right now, its
+    // count of requests in flight not yet stored. It holds its vring's lock
+    // throughout: once each lock has been taken here, that count is current, and
+    // every later poll sees the detach and takes nothing new.
+    for vring in &est.conn.vrings {
+        drop(lock(vring));
+    }
     for q in &shared.queues {
         q.drain(DISCONNECT_DRAIN);
     }
