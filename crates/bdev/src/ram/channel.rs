@@ -73,24 +73,19 @@ impl RamChannel {
     /// for it as a load does); a write's buffers (the client's) are requested at
     /// once (docs/decisions/0047-prefetch-write-destination.md).
     fn ahead(&self, next: &IoRequest<'_>) -> Option<(u64, u64)> {
-        match next.op {
-            IoOp::Read if in_range(next.offset, next.len, self.size) => {
-                Some((next.offset, next.len.min(PREFETCH_MAX as u64)))
-            }
-            IoOp::Write => {
-                let mut left = PREFETCH_MAX;
-                for buf in next.iov {
-                    buf.prefetch(left);
-                    left = left.saturating_sub(buf.len());
-                    if left == 0 {
-                        break;
-                    }
+        if next.op == IoOp::Write {
+            let mut left = PREFETCH_MAX;
+            for buf in next.iov {
+                buf.prefetch(left);
+                left = left.saturating_sub(buf.len());
+                if left == 0 {
+                    break;
                 }
-                in_range(next.offset, next.len, self.size)
-                    .then(|| (next.offset, next.len.min(PREFETCH_MAX as u64)))
             }
-            _ => None,
         }
+        let copies = matches!(next.op, IoOp::Read | IoOp::Write);
+        (copies && in_range(next.offset, next.len, self.size))
+            .then(|| (next.offset, next.len.min(PREFETCH_MAX as u64)))
     }
 
     /// Executes `req`; `next` is what [`RamChannel::ahead`] returned for the

@@ -156,15 +156,14 @@ fn wait_for_clients(shared: &Mutex<Vec<u32>>, detail: CpuDetail) -> Vec<u32> {
 
 fn snapshot(w: &Watched, clients: &[u32]) -> Snapshot {
     let mut s = Snapshot::default();
+    let (clients, cluster): (&[u32], &[u32]) = match w.detail {
+        CpuDetail::Server => (&[], &[]),
+        _ => (clients, &w.cluster),
+    };
     // Clients first: they are the ones that exit soon after the window.
-    let mut roles: Vec<(&'static str, u32)> = Vec::new();
-    if w.detail != CpuDetail::Server {
-        roles.extend(clients.iter().map(|&p| ("client", p)));
-    }
-    roles.extend(w.server.iter().map(|&p| ("server", p)));
-    if w.detail != CpuDetail::Server {
-        roles.extend(w.cluster.iter().map(|&p| ("cluster", p)));
-    }
+    let roles = (clients.iter().map(|&p| ("client", p)))
+        .chain(w.server.iter().map(|&p| ("server", p)))
+        .chain(cluster.iter().map(|&p| ("cluster", p)));
     for (role, pid) in roles {
         if let Some(t) = process_cpu_s(pid) {
             s.procs.insert((role, pid), t);
